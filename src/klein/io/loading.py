@@ -1,0 +1,152 @@
+"""Strict loading of PyTorch-layout checkpoints into Flax NNX modules.
+
+A module's own parameter paths name the checkpoint keys: `("attn", "to_q", "kernel")` is
+`attn.to_q.weight`. Differences are declared, not coded per layer:
+- `stacked`: dotted module prefixes whose parameters carry a leading layer axis (scanned layers);
+  layer `i` of `blocks.attn.to_q.kernel` is checkpoint key `blocks.{i}.attn.to_q.weight`;
+- `key_map`: a function for the few renames left (e.g. diffusers' `to_out.0`);
+- `skip`: a predicate naming checkpoint keys that are deliberately not loaded.
+Every other checkpoint key must be used exactly once and every parameter must be found; anything
+else is a CheckpointError that names the keys. Tensors are read and converted one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from klein.errors import CheckpointError
+from klein.io.safetensors import TensorSource
+
+# NNX leaf names -> PyTorch parameter names.
+_LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
+_MAX_LISTED = 20
+
+
+def torch_key(path: tuple, stacked: Iterable[str] = (), key_map: Callable[[str], str] | None = None):
+    """Checkpoint key(s) of one parameter path: a string, or a format string with `{}` for the layer."""
+    parts = [str(p) for p in path]
+    parts[-1] = _LEAF_NAMES.get(parts[-1], parts[-1])
+    dotted = ".".join(parts)
+    for prefix in stacked:
+        if dotted.startswith(prefix + "."):
+            dotted = prefix + ".{}." + dotted[len(prefix) + 1 :]
+            break
+    return key_map(dotted) if key_map else dotted
+
+
+def from_torch_layout(path: tuple, array: np.ndarray) -> np.ndarray:
+    """PyTorch weight layout -> NNX layout: Linear (out, in) -> (in, out), Conv OIHW -> HWIO."""
+    if path[-1] != "kernel":
+        return array
+    if array.ndim == 2:
+        return array.T
+    if array.ndim == 4:
+        return array.transpose(2, 3, 1, 0)
+    return array
+
+
+def load_module(
+    abstract: nnx.Module,
+    source: TensorSource,
+    *,
+    dtype=jnp.float32,
+    stacked: Iterable[str] = (),
+    key_map: Callable[[str], str] | None = None,
+    skip: Callable[[str], bool] = lambda key: False,
+    place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+) -> nnx.Module:
+    """Fill an abstract module (from `nnx.eval_shape`) with the tensors of `source`.
+
+    `place(path, host_array)` puts one parameter on its device(s); the default is `jnp.asarray`.
+    """
+    stacked = tuple(stacked)
+    graphdef, state = nnx.split(abstract)
+    flat = list(nnx.to_flat_state(state))
+    plan = _plan(flat, stacked, key_map)
+    _check_keys(plan, source, skip)
+    place = place or (lambda path, array: jnp.asarray(array))
+    loaded = []
+    for path, variable in flat:
+        keys, layers = plan[path]
+        host = _read(source, path, keys, layers, variable.get_value(), dtype)
+        loaded.append((path, variable.replace(place(path, host))))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def expected_shapes(abstract: nnx.Module, stacked: Iterable[str] = (), key_map=None) -> dict[str, tuple]:
+    """The checkpoint keys and PyTorch-layout shapes a module expects (to check against real configs)."""
+    stacked = tuple(stacked)
+    out = {}
+    for path, variable in nnx.to_flat_state(nnx.state(abstract)):
+        keys, layers = _plan([(path, variable)], stacked, key_map)[path]
+        shape = variable.get_value().shape[1:] if layers else variable.get_value().shape
+        torch_shape = _torch_shape(path, shape)
+        for key in keys:
+            out[key] = torch_shape
+    return out
+
+
+def _plan(flat, stacked, key_map) -> dict[tuple, tuple[list[str], bool]]:
+    plan = {}
+    for path, variable in flat:
+        key = torch_key(path, stacked, key_map)
+        if "{}" in key:
+            count = variable.get_value().shape[0]
+            plan[path] = ([key.format(i) for i in range(count)], True)
+        else:
+            plan[path] = ([key], False)
+    return plan
+
+
+def _check_keys(plan, source: TensorSource, skip) -> None:
+    wanted = {key for keys, _ in plan.values() for key in keys}
+    have = source.keys()
+    missing = sorted(wanted - have)
+    unexpected = sorted(key for key in have - wanted if not skip(key))
+    if not missing and not unexpected:
+        return
+    files = sorted({str(source.file_of(k)) for k in have}) or ["(no files)"]
+    lines = [f"checkpoint {', '.join(files[:3])}{' ...' if len(files) > 3 else ''} does not match the model:"]
+    if missing:
+        lines.append(f"  {len(missing)} missing key(s): {_listing(missing)}")
+    if unexpected:
+        lines.append(f"  {len(unexpected)} unexpected key(s): {_listing(unexpected)}")
+    lines.append("  Is this the right checkpoint for this model variant?")
+    raise CheckpointError("\n".join(lines))
+
+
+def _listing(keys: list[str]) -> str:
+    more = f" ... and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else ""
+    return ", ".join(keys[:_MAX_LISTED]) + more
+
+
+def _read(source, path, keys, layers, abstract, dtype) -> np.ndarray:
+    target_dtype = np.dtype(dtype) if jnp.issubdtype(abstract.dtype, jnp.floating) else abstract.dtype
+    out = np.empty(abstract.shape, dtype=target_dtype)
+    for i, key in enumerate(keys):
+        want = abstract.shape[1:] if layers else abstract.shape
+        shape = source.shape(key)
+        if _torch_shape(path, want) != shape:
+            raise CheckpointError(
+                f"{source.file_of(key)}: tensor '{key}' has shape {shape}, "
+                f"the model expects {_torch_shape(path, want)}; wrong model variant or config?"
+            )
+        value = from_torch_layout(path, source.get(key)).astype(target_dtype)
+        if layers:
+            out[i] = value
+        else:
+            out[...] = value
+    return out
+
+
+def _torch_shape(path: tuple, shape: tuple) -> tuple:
+    if path[-1] == "kernel" and len(shape) == 2:
+        return (shape[1], shape[0])
+    if path[-1] == "kernel" and len(shape) == 4:
+        return (shape[3], shape[2], shape[0], shape[1])
+    return tuple(shape)

@@ -1,0 +1,88 @@
+"""Reading tensors from safetensors checkpoints: one file, or shards listed in a `*.safetensors.index.json`.
+
+Files are memory-mapped; a tensor is read only when asked for, so a loader can stream a checkpoint
+one tensor at a time instead of holding it twice in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from klein.errors import CheckpointError
+
+
+class TensorSource:
+    """The tensors of one model component, keyed by checkpoint name, across one or more files."""
+
+    def __init__(self, files: dict[str, Path]):
+        # files maps each tensor key to the file that holds it.
+        self._file_of = files
+        self._handles: dict[Path, object] = {}
+        for path in sorted(set(files.values())):
+            self._handles[path] = _open(path)
+        for key, path in files.items():
+            if key not in self._handles[path].keys():
+                raise CheckpointError(f"{path}: the index lists tensor '{key}' but the file does not hold it")
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, prefix: str) -> TensorSource:
+        """Open `<folder>/<prefix>.safetensors`, or the shards named by `<prefix>.safetensors.index.json`."""
+        folder = Path(folder)
+        single = folder / f"{prefix}.safetensors"
+        index = folder / f"{prefix}.safetensors.index.json"
+        if index.is_file():
+            return cls.from_index(index)
+        if single.is_file():
+            return cls.from_file(single)
+        raise CheckpointError(
+            f"{folder}: found neither {single.name} nor {index.name}; is this the right checkpoint folder?"
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TensorSource:
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no such checkpoint file")
+        return cls({key: path for key in _open(path).keys()})
+
+    @classmethod
+    def from_index(cls, index: str | Path) -> TensorSource:
+        index = Path(index)
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a readable safetensors index ({exc})") from None
+        files = {key: index.parent / name for key, name in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise CheckpointError(f"{index}: shard {path.name} is missing from {index.parent}")
+        return cls(files)
+
+    def keys(self) -> set[str]:
+        return set(self._file_of)
+
+    def file_of(self, key: str) -> Path:
+        return self._file_of[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._file_of[key]].get_slice(key).get_shape())
+
+    def get(self, key: str) -> np.ndarray:
+        path = self._file_of[key]
+        try:
+            return self._handles[path].get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot read tensor '{key}' ({exc})") from None
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({exc}); the download may be incomplete"
+        ) from None

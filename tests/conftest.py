@@ -1,0 +1,19 @@
+"""Session-wide fixtures: tiny random reference checkpoints, built once per test session."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_transformer(tmp_path_factory):
+    """(folder, diffusers model) for a strengthened tiny transformer saved in the diffusers layout."""
+    from tests.fixtures.tiny_transformer import build_transformer
+
+    folder = tmp_path_factory.mktemp("tiny-transformer")
+    return folder, build_transformer(folder)
