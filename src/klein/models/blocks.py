@@ -1,0 +1,105 @@
+"""Double-stream and single-stream blocks of the FLUX.2 transformer.
+
+Axes: B batch, T text tokens, N image-stream tokens, S joint tokens, D width, H heads, Dh head dim.
+Each block takes an `attend(q, k, v)` callable for its joint sequence: that is where the three ways of
+running the model differ (full attention, reference tokens that see only themselves, cached reference
+keys and values spliced in). Blocks also return their joint (k, v) after QK-norm and RoPE, which the
+reference prefill keeps and every other caller lets the compiler drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from klein.models.layers import FeedForward, RMSNorm, linear, modulate, split_modulation, swiglu
+from klein.models.rope import apply_rope
+from klein.models.transformer_config import TransformerConfig
+
+Attend = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
+
+
+def _heads(x: jnp.ndarray, head_dim: int) -> jnp.ndarray:
+    return x.reshape(*x.shape[:-1], -1, head_dim)
+
+
+def _merge_heads(x: jnp.ndarray) -> jnp.ndarray:
+    return x.reshape(*x.shape[:-2], -1)
+
+
+class DoubleAttention(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype):
+        d, dh, eps = cfg.hidden, cfg.attention_head_dim, cfg.eps
+        self.to_q, self.to_k, self.to_v = (linear(d, d, rngs, dtype) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(dh, eps, dtype), RMSNorm(dh, eps, dtype)
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (linear(d, d, rngs, dtype) for _ in range(3))
+        self.norm_added_q, self.norm_added_k = RMSNorm(dh, eps, dtype), RMSNorm(dh, eps, dtype)
+        self.to_out = linear(d, d, rngs, dtype)
+        self.to_add_out = linear(d, d, rngs, dtype)
+        self.head_dim = dh
+
+    def image_qkv(self, x):
+        q, k, v = (_heads(p(x), self.head_dim) for p in (self.to_q, self.to_k, self.to_v))
+        return self.norm_q(q), self.norm_k(k), v
+
+    def text_qkv(self, x):
+        q, k, v = (_heads(p(x), self.head_dim) for p in (self.add_q_proj, self.add_k_proj, self.add_v_proj))
+        return self.norm_added_q(q), self.norm_added_k(k), v
+
+
+class DoubleBlock(nnx.Module):
+    """Separate weights for the text and the image stream, one joint attention over [txt, img]."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.attn = DoubleAttention(cfg, rngs, dtype)
+        self.ff = FeedForward(cfg.hidden, cfg.mlp_hidden, rngs, dtype)
+        self.ff_context = FeedForward(cfg.hidden, cfg.mlp_hidden, rngs, dtype)
+        self.eps = cfg.eps
+
+    def __call__(self, img, txt, img_mod, txt_mod, rope, attend: Attend):
+        """img float[B, N, D]; txt float[B, T, D] or None (reference prefill); rope over [txt, img]."""
+        (shift, scale, gate), (shift2, scale2, gate2) = split_modulation(img_mod, 2)
+        q, k, v = self.attn.image_qkv(modulate(img, shift, scale, self.eps))
+        if txt is not None:
+            (c_shift, c_scale, c_gate), (c_shift2, c_scale2, c_gate2) = split_modulation(txt_mod, 2)
+            qt, kt, vt = self.attn.text_qkv(modulate(txt, c_shift, c_scale, self.eps))
+            q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((qt, q), (kt, k), (vt, v)))
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = _merge_heads(attend(q, k, v))
+        n_txt = 0 if txt is None else txt.shape[1]
+        img = img + gate * self.attn.to_out(out[:, n_txt:])
+        img = img + gate2 * self.ff(modulate(img, shift2, scale2, self.eps))
+        if txt is not None:
+            txt = txt + c_gate * self.attn.to_add_out(out[:, :n_txt])
+            txt = txt + c_gate2 * self.ff_context(modulate(txt, c_shift2, c_scale2, self.eps))
+        return img, txt, (k, v)
+
+
+class SingleAttention(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype):
+        d, dh = cfg.hidden, cfg.attention_head_dim
+        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * cfg.mlp_hidden, rngs, dtype)
+        self.norm_q, self.norm_k = RMSNorm(dh, cfg.eps, dtype), RMSNorm(dh, cfg.eps, dtype)
+        self.to_out = linear(d + cfg.mlp_hidden, d, rngs, dtype)
+
+
+class SingleBlock(nnx.Module):
+    """Parallel attention + SwiGLU MLP over the joint sequence, fused in and out projections."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.attn = SingleAttention(cfg, rngs, dtype)
+        self.eps = cfg.eps
+        self.head_dim = cfg.attention_head_dim
+        self.width = cfg.hidden
+
+    def __call__(self, x, mod, rope, attend: Attend):
+        """x float[B, S, D]; mod float[B, 1 or S, 3D]."""
+        shift, scale, gate = split_modulation(mod, 1)[0]
+        proj = self.attn.to_qkv_mlp_proj(modulate(x, shift, scale, self.eps))
+        q, k, v = (_heads(p, self.head_dim) for p in jnp.split(proj[..., : 3 * self.width], 3, axis=-1))
+        q, k = apply_rope(self.attn.norm_q(q), rope), apply_rope(self.attn.norm_k(k), rope)
+        out = _merge_heads(attend(q, k, v))
+        mlp = swiglu(proj[..., 3 * self.width :])
+        return x + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1)), (k, v)

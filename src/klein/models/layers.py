@@ -1,0 +1,116 @@
+"""Building blocks of the FLUX.2 transformer (Flax NNX), named after diffusers' parameters.
+
+Axes: B batch, S tokens, D model width, H heads, Dh head dim, M SwiGLU width.
+Modulation tensors are float[B, 1, D] (one timestep per image) or float[B, S, D] (per token, when
+reference tokens are modulated at another timestep than the image tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
+    # FLUX.2 has no biases anywhere.
+    return nnx.Linear(d_in, d_out, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs)
+
+
+def layer_norm(x: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """LayerNorm without affine parameters, computed in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def modulate(x: jnp.ndarray, shift: jnp.ndarray, scale: jnp.ndarray, eps: float) -> jnp.ndarray:
+    return (1 + scale) * layer_norm(x, eps) + shift
+
+
+def swiglu(x: jnp.ndarray) -> jnp.ndarray:
+    gate, value = jnp.split(x, 2, axis=-1)
+    return jax.nn.silu(gate) * value
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis with a learned weight, computed in float32 (QK-norm)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, dtype):
+        self.linear_in = linear(dim, 2 * hidden, rngs, dtype)
+        self.linear_out = linear(hidden, dim, rngs, dtype)
+
+    def __call__(self, x):
+        return self.linear_out(swiglu(self.linear_in(x)))
+
+
+class Modulation(nnx.Module):
+    """`sets` groups of (shift, scale, gate) computed from the timestep embedding."""
+
+    def __init__(self, dim: int, sets: int, rngs: nnx.Rngs, dtype):
+        self.linear = linear(dim, 3 * sets * dim, rngs, dtype)
+        self.sets = sets
+
+    def __call__(self, temb: jnp.ndarray) -> jnp.ndarray:
+        """float[B, D] -> float[B, 1, 3 * sets * D]; split it with `split_modulation`."""
+        return self.linear(jax.nn.silu(temb))[:, None, :]
+
+
+def split_modulation(mod: jnp.ndarray, sets: int) -> list[tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]]:
+    chunks = jnp.split(mod, 3 * sets, axis=-1)
+    return [tuple(chunks[3 * i : 3 * i + 3]) for i in range(sets)]
+
+
+def timestep_features(t: jnp.ndarray, channels: int) -> jnp.ndarray:
+    """Sinusoidal features of t float[B] in [0, 1] (scaled by 1000), [cos, sin] order -> float[B, channels]."""
+    half = channels // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    angles = (t.astype(jnp.float32) * 1000.0)[:, None] * freqs[None, :]
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+class TimestepEmbedder(nnx.Module):
+    def __init__(self, channels: int, dim: int, rngs: nnx.Rngs, dtype):
+        self.linear_1 = linear(channels, dim, rngs, dtype)
+        self.linear_2 = linear(dim, dim, rngs, dtype)
+
+    def __call__(self, features):
+        return self.linear_2(jax.nn.silu(self.linear_1(features)))
+
+
+class TimeGuidanceEmbed(nnx.Module):
+    """Holds the timestep embedder under diffusers' name; klein has no guidance embedder."""
+
+    def __init__(self, channels: int, dim: int, rngs: nnx.Rngs, dtype):
+        self.timestep_embedder = TimestepEmbedder(channels, dim, rngs, dtype)
+        self.channels = channels
+
+    def __call__(self, t: jnp.ndarray) -> jnp.ndarray:
+        features = timestep_features(t, self.channels)
+        return self.timestep_embedder(features.astype(self.timestep_embedder.linear_1.kernel.dtype))
+
+
+class AdaNormOut(nnx.Module):
+    """Final adaptive LayerNorm; the linear's halves are (scale, shift) in diffusers' order."""
+
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, dtype):
+        self.linear = linear(dim, 2 * dim, rngs, dtype)
+        self.eps = eps
+
+    def __call__(self, x, temb):
+        scale, shift = jnp.split(self.linear(jax.nn.silu(temb))[:, None, :], 2, axis=-1)
+        return (1 + scale) * layer_norm(x, self.eps) + shift
