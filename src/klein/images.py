@@ -1,0 +1,143 @@
+"""Reading, preparing and writing images, matching the diffusers FLUX.2 [klein] pipeline to the pixel.
+
+Axes: B batch, H height, W width (pixels); arrays are channels-last RGB.
+
+- `load_image(path)`: a file -> upright RGB `PIL.Image` (what `diffusers.utils.load_image` returns).
+- `prepare_reference(image)`: any-mode `PIL.Image` -> float32[H, W, 3] in [-1, 1], H and W multiples of 16.
+- `output_size(height, width, references)`: the output size diffusers would generate at.
+- `to_float01` / `to_uint8` / `to_pil`: decoder output float[B, H, W, 3] in [-1, 1] -> float32[B, H, W, 3]
+  in [0, 1] / uint8[B, H, W, 3] / B RGB images (diffusers' `postprocess` with `output_type` "np" / "pil").
+"""
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import PIL.Image
+import PIL.ImageOps
+
+from klein.errors import InputError
+
+MIN_SIDE = 64
+MAX_ASPECT = 8
+MAX_AREA = 1024 * 1024
+# One transformer token covers 16x16 px: the VAE downsamples 8x and latents are packed in 2x2 patches.
+MULTIPLE = 16
+DEFAULT_SIZE = 1024
+
+
+def load_image(path: str | os.PathLike) -> PIL.Image.Image:
+    """Read an image file, apply its EXIF orientation and convert it to RGB, as `diffusers.utils.load_image`.
+
+    Note that a 16-bit image is clipped at 255 rather than rescaled: that is PIL's conversion, and diffusers'.
+    """
+    try:
+        with PIL.Image.open(path) as image:
+            # open() parses only the header; load() decodes every pixel so a truncated file fails here.
+            image.load()
+            return PIL.ImageOps.exif_transpose(image).convert("RGB")
+    except FileNotFoundError as error:
+        raise InputError(f"image not found: {path}") from error
+    except IsADirectoryError as error:
+        raise InputError(f"{path} is a directory, not an image file") from error
+    except PermissionError as error:
+        raise InputError(f"cannot read image {path}: permission denied") from error
+    except PIL.UnidentifiedImageError as error:
+        raise InputError(f"{path} is not an image file (or not a format PIL can read)") from error
+    except PIL.Image.DecompressionBombError as error:
+        raise InputError(f"image {path} is too large to load safely: {error}") from error
+    except (OSError, SyntaxError, ValueError) as error:
+        raise InputError(f"image {path} is truncated or corrupt ({error})") from error
+
+
+def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> np.ndarray:
+    """Prepare one reference image exactly as the diffusers klein pipeline does; returns float32[H, W, 3].
+
+    The sequence: check the size; if the area exceeds 1024^2, resize to that area (LANCZOS); centre-crop
+    (no resize) down to multiples of 16; convert to RGB; scale to [-1, 1]. `name` (e.g. the file path)
+    appears in error messages.
+    """
+    _check_reference(image, name)
+    if image.width * image.height > MAX_AREA:
+        image = _resize_to_area(image, MAX_AREA)
+    image = image.crop(_centre_crop_box(image.width, image.height))
+    try:
+        # diffusers converts only after resizing and cropping, so those ran in the image's own mode.
+        image = image.convert("RGB")
+    except ValueError as error:
+        raise InputError(f"{name} has pixel mode {image.mode!r}, which cannot be converted to RGB") from error
+    pixels = np.asarray(image, dtype=np.float32) / 255.0
+    return 2.0 * pixels - 1.0
+
+
+def _check_reference(image: PIL.Image.Image, name: str) -> None:
+    width, height = image.size
+    if width < MIN_SIDE or height < MIN_SIDE:
+        raise InputError(
+            f"{name} is {width}x{height} px (width x height); both sides must be at least {MIN_SIDE} px"
+        )
+    aspect = max(width / height, height / width)
+    if aspect > MAX_ASPECT:
+        raise InputError(
+            f"{name} is {width}x{height} px (width x height), an aspect ratio of {aspect:.1f}:1; "
+            f"the longer side may be at most {MAX_ASPECT} times the shorter"
+        )
+
+
+def _resize_to_area(image: PIL.Image.Image, area: int) -> PIL.Image.Image:
+    # Truncating with int() (not rounding) and resizing in the source mode both follow diffusers: a palette
+    # image therefore resamples NEAREST (PIL's rule for "P") and RGBA resamples with premultiplied alpha.
+    scale = math.sqrt(area / (image.width * image.height))
+    size = (int(image.width * scale), int(image.height * scale))
+    return image.resize(size, PIL.Image.Resampling.LANCZOS)
+
+
+def _centre_crop_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the centred crop to multiples of 16; odd slack leaves the extra pixel
+    on the right / bottom."""
+    crop_width, crop_height = width // MULTIPLE * MULTIPLE, height // MULTIPLE * MULTIPLE
+    left, top = (width - crop_width) // 2, (height - crop_height) // 2
+    return left, top, left + crop_width, top + crop_height
+
+
+def output_size(
+    height: int | None, width: int | None, references: Sequence[np.ndarray] = ()
+) -> tuple[int, int, bool]:
+    """(height, width, rounded): the size diffusers generates at for a requested size and prepared references.
+
+    Each unset side independently takes the first reference's prepared size, else 1024 (so a height given
+    alone pairs with the reference's width). Both sides are then rounded down to multiples of 16; `rounded`
+    says whether that changed anything, so a caller can warn.
+    """
+    default_height, default_width = references[0].shape[:2] if references else (DEFAULT_SIZE, DEFAULT_SIZE)
+    requested = (default_height if height is None else height, default_width if width is None else width)
+    if min(requested) < MULTIPLE:
+        raise InputError(
+            f"output size {requested[1]}x{requested[0]} px (width x height) is too small; "
+            f"both sides must be at least {MULTIPLE} px"
+        )
+    rounded_height, rounded_width = (side // MULTIPLE * MULTIPLE for side in requested)
+    return rounded_height, rounded_width, (rounded_height, rounded_width) != requested
+
+
+def to_float01(images: np.ndarray) -> np.ndarray:
+    """float[B, H, W, 3] in [-1, 1] -> float32 in [0, 1], as diffusers' `postprocess(output_type="np")`.
+
+    diffusers denormalises in the decoder's dtype; this works in float32, identical for a float32 decoder.
+    """
+    return np.clip(np.asarray(images, dtype=np.float32) * 0.5 + 0.5, 0.0, 1.0)
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """float[B, H, W, 3] in [-1, 1] -> uint8[B, H, W, 3], the pixels of diffusers' `output_type="pil"`."""
+    # np.round rounds half to even, as diffusers does.
+    return np.round(to_float01(images) * 255).astype(np.uint8)
+
+
+def to_pil(images: np.ndarray) -> list[PIL.Image.Image]:
+    """float[B, H, W, 3] in [-1, 1] -> B RGB images, as diffusers' `postprocess(output_type="pil")`."""
+    pixels = to_uint8(images)
+    if pixels.ndim != 4 or pixels.shape[-1] != 3:
+        raise ValueError(f"expected images of shape [B, H, W, 3], got {pixels.shape}")
+    return [PIL.Image.fromarray(image) for image in pixels]
