@@ -65,7 +65,9 @@ class Flux2Transformer(nnx.Module):
         self.x_embedder = linear(cfg.in_channels, d, rngs, dtype)
         self.context_embedder = linear(cfg.joint_attention_dim, d, rngs, dtype)
         self.transformer_blocks = _stack(lambda r: DoubleBlock(cfg, r, dtype), cfg.num_layers, rngs)
-        self.single_transformer_blocks = _stack(lambda r: SingleBlock(cfg, r, dtype), cfg.num_single_layers, rngs)
+        self.single_transformer_blocks = _stack(
+            lambda r: SingleBlock(cfg, r, dtype), cfg.num_single_layers, rngs
+        )
         self.norm_out = AdaNormOut(d, cfg.eps, rngs, dtype)
         self.proj_out = linear(d, cfg.in_channels, rngs, dtype)
         # Scan unroll factor; `True` unrolls every layer (only for measuring compile time).

@@ -50,7 +50,9 @@ class TransformerConfig:
     def from_diffusers(cls, config: dict) -> TransformerConfig:
         """Build from a diffusers `transformer/config.json` dict; rejects what klein cannot run."""
         if config.get("guidance_embeds", False):
-            raise CheckpointError("transformer config has guidance_embeds=true: that is FLUX.2 [dev], not klein")
+            raise CheckpointError(
+                "transformer config has guidance_embeds=true: that is FLUX.2 [dev], not klein"
+            )
         if config.get("out_channels") not in (None, config.get("in_channels", 128)):
             raise CheckpointError("transformer config: out_channels must equal in_channels")
         if config.get("patch_size", 1) != 1:
@@ -74,5 +76,9 @@ class TransformerConfig:
         return cls.from_diffusers(config)
 
 
-KLEIN_4B = TransformerConfig(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680)
-KLEIN_9B = TransformerConfig(num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288)
+KLEIN_4B = TransformerConfig(
+    num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680
+)
+KLEIN_9B = TransformerConfig(
+    num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288
+)

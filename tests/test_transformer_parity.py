@@ -1,0 +1,160 @@
+"""Our transformer against diffusers' Flux2Transformer2DModel on the tiny strengthened fixture.
+
+Every mode: text-to-image, standard editing with references, and the KV-cache modes (prefill keys and
+values, cached forward at step 0 and later, and our cached vs our uncached path).
+"""
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models.transformers.transformer_flux2 import (
+    Flux2KVAttnProcessor,
+    Flux2KVParallelSelfAttnProcessor,
+)
+
+from klein.io.transformer_checkpoint import load_transformer
+from klein.models import transformer as T
+from tests.transformer_inputs import jx, make_case, ropes, torch_call
+
+TOL = 1e-4  # max abs error relative to the output's scale (fp32 on both sides)
+
+
+def rel_err(ours, ref) -> float:
+    return float(np.abs(np.asarray(ours) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max())
+
+
+@pytest.fixture(scope="module")
+def models(tiny_transformer):
+    folder, reference = tiny_transformer
+    # KV processors behave exactly like the default ones when no KV arguments are given.
+    for block in reference.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in reference.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    return load_transformer(folder / "transformer"), reference
+
+
+def ours_plain(model, case, refs=None):
+    img_rope, txt_rope = ropes(model, case.img_ids, case.txt_ids)
+    return np.asarray(T.forward(model, *jx(case.img, case.txt, case.t), img_rope, txt_rope, refs=refs))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_text_to_image(models, batch):
+    ours, ref = models
+    case = make_case(0, batch)
+    assert rel_err(ours_plain(ours, case), torch_call(ref, case)[0].numpy()) < TOL
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("ref_sizes", [[(4, 4)], [(2, 3), (4, 2), (3, 5)]])
+def test_standard_references(models, batch, ref_sizes):
+    ours, ref = models
+    case = make_case(1, batch, ref_sizes=ref_sizes)
+    (ref_rope,) = ropes(ours, case.ref_ids)
+    got = ours_plain(ours, case, refs=(case.ref[None], ref_rope))
+    joint = np.concatenate([case.img, np.broadcast_to(case.ref, (batch, *case.ref.shape))], axis=1)
+    ids = np.concatenate([case.img_ids, case.ref_ids])
+    want = torch_call(ref, case, img=joint, img_ids=ids)[0].numpy()[:, : case.img.shape[1]]
+    assert rel_err(got, want) < TOL
+
+
+def diffusers_extract(ref, case):
+    batch = case.img.shape[0]
+    joint = np.concatenate([np.broadcast_to(case.ref, (batch, *case.ref.shape)), case.img], axis=1)
+    ids = np.concatenate([case.ref_ids, case.img_ids])
+    out, cache = torch_call(
+        ref, case, img=joint, img_ids=ids, kv_cache_mode="extract", num_ref_tokens=case.ref.shape[0]
+    )
+    return out.numpy(), cache
+
+
+def ours_kv(model, case):
+    img_rope, txt_rope, ref_rope = ropes(model, case.img_ids, case.txt_ids, case.ref_ids)
+    kv = T.prefill(model, jx(case.ref)[0], ref_rope)
+    out = T.forward_cached(model, *jx(case.img, case.txt, case.t), img_rope, txt_rope, kv)
+    return np.asarray(out), kv
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("ref_sizes", [[(4, 4)], [(2, 3), (4, 2), (3, 5)]])
+def test_kv_step0_and_prefill_equal_diffusers_extract(models, batch, ref_sizes):
+    ours, ref = models
+    case = make_case(2, batch, ref_sizes=ref_sizes)
+    want, cache = diffusers_extract(ref, case)
+    got, kv = ours_kv(ours, case)
+    assert rel_err(got, want) < TOL
+    stacks = [(kv.double_k, kv.double_v, cache.get_double), (kv.single_k, kv.single_v, cache.get_single)]
+    for k_stack, v_stack, layer_cache in stacks:
+        for i in range(k_stack.shape[0]):
+            k_ref, v_ref = (x.numpy() for x in layer_cache(i).get())
+            for b in range(batch):  # diffusers stores one copy per image; ours has no batch axis
+                assert rel_err(k_stack[i], k_ref[b]) < TOL
+                assert rel_err(v_stack[i], v_ref[b]) < TOL
+
+
+def test_kv_later_steps_equal_diffusers_cached(models):
+    ours, ref = models
+    case0 = make_case(3, 2, ref_sizes=[(3, 4), (2, 2)])
+    _, cache = diffusers_extract(ref, case0)
+    img_rope, txt_rope, ref_rope = ropes(ours, case0.img_ids, case0.txt_ids, case0.ref_ids)
+    kv = T.prefill(ours, jx(case0.ref)[0], ref_rope)
+    for seed, t in [(4, [0.6, 0.6]), (5, [0.25, 0.9])]:
+        case = make_case(seed, 2, t=t)
+        want = torch_call(ref, case, kv_cache=cache, kv_cache_mode="cached")[0].numpy()
+        got = T.forward_cached(ours, *jx(case.img, case.txt, case.t), img_rope, txt_rope, kv)
+        assert rel_err(got, want) < TOL
+
+
+def test_cached_equals_uncached(models):
+    ours, _ = models
+    case = make_case(6, 2, ref_sizes=[(2, 3), (4, 2), (3, 5)])
+    img_rope, txt_rope, ref_rope = ropes(ours, case.img_ids, case.txt_ids, case.ref_ids)
+    got, _ = ours_kv(ours, case)
+    args = (*jx(case.img, case.txt, case.t), img_rope, txt_rope)
+    uncached = T.forward_kv_uncached(ours, *args, jx(case.ref)[0], ref_rope)
+    assert rel_err(got, uncached) < 1e-5
+
+
+def test_inputs_move_the_output(models):
+    """Sensitivity: prompt, references and timestep each change the output far beyond TOL, so the
+    parity tests above cannot pass with a model that ignores them."""
+    _, ref = models
+    case = make_case(7, 1, ref_sizes=[(4, 4)])
+    base, _ = diffusers_extract(ref, case)
+    other_prompt = make_case(7, 1, ref_sizes=[(4, 4)])
+    other_prompt.txt = np.random.default_rng(99).standard_normal(case.txt.shape).astype(np.float32)
+    other_ref = make_case(7, 1, ref_sizes=[(4, 4)])
+    other_ref.ref = other_ref.ref + 0.5
+    other_t = make_case(7, 1, ref_sizes=[(4, 4)], t=[0.2])
+    for changed in (other_prompt, other_ref, other_t):
+        assert rel_err(diffusers_extract(ref, changed)[0], base) > 0.01
+
+
+def test_parity_detects_a_perturbed_weight(models, tiny_transformer):
+    """A 1% change in one block's weight makes the parity check fail."""
+    folder, ref = tiny_transformer
+    perturbed = load_transformer(folder / "transformer")
+    kernel = perturbed.single_transformer_blocks.attn.to_out.kernel
+    kernel[...] = kernel[...].at[1].multiply(1.01)
+    case = make_case(8, 1)
+    want = torch_call(ref, case)[0].numpy()
+    assert rel_err(ours_plain(models[0], case), want) < TOL
+    assert rel_err(ours_plain(perturbed, case), want) > 10 * TOL
+
+
+def test_batch_shares_one_prefill(models):
+    """One prefill (no batch axis) serves a batch: each image equals its own batch-1 run."""
+    ours, _ = models
+    case = make_case(9, 3, ref_sizes=[(3, 3)])
+    together, kv = ours_kv(ours, case)
+    assert kv.double_k.ndim == 4 and kv.num_tokens == 9
+    img_rope, txt_rope = ropes(ours, case.img_ids, case.txt_ids)
+    for b in range(3):
+        alone = T.forward_cached(
+            ours, *jx(case.img[b : b + 1], case.txt[b : b + 1], case.t[b : b + 1]), img_rope, txt_rope, kv
+        )
+        assert rel_err(together[b : b + 1], alone) < 1e-5
+
+
+torch.set_grad_enabled(False)
