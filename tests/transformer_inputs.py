@@ -8,20 +8,7 @@ import numpy as np
 import torch
 
 from klein.models.rope import rope_tables
-
-
-def image_ids(h: int, w: int, t: int = 0) -> np.ndarray:
-    hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    return np.stack([np.full(h * w, t), hh.ravel(), ww.ravel(), np.zeros(h * w)], -1).astype(np.int64)
-
-
-def text_ids(n: int) -> np.ndarray:
-    return np.stack([np.zeros(n), np.zeros(n), np.zeros(n), np.arange(n)], -1).astype(np.int64)
-
-
-def reference_ids(sizes) -> np.ndarray:
-    """Reference i gets time coordinate 10 + 10 i."""
-    return np.concatenate([image_ids(h, w, 10 + 10 * i) for i, (h, w) in enumerate(sizes)])
+from klein.sampling import image_ids, reference_ids, text_ids
 
 
 @dataclass
