@@ -1,0 +1,70 @@
+"""Loading the Qwen3 text encoder from a diffusers `text_encoder/` folder.
+
+The folder holds transformers' `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`). Only the decoder layers the prompt embedding reads are loaded; the later
+layers, the final norm and `lm_head` are skipped by name, and any other stray key is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+
+from klein.errors import CheckpointError
+from klein.io.loading import expected_shapes, load_module
+from klein.io.safetensors import TensorSource
+from klein.models.qwen3 import PROMPT_LAYERS, Qwen3Config, Qwen3TextEncoder
+
+STACKED = ("model.layers",)
+
+
+def load_text_encoder(
+    folder: str | Path, dtype=jnp.float32, layers: Sequence[int] = PROMPT_LAYERS
+) -> tuple[Qwen3Config, Qwen3TextEncoder]:
+    """Load the first max(layers) decoder layers (and the embedding) of the text encoder in `folder`."""
+    folder = Path(folder)
+    config = read_config(folder)
+    num_layers = max(layers)
+    if num_layers >= config.num_hidden_layers:
+        raise ValueError(f"layers {tuple(layers)} must be below num_hidden_layers={config.num_hidden_layers}")
+    abstract = abstract_text_encoder(config, num_layers)
+    skipped = skipped_keys(config, num_layers)
+    source = TensorSource.from_folder(folder, "model")
+    encoder = load_module(abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__)
+    return config, encoder
+
+
+def read_config(folder: str | Path) -> Qwen3Config:
+    """The `Qwen3Config` of `<folder>/config.json`."""
+    path = Path(folder) / "config.json"
+    try:
+        return Qwen3Config.from_hf_config(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read the text encoder config ({exc})") from None
+
+
+def abstract_text_encoder(config: Qwen3Config, num_layers: int) -> Qwen3TextEncoder:
+    """The text encoder's parameter shapes, allocating nothing."""
+    return nnx.eval_shape(lambda: Qwen3TextEncoder(config, num_layers, rngs=nnx.Rngs(0)))
+
+
+def skipped_keys(config: Qwen3Config, num_layers: int) -> frozenset[str]:
+    """Checkpoint keys deliberately not loaded: layers >= num_layers, `model.norm` and `lm_head`.
+
+    Named one by one, from the layer keys the model itself expects, so that a stray or misspelt key is
+    still reported instead of being swallowed by a pattern.
+    """
+    layer_zero = "model.layers.0."
+    per_layer = [k[len(layer_zero) :] for k in _expected_keys(config) if k.startswith(layer_zero)]
+    later = {
+        f"model.layers.{i}.{name}" for i in range(num_layers, config.num_hidden_layers) for name in per_layer
+    }
+    return frozenset(later | {"model.norm.weight", "lm_head.weight"})
+
+
+def _expected_keys(config: Qwen3Config) -> set[str]:
+    return set(expected_shapes(abstract_text_encoder(config, 1), stacked=STACKED))

@@ -1,0 +1,276 @@
+"""Qwen3 text encoder: the prompt embedding of FLUX.2 [klein] (../shared/DESIGN.md §1).
+
+Axes: B batch, L text tokens (512 in the pipeline), D hidden size, N query heads, K key/value heads,
+H head dim (128), S selected hidden states (3), T decoder layers that run (27 of 36).
+
+The embedding is Hugging Face's `hidden_states[k]` for k in (9, 18, 27) - the raw residual stream after
+k decoder layers, before any final norm - concatenated on the feature axis: float[B, L, S * D].
+Parameter paths follow the `Qwen3ForCausalLM` checkpoint keys (`model.embed_tokens`,
+`model.layers.N.self_attn.q_proj`, ...); the decoder layers are stacked on a leading T axis and run
+with `jax.lax.scan`, so compile time does not grow with depth. The final norm and `lm_head` are not
+part of the module: the embedding never reaches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from klein.errors import CheckpointError
+
+PROMPT_LAYERS = (9, 18, 27)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Shape of a Qwen3 decoder, as far as the prompt embedding needs it."""
+
+    vocab_size: int
+    """Number of token ids (rows of the embedding table)."""
+    hidden_size: int
+    """D: width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_hidden_layers: int
+    """Decoder layers in the checkpoint (only the first max(layers) run)."""
+    num_attention_heads: int
+    """N: query heads."""
+    num_key_value_heads: int
+    """K: key/value heads (grouped-query attention, N divisible by K)."""
+    head_dim: int
+    """H: width of one head."""
+    rope_theta: float
+    """RoPE base wavelength."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    tie_word_embeddings: bool
+    """Whether `lm_head` shares the embedding (then checkpoints may omit `lm_head.weight`)."""
+
+    @classmethod
+    def qwen3_4b(cls) -> Qwen3Config:
+        """Qwen3-4B, the text encoder of klein-4b and klein-base-4b."""
+        return cls(151936, 2560, 9728, 36, 32, 8, 128, 1_000_000.0, 1e-6, True)
+
+    @classmethod
+    def qwen3_8b(cls) -> Qwen3Config:
+        """Qwen3-8B, the text encoder of klein-9b, klein-9b-kv and klein-base-9b."""
+        return cls(151936, 4096, 12288, 36, 32, 8, 128, 1_000_000.0, 1e-6, False)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> Qwen3Config:
+        """Read a transformers `config.json` (v5 `rope_parameters` or older `rope_theta`), with its defaults."""
+        _check_supported(config)
+        try:
+            rope = config.get("rope_parameters") or {}
+            return cls(
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=int(config["hidden_size"]),
+                intermediate_size=int(config["intermediate_size"]),
+                num_hidden_layers=int(config["num_hidden_layers"]),
+                num_attention_heads=int(config["num_attention_heads"]),
+                num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+                head_dim=int(config.get("head_dim") or 128),
+                rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"text encoder config.json is missing or has a bad field: {exc!r}"
+            ) from None
+
+
+def _check_supported(config: dict) -> None:
+    # Everything here changes the arithmetic; refusing is better than silently computing something else.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    problems = {
+        "model_type": (config.get("model_type", "qwen3"), "qwen3"),
+        "hidden_act": (config.get("hidden_act", "silu"), "silu"),
+        "attention_bias": (config.get("attention_bias", False), False),
+        "use_sliding_window": (config.get("use_sliding_window", False), False),
+        "rope_type": (rope_type, "default"),
+    }
+    bad = [
+        f"{name}={have!r} (supported: {want!r})" for name, (have, want) in problems.items() if have != want
+    ]
+    if bad:
+        raise CheckpointError(f"unsupported text encoder config: {', '.join(bad)}")
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm normalised in fp32 and cast back before the weight, in transformers' order."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with per-head QK RMSNorm and rotate-half RoPE."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+        d, h = config.hidden_size, config.head_dim
+        n, k = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nnx.Linear(d, n * h, use_bias=False, rngs=rngs)
+        self.k_proj = nnx.Linear(d, k * h, use_bias=False, rngs=rngs)
+        self.v_proj = nnx.Linear(d, k * h, use_bias=False, rngs=rngs)
+        self.o_proj = nnx.Linear(n * h, d, use_bias=False, rngs=rngs)
+        self.q_norm = RMSNorm(h, config.rms_norm_eps)
+        self.k_norm = RMSNorm(h, config.rms_norm_eps)
+        self.head_dim = h
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], mask: jax.Array) -> jax.Array:
+        """x: float[B, L, D]; rope: (cos, sin) float[L, H]; mask: bool[B, 1, L, L] -> float[B, L, D]."""
+        b, length, _ = x.shape
+        heads = (b, length, -1, self.head_dim)
+        q = _apply_rope(self.q_norm(self.q_proj(x).reshape(heads)), *rope)
+        k = _apply_rope(self.k_norm(self.k_proj(x).reshape(heads)), *rope)
+        v = self.v_proj(x).reshape(heads)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        # A query that may attend to no key (a left-padded row) gets 0 from torch's SDPA, which
+        # transformers uses; XLA's softmax would average all values instead.
+        out = out * jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None].astype(out.dtype)
+        return self.o_proj(out.reshape(b, length, -1))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nnx.Linear(d, f, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(d, f, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(f, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+        self.self_attn = Attention(config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], mask: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nnx.Module):
+    """Token embedding and the first `num_layers` decoder layers, stacked on a leading T axis."""
+
+    def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
+
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(config, rngs=rngs)
+
+        self.layers = stacked(rngs)
+        self.num_layers = num_layers
+
+
+class Qwen3TextEncoder(nnx.Module):
+    """The part of `Qwen3ForCausalLM` that the prompt embedding needs (`model.*`, first layers only)."""
+
+    def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs):
+        if not 0 < num_layers <= config.num_hidden_layers:
+            raise ValueError(f"num_layers must be in 1..{config.num_hidden_layers}, got {num_layers}")
+        self.config = config
+        self.model = Qwen3Model(config, num_layers, rngs=rngs)
+
+
+def hidden_states(
+    encoder: Qwen3TextEncoder,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    layers: Sequence[int] = PROMPT_LAYERS,
+) -> jax.Array:
+    """Hugging Face `hidden_states[k]` for each k in `layers`: float[S, B, L, D].
+
+    input_ids: int[B, L]; attention_mask: int or bool[B, L], 1 for real tokens. Only max(layers)
+    decoder layers run. Positions are 0..L-1 whatever the padding, as in transformers.
+    """
+    slots = _slots(encoder, layers)
+    model = encoder.model
+    x = model.embed_tokens(input_ids)
+    rope = _rope_tables(x.shape[1], encoder.config, x.dtype)
+    mask = _attention_mask(attention_mask)
+    graphdef, state = nnx.split(model.layers)
+    state = jax.tree.map(lambda w: w[: len(slots)], state)
+
+    def step(carry, layer):
+        x, collected = carry
+        layer_state, slot = layer
+        x = nnx.merge(graphdef, layer_state)(x, rope, mask)
+        # Unselected layers write to a spare slot, so the scan body stays uniform.
+        return (x, jax.lax.dynamic_update_index_in_dim(collected, x, slot, 0)), None
+
+    collected = jnp.zeros((len(layers) + 1, *x.shape), x.dtype)
+    (_, collected), _ = jax.lax.scan(step, (x, collected), (state, jnp.asarray(slots)))
+    return collected[:-1]
+
+
+def prompt_embeddings(
+    encoder: Qwen3TextEncoder,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    layers: Sequence[int] = PROMPT_LAYERS,
+) -> jax.Array:
+    """The FLUX.2 [klein] prompt embedding: float[B, L, S * D], hidden states of `layers` side by side."""
+    states = hidden_states(encoder, input_ids, attention_mask, layers)
+    s, b, length, d = states.shape
+    # Feature index s * D + d holds hidden_states[layers[s]][..., d], as in diffusers' stack/permute.
+    return states.transpose(1, 2, 0, 3).reshape(b, length, s * d)
+
+
+def _slots(encoder: Qwen3TextEncoder, layers: Sequence[int]) -> np.ndarray:
+    """For each decoder layer that must run, the output slot of its hidden state (len(layers) = unused)."""
+    layers = tuple(layers)
+    limit = min(encoder.model.num_layers, encoder.config.num_hidden_layers - 1)
+    # hidden_states[num_hidden_layers] is normed in transformers, not a residual stream: not offered.
+    if not layers or len(set(layers)) != len(layers) or not all(0 < k <= limit for k in layers):
+        raise ValueError(f"layers must be distinct indices in 1..{limit}, got {layers}")
+    slots = np.full(max(layers), len(layers), np.int32)
+    for slot, k in enumerate(layers):
+        slots[k - 1] = slot
+    return slots
+
+
+def _attention_mask(attention_mask: jax.Array) -> jax.Array:
+    """Causal and key-padding mask, bool[B, 1, L, L], True where a query may attend to a key."""
+    length = attention_mask.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    return causal[None, None] & attention_mask.astype(bool)[:, None, None, :]
+
+
+def _rope_tables(length: int, config: Qwen3Config, dtype) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) float[L, H] for positions 0..L-1, computed in fp32 like transformers."""
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
+    inv_freq = np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: float[B, L, heads, H]; rotate-half RoPE (pairs are (i, i + H/2), not interleaved)."""
+    first, second = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
