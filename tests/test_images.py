@@ -192,7 +192,7 @@ def test_bad_reference_sizes_rejected_like_diffusers(pipeline, size):
 def test_output_size_matches_pipeline(pipeline, height, width, reference_sizes):
     references = [_random_image("RGB", size, seed) for seed, size in enumerate(reference_sizes)]
     prepared, expected = run_pipeline(pipeline, references, height=height, width=width)
-    ours_height, ours_width, rounded = images.output_size(height, width, prepared)
+    ours_height, ours_width, rounded = images.output_size(height, width, [p.shape[:2] for p in prepared])
     assert (ours_height, ours_width) == expected
     assert rounded == any(side is not None and side % 16 for side in (height, width))
 

@@ -102,15 +102,16 @@ def _centre_crop_box(width: int, height: int) -> tuple[int, int, int, int]:
 
 
 def output_size(
-    height: int | None, width: int | None, references: Sequence[np.ndarray] = ()
+    height: int | None, width: int | None, reference_sizes: Sequence[tuple[int, int]] = ()
 ) -> tuple[int, int, bool]:
-    """(height, width, rounded): the size diffusers generates at for a requested size and prepared references.
+    """(height, width, rounded): the size diffusers generates at for a requested size and the prepared
+    references' (height, width) sizes.
 
     Each unset side independently takes the first reference's prepared size, else 1024 (so a height given
     alone pairs with the reference's width). Both sides are then rounded down to multiples of 16; `rounded`
     says whether that changed anything, so a caller can warn.
     """
-    default_height, default_width = references[0].shape[:2] if references else (DEFAULT_SIZE, DEFAULT_SIZE)
+    default_height, default_width = reference_sizes[0] if reference_sizes else (DEFAULT_SIZE, DEFAULT_SIZE)
     requested = (default_height if height is None else height, default_width if width is None else width)
     if min(requested) < MULTIPLE:
         raise InputError(

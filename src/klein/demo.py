@@ -1,0 +1,193 @@
+"""The built-in demo checkpoint: a tiny random klein-9b-kv-shaped model in the diffusers layout.
+
+It lets every mode (text-to-image, editing, KV editing) run offline on any machine in seconds. It is
+written once, on first use, to `$KLEIN_HOME/demo-v1` (default `~/.cache/klein`), with the same files a
+real checkpoint has, and loaded through the same code. Its images are noise-like: the weights are
+random. Weights are drawn from the key/shape lists our own loaders expect, so the folder is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from klein.io.loading import expected_shapes
+from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder
+from klein.io.transformer_checkpoint import expected_transformer_keys
+from klein.models.qwen3 import Qwen3Config
+from klein.models.transformer_config import TransformerConfig
+from klein.models.vae import AutoencoderKLFlux2, VAEConfig
+from klein.paths import klein_home
+
+VERSION = "demo-v1"
+TRANSFORMER = dict(
+    _class_name="Flux2Transformer2DModel",
+    patch_size=1,
+    in_channels=128,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=96,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=[4, 4, 4, 4],
+    rope_theta=2000,
+    eps=1e-6,
+    guidance_embeds=False,
+)
+VAE = dict(
+    _class_name="AutoencoderKLFlux2",
+    block_out_channels=[16, 16, 32, 32],
+    layers_per_block=1,
+    norm_num_groups=8,
+    latent_channels=32,
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
+def demo_home() -> Path:
+    return klein_home() / VERSION
+
+
+def ensure_demo() -> Path:
+    """The demo folder, written on first use (atomically: a half-written folder is never left behind)."""
+    home = demo_home()
+    if (home / "model_index.json").is_file():
+        return home
+    home.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=home.parent))
+    try:
+        write_demo(staging)
+        staging.rename(home)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (home / "model_index.json").is_file():  # another process may have won the race
+            raise
+    return home
+
+
+def write_demo(folder: Path, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    vocab = _write_tokenizer(folder / "tokenizer")
+    _write_component(folder / "transformer", TRANSFORMER, _transformer_shapes(), rng)
+    _write_component(folder / "vae", VAE, _vae_shapes(), rng)
+    text_config = _text_encoder_config(vocab)
+    _write_component(folder / "text_encoder", text_config, _text_encoder_shapes(text_config), rng, "model")
+    _write_json(
+        folder / "scheduler" / "scheduler_config.json",
+        dict(
+            _class_name="FlowMatchEulerDiscreteScheduler",
+            use_dynamic_shifting=True,
+            time_shift_type="exponential",
+        ),
+    )
+    _write_json(
+        folder / "model_index.json",
+        dict(
+            _class_name="Flux2KleinKVPipeline",
+            is_distilled=True,
+            scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            text_encoder=["transformers", "Qwen3ForCausalLM"],
+            tokenizer=["transformers", "Qwen2TokenizerFast"],
+            transformer=["diffusers", "Flux2Transformer2DModel"],
+            vae=["diffusers", "AutoencoderKLFlux2"],
+        ),
+    )
+
+
+def _transformer_shapes() -> dict:
+    return expected_transformer_keys(TransformerConfig.from_diffusers(TRANSFORMER))
+
+
+def _vae_shapes() -> dict:
+    cfg = VAEConfig.from_diffusers_config(VAE)
+    return expected_shapes(nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0))))
+
+
+def _text_encoder_config(vocab: int) -> dict:
+    return dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=28,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+    )
+
+
+def _text_encoder_shapes(config: dict) -> dict:
+    cfg = Qwen3Config.from_hf_config(config)
+    shapes = expected_shapes(abstract_text_encoder(cfg, cfg.num_hidden_layers), STACKED)
+    return {**shapes, "model.norm.weight": (cfg.hidden_size,)}
+
+
+def _random(key: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+    if key.endswith("running_var"):
+        return rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    if len(shape) >= 2:
+        return (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
+    if key.endswith("weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _write_component(folder: Path, config: dict, shapes: dict, rng, prefix="diffusion_pytorch_model"):
+    folder.mkdir(parents=True)
+    _write_json(folder / "config.json", config)
+    tensors = {key: _random(key, shape, rng) for key, shape in sorted(shapes.items())}
+    save_file(tensors, str(folder / f"{prefix}.safetensors"), metadata={"format": "pt"})
+
+
+def _write_tokenizer(folder: Path) -> int:
+    """A tiny byte-level BPE with Qwen's special tokens and chat template; returns the vocab size."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(["a photo of a cat on a red sofa", "edit: make it blue"], trainer)
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    _write_json(
+        folder / "tokenizer_config.json",
+        dict(
+            tokenizer_class="Qwen2Tokenizer",
+            pad_token="<|endoftext|>",
+            eos_token="<|im_end|>",
+            model_max_length=512,
+            padding_side="right",
+        ),
+    )
+    return tokenizer.get_vocab_size()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
