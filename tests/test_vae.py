@@ -1,0 +1,190 @@
+"""The Flax FLUX.2 VAE against diffusers: the model, the klein pipeline's latent paths, loading."""
+
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from accelerate import init_empty_weights
+from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from klein.errors import CheckpointError
+from klein.io.loading import expected_shapes
+from klein.io.vae_checkpoint import SKIPPED_KEYS, load_vae
+from klein.models import vae as flax_vae
+from tests.fixtures.tiny_vae import build_vae
+
+# Max abs error relative to the output's max: torch vs JAX fp32 rounding is ~1e-6 here.
+TOL = 1e-4
+
+encode_mean = nnx.jit(lambda vae, images: vae.encode_mean(images))
+decode = nnx.jit(lambda vae, z: vae.decode(z))
+encode_latents = nnx.jit(flax_vae.encode_latents)
+decode_latents = nnx.jit(flax_vae.decode_latents)
+decode_latents_tiled = nnx.jit(flax_vae.decode_latents_tiled, static_argnames=("tile", "overlap"))
+
+
+@pytest.fixture(scope="module")
+def tiny_vae(tmp_path_factory):
+    """(vae folder, diffusers VAE, our VAE loaded from the folder) for the strengthened tiny VAE."""
+    folder = tmp_path_factory.mktemp("tiny-vae")
+    reference = build_vae(folder)
+    _, ours = load_vae(folder / "vae")
+    return folder / "vae", reference, ours
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_vae):
+    """A klein pipeline around the tiny VAE, to call diffusers' own latent code."""
+    return Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae[1],
+        text_encoder=None,
+        tokenizer=None,
+        transformer=None,
+    )
+
+
+def nchw(x) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
+
+
+def nhwc(x: torch.Tensor) -> np.ndarray:
+    return x.detach().numpy().transpose(0, 2, 3, 1)
+
+
+def rel_err(ours, ref) -> float:
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    assert ours.shape == ref.shape
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def images(height: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, (2, height, width, 3)).astype(np.float32)
+
+
+def normal(*shape: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def pipeline_vae_latents(pipe: Flux2KleinPipeline, latents: np.ndarray) -> torch.Tensor:
+    """The first steps of the klein pipeline's decode path: undo the BatchNorm, unpatchify."""
+    vae = pipe.vae
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    return pipe._unpatchify_latents(nchw(latents) * std + mean)
+
+
+@pytest.mark.parametrize("height, width", [(64, 64), (48, 96)])
+@torch.no_grad()
+def test_encode_and_decode_match_diffusers(tiny_vae, height, width):
+    _, reference, ours = tiny_vae
+    x = images(height, width)
+    ref_mean = nhwc(reference.encode(nchw(x)).latent_dist.mode())
+    assert rel_err(encode_mean(ours, jnp.asarray(x)), ref_mean) < TOL
+
+    z = normal(2, height // 8, width // 8, 32)
+    assert rel_err(decode(ours, jnp.asarray(z)), nhwc(reference.decode(nchw(z)).sample)) < TOL
+
+
+@torch.no_grad()
+def test_latents_match_pipeline_encode(tiny_vae, pipeline):
+    x = images(48, 96)
+    ref = nhwc(pipeline._encode_vae_image(nchw(x), generator=None))
+    ours = encode_latents(tiny_vae[2], jnp.asarray(x))
+    assert ours.shape == (2, 3, 6, 128)
+    assert rel_err(ours, ref) < TOL
+
+
+@torch.no_grad()
+def test_decode_latents_matches_pipeline_decode(tiny_vae, pipeline):
+    latents = normal(2, 3, 6, 128)
+    ref = nhwc(pipeline.vae.decode(pipeline_vae_latents(pipeline, latents), return_dict=False)[0])
+    ours = decode_latents(tiny_vae[2], jnp.asarray(latents))
+    assert ours.shape == (2, 48, 96, 3)
+    assert rel_err(ours, ref) < TOL
+
+
+def _scaled(vae, path: str, index, factor: float):
+    """A copy of `vae` with the parameter at dotted `path` multiplied by `factor` at `index`."""
+    vae = nnx.clone(vae)
+    variable = vae
+    for name in path.split("."):
+        variable = variable[int(name)] if name.isdigit() else getattr(variable, name)
+    variable[...] = variable[...].at[index].multiply(factor)
+    return vae
+
+
+@torch.no_grad()
+def test_parity_is_not_vacuous(tiny_vae, pipeline):
+    """Small edits to the pieces a port most often gets wrong move the outputs far past TOL."""
+    _, reference, ours = tiny_vae
+    x = jnp.asarray(images(64, 64))
+    ref_latents = nhwc(pipeline._encode_vae_image(nchw(x), generator=None))
+    latents = normal(1, 4, 4, 128)
+    ref_images = nhwc(reference.decode(pipeline_vae_latents(pipeline, latents)).sample)
+
+    one_bn_var = _scaled(ours, "bn.running_var", 7, 1.5)
+    assert rel_err(encode_latents(one_bn_var, x), ref_latents) > 30 * TOL
+    assert rel_err(decode_latents(one_bn_var, jnp.asarray(latents)), ref_images) > 30 * TOL
+    for path in ("encoder.mid_block.attentions.0.to_q.kernel", "decoder.mid_block.attentions.0.to_q.kernel"):
+        edited = _scaled(ours, path, ..., 1.1)
+        err = max(
+            rel_err(encode_latents(edited, x), ref_latents),
+            rel_err(decode_latents(edited, latents), ref_images),
+        )
+        assert err > 30 * TOL, path
+
+
+@torch.no_grad()
+def test_tiled_decode_is_as_close_to_plain_as_diffusers_tiling(tiny_vae, pipeline, monkeypatch):
+    """Tiles normalise and attend locally, so tiling is not exact; diffusers' tiling sets the bar.
+
+    Both use 128 px tiles with a 32 px blend here (their 1024 / 256 px defaults scaled to the fixture).
+    """
+    _, reference, ours = tiny_vae
+    latents = normal(1, 16, 24, 128)
+    plain = np.asarray(decode_latents(ours, jnp.asarray(latents)))
+    one_tile = decode_latents_tiled(ours, jnp.asarray(latents), tile=24, overlap=4)
+    assert rel_err(one_tile, plain) < 1e-6
+
+    tiled = np.asarray(decode_latents_tiled(ours, jnp.asarray(latents), tile=8, overlap=2))
+    monkeypatch.setattr(reference, "tile_sample_min_size", 128)
+    monkeypatch.setattr(reference, "tile_latent_min_size", 16)
+    ref_tiled = nhwc(reference.tiled_decode(pipeline_vae_latents(pipeline, latents)).sample)
+    assert rel_err(ref_tiled, plain) > 30 * TOL  # the comparison below is not between identical outputs
+    assert rel_err(tiled, plain) <= rel_err(ref_tiled, plain)
+    assert np.sqrt(np.mean((tiled - plain) ** 2)) <= np.sqrt(np.mean((ref_tiled - plain) ** 2))
+
+
+def test_real_config_matches_the_loader():
+    """diffusers' default AutoencoderKLFlux2 is the released FLUX.2 VAE: same keys and shapes, exactly."""
+    with init_empty_weights():
+        reference = AutoencoderKLFlux2()
+    state = reference.state_dict()
+    assert SKIPPED_KEYS <= state.keys()
+    want = {key: tuple(tensor.shape) for key, tensor in state.items() if key not in SKIPPED_KEYS}
+
+    cfg = flax_vae.VAEConfig.from_diffusers_config(dict(reference.config))
+    assert cfg == flax_vae.VAEConfig.flux2()
+    abstract = nnx.eval_shape(lambda: flax_vae.AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
+    assert expected_shapes(abstract) == want
+
+
+def test_missing_key_is_reported(tiny_vae, tmp_path):
+    folder, _, _ = tiny_vae
+    missing = "decoder.mid_block.attentions.0.to_q.weight"
+    tensors = load_file(folder / "diffusion_pytorch_model.safetensors")
+    del tensors[missing]
+    save_file(tensors, tmp_path / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
+        load_vae(tmp_path)
+
+
+def test_unsupported_config_is_rejected():
+    with pytest.raises(CheckpointError, match="act_fn"):
+        flax_vae.VAEConfig.from_diffusers_config({"act_fn": "relu"})
