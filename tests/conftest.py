@@ -17,3 +17,19 @@ def tiny_transformer(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-transformer")
     return folder, build_transformer(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipelines(tmp_path_factory):
+    """Build-once factory: (folder, diffusers pipeline) for kind "kv", "distilled" or "base"."""
+    from tests.fixtures.tiny_pipeline import build_pipeline
+
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            built[kind] = folder, build_pipeline(folder, kv=kind == "kv", distilled=kind != "base")
+        return built[kind]
+
+    return get

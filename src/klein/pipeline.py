@@ -136,7 +136,9 @@ class Flux2KleinPipeline:
         timings: dict[str, float] = {}
         clock = _Clock(timings)
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        steps = _positive("num_inference_steps", num_inference_steps or self.variant.steps)
+        steps = _positive(
+            "num_inference_steps", self.variant.steps if num_inference_steps is None else num_inference_steps
+        )
         per_prompt = _positive("num_images_per_prompt", num_images_per_prompt)
         if output_type not in ("pil", "np"):
             raise InputError(f"output_type must be 'pil' or 'np', got {output_type!r}")

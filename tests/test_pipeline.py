@@ -1,0 +1,157 @@
+"""End-to-end parity with diffusers' Flux2KleinPipeline / Flux2KleinKVPipeline on tiny checkpoints,
+reusable references, and pipeline-level input errors."""
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from skimage.metrics import structural_similarity
+
+from klein import InputError
+from klein.pipeline import load_pipeline
+
+MAX_ABS = 2e-3
+MIN_SSIM = 0.999
+
+
+def picture(width, height, seed):
+    """A smooth random picture (plain noise would make SSIM meaningless)."""
+    rng = np.random.default_rng(seed)
+    small = rng.uniform(0, 255, (max(2, height // 16), max(2, width // 16), 3)).astype(np.uint8)
+    return PIL.Image.fromarray(small).resize((width, height), PIL.Image.BILINEAR)
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_pipelines):
+    loaded = {}
+
+    def get(kind):
+        if kind not in loaded:
+            folder, reference = tiny_pipelines(kind)
+            loaded[kind] = load_pipeline(folder), reference
+        return loaded[kind]
+
+    return get
+
+
+def compare(ours, reference, prompt, batch, h, w, **kwargs):
+    latents = np.random.default_rng(0).standard_normal((batch, 128, h // 16, w // 16)).astype(np.float32)
+    want = reference(prompt=prompt, latents=torch.from_numpy(latents), output_type="np", **kwargs).images
+    got = ours(prompt, latents=latents, output_type="np", **kwargs).images
+    assert got.shape == want.shape
+    err = float(np.abs(got - want).max())
+    ssim = min(
+        structural_similarity(g, x, channel_axis=-1, data_range=1.0) for g, x in zip(got, want, strict=True)
+    )
+    assert err < MAX_ABS and ssim >= MIN_SSIM, (err, ssim)
+    return got
+
+
+REFS_1 = [(96, 64)]
+REFS_3 = [(90, 120), (64, 80), (70, 70)]  # non-square; the first and last need a crop to multiples of 16
+
+
+@pytest.mark.parametrize(
+    "kind,ref_sizes,per_prompt",
+    [
+        ("distilled", [], 1),
+        ("distilled", REFS_1, 1),
+        ("distilled", REFS_3, 1),
+        ("kv", REFS_1, 1),
+        ("kv", REFS_3, 1),
+        ("distilled", [], 2),
+        ("kv", REFS_3, 2),
+    ],
+)
+def test_parity_with_diffusers(pipes, kind, ref_sizes, per_prompt):
+    ours, reference = pipes(kind)
+    refs = [picture(w, h, i) for i, (w, h) in enumerate(ref_sizes)]
+    h, w = (48, 64) if not refs else (ref_sizes[0][1] // 16 * 16, ref_sizes[0][0] // 16 * 16)
+    kwargs = dict(num_inference_steps=4, num_images_per_prompt=per_prompt)
+    if refs:
+        kwargs["image"] = refs
+    else:
+        kwargs.update(height=h, width=w)
+    compare(ours, reference, "a red fox in the snow", per_prompt, h, w, **kwargs)
+
+
+def test_base_with_cfg(pipes):
+    ours, reference = pipes("base")
+    assert ours.variant.guidance == 4.0 and ours.variant.steps == 50
+    got = compare(ours, reference, "a lighthouse", 1, 32, 48, height=32, width=48, num_inference_steps=3)
+    unguided = ours(
+        "a lighthouse",
+        height=32,
+        width=48,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        latents=np.random.default_rng(0).standard_normal((1, 128, 2, 3)).astype(np.float32),
+        output_type="np",
+    ).images
+    assert np.abs(got - unguided).max() > 0.05  # CFG really changes the image
+
+
+def test_prompt_and_reference_move_the_image(pipes):
+    """Sensitivity: the parity tests compare images that depend on what they claim to test."""
+    ours, _ = pipes("kv")
+    latents = np.random.default_rng(0).standard_normal((1, 128, 4, 6)).astype(np.float32)
+
+    def run(prompt, ref_seed):
+        image = picture(96, 64, ref_seed)
+        return ours(prompt, image=image, latents=latents, output_type="np").images
+
+    base = run("a red fox", 0)
+    assert np.abs(run("a blue whale", 0) - base).max() > 20 * MAX_ABS
+    # The tiny random VAE damps what a reference changes; still well beyond the parity tolerance.
+    assert np.abs(run("a red fox", 1) - base).max() > 2 * MAX_ABS
+
+
+def test_encoded_references_are_reused(pipes):
+    ours, _ = pipes("kv")
+    images = [picture(96, 64, 0), picture(64, 80, 1)]
+    refs = ours.encode_references(images)
+    before = dict(ours.counters)
+    first = ours("a cat", references=refs, seed=1, output_type="np", num_images_per_prompt=2).images
+    second = ours("a dog", references=refs, seed=2, output_type="np").images
+    assert ours.counters["references"] == before["references"]
+    assert ours.counters["prefill"] == before["prefill"]
+    assert ours.counters["text"] == before.get("text", 0) + 2
+    np.testing.assert_allclose(
+        first,
+        ours("a cat", image=images, seed=1, output_type="np", num_images_per_prompt=2).images,
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        second, ours("a dog", image=images, seed=2, output_type="np").images, atol=1e-5
+    )
+
+
+def test_use_kv_on_non_kv_checkpoint_names_the_kv_checkpoint(pipes):
+    ours, _ = pipes("distilled")
+    with pytest.raises(InputError, match="klein-9b-kv"):
+        ours("a cat", image=picture(64, 64, 0), use_kv=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(height=0, width=64), "too small"),
+        (dict(height=-32, width=64), "too small"),
+        (dict(num_inference_steps=0), "num_inference_steps must be a positive integer"),
+        (dict(num_inference_steps=-1), "num_inference_steps must be a positive integer"),
+        (dict(num_images_per_prompt=0), "num_images_per_prompt"),
+        (dict(output_type="latent"), "output_type"),
+        (dict(latents=np.zeros((1, 128, 3, 3), np.float32), height=64, width=64), "latents must have shape"),
+    ],
+)
+def test_bad_arguments(pipes, kwargs, match):
+    ours, _ = pipes("distilled")
+    with pytest.raises(InputError, match=match):
+        ours("a cat", **kwargs)
+
+
+def test_size_not_multiple_of_16_is_rounded_with_a_warning(pipes):
+    ours, _ = pipes("distilled")
+    with pytest.warns(UserWarning, match="rounded down"):
+        out = ours("a cat", height=40, width=70, num_inference_steps=1, output_type="np")
+    assert out.images.shape == (1, 32, 64, 3)
