@@ -25,7 +25,9 @@ def measure(cfg, unroll, n_img, n_txt):
     model.scan_unroll = unroll
     graphdef, state = nnx.split(model)
     side = int(n_img**0.5)
-    img_ids = np.stack(np.meshgrid([0], np.arange(side), np.arange(side), [0], indexing="ij"), -1).reshape(-1, 4)
+    img_ids = np.stack(np.meshgrid([0], np.arange(side), np.arange(side), [0], indexing="ij"), -1).reshape(
+        -1, 4
+    )
     txt_ids = np.stack([np.zeros(n_txt), np.zeros(n_txt), np.zeros(n_txt), np.arange(n_txt)], -1)
     ropes = [rope_tables(i, cfg.axes_dims_rope, cfg.rope_theta) for i in (img_ids, txt_ids)]
     args = (
@@ -49,7 +51,9 @@ def measure(cfg, unroll, n_img, n_txt):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, nargs=2, default=(8, 24), help="double and single blocks")
     parser.add_argument("--heads", type=int, default=2, help="heads of 128 channels")
     parser.add_argument("--tokens", type=int, default=1024, help="image tokens (a square number)")
@@ -62,7 +66,9 @@ def main():
         num_attention_heads=args.heads,
         joint_attention_dim=3 * 128 * args.heads,
     )
-    print(f"layers {args.layers}, width {cfg.hidden}, {args.tokens} image + {args.text} text tokens, {jax.devices()[0]}")
+    print(
+        f"layers {args.layers}, width {cfg.hidden}, {args.tokens} image + {args.text} text tokens, {jax.devices()[0]}"
+    )
     for name, unroll in [("scan", 1), ("unrolled", True)]:
         compile_s, run_s = measure(cfg, unroll, args.tokens, args.text)
         print(f"{name:9s} compile {compile_s:6.2f} s   run {run_s * 1000:8.1f} ms")
