@@ -1,0 +1,246 @@
+"""The `klein` command line: `klein generate` turns a prompt (and optional reference images) into PNG files.
+
+A thin front end: it parses arguments (`klein.cli_args`), checks paths early, calls the pipeline and writes
+the results (`klein.cli_output`). Errors a user can fix are printed as one `error: ...` line with exit code 2;
+anything else is an internal error (exit code 1) whose traceback `KLEIN_DEBUG=1` shows.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import textwrap
+import time
+import warnings
+
+from klein import cli_args, cli_output
+from klein.errors import InputError, KleinError
+
+EXIT_USAGE = 2
+EXIT_INTERNAL = 1
+
+TOP_DESCRIPTION = """\
+klein: FLUX.2 [klein] image generation and editing in JAX.
+
+Run `klein generate --help` for every option. With no --model, klein runs a built-in demo
+checkpoint (tiny random weights, made offline in seconds): the command works anywhere, and the
+image is noise-like. Pass --model to use a real checkpoint."""
+
+GENERATE_DESCRIPTION = """\
+Generate images from a prompt, optionally editing one or more reference images.
+
+Settings can be given as flags (--prompt "a cat") or as key=value words, as in the original
+FLUX.2 [klein] examples (prompt="a cat" image_paths="['a.png','b.png']" use_kv=True). Values of
+key=value words are read as Python literals (unquoted text stays text). Known keys:
+{keys}
+
+Without --model the offline demo checkpoint runs (tiny random weights: the image is noise-like).
+--model takes a diffusers-layout folder or a Hugging Face repo id, e.g.
+black-forest-labs/FLUX.2-klein-4B (from the local Hugging Face cache, downloaded if the hub is
+reachable). With references and a KV checkpoint (klein-9b-kv), reference keys/values are computed
+once and reused at every step (--kv, the default there); --kv on another checkpoint is an error,
+except that black-forest-labs/FLUX.2-klein-9B switches to the klein-9b-kv checkpoint.
+
+Output: PNG files carrying the prompt, seed, model and settings as PNG text metadata. Without
+--out, files go to the current folder under a fresh name (klein-YYYYmmdd-HHMMSS-<seed>.png, then
+-1, -2, ... for further images); existing files are never overwritten unless --overwrite is given."""
+
+GENERATE_EXAMPLES = """\
+examples:
+  klein generate --prompt "a red fox in snow"                  # demo checkpoint, offline
+  klein generate --model black-forest-labs/FLUX.2-klein-4B --prompt "a red fox in snow" \\
+      --height 768 --width 1024 --seed 7 --out fox.png
+  klein generate --model black-forest-labs/FLUX.2-klein-9b-kv --prompt "the cat wears a hat" \\
+      --image cat.png --image hat.png --num-images 2 --out edit.png  # writes edit-0.png, edit-1.png
+  klein generate prompt="the cat wears a hat" image_paths="['cat.png','hat.png']" use_kv=True \\
+      model=black-forest-labs/FLUX.2-klein-9B
+
+exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback)"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error."""
+
+    def error(self, message: str):
+        raise InputError(f"{message} (see {self.prog} --help)")
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="klein", description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"klein {_version()}")
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
+    parser.epilog = GENERATE_EXAMPLES.split("\n\n")[0]
+    return parser
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="klein generate",
+        description=GENERATE_DESCRIPTION.format(
+            keys=textwrap.fill(", ".join(cli_args.KEYS), 95, initial_indent="  ", subsequent_indent="  ")
+        ),
+        epilog=GENERATE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')
+    add(
+        "--model",
+        help='checkpoint folder or Hugging Face repo id (default: "demo", the offline demo checkpoint)',
+    )
+    add("--prompt", help="what to generate, or how to edit the references")
+    add(
+        "--image", dest="images", action="append", metavar="PATH", help="reference image (repeat for several)"
+    )
+    add(
+        "--kv",
+        action=argparse.BooleanOptionalAction,
+        help="cache reference keys/values (default: on for KV checkpoints with references)",
+    )
+    add(
+        "--height",
+        type=int,
+        help="output height in px, rounded down to a multiple of 16 (default: first reference's, else 1024)",
+    )
+    add(
+        "--width",
+        type=int,
+        help="output width in px, rounded down to a multiple of 16 (default: first reference's, else 1024)",
+    )
+    add("--steps", type=int, help="denoising steps (default: the model's, 4 distilled / 50 base)")
+    add("--guidance", type=float, help="classifier-free guidance scale (base models only; default 4.0 there)")
+    add("--seed", type=int, help="random seed (default: a random one, recorded in the PNG)")
+    add("--num-images", type=int, help="images to generate (default: 1)")
+    add(
+        "--out",
+        metavar="FILE.png|FOLDER",
+        help="output file (numbered -0, -1, ... for several images) or folder",
+    )
+    add("--overwrite", action="store_true", default=None, help="replace existing output files")
+    add("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
+    return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("klein")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `klein` script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = cli_output.show_warning
+            return _dispatch(argv)
+    except KleinError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get("KLEIN_DEBUG"):
+            raise
+        print(f"error: internal error: {type(error).__name__}: {error}", file=sys.stderr)
+        print("rerun with KLEIN_DEBUG=1 to see the traceback", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv[:1] == ["generate"]:
+        flags = _generate_parser().parse_intermixed_args(argv[1:])
+        return generate(cli_args.build_request(flags))
+    parser = _top_parser()
+    # Handles --help, --version and unknown commands; a bare `klein` shows the help.
+    parser.parse_args(argv)
+    parser.print_help()
+    return 0
+
+
+def generate(request: cli_args.GenerateRequest) -> int:
+    """Run one `klein generate` request: load, generate, write, report."""
+    started = time.perf_counter()
+    plan = cli_output.plan_outputs(request.out, request.num_images, bool(request.overwrite))
+    pipe, references, load_seconds = _load(request)
+    progress = cli_output.Progress()
+    try:
+        result = pipe(
+            request.prompt,
+            image=references or None,
+            height=request.height,
+            width=request.width,
+            num_inference_steps=request.steps,
+            guidance_scale=request.guidance,
+            num_images_per_prompt=request.num_images,
+            seed=request.seed,
+            use_kv=request.kv,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    write_started = time.perf_counter()
+    metadata = [_metadata(request, pipe.name, result, index) for index in range(len(result.images))]
+    paths = cli_output.write_images(result.images, plan, metadata, result.seed)
+    timings = {"load": load_seconds, **result.timings, "write": time.perf_counter() - write_started}
+    _report(pipe, result, paths, timings, time.perf_counter() - started)
+    return 0
+
+
+def _load(request: cli_args.GenerateRequest):
+    """(pipeline, reference images, seconds): references first, so a bad path fails before the model loads."""
+    started = time.perf_counter()
+    # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
+    from klein.images import load_image
+    from klein.pipeline import load_pipeline
+
+    with cli_output.loading_bar(len(request.images) + 1) as bar:
+        references = []
+        for path in request.images:
+            bar.set_postfix_str(path)
+            references.append(load_image(path))
+            bar.update()
+        bar.set_postfix_str(request.model or "demo")
+        pipe = load_pipeline(
+            source=request.model or "demo", dtype=request.dtype or "float32", use_kv=request.kv
+        )
+        bar.update()
+    return pipe, references, time.perf_counter() - started
+
+
+def _metadata(request: cli_args.GenerateRequest, model: str, result, index: int):
+    settings = result.settings
+    return cli_output.png_metadata(
+        {
+            "prompt": request.prompt,
+            "seed": result.seed,
+            "model": model,
+            "steps": settings["steps"],
+            "guidance": settings["guidance"],
+            "size": f"{settings['width']}x{settings['height']}",
+            "kv": settings["use_kv"],
+            "references": json.dumps(list(request.images)),
+            "image": f"{index + 1} of {len(result.images)}",
+            "klein": _version(),
+            "Software": f"klein {_version()}",
+        }
+    )
+
+
+def _report(pipe, result, paths, timings, total_seconds) -> None:
+    """Files on stdout (one per line, for scripts); settings and the timing breakdown on stderr."""
+    print(f"model: {pipe.name}", file=sys.stderr)
+    print(f"settings: {cli_output.describe(result.settings, result.seed)}", file=sys.stderr)
+    print(cli_output.timing_report(timings, total_seconds), file=sys.stderr)
+    for path in paths:
+        print(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""What `klein generate` writes and shows: output paths, PNG files carrying their settings as text metadata,
+progress bars and the timing breakdown. Images go to files, progress and reports to stderr.
+
+Files are never clobbered by accident: the output plan is checked before any model work, and each PNG is
+written to a temporary file in the target folder, then published with a hard link (which fails if the name
+was taken meanwhile) or, with --overwrite, an atomic rename. A failure never leaves a half-written PNG.
+"""
+
+import dataclasses
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import PIL.Image
+from PIL.PngImagePlugin import PngInfo
+from tqdm import tqdm
+
+from klein.errors import InputError
+
+# Stages in the order they run; the pipeline reports all but load and write.
+STAGES = ("load", "compile", "text", "references", "denoise", "decode", "write")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputPlan:
+    """Where the images of one run go: `file` (numbered when several), else fresh names in `folder`."""
+
+    folder: Path
+    file: Path | None
+    overwrite: bool
+    # Time of the run's start, for fresh names: klein-YYYYmmdd-HHMMSS-<seed>.png.
+    stamp: str
+
+
+def plan_outputs(out: str | None, count: int, overwrite: bool) -> OutputPlan:
+    """Check `--out` before any model work: the folder exists and is writable, and nothing is in the way."""
+    path = Path(out).expanduser() if out is not None else None
+    if path is None or path.is_dir() or out.endswith(("/", os.sep)):
+        folder, file = path or Path.cwd(), None
+    elif path.suffix.lower() != ".png":
+        raise InputError(f"--out {out}: klein writes PNG files; give a name ending in .png, or a folder")
+    else:
+        folder, file = path.parent, path
+    if not folder.is_dir():
+        raise InputError(f"output folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write to output folder {folder}: permission denied")
+    if file is not None and not overwrite:
+        taken = [target for target in numbered(file, count) if target.exists()]
+        if taken:
+            raise InputError(
+                f"{taken[0]} already exists; pass --overwrite to replace it, or choose another --out"
+            )
+    return OutputPlan(folder, file, overwrite, time.strftime("%Y%m%d-%H%M%S"))
+
+
+def numbered(file: Path, count: int) -> list[Path]:
+    """`out.png` for one image; `out-0.png`, `out-1.png`, ... for several."""
+    if count == 1:
+        return [file]
+    return [file.with_name(f"{file.stem}-{index}{file.suffix}") for index in range(count)]
+
+
+def fresh_names(folder: Path, stem: str) -> Iterator[Path]:
+    """`stem.png`, `stem-1.png`, `stem-2.png`, ...: the writer takes the first names that are free."""
+    yield folder / f"{stem}.png"
+    index = 1
+    while True:
+        yield folder / f"{stem}-{index}.png"
+        index += 1
+
+
+def write_images(
+    images: Sequence[PIL.Image.Image], plan: OutputPlan, metadata: Sequence[PngInfo], seed: int
+) -> list[Path]:
+    """Write each image with its metadata as the plan says; returns the paths written."""
+    if plan.file is not None:
+        targets = numbered(plan.file, len(images))
+        for image, target, info in zip(images, targets, metadata, strict=True):
+            if not write_png(image, target, info, plan.overwrite):
+                raise InputError(f"{target} appeared while klein was running; it was left untouched")
+        return targets
+    names = fresh_names(plan.folder, f"klein-{plan.stamp}-{seed}")
+    written = []
+    for image, info in zip(images, metadata, strict=True):
+        written.append(next(name for name in names if write_png(image, name, info, overwrite=False)))
+    return written
+
+
+def write_png(image: PIL.Image.Image, path: Path, info: PngInfo, overwrite: bool) -> bool:
+    """Write `image` to `path` atomically; False (and nothing written) if `path` exists and not `overwrite`."""
+    if not overwrite and path.exists():
+        return False
+    # A random temporary name in the same folder, so the final rename / link stays on one filesystem.
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temporary, "xb") as stream:
+            image.save(stream, format="PNG", pnginfo=info)
+        return _publish(temporary, path, overwrite)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _publish(temporary: Path, path: Path, overwrite: bool) -> bool:
+    if overwrite:
+        os.replace(temporary, path)
+        return True
+    try:
+        # link() refuses an existing name, so a file created by another process meanwhile survives.
+        os.link(temporary, path)
+    except FileExistsError:
+        return False
+    except OSError:
+        # Filesystems without hard links: check-then-rename is the best left.
+        if path.exists():
+            return False
+        os.rename(temporary, path)
+    return True
+
+
+def png_metadata(fields: Mapping[str, object]) -> PngInfo:
+    """PNG text chunks, one per field; PIL stores non-Latin-1 text (e.g. most prompts' emoji) as iTXt."""
+    info = PngInfo()
+    for key, value in fields.items():
+        info.add_text(key, "none" if value is None else str(value))
+    return info
+
+
+class Progress:
+    """The pipeline's `progress(stage, done, total)` callback, drawn as one tqdm bar per stage on stderr."""
+
+    def __init__(self) -> None:
+        self._bars: dict[str, tqdm] = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self._bars:
+            self._bars[stage] = tqdm(total=total, desc=f"{stage:<9}", unit="step", file=sys.stderr)
+        bar = self._bars[stage]
+        bar.update(done - bar.n)
+        if done >= total:
+            self._bars.pop(stage).close()
+
+    def close(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+
+
+def loading_bar(total: int) -> tqdm:
+    """Bar for reading the reference images and then the model (`total` items in all)."""
+    return tqdm(
+        total=total, desc=f"{'loading':<9}", file=sys.stderr, bar_format="{desc}: {bar} {n}/{total}{postfix}"
+    )
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` replacement: one readable line, printed without breaking a progress bar."""
+    tqdm.write(f"warning: {message}", file=sys.stderr)
+
+
+def describe(settings: Mapping[str, object], seed: int) -> str:
+    """One line saying what ran, from the pipeline's `settings`."""
+    guidance = "no guidance" if settings["guidance"] is None else f"guidance {settings['guidance']}"
+    references = settings["num_references"]
+    return (
+        f"{settings['width']}x{settings['height']} px, {settings['steps']} steps, {guidance}, "
+        f"{references} reference{'' if references == 1 else 's'}, kv {'on' if settings['use_kv'] else 'off'}, "
+        f"seed {seed}"
+    )
+
+
+def timing_report(timings: Mapping[str, float], total: float) -> str:
+    """The seconds spent per stage, in the order the stages run, then the total."""
+    names = [name for name in STAGES if name in timings] + sorted(set(timings) - set(STAGES))
+    rows = [f"  {name:<11}{timings[name]:8.2f}" for name in names]
+    return "\n".join(["time (s):", *rows, f"  {'total':<11}{total:8.2f}"])

@@ -1,0 +1,267 @@
+"""`klein generate` run as a subprocess against the demo checkpoint: files, metadata, exit codes, errors.
+
+Each generating run costs a JAX start-up plus compilation (~5-10 s on two cores), so the runs are few and
+each checks several things; argument parsing and file naming are also tested in-process, where it is cheap.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from klein import cli, cli_args, cli_output, demo
+from klein.errors import InputError
+
+SMALL = ["--steps", "2", "--height", "64", "--width", "64"]
+
+
+@pytest.fixture(scope="module")
+def klein_home(tmp_path_factory):
+    """A KLEIN_HOME holding the demo checkpoint, built once here rather than by the first subprocess."""
+    home = tmp_path_factory.mktemp("klein-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KLEIN_HOME", str(home))
+        demo.ensure_demo()
+    return home
+
+
+@pytest.fixture(scope="module")
+def non_kv_model(klein_home, tmp_path_factory):
+    """The demo weights declared as a standard (non-KV) klein checkpoint, as klein-9b is to klein-9b-kv."""
+    folder = tmp_path_factory.mktemp("non-kv") / "model"
+    shutil.copytree(klein_home / demo.VERSION, folder)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps({**index, "_class_name": "Flux2KleinPipeline"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A valid 96x80 reference image and a corrupt one (a PNG signature followed by garbage)."""
+    folder = tmp_path_factory.mktemp("inputs")
+    pixels = np.random.default_rng(0).integers(0, 256, (80, 96, 3), dtype=np.uint8)
+    PIL.Image.fromarray(pixels).save(folder / "ref.png")
+    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
+    return folder
+
+
+def run_klein(klein_home, *args, cwd):
+    env = {**os.environ, "KLEIN_HOME": str(klein_home), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "klein.cli", *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_clean_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "error: " in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+def test_help_explains_both_styles_and_the_demo(klein_home, tmp_path):
+    top = run_klein(klein_home, "--help", cwd=tmp_path)
+    generate = run_klein(klein_home, "generate", "--help", cwd=tmp_path)
+    assert top.returncode == 0 and generate.returncode == 0
+    assert "generate" in top.stdout and "demo" in top.stdout
+    for text in (
+        "--model",
+        "--image",
+        "--kv",
+        "--overwrite",
+        "image_paths=",
+        "use_kv=True",
+        "demo",
+        "examples:",
+    ):
+        assert text in generate.stdout
+
+
+def test_flags_write_numbered_pngs_with_metadata_and_round_sizes(klein_home, inputs, tmp_path):
+    # 72 is not a multiple of 16: rounded down to 64 with a one-line warning, as diffusers does.
+    args = ["generate", "--prompt", "a fox in snow", "--image", inputs / "ref.png", "--kv", "--seed", "7"]
+    args += [
+        "--steps",
+        "2",
+        "--height",
+        "72",
+        "--width",
+        "64",
+        "--num-images",
+        "2",
+        "--out",
+        tmp_path / "fox.png",
+    ]
+    result = run_klein(klein_home, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    paths = [tmp_path / "fox-0.png", tmp_path / "fox-1.png"]
+    assert result.stdout.split() == [str(path) for path in paths]
+    for index, path in enumerate(paths):
+        with PIL.Image.open(path) as image:
+            assert image.size == (64, 64)
+            text = dict(image.text)
+        assert text["prompt"] == "a fox in snow" and text["seed"] == "7" and text["steps"] == "2"
+        assert text["size"] == "64x64" and text["kv"] == "True" and text["image"] == f"{index + 1} of 2"
+        assert json.loads(text["references"]) == [str(inputs / "ref.png")]
+        assert "demo" in text["model"] and text["klein"]
+    assert "warning: " in result.stderr and "rounded down" in result.stderr
+    assert "UserWarning" not in result.stderr and "Traceback" not in result.stderr
+    assert "demo checkpoint: tiny random weights, the image is noise-like" in result.stderr
+    for stage in ("load", "text", "references", "denoise", "decode", "total"):
+        assert f"  {stage} " in result.stderr
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_key_values_write_fresh_names_in_cwd_and_never_clobber(klein_home, inputs, tmp_path):
+    shutil.copy(inputs / "ref.png", tmp_path / "ref.png")
+    args = ["generate", "prompt=a cat", "image_paths=['ref.png']", "use_kv=True", "num_inference_steps=2"]
+    args += ["height=64", "width=64", "seed=3"]
+    first = run_klein(klein_home, *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    [written] = [tmp_path / line for line in first.stdout.split()]
+    assert (
+        written.parent == tmp_path and written.name.startswith("klein-") and written.name.endswith("-3.png")
+    )
+    content = written.read_bytes()
+    with PIL.Image.open(written) as image:
+        assert image.text["prompt"] == "a cat" and image.text["kv"] == "True"
+
+    second = run_klein(klein_home, *args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert written.read_bytes() == content
+    assert len(list(tmp_path.glob("klein-*.png"))) == 2
+
+
+def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
+    out = tmp_path / "keep.png"
+    out.write_bytes(b"not yours to overwrite")
+    refused = run_klein(klein_home, "generate", "--prompt", "x", *SMALL, "--out", out, cwd=tmp_path)
+    assert_clean_error(refused, "already exists", "--overwrite")
+    assert out.read_bytes() == b"not yours to overwrite"
+
+    replaced = run_klein(
+        klein_home, "generate", "--prompt", "x", *SMALL, "--out", out, "--overwrite", cwd=tmp_path
+    )
+    assert replaced.returncode == 0, replaced.stderr
+    with PIL.Image.open(out) as image:
+        assert image.size == (64, 64) and image.text["prompt"] == "x"
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        pytest.param(
+            ["--prompt", "x", "--image", "{inputs}/missing.png"],
+            ["image not found", "missing.png"],
+            id="missing image",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--image", "{inputs}/corrupt.png"], ["corrupt.png"], id="corrupt image"
+        ),
+        pytest.param(
+            ["--prompt", "x", "--model", "no-such-model"],
+            ["unknown model", "no-such-model"],
+            id="unknown model",
+        ),
+        pytest.param(["prompt=x", "height=0"], ["height must be a positive integer"], id="zero size"),
+        pytest.param(
+            ["--prompt", "x", "--width", "-64"], ["width must be a positive integer"], id="negative size"
+        ),
+        pytest.param(
+            ["--prompt", "x", "--steps", "0"], ["steps must be a positive integer"], id="zero steps"
+        ),
+        pytest.param(
+            ["prompt=x", "num_inference_steps=-2"], ["steps must be a positive integer"], id="negative steps"
+        ),
+        pytest.param(
+            ["--prompt", "x", "--num-images", "0"], ["num_images must be a positive"], id="zero images"
+        ),
+        pytest.param(
+            ["--prompt", "x", "--out", "{tmp}/missing/out.png"], ["does not exist"], id="missing folder"
+        ),
+        pytest.param(["prompt=x", "colour=red"], ["unknown setting 'colour'"], id="unknown key"),
+        pytest.param(["prompt=x", "image_paths=[a.png,b.png]"], ["quote each path"], id="unquoted list"),
+        pytest.param(["--steps", "2"], ["no prompt"], id="no prompt"),
+    ],
+)
+def test_bad_input_is_one_clear_line(klein_home, inputs, tmp_path, args, fragments):
+    args = [arg.format(inputs=inputs, tmp=tmp_path) for arg in args]
+    result = run_klein(klein_home, "generate", *args, cwd=tmp_path)
+    assert_clean_error(result, *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kv_on_a_non_kv_checkpoint_names_the_kv_checkpoint(klein_home, non_kv_model, inputs, tmp_path):
+    args = [
+        "generate",
+        "prompt=x",
+        f"image_paths={inputs / 'ref.png'}",
+        "use_kv=True",
+        f"model={non_kv_model}",
+    ]
+    result = run_klein(klein_home, *args, "steps=2", cwd=tmp_path)
+    assert_clean_error(result, "use_kv", "klein-9b-kv")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_key_value_literals_are_read_safely():
+    read = cli_args.parse_assignments
+    assert read(["prompt=a cat, 42", "model='quoted'"]) == {"prompt": "a cat, 42", "model": "quoted"}
+    assert read(["prompt=42"]) == {"prompt": "42"}
+    assert read(["image_paths=['a.png', 'b c.png']"]) == {"images": ("a.png", "b c.png")}
+    assert read(["image_paths=one.png"]) == {"images": ("one.png",)}
+    assert read(["use_kv=True", "guidance_scale=4"]) == {"kv": True, "guidance": 4.0}
+    assert read(["use_kv=auto", "steps=3"]) == {"kv": None, "steps": 3}
+    # Never evaluated: a call is not a literal, so it stays text.
+    assert read(["prompt=__import__('os').getcwd()"]) == {"prompt": "__import__('os').getcwd()"}
+    bad = ["height=True", "height=64.5", "seed=abc", "use_kv=maybe", "image_paths=[1]", "bare", "size=64"]
+    for token in bad:
+        with pytest.raises(InputError):
+            read([token])
+    with pytest.raises(InputError, match="given twice"):
+        read(["steps=2", "num_inference_steps=3"])
+
+
+def test_fresh_names_skip_taken_files(tmp_path):
+    plan = cli_output.OutputPlan(tmp_path, None, False, "20250101-000000")
+    (tmp_path / "klein-20250101-000000-9.png").write_bytes(b"old")
+    (tmp_path / "klein-20250101-000000-9-2.png").write_bytes(b"old")
+    images = [PIL.Image.new("RGB", (16, 16), colour) for colour in ("red", "green", "blue")]
+    metadata = [cli_output.png_metadata({"prompt": "ünïcödé 🦊", "index": i}) for i in range(3)]
+    written = cli_output.write_images(images, plan, metadata, seed=9)
+    assert [path.name for path in written] == [f"klein-20250101-000000-9-{i}.png" for i in (1, 3, 4)]
+    assert (tmp_path / "klein-20250101-000000-9.png").read_bytes() == b"old"
+    with PIL.Image.open(written[2]) as image:
+        assert image.text == {"prompt": "ünïcödé 🦊", "index": "2"}
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path):
+    class Unsaveable:
+        def save(self, stream, **kwargs):
+            stream.write(b"half a png")
+            raise OSError("disk full")
+
+    target = tmp_path / "out.png"
+    with pytest.raises(OSError, match="disk full"):
+        cli_output.write_png(Unsaveable(), target, cli_output.png_metadata({}), overwrite=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_internal_error_is_short_unless_klein_debug(monkeypatch, capsys):
+    def broken(request):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "generate", broken)
+    monkeypatch.delenv("KLEIN_DEBUG", raising=False)
+    assert cli.main(["generate", "--prompt", "x"]) == 1
+    stderr = capsys.readouterr().err
+    assert "error: internal error: RuntimeError: a bug" in stderr and "KLEIN_DEBUG=1" in stderr
+    monkeypatch.setenv("KLEIN_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["generate", "--prompt", "x"])
