@@ -9,7 +9,8 @@ import torch
 from diffusers import Flux2KleinPipeline
 
 from klein.errors import CheckpointError, InputError
-from klein.text import load_tokenizer, render_prompt, text_position_ids, tokenize_prompts
+from klein.sampling import text_ids
+from klein.text import load_tokenizer, render_prompt, tokenize_prompts
 from tests.fixtures.tiny_text_encoder import build_tokenizer
 
 PROMPTS = [
@@ -88,7 +89,7 @@ def test_template_from_tokenizer_config_and_left_padding(tiny, tmp_path):
 
 def test_text_position_ids_equal_diffusers():
     ref = Flux2KleinPipeline._prepare_text_ids(torch.zeros(2, 512, 96))
-    np.testing.assert_array_equal(text_position_ids(2), ref.numpy())
+    np.testing.assert_array_equal(np.broadcast_to(text_ids(512), (2, 512, 4)), ref.numpy())
 
 
 @pytest.mark.parametrize("prompt", [None, 3, ["ok", 1], [], b"bytes"])

@@ -1,6 +1,7 @@
 """Strict transformer loading: sharded and bf16 checkpoints, real configs on the meta device, and
 clear errors for every kind of broken checkpoint."""
 
+import copy
 import json
 
 import accelerate
@@ -67,8 +68,8 @@ def test_sharded_equals_single_file(tiny_transformer, tmp_path):
 
 def test_bf16_checkpoint_loads_as_bf16_and_fp32(tiny_transformer, tmp_path):
     folder, reference = tiny_transformer
-    reference.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    reference.to(torch.float32)
+    # A copy: casting the session's shared model in place would round it for every later test.
+    copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     as_bf16 = _flat(load_transformer(tmp_path / "bf16", dtype=jnp.bfloat16))
     as_fp32 = _flat(load_transformer(tmp_path / "bf16", dtype=jnp.float32))
     exact = _flat(load_transformer(folder / "transformer"))

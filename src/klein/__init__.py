@@ -2,4 +2,13 @@
 
 from klein.errors import CheckpointError, InputError, KleinError
 
-__all__ = ["CheckpointError", "InputError", "KleinError"]
+__all__ = ["CheckpointError", "InputError", "KleinError", "load_pipeline"]
+
+
+def __getattr__(name: str):
+    # Imported on first use so that `import klein` (and `klein --help`) does not load JAX.
+    if name == "load_pipeline":
+        from klein.pipeline import load_pipeline
+
+        return load_pipeline
+    raise AttributeError(f"module 'klein' has no attribute {name!r}")

@@ -214,6 +214,7 @@ class Flux2KleinPipeline:
         for i in range(steps):
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
             if progress:
+                x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress("denoise", i + 1, steps)
         return x
 

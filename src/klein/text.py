@@ -102,13 +102,6 @@ def tokenize_prompts(
     return ids, mask
 
 
-def text_position_ids(batch_size: int, length: int = MAX_LENGTH) -> np.ndarray:
-    """Position ids int32[B, L, 4] of the text tokens: (t, h, w, l) = (0, 0, 0, l)."""
-    ids = np.zeros((batch_size, length, 4), np.int32)
-    ids[..., 3] = np.arange(length, dtype=np.int32)
-    return ids
-
-
 def _check_prompts(prompts) -> list[str]:
     if isinstance(prompts, str):
         return [prompts]

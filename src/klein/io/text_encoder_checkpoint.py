@@ -30,7 +30,10 @@ def load_text_encoder(
     config = read_config(folder)
     num_layers = max(layers)
     if num_layers >= config.num_hidden_layers:
-        raise ValueError(f"layers {tuple(layers)} must be below num_hidden_layers={config.num_hidden_layers}")
+        raise CheckpointError(
+            f"{folder}: the prompt embedding needs layer {num_layers}, the text encoder has only "
+            f"{config.num_hidden_layers} layers; is this a Qwen3 text encoder of a klein checkpoint?"
+        )
     abstract = abstract_text_encoder(config, num_layers)
     skipped = skipped_keys(config, num_layers)
     source = TensorSource.from_folder(folder, "model")
