@@ -16,7 +16,7 @@ from klein.io.loading import expected_shapes
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, load_text_encoder, skipped_keys
 from klein.models.qwen3 import Qwen3Config, hidden_states, prompt_embeddings
 from klein.text import load_tokenizer, tokenize_prompts
-from tests.fixtures.tiny_text_encoder import build_text_encoder, build_tokenizer
+from tests.fixtures.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
 
 LAYERS = (9, 18, 27)
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -51,17 +51,7 @@ def reference_hidden_states(model, ids, mask, layers=LAYERS) -> np.ndarray:
 
 
 def hf_tokens(tokenizer, prompts, max_length):
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}],
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=False,
-        )
-        for p in prompts
-    ]
-    out = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="np")
-    return out["input_ids"], out["attention_mask"]
+    return hf_chat_tokens(tokenizer, prompts, max_length)[1:]
 
 
 def prompt_of_length(tokenizer, n_tokens: int) -> str:

@@ -11,7 +11,7 @@ from diffusers import Flux2KleinPipeline
 from klein.errors import CheckpointError, InputError
 from klein.sampling import text_ids
 from klein.text import load_tokenizer, render_prompt, tokenize_prompts
-from tests.fixtures.tiny_text_encoder import build_tokenizer
+from tests.fixtures.tiny_text_encoder import build_tokenizer, hf_chat_tokens
 
 PROMPTS = [
     "",
@@ -30,24 +30,10 @@ def tiny(tmp_path_factory):
     return folder / "tokenizer", build_tokenizer(folder)
 
 
-def reference(tokenizer, prompts, max_length=512):
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}],
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=False,
-        )
-        for p in prompts
-    ]
-    out = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="np")
-    return texts, out["input_ids"], out["attention_mask"]
-
-
 def test_ids_and_mask_equal_transformers(tiny):
     folder, hf = tiny
     ours = load_tokenizer(folder)
-    texts, ref_ids, ref_mask = reference(hf, PROMPTS)
+    texts, ref_ids, ref_mask = hf_chat_tokens(hf, PROMPTS)
     assert [render_prompt(ours, p) for p in PROMPTS] == texts
     assert (
         texts[1]
@@ -62,7 +48,7 @@ def test_ids_and_mask_equal_transformers(tiny):
 
 def test_short_limit_and_single_string(tiny):
     folder, hf = tiny
-    _, ref_ids, ref_mask = reference(hf, [PROMPTS[2]], max_length=16)
+    _, ref_ids, ref_mask = hf_chat_tokens(hf, [PROMPTS[2]], max_length=16)
     ids, mask = tokenize_prompts(load_tokenizer(folder), PROMPTS[2], max_length=16)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)
@@ -80,7 +66,7 @@ def test_template_from_tokenizer_config_and_left_padding(tiny, tmp_path):
     (moved / "chat_template.jinja").unlink()
     from transformers import Qwen2TokenizerFast
 
-    _, ref_ids, ref_mask = reference(Qwen2TokenizerFast.from_pretrained(moved), PROMPTS)
+    _, ref_ids, ref_mask = hf_chat_tokens(Qwen2TokenizerFast.from_pretrained(moved), PROMPTS)
     ids, mask = tokenize_prompts(load_tokenizer(moved), PROMPTS)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)

@@ -203,60 +203,41 @@ class MidBlock(nnx.Module):
         return self.resnets[1](x)
 
 
+def _resnets(cin: int, cout: int, layers: int, groups: int, **kw) -> nnx.List:
+    return nnx.List([ResnetBlock(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)])
+
+
+def _run_all(x: jax.Array, *stages) -> jax.Array:
+    for stage in stages:
+        for module in stage or ():
+            x = module(x)
+    return x
+
+
 class DownEncoderBlock(nnx.Module):
     """ResNets at one resolution, then (except at the last level) a stride-2 downsampler."""
 
     def __init__(
-        self,
-        cin: int,
-        cout: int,
-        layers: int,
-        groups: int,
-        downsample: bool,
-        *,
-        rngs: nnx.Rngs,
-        param_dtype=jnp.float32,
+        self, cin, cout, layers, groups, downsample: bool, *, rngs: nnx.Rngs, param_dtype=jnp.float32
     ):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.resnets = nnx.List(
-            [ResnetBlock(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
-        )
+        self.resnets = _resnets(cin, cout, layers, groups, **kw)
         self.downsamplers = nnx.List([Downsample(cout, **kw)]) if downsample else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        for resnet in self.resnets:
-            x = resnet(x)
-        for downsampler in self.downsamplers or ():
-            x = downsampler(x)
-        return x
+        return _run_all(x, self.resnets, self.downsamplers)
 
 
 class UpDecoderBlock(nnx.Module):
     """ResNets at one resolution, then (except at the last level) a 2x upsampler."""
 
-    def __init__(
-        self,
-        cin: int,
-        cout: int,
-        layers: int,
-        groups: int,
-        upsample: bool,
-        *,
-        rngs: nnx.Rngs,
-        param_dtype=jnp.float32,
-    ):
+    def __init__(self, cin, cout, layers, groups, upsample: bool, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.resnets = nnx.List(
-            [ResnetBlock(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
-        )
+        self.resnets = _resnets(cin, cout, layers, groups, **kw)
         self.upsamplers = nnx.List([Upsample(cout, **kw)]) if upsample else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        for resnet in self.resnets:
-            x = resnet(x)
-        for upsampler in self.upsamplers or ():
-            x = upsampler(x)
-        return x
+        return _run_all(x, self.resnets, self.upsamplers)
 
 
 class Encoder(nnx.Module):
