@@ -146,17 +146,21 @@ class Flux2KleinPipeline:
         if references is None and image is not None:
             with clock("references"):
                 references = self.encode_references(image, use_kv)
+                jax.block_until_ready((references.tokens, references.kv))
         elif references is not None and use_kv is not None and use_kv != (references.kv is not None):
             raise InputError("use_kv disagrees with how these references were encoded; encode them again")
         h, w, rounded = images.output_size(height, width, references.pixel_sizes if references else ())
         if rounded:
             warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=2)
         with clock("text"):
-            txt = self._prompt_batch(prompts, per_prompt, guidance)
+            txt = jax.block_until_ready(self._prompt_batch(prompts, per_prompt, guidance))
         batch = len(prompts) * per_prompt
         x, seed = self._initial_noise(latents, seed, batch, h // 16, w // 16)
         with clock("denoise"):
-            x = self._denoise(x, txt, references, guidance, steps, (h // 16, w // 16), progress)
+            # Dispatch is asynchronous: wait at each stage's end so its time is its own.
+            x = jax.block_until_ready(
+                self._denoise(x, txt, references, guidance, steps, (h // 16, w // 16), progress)
+            )
         with clock("decode"):
             decoded = np.asarray(self._decode(sampling.unpack(x, h // 16, w // 16)))
         out = images.to_pil(decoded) if output_type == "pil" else images.to_float01(decoded)
