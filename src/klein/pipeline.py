@@ -102,7 +102,7 @@ class Flux2KleinPipeline:
         self.counters["references"] += 1
         kv = None
         if self._use_kv(use_kv):
-            kv = self._prefill(tokens, self._rope(("refs", tuple(grids)), ids))
+            kv = self._prefill(tokens, self._rope(ids))
             self.counters["prefill"] += 1
         return References(tokens, ids, tuple(a.shape[:2] for a in arrays), kv)
 
@@ -114,8 +114,9 @@ class Flux2KleinPipeline:
             )
         return self.variant.kv if use_kv is None else use_kv
 
-    def _rope(self, key, ids):
-        return _rope_cached(key, self.config.axes_dims_rope, self.config.rope_theta, lambda: ids)
+    def _rope(self, ids: np.ndarray):
+        ids = np.ascontiguousarray(ids, np.int64)
+        return _rope_cached(ids.tobytes(), self.config.axes_dims_rope, self.config.rope_theta)
 
     def __call__(
         self,
@@ -204,15 +205,14 @@ class Flux2KleinPipeline:
     def _denoise(self, x, txt, references, guidance, steps, grid, progress):
         schedule = sampling.sigmas(steps, grid[0] * grid[1])
         ropes = (
-            self._rope(("img", grid), sampling.image_ids(*grid)),
-            self._rope(("txt", txt.shape[1]), sampling.text_ids(txt.shape[1])),
+            self._rope(sampling.image_ids(*grid)),
+            self._rope(sampling.text_ids(txt.shape[1])),
         )
         cond = None
         if references is not None:
             cond = references.kv
             if cond is None:
-                key = ("refs", tuple(references.ids[:, 0].tolist()), references.ids.shape[0])
-                cond = (references.tokens[None], self._rope(key, references.ids))
+                cond = (references.tokens[None], self._rope(references.ids))
         step = self._step if guidance is None else self._step_cfg
         scale = jnp.float32(guidance or 1.0)
         for i in range(steps):
@@ -238,8 +238,10 @@ def _denoise_step(model, x, txt, sigma, sigma_next, ropes, cond, scale, *, cfg: 
 
 
 @functools.lru_cache(maxsize=64)
-def _rope_cached(key, axes, theta, make_ids):
-    return tuple(jnp.asarray(t) for t in rope_tables(make_ids(), axes, theta))
+def _rope_cached(ids: bytes, axes, theta):
+    """Rope tables by position ids (their bytes): sizes repeat across calls, tables need not be rebuilt."""
+    table = np.frombuffer(ids, np.int64).reshape(-1, len(axes))
+    return tuple(jnp.asarray(t) for t in rope_tables(table, axes, theta))
 
 
 def _positive(name: str, value) -> int:
