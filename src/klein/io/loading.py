@@ -93,6 +93,14 @@ def expected_shapes(abstract: nnx.Module, stacked: Iterable[str] = (), key_map=N
     return out
 
 
+def checkpoint_keys(
+    abstract: nnx.Module, stacked: Iterable[str] = (), key_map=None
+) -> dict[tuple, list[str]]:
+    """The checkpoint key(s) of every parameter path: one per layer for stacked parameters."""
+    flat = list(nnx.to_flat_state(nnx.state(abstract)))
+    return {path: keys for path, (keys, _) in _plan(flat, tuple(stacked), key_map).items()}
+
+
 def _plan(flat, stacked, key_map) -> dict[tuple, tuple[list[str], bool]]:
     plan = {}
     for path, variable in flat:

@@ -1,0 +1,58 @@
+"""FP8 single files: BFL's `-fp8` checkpoints (e.g. `flux-2-klein-9b-fp8.safetensors`) and ComfyUI files
+in the same layout.
+
+The safetensors header's `__metadata__["_quantization_metadata"]` is JSON,
+`{"format_version": "1.0", "layers": {"<layer>": {"format": "float8_e4m3fn"}, ...}}` (a layer's value may
+also be the bare format string). Each listed layer stores `<layer>.weight` as F8_E4M3 and a float32
+per-tensor `<layer>.weight_scale` (shape () or (1,)); the weight is `float(weight) * weight_scale`. An
+optional `<layer>.input_scale` is for FP8 activations; klein quantises weights only and does not read it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from klein.errors import CheckpointError
+from klein.io.safetensors import TensorSource
+
+HEADER_KEY = "_quantization_metadata"
+FORMAT = "float8_e4m3fn"
+_STORED = "F8_E4M3"
+
+
+def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
+    """Stored layer names (keys without `.weight`) the header declares FP8, checked against the tensors."""
+    layers = _declared(source.metadata().get(HEADER_KEY), where)
+    keys = source.keys()
+    for layer, fmt in layers.items():
+        if fmt != FORMAT:
+            raise CheckpointError(
+                f"{where}: layer '{layer}' is quantised as {fmt!r}; klein reads {FORMAT} only"
+            )
+        for tensor in (f"{layer}.weight", f"{layer}.weight_scale"):
+            if tensor not in keys:
+                raise CheckpointError(
+                    f"{where}: FP8 layer '{layer}' has no tensor '{tensor}' (the header lists it as "
+                    f"{FORMAT}); the file is incomplete or was written by a tool klein does not know"
+                )
+        if source.dtype(f"{layer}.weight") != _STORED:
+            raise CheckpointError(
+                f"{where}: '{layer}.weight' is {source.dtype(f'{layer}.weight')}, not {_STORED}"
+            )
+    for key in sorted(keys):
+        if source.dtype(key) == _STORED and key.removesuffix(".weight") not in layers:
+            raise CheckpointError(
+                f"{where}: tensor '{key}' is float8 but the header's {HEADER_KEY} does not list its layer, "
+                f"so its scale is unknown"
+            )
+    return frozenset(layers)
+
+
+def _declared(raw: str | None, where: str) -> dict[str, str]:
+    if raw is None:
+        return {}
+    try:
+        layers = json.loads(raw)["layers"]
+        return {name: conf if isinstance(conf, str) else conf["format"] for name, conf in layers.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{where}: unreadable {HEADER_KEY} in the safetensors header ({exc})") from None
