@@ -99,6 +99,17 @@ def test_missing_scale(fp8, tmp_path):
         load_transformer_file(path)
 
 
+def test_per_row_scales_are_refused(fp8, tmp_path):
+    _, _, tensors, metadata = fp8
+    rows = tensors["img_in.weight"].shape[0]
+    broken = {**tensors, "img_in.weight_scale": tensors["img_in.weight_scale"].repeat(rows)}
+    path = write_safetensors(tmp_path / "rows.safetensors", broken, metadata)
+    with pytest.raises(
+        CheckpointError, match=r"'img_in.weight_scale' has shape \(32,\); klein reads per-tensor"
+    ):
+        load_transformer_file(path)
+
+
 def test_float8_weight_missing_from_the_header(fp8, tmp_path):
     _, _, tensors, metadata = fp8
     header = json.loads(metadata["_quantization_metadata"])

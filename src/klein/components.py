@@ -17,6 +17,9 @@ from klein.io.text_encoder_checkpoint import load_text_encoder
 from klein.io.transformer_checkpoint import load_transformer
 from klein.io.transformer_file import load_transformer_file
 from klein.io.vae_checkpoint import load_vae, load_vae_file
+from klein.models.qwen3 import Qwen3TextEncoder
+from klein.models.transformer import Flux2Transformer
+from klein.models.vae import AutoencoderKLFlux2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +36,9 @@ class Parts:
 class Components:
     name: str
     variant: variants.Variant
-    transformer: object
-    vae: object
-    text_encoder: object
+    transformer: Flux2Transformer
+    vae: AutoencoderKLFlux2
+    text_encoder: Qwen3TextEncoder
     tokenizer: text.PromptTokenizer
 
 

@@ -35,6 +35,11 @@ def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
                     f"{where}: FP8 layer '{layer}' has no tensor '{tensor}' (the header lists it as "
                     f"{FORMAT}); the file is incomplete or was written by a tool klein does not know"
                 )
+        if source.shape(f"{layer}.weight_scale") not in ((), (1,)):
+            raise CheckpointError(
+                f"{where}: '{layer}.weight_scale' has shape {source.shape(f'{layer}.weight_scale')}; klein reads "
+                f"per-tensor FP8 scales only (not per-row ones)"
+            )
         if source.dtype(f"{layer}.weight") != _STORED:
             raise CheckpointError(
                 f"{where}: '{layer}.weight' is {source.dtype(f'{layer}.weight')}, not {_STORED}"

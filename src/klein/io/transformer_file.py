@@ -39,7 +39,8 @@ def load_transformer_file(
     """(variant, transformer) of a BFL, FP8 or GGUF single file; `variant` names it when its file name does
     not (and must match its shapes); `dequantize` widens FP8 weights to `dtype` at load."""
     path = Path(path)
-    source = open_transformer_file(path)
+    source = _open(path)
+    # 1. What the file holds: naming, config (from the shapes), variant, FP8 layers; checked in BFL names.
     prefix = _prefix(source.keys(), path)
     stored = {key[len(prefix) :]: source.shape(key) for key in source.keys() if key.startswith(prefix)}
     cfg = bfl.config_from_bfl(stored, str(path))
@@ -47,16 +48,18 @@ def load_transformer_file(
     fp8 = fp8_layers(source, str(path)) if isinstance(source, TensorSource) else frozenset()
     plain = abstract_transformer(cfg)
     _check_layout(stored, expected_shapes(plain, STACKED, key_map), {f[len(prefix) :] for f in fp8}, path)
+    # 2. The model to fill: FP8 Linears where the whole stack is FP8, the compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
     kept = set() if dequantize else _fp8_modules(plan, fp8, prefix)
     abstract = nnx.eval_shape(lambda: store_fp8(Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype), kept))
+    # 3. Read every diffusers key from its BFL tensor; FP8 weights of the other modules are dequantised.
     raw = {key for module in kept for key in plan[(*module, "kernel")]}
     table = {key: _piece(key, prefix, fp8, raw) for key in expected_shapes(abstract, STACKED, key_map)}
     mapped = MappedSource(source, table, dropped={f"{layer}.input_scale" for layer in fp8})
     return chosen, load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map)
 
 
-def open_transformer_file(path: Path):
+def _open(path: Path):
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise CheckpointError(f"{path}: no such checkpoint file")
