@@ -67,12 +67,16 @@ def test_dequantised_at_load_equals_it_too(fp8):
 
 
 def test_bfloat16_compute(fp8):
-    """FP8 weights widened to bf16 inside the matmul: within bf16 rounding of the float32 reference."""
+    """FP8 weights widened to bf16 inside the matmul are as accurate as the same weights dequantised to
+    bf16 at load: both ~0.7% off the float32 reference here, bf16's rounding (2^-9) through four blocks."""
     path, reference, _, _ = fp8
-    _, ours = load_transformer_file(path, dtype=jnp.bfloat16)
-    assert ours.x_embedder.kernel[...].dtype == jnp.float8_e4m3fn
-    got, want = both_outputs(ours, reference)
-    assert rel_err(got, want) < 3e-2
+    _, kept = load_transformer_file(path, dtype=jnp.bfloat16)
+    _, widened = load_transformer_file(path, dtype=jnp.bfloat16, dequantize=True)
+    assert kept.x_embedder.kernel[...].dtype == jnp.float8_e4m3fn
+    assert widened.x_embedder.kernel[...].dtype == jnp.bfloat16
+    for model in (kept, widened):
+        got, want = both_outputs(model, reference)
+        assert rel_err(got, want) < 1.5e-2
 
 
 def test_a_stack_quantised_in_some_layers_only_is_dequantised(tiny_transformer, tmp_path):

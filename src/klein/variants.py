@@ -87,7 +87,7 @@ def from_file(path: Path, transformer: TransformerConfig, forced: str | None = N
 def _forced(path: Path, transformer: TransformerConfig, size: str | None, forced: str) -> Variant:
     if forced not in VARIANTS:
         raise CheckpointError(f"unknown variant {forced!r}; known: {', '.join(VARIANTS)}")
-    want = "9b" if forced.endswith(("9b", "9b-kv")) else "4b"
+    want = "9b" if "9b" in forced else "4b"
     if size != want:
         holds = f"a klein-{size}" if size else "a non-standard"
         raise CheckpointError(

@@ -32,8 +32,9 @@ class Linear(nnx.Module):
         kernel = self.kernel[...].astype(self.dtype)
         y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if self.weight_scale is not None:
-            # Scaling the output rather than the kernel: fewer multiplies at every size klein runs.
-            y = y * self.weight_scale[...].astype(self.dtype)
+            # float8 values are exact in bf16 and fp32; scaling the output (in fp32, like an FP8 GEMM's
+            # epilogue) keeps them so, where scaling the kernel would round every weight x scale to bf16.
+            y = (y * self.weight_scale[...]).astype(self.dtype)
         return y
 
     def store_fp8(self) -> None:
