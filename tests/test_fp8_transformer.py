@@ -79,6 +79,21 @@ def test_bfloat16_compute(fp8):
         assert rel_err(got, want) < 1.5e-2
 
 
+def test_comfy_quant_markers_instead_of_the_header(fp8, tmp_path):
+    """ComfyUI's per-layer `comfy_quant` tensors (the layer's JSON as bytes) declare the same layers."""
+    path, reference, tensors, metadata = fp8
+    layers = json.loads(metadata["_quantization_metadata"])["layers"]
+    markers = {
+        f"{layer}.comfy_quant": torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        for layer, conf in layers.items()
+    }
+    marked = write_safetensors(tmp_path / "marked.safetensors", {**tensors, **markers})
+    _, ours = load_transformer_file(marked)
+    assert ours.proj_out.kernel[...].dtype == jnp.float8_e4m3fn
+    got, want = both_outputs(ours, reference)
+    assert rel_err(got, want) < TOL
+
+
 def test_a_stack_quantised_in_some_layers_only_is_dequantised(tiny_transformer, tmp_path):
     path, reference, _, _ = fp8_file(
         tiny_transformer,

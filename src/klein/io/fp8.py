@@ -6,6 +6,8 @@ The safetensors header's `__metadata__["_quantization_metadata"]` is JSON,
 also be the bare format string). Each listed layer stores `<layer>.weight` as F8_E4M3 and a float32
 per-tensor `<layer>.weight_scale` (shape () or (1,)); the weight is `float(weight) * weight_scale`. An
 optional `<layer>.input_scale` is for FP8 activations; klein quantises weights only and does not read it.
+ComfyUI may instead (or also) mark each layer with a `<layer>.comfy_quant` tensor: the same per-layer JSON
+as uint8 bytes. `SIDE_TENSORS` are the keys besides `weight` that a quantised layer may carry.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from klein.io.safetensors import TensorSource
 HEADER_KEY = "_quantization_metadata"
 FORMAT = "float8_e4m3fn"
 _STORED = "F8_E4M3"
+_MARKER = ".comfy_quant"
+SIDE_TENSORS = ("weight_scale", "input_scale", "comfy_quant")
 
 
 def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
     """Stored layer names (keys without `.weight`) the header declares FP8, checked against the tensors."""
-    layers = _declared(source.metadata().get(HEADER_KEY), where)
     keys = source.keys()
+    layers = {**_declared(source.metadata().get(HEADER_KEY), where), **_marked(source, keys, where)}
     for layer, fmt in layers.items():
         if fmt != FORMAT:
             raise CheckpointError(
@@ -57,7 +61,20 @@ def _declared(raw: str | None, where: str) -> dict[str, str]:
     if raw is None:
         return {}
     try:
-        layers = json.loads(raw)["layers"]
-        return {name: conf if isinstance(conf, str) else conf["format"] for name, conf in layers.items()}
+        return {name: _format(conf) for name, conf in json.loads(raw)["layers"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{where}: unreadable {HEADER_KEY} in the safetensors header ({exc})") from None
+
+
+def _marked(source: TensorSource, keys: set[str], where: str) -> dict[str, str]:
+    layers = {}
+    for key in sorted(k for k in keys if k.endswith(_MARKER)):
+        try:
+            layers[key.removesuffix(_MARKER)] = _format(json.loads(source.get(key).tobytes()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{where}: unreadable quantisation marker '{key}' ({exc})") from None
+    return layers
+
+
+def _format(conf) -> str:
+    return conf if isinstance(conf, str) else conf["format"]

@@ -20,7 +20,7 @@ from flax import nnx
 from klein import variants
 from klein.errors import CheckpointError
 from klein.io import bfl_transformer_keys as bfl
-from klein.io.fp8 import fp8_layers
+from klein.io.fp8 import SIDE_TENSORS, fp8_layers
 from klein.io.gguf_file import GGUFSource
 from klein.io.loading import checkpoint_keys, expected_shapes, load_module
 from klein.io.mapped import Dequantized, MappedSource, Scalar
@@ -55,7 +55,8 @@ def load_transformer_file(
     # 3. Read every diffusers key from its BFL tensor; FP8 weights of the other modules are dequantised.
     raw = {key for module in kept for key in plan[(*module, "kernel")]}
     table = {key: _piece(key, prefix, fp8, raw) for key in expected_shapes(abstract, STACKED, key_map)}
-    mapped = MappedSource(source, table, dropped={f"{layer}.input_scale" for layer in fp8})
+    unread = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS if side != "weight_scale"}
+    mapped = MappedSource(source, table, dropped=unread)
     return chosen, load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map)
 
 
@@ -92,7 +93,7 @@ def _what(keys: set[str]) -> str:
 def _check_layout(stored: dict, diffusers: dict, fp8: set[str], path: Path) -> None:
     """Compare the file with the BFL layout the model needs, in BFL key names (those the user can look up)."""
     expected = bfl.bfl_layout(diffusers)
-    scales = {f"{layer}.{leaf}" for layer in fp8 for leaf in ("weight_scale", "input_scale")}
+    scales = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS}
     both = expected.keys() & stored.keys()
     problems = {
         "missing": sorted(expected.keys() - stored.keys()),
