@@ -25,29 +25,11 @@ SIDE_TENSORS = ("weight_scale", "input_scale", "comfy_quant")
 
 
 def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
-    """Stored layer names (keys without `.weight`) the header declares FP8, checked against the tensors."""
+    """Stored layer names (keys without `.weight`) declared FP8, checked against the tensors."""
     keys = source.keys()
     layers = {**_declared(source.metadata().get(HEADER_KEY), where), **_marked(source, keys, where)}
     for layer, fmt in layers.items():
-        if fmt != FORMAT:
-            raise CheckpointError(
-                f"{where}: layer '{layer}' is quantised as {fmt!r}; klein reads {FORMAT} only"
-            )
-        for tensor in (f"{layer}.weight", f"{layer}.weight_scale"):
-            if tensor not in keys:
-                raise CheckpointError(
-                    f"{where}: FP8 layer '{layer}' has no tensor '{tensor}' (the header lists it as "
-                    f"{FORMAT}); the file is incomplete or was written by a tool klein does not know"
-                )
-        if source.shape(f"{layer}.weight_scale") not in ((), (1,)):
-            raise CheckpointError(
-                f"{where}: '{layer}.weight_scale' has shape {source.shape(f'{layer}.weight_scale')}; klein reads "
-                f"per-tensor FP8 scales only (not per-row ones)"
-            )
-        if source.dtype(f"{layer}.weight") != _STORED:
-            raise CheckpointError(
-                f"{where}: '{layer}.weight' is {source.dtype(f'{layer}.weight')}, not {_STORED}"
-            )
+        _check_layer(source, keys, layer, fmt, where)
     for key in sorted(keys):
         if source.dtype(key) == _STORED and key.removesuffix(".weight") not in layers:
             raise CheckpointError(
@@ -55,6 +37,25 @@ def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
                 f"so its scale is unknown"
             )
     return frozenset(layers)
+
+
+def _check_layer(source: TensorSource, keys: set[str], layer: str, fmt: str, where: str) -> None:
+    if fmt != FORMAT:
+        raise CheckpointError(f"{where}: layer '{layer}' is quantised as {fmt!r}; klein reads {FORMAT} only")
+    weight, scale = f"{layer}.weight", f"{layer}.weight_scale"
+    for tensor in (weight, scale):
+        if tensor not in keys:
+            raise CheckpointError(
+                f"{where}: FP8 layer '{layer}' has no tensor '{tensor}' (the header lists it as {FORMAT}); "
+                f"the file is incomplete or was written by a tool klein does not know"
+            )
+    if source.shape(scale) not in ((), (1,)):
+        raise CheckpointError(
+            f"{where}: '{scale}' has shape {source.shape(scale)}; klein reads per-tensor FP8 scales only "
+            f"(not per-row ones)"
+        )
+    if source.dtype(weight) != _STORED:
+        raise CheckpointError(f"{where}: '{weight}' is {source.dtype(weight)}, not {_STORED}")
 
 
 def _declared(raw: str | None, where: str) -> dict[str, str]:
