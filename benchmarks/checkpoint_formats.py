@@ -6,7 +6,7 @@ on every Linear or on the blocks' Linears only (embedders, modulations and final
 test fixture is then written in each format, loaded, measured (bytes of its arrays) and timed (one jitted
 forward pass, median of several).
 
-    python benchmarks/checkpoint_formats.py --tokens 1024 --text 512
+    PYTHONPATH=. python benchmarks/checkpoint_formats.py --tokens 1024 --text 512   # needs the test extra
 """
 
 import argparse
