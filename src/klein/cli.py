@@ -42,6 +42,10 @@ reachable). With references and a KV checkpoint (klein-9b-kv), reference keys/va
 once and reused at every step (--kv, the default there); --kv on another checkpoint is an error,
 except that black-forest-labs/FLUX.2-klein-9B switches to the klein-9b-kv checkpoint.
 
+Single-file downloads: --transformer takes a BFL .safetensors file (bf16, or FP8 kept FP8 in memory) or
+a GGUF file; give --text-encoder (a Qwen3 folder or repo) and --vae (e.g. ae.safetensors) as well, or
+--model to take them from. The variant comes from the file name (flux-2-klein-9b-kv-fp8...) or --variant.
+
 Output: PNG files carrying the prompt, seed, model and settings as PNG text metadata. Without
 --out, files go to the current folder under a fresh name (klein-YYYYmmdd-HHMMSS-<seed>.png, then
 -1, -2, ... for further images); existing files are never overwritten unless --overwrite is given."""
@@ -55,6 +59,8 @@ examples:
       --image cat.png --image hat.png --num-images 2 --out edit.png  # writes edit-0.png, edit-1.png
   klein generate prompt="the cat wears a hat" image_paths="['cat.png','hat.png']" use_kv=True \\
       model=black-forest-labs/FLUX.2-klein-9B
+  klein generate --transformer flux-2-klein-9b-fp8.safetensors --text-encoder Qwen/Qwen3-8B \\
+      --vae ae.safetensors --prompt "a red fox in snow"   # single files, parts kept apart
 
 exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback)"""
 
@@ -122,7 +128,31 @@ def _generate_parser() -> argparse.ArgumentParser:
     )
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
     add("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
+    _add_part_flags(add)
     return parser
+
+
+def _add_part_flags(add) -> None:
+    """Parts kept apart from a diffusers-layout model (single-file downloads); each overrides --model's."""
+    add(
+        "--transformer",
+        metavar="FILE|FOLDER",
+        help="transformer: a BFL single file (.safetensors, FP8 too), a GGUF file, a folder or repo id",
+    )
+    add("--text-encoder", metavar="FOLDER", help="Qwen3 text encoder folder or repo id")
+    add(
+        "--vae",
+        metavar="FILE|FOLDER",
+        help="VAE: ae.safetensors (BFL or diffusers names), a folder or repo id",
+    )
+    add("--tokenizer", metavar="FOLDER", help="tokenizer folder or repo id (default: the text encoder's)")
+    add("--variant", help="variant of a --transformer file whose name does not say, e.g. klein-9b-kv")
+    add(
+        "--dequantize",
+        action="store_true",
+        default=None,
+        help="FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
+    )
 
 
 def _version() -> str:
@@ -206,9 +236,17 @@ def _load(request: cli_args.GenerateRequest):
             bar.set_postfix_str(path)
             references.append(load_image(path))
             bar.update()
-        bar.set_postfix_str(request.model or "demo")
+        bar.set_postfix_str(request.transformer or request.model or "demo")
         pipe = load_pipeline(
-            source=request.model or "demo", dtype=request.dtype or "float32", use_kv=request.kv
+            source=request.model,
+            dtype=request.dtype or "float32",
+            use_kv=request.kv,
+            transformer=request.transformer,
+            text_encoder=request.text_encoder,
+            vae=request.vae,
+            tokenizer=request.tokenizer,
+            variant=request.variant,
+            dequantize=bool(request.dequantize),
         )
         bar.update()
     return pipe, references, time.perf_counter() - started

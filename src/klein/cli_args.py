@@ -30,6 +30,12 @@ class GenerateRequest:
     out: str | None = None
     overwrite: bool = False
     dtype: str | None = None
+    transformer: str | None = None
+    text_encoder: str | None = None
+    vae: str | None = None
+    tokenizer: str | None = None
+    variant: str | None = None
+    dequantize: bool | None = None
 
 
 def _literal(text: str) -> object:
@@ -118,6 +124,12 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "out": ("out", _as_text),
     "overwrite": ("overwrite", _as_bool),
     "dtype": ("dtype", _as_text),
+    "transformer": ("transformer", _as_text),
+    "text_encoder": ("text_encoder", _as_text),
+    "vae": ("vae", _as_text),
+    "tokenizer": ("tokenizer", _as_text),
+    "variant": ("variant", _as_text),
+    "dequantize": ("dequantize", _as_bool),
 }
 
 

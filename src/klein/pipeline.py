@@ -22,17 +22,14 @@ import numpy as np
 import PIL.Image
 from flax import nnx
 
-from klein import checkpoints, images, sampling, text
+from klein import components, images, sampling, text
 from klein.errors import InputError
-from klein.io.text_encoder_checkpoint import load_text_encoder
-from klein.io.transformer_checkpoint import load_transformer
-from klein.io.vae_checkpoint import load_vae
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.models.rope import rope_tables
 from klein.paths import klein_home
-from klein.variants import KV_CHECKPOINT, Variant, detect
+from klein.variants import KV_CHECKPOINT, Variant
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -293,19 +290,30 @@ class _Timed:
             self.timings[stage] = self.timings.get(stage, 0.0) + seconds
 
 
-def load_pipeline(source: str | Path = checkpoints.DEMO, dtype: str = "float32", use_kv: bool | None = None):
-    """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo"."""
+def load_pipeline(
+    source: str | Path | None = None,
+    dtype: str = "float32",
+    use_kv: bool | None = None,
+    *,
+    transformer: str | Path | None = None,
+    text_encoder: str | Path | None = None,
+    vae: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    variant: str | None = None,
+    dequantize: bool = False,
+):
+    """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
+    nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
+    `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.components`).
+    `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8 weights
+    to `dtype` at load instead of keeping them FP8."""
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     jdtype = DTYPES[dtype]
     _enable_compilation_cache()
-    folder, name = checkpoints.resolve(source, use_kv)
-    transformer = load_transformer(folder / "transformer", jdtype)
-    variant = detect(folder, transformer.cfg)
-    _, vae = load_vae(folder / "vae", jdtype)
-    _, encoder = load_text_encoder(folder / "text_encoder", jdtype)
-    tokenizer = text.load_tokenizer(folder / "tokenizer")
-    return Flux2KleinPipeline(name, variant, transformer, vae, encoder, tokenizer, jdtype)
+    parts = components.Parts(transformer, text_encoder, vae, tokenizer)
+    c = components.load_components(source, parts, jdtype, use_kv, variant, dequantize)
+    return Flux2KleinPipeline(c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype)
 
 
 def _enable_compilation_cache() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from klein.errors import CheckpointError
@@ -60,6 +61,40 @@ def detect(folder: Path, transformer: TransformerConfig) -> Variant:
     if name not in VARIANTS:
         raise CheckpointError(f"{folder}: a {size} transformer with KV pipeline is not a published variant")
     return VARIANTS[name]
+
+
+def from_file(path: Path, transformer: TransformerConfig, forced: str | None = None) -> Variant:
+    """The variant of a transformer kept outside a diffusers pipeline folder (a single file or a bare
+    transformer folder): the size from its shapes, "base" and "kv" from its name as BFL names its files
+    (`flux-2-klein-base-9b.safetensors`, `flux-2-klein-9b-kv-fp8.safetensors`), unless `forced` names the
+    variant; a forced variant must match the shapes."""
+    size = _SIZES.get(transformer)
+    if forced is not None:
+        return _forced(path, transformer, size, forced)
+    words = set(re.split(r"[^a-z0-9]+", path.stem.lower()))
+    kv, distilled = "kv" in words, "base" not in words
+    if size is None:
+        return Variant(f"custom ({path.name})", None, kv=kv, distilled=distilled)
+    name = f"klein-{'' if distilled else 'base-'}{size}{'-kv' if kv else ''}"
+    if name not in VARIANTS:
+        raise CheckpointError(
+            f"{path}: its name suggests {name}, which is not a published variant; name the variant "
+            f"explicitly ({', '.join(VARIANTS)})"
+        )
+    return VARIANTS[name]
+
+
+def _forced(path: Path, transformer: TransformerConfig, size: str | None, forced: str) -> Variant:
+    if forced not in VARIANTS:
+        raise CheckpointError(f"unknown variant {forced!r}; known: {', '.join(VARIANTS)}")
+    want = "9b" if "9b" in forced else "4b"
+    if size != want:
+        holds = f"a klein-{size}" if size else "a non-standard"
+        raise CheckpointError(
+            f"{path}: holds {holds} transformer ({transformer.num_layers} double + "
+            f"{transformer.num_single_layers} single blocks, width {transformer.hidden}), not {forced}"
+        )
+    return VARIANTS[forced]
 
 
 def _model_index(folder: Path) -> dict:

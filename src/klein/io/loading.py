@@ -62,6 +62,8 @@ def load_module(
 ) -> nnx.Module:
     """Fill an abstract module (from `nnx.eval_shape`) with the tensors of `source`.
 
+    Floating-point parameters are cast to `dtype`; with `dtype=None` each keeps the abstract module's
+    own dtype (how FP8 kernels stay float8 next to their float32 scales).
     `place(path, host_array)` puts one parameter on its device(s); the default is `jnp.asarray`.
     """
     stacked = tuple(stacked)
@@ -89,6 +91,14 @@ def expected_shapes(abstract: nnx.Module, stacked: Iterable[str] = (), key_map=N
         for key in keys:
             out[key] = torch_shape
     return out
+
+
+def checkpoint_keys(
+    abstract: nnx.Module, stacked: Iterable[str] = (), key_map=None
+) -> dict[tuple, list[str]]:
+    """The checkpoint key(s) of every parameter path: one per layer for stacked parameters."""
+    flat = list(nnx.to_flat_state(nnx.state(abstract)))
+    return {path: keys for path, (keys, _) in _plan(flat, tuple(stacked), key_map).items()}
 
 
 def _plan(flat, stacked, key_map) -> dict[tuple, tuple[list[str], bool]]:
@@ -126,7 +136,8 @@ def _listing(keys: list[str]) -> str:
 
 
 def _read(source, path, keys, layers, abstract, dtype) -> np.ndarray:
-    target_dtype = np.dtype(dtype) if jnp.issubdtype(abstract.dtype, jnp.floating) else abstract.dtype
+    floating = jnp.issubdtype(abstract.dtype, jnp.floating)
+    target_dtype = np.dtype(dtype) if floating and dtype is not None else abstract.dtype
     out = np.empty(abstract.shape, dtype=target_dtype)
     for i, key in enumerate(keys):
         want = abstract.shape[1:] if layers else abstract.shape

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -71,12 +72,42 @@ class TensorSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handles[self._file_of[key]].get_slice(key).get_shape())
 
-    def get(self, key: str) -> np.ndarray:
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name, e.g. "BF16" or "F8_E4M3"."""
+        return self._handles[self._file_of[key]].get_slice(key).get_dtype()
+
+    def metadata(self) -> dict[str, str]:
+        """The `__metadata__` strings of the header(s), merged over shards."""
+        merged: dict[str, str] = {}
+        for handle in self._handles.values():
+            merged.update(handle.metadata() or {})
+        return merged
+
+    def get(self, key: str, rows: slice | None = None) -> np.ndarray:
+        """Tensor `key`, or only `rows` of its first axis (read without the rest: parts of fused tensors)."""
         path = self._file_of[key]
         try:
-            return self._handles[path].get_tensor(key)
+            if self.dtype(key) in _FLOAT8:
+                whole = _float8_view(path, key, _FLOAT8[self.dtype(key)])
+                return np.array(whole if rows is None else whole[rows])
+            if rows is None:
+                return self._handles[path].get_tensor(key)
+            return self._handles[path].get_slice(key)[rows]
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{key}' ({exc})") from None
+
+
+# safetensors' numpy reader has no float8 types (numpy itself has none); these are read from the file directly.
+_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _float8_view(path: Path, key: str, dtype) -> np.ndarray:
+    """Memory-mapped tensor: the file is 8 bytes of header length, the JSON header, then the data."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[key]
+    offset = 8 + size + entry["data_offsets"][0]
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(entry["shape"]))
 
 
 def _open(path: Path):

@@ -15,7 +15,7 @@ from klein.models.transformer_config import TransformerConfig
 STACKED = ("transformer_blocks", "single_transformer_blocks")
 
 
-def _key_map(key: str) -> str:
+def key_map(key: str) -> str:
     # Double blocks keep diffusers' `to_out` ModuleList (Linear, Dropout); single blocks have a plain Linear.
     if key.startswith("transformer_blocks."):
         return key.replace(".attn.to_out.", ".attn.to_out.0.")
@@ -28,7 +28,7 @@ def abstract_transformer(cfg: TransformerConfig, dtype=jnp.float32) -> Flux2Tran
 
 def expected_transformer_keys(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Checkpoint keys and PyTorch-layout shapes a transformer with this config must have."""
-    return expected_shapes(abstract_transformer(cfg), STACKED, _key_map)
+    return expected_shapes(abstract_transformer(cfg), STACKED, key_map)
 
 
 def load_transformer(folder: str | Path, dtype=jnp.float32, place=None) -> Flux2Transformer:
@@ -37,4 +37,4 @@ def load_transformer(folder: str | Path, dtype=jnp.float32, place=None) -> Flux2
     cfg = TransformerConfig.from_file(folder / "config.json")
     source = TensorSource.from_folder(folder, "diffusion_pytorch_model")
     abstract = abstract_transformer(cfg, dtype)
-    return load_module(abstract, source, dtype=dtype, stacked=STACKED, key_map=_key_map, place=place)
+    return load_module(abstract, source, dtype=dtype, stacked=STACKED, key_map=key_map, place=place)

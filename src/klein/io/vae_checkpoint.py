@@ -1,4 +1,5 @@
-"""Loading the FLUX.2 VAE from a diffusers `vae/` folder (config.json + safetensors) into Flax NNX."""
+"""Loading the FLUX.2 VAE into Flax NNX: from a diffusers `vae/` folder (config.json + safetensors), or from
+one single file in BFL or diffusers naming."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from klein.errors import CheckpointError
-from klein.io.loading import load_module
+from klein.io import bfl_vae_keys
+from klein.io.loading import expected_shapes, load_module
+from klein.io.mapped import MappedSource
 from klein.io.safetensors import TensorSource
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 
 # BatchNorm's training-step counter: saved by torch, meaningless for inference.
 SKIPPED_KEYS = frozenset({"bn.num_batches_tracked"})
+# One key that each naming of a single-file VAE has.
+_BFL_MARKER = "encoder.down.0.block.0.conv1.weight"
+_DIFFUSERS_MARKER = "encoder.down_blocks.0.resnets.0.conv1.weight"
 
 
 def load_vae(folder: str | Path, dtype=jnp.float32) -> tuple[VAEConfig, AutoencoderKLFlux2]:
@@ -26,12 +32,39 @@ def load_vae(folder: str | Path, dtype=jnp.float32) -> tuple[VAEConfig, Autoenco
     """
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
-    source = TensorSource.from_folder(folder, "diffusion_pytorch_model")
-    abstract = nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
-    vae = load_module(abstract, source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__)
+    return cfg, _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype)
+
+
+def load_vae_file(
+    path: str | Path, dtype=jnp.float32, config: VAEConfig | None = None
+) -> tuple[VAEConfig, AutoencoderKLFlux2]:
+    """A VAE saved as one safetensors file without a config: BFL's names (`ae.safetensors` of FLUX.2 [dev],
+    ComfyUI's `flux2-vae.safetensors`) or diffusers' names. `config` defaults to the released FLUX.2 VAE,
+    the one every klein variant uses."""
+    path = Path(path)
+    cfg = config or VAEConfig.flux2()
+    source = TensorSource.from_file(path)
+    if _BFL_MARKER in source.keys():
+        levels = len(cfg.decoder_channels)
+        table = {key: bfl_vae_keys.piece(key, levels) for key in expected_shapes(_abstract(cfg))}
+        source = MappedSource(source, table)
+    elif _DIFFUSERS_MARKER not in source.keys():
+        raise CheckpointError(
+            f"{path}: not a FLUX.2 VAE: it has neither '{_BFL_MARKER}' (BFL names) nor '{_DIFFUSERS_MARKER}' "
+            f"(diffusers names); is it a transformer or a text encoder?"
+        )
+    return cfg, _load(cfg, source, dtype)
+
+
+def _abstract(cfg: VAEConfig) -> AutoencoderKLFlux2:
+    return nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
+
+
+def _load(cfg: VAEConfig, source, dtype) -> AutoencoderKLFlux2:
+    vae = load_module(_abstract(cfg), source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__)
     params = nnx.state(vae, nnx.Param)
     nnx.update(vae, jax.tree.map(lambda p: p.astype(dtype), params))
-    return cfg, vae
+    return vae
 
 
 def read_config(path: Path) -> VAEConfig:

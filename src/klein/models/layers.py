@@ -8,15 +8,60 @@ reference tokens are modulated at another timestep than the image tokens).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 
-def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
-    # FLUX.2 has no biases anywhere.
-    return nnx.Linear(d_in, d_out, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs)
+class Linear(nnx.Module):
+    """`x @ kernel` without bias (FLUX.2 has none anywhere), computed in `dtype`.
+
+    The kernel float[in, out] is stored in `dtype`, or - for FP8 checkpoints, see `store_fp8` - as
+    float8_e4m3fn with a float32 per-tensor `weight_scale`: weight-only quantisation, the kernel is
+    widened inside the jitted matmul, so device memory holds one byte per weight.
+    """
+
+    def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
+        self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (d_in, d_out), dtype))
+        self.weight_scale: nnx.Param | None = nnx.data(None)  # a Param once stored as FP8
+        self.dtype = dtype
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        kernel = self.kernel[...].astype(self.dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.weight_scale is not None:
+            # float8 values are exact in bf16 and fp32; scaling the output (in fp32, like an FP8 GEMM's
+            # epilogue) keeps them so, where scaling the kernel would round every weight x scale to bf16.
+            y = (y * self.weight_scale[...]).astype(self.dtype)
+        return y
+
+    def store_fp8(self) -> None:
+        """Switch storage to a float8_e4m3fn kernel plus float32 scale (one per leading layer index)."""
+        shape = self.kernel[...].shape
+        self.kernel = nnx.Param(jnp.zeros(shape, jnp.float8_e4m3fn))
+        self.weight_scale = nnx.Param(jnp.ones(shape[:-2], jnp.float32))
+
+
+# nnx.Linear's default initialiser, so random models (tests, demo) are drawn exactly as before.
+_KERNEL_INIT = nnx.initializers.lecun_normal()
+
+
+def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype) -> Linear:
+    return Linear(d_in, d_out, rngs, dtype)
+
+
+def store_fp8(model: nnx.Module, paths: Collection[tuple]) -> nnx.Module:
+    """`model` with the `Linear` layers at module `paths` holding FP8 kernels (call inside `nnx.eval_shape`
+    to build the abstract model an FP8 checkpoint is loaded into). Stacked layers keep their layer axis."""
+    found = {path: module for path, module in nnx.iter_modules(model) if isinstance(module, Linear)}
+    unknown = set(paths) - set(found)
+    if unknown:
+        raise ValueError(f"not Linear layers of this model: {sorted(unknown)}")
+    for path in paths:
+        found[path].store_fp8()
+    return model
 
 
 def layer_norm(x: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -101,7 +146,7 @@ class TimeGuidanceEmbed(nnx.Module):
 
     def __call__(self, t: jnp.ndarray) -> jnp.ndarray:
         features = timestep_features(t, self.channels)
-        return self.timestep_embedder(features.astype(self.timestep_embedder.linear_1.kernel.dtype))
+        return self.timestep_embedder(features.astype(self.timestep_embedder.linear_1.dtype))
 
 
 class AdaNormOut(nnx.Module):

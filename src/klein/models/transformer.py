@@ -149,7 +149,7 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
 def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
     """Reference keys/values for ref tokens float[R, C] (all references concatenated)."""
     _, (img_mod, _, single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
-    h = model.x_embedder(ref[None].astype(model.x_embedder.kernel.dtype))
+    h = model.x_embedder(ref[None].astype(model.x_embedder.dtype))
 
     def double(block, x, _):
         x, _, (k, v) = block(x, None, img_mod, None, ref_rope, _full)

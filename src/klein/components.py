@@ -1,0 +1,119 @@
+"""Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one.
+
+Single-file users keep the parts apart: a BFL, FP8 or GGUF transformer file, the FLUX.2 `ae.safetensors`, a
+Qwen3 folder. Each part is a local file or folder, or a Hugging Face repo id; a folder or repo that holds a
+whole pipeline gives the part's subfolder. Parts not named come from the checkpoint (`source`); with no
+checkpoint every part must be named, except the tokenizer, which the text encoder's folder usually holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from klein import checkpoints, text, variants
+from klein.errors import CheckpointError, InputError
+from klein.io.text_encoder_checkpoint import load_text_encoder
+from klein.io.transformer_checkpoint import load_transformer
+from klein.io.transformer_file import load_transformer_file
+from klein.io.vae_checkpoint import load_vae, load_vae_file
+from klein.models.qwen3 import Qwen3TextEncoder
+from klein.models.transformer import Flux2Transformer
+from klein.models.vae import AutoencoderKLFlux2
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """Where each part is: a file, a folder or a repo id; None takes it from the checkpoint."""
+
+    transformer: str | Path | None = None
+    text_encoder: str | Path | None = None
+    vae: str | Path | None = None
+    tokenizer: str | Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+    name: str
+    variant: variants.Variant
+    transformer: Flux2Transformer
+    vae: AutoencoderKLFlux2
+    text_encoder: Qwen3TextEncoder
+    tokenizer: text.PromptTokenizer
+
+
+def load_components(source, parts: Parts, dtype, use_kv=None, variant=None, dequantize=False) -> Components:
+    """Load every part; `variant` names the transformer's variant explicitly, `dequantize` widens FP8 weights."""
+    root, name = _checkpoint(source, parts, use_kv)
+    named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
+    if named["tokenizer"] is None:
+        named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
+    chosen, transformer = _transformer(_locate(named["transformer"]), dtype, variant, dequantize)
+    return Components(
+        name=str(parts.transformer) if parts.transformer else name,
+        variant=chosen,
+        transformer=transformer,
+        vae=_vae(_part(named["vae"], "vae"), dtype),
+        text_encoder=_text_encoder(_part(named["text_encoder"], "text_encoder"), dtype),
+        tokenizer=text.load_tokenizer(_part(named["tokenizer"], "tokenizer")),
+    )
+
+
+def _checkpoint(source, parts: Parts, use_kv) -> tuple[Path | None, str | None]:
+    """The checkpoint the unnamed parts come from: `source`, or the demo when nothing at all is named."""
+    if source is None and parts == Parts():
+        source = checkpoints.DEMO
+    if source is not None:
+        return checkpoints.resolve(source, use_kv)
+    missing = [part for part in ("transformer", "text_encoder", "vae") if getattr(parts, part) is None]
+    if missing:
+        raise InputError(
+            f"no model to take the {', '.join(missing)} from: name every part, or a diffusers-layout model "
+            f"(folder or repo id) that holds the others"
+        )
+    return None, None
+
+
+def _locate(spec) -> Path:
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if path.suffix.lower() in (".safetensors", ".sft", ".gguf"):
+        raise CheckpointError(f"{path}: no such file")
+    return checkpoints.resolve(str(spec))[0]  # a repo id (or the error naming what is accepted)
+
+
+def _part(spec, subfolder: str) -> Path:
+    """A part's own file or folder: `<folder>/<subfolder>` when the folder holds a whole pipeline."""
+    path = _locate(spec)
+    return path / subfolder if (path / subfolder).is_dir() else path
+
+
+def _tokenizer_beside(text_encoder: Path) -> Path:
+    for folder in (text_encoder / "tokenizer", text_encoder):
+        if (folder / "tokenizer.json").is_file():
+            return folder
+    raise InputError(f"{text_encoder} holds no tokenizer.json: name the tokenizer's folder or repo too")
+
+
+def _transformer(path: Path, dtype, variant, dequantize):
+    if path.is_file():
+        return load_transformer_file(path, dtype, variant=variant, dequantize=dequantize)
+    pipeline = (path / "model_index.json").is_file()
+    model = load_transformer(path / "transformer" if pipeline else path, dtype)
+    if pipeline and variant is None:  # a whole pipeline's index says which variant it is
+        return variants.detect(path, model.cfg), model
+    return variants.from_file(path, model.cfg, variant), model
+
+
+def _vae(path: Path, dtype):
+    return (load_vae_file(path, dtype) if path.is_file() else load_vae(path, dtype))[1]
+
+
+def _text_encoder(path: Path, dtype):
+    if path.is_file():
+        raise CheckpointError(
+            f"{path}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
+            f"repo), not a single file"
+        )
+    return load_text_encoder(path, dtype)[1]

@@ -1,0 +1,131 @@
+"""A checkpoint seen under the key names a model expects: renamed, split, reordered or dequantised tensors.
+
+Single-file checkpoints name and pack tensors their own way (BFL's fused qkv projections, 1x1 convolutions
+where diffusers has Linears, FP8 weights with separate scales). A `MappedSource` presents such a file to the
+strict loader (`klein.io.loading`) as if it had the model's own keys: each expected key is a small `Piece`
+that says which stored tensor(s) to read and how. Pieces read one tensor, or a block of its rows, at a time,
+so loading still streams. Stored keys that no piece reads keep their own names, so the loader reports them
+as unexpected instead of silently dropping them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """A stored tensor as it is."""
+
+    key: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def shape(self, source) -> tuple[int, ...]:
+        return source.shape(self.key)
+
+    def read(self, source) -> np.ndarray:
+        return source.get(self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows(Whole):
+    """Block `index` of `count` equal blocks of rows (output features) of a fused tensor."""
+
+    index: int = 0
+    count: int = 1
+
+    def shape(self, source) -> tuple[int, ...]:
+        rows, *rest = source.shape(self.key)
+        # An indivisible tensor keeps its own shape, which the loader then reports as wrong.
+        return (rows // self.count, *rest) if rows % self.count == 0 else (rows, *rest)
+
+    def read(self, source) -> np.ndarray:
+        block = source.shape(self.key)[0] // self.count
+        return source.get(self.key, rows=slice(self.index * block, (self.index + 1) * block))
+
+
+@dataclasses.dataclass(frozen=True)
+class SwappedHalves(Whole):
+    """The two halves of the rows in the other order (BFL's final (shift, scale) is diffusers' (scale, shift))."""
+
+    def read(self, source) -> np.ndarray:
+        array = source.get(self.key)
+        half = array.shape[0] // 2
+        return np.concatenate([array[half:], array[:half]])
+
+
+@dataclasses.dataclass(frozen=True)
+class Squeezed(Whole):
+    """A 1x1 convolution weight [out, in, 1, 1] read as the equivalent Linear weight [out, in]."""
+
+    def shape(self, source) -> tuple[int, ...]:
+        stored = source.shape(self.key)
+        return stored[:2] if stored[2:] == (1, 1) else stored
+
+    def read(self, source) -> np.ndarray:
+        array = source.get(self.key)
+        return array.reshape(array.shape[:2])
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalar(Whole):
+    """A per-tensor scale, stored as shape () or (1,)."""
+
+    def shape(self, source) -> tuple[int, ...]:
+        stored = source.shape(self.key)
+        return () if stored in ((), (1,)) else stored
+
+    def read(self, source) -> np.ndarray:
+        return source.get(self.key).astype(np.float32).reshape(())
+
+
+@dataclasses.dataclass(frozen=True)
+class Dequantized:
+    """`piece` (an FP8 weight, or rows of one) times its float32 per-tensor scale, widened to float32."""
+
+    piece: Whole
+    scale_key: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (*self.piece.keys, self.scale_key)
+
+    def shape(self, source) -> tuple[int, ...]:
+        return self.piece.shape(source)
+
+    def read(self, source) -> np.ndarray:
+        return self.piece.read(source).astype(np.float32) * Scalar(self.scale_key).read(source)
+
+
+class MappedSource:
+    """`source` under new keys: `table` maps each new key to the piece that reads it.
+
+    `dropped` names stored keys read by nothing on purpose (e.g. FP8 activation scales).
+    Pieces whose stored tensors are absent are left out, so the loader reports their keys as missing.
+    """
+
+    def __init__(self, source, table: dict, dropped: Iterable[str] = ()):
+        have = source.keys()
+        self._source = source
+        self._table = {key: piece for key, piece in table.items() if set(piece.keys) <= have}
+        read = {stored for piece in table.values() for stored in piece.keys}
+        self._rest = have - read - set(dropped)
+
+    def keys(self) -> set[str]:
+        return set(self._table) | self._rest
+
+    def file_of(self, key: str) -> Path:
+        return self._source.file_of(self._table[key].keys[0] if key in self._table else key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._table[key].shape(self._source) if key in self._table else self._source.shape(key)
+
+    def get(self, key: str) -> np.ndarray:
+        return self._table[key].read(self._source) if key in self._table else self._source.get(key)
