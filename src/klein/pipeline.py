@@ -22,15 +22,16 @@ import numpy as np
 import PIL.Image
 from flax import nnx
 
-from klein import checkpoints, images, sampling, text
+from klein import checkpoints, images, sampling, sharding, text
 from klein.errors import InputError
-from klein.io.text_encoder_checkpoint import load_text_encoder
+from klein.io.text_encoder_checkpoint import load_text_encoder, read_config
 from klein.io.transformer_checkpoint import load_transformer
 from klein.io.vae_checkpoint import load_vae
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.models.rope import rope_tables
+from klein.models.transformer_config import TransformerConfig
 from klein.paths import klein_home
 from klein.variants import KV_CHECKPOINT, Variant, detect
 
@@ -41,15 +42,18 @@ class Compiled:
     """`fn(module, *args)` jitted over (weights, args) with the module graph static.
 
     Weights are arguments rather than closed-over constants, so XLA neither embeds nor copies them,
-    and one compilation per input shape serves every call.
+    and one compilation per input shape serves every call. With a mesh, tracing sees it, so the
+    model's logical sharding constraints resolve against it.
     """
 
-    def __init__(self, fn, module: nnx.Module):
+    def __init__(self, fn, module: nnx.Module, mesh=None):
         graphdef, self.state = nnx.split(module)
+        self._mesh = mesh
         self._jit = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
 
     def __call__(self, *args):
-        return self._jit(self.state, *args)
+        with sharding.use(self._mesh):
+            return self._jit(self.state, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +75,17 @@ class GenerationOutput:
 
 
 class Flux2KleinPipeline:
-    def __init__(self, name: str, variant: Variant, transformer, vae, text_encoder, tokenizer, dtype):
+    def __init__(
+        self, name: str, variant: Variant, transformer, vae, text_encoder, tokenizer, dtype, mesh=None
+    ):
         self.name, self.variant, self.dtype, self.tokenizer = name, variant, dtype, tokenizer
-        self.config = transformer.cfg
-        self._text = Compiled(qwen3.prompt_embeddings, text_encoder)
-        self._encode = Compiled(vae_model.encode_latents, vae)
-        self._decode = Compiled(vae_model.decode_latents, vae)
-        self._prefill = Compiled(T.prefill, transformer)
-        self._step = Compiled(functools.partial(_denoise_step, cfg=False), transformer)
-        self._step_cfg = Compiled(functools.partial(_denoise_step, cfg=True), transformer)
+        self.config, self.mesh = transformer.cfg, mesh
+        self._text = Compiled(qwen3.prompt_embeddings, text_encoder, mesh)
+        self._encode = Compiled(vae_model.encode_latents, vae, mesh)
+        self._decode = Compiled(_decode_replicated, vae, mesh)
+        self._prefill = Compiled(T.prefill, transformer, mesh)
+        self._step = Compiled(functools.partial(_denoise_step, cfg=False), transformer, mesh)
+        self._step_cfg = Compiled(functools.partial(_denoise_step, cfg=True), transformer, mesh)
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
@@ -99,6 +105,7 @@ class Flux2KleinPipeline:
         grids = [tuple(z.shape[:2]) for z in latents]
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
         ids = sampling.reference_ids(grids)
+        sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", len(ids))])
         self.counters["references"] += 1
         kv = None
         if self._use_kv(use_kv):
@@ -151,9 +158,10 @@ class Flux2KleinPipeline:
         h, w, rounded = images.output_size(height, width, references.pixel_sizes if references else ())
         if rounded:
             warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=2)
+        batch = len(prompts) * per_prompt
+        self._check_fits(batch, h, w)
         with clock("text"):
             txt = self._prompt_batch(prompts, per_prompt, guidance)
-        batch = len(prompts) * per_prompt
         x, seed = self._initial_noise(latents, seed, batch, h // 16, w // 16)
         with clock("denoise"):
             x = self._denoise(x, txt, references, guidance, steps, (h // 16, w // 16), progress)
@@ -171,6 +179,11 @@ class Flux2KleinPipeline:
             num_references=len(references.pixel_sizes) if references else 0,
         )
         return GenerationOutput(out, seed, timings, settings)
+
+    def _check_fits(self, batch: int, h: int, w: int) -> None:
+        """Fail before any work when the mesh cannot split this request evenly."""
+        tokens = [("batch", "batch size", batch), ("seq", f"image tokens ({h}x{w} px / 256)", h * w // 256)]
+        sharding.check_divisible(self.mesh, "this request", tokens)
 
     def _guidance(self, guidance_scale: float | None) -> float | None:
         if self.variant.distilled:
@@ -211,6 +224,7 @@ class Flux2KleinPipeline:
                 cond = (references.tokens[None], self._rope(key, references.ids))
         step = self._step if guidance is None else self._step_cfg
         scale = jnp.float32(guidance or 1.0)
+        x = sharding.put(x, sharding.TOKENS, self.mesh)
         for i in range(steps):
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
             if progress:
@@ -230,7 +244,13 @@ def _denoise_step(model, x, txt, sigma, sigma_next, ropes, cond, scale, *, cfg: 
         v = T.forward(model, x_in, txt, t, img_rope, txt_rope, refs=cond)
     if cfg:
         v = sampling.guided(*jnp.split(v, 2), scale)
-    return sampling.euler_step(x, v, sigma, sigma_next)
+    # The same layout in as out: every step reuses one compiled program.
+    return sharding.constrain(sampling.euler_step(x, v, sigma, sigma_next), sharding.TOKENS)
+
+
+def _decode_replicated(vae, latents):
+    # Pixels are wanted whole on the host (of every process), so every device gets all of them.
+    return sharding.constrain(vae_model.decode_latents(vae, latents), ())
 
 
 @functools.lru_cache(maxsize=64)
@@ -287,19 +307,42 @@ class _Timed:
             self.timings[stage] = self.timings.get(stage, 0.0) + seconds
 
 
-def load_pipeline(source: str | Path = checkpoints.DEMO, dtype: str = "float32", use_kv: bool | None = None):
-    """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo"."""
+def load_pipeline(
+    source: str | Path = checkpoints.DEMO,
+    dtype: str = "float32",
+    use_kv: bool | None = None,
+    mesh: str | None = None,
+):
+    """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo".
+
+    mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
+    ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
+    Each weight is placed on its shards as it is read.
+    """
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     jdtype = DTYPES[dtype]
+    device_mesh = sharding.make_mesh(mesh)
     _enable_compilation_cache()
     folder, name = checkpoints.resolve(source, use_kv)
-    transformer = load_transformer(folder / "transformer", jdtype)
+    _check_fits(device_mesh, folder)
+    place = functools.partial(sharding.placer, device_mesh)
+    transformer = load_transformer(folder / "transformer", jdtype, place(sharding.TRANSFORMER_PARAMS))
     variant = detect(folder, transformer.cfg)
-    _, vae = load_vae(folder / "vae", jdtype)
-    _, encoder = load_text_encoder(folder / "text_encoder", jdtype)
+    _, vae = load_vae(folder / "vae", jdtype, place())
+    _, encoder = load_text_encoder(folder / "text_encoder", jdtype, place=place(sharding.TEXT_ENCODER_PARAMS))
     tokenizer = text.load_tokenizer(folder / "tokenizer")
-    return Flux2KleinPipeline(name, variant, transformer, vae, encoder, tokenizer, jdtype)
+    return Flux2KleinPipeline(name, variant, transformer, vae, encoder, tokenizer, jdtype, device_mesh)
+
+
+def _check_fits(mesh, folder: Path) -> None:
+    """Fail before reading any weight when the mesh cannot split the models evenly."""
+    if mesh is None:
+        return
+    transformer = TransformerConfig.from_file(folder / "transformer" / "config.json")
+    sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(transformer))
+    encoder = read_config(folder / "text_encoder")
+    sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(encoder))
 
 
 def _enable_compilation_cache() -> None:

@@ -18,17 +18,17 @@ from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 SKIPPED_KEYS = frozenset({"bn.num_batches_tracked"})
 
 
-def load_vae(folder: str | Path, dtype=jnp.float32) -> tuple[VAEConfig, AutoencoderKLFlux2]:
+def load_vae(folder: str | Path, dtype=jnp.float32, place=None) -> tuple[VAEConfig, AutoencoderKLFlux2]:
     """Read `<folder>/config.json` and `<folder>/diffusion_pytorch_model*.safetensors`, strictly.
 
     Weights are cast to `dtype`; the BatchNorm running statistics stay fp32, since in bf16 their
-    3 significant digits would shift every latent.
+    3 significant digits would shift every latent. `place` is `load_module`'s.
     """
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
     source = TensorSource.from_folder(folder, "diffusion_pytorch_model")
     abstract = nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
-    vae = load_module(abstract, source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__)
+    vae = load_module(abstract, source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__, place=place)
     params = nnx.state(vae, nnx.Param)
     nnx.update(vae, jax.tree.map(lambda p: p.astype(dtype), params))
     return cfg, vae
