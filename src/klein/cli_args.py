@@ -30,6 +30,10 @@ class GenerateRequest:
     out: str | None = None
     overwrite: bool = False
     dtype: str | None = None
+    mesh: str | None = None
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 def _literal(text: str) -> object:
@@ -118,6 +122,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "out": ("out", _as_text),
     "overwrite": ("overwrite", _as_bool),
     "dtype": ("dtype", _as_text),
+    "mesh": ("mesh", _as_text),
 }
 
 
@@ -161,3 +166,9 @@ def _check(request: GenerateRequest) -> None:
         value = getattr(request, name)
         if value is not None and value < 1:
             raise InputError(f"{name} must be a positive integer, got {value}")
+    explicit = request.coordinator not in (None, "auto")
+    if explicit != (request.num_processes is not None) or explicit != (request.process_id is not None):
+        raise InputError(
+            "--coordinator HOST:PORT, --num-processes and --process-id go together "
+            "(or --coordinator auto alone, where the cluster tells JAX)"
+        )
