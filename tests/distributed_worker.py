@@ -1,7 +1,8 @@
 """One process of a (possibly multi-process) sharded generation, run by tests/test_sharding.py.
 
-`python -m tests.distributed_worker MESH OUT.npy [COORDINATOR NUM_PROCESSES PROCESS_ID]`: KV editing
-with three references on the demo checkpoint ($KLEIN_HOME); process 0 saves the images as float32.
+`python -m tests.distributed_worker MESH OUT [COORDINATOR NUM_PROCESSES PROCESS_ID]`: KV editing with
+three references on the demo checkpoint ($KLEIN_HOME). Process 0 saves the images of seed 5 as
+OUT.npy; every process i saves those of a seed it was not given as OUT-unseeded-i.npy.
 """
 
 import sys
@@ -31,9 +32,11 @@ def main(mesh: str, out: str, *distributed: str) -> None:
     from klein.pipeline import load_pipeline
 
     pipe = load_pipeline("demo", mesh=mesh)
-    result = pipe("a cat", image=references(), use_kv=True, num_inference_steps=2, seed=5, output_type="np")
-    if jax.process_index() == 0:
-        np.save(out, np.asarray(result.images, np.float32))
+    refs = pipe.encode_references(references(), use_kv=True)
+    for seed, name in [(5, f"{out}.npy"), (None, f"{out}-unseeded-{jax.process_index()}.npy")]:
+        result = pipe("a cat", references=refs, num_inference_steps=2, seed=seed, output_type="np")
+        if seed is None or jax.process_index() == 0:
+            np.save(name, np.asarray(result.images, np.float32))
 
 
 if __name__ == "__main__":

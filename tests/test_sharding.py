@@ -161,11 +161,14 @@ def run_workers(klein_home, out: Path, devices: int, processes: int) -> np.ndarr
                 child.kill()
                 child.wait()
     assert all(child.returncode == 0 for child in children), "\n".join(log[-3000:] for log in logs)
-    return np.load(out)
+    return np.load(f"{out}.npy")
 
 
 def test_two_processes_give_the_image_of_one(klein_home, tmp_path):
-    one = run_workers(klein_home, tmp_path / "one.npy", devices=4, processes=1)
-    two = run_workers(klein_home, tmp_path / "two.npy", devices=2, processes=2)
+    one = run_workers(klein_home, tmp_path / "one", devices=4, processes=1)
+    two = run_workers(klein_home, tmp_path / "two", devices=2, processes=2)
     assert one.shape == two.shape == (1, 64, 64, 3)
     assert float(np.abs(one - two).max()) <= 1e-5
+    # Without a seed, both processes still draw the same noise (process 0's seed).
+    unseeded = [np.load(tmp_path / f"two-unseeded-{i}.npy") for i in range(2)]
+    assert np.array_equal(*unseeded) and not np.allclose(unseeded[0], two, atol=1e-3)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from klein import checkpoints, images, sampling, sharding, text
 from klein.errors import InputError
@@ -206,7 +207,7 @@ class Flux2KleinPipeline:
                     f"latents must have shape {(batch, self.config.in_channels, gh, gw)}, got {latents.shape}"
                 )
             return jnp.asarray(sampling.pack(latents), self.dtype), seed
-        seed = secrets.randbelow(2**31) if seed is None else int(seed)
+        seed = _fresh_seed() if seed is None else int(seed)
         noise = jax.random.normal(jax.random.key(seed), (batch, self.config.in_channels, gh, gw), jnp.float32)
         return jnp.asarray(sampling.pack(np.asarray(noise)), self.dtype), seed
 
@@ -251,6 +252,12 @@ def _denoise_step(model, x, txt, sigma, sigma_next, ropes, cond, scale, *, cfg: 
 def _decode_replicated(vae, latents):
     # Pixels are wanted whole on the host (of every process), so every device gets all of them.
     return sharding.constrain(vae_model.decode_latents(vae, latents), ())
+
+
+def _fresh_seed() -> int:
+    """A random seed; in a multi-process run process 0's, so that every process draws the same noise."""
+    seed = np.int32(secrets.randbelow(2**31))
+    return int(multihost_utils.broadcast_one_to_all(seed) if jax.process_count() > 1 else seed)
 
 
 @functools.lru_cache(maxsize=64)

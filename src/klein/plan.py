@@ -18,6 +18,7 @@ the transformer) are counted as weights only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -80,9 +81,8 @@ def plan(
     images = batch * (1 if VARIANTS[variant].distilled else 2)  # CFG runs prompt and negative together
     queries = TEXT_TOKENS + image + (0 if kv else ref_tokens)
     keys = TEXT_TOKENS + image + ref_tokens
-    transformer, params = _weights(abstract_transformer(cfg), sharding.TRANSFORMER_PARAMS, abstract, e)
-    text_encoder = abstract_text_encoder(text_config, max(PROMPT_LAYERS))
-    vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(VAEConfig.flux2(), rngs=nnx.Rngs(0)))
+    modules = _abstract_models(cfg, text_config)
+    transformer, params = _weights(modules[0], sharding.TRANSFORMER_PARAMS, abstract, e)
     return MemoryPlan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
@@ -90,8 +90,8 @@ def plan(
         request=f"{batch} x {size[0]}x{size[1]} px, {refs} reference(s) of {ref_size[0]}x{ref_size[1]} px, {dtype}",
         transformer_params=params,
         transformer=transformer,
-        text_encoder=_weights(text_encoder, sharding.TEXT_ENCODER_PARAMS, abstract, e)[0],
-        vae=_weights(vae, (), abstract, e)[0],
+        text_encoder=_weights(modules[1], sharding.TEXT_ENCODER_PARAMS, abstract, e)[0],
+        vae=_weights(modules[2], (), abstract, e)[0],
         reference_kv=_reference_kv(cfg, ref_tokens, abstract, e) if kv else 0,
         step_activations=_activations(cfg, abstract, images, queries, keys, e),
         prefill_activations=_activations(cfg, abstract, 1, ref_tokens, ref_tokens, e) if kv else 0,
@@ -105,6 +105,13 @@ def _configs(variant: str, dtype: str) -> tuple[TransformerConfig, Qwen3Config]:
     if dtype not in ITEMSIZE:
         raise InputError(f"dtype must be one of {', '.join(ITEMSIZE)}, got {dtype!r}")
     return (KLEIN_9B, Qwen3Config.qwen3_8b()) if "9b" in variant else (KLEIN_4B, Qwen3Config.qwen3_4b())
+
+
+@functools.cache
+def _abstract_models(cfg: TransformerConfig, text_config: Qwen3Config) -> tuple[nnx.Module, ...]:
+    """Transformer, text encoder (the layers that run) and VAE as shapes only; read, never changed."""
+    vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(VAEConfig.flux2(), rngs=nnx.Rngs(0)))
+    return abstract_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
 
 
 def _check_fits(mesh, variant: str, cfg, text_config, request: list[int]) -> None:
