@@ -165,11 +165,8 @@ def plan_command(flags: argparse.Namespace) -> int:
     """Print the per-device memory plan of `klein plan`."""
     from klein.plan import describe, plan
 
-    print(
-        describe(
-            plan(flags.model, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, flags.dtype)
-        )
-    )
+    memory = plan(flags.model, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, flags.dtype)
+    print(describe(memory))
     return 0
 
 

@@ -25,7 +25,8 @@ from jax.experimental import multihost_utils
 
 from klein import checkpoints, images, sampling, sharding, text
 from klein.errors import InputError
-from klein.io.text_encoder_checkpoint import load_text_encoder, read_config
+from klein.io.text_encoder_checkpoint import load_text_encoder
+from klein.io.text_encoder_checkpoint import read_config as read_text_encoder_config
 from klein.io.transformer_checkpoint import load_transformer
 from klein.io.vae_checkpoint import load_vae
 from klein.models import qwen3
@@ -348,7 +349,7 @@ def _check_fits(mesh, folder: Path) -> None:
         return
     transformer = TransformerConfig.from_file(folder / "transformer" / "config.json")
     sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(transformer))
-    encoder = read_config(folder / "text_encoder")
+    encoder = read_text_encoder_config(folder / "text_encoder")
     sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(encoder))
 
 

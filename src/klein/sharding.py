@@ -73,7 +73,8 @@ REFERENCE_KV = ("layers", "ref_seq", "heads", None)
 
 
 def parse(spec: str) -> dict[str, int]:
-    """ "fsdp=4,context=2" -> {"fsdp": 4, "context": 2}; a lone preset name ("tensor") takes every device."""
+    """Axis sizes of a mesh spec, {"fsdp": 4, "context": 2} for "fsdp=4,context=2"; a lone preset name
+    ("tensor") puts every device on that axis, "single" is no mesh."""
     spec = spec.strip()
     if spec in PRESETS and "=" not in spec:
         return {} if spec == "single" else {spec: jax.device_count()}
