@@ -61,6 +61,8 @@ examples:
       model=black-forest-labs/FLUX.2-klein-9B
   klein generate --transformer flux-2-klein-9b-fp8.safetensors --text-encoder Qwen/Qwen3-8B \\
       --vae ae.safetensors --prompt "a red fox in snow"   # single files, parts kept apart
+  klein generate --model black-forest-labs/FLUX.2-klein-9b-kv --mesh fsdp=4,context=2 \\
+      --prompt "the cat wears a hat" --image cat.png --image hat.png  # over 8 devices
 
 exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback)"""
 
@@ -79,6 +81,7 @@ def _top_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"klein {_version()}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
+    commands.add_parser("plan", help="per-device memory of a model on a mesh (klein plan --help)")
     parser.epilog = GENERATE_EXAMPLES.split("\n\n")[0]
     return parser
 
@@ -128,8 +131,50 @@ def _generate_parser() -> argparse.ArgumentParser:
     )
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
     add("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
+    add("--mesh", help='shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single')
+    add("--coordinator", metavar="HOST:PORT|auto", help="multi-process run: process 0's address (or auto)")
+    add("--num-processes", type=int, help="multi-process run: how many processes")
+    add("--process-id", type=int, help="multi-process run: this process's index (0 writes the images)")
     _add_part_flags(add)
     return parser
+
+
+PLAN_DESCRIPTION = """\
+Per-device memory of a klein variant on a device mesh, from the real configs alone (no weights, no
+devices): weights and the reference KV cache exactly, peak activations as an estimate."""
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="klein plan", description=PLAN_DESCRIPTION)
+    add = parser.add_argument
+    add(
+        "--model",
+        required=True,
+        help="variant: klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b",
+    )
+    add("--mesh", default="single", help='axis sizes, e.g. "fsdp=4,context=2" (default: single)')
+    add("--refs", type=int, default=0, help="reference images (default: 0)")
+    add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
+    add("--ref-size", type=_pixels, metavar="WxH", help="size of each reference (default: --size)")
+    add("--batch", type=int, default=1, help="images per request (default: 1)")
+    add("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights (default: bfloat16)")
+    return parser
+
+
+def _pixels(text: str) -> tuple[int, int]:
+    width, _, height = text.lower().partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in px, e.g. 1024x768, got {text!r}")
+    return int(width), int(height)
+
+
+def plan_command(flags: argparse.Namespace) -> int:
+    """Print the per-device memory plan of `klein plan`."""
+    from klein.plan import describe, plan
+
+    memory = plan(flags.model, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, flags.dtype)
+    print(describe(memory))
+    return 0
 
 
 def _add_part_flags(add) -> None:
@@ -187,6 +232,8 @@ def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
         flags = _generate_parser().parse_intermixed_args(argv[1:])
         return generate(cli_args.build_request(flags))
+    if argv[:1] == ["plan"]:
+        return plan_command(_plan_parser().parse_args(argv[1:]))
     parser = _top_parser()
     # Handles --help, --version and unknown commands; a bare `klein` shows the help.
     parser.parse_args(argv)
@@ -215,6 +262,8 @@ def generate(request: cli_args.GenerateRequest) -> int:
         )
     finally:
         progress.close()
+    if not _lead_process():
+        return 0  # every process of a multi-process run holds the same images; process 0 writes them
     write_started = time.perf_counter()
     metadata = [_metadata(request, pipe.name, result, index) for index in range(len(result.images))]
     paths = cli_output.write_images(result.images, plan, metadata, result.seed)
@@ -227,8 +276,13 @@ def _load(request: cli_args.GenerateRequest):
     """(pipeline, reference images, seconds): references first, so a bad path fails before the model loads."""
     started = time.perf_counter()
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
+    from klein import sharding
     from klein.images import load_image
     from klein.pipeline import load_pipeline
+
+    if request.coordinator is not None:
+        coordinator = None if request.coordinator == "auto" else request.coordinator
+        sharding.start_processes(coordinator, request.num_processes, request.process_id)
 
     with cli_output.loading_bar(len(request.images) + 1) as bar:
         references = []
@@ -247,9 +301,16 @@ def _load(request: cli_args.GenerateRequest):
             tokenizer=request.tokenizer,
             variant=request.variant,
             dequantize=bool(request.dequantize),
+            mesh=request.mesh,
         )
         bar.update()
     return pipe, references, time.perf_counter() - started
+
+
+def _lead_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _metadata(request: cli_args.GenerateRequest, model: str, result, index: int):

@@ -36,6 +36,10 @@ class GenerateRequest:
     tokenizer: str | None = None
     variant: str | None = None
     dequantize: bool | None = None
+    mesh: str | None = None
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 def _literal(text: str) -> object:
@@ -130,6 +134,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "tokenizer": ("tokenizer", _as_text),
     "variant": ("variant", _as_text),
     "dequantize": ("dequantize", _as_bool),
+    "mesh": ("mesh", _as_text),
 }
 
 
@@ -173,3 +178,9 @@ def _check(request: GenerateRequest) -> None:
         value = getattr(request, name)
         if value is not None and value < 1:
             raise InputError(f"{name} must be a positive integer, got {value}")
+    explicit = request.coordinator not in (None, "auto")
+    if explicit != (request.num_processes is not None) or explicit != (request.process_id is not None):
+        raise InputError(
+            "--coordinator HOST:PORT, --num-processes and --process-id go together "
+            "(or --coordinator auto alone, where the cluster tells JAX)"
+        )

@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from klein import checkpoints, text, variants
+from klein import checkpoints, sharding, text, variants
 from klein.errors import CheckpointError, InputError
 from klein.io.text_encoder_checkpoint import load_text_encoder
+from klein.io.text_encoder_checkpoint import read_config as read_text_encoder_config
 from klein.io.transformer_checkpoint import load_transformer
-from klein.io.transformer_file import load_transformer_file
+from klein.io.transformer_file import file_config, load_transformer_file
 from klein.io.vae_checkpoint import load_vae, load_vae_file
 from klein.models.qwen3 import Qwen3TextEncoder
 from klein.models.transformer import Flux2Transformer
+from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2
 
 
@@ -42,21 +44,42 @@ class Components:
     tokenizer: text.PromptTokenizer
 
 
-def load_components(source, parts: Parts, dtype, use_kv=None, variant=None, dequantize=False) -> Components:
-    """Load every part; `variant` names the transformer's variant explicitly, `dequantize` widens FP8 weights."""
+def load_components(
+    source, parts: Parts, dtype, use_kv=None, variant=None, dequantize=False, mesh=None
+) -> Components:
+    """Load every part; `variant` names the transformer's variant explicitly, `dequantize` widens FP8
+    weights, `mesh` (a jax Mesh or None) places every weight straight onto its shards."""
     root, name = _checkpoint(source, parts, use_kv)
     named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
     if named["tokenizer"] is None:
         named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
-    chosen, transformer = _transformer(_locate(named["transformer"]), dtype, variant, dequantize)
+    transformer_path = _locate(named["transformer"])
+    encoder_folder = _text_encoder_folder(_part(named["text_encoder"], "text_encoder"))
+    _check_fits(mesh, transformer_path, encoder_folder)
+    place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS)
+    chosen, transformer = _transformer(transformer_path, dtype, variant, dequantize, place)
+    place_encoder = sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS)
     return Components(
         name=str(parts.transformer) if parts.transformer else name,
         variant=chosen,
         transformer=transformer,
-        vae=_vae(_part(named["vae"], "vae"), dtype),
-        text_encoder=_text_encoder(_part(named["text_encoder"], "text_encoder"), dtype),
+        vae=_vae(_part(named["vae"], "vae"), dtype, sharding.placer(mesh)),
+        text_encoder=load_text_encoder(encoder_folder, dtype, place=place_encoder)[1],
         tokenizer=text.load_tokenizer(_part(named["tokenizer"], "tokenizer")),
     )
+
+
+def _check_fits(mesh, transformer: Path, text_encoder: Path) -> None:
+    """Fail before reading any weight when the mesh cannot split the models evenly."""
+    if mesh is None:
+        return
+    if transformer.is_file():
+        config = file_config(transformer)
+    else:
+        config = TransformerConfig.from_file(_transformer_folder(transformer) / "config.json")
+    sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(config))
+    encoder = read_text_encoder_config(text_encoder)
+    sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(encoder))
 
 
 def _checkpoint(source, parts: Parts, use_kv) -> tuple[Path | None, str | None]:
@@ -96,24 +119,28 @@ def _tokenizer_beside(text_encoder: Path) -> Path:
     raise InputError(f"{text_encoder} holds no tokenizer.json: name the tokenizer's folder or repo too")
 
 
-def _transformer(path: Path, dtype, variant, dequantize):
+def _transformer_folder(path: Path) -> Path:
+    return path / "transformer" if (path / "model_index.json").is_file() else path
+
+
+def _transformer(path: Path, dtype, variant, dequantize, place):
     if path.is_file():
-        return load_transformer_file(path, dtype, variant=variant, dequantize=dequantize)
+        return load_transformer_file(path, dtype, variant=variant, dequantize=dequantize, place=place)
     pipeline = (path / "model_index.json").is_file()
-    model = load_transformer(path / "transformer" if pipeline else path, dtype)
+    model = load_transformer(_transformer_folder(path), dtype, place)
     if pipeline and variant is None:  # a whole pipeline's index says which variant it is
         return variants.detect(path, model.cfg), model
     return variants.from_file(path, model.cfg, variant), model
 
 
-def _vae(path: Path, dtype):
-    return (load_vae_file(path, dtype) if path.is_file() else load_vae(path, dtype))[1]
+def _vae(path: Path, dtype, place):
+    return (load_vae_file(path, dtype, place=place) if path.is_file() else load_vae(path, dtype, place))[1]
 
 
-def _text_encoder(path: Path, dtype):
+def _text_encoder_folder(path: Path) -> Path:
     if path.is_file():
         raise CheckpointError(
             f"{path}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
             f"repo), not a single file"
         )
-    return load_text_encoder(path, dtype)[1]
+    return path

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from klein import components, images, sampling, text
+from klein import components, images, sampling, sharding, text
 from klein.errors import InputError
 from klein.models import qwen3
 from klein.models import transformer as T
@@ -38,15 +39,18 @@ class Compiled:
     """`fn(module, *args)` jitted over (weights, args) with the module graph static.
 
     Weights are arguments rather than closed-over constants, so XLA neither embeds nor copies them,
-    and one compilation per input shape serves every call.
+    and one compilation per input shape serves every call. With a mesh, tracing sees it, so the
+    model's logical sharding constraints resolve against it.
     """
 
-    def __init__(self, fn, module: nnx.Module):
+    def __init__(self, fn, module: nnx.Module, mesh=None):
         graphdef, self.state = nnx.split(module)
+        self._mesh = mesh
         self._jit = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
 
     def __call__(self, *args):
-        return self._jit(self.state, *args)
+        with sharding.use(self._mesh):
+            return self._jit(self.state, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +72,17 @@ class GenerationOutput:
 
 
 class Flux2KleinPipeline:
-    def __init__(self, name: str, variant: Variant, transformer, vae, text_encoder, tokenizer, dtype):
+    def __init__(
+        self, name: str, variant: Variant, transformer, vae, text_encoder, tokenizer, dtype, mesh=None
+    ):
         self.name, self.variant, self.dtype, self.tokenizer = name, variant, dtype, tokenizer
-        self.config = transformer.cfg
-        self._text = Compiled(qwen3.prompt_embeddings, text_encoder)
-        self._encode = Compiled(vae_model.encode_latents, vae)
-        self._decode = Compiled(vae_model.decode_latents, vae)
-        self._prefill = Compiled(T.prefill, transformer)
-        self._step = Compiled(functools.partial(_denoise_step, cfg=False), transformer)
-        self._step_cfg = Compiled(functools.partial(_denoise_step, cfg=True), transformer)
+        self.config, self.mesh = transformer.cfg, mesh
+        self._text = Compiled(qwen3.prompt_embeddings, text_encoder, mesh)
+        self._encode = Compiled(vae_model.encode_latents, vae, mesh)
+        self._decode = Compiled(_decode_replicated, vae, mesh)
+        self._prefill = Compiled(T.prefill, transformer, mesh)
+        self._step = Compiled(functools.partial(_denoise_step, cfg=False), transformer, mesh)
+        self._step_cfg = Compiled(functools.partial(_denoise_step, cfg=True), transformer, mesh)
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
@@ -96,6 +102,7 @@ class Flux2KleinPipeline:
         grids = [tuple(z.shape[:2]) for z in latents]
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
         ids = sampling.reference_ids(grids)
+        sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", len(ids))])
         self.counters["references"] += 1
         kv = None
         if self._use_kv(use_kv):
@@ -150,9 +157,10 @@ class Flux2KleinPipeline:
         h, w, rounded = images.output_size(height, width, references.pixel_sizes if references else ())
         if rounded:
             warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=2)
+        batch = len(prompts) * per_prompt
+        self._check_fits(batch, h, w)
         with clock("text"):
             txt = jax.block_until_ready(self._prompt_batch(prompts, per_prompt, guidance))
-        batch = len(prompts) * per_prompt
         x, seed = self._initial_noise(latents, seed, batch, h // 16, w // 16)
         with clock("denoise"):
             # Dispatch is asynchronous: wait at each stage's end so its time is its own.
@@ -173,6 +181,11 @@ class Flux2KleinPipeline:
             num_references=len(references.pixel_sizes) if references else 0,
         )
         return GenerationOutput(out, seed, timings, settings)
+
+    def _check_fits(self, batch: int, h: int, w: int) -> None:
+        """Fail before any work when the mesh cannot split this request evenly."""
+        tokens = [("batch", "batch size", batch), ("seq", f"image tokens ({h}x{w} px / 256)", h * w // 256)]
+        sharding.check_divisible(self.mesh, "this request", tokens)
 
     def _guidance(self, guidance_scale: float | None) -> float | None:
         if self.variant.distilled:
@@ -195,7 +208,7 @@ class Flux2KleinPipeline:
                     f"latents must have shape {(batch, self.config.in_channels, gh, gw)}, got {latents.shape}"
                 )
             return jnp.asarray(sampling.pack(latents), self.dtype), seed
-        seed = secrets.randbelow(2**31) if seed is None else int(seed)
+        seed = _fresh_seed() if seed is None else int(seed)
         noise = jax.random.normal(jax.random.key(seed), (batch, self.config.in_channels, gh, gw), jnp.float32)
         return jnp.asarray(sampling.pack(np.asarray(noise)), self.dtype), seed
 
@@ -212,6 +225,7 @@ class Flux2KleinPipeline:
                 cond = (references.tokens[None], self._rope(references.ids))
         step = self._step if guidance is None else self._step_cfg
         scale = jnp.float32(guidance or 1.0)
+        x = sharding.put(x, sharding.TOKENS, self.mesh)
         for i in range(steps):
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
             if progress:
@@ -231,7 +245,19 @@ def _denoise_step(model, x, txt, sigma, sigma_next, ropes, cond, scale, *, cfg: 
         v = T.forward(model, x_in, txt, t, img_rope, txt_rope, refs=cond)
     if cfg:
         v = sampling.guided(*jnp.split(v, 2), scale)
-    return sampling.euler_step(x, v, sigma, sigma_next)
+    # The same layout in as out: every step reuses one compiled program.
+    return sharding.constrain(sampling.euler_step(x, v, sigma, sigma_next), sharding.TOKENS)
+
+
+def _decode_replicated(vae, latents):
+    # Pixels are wanted whole on the host (of every process), so every device gets all of them.
+    return sharding.constrain(vae_model.decode_latents(vae, latents), ())
+
+
+def _fresh_seed() -> int:
+    """A random seed; in a multi-process run process 0's, so that every process draws the same noise."""
+    seed = np.int32(secrets.randbelow(2**31))
+    return int(multihost_utils.broadcast_one_to_all(seed) if jax.process_count() > 1 else seed)
 
 
 @functools.lru_cache(maxsize=64)
@@ -295,6 +321,7 @@ def load_pipeline(
     dtype: str = "float32",
     use_kv: bool | None = None,
     *,
+    mesh: str | None = None,
     transformer: str | Path | None = None,
     text_encoder: str | Path | None = None,
     vae: str | Path | None = None,
@@ -306,14 +333,22 @@ def load_pipeline(
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
     `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.components`).
     `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8 weights
-    to `dtype` at load instead of keeping them FP8."""
+    to `dtype` at load instead of keeping them FP8.
+
+    mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
+    ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
+    Each weight is placed on its shards as it is read.
+    """
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     jdtype = DTYPES[dtype]
+    device_mesh = sharding.make_mesh(mesh)
     _enable_compilation_cache()
     parts = components.Parts(transformer, text_encoder, vae, tokenizer)
-    c = components.load_components(source, parts, jdtype, use_kv, variant, dequantize)
-    return Flux2KleinPipeline(c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype)
+    c = components.load_components(source, parts, jdtype, use_kv, variant, dequantize, device_mesh)
+    return Flux2KleinPipeline(
+        c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype, device_mesh
+    )
 
 
 def _enable_compilation_cache() -> None:

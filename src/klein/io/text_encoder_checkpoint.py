@@ -23,9 +23,12 @@ STACKED = ("model.layers",)
 
 
 def load_text_encoder(
-    folder: str | Path, dtype=jnp.float32, layers: Sequence[int] = PROMPT_LAYERS
+    folder: str | Path, dtype=jnp.float32, layers: Sequence[int] = PROMPT_LAYERS, place=None
 ) -> tuple[Qwen3Config, Qwen3TextEncoder]:
-    """Load the first max(layers) decoder layers (and the embedding) of the text encoder in `folder`."""
+    """Load the first max(layers) decoder layers (and the embedding) of the text encoder in `folder`.
+
+    `place(path, host_array)` puts each weight on its device(s) (see `load_module`).
+    """
     folder = Path(folder)
     config = read_config(folder)
     num_layers = max(layers)
@@ -37,7 +40,9 @@ def load_text_encoder(
     abstract = abstract_text_encoder(config, num_layers)
     skipped = skipped_keys(config, num_layers)
     source = TensorSource.from_folder(folder, "model")
-    encoder = load_module(abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__)
+    encoder = load_module(
+        abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__, place=place
+    )
     return config, encoder
 
 

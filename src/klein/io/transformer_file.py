@@ -28,21 +28,39 @@ from klein.io.safetensors import TensorSource
 from klein.io.transformer_checkpoint import STACKED, abstract_transformer, key_map
 from klein.models.layers import store_fp8
 from klein.models.transformer import Flux2Transformer
+from klein.models.transformer_config import TransformerConfig
 
 _PREFIXES = ("", "model.diffusion_model.")  # BFL's files; ComfyUI's saved models
 _MARKER = "single_stream_modulation.lin.weight"
 
 
+def file_config(path: str | Path) -> TransformerConfig:
+    """The config of a single-file transformer, from its tensor shapes alone (no weight is read)."""
+    path = Path(path)
+    source = _open(path)
+    return bfl.config_from_bfl(_stored_shapes(source, _prefix(source.keys(), path)), str(path))
+
+
+def _stored_shapes(source, prefix: str) -> dict[str, tuple]:
+    return {key[len(prefix) :]: source.shape(key) for key in source.keys() if key.startswith(prefix)}
+
+
 def load_transformer_file(
-    path: str | Path, dtype=jnp.float32, *, variant: str | None = None, dequantize: bool = False
+    path: str | Path,
+    dtype=jnp.float32,
+    *,
+    variant: str | None = None,
+    dequantize: bool = False,
+    place=None,
 ) -> tuple[variants.Variant, Flux2Transformer]:
     """(variant, transformer) of a BFL, FP8 or GGUF single file; `variant` names it when its file name does
-    not (and must match its shapes); `dequantize` widens FP8 weights to `dtype` at load."""
+    not (and must match its shapes); `dequantize` widens FP8 weights to `dtype` at load; `place` puts each
+    weight on its device(s) (see `klein.io.loading.load_module`)."""
     path = Path(path)
     source = _open(path)
     # 1. What the file holds: naming, config (from the shapes), variant, FP8 layers; checked in BFL names.
     prefix = _prefix(source.keys(), path)
-    stored = {key[len(prefix) :]: source.shape(key) for key in source.keys() if key.startswith(prefix)}
+    stored = _stored_shapes(source, prefix)
     cfg = bfl.config_from_bfl(stored, str(path))
     chosen = variants.from_file(path, cfg, variant)
     fp8 = fp8_layers(source, str(path)) if isinstance(source, TensorSource) else frozenset()
@@ -57,7 +75,7 @@ def load_transformer_file(
     table = {key: _piece(key, prefix, fp8, raw) for key in expected_shapes(abstract, STACKED, key_map)}
     unread = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS if side != "weight_scale"}
     mapped = MappedSource(source, table, dropped=unread)
-    return chosen, load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map)
+    return chosen, load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)
 
 
 def _open(path: Path):

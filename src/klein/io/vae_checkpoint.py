@@ -24,19 +24,19 @@ _BFL_MARKER = "encoder.down.0.block.0.conv1.weight"
 _DIFFUSERS_MARKER = "encoder.down_blocks.0.resnets.0.conv1.weight"
 
 
-def load_vae(folder: str | Path, dtype=jnp.float32) -> tuple[VAEConfig, AutoencoderKLFlux2]:
+def load_vae(folder: str | Path, dtype=jnp.float32, place=None) -> tuple[VAEConfig, AutoencoderKLFlux2]:
     """Read `<folder>/config.json` and `<folder>/diffusion_pytorch_model*.safetensors`, strictly.
 
     Weights are cast to `dtype`; the BatchNorm running statistics stay fp32, since in bf16 their
-    3 significant digits would shift every latent.
+    3 significant digits would shift every latent. `place` is `load_module`'s.
     """
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
-    return cfg, _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype)
+    return cfg, _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype, place)
 
 
 def load_vae_file(
-    path: str | Path, dtype=jnp.float32, config: VAEConfig | None = None
+    path: str | Path, dtype=jnp.float32, config: VAEConfig | None = None, place=None
 ) -> tuple[VAEConfig, AutoencoderKLFlux2]:
     """A VAE saved as one safetensors file without a config: BFL's names (`ae.safetensors` of FLUX.2 [dev],
     ComfyUI's `flux2-vae.safetensors`) or diffusers' names. `config` defaults to the released FLUX.2 VAE,
@@ -53,15 +53,15 @@ def load_vae_file(
             f"{path}: not a FLUX.2 VAE: it has neither '{_BFL_MARKER}' (BFL names) nor '{_DIFFUSERS_MARKER}' "
             f"(diffusers names); is it a transformer or a text encoder?"
         )
-    return cfg, _load(cfg, source, dtype)
+    return cfg, _load(cfg, source, dtype, place)
 
 
 def _abstract(cfg: VAEConfig) -> AutoencoderKLFlux2:
     return nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
 
 
-def _load(cfg: VAEConfig, source, dtype) -> AutoencoderKLFlux2:
-    vae = load_module(_abstract(cfg), source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__)
+def _load(cfg: VAEConfig, source, dtype, place) -> AutoencoderKLFlux2:
+    vae = load_module(_abstract(cfg), source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__, place=place)
     params = nnx.state(vae, nnx.Param)
     nnx.update(vae, jax.tree.map(lambda p: p.astype(dtype), params))
     return vae

@@ -30,6 +30,7 @@ from klein.models.blocks import DoubleBlock, SingleBlock
 from klein.models.layers import AdaNormOut, Modulation, TimeGuidanceEmbed, linear
 from klein.models.rope import concat_tables
 from klein.models.transformer_config import TransformerConfig
+from klein.sharding import REFERENCE_KV, TOKENS, constrain
 
 
 class ReferenceKV(NamedTuple):
@@ -75,11 +76,16 @@ class Flux2Transformer(nnx.Module):
 
 
 def _scan(model, blocks, body, carry, xs=None):
-    """Run `body(block, carry, layer_xs) -> (carry, ys)` over a stack of blocks."""
+    """Run `body(block, carry, layer_xs) -> (carry, ys)` over a stack of blocks.
+
+    The carry is token streams float[B, S, D]; pinning their layout at every layer keeps batch and
+    tokens split (data / context parallelism) instead of leaving it to propagation.
+    """
     graphdef, params = nnx.split(blocks)
 
     def step(carry, inputs):
         layer_params, layer_xs = inputs
+        carry = jax.tree.map(lambda x: constrain(x, TOKENS), carry)
         return body(nnx.merge(graphdef, layer_params), carry, layer_xs)
 
     return jax.lax.scan(step, carry, (params, xs), unroll=model.scan_unroll)
@@ -162,7 +168,8 @@ def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
         return x, (k[0], v[0])
 
     _, (single_k, single_v) = _scan(model, model.single_transformer_blocks, single, h)
-    return ReferenceKV(double_k, double_v, single_k, single_v)
+    # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
+    return ReferenceKV(*(constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v)))
 
 
 def _with_cached(n_txt: int):

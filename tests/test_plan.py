@@ -1,0 +1,78 @@
+"""The memory planner against hand calculations for klein-9b-kv (DESIGN.md §1 and §3)."""
+
+import pytest
+
+from klein import InputError, cli
+from klein.plan import plan
+
+GiB = 2**30
+PARAMS_9B = 9.08e9  # DESIGN.md: 9b is about 9.08 B parameters
+KV_PER_TOKEN = 0.5 * 2**20  # 32 layers x (k, v) x 4096 x 2 bytes = 0.5 MiB per reference token in bf16
+TOKENS_1024 = 64 * 64  # one 1024x1024 image
+
+
+@pytest.mark.parametrize(
+    "mesh,fsdp,context", [("single", 1, 1), ("fsdp=4,context=2", 4, 2), ("fsdp=8", 8, 1)]
+)
+def test_klein_9b_kv_weights_and_kv_by_hand(mesh, fsdp, context):
+    p = plan("klein-9b-kv", mesh, refs=4, size=(1024, 1024))
+    assert p.devices == fsdp * context
+    assert round(p.transformer_params / 1e9, 2) == 9.08
+    # Norm weights are replicated rather than split: a few hundred KiB on top of the exact share.
+    assert p.transformer == pytest.approx(PARAMS_9B * 2 / fsdp, rel=2e-3)
+    assert p.reference_kv == 4 * TOKENS_1024 * KV_PER_TOKEN / context == 8 * GiB / context
+
+
+def test_tensor_parallelism_splits_kv_heads_and_activations():
+    single = plan("klein-9b-kv", "single", refs=1)
+    split = plan("klein-9b-kv", "tensor=4", refs=1)
+    assert split.reference_kv == single.reference_kv / 4 == 0.5 * GiB
+    assert split.step_activations < single.step_activations / 3
+    # Modulation and embedders stay whole under tensor parallelism: more than a quarter remains.
+    assert single.transformer / 4 < split.transformer < single.transformer / 3
+
+
+def test_context_parallelism_splits_attention_queries():
+    single = plan("klein-9b-kv", "single", refs=4)
+    split = plan("klein-9b-kv", "context=8", refs=4)
+    assert split.prefill_activations < single.prefill_activations / 7
+    assert split.transformer == single.transformer
+
+
+def test_non_kv_variants_have_no_cache_and_base_doubles_the_batch():
+    distilled = plan("klein-9b", "single", refs=2)
+    base = plan("klein-base-9b", "single", refs=2)
+    assert distilled.reference_kv == distilled.prefill_activations == 0
+    assert base.step_activations > 1.9 * distilled.step_activations  # CFG: prompt and negative
+
+
+def test_planner_errors():
+    with pytest.raises(InputError, match="attention heads = 32 is not divisible by tensor = 3"):
+        plan("klein-9b-kv", "tensor=3")
+    with pytest.raises(InputError, match="image tokens = 1012 is not divisible by context = 8"):
+        plan("klein-9b-kv", "context=8", size=(352, 736))
+    with pytest.raises(InputError, match="unknown model"):
+        plan("klein-13b")
+    with pytest.raises(InputError, match="give its size"):
+        plan("klein-9b-kv", "fsdp")
+
+
+def test_klein_plan_command(capsys):
+    args = [
+        "plan",
+        "--model",
+        "klein-9b-kv",
+        "--mesh",
+        "fsdp=4,context=2",
+        "--refs",
+        "4",
+        "--size",
+        "1024x1024",
+    ]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "klein-9b-kv on mesh fsdp=4,context=2 (8 devices)" in out
+    assert "reference KV                 4.00 GiB" in out
+    assert "transformer weights          4.23 GiB  9.08 B params" in out
+    assert cli.main(["plan", "--model", "klein-9b-kv", "--size", "big"]) == 2
+    assert "expected WIDTHxHEIGHT" in capsys.readouterr().err
