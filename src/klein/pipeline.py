@@ -89,6 +89,21 @@ class Flux2KleinPipeline:
 
     def encode_references(self, image, use_kv: bool | None = None) -> References:
         """Preprocess, VAE-encode and (KV checkpoints) prefill reference images once."""
+        return self._encode_references(image, use_kv, _Clock({}))
+
+    def _encode_references(self, image, use_kv, clock) -> References:
+        use_kv = self._use_kv(use_kv)
+        with clock("references"):
+            references = self._vae_references(image)
+        if not use_kv:
+            return references
+        with clock("prefill"):
+            grids = tuple(_grid(size) for size in references.pixel_sizes)
+            kv = self._prefill(references.tokens, self._rope(("refs", grids), references.ids))
+            self.counters["prefill"] += 1
+            return dataclasses.replace(references, kv=jax.block_until_ready(kv))
+
+    def _vae_references(self, image) -> References:
         pils = image if isinstance(image, list | tuple) else [image]
         if not pils:
             raise InputError("encode_references needs at least one image")
@@ -96,15 +111,12 @@ class Flux2KleinPipeline:
             images.prepare_reference(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(pils)
         ]
         latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in arrays]
-        grids = [tuple(z.shape[:2]) for z in latents]
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
-        ids = sampling.reference_ids(grids)
+        ids = sampling.reference_ids([tuple(z.shape[:2]) for z in latents])
         self.counters["references"] += 1
-        kv = None
-        if self._use_kv(use_kv):
-            kv = self._prefill(tokens, self._rope(("refs", tuple(grids)), ids))
-            self.counters["prefill"] += 1
-        return References(tokens, ids, tuple(a.shape[:2] for a in arrays), kv)
+        # Dispatch is asynchronous: wait here so that each stage's time is its own.
+        tokens = jax.block_until_ready(tokens)
+        return References(tokens, ids, tuple(a.shape[:2] for a in arrays), None)
 
     def _use_kv(self, use_kv: bool | None) -> bool:
         if use_kv and not self.variant.kv:
@@ -144,19 +156,19 @@ class Flux2KleinPipeline:
             raise InputError(f"output_type must be 'pil' or 'np', got {output_type!r}")
         guidance = self._guidance(guidance_scale)
         if references is None and image is not None:
-            with clock("references"):
-                references = self.encode_references(image, use_kv)
+            references = self._encode_references(image, use_kv, clock)
         elif references is not None and use_kv is not None and use_kv != (references.kv is not None):
             raise InputError("use_kv disagrees with how these references were encoded; encode them again")
         h, w, rounded = images.output_size(height, width, references.pixel_sizes if references else ())
         if rounded:
             warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=2)
         with clock("text"):
-            txt = self._prompt_batch(prompts, per_prompt, guidance)
+            txt = jax.block_until_ready(self._prompt_batch(prompts, per_prompt, guidance))
         batch = len(prompts) * per_prompt
         x, seed = self._initial_noise(latents, seed, batch, h // 16, w // 16)
         with clock("denoise"):
             x = self._denoise(x, txt, references, guidance, steps, (h // 16, w // 16), progress)
+            x.block_until_ready()
         with clock("decode"):
             decoded = np.asarray(self._decode(sampling.unpack(x, h // 16, w // 16)))
         out = images.to_pil(decoded) if output_type == "pil" else images.to_float01(decoded)
@@ -236,6 +248,10 @@ def _denoise_step(model, x, txt, sigma, sigma_next, ropes, cond, scale, *, cfg: 
 @functools.lru_cache(maxsize=64)
 def _rope_cached(key, axes, theta, make_ids):
     return tuple(jnp.asarray(t) for t in rope_tables(make_ids(), axes, theta))
+
+
+def _grid(pixel_size: tuple[int, int]) -> tuple[int, int]:
+    return pixel_size[0] // 16, pixel_size[1] // 16
 
 
 def _positive(name: str, value) -> int:
