@@ -6,6 +6,7 @@ anything else is an internal error (exit code 1) whose traceback `KLEIN_DEBUG=1`
 """
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -153,6 +154,9 @@ def _bench_parser() -> argparse.ArgumentParser:
         "--out", default="results", metavar="FOLDER", help="results folder (default: results)"
     )
     parser.add_argument("--repeats", type=int, help="timed runs per engine and case (default: the config's)")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", metavar="PX", help="square output sizes (default: the config's two)"
+    )
     return parser
 
 
@@ -234,8 +238,13 @@ def bench(flags: argparse.Namespace) -> int:
 
     if flags.repeats is not None and flags.repeats < 1:
         raise InputError(f"--repeats must be a positive integer, got {flags.repeats}")
+    config = CONFIGS[flags.config]
+    if flags.sizes:
+        if any(size < 16 or size % 16 for size in flags.sizes):
+            raise InputError(f"--sizes must be multiples of 16 px, got {flags.sizes}")
+        config = dataclasses.replace(config, output_sizes=tuple(flags.sizes))
     report, paths = run_benchmark(
-        CONFIGS[flags.config], Path(flags.out), flags.repeats, log=lambda line: print(line, file=sys.stderr)
+        config, Path(flags.out), flags.repeats, log=lambda line: print(line, file=sys.stderr)
     )
     print(markdown(report))
     for path in paths:

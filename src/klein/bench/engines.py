@@ -67,26 +67,31 @@ class DiffusersEngine:
         try:
             import diffusers
             import torch
+            import transformers
         except ImportError as exc:
             raise KleinError(
                 f"the diffusers engine needs torch and diffusers ({exc}): pip install -e .[test]"
             ) from None
         self.torch, self.version = torch, diffusers.__version__
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        cls = diffusers.Flux2KleinKVPipeline if config.kv else diffusers.Flux2KleinPipeline
-        first = cls.from_pretrained(folder, torch_dtype=getattr(torch, config.checkpoint.dtype)).to(
-            self.device
-        )
-        self.standard, self.kv = first, None
-        if config.kv:
-            # Same modules; the KV pipeline's attention processors act as the standard ones without a cache.
-            self.standard, self.kv = (
-                diffusers.Flux2KleinPipeline(**first.components, is_distilled=True),
-                first,
-            )
+        self.standard, self.kv = self._load(diffusers, transformers, folder, config)
         self.steps = config.steps
         self.stages: dict[str, float] = {}
         self._instrument()
+
+    def _load(self, diffusers, transformers, folder: Path, config: BenchConfig):
+        """(standard pipeline, KV pipeline or None), sharing every module."""
+        # Per-call notices (e.g. that distilled models ignore guidance) would drown the progress lines.
+        diffusers.utils.logging.set_verbosity_error()
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+        cls = diffusers.Flux2KleinKVPipeline if config.kv else diffusers.Flux2KleinPipeline
+        dtype = getattr(self.torch, config.checkpoint.dtype)
+        first = cls.from_pretrained(folder, dtype=dtype).to(self.device)
+        if not config.kv:
+            return first, None
+        # The KV pipeline's attention processors act as the standard ones when given no cache.
+        return diffusers.Flux2KleinPipeline(**first.components, is_distilled=True), first
 
     def _instrument(self) -> None:
         for pipe in (self.standard, self.kv):
