@@ -35,14 +35,15 @@ def test_ceiling_by_hand_small():
 
 
 def test_ceiling_by_hand_tiny_config():
-    """The tiny config (width 32, 2 + 2 blocks), 64px output (16 tokens), one 64px reference."""
+    """The tiny config (width 32, 2 + 2 blocks), 48px output (9 tokens), one 64px reference (16)."""
     cfg = CONFIGS["tiny"].transformer
-    standard = 4 * 4 * (26 * 32**2 * 544 + 4 * 544 * 544 * 32)  # 837,812,224
+    standard = 4 * 4 * (26 * 32**2 * 537 + 4 * 537 * 537 * 32)  # 819,333,120
     prefill = 4 * (26 * 32**2 * 16 + 4 * 16 * 16 * 32)  # 1,835,008
-    cached = 4 * 4 * (26 * 32**2 * 528 + 4 * 528 * 544 * 32)  # 813,170,688
-    assert Fraction(standard, prefill + cached) == Fraction(3196, 3109)
-    assert flops.kv_ceiling(cfg, 512, 16, 16, 4, warm=False) == pytest.approx(3196 / 3109)
-    assert flops.kv_ceiling(cfg, 512, 16, 16, 4, warm=True) == pytest.approx(standard / cached)
+    cached = 4 * 4 * (26 * 32**2 * 521 + 4 * 521 * 537 * 32)  # 794,920,960
+    assert Fraction(standard, prefill + cached) == Fraction(400065, 389041)
+    assert Fraction(standard, cached) == Fraction(537, 521)
+    assert flops.kv_ceiling(cfg, 512, 9, 16, 4, warm=False) == pytest.approx(400065 / 389041)
+    assert flops.kv_ceiling(cfg, 512, 9, 16, 4, warm=True) == pytest.approx(537 / 521)
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +109,9 @@ def test_report_ceilings_follow_the_flop_model(tiny_report):
         klein = case["kv"]["speedup"]["klein"]
         assert klein["fraction_of_ceiling"] == pytest.approx(klein["transformer"] / ceiling)
     one_ref = next(
-        c for c in kv_cases if c["mode"] == Mode.KV.value and c["references"] == 1 and c["size"] == 64
+        c for c in kv_cases if c["mode"] == Mode.KV.value and c["references"] == 1 and c["size"] == 48
     )
-    assert one_ref["kv"]["ceiling"] == pytest.approx(3196 / 3109)
+    assert one_ref["kv"]["ceiling"] == pytest.approx(400065 / 389041)
 
 
 def test_files_are_written(tiny_report):
