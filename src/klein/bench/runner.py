@@ -54,10 +54,10 @@ def run_benchmark(config: BenchConfig, out: Path, repeats: int | None = None, lo
     log(f"checkpoint: random {config.name} weights ({config.checkpoint.dtype})")
     folder = ensure_checkpoint(checkpoint_home(config), config.checkpoint)
     engines = [KleinEngine(folder, config), DiffusersEngine(folder, config)]
-    measured = []
-    for index, case in enumerate(C.cases(config)):
+    measured, cases = [], C.cases(config)
+    for index, case in enumerate(cases):
         measured.append(measure_case(config, case, engines, repeats or config.repeats))
-        log(f"[{index + 1}/{len(C.cases(config))}] {case.name}: {_medians(measured[-1])}")
+        log(f"[{index + 1}/{len(cases)}] {case.name}: {_medians(measured[-1])}")
     machine = describe_machine(engines, load_before, os.getloadavg())
     result = report.build(config, measured, machine)
     return result, report.write(result, out)
