@@ -1,17 +1,21 @@
 """`klein bench`: the FLOP model against DESIGN.md §6 and hand-computed cases, and one run of the
 whole benchmark on the tiny config (report structure, files, engines agreeing; never timings)."""
 
+import dataclasses
 import json
 from fractions import Fraction
 
+import numpy as np
 import PIL.Image
 import pytest
+from safetensors import safe_open
 
-from klein import cli
+from klein import cli, demo
 from klein.bench import flops
 from klein.bench.cases import Mode
 from klein.bench.configs import CONFIGS
-from klein.models.transformer_config import KLEIN_9B, TransformerConfig
+from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
+from klein.pipeline import load_pipeline
 
 
 @pytest.mark.parametrize(
@@ -119,3 +123,37 @@ def test_files_are_written(tiny_report):
     assert "| case | engine |" in (out / "tiny.md").read_text()
     with PIL.Image.open(out / "tiny.png") as chart:
         assert chart.format == "PNG" and chart.width > 300
+
+
+@pytest.mark.parametrize("name,size", [("real-9b", KLEIN_9B), ("real-4b", KLEIN_4B)])
+def test_real_configs_write_what_diffusers_builds(name, size):
+    """The random real-size checkpoints (never written here: 30+ GB) hold exactly the tensors that
+    diffusers and transformers build from the same configs, as klein's loaders expect them."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    spec = CONFIGS[name].checkpoint
+    text_config = {"vocab_size": 151936, **spec.text_encoder}
+    with init_empty_weights():
+        models = (
+            (Flux2Transformer2DModel.from_config(spec.transformer), demo._transformer_shapes(spec)),
+            (AutoencoderKLFlux2.from_config(spec.vae), demo._vae_shapes(spec)),
+            (Qwen3ForCausalLM(Qwen3Config(**text_config)), demo._text_encoder_shapes(text_config)),
+        )
+    # Not stored: the tied lm_head (it is the embedding) and BatchNorm's batch counter.
+    unstored = {"lm_head.weight", "bn.num_batches_tracked"}
+    for model, shapes in models:
+        built = {k: tuple(p.shape) for k, p in model.state_dict().items() if k not in unstored}
+        assert built == {k: tuple(s) for k, s in shapes.items()}
+    assert CONFIGS[name].transformer == size and spec.dtype == "bfloat16"
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+    spec = dataclasses.replace(CONFIGS["tiny"].checkpoint, dtype="bfloat16")
+    demo.write_checkpoint(tmp_path / "ckpt", spec)
+    with safe_open(tmp_path / "ckpt" / "transformer" / "diffusion_pytorch_model.safetensors", "np") as f:
+        assert f.get_slice("x_embedder.weight").get_dtype() == "BF16"
+    pipe = load_pipeline(tmp_path / "ckpt", dtype="bfloat16")
+    image = pipe("a cat", height=32, width=32, num_inference_steps=1, seed=0, output_type="np").images
+    assert image.shape == (1, 32, 32, 3) and np.isfinite(image).all()
