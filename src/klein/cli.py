@@ -136,7 +136,7 @@ dtype: text-to-image, standard editing and KV editing (cache built in the run, a
 and 4 references, at two output sizes. Prints a Markdown table and writes <config>.json, .md and
 .png to --out. Needs the test extra (torch, diffusers, matplotlib): pip install -e .[test]
 
-configs: bench-cpu (scaled-down geometry, ~15 min on two CPU cores), real-9b and real-4b (true
+configs: bench-cpu (scaled-down geometry, 5-7 min on two quiet CPU cores), real-9b and real-4b (true
 dimensions, bf16, for an accelerator), tiny (seconds; what CI runs). Random checkpoints are
 written once under $KLEIN_HOME/bench."""
 
