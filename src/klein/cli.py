@@ -6,6 +6,7 @@ anything else is an internal error (exit code 1) whose traceback `KLEIN_DEBUG=1`
 """
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 
 from klein import cli_args, cli_output
 from klein.errors import InputError, KleinError
@@ -82,6 +84,9 @@ def _top_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
     commands.add_parser("plan", help="per-device memory of a model on a mesh (klein plan --help)")
+    commands.add_parser(
+        "bench", help="time klein against diffusers, KV speedup vs ceiling (klein bench --help)"
+    )
     parser.epilog = GENERATE_EXAMPLES.split("\n\n")[0]
     return parser
 
@@ -200,6 +205,36 @@ def _add_part_flags(add) -> None:
     )
 
 
+BENCH_DESCRIPTION = """\
+Time klein and diffusers side by side, in one process, on the same random weights, latents and
+dtype: text-to-image, standard editing and KV editing (cache built in the run, and warm) with 1, 2
+and 4 references, at two output sizes. Prints a Markdown table and writes <config>.json, .md and
+.png to --out. Needs the test extra (torch, diffusers, matplotlib): pip install -e .[test]
+
+configs: bench-cpu (scaled-down geometry, 5-7 min on two quiet CPU cores), real-9b and real-4b (true
+dimensions, bf16, for an accelerator), tiny (seconds; what CI runs). Random checkpoints are
+written once under $KLEIN_HOME/bench."""
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    from klein.bench.configs import CONFIGS
+
+    parser = _Parser(
+        prog="klein bench",
+        description=BENCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")
+    parser.add_argument(
+        "--out", default="results", metavar="FOLDER", help="results folder (default: results)"
+    )
+    parser.add_argument("--repeats", type=int, help="timed runs per engine and case (default: the config's)")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", metavar="PX", help="square output sizes (default: the config's two)"
+    )
+    return parser
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("klein")
@@ -234,6 +269,8 @@ def _dispatch(argv: list[str]) -> int:
         return generate(cli_args.build_request(flags))
     if argv[:1] == ["plan"]:
         return plan_command(_plan_parser().parse_args(argv[1:]))
+    if argv[:1] == ["bench"]:
+        return bench(_bench_parser().parse_args(argv[1:]))
     parser = _top_parser()
     # Handles --help, --version and unknown commands; a bare `klein` shows the help.
     parser.parse_args(argv)
@@ -269,6 +306,28 @@ def generate(request: cli_args.GenerateRequest) -> int:
     paths = cli_output.write_images(result.images, plan, metadata, result.seed)
     timings = {"load": load_seconds, **result.timings, "write": time.perf_counter() - write_started}
     _report(pipe, result, paths, timings, time.perf_counter() - started)
+    return 0
+
+
+def bench(flags: argparse.Namespace) -> int:
+    """Run `klein bench`: the Markdown report on stdout, progress and written paths on stderr."""
+    from klein.bench.configs import CONFIGS
+    from klein.bench.report import markdown
+    from klein.bench.runner import run_benchmark
+
+    if flags.repeats is not None and flags.repeats < 1:
+        raise InputError(f"--repeats must be a positive integer, got {flags.repeats}")
+    config = CONFIGS[flags.config]
+    if flags.sizes:
+        if any(size < 16 or size % 16 for size in flags.sizes):
+            raise InputError(f"--sizes must be multiples of 16 px, got {flags.sizes}")
+        config = dataclasses.replace(config, output_sizes=tuple(flags.sizes))
+    report, paths = run_benchmark(
+        config, Path(flags.out), flags.repeats, log=lambda line: print(line, file=sys.stderr)
+    )
+    print(markdown(report))
+    for path in paths:
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from klein.errors import InputError
 
 # Stages in the order they run; the pipeline reports all but load and write.
-STAGES = ("load", "compile", "text", "references", "denoise", "decode", "write")
+STAGES = ("load", "compile", "text", "references", "prefill", "denoise", "decode", "write")
 
 
 @dataclasses.dataclass(frozen=True)

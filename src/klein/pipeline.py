@@ -92,6 +92,20 @@ class Flux2KleinPipeline:
 
     def encode_references(self, image, use_kv: bool | None = None) -> References:
         """Preprocess, VAE-encode and (KV checkpoints) prefill reference images once."""
+        return self._encode_references(image, use_kv, _Clock({}))
+
+    def _encode_references(self, image, use_kv, clock) -> References:
+        use_kv = self._use_kv(use_kv)
+        with clock("references"):
+            references = self._vae_references(image)
+        if not use_kv:
+            return references
+        with clock("prefill"):
+            kv = self._prefill(references.tokens, self._rope(references.ids))
+            self.counters["prefill"] += 1
+            return dataclasses.replace(references, kv=jax.block_until_ready(kv))
+
+    def _vae_references(self, image) -> References:
         pils = image if isinstance(image, list | tuple) else [image]
         if not pils:
             raise InputError("encode_references needs at least one image")
@@ -99,16 +113,13 @@ class Flux2KleinPipeline:
             images.prepare_reference(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(pils)
         ]
         latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in arrays]
-        grids = [tuple(z.shape[:2]) for z in latents]
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
-        ids = sampling.reference_ids(grids)
+        ids = sampling.reference_ids([tuple(z.shape[:2]) for z in latents])
         sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", len(ids))])
         self.counters["references"] += 1
-        kv = None
-        if self._use_kv(use_kv):
-            kv = self._prefill(tokens, self._rope(ids))
-            self.counters["prefill"] += 1
-        return References(tokens, ids, tuple(a.shape[:2] for a in arrays), kv)
+        # Dispatch is asynchronous: wait here so that each stage's time is its own.
+        tokens = jax.block_until_ready(tokens)
+        return References(tokens, ids, tuple(a.shape[:2] for a in arrays), None)
 
     def _use_kv(self, use_kv: bool | None) -> bool:
         if use_kv and not self.variant.kv:
@@ -149,9 +160,7 @@ class Flux2KleinPipeline:
             raise InputError(f"output_type must be 'pil' or 'np', got {output_type!r}")
         guidance = self._guidance(guidance_scale)
         if references is None and image is not None:
-            with clock("references"):
-                references = self.encode_references(image, use_kv)
-                jax.block_until_ready((references.tokens, references.kv))
+            references = self._encode_references(image, use_kv, clock)
         elif references is not None and use_kv is not None and use_kv != (references.kv is not None):
             raise InputError("use_kv disagrees with how these references were encoded; encode them again")
         h, w, rounded = images.output_size(height, width, references.pixel_sizes if references else ())

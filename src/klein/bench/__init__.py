@@ -1,0 +1,4 @@
+"""`klein bench`: klein and diffusers side by side on the same random weights, and the KV speedup
+against its FLOP ceiling. `configs` (what to run), `cases` (the cases and their inputs), `flops` (the
+ceiling), `engines` (the two engines), `runner` (measuring), `report` (JSON, Markdown, PNG).
+"""

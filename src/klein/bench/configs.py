@@ -1,0 +1,104 @@
+"""Benchmark configurations: a random checkpoint, the output and reference sizes, and how often to run.
+
+Token geometry: every output or reference side of P px is P / 16 tokens; text is always 512 tokens.
+The real configs keep FLUX.2 [klein]'s true dimensions (random weights, bf16) and need an
+accelerator; `bench-cpu` scales width, depth and image sizes down so that the whole run fits in about
+15 minutes on two CPU cores; `tiny` exercises the same code in seconds (the CI test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from klein.demo import TRANSFORMER, VAE, RandomCheckpoint, text_encoder_config
+from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
+
+TEXT_TOKENS = 512  # prompts are padded to 512 tokens by both engines
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    """Name given to `klein bench --config`."""
+    checkpoint: RandomCheckpoint
+    """The random weights both engines load."""
+    output_sizes: tuple[int, ...]
+    """Square output sides in px; every case runs at each."""
+    reference_size: int
+    """Square side of every reference image in px."""
+    reference_counts: tuple[int, ...] = (1, 2, 4)
+    """Numbers of references of the editing cases."""
+    steps: int = 4
+    """Denoising steps (the distilled klein models use 4)."""
+    repeats: int = 3
+    """Timed runs per engine and case, after one untimed warm-up run each."""
+
+    @property
+    def kv(self) -> bool:
+        """KV cases run only on KV weights (klein-4b has no KV checkpoint)."""
+        return self.checkpoint.pipeline == "Flux2KleinKVPipeline"
+
+    @property
+    def transformer(self) -> TransformerConfig:
+        return TransformerConfig.from_diffusers(self.checkpoint.transformer)
+
+
+def _transformer(cfg: TransformerConfig) -> dict:
+    """The diffusers `config.json` of a transformer config."""
+    fields = dataclasses.asdict(cfg)
+    fields["axes_dims_rope"] = list(cfg.axes_dims_rope)
+    return dict(TRANSFORMER, **fields)
+
+
+# Real VAE (DESIGN.md §1); the CPU config narrows its channels, keeping the 16 px per token.
+REAL_VAE = dict(VAE, block_out_channels=[128, 256, 512, 512], layers_per_block=2, norm_num_groups=32)
+QWEN3_8B = dict(text_encoder_config(4096, 12288, 36, 32, 8, 128), vocab_size=151936)
+QWEN3_4B = dict(text_encoder_config(2560, 9728, 36, 32, 8, 128), vocab_size=151936)
+
+# Two 128-channel heads (the real RoPE layout), 2 double + 4 single blocks; the text encoder's width
+# matches (joint_attention_dim = 3 x its hidden size, as in the real models).
+CPU_TRANSFORMER = dataclasses.replace(
+    KLEIN_9B, num_layers=2, num_single_layers=4, num_attention_heads=2, joint_attention_dim=768
+)
+
+CONFIGS = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "tiny",
+            RandomCheckpoint(TRANSFORMER, VAE, text_encoder_config(32, 64, 28, 4, 2, 8)),
+            output_sizes=(48, 32),
+            reference_size=64,
+            reference_counts=(1, 2),
+            repeats=1,
+        ),
+        BenchConfig(
+            "bench-cpu",
+            RandomCheckpoint(
+                _transformer(CPU_TRANSFORMER),
+                # An eighth of the real VAE's width: decoding then costs about a third of text-to-image
+                # denoising, roughly its share on the real model on a GPU.
+                dict(VAE, block_out_channels=[16, 32, 64, 64], norm_num_groups=16),
+                text_encoder_config(256, 768, 28, 4, 2, 64),
+            ),
+            output_sizes=(512, 256),
+            reference_size=512,
+        ),
+        BenchConfig(
+            "real-9b",
+            RandomCheckpoint(_transformer(KLEIN_9B), REAL_VAE, QWEN3_8B, dtype="bfloat16"),
+            output_sizes=(1024, 512),
+            reference_size=1024,
+            repeats=5,
+        ),
+        BenchConfig(
+            "real-4b",
+            RandomCheckpoint(
+                _transformer(KLEIN_4B), REAL_VAE, QWEN3_4B, pipeline="Flux2KleinPipeline", dtype="bfloat16"
+            ),
+            output_sizes=(1024, 512),
+            reference_size=1024,
+            repeats=5,
+        ),
+    )
+}
