@@ -33,3 +33,15 @@ def tiny_pipelines(tmp_path_factory):
         return built[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def klein_home(tmp_path_factory):
+    """A KLEIN_HOME holding the demo checkpoint, written once here rather than raced for by subprocesses."""
+    from klein import demo
+
+    home = tmp_path_factory.mktemp("klein-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KLEIN_HOME", str(home))
+        demo.ensure_demo()
+    return home

@@ -21,16 +21,6 @@ SMALL = ["--steps", "2", "--height", "64", "--width", "64"]
 
 
 @pytest.fixture(scope="module")
-def klein_home(tmp_path_factory):
-    """A KLEIN_HOME holding the demo checkpoint, built once here rather than by the first subprocess."""
-    home = tmp_path_factory.mktemp("klein-home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KLEIN_HOME", str(home))
-        demo.ensure_demo()
-    return home
-
-
-@pytest.fixture(scope="module")
 def non_kv_model(klein_home, tmp_path_factory):
     """The demo weights declared as a standard (non-KV) klein checkpoint, as klein-9b is to klein-9b-kv."""
     folder = tmp_path_factory.mktemp("non-kv") / "model"

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from klein import InputError, cli_args, demo, sharding
+from klein import InputError, cli_args, sharding
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.models.qwen3 import Qwen3Config
@@ -104,16 +104,6 @@ def _generate_parser():
     from klein.cli import _generate_parser
 
     return _generate_parser()
-
-
-@pytest.fixture(scope="module")
-def klein_home(tmp_path_factory):
-    """A KLEIN_HOME holding the demo checkpoint, written here rather than raced for by the children."""
-    home = tmp_path_factory.mktemp("klein-home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KLEIN_HOME", str(home))
-        demo.ensure_demo()
-    return home
 
 
 def child_env(klein_home, devices: int) -> dict:
