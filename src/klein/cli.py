@@ -6,7 +6,6 @@ anything else is an internal error (exit code 1) whose traceback `KLEIN_DEBUG=1`
 """
 
 import argparse
-import dataclasses
 import importlib.metadata
 import json
 import os
@@ -14,10 +13,9 @@ import sys
 import textwrap
 import time
 import warnings
-from pathlib import Path
 
-from klein import cli_args, cli_output
-from klein.errors import InputError, KleinError
+from klein import cli_args, cli_output, cli_tools
+from klein.errors import KleinError
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -69,15 +67,8 @@ examples:
 exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback)"""
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error."""
-
-    def error(self, message: str):
-        raise InputError(f"{message} (see {self.prog} --help)")
-
-
 def _top_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = cli_args.Parser(
         prog="klein", description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"klein {_version()}")
@@ -92,7 +83,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def _generate_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = cli_args.Parser(
         prog="klein generate",
         description=GENERATE_DESCRIPTION.format(
             keys=textwrap.fill(", ".join(cli_args.KEYS), 95, initial_indent="  ", subsequent_indent="  ")
@@ -144,44 +135,6 @@ def _generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
-PLAN_DESCRIPTION = """\
-Per-device memory of a klein variant on a device mesh, from the real configs alone (no weights, no
-devices): weights and the reference KV cache exactly, peak activations as an estimate."""
-
-
-def _plan_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="klein plan", description=PLAN_DESCRIPTION)
-    add = parser.add_argument
-    add(
-        "--model",
-        required=True,
-        help="variant: klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b",
-    )
-    add("--mesh", default="single", help='axis sizes, e.g. "fsdp=4,context=2" (default: single)')
-    add("--refs", type=int, default=0, help="reference images (default: 0)")
-    add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
-    add("--ref-size", type=_pixels, metavar="WxH", help="size of each reference (default: --size)")
-    add("--batch", type=int, default=1, help="images per request (default: 1)")
-    add("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights (default: bfloat16)")
-    return parser
-
-
-def _pixels(text: str) -> tuple[int, int]:
-    width, _, height = text.lower().partition("x")
-    if not (width.isdigit() and height.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in px, e.g. 1024x768, got {text!r}")
-    return int(width), int(height)
-
-
-def plan_command(flags: argparse.Namespace) -> int:
-    """Print the per-device memory plan of `klein plan`."""
-    from klein.plan import describe, plan
-
-    memory = plan(flags.model, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, flags.dtype)
-    print(describe(memory))
-    return 0
-
-
 def _add_part_flags(add) -> None:
     """Parts kept apart from a diffusers-layout model (single-file downloads); each overrides --model's."""
     add(
@@ -203,36 +156,6 @@ def _add_part_flags(add) -> None:
         default=None,
         help="FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
     )
-
-
-BENCH_DESCRIPTION = """\
-Time klein and diffusers side by side, in one process, on the same random weights, latents and
-dtype: text-to-image, standard editing and KV editing (cache built in the run, and warm) with 1, 2
-and 4 references, at two output sizes. Prints a Markdown table and writes <config>.json, .md and
-.png to --out. Needs the test extra (torch, diffusers, matplotlib): pip install -e .[test]
-
-configs: bench-cpu (scaled-down geometry, 5-7 min on two quiet CPU cores), real-9b and real-4b (true
-dimensions, bf16, for an accelerator), tiny (seconds; what CI runs). Random checkpoints are
-written once under $KLEIN_HOME/bench."""
-
-
-def _bench_parser() -> argparse.ArgumentParser:
-    from klein.bench.configs import CONFIGS
-
-    parser = _Parser(
-        prog="klein bench",
-        description=BENCH_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")
-    parser.add_argument(
-        "--out", default="results", metavar="FOLDER", help="results folder (default: results)"
-    )
-    parser.add_argument("--repeats", type=int, help="timed runs per engine and case (default: the config's)")
-    parser.add_argument(
-        "--sizes", type=int, nargs="+", metavar="PX", help="square output sizes (default: the config's two)"
-    )
-    return parser
 
 
 def _version() -> str:
@@ -268,9 +191,9 @@ def _dispatch(argv: list[str]) -> int:
         flags = _generate_parser().parse_intermixed_args(argv[1:])
         return generate(cli_args.build_request(flags))
     if argv[:1] == ["plan"]:
-        return plan_command(_plan_parser().parse_args(argv[1:]))
+        return cli_tools.plan_command(cli_tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
-        return bench(_bench_parser().parse_args(argv[1:]))
+        return cli_tools.bench_command(cli_tools.bench_parser().parse_args(argv[1:]))
     parser = _top_parser()
     # Handles --help, --version and unknown commands; a bare `klein` shows the help.
     parser.parse_args(argv)
@@ -306,28 +229,6 @@ def generate(request: cli_args.GenerateRequest) -> int:
     paths = cli_output.write_images(result.images, plan, metadata, result.seed)
     timings = {"load": load_seconds, **result.timings, "write": time.perf_counter() - write_started}
     _report(pipe, result, paths, timings, time.perf_counter() - started)
-    return 0
-
-
-def bench(flags: argparse.Namespace) -> int:
-    """Run `klein bench`: the Markdown report on stdout, progress and written paths on stderr."""
-    from klein.bench.configs import CONFIGS
-    from klein.bench.report import markdown
-    from klein.bench.runner import run_benchmark
-
-    if flags.repeats is not None and flags.repeats < 1:
-        raise InputError(f"--repeats must be a positive integer, got {flags.repeats}")
-    config = CONFIGS[flags.config]
-    if flags.sizes:
-        if any(size < 16 or size % 16 for size in flags.sizes):
-            raise InputError(f"--sizes must be multiples of 16 px, got {flags.sizes}")
-        config = dataclasses.replace(config, output_sizes=tuple(flags.sizes))
-    report, paths = run_benchmark(
-        config, Path(flags.out), flags.repeats, log=lambda line: print(line, file=sys.stderr)
-    )
-    print(markdown(report))
-    for path in paths:
-        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -13,6 +13,13 @@ from collections.abc import Callable, Sequence
 from klein.errors import InputError
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error."""
+
+    def error(self, message: str):
+        raise InputError(f"{message} (see {self.prog} --help)")
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """Everything `klein generate` was asked to do; None means "the model's default"."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import secrets
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.models.rope import rope_tables
 from klein.paths import klein_home
+from klein.timing import StageClock
 from klein.variants import KV_CHECKPOINT, Variant
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -92,7 +92,7 @@ class Flux2KleinPipeline:
 
     def encode_references(self, image, use_kv: bool | None = None) -> References:
         """Preprocess, VAE-encode and (KV checkpoints) prefill reference images once."""
-        return self._encode_references(image, use_kv, _Clock({}))
+        return self._encode_references(image, use_kv, StageClock({}))
 
     def _encode_references(self, image, use_kv, clock) -> References:
         use_kv = self._use_kv(use_kv)
@@ -150,7 +150,7 @@ class Flux2KleinPipeline:
         progress: Callable[[str, int, int], None] | None = None,
     ) -> GenerationOutput:
         timings: dict[str, float] = {}
-        clock = _Clock(timings)
+        clock = StageClock(timings)
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         steps = _positive(
             "num_inference_steps", self.variant.steps if num_inference_steps is None else num_inference_steps
@@ -288,41 +288,6 @@ def _as_pil(image) -> PIL.Image.Image:
     if not isinstance(image, PIL.Image.Image):
         raise InputError(f"reference images must be PIL images or paths, got {type(image).__name__}")
     return image
-
-
-_compile_seconds = [0.0]  # XLA compilation time so far in this process
-
-
-def _on_duration(event: str, seconds: float, **_kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compile_seconds[0] += seconds
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration)
-
-
-class _Clock:
-    """Wall time per stage, with XLA compilation inside a stage booked under "compile" instead."""
-
-    def __init__(self, timings):
-        self.timings = timings
-
-    def __call__(self, stage):
-        return _Timed(self.timings, stage)
-
-
-class _Timed:
-    def __init__(self, timings, stage):
-        self.timings, self.stage = timings, stage
-
-    def __enter__(self):
-        self.start, self.compiled = time.perf_counter(), _compile_seconds[0]
-
-    def __exit__(self, *exc):
-        compiling = _compile_seconds[0] - self.compiled
-        elapsed = time.perf_counter() - self.start
-        for stage, seconds in ((self.stage, elapsed - compiling), ("compile", compiling)):
-            self.timings[stage] = self.timings.get(stage, 0.0) + seconds
 
 
 def load_pipeline(
