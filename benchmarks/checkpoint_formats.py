@@ -112,7 +112,7 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         for fmt, (path, dequantize) in write_formats(Path(folder)).items():
             for dtype in (jnp.float32, jnp.bfloat16):
-                _, model = load_transformer_file(path, dtype, dequantize=dequantize)
+                model = load_transformer_file(path, dtype, dequantize=dequantize)
                 name = f"{fmt:26s} {jnp.dtype(dtype).name:8s}"
                 runs[name], sizes[name] = compiled_forward(model, args.tokens, args.text), nbytes(model)
     for name, seconds in median_seconds(runs, args.repeats).items():

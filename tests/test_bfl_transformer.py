@@ -13,7 +13,7 @@ from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkp
 from klein.errors import CheckpointError
 from klein.io.bfl_transformer_keys import bfl_key, bfl_layout, config_from_bfl
 from klein.io.transformer_checkpoint import expected_transformer_keys
-from klein.io.transformer_file import load_transformer_file
+from klein.io.transformer_file import file_config, load_transformer_file
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
 from klein.variants import VARIANTS, from_file
 from tests.fixtures.bfl_files import to_bfl, write_safetensors
@@ -55,7 +55,8 @@ def test_map_agrees_with_diffusers_converter(tiny_transformer, bfl_state):
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
 def test_bfl_file_equals_diffusers(tiny_transformer, bfl_state, tmp_path, prefix):
     path = write_safetensors(tmp_path / "tiny.safetensors", {prefix + k: v for k, v in bfl_state.items()})
-    variant, ours = load_transformer_file(path)
+    ours = load_transformer_file(path)
+    variant = from_file(path, ours.cfg)
     assert variant.name == "custom (tiny.safetensors)" and not variant.kv
     got, want = both_outputs(ours, tiny_transformer[1])
     assert rel_err(got, want) < TOL
@@ -89,7 +90,7 @@ def test_tiny_file_forced_as_9b_is_refused(bfl_state, tmp_path):
     path = write_safetensors(tmp_path / "flux-2-klein-9b.safetensors", bfl_state)
     assert from_file(Path("tiny-kv.gguf"), TransformerConfig.from_diffusers(TINY_TRANSFORMER)).kv
     with pytest.raises(CheckpointError, match="holds a non-standard transformer .* not klein-9b"):
-        load_transformer_file(path, variant="klein-9b")
+        from_file(path, file_config(path), "klein-9b")
 
 
 def test_vae_passed_as_transformer(tmp_path):

@@ -46,7 +46,7 @@ def kernels(model):
 
 def test_weights_stay_float8_and_equal_the_dequantised_reference(fp8, tiny_transformer):
     path, reference, _, _ = fp8
-    _, ours = load_transformer_file(path)
+    ours = load_transformer_file(path)
     for p, value in kernels(ours).items():
         assert value.dtype == (jnp.float8_e4m3fn if p[-1] == "kernel" else jnp.float32), p
     got, want = both_outputs(ours, reference)
@@ -57,8 +57,8 @@ def test_weights_stay_float8_and_equal_the_dequantised_reference(fp8, tiny_trans
 
 def test_dequantised_at_load_equals_it_too(fp8):
     path, reference, _, _ = fp8
-    _, kept = load_transformer_file(path)
-    _, widened = load_transformer_file(path, dequantize=True)
+    kept = load_transformer_file(path)
+    widened = load_transformer_file(path, dequantize=True)
     assert all(v.dtype == jnp.float32 for v in kernels(widened).values())
     assert not any(p[-1] == "weight_scale" for p in kernels(widened))
     got, want = both_outputs(widened, reference)
@@ -70,8 +70,8 @@ def test_bfloat16_compute(fp8):
     """FP8 weights widened to bf16 inside the matmul are as accurate as the same weights dequantised to
     bf16 at load: both ~0.7% off the float32 reference here, bf16's rounding (2^-9) through four blocks."""
     path, reference, _, _ = fp8
-    _, kept = load_transformer_file(path, dtype=jnp.bfloat16)
-    _, widened = load_transformer_file(path, dtype=jnp.bfloat16, dequantize=True)
+    kept = load_transformer_file(path, dtype=jnp.bfloat16)
+    widened = load_transformer_file(path, dtype=jnp.bfloat16, dequantize=True)
     assert kept.x_embedder.kernel[...].dtype == jnp.float8_e4m3fn
     assert widened.x_embedder.kernel[...].dtype == jnp.bfloat16
     for model in (kept, widened):
@@ -88,7 +88,7 @@ def test_comfy_quant_markers_instead_of_the_header(fp8, tmp_path):
         for layer, conf in layers.items()
     }
     marked = write_safetensors(tmp_path / "marked.safetensors", {**tensors, **markers})
-    _, ours = load_transformer_file(marked)
+    ours = load_transformer_file(marked)
     assert ours.proj_out.kernel[...].dtype == jnp.float8_e4m3fn
     got, want = both_outputs(ours, reference)
     assert rel_err(got, want) < TOL
@@ -100,7 +100,7 @@ def test_a_stack_quantised_in_some_layers_only_is_dequantised(tiny_transformer, 
         tmp_path / "mixed.safetensors",
         skip=lambda key: key.startswith("double_blocks.1.img_attn"),
     )
-    _, ours = load_transformer_file(path)
+    ours = load_transformer_file(path)
     assert ours.transformer_blocks.attn.to_q.kernel[...].dtype == jnp.float32
     assert ours.transformer_blocks.attn.to_out.kernel[...].dtype == jnp.float32
     assert ours.transformer_blocks.attn.add_q_proj.kernel[...].dtype == jnp.float8_e4m3fn
@@ -154,8 +154,8 @@ def test_other_quantisation_formats_are_refused(fp8, tmp_path):
 def test_device_bytes_halve(fp8, tiny_transformer):
     """float8 kernels take a quarter of the float32 bytes; the scales add 4 bytes per tensor and layer."""
     path, _, _, _ = fp8
-    _, kept = load_transformer_file(path)
-    _, widened = load_transformer_file(path, dequantize=True)
+    kept = load_transformer_file(path)
+    widened = load_transformer_file(path, dequantize=True)
     nbytes = [sum(np.asarray(v).nbytes for v in kernels(m).values()) for m in (kept, widened)]
     assert nbytes[0] < 0.26 * nbytes[1]
 

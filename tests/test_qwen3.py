@@ -14,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 from klein.errors import CheckpointError
 from klein.io.loading import expected_shapes
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, load_text_encoder, skipped_keys
-from klein.models.qwen3 import Qwen3Config, hidden_states, prompt_embeddings
+from klein.models.qwen3 import hidden_states, prompt_embeddings
+from klein.models.qwen3_config import Qwen3Config
 from klein.text import load_tokenizer, tokenize_prompts
 from tests.fixtures.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
 
@@ -36,7 +37,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def encoder(tiny):
-    return load_text_encoder(tiny[0] / "text_encoder")[1]
+    return load_text_encoder(tiny[0] / "text_encoder")
 
 
 def reference_hidden_states(model, ids, mask, layers=LAYERS) -> np.ndarray:

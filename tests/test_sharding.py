@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from klein import InputError, cli_args, sharding
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
-from klein.models.qwen3 import Qwen3Config
+from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import KLEIN_9B
 
 ROOT = Path(__file__).resolve().parent.parent

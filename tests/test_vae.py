@@ -32,7 +32,7 @@ def tiny_vae(tmp_path_factory):
     """(vae folder, diffusers VAE, our VAE loaded from the folder) for the strengthened tiny VAE."""
     folder = tmp_path_factory.mktemp("tiny-vae")
     reference = build_vae(folder)
-    _, ours = load_vae(folder / "vae")
+    ours = load_vae(folder / "vae")
     return folder / "vae", reference, ours
 
 

@@ -63,8 +63,8 @@ def test_single_file_equals_folder(vae, tmp_path, naming):
     folder, model = vae
     state = bfl_state(model) if naming == "bfl" else model.state_dict()
     path = write_safetensors(tmp_path / "ae.safetensors", state)
-    cfg, ours = load_vae_file(path, config=read_config(folder / "config.json"))
-    want = flat(load_vae(folder)[1])
+    ours = load_vae_file(path, config=read_config(folder / "config.json"))
+    want = flat(load_vae(folder))
     got = flat(ours)
     assert got.keys() == want.keys()
     for key, value in want.items():

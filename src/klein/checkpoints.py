@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 from klein import demo
 from klein.errors import CheckpointError
-from klein.variants import KV_CHECKPOINT, VARIANTS
+from klein.variants import VARIANTS
 
 DEMO = "demo"
 DEMO_LABEL = "demo checkpoint: tiny random weights, the image is noise-like"
 
 
-def resolve(source: str | os.PathLike, use_kv: bool | None = None) -> tuple[Path, str]:
+def resolve(source: str | os.PathLike) -> tuple[Path, str]:
     """(diffusers-layout folder, name to show) for a folder, a Hugging Face repo id or "demo"."""
     source = str(source)
     if source == DEMO:
@@ -25,19 +24,11 @@ def resolve(source: str | os.PathLike, use_kv: bool | None = None) -> tuple[Path
             raise CheckpointError(f"{path}: expected a diffusers-layout checkpoint folder, got a file")
         return path, str(path)
     if source.count("/") == 1 and not source.startswith((".", "/", "~")):
-        return _from_hub(_kv_repo(source) if use_kv else source), source
+        return _from_hub(source), source
     raise CheckpointError(
         f"unknown model {source!r}: no such folder, and not a Hugging Face repo id (owner/name). "
         f"Known repos: {', '.join(v.repo_id for v in VARIANTS.values())}; or use 'demo'."
     )
-
-
-def _kv_repo(repo_id: str) -> str:
-    """The seed usage asks for klein-9b with use_kv=True and means the klein-9b-kv checkpoint."""
-    if repo_id.lower() == VARIANTS["klein-9b"].repo_id.lower():
-        warnings.warn(f"use_kv=True: switching from {repo_id} to {KV_CHECKPOINT.repo_id}", stacklevel=3)
-        return KV_CHECKPOINT.repo_id
-    return repo_id
 
 
 def _from_hub(repo_id: str) -> Path:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from klein.io.loading import expected_shapes
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder
 from klein.io.transformer_checkpoint import expected_transformer_keys
-from klein.models.qwen3 import Qwen3Config
+from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 from klein.paths import klein_home

@@ -1,18 +1,25 @@
-"""Memory planner: the bytes each device holds for a klein variant on a mesh, before buying hardware.
+"""Memory planner: the bytes each device holds for a klein model on a mesh, for `klein plan` (before
+buying hardware) and for admission (before a request allocates anything, `klein.admission`).
 
-Weights and the reference KV cache are exact: the real configs' abstract parameter and cache shapes
-(`nnx.eval_shape`, nothing allocated), split by the rules the loader and the model use
-(`klein.sharding`) on an abstract mesh, so no devices are needed. Peak activations are an estimate of
-the transformer's widest point, the attention of a single-stream block, per device:
-  residual stream          b * s_q * D
-  fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
-  gathered keys, values    2 * b * S_k * D / tensor          (all-gathered under context parallelism)
-  attention scores (fp32)  b * H / tensor * s_q * S_k * 4 B  (XLA's attention; a flash kernel avoids them)
-  gathered layer weights   one single block's weights / tensor (fsdp gathers a layer at a time)
+Weights and the reference KV cache are exact: parameter and cache shapes (`nnx.eval_shape`, nothing
+allocated), split by the rules the loader and the model use (`klein.sharding`) on an abstract mesh, so
+no devices are needed. What a request adds on top of the weights is an estimate of each stage's widest
+point, per device (docs/design.md, "Admission"); the stages run one after another, so a request's peak
+is the reference KV plus its largest stage:
+  text encoder      one Qwen3 layer over every prompt (residual, q / k / v, MLP, fp32 scores) and the
+                    hidden states the embedding keeps
+  denoise step      the prompt embeddings, and a single-stream block's attention:
+    residual stream          b * s_q * D
+    fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
+    gathered keys, values    2 * b * S_k * D / tensor          (all-gathered under context parallelism)
+    attention scores (fp32)  b * H / tensor * s_q * S_k * 4 B  (XLA's attention; a flash kernel avoids them)
+    gathered layer weights   one single block's weights / tensor (fsdp gathers a layer at a time)
+  KV prefill        the same over the reference tokens alone
+  decode            the VAE decoder's widest resolution level for every image at once (fp32), or for one
+                    tile at a time (`decode_latents_tiled`), plus the pixels
 with b the batch per data shard (x2 with CFG), s_q the query tokens per context shard and S_k all keys.
 Standard editing attends over [txt, img, refs]; KV editing over [txt, img] with the cached reference
-keys, after a prefill over the references alone. The text encoder and the VAE (run before and after
-the transformer) are counted as weights only.
+keys, after a prefill over the references alone.
 """
 
 from __future__ import annotations
@@ -25,17 +32,92 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from klein import sharding
+from klein import dtypes, sharding
 from klein.errors import InputError
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
-from klein.models.qwen3 import PROMPT_LAYERS, Qwen3Config
-from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
+from klein.models.qwen3 import PROMPT_LAYERS
+from klein.models.qwen3_config import Qwen3Config
+from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 from klein.variants import VARIANTS
 
+FLUX2_VAE = VAEConfig.flux2()
 TEXT_TOKENS = 512
-ITEMSIZE = {"bfloat16": 2, "float32": 4}
+# Tiles of `decode_latents_tiled`, in px per side: 64 tokens of 16 px (diffusers' tiling default).
+DECODE_TILE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The shape of one generation request: all that its memory depends on."""
+
+    images: int
+    """Images generated (prompts x images per prompt)."""
+    prompts: int
+    """Distinct prompts the text encoder runs over (the negative prompt of CFG included)."""
+    height: int
+    width: int
+    """Output size in px (multiples of 16)."""
+    reference_tokens: int
+    """Tokens of all references together (one per 16 x 16 px)."""
+    cached: bool
+    """KV editing: a prefill over the references, then steps over the cached keys and values."""
+    guided: bool
+    """Classifier-free guidance: every step runs the batch twice (prompt and negative)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMemory:
+    """Device bytes one request needs beyond the resident weights (the most loaded device)."""
+
+    reference_kv: int
+    prefill: int
+    text: int
+    step: int
+    decode: int
+    tiled_decode: bool
+    """Whether `decode` is the tiled decoder's (`decode_latents_tiled`) rather than the plain one's."""
+
+    @property
+    def peak(self) -> int:
+        return self.reference_kv + max(self.prefill, self.text, self.step, self.decode)
+
+    def parts(self) -> dict[str, int]:
+        """The named terms, for messages: what to reduce."""
+        return dict(
+            reference_kv=self.reference_kv,
+            kv_prefill=self.prefill,
+            text_encoder=self.text,
+            denoise_step=self.step,
+            decode=self.decode,
+        )
+
+
+def request_memory(
+    cfg: TransformerConfig,
+    text_config: Qwen3Config,
+    vae_config: VAEConfig,
+    mesh,
+    work: Workload,
+    itemsize: int,
+    tiled_decode: bool = False,
+) -> RequestMemory:
+    """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes."""
+    image = (work.height // 16) * (work.width // 16)
+    refs = work.reference_tokens
+    batch = work.images * (2 if work.guided else 1)
+    queries = TEXT_TOKENS + image + (0 if work.cached else refs)
+    keys = TEXT_TOKENS + image + refs
+    embeddings = -(-batch // _ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+    return RequestMemory(
+        reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
+        prefill=_activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
+        text=_text_activations(text_config, work.prompts, itemsize),
+        step=embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize),
+        decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
+        tiled_decode=tiled_decode,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +132,23 @@ class MemoryPlan:
     transformer: int
     text_encoder: int
     vae: int
-    reference_kv: int
-    step_activations: int
-    prefill_activations: int
+    memory: RequestMemory
+
+    @property
+    def reference_kv(self) -> int:
+        return self.memory.reference_kv
+
+    @property
+    def step_activations(self) -> int:
+        return self.memory.step
+
+    @property
+    def prefill_activations(self) -> int:
+        return self.memory.prefill
 
     @property
     def total(self) -> int:
-        weights = self.transformer + self.text_encoder + self.vae
-        return weights + self.reference_kv + max(self.step_activations, self.prefill_activations)
+        return self.transformer + self.text_encoder + self.vae + self.memory.peak
 
 
 def plan(
@@ -77,10 +168,16 @@ def plan(
         raise InputError("plan needs batch >= 1, refs >= 0 and sizes of at least 16x16 px")
     image, ref_tokens = _tokens(size), refs * _tokens(ref_size)
     _check_fits(abstract, variant, cfg, text_config, [batch, image, ref_tokens])
-    kv, e = VARIANTS[variant].kv, ITEMSIZE[dtype]
-    images = batch * (1 if VARIANTS[variant].distilled else 2)  # CFG runs prompt and negative together
-    queries = TEXT_TOKENS + image + (0 if kv else ref_tokens)
-    keys = TEXT_TOKENS + image + ref_tokens
+    chosen, e = VARIANTS[variant], dtypes.itemsize(dtype)
+    work = Workload(
+        images=batch,
+        prompts=1 if chosen.distilled else 2,
+        height=size[1] // 16 * 16,
+        width=size[0] // 16 * 16,
+        reference_tokens=ref_tokens,
+        cached=chosen.kv and ref_tokens > 0,
+        guided=not chosen.distilled,
+    )
     modules = _abstract_models(cfg, text_config)
     transformer, params = _weights(modules[0], sharding.TRANSFORMER_PARAMS, abstract, e)
     return MemoryPlan(
@@ -92,9 +189,7 @@ def plan(
         transformer=transformer,
         text_encoder=_weights(modules[1], sharding.TEXT_ENCODER_PARAMS, abstract, e)[0],
         vae=_weights(modules[2], (), abstract, e)[0],
-        reference_kv=_reference_kv(cfg, ref_tokens, abstract, e) if kv else 0,
-        step_activations=_activations(cfg, abstract, images, queries, keys, e),
-        prefill_activations=_activations(cfg, abstract, 1, ref_tokens, ref_tokens, e) if kv else 0,
+        memory=request_memory(cfg, text_config, FLUX2_VAE, abstract, work, e),
     )
 
 
@@ -102,15 +197,15 @@ def _configs(variant: str, dtype: str) -> tuple[TransformerConfig, Qwen3Config]:
     """The real transformer and text encoder configs of a published variant."""
     if variant not in VARIANTS:
         raise InputError(f"unknown model {variant!r}; known: {', '.join(VARIANTS)}")
-    if dtype not in ITEMSIZE:
-        raise InputError(f"dtype must be one of {', '.join(ITEMSIZE)}, got {dtype!r}")
-    return (KLEIN_9B, Qwen3Config.qwen3_8b()) if "9b" in variant else (KLEIN_4B, Qwen3Config.qwen3_4b())
+    dtypes.dtype(dtype)  # the error listing the choices
+    size = VARIANTS[variant].size
+    return size.transformer, size.text_encoder
 
 
 @functools.cache
 def _abstract_models(cfg: TransformerConfig, text_config: Qwen3Config) -> tuple[nnx.Module, ...]:
     """Transformer, text encoder (the layers that run) and VAE as shapes only; read, never changed."""
-    vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(VAEConfig.flux2(), rngs=nnx.Rngs(0)))
+    vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(FLUX2_VAE, rngs=nnx.Rngs(0)))
     return abstract_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
 
 
@@ -170,6 +265,54 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
     return sum(live)
 
 
+def _text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:
+    """One decoder layer's live tensors over `prompts` x 512 tokens, and the hidden states kept for the
+    embedding. The text encoder runs whole on every device (its batch is the prompts, not the images)."""
+    tokens = prompts * TEXT_TOKENS
+    heads = config.num_attention_heads + 2 * config.num_key_value_heads
+    live = [
+        2 * tokens * config.hidden_size,  # residual stream and its norm
+        tokens * heads * config.head_dim,  # q, k, v
+        2 * tokens * config.intermediate_size,  # gate and up projections
+        len(PROMPT_LAYERS) * tokens * config.hidden_size,  # the hidden states of the embedding
+    ]
+    scores = prompts * config.num_attention_heads * TEXT_TOKENS * TEXT_TOKENS * 4  # fp32
+    return sum(live) * itemsize + scores
+
+
+def _decode_activations(vae: VAEConfig, images: int, height: int, width: int, tiled: bool) -> int:
+    """The decoder's widest level for every image (fp32: GroupNorm statistics and the activations around
+    them), plus the decoded pixels; tiled, one tile at a time, plus the tiles and the blended pixels."""
+    pixels = images * height * width * 3 * 4
+    if not tiled:
+        return images * _decoder_level_bytes(vae, height, width) + pixels
+    tile_h, tile_w = min(height, DECODE_TILE), min(width, DECODE_TILE)
+    tiles = _tile_count(height) * _tile_count(width)
+    tile_pixels = tiles * images * tile_h * tile_w * 3 * 4
+    return images * _decoder_level_bytes(vae, tile_h, tile_w) + tile_pixels + 2 * pixels
+
+
+def _decoder_level_bytes(vae: VAEConfig, height: int, width: int) -> int:
+    """Live fp32 bytes at the decoder's widest level for one image of `height` x `width` px: at each
+    resolution the input of its first layer, the output of its last and a normalised copy, at the widest
+    channel count that level sees (the upsampled input of the level above included)."""
+    widths = tuple(reversed(vae.decoder_channels))  # lowest resolution first, as the decoder runs
+    levels = []
+    for level, channels in enumerate(widths):
+        scale = 2 ** (len(widths) - 1 - level)
+        wide = max(channels, widths[level - 1] if level else channels)
+        levels.append(3 * (height // scale) * (width // scale) * wide * 4)
+    return max(levels)
+
+
+def _tile_count(size: int) -> int:
+    """Tiles along one side, as `decode_latents_tiled` lays them (overlapping by a quarter)."""
+    if size <= DECODE_TILE:
+        return 1
+    stride = DECODE_TILE * 3 // 4
+    return -(-(size - DECODE_TILE) // stride) + 1
+
+
 def _ways(mesh, logical: str) -> int:
     """How many shards the mesh splits a `logical` dimension into."""
     axis = sharding.mesh_axis(logical, mesh)
@@ -183,13 +326,15 @@ def describe(p: MemoryPlan) -> str:
         ("text encoder weights", p.text_encoder, ""),
         ("VAE weights", p.vae, "replicated"),
         ("reference KV", p.reference_kv, "" if p.reference_kv else "KV variants only"),
+        ("activations, text encoder", p.memory.text, "estimate"),
         ("activations, denoise step", p.step_activations, "estimate"),
         (
             "activations, KV prefill",
             p.prefill_activations,
             "estimate" if p.prefill_activations else "KV variants only",
         ),
-        ("total", p.total, "weights + KV + the larger activation peak"),
+        ("activations, decode", p.memory.decode, "estimate"),
+        ("total", p.total, "weights + KV + the largest activation peak"),
     ]
     head = f"{p.variant} on mesh {p.mesh} ({p.devices} device{'s' * (p.devices > 1)}): {p.request}"
     lines = [head, "per device:"]

@@ -21,6 +21,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from klein.errors import CheckpointError, InputError
+from klein.io.json_file import read_json
 
 MAX_LENGTH = 512
 # Template variables transformers passes besides the messages (its special-tokens map).
@@ -47,7 +48,7 @@ class PromptTokenizer:
 def load_tokenizer(folder: str | Path) -> PromptTokenizer:
     """Read `<folder>/tokenizer.json`, `tokenizer_config.json` and the chat template (`chat_template.jinja`)."""
     folder = Path(folder)
-    config = _read_json(folder / "tokenizer_config.json")
+    config = read_json(folder / "tokenizer_config.json", "the tokenizer configuration")
     try:
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as exc:  # the tokenizers library raises plain Exceptions for missing or bad files
@@ -108,13 +109,6 @@ def _check_prompts(prompts) -> list[str]:
     if isinstance(prompts, Sequence) and prompts and all(isinstance(p, str) for p in prompts):
         return list(prompts)
     raise InputError(f"a prompt must be a string or a non-empty list of strings, got {prompts!r:.200}")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read the tokenizer configuration ({exc})") from None
 
 
 def _token_text(token) -> str:

@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
 from klein.errors import CheckpointError
+from klein.io.json_file import read_json
+from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One model size: the transformer and the text encoder every variant of that size has."""
+
+    name: str
+    """"4b" or "9b"."""
+    transformer: TransformerConfig
+    text_encoder: Qwen3Config
+
+
+SIZES = {
+    s.name: s
+    for s in (Size("4b", KLEIN_4B, Qwen3Config.qwen3_4b()), Size("9b", KLEIN_9B, Qwen3Config.qwen3_8b()))
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +38,8 @@ class Variant:
     """Trained for cached reference keys/values (klein-9b-kv)."""
     distilled: bool
     """Step-distilled (4 steps, no guidance) rather than base (50 steps, CFG)."""
+    size: Size | None = None
+    """The published size's configurations; None for a checkpoint of no published size (the demo)."""
 
     @property
     def steps(self) -> int:
@@ -31,18 +50,34 @@ class Variant:
         return None if self.distilled else 4.0
 
 
+_4B, _9B = SIZES["4b"], SIZES["9b"]
 VARIANTS = {
     v.name: v
     for v in (
-        Variant("klein-4b", "black-forest-labs/FLUX.2-klein-4B", kv=False, distilled=True),
-        Variant("klein-9b", "black-forest-labs/FLUX.2-klein-9B", kv=False, distilled=True),
-        Variant("klein-9b-kv", "black-forest-labs/FLUX.2-klein-9b-kv", kv=True, distilled=True),
-        Variant("klein-base-4b", "black-forest-labs/FLUX.2-klein-base-4B", kv=False, distilled=False),
-        Variant("klein-base-9b", "black-forest-labs/FLUX.2-klein-base-9B", kv=False, distilled=False),
+        Variant("klein-4b", "black-forest-labs/FLUX.2-klein-4B", kv=False, distilled=True, size=_4B),
+        Variant("klein-9b", "black-forest-labs/FLUX.2-klein-9B", kv=False, distilled=True, size=_9B),
+        Variant("klein-9b-kv", "black-forest-labs/FLUX.2-klein-9b-kv", kv=True, distilled=True, size=_9B),
+        Variant(
+            "klein-base-4b", "black-forest-labs/FLUX.2-klein-base-4B", kv=False, distilled=False, size=_4B
+        ),
+        Variant(
+            "klein-base-9b", "black-forest-labs/FLUX.2-klein-base-9B", kv=False, distilled=False, size=_9B
+        ),
     )
 }
 KV_CHECKPOINT = VARIANTS["klein-9b-kv"]
-_SIZES = {KLEIN_4B: "4b", KLEIN_9B: "9b"}
+
+
+def size_of(transformer: TransformerConfig) -> Size | None:
+    """The published size whose transformer has exactly this configuration, if any."""
+    return next((s for s in SIZES.values() if s.transformer == transformer), None)
+
+
+def kv_checkpoint_for(repo_id: str) -> str:
+    """The seed's usage asks for klein-9B with use_kv=True and means the klein-9b-kv checkpoint."""
+    if repo_id.lower() == VARIANTS["klein-9b"].repo_id.lower():
+        return KV_CHECKPOINT.repo_id
+    return repo_id
 
 
 def detect(folder: Path, transformer: TransformerConfig) -> Variant:
@@ -54,12 +89,14 @@ def detect(folder: Path, transformer: TransformerConfig) -> Variant:
     index = _model_index(folder)
     kv = index.get("_class_name") == "Flux2KleinKVPipeline"
     distilled = bool(index.get("is_distilled", True)) or kv
-    size = _SIZES.get(transformer)
+    size = size_of(transformer)
     if size is None:
         return Variant(f"custom ({folder.name})", None, kv=kv, distilled=distilled)
-    name = f"klein-{size}-kv" if kv else f"klein-{'' if distilled else 'base-'}{size}"
+    name = _name(size, kv, distilled)
     if name not in VARIANTS:
-        raise CheckpointError(f"{folder}: a {size} transformer with KV pipeline is not a published variant")
+        raise CheckpointError(
+            f"{folder}: a {size.name} transformer with KV pipeline is not a published variant"
+        )
     return VARIANTS[name]
 
 
@@ -68,14 +105,14 @@ def from_file(path: Path, transformer: TransformerConfig, forced: str | None = N
     transformer folder): the size from its shapes, "base" and "kv" from its name as BFL names its files
     (`flux-2-klein-base-9b.safetensors`, `flux-2-klein-9b-kv-fp8.safetensors`), unless `forced` names the
     variant; a forced variant must match the shapes."""
-    size = _SIZES.get(transformer)
     if forced is not None:
-        return _forced(path, transformer, size, forced)
+        return _forced(path, transformer, forced)
     words = set(re.split(r"[^a-z0-9]+", path.stem.lower()))
     kv, distilled = "kv" in words, "base" not in words
+    size = size_of(transformer)
     if size is None:
         return Variant(f"custom ({path.name})", None, kv=kv, distilled=distilled)
-    name = f"klein-{'' if distilled else 'base-'}{size}{'-kv' if kv else ''}"
+    name = _name(size, kv, distilled)
     if name not in VARIANTS:
         raise CheckpointError(
             f"{path}: its name suggests {name}, which is not a published variant; name the variant "
@@ -84,12 +121,16 @@ def from_file(path: Path, transformer: TransformerConfig, forced: str | None = N
     return VARIANTS[name]
 
 
-def _forced(path: Path, transformer: TransformerConfig, size: str | None, forced: str) -> Variant:
+def _name(size: Size, kv: bool, distilled: bool) -> str:
+    return f"klein-{'' if distilled else 'base-'}{size.name}{'-kv' if kv else ''}"
+
+
+def _forced(path: Path, transformer: TransformerConfig, forced: str) -> Variant:
     if forced not in VARIANTS:
         raise CheckpointError(f"unknown variant {forced!r}; known: {', '.join(VARIANTS)}")
-    want = "9b" if "9b" in forced else "4b"
-    if size != want:
-        holds = f"a klein-{size}" if size else "a non-standard"
+    size = size_of(transformer)
+    if size != VARIANTS[forced].size:
+        holds = f"a klein-{size.name}" if size else "a non-standard"
         raise CheckpointError(
             f"{path}: holds {holds} transformer ({transformer.num_layers} double + "
             f"{transformer.num_single_layers} single blocks, width {transformer.hidden}), not {forced}"
@@ -99,14 +140,11 @@ def _forced(path: Path, transformer: TransformerConfig, size: str | None, forced
 
 def _model_index(folder: Path) -> dict:
     path = folder / "model_index.json"
-    try:
-        index = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.is_file():
         raise CheckpointError(
             f"{folder}: no model_index.json; point --model at a diffusers-layout FLUX.2 [klein] folder"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+        )
+    index = read_json(path, "the pipeline index")
     if index.get("_class_name") not in ("Flux2KleinPipeline", "Flux2KleinKVPipeline"):
         raise CheckpointError(f"{path}: pipeline class {index.get('_class_name')!r} is not FLUX.2 [klein]")
     return index

@@ -14,6 +14,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from klein.errors import CheckpointError
+from klein.io.json_file import read_json
 
 
 class TensorSource:
@@ -53,10 +54,9 @@ class TensorSource:
     @classmethod
     def from_index(cls, index: str | Path) -> TensorSource:
         index = Path(index)
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a readable safetensors index ({exc})") from None
+        weight_map = read_json(index, "the safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: not a safetensors index (no weight_map object)")
         files = {key: index.parent / name for key, name in weight_map.items()}
         for path in sorted(set(files.values())):
             if not path.is_file():

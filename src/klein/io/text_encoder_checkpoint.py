@@ -7,7 +7,6 @@ layers, the final norm and `lm_head` are skipped by name, and any other stray ke
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,16 +14,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from klein.errors import CheckpointError
+from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
 from klein.io.safetensors import TensorSource
-from klein.models.qwen3 import PROMPT_LAYERS, Qwen3Config, Qwen3TextEncoder
+from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
+from klein.models.qwen3_config import Qwen3Config
 
 STACKED = ("model.layers",)
 
 
 def load_text_encoder(
-    folder: str | Path, dtype=jnp.float32, layers: Sequence[int] = PROMPT_LAYERS, place=None
-) -> tuple[Qwen3Config, Qwen3TextEncoder]:
+    folder: str | Path, dtype=jnp.float32, *, place=None, layers: Sequence[int] = PROMPT_LAYERS
+) -> Qwen3TextEncoder:
     """Load the first max(layers) decoder layers (and the embedding) of the text encoder in `folder`.
 
     `place(path, host_array)` puts each weight on its device(s) (see `load_module`).
@@ -43,16 +44,13 @@ def load_text_encoder(
     encoder = load_module(
         abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__, place=place
     )
-    return config, encoder
+    return encoder
 
 
 def read_config(folder: str | Path) -> Qwen3Config:
     """The `Qwen3Config` of `<folder>/config.json`."""
     path = Path(folder) / "config.json"
-    try:
-        return Qwen3Config.from_hf_config(json.loads(path.read_text()))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read the text encoder config ({exc})") from None
+    return Qwen3Config.from_hf_config(read_json(path, "the text encoder config"))
 
 
 def abstract_text_encoder(config: Qwen3Config, num_layers: int) -> Qwen3TextEncoder:

@@ -31,7 +31,7 @@ def expected_transformer_keys(cfg: TransformerConfig) -> dict[str, tuple[int, ..
     return expected_shapes(abstract_transformer(cfg), STACKED, key_map)
 
 
-def load_transformer(folder: str | Path, dtype=jnp.float32, place=None) -> Flux2Transformer:
+def load_transformer(folder: str | Path, dtype=jnp.float32, *, place=None) -> Flux2Transformer:
     """Strictly load `<folder>/config.json` and its safetensors (single file or sharded)."""
     folder = Path(folder)
     cfg = TransformerConfig.from_file(folder / "config.json")

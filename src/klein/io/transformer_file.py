@@ -17,7 +17,6 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
-from klein import variants
 from klein.errors import CheckpointError
 from klein.io import bfl_transformer_keys as bfl
 from klein.io.fp8 import SIDE_TENSORS, fp8_layers
@@ -49,20 +48,18 @@ def load_transformer_file(
     path: str | Path,
     dtype=jnp.float32,
     *,
-    variant: str | None = None,
-    dequantize: bool = False,
     place=None,
-) -> tuple[variants.Variant, Flux2Transformer]:
-    """(variant, transformer) of a BFL, FP8 or GGUF single file; `variant` names it when its file name does
-    not (and must match its shapes); `dequantize` widens FP8 weights to `dtype` at load; `place` puts each
-    weight on its device(s) (see `klein.io.loading.load_module`)."""
+    dequantize: bool = False,
+) -> Flux2Transformer:
+    """The transformer of a BFL, FP8 or GGUF single file (`klein.variants.from_file` tells its variant);
+    `dequantize` widens FP8 weights to `dtype` at load; `place` puts each weight on its device(s) (see
+    `klein.io.loading.load_module`)."""
     path = Path(path)
     source = _open(path)
-    # 1. What the file holds: naming, config (from the shapes), variant, FP8 layers; checked in BFL names.
+    # 1. What the file holds: naming, config (from the shapes), FP8 layers; checked in BFL names.
     prefix = _prefix(source.keys(), path)
     stored = _stored_shapes(source, prefix)
     cfg = bfl.config_from_bfl(stored, str(path))
-    chosen = variants.from_file(path, cfg, variant)
     fp8 = fp8_layers(source, str(path)) if isinstance(source, TensorSource) else frozenset()
     plain = abstract_transformer(cfg)
     _check_layout(stored, expected_shapes(plain, STACKED, key_map), {f[len(prefix) :] for f in fp8}, path)
@@ -75,7 +72,7 @@ def load_transformer_file(
     table = {key: _piece(key, prefix, fp8, raw) for key in expected_shapes(abstract, STACKED, key_map)}
     unread = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS if side != "weight_scale"}
     mapped = MappedSource(source, table, dropped=unread)
-    return chosen, load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)
+    return load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)
 
 
 def _open(path: Path):

@@ -3,7 +3,6 @@ one single file in BFL or diffusers naming."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -12,6 +11,7 @@ from flax import nnx
 
 from klein.errors import CheckpointError
 from klein.io import bfl_vae_keys
+from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
 from klein.io.mapped import MappedSource
 from klein.io.safetensors import TensorSource
@@ -24,7 +24,7 @@ _BFL_MARKER = "encoder.down.0.block.0.conv1.weight"
 _DIFFUSERS_MARKER = "encoder.down_blocks.0.resnets.0.conv1.weight"
 
 
-def load_vae(folder: str | Path, dtype=jnp.float32, place=None) -> tuple[VAEConfig, AutoencoderKLFlux2]:
+def load_vae(folder: str | Path, dtype=jnp.float32, *, place=None) -> AutoencoderKLFlux2:
     """Read `<folder>/config.json` and `<folder>/diffusion_pytorch_model*.safetensors`, strictly.
 
     Weights are cast to `dtype`; the BatchNorm running statistics stay fp32, since in bf16 their
@@ -32,12 +32,12 @@ def load_vae(folder: str | Path, dtype=jnp.float32, place=None) -> tuple[VAEConf
     """
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
-    return cfg, _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype, place)
+    return _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype, place)
 
 
 def load_vae_file(
-    path: str | Path, dtype=jnp.float32, config: VAEConfig | None = None, place=None
-) -> tuple[VAEConfig, AutoencoderKLFlux2]:
+    path: str | Path, dtype=jnp.float32, *, place=None, config: VAEConfig | None = None
+) -> AutoencoderKLFlux2:
     """A VAE saved as one safetensors file without a config: BFL's names (`ae.safetensors` of FLUX.2 [dev],
     ComfyUI's `flux2-vae.safetensors`) or diffusers' names. `config` defaults to the released FLUX.2 VAE,
     the one every klein variant uses."""
@@ -53,7 +53,7 @@ def load_vae_file(
             f"{path}: not a FLUX.2 VAE: it has neither '{_BFL_MARKER}' (BFL names) nor '{_DIFFUSERS_MARKER}' "
             f"(diffusers names); is it a transformer or a text encoder?"
         )
-    return cfg, _load(cfg, source, dtype, place)
+    return _load(cfg, source, dtype, place)
 
 
 def _abstract(cfg: VAEConfig) -> AutoencoderKLFlux2:
@@ -69,10 +69,7 @@ def _load(cfg: VAEConfig, source, dtype, place) -> AutoencoderKLFlux2:
 
 def read_config(path: Path) -> VAEConfig:
     """The VAEConfig of a diffusers `vae/config.json`."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable VAE config ({exc})") from None
+    raw = read_json(path, "the VAE config")
     try:
         return VAEConfig.from_diffusers_config(raw)
     except CheckpointError as exc:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from klein.errors import CheckpointError
+from klein.io.json_file import read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +68,7 @@ class TransformerConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TransformerConfig:
-        path = Path(path)
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: cannot read transformer config ({exc})") from None
-        return cls.from_diffusers(config)
+        return cls.from_diffusers(read_json(path, "transformer config"))
 
 
 KLEIN_4B = TransformerConfig(
