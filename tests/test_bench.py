@@ -1,4 +1,4 @@
-"""`klein bench`: the FLOP model against DESIGN.md §6 and hand-computed cases, and one run of the
+"""`klein bench`: the FLOP model against docs/design.md ("FLOP model") and hand-computed cases, and one run of the
 whole benchmark on the tiny config (report structure, files, engines agreeing; never timings)."""
 
 import dataclasses

@@ -4,6 +4,7 @@ Each generating run costs a JAX start-up plus compilation (~5-10 s on two cores)
 each checks several things; argument parsing and file naming are also tested in-process, where it is cheap.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import pytest
 
 from klein import cli, cli_args, cli_output, demo
 from klein.errors import InputError
+from klein.request import GenerationRequest
 
 SMALL = ["--steps", "2", "--height", "64", "--width", "64"]
 
@@ -97,8 +99,14 @@ def test_flags_write_numbered_pngs_with_metadata_and_round_sizes(klein_home, inp
             assert image.size == (64, 64)
             text = dict(image.text)
         assert text["prompt"] == "a fox in snow" and text["seed"] == "7" and text["steps"] == "2"
-        assert text["size"] == "64x64" and text["kv"] == "True" and text["image"] == f"{index + 1} of 2"
-        assert json.loads(text["references"]) == [str(inputs / "ref.png")]
+        assert text["width"] == text["height"] == "64" and text["kv"] == "True"
+        assert text["index"] == f"{index + 1} of 2" and text["mode"] == "cached references"
+        assert json.loads(text["image"]) == [str(inputs / "ref.png")]
+        # The metadata reads back into the request that ran: the one asked for, with its defaults resolved.
+        parsed = cli._generate_parser().parse_intermixed_args([str(arg) for arg in args[1:]])
+        asked = cli_args.build_request(parsed).generation
+        resolved = dataclasses.replace(asked, height=64, width=64, guidance_scale=None)
+        assert GenerationRequest.from_metadata(text) == resolved
         assert "demo" in text["model"] and text["klein"]
     assert "warning: " in result.stderr and "rounded down" in result.stderr
     assert "UserWarning" not in result.stderr and "Traceback" not in result.stderr
@@ -170,7 +178,9 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
             ["prompt=x", "num_inference_steps=-2"], ["steps must be a positive integer"], id="negative steps"
         ),
         pytest.param(
-            ["--prompt", "x", "--num-images", "0"], ["num_images must be a positive"], id="zero images"
+            ["--prompt", "x", "--num-images", "0"],
+            ["num_images_per_prompt must be a positive integer (--num-images)"],
+            id="zero images",
         ),
         pytest.param(
             ["--prompt", "x", "--out", "{tmp}/missing/out.png"], ["does not exist"], id="missing folder"
@@ -204,10 +214,10 @@ def test_key_value_literals_are_read_safely():
     read = cli_args.parse_assignments
     assert read(["prompt=a cat, 42", "model='quoted'"]) == {"prompt": "a cat, 42", "model": "quoted"}
     assert read(["prompt=42"]) == {"prompt": "42"}
-    assert read(["image_paths=['a.png', 'b c.png']"]) == {"images": ("a.png", "b c.png")}
-    assert read(["image_paths=one.png"]) == {"images": ("one.png",)}
-    assert read(["use_kv=True", "guidance_scale=4"]) == {"kv": True, "guidance": 4.0}
-    assert read(["use_kv=auto", "steps=3"]) == {"kv": None, "steps": 3}
+    assert read(["image_paths=['a.png', 'b c.png']"]) == {"image": ("a.png", "b c.png")}
+    assert read(["image_paths=one.png"]) == {"image": ("one.png",)}
+    assert read(["use_kv=True", "guidance_scale=4"]) == {"use_kv": True, "guidance_scale": 4.0}
+    assert read(["use_kv=auto", "steps=3"]) == {"use_kv": None, "num_inference_steps": 3}
     # Never evaluated: a call is not a literal, so it stays text.
     assert read(["prompt=__import__('os').getcwd()"]) == {"prompt": "__import__('os').getcwd()"}
     bad = ["height=True", "height=64.5", "seed=abc", "use_kv=maybe", "image_paths=[1]", "bare", "size=64"]

@@ -1,4 +1,4 @@
-"""The memory planner against hand calculations for klein-9b-kv (DESIGN.md §1 and §3)."""
+"""The memory planner against hand calculations for klein-9b-kv (docs/design.md, "Architecture" and "Sharding")."""
 
 import pytest
 
@@ -6,7 +6,7 @@ from klein import InputError, cli
 from klein.plan import plan
 
 GiB = 2**30
-PARAMS_9B = 9.08e9  # DESIGN.md: 9b is about 9.08 B parameters
+PARAMS_9B = 9.08e9  # docs/design.md: 9b is about 9.08 B parameters
 KV_PER_TOKEN = 0.5 * 2**20  # 32 layers x (k, v) x 4096 x 2 bytes = 0.5 MiB per reference token in bf16
 TOKENS_1024 = 64 * 64  # one 1024x1024 image
 

@@ -1,4 +1,4 @@
-"""The schedule against DESIGN.md's check values and diffusers' scheduler as the klein pipeline drives it."""
+"""The schedule against the check values of docs/design.md and diffusers' scheduler as the klein pipeline drives it."""
 
 import numpy as np
 import pytest

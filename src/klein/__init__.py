@@ -2,7 +2,7 @@
 
 from klein.errors import CheckpointError, InputError, KleinError
 
-__all__ = ["CheckpointError", "InputError", "KleinError", "load_pipeline"]
+__all__ = ["CheckpointError", "GenerationRequest", "InputError", "KleinError", "load_pipeline"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from klein.pipeline import load_pipeline
 
         return load_pipeline
+    if name == "GenerationRequest":
+        from klein.request import GenerationRequest
+
+        return GenerationRequest
     raise AttributeError(f"module 'klein' has no attribute {name!r}")

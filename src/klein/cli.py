@@ -6,8 +6,8 @@ anything else is an internal error (exit code 1) whose traceback `KLEIN_DEBUG=1`
 """
 
 import argparse
+import dataclasses
 import importlib.metadata
-import json
 import os
 import sys
 import textwrap
@@ -97,29 +97,7 @@ def _generate_parser() -> argparse.ArgumentParser:
         "--model",
         help='checkpoint folder or Hugging Face repo id (default: "demo", the offline demo checkpoint)',
     )
-    add("--prompt", help="what to generate, or how to edit the references")
-    add(
-        "--image", dest="images", action="append", metavar="PATH", help="reference image (repeat for several)"
-    )
-    add(
-        "--kv",
-        action=argparse.BooleanOptionalAction,
-        help="cache reference keys/values (default: on for KV checkpoints with references)",
-    )
-    add(
-        "--height",
-        type=int,
-        help="output height in px, rounded down to a multiple of 16 (default: first reference's, else 1024)",
-    )
-    add(
-        "--width",
-        type=int,
-        help="output width in px, rounded down to a multiple of 16 (default: first reference's, else 1024)",
-    )
-    add("--steps", type=int, help="denoising steps (default: the model's, 4 distilled / 50 base)")
-    add("--guidance", type=float, help="classifier-free guidance scale (base models only; default 4.0 there)")
-    add("--seed", type=int, help="random seed (default: a random one, recorded in the PNG)")
-    add("--num-images", type=int, help="images to generate (default: 1)")
+    cli_args.add_generation_flags(add)
     add(
         "--out",
         metavar="FILE.png|FOLDER",
@@ -204,32 +182,38 @@ def _dispatch(argv: list[str]) -> int:
 def generate(request: cli_args.GenerateRequest) -> int:
     """Run one `klein generate` request: load, generate, write, report."""
     started = time.perf_counter()
-    plan = cli_output.plan_outputs(request.out, request.num_images, bool(request.overwrite))
+    plan = cli_output.plan_outputs(
+        request.out, request.generation.num_images_per_prompt, bool(request.overwrite)
+    )
     pipe, references, load_seconds = _load(request)
     progress = cli_output.Progress()
     try:
-        result = pipe(
-            request.prompt,
-            image=references or None,
-            height=request.height,
-            width=request.width,
-            num_inference_steps=request.steps,
-            guidance_scale=request.guidance,
-            num_images_per_prompt=request.num_images,
-            seed=request.seed,
-            use_kv=request.kv,
-            progress=progress,
-        )
+        result = pipe(dataclasses.replace(request.generation, image=references), progress=progress)
     finally:
         progress.close()
     if not _lead_process():
         return 0  # every process of a multi-process run holds the same images; process 0 writes them
     write_started = time.perf_counter()
-    metadata = [_metadata(request, pipe.name, result, index) for index in range(len(result.images))]
+    # The metadata names the references as they were given (paths), not as the loaded pictures.
+    settings = dataclasses.replace(
+        result.settings, request=dataclasses.replace(result.settings.request, image=request.generation.image)
+    )
+    metadata = [cli_output.png_metadata(settings.metadata(i, _version())) for i in range(len(result.images))]
     paths = cli_output.write_images(result.images, plan, metadata, result.seed)
     timings = {"load": load_seconds, **result.timings, "write": time.perf_counter() - write_started}
-    _report(pipe, result, paths, timings, time.perf_counter() - started)
+    _report(pipe, settings, paths, timings, time.perf_counter() - started)
     return 0
+
+
+def _model(request: cli_args.GenerateRequest) -> str | None:
+    """The seed's usage asks for klein-9B with use_kv=True and means the klein-9b-kv checkpoint."""
+    from klein.variants import kv_checkpoint_for
+
+    model = request.model
+    if request.generation.use_kv and model is not None and kv_checkpoint_for(model) != model:
+        warnings.warn(f"use_kv=True: switching from {model} to {kv_checkpoint_for(model)}", stacklevel=2)
+        return kv_checkpoint_for(model)
+    return model
 
 
 def _load(request: cli_args.GenerateRequest):
@@ -244,17 +228,17 @@ def _load(request: cli_args.GenerateRequest):
         coordinator = None if request.coordinator == "auto" else request.coordinator
         sharding.start_processes(coordinator, request.num_processes, request.process_id)
 
-    with cli_output.loading_bar(len(request.images) + 1) as bar:
+    paths = request.generation.image
+    with cli_output.loading_bar(len(paths) + 1) as bar:
         references = []
-        for path in request.images:
-            bar.set_postfix_str(path)
+        for path in paths:
+            bar.set_postfix_str(str(path))
             references.append(load_image(path))
             bar.update()
         bar.set_postfix_str(request.transformer or request.model or "demo")
         pipe = load_pipeline(
-            source=request.model,
+            source=_model(request),
             dtype=request.dtype or "float32",
-            use_kv=request.kv,
             transformer=request.transformer,
             text_encoder=request.text_encoder,
             vae=request.vae,
@@ -264,7 +248,7 @@ def _load(request: cli_args.GenerateRequest):
             mesh=request.mesh,
         )
         bar.update()
-    return pipe, references, time.perf_counter() - started
+    return pipe, tuple(references), time.perf_counter() - started
 
 
 def _lead_process() -> bool:
@@ -273,29 +257,10 @@ def _lead_process() -> bool:
     return jax.process_index() == 0
 
 
-def _metadata(request: cli_args.GenerateRequest, model: str, result, index: int):
-    settings = result.settings
-    return cli_output.png_metadata(
-        {
-            "prompt": request.prompt,
-            "seed": result.seed,
-            "model": model,
-            "steps": settings["steps"],
-            "guidance": settings["guidance"],
-            "size": f"{settings['width']}x{settings['height']}",
-            "kv": settings["use_kv"],
-            "references": json.dumps(list(request.images)),
-            "image": f"{index + 1} of {len(result.images)}",
-            "klein": _version(),
-            "Software": f"klein {_version()}",
-        }
-    )
-
-
-def _report(pipe, result, paths, timings, total_seconds) -> None:
+def _report(pipe, settings, paths, timings, total_seconds) -> None:
     """Files on stdout (one per line, for scripts); settings and the timing breakdown on stderr."""
     print(f"model: {pipe.name}", file=sys.stderr)
-    print(f"settings: {cli_output.describe(result.settings, result.seed)}", file=sys.stderr)
+    print(f"settings: {settings.describe()}", file=sys.stderr)
     print(cli_output.timing_report(timings, total_seconds), file=sys.stderr)
     for path in paths:
         print(path)

@@ -1,16 +1,18 @@
 """Arguments of `klein generate`: ordinary flags and the seed's `key=value` tokens, merged into one request.
 
-Both spellings fill the same `GenerateRequest`; a setting given both ways is an error rather than a silent
-choice. Values of `key=value` tokens are read with `ast.literal_eval` (never `eval`), so
-`image_paths="['a.png','b.png']"` is a list and `use_kv=True` a bool, while an unquoted prompt stays text.
+Both spellings fill the same `GenerateRequest`, whose generation settings are a `klein.GenerationRequest`:
+the flags and key=value words of those are derived from the request type's fields, so a new setting
+appears here by itself. A setting given both ways is an error rather than a silent choice. Values of
+`key=value` tokens are read as `klein.setting_kinds` says (Python literals, never `eval`).
 """
 
 import argparse
-import ast
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from klein import setting_kinds as kinds
 from klein.errors import InputError
+from klein.request import GenerationRequest, settings_of, short_name
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,18 +24,11 @@ class Parser(argparse.ArgumentParser):
 
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
-    """Everything `klein generate` was asked to do; None means "the model's default"."""
+    """Everything `klein generate` was asked to do: the generation itself, and where the model comes
+    from and the images go; None means "the default"."""
 
-    prompt: str
+    generation: GenerationRequest
     model: str | None = None
-    images: tuple[str, ...] = ()
-    kv: bool | None = None
-    height: int | None = None
-    width: int | None = None
-    steps: int | None = None
-    guidance: float | None = None
-    seed: int | None = None
-    num_images: int = 1
     out: str | None = None
     overwrite: bool = False
     dtype: str | None = None
@@ -49,104 +44,51 @@ class GenerateRequest:
     process_id: int | None = None
 
 
-def _literal(text: str) -> object:
-    """The Python literal `text` spells, or `text` itself when it is not one (an unquoted prompt or path)."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return text
+# The generation settings, derived from the request type: (field, setting) of every text-valued field.
+GENERATION = [(field, spec) for field, spec in settings_of(GenerationRequest) if spec.kind is not None]
+_FLAG_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float, kinds.TEXT.name: str}
 
 
-def _as_text(key: str, text: str) -> str:
-    value = _literal(text)
-    # prompt=42 means the text "42"; only a quoted literal ('a cat') is unwrapped.
-    return value if isinstance(value, str) else text
+def add_generation_flags(add) -> None:
+    """One flag per generation setting: --<short name>, documented by the request type itself."""
+    for field, spec in GENERATION:
+        flag = "--" + short_name(field, spec).replace("_", "-")
+        if spec.kind is kinds.PATHS:
+            add(flag, dest=field.name, action="append", metavar=spec.metavar, help=spec.doc)
+        elif spec.kind is kinds.OPTIONAL_BOOL:
+            add(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=spec.doc)
+        else:
+            add(flag, dest=field.name, type=_FLAG_TYPES[spec.kind.name], help=spec.doc)
 
 
-def _as_paths(key: str, text: str) -> tuple[str, ...]:
-    value = _literal(text)
-    if isinstance(value, str):
-        if value.lstrip().startswith(("[", "(")):
-            raise InputError(
-                f"{key}={text} is not a valid Python list; quote each path, e.g. {key}=\"['a.png','b.png']\""
-            )
-        return (value,)
-    if isinstance(value, list | tuple) and all(isinstance(path, str) for path in value):
-        return tuple(value)
-    raise InputError(f"{key} must be a path or a list of paths like \"['a.png','b.png']\", got {text}")
+def _generation_keys() -> dict[str, tuple[str, Callable[[str, str], object]]]:
+    keys = {}
+    for field, spec in GENERATION:
+        for key in dict.fromkeys((short_name(field, spec), field.name, *spec.aliases)):
+            keys[key] = (field.name, spec.kind.read)
+    return keys
 
 
-def _as_int(key: str, text: str) -> int:
-    value = _literal(text)
-    # bool is an int subclass; height=True is a mistake, not 1.
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise InputError(f"{key} must be an integer, got {text!r}")
-
-
-def _as_float(key: str, text: str) -> float:
-    value = _literal(text)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise InputError(f"{key} must be a number, got {text!r}")
-
-
-_BOOL_WORDS = {
-    "true": True,
-    "yes": True,
-    "on": True,
-    "1": True,
-    "false": False,
-    "no": False,
-    "off": False,
-    "0": False,
-}
-
-
-def _as_bool(key: str, text: str) -> bool:
-    if text.strip().lower() in _BOOL_WORDS:
-        return _BOOL_WORDS[text.strip().lower()]
-    raise InputError(f"{key} must be True or False, got {text!r}")
-
-
-def _as_optional_bool(key: str, text: str) -> bool | None:
-    # use_kv=None (or auto) restores the default: KV exactly when the checkpoint is a KV one and references are given.
-    return None if text.strip().lower() in ("none", "auto") else _as_bool(key, text)
-
-
-# key=value name -> (GenerateRequest field, reader of the value text). Aliases follow the diffusers argument
-# names and the flag names.
+# key=value name -> (field, reader of the value text): the generation settings under their short names,
+# field names (diffusers' argument names) and aliases, then where the model comes from and the images go.
 KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
-    "prompt": ("prompt", _as_text),
-    "model": ("model", _as_text),
-    "image_paths": ("images", _as_paths),
-    "image": ("images", _as_paths),
-    "use_kv": ("kv", _as_optional_bool),
-    "kv": ("kv", _as_optional_bool),
-    "height": ("height", _as_int),
-    "width": ("width", _as_int),
-    "num_inference_steps": ("steps", _as_int),
-    "steps": ("steps", _as_int),
-    "guidance_scale": ("guidance", _as_float),
-    "guidance": ("guidance", _as_float),
-    "seed": ("seed", _as_int),
-    "num_images": ("num_images", _as_int),
-    "num_images_per_prompt": ("num_images", _as_int),
-    "out": ("out", _as_text),
-    "overwrite": ("overwrite", _as_bool),
-    "dtype": ("dtype", _as_text),
-    "transformer": ("transformer", _as_text),
-    "text_encoder": ("text_encoder", _as_text),
-    "vae": ("vae", _as_text),
-    "tokenizer": ("tokenizer", _as_text),
-    "variant": ("variant", _as_text),
-    "dequantize": ("dequantize", _as_bool),
-    "mesh": ("mesh", _as_text),
+    **_generation_keys(),
+    "model": ("model", kinds.read_text),
+    "out": ("out", kinds.read_text),
+    "overwrite": ("overwrite", kinds.read_bool),
+    "dtype": ("dtype", kinds.read_text),
+    "transformer": ("transformer", kinds.read_text),
+    "text_encoder": ("text_encoder", kinds.read_text),
+    "vae": ("vae", kinds.read_text),
+    "tokenizer": ("tokenizer", kinds.read_text),
+    "variant": ("variant", kinds.read_text),
+    "dequantize": ("dequantize", kinds.read_bool),
+    "mesh": ("mesh", kinds.read_text),
 }
 
 
 def parse_assignments(tokens: Sequence[str]) -> dict[str, object]:
-    """`["prompt=a cat", "use_kv=True"]` -> `{"prompt": "a cat", "kv": True}`, keyed by request field."""
+    """`["prompt=a cat", "use_kv=True"]` -> `{"prompt": "a cat", "use_kv": True}`, keyed by field."""
     values: dict[str, object] = {}
     for token in tokens:
         key, sep, text = token.partition("=")
@@ -171,20 +113,18 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
             continue
         if field in values:
             raise InputError(f"{field} is given twice: once as a flag and once as a key=value setting")
-        values[field] = tuple(value) if field == "images" else value
+        values[field] = tuple(value) if field == "image" else value
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
-    request = GenerateRequest(**values)
+    names = {field.name for field, _ in GENERATION}
+    generation = GenerationRequest.create(**{k: v for k, v in values.items() if k in names})
+    request = GenerateRequest(generation, **{k: v for k, v in values.items() if k not in names})
     _check(request)
     return request
 
 
 def _check(request: GenerateRequest) -> None:
-    """Reject impossible numbers before any model work (the pipeline checks them again, for library users)."""
-    for name in ("height", "width", "steps", "num_images"):
-        value = getattr(request, name)
-        if value is not None and value < 1:
-            raise InputError(f"{name} must be a positive integer, got {value}")
+    """Reject inconsistent process flags before any model work."""
     explicit = request.coordinator not in (None, "auto")
     if explicit != (request.num_processes is not None) or explicit != (request.process_id is not None):
         raise InputError(

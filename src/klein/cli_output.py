@@ -21,7 +21,7 @@ from tqdm import tqdm
 from klein.errors import InputError
 
 # Stages in the order they run; the pipeline reports all but load and write.
-STAGES = ("load", "compile", "text", "references", "prefill", "denoise", "decode", "write")
+STAGES = ("load", "compile", "references", "prefill", "text", "denoise", "decode", "decode_tiled", "write")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,17 +159,6 @@ def loading_bar(total: int) -> tqdm:
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """`warnings.showwarning` replacement: one readable line, printed without breaking a progress bar."""
     tqdm.write(f"warning: {message}", file=sys.stderr)
-
-
-def describe(settings: Mapping[str, object], seed: int) -> str:
-    """One line saying what ran, from the pipeline's `settings`."""
-    guidance = "no guidance" if settings["guidance"] is None else f"guidance {settings['guidance']}"
-    references = settings["num_references"]
-    return (
-        f"{settings['width']}x{settings['height']} px, {settings['steps']} steps, {guidance}, "
-        f"{references} reference{'' if references == 1 else 's'}, kv {'on' if settings['use_kv'] else 'off'}, "
-        f"seed {seed}"
-    )
 
 
 def timing_report(timings: Mapping[str, float], total: float) -> str:

@@ -44,12 +44,10 @@ class Components:
     tokenizer: text.PromptTokenizer
 
 
-def load_components(
-    source, parts: Parts, dtype, use_kv=None, variant=None, dequantize=False, mesh=None
-) -> Components:
+def load_components(source, parts: Parts, dtype, variant=None, dequantize=False, mesh=None) -> Components:
     """Load every part; `variant` names the transformer's variant explicitly, `dequantize` widens FP8
     weights, `mesh` (a jax Mesh or None) places every weight straight onto its shards."""
-    root, name = _checkpoint(source, parts, use_kv)
+    root, name = _checkpoint(source, parts)
     named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
     if named["tokenizer"] is None:
         named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
@@ -64,7 +62,7 @@ def load_components(
         variant=chosen,
         transformer=transformer,
         vae=_vae(_part(named["vae"], "vae"), dtype, sharding.placer(mesh)),
-        text_encoder=load_text_encoder(encoder_folder, dtype, place=place_encoder)[1],
+        text_encoder=load_text_encoder(encoder_folder, dtype, place=place_encoder),
         tokenizer=text.load_tokenizer(_part(named["tokenizer"], "tokenizer")),
     )
 
@@ -82,12 +80,12 @@ def _check_fits(mesh, transformer: Path, text_encoder: Path) -> None:
     sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(encoder))
 
 
-def _checkpoint(source, parts: Parts, use_kv) -> tuple[Path | None, str | None]:
+def _checkpoint(source, parts: Parts) -> tuple[Path | None, str | None]:
     """The checkpoint the unnamed parts come from: `source`, or the demo when nothing at all is named."""
     if source is None and parts == Parts():
         source = checkpoints.DEMO
     if source is not None:
-        return checkpoints.resolve(source, use_kv)
+        return checkpoints.resolve(source)
     missing = [part for part in ("transformer", "text_encoder", "vae") if getattr(parts, part) is None]
     if missing:
         raise InputError(
@@ -125,16 +123,17 @@ def _transformer_folder(path: Path) -> Path:
 
 def _transformer(path: Path, dtype, variant, dequantize, place):
     if path.is_file():
-        return load_transformer_file(path, dtype, variant=variant, dequantize=dequantize, place=place)
+        chosen = variants.from_file(path, file_config(path), variant)  # before reading any weight
+        return chosen, load_transformer_file(path, dtype, place=place, dequantize=dequantize)
     pipeline = (path / "model_index.json").is_file()
-    model = load_transformer(_transformer_folder(path), dtype, place)
+    model = load_transformer(_transformer_folder(path), dtype, place=place)
     if pipeline and variant is None:  # a whole pipeline's index says which variant it is
         return variants.detect(path, model.cfg), model
     return variants.from_file(path, model.cfg, variant), model
 
 
 def _vae(path: Path, dtype, place):
-    return (load_vae_file(path, dtype, place=place) if path.is_file() else load_vae(path, dtype, place))[1]
+    return (load_vae_file if path.is_file() else load_vae)(path, dtype, place=place)
 
 
 def _text_encoder_folder(path: Path) -> Path:

@@ -1,7 +1,10 @@
 """Generation end to end: prompt (+ reference images) -> images, for every klein variant.
 
-Stages, each jitted once per input shape: text encoding, reference encoding (VAE, and for KV
-checkpoints the reference prefill), one denoising step, decoding. The call mirrors diffusers'
+`generate` runs a `GenerationRequest` as numbered stages, each through one helper that times it, waits
+for the device and counts the work (`klein.timing.Stages`): references prepared on the host, the request
+resolved once (mode, size, steps, guidance, seed), admission against the device's memory, reference
+encoding (VAE, and the prefill for cached references), text encoding, the denoising steps of that mode
+(`klein.denoise`), decoding. Each stage is jitted once per input shape. The call mirrors diffusers'
 Flux2Klein pipelines so that users feel at home and tests can compare call for call.
 """
 
@@ -12,7 +15,7 @@ import functools
 import secrets
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -22,17 +25,19 @@ import PIL.Image
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from klein import components, images, sampling, sharding, text
+from klein import admission, components, denoise, dtypes, images, modes, plan, sampling, sharding, text
 from klein.errors import InputError
+from klein.images import prepare_reference as images_prepare
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.models.rope import rope_tables
+from klein.modes import Conditioning, Mode
 from klein.paths import klein_home
-from klein.timing import StageClock
-from klein.variants import KV_CHECKPOINT, Variant
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from klein.references import References
+from klein.request import GenerationRequest, Settings
+from klein.timing import Stages
+from klein.variants import Variant
 
 
 class Compiled:
@@ -53,22 +58,13 @@ class Compiled:
             return self._jit(self.state, *args)
 
 
-@dataclasses.dataclass(frozen=True)
-class References:
-    """Encoded reference images, reusable with any prompt, seed or batch size."""
-
-    tokens: jax.Array  # float[R, C], all references concatenated
-    ids: np.ndarray  # int[R, 4]
-    pixel_sizes: tuple[tuple[int, int], ...]  # (height, width) of each processed reference
-    kv: T.ReferenceKV | None  # per-layer keys / values (KV checkpoints only)
-
-
 @dataclasses.dataclass
 class GenerationOutput:
     images: list[PIL.Image.Image] | np.ndarray
     seed: int
     timings: dict[str, float]
-    settings: dict
+    settings: Settings
+    """What ran (`klein.request.Settings`): the PNG metadata is written from it."""
 
 
 class Flux2KleinPipeline:
@@ -77,163 +73,192 @@ class Flux2KleinPipeline:
     ):
         self.name, self.variant, self.dtype, self.tokenizer = name, variant, dtype, tokenizer
         self.config, self.mesh = transformer.cfg, mesh
+        self.text_config, self.vae_config = text_encoder.config, vae.config
         self._text = Compiled(qwen3.prompt_embeddings, text_encoder, mesh)
         self._encode = Compiled(vae_model.encode_latents, vae, mesh)
         self._decode = Compiled(_decode_replicated, vae, mesh)
+        self._decode_tiled = Compiled(_decode_tiled_replicated, vae, mesh)
         self._prefill = Compiled(T.prefill, transformer, mesh)
-        self._step = Compiled(functools.partial(_denoise_step, cfg=False), transformer, mesh)
-        self._step_cfg = Compiled(functools.partial(_denoise_step, cfg=True), transformer, mesh)
+        self._steps = {
+            Mode(conditioning, guided): Compiled(
+                functools.partial(denoise.step_cfg if guided else denoise.step, velocity), transformer, mesh
+            )
+            for conditioning, velocity in denoise.VELOCITY.items()
+            for guided in (False, True)
+        }
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
+        self.memory_limit: int | None = None
+        """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
         ids, mask = text.tokenize_prompts(self.tokenizer, list(prompts))
-        self.counters["text"] += 1
         return self._text(jnp.asarray(ids), jnp.asarray(mask))
 
     def encode_references(self, image, use_kv: bool | None = None) -> References:
-        """Preprocess, VAE-encode and (KV checkpoints) prefill reference images once."""
-        return self._encode_references(image, use_kv, StageClock({}))
-
-    def _encode_references(self, image, use_kv, clock) -> References:
-        use_kv = self._use_kv(use_kv)
-        with clock("references"):
-            references = self._vae_references(image)
-        if not use_kv:
-            return references
-        with clock("prefill"):
-            kv = self._prefill(references.tokens, self._rope(references.ids))
-            self.counters["prefill"] += 1
-            return dataclasses.replace(references, kv=jax.block_until_ready(kv))
-
-    def _vae_references(self, image) -> References:
-        pils = image if isinstance(image, list | tuple) else [image]
-        if not pils:
+        """Preprocess, VAE-encode and (cached-reference mode) prefill reference images once."""
+        images = GenerationRequest(prompt="", image=image).image
+        if not images:
             raise InputError("encode_references needs at least one image")
-        arrays = [
-            images.prepare_reference(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(pils)
-        ]
-        latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in arrays]
+        cached = modes.conditioning(self.variant, self.name, use_kv, True) is Conditioning.CACHED
+        return self._encode_references(_prepare(images), cached, Stages(self.counters, {}))
+
+    def __call__(self, prompt=None, /, *, progress=None, **settings) -> GenerationOutput:
+        """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields
+        (diffusers' argument names: image, height, width, num_inference_steps, guidance_scale, ...).
+        `progress(stage, done, total)` hears of every denoising step."""
+        if isinstance(prompt, GenerationRequest):
+            request = dataclasses.replace(prompt, **settings) if settings else prompt
+        else:
+            request = GenerationRequest.create(prompt=prompt, **settings)
+        return self.generate(request, progress)
+
+    def generate(self, request: GenerationRequest, progress=None) -> GenerationOutput:
+        stages = Stages(self.counters, {})
+        # 1. References, prepared on the host: their sizes decide the output size.
+        prepared = _prepare(request.image)
+        sizes = request.references.pixel_sizes if request.references else tuple(a.shape[:2] for a in prepared)
+        # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
+        run = self._resolve(request, sizes)
+        # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
+        tiled = self._admit(run, sum((h // 16) * (w // 16) for h, w in sizes))
+        # 4. Reference encoding (VAE, and the prefill for cached references).
+        references = request.references
+        if prepared:
+            references = self._encode_references(
+                prepared, run.mode.conditioning is Conditioning.CACHED, stages
+            )
+        # 5. Text, 6. noise, 7. denoising, 8. decoding.
+        txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
+        h, w = run.request.height, run.request.width
+        x = self._initial_noise(request.latents, run.request.seed, run.images, h // 16, w // 16)
+        x = stages.run("denoise", self._denoise, x, txt, references, run, progress)
+        latents = sampling.unpack(x, h // 16, w // 16)
+        decoded = stages.run(
+            "decode_tiled" if tiled else "decode", self._decode_tiled if tiled else self._decode, latents
+        )
+        decoded = np.asarray(decoded)
+        # 9. Output, with the record of what ran.
+        out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
+        settings = Settings(run.request, run.mode, self.name, self.variant.name, tuple(sizes))
+        return GenerationOutput(out, run.request.seed, stages.timings, settings)
+
+    def _resolve(self, request: GenerationRequest, sizes) -> _Run:
+        has_refs = bool(request.image) or request.references is not None
+        conditioning = modes.conditioning(self.variant, self.name, request.use_kv, has_refs)
+        if request.references is not None:
+            encoded = Conditioning.CACHED if request.references.cached else Conditioning.REFERENCES
+            if request.use_kv is not None and encoded is not conditioning:
+                raise InputError("use_kv disagrees with how these references were encoded; encode them again")
+            conditioning = encoded
+        guidance = modes.guidance(self.variant, request.guidance_scale)
+        h, w, rounded = images.output_size(request.height, request.width, sizes)
+        if rounded:
+            warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=4)
+        batch = len(request.prompts) * request.num_images_per_prompt
+        tokens = [("batch", "batch size", batch), ("seq", f"image tokens ({h}x{w} px / 256)", h * w // 256)]
+        sharding.check_divisible(self.mesh, "this request", tokens)
+        if request.references is None and sizes:
+            ref_tokens = sum((rh // 16) * (rw // 16) for rh, rw in sizes)
+            sharding.check_divisible(
+                self.mesh, "these references", [("ref_seq", "reference tokens", ref_tokens)]
+            )
+        steps = self.variant.steps if request.num_inference_steps is None else request.num_inference_steps
+        seed = request.seed
+        if request.latents is None and seed is None:
+            seed = _fresh_seed()
+        resolved = dataclasses.replace(
+            request,
+            height=h,
+            width=w,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            seed=seed,
+            use_kv=conditioning is Conditioning.CACHED,
+            latents=None,
+            references=None,
+        )
+        return _Run(resolved, Mode(conditioning, guidance is not None), batch)
+
+    def _admit(self, run: _Run, reference_tokens: int) -> bool:
+        """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit."""
+        work = plan.Workload(
+            images=run.images,
+            prompts=len(run.request.prompts) + run.mode.guided,
+            height=run.request.height,
+            width=run.request.width,
+            reference_tokens=reference_tokens,
+            cached=run.mode.conditioning is Conditioning.CACHED,
+            guided=run.mode.guided,
+        )
+        if self.memory_limit is None:
+            limit, where = admission.available_bytes(
+                self.mesh.devices.flat if self.mesh else jax.local_devices()[:1]
+            )
+        else:
+            limit, where = self.memory_limit, "allowed (memory_limit)"
+        estimate = functools.partial(
+            plan.request_memory,
+            self.config,
+            self.text_config,
+            self.vae_config,
+            _planning_mesh(self.mesh),
+            work,
+            self.dtype.itemsize,
+        )
+        plain = estimate(tiled_decode=False)
+        if plain.peak <= limit:
+            return False
+        tiled = estimate(tiled_decode=True)
+        admission.check(tiled if tiled.peak < plain.peak else plain, limit, where)
+        return True
+
+    def _encode_references(self, prepared, cached: bool, stages: Stages) -> References:
+        references = stages.run("references", self._vae_references, prepared)
+        if not cached:
+            return references
+        kv = stages.run("prefill", self._prefill, references.tokens, self._rope(references.ids))
+        return dataclasses.replace(references, kv=kv)
+
+    def _vae_references(self, prepared) -> References:
+        latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in prepared]
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
         ids = sampling.reference_ids([tuple(z.shape[:2]) for z in latents])
         sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", len(ids))])
-        self.counters["references"] += 1
-        # Dispatch is asynchronous: wait here so that each stage's time is its own.
-        tokens = jax.block_until_ready(tokens)
-        return References(tokens, ids, tuple(a.shape[:2] for a in arrays), None)
-
-    def _use_kv(self, use_kv: bool | None) -> bool:
-        if use_kv and not self.variant.kv:
-            raise InputError(
-                f"use_kv=True needs a KV checkpoint such as {KV_CHECKPOINT.name} ({KV_CHECKPOINT.repo_id}); "
-                f"{self.name} is {self.variant.name}. Drop use_kv or load the KV checkpoint."
-            )
-        return self.variant.kv if use_kv is None else use_kv
+        return References(tokens, ids, tuple(a.shape[:2] for a in prepared), None)
 
     def _rope(self, ids: np.ndarray):
         ids = np.ascontiguousarray(ids, np.int64)
         return _rope_cached(ids.tobytes(), self.config.axes_dims_rope, self.config.rope_theta)
 
-    def __call__(
-        self,
-        prompt: str | list[str],
-        image=None,
-        height: int | None = None,
-        width: int | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        num_images_per_prompt: int = 1,
-        seed: int | None = None,
-        latents=None,
-        output_type: str = "pil",
-        use_kv: bool | None = None,
-        references: References | None = None,
-        progress: Callable[[str, int, int], None] | None = None,
-    ) -> GenerationOutput:
-        timings: dict[str, float] = {}
-        clock = StageClock(timings)
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        steps = _positive(
-            "num_inference_steps", self.variant.steps if num_inference_steps is None else num_inference_steps
-        )
-        per_prompt = _positive("num_images_per_prompt", num_images_per_prompt)
-        if output_type not in ("pil", "np"):
-            raise InputError(f"output_type must be 'pil' or 'np', got {output_type!r}")
-        guidance = self._guidance(guidance_scale)
-        if references is None and image is not None:
-            references = self._encode_references(image, use_kv, clock)
-        elif references is not None and use_kv is not None and use_kv != (references.kv is not None):
-            raise InputError("use_kv disagrees with how these references were encoded; encode them again")
-        h, w, rounded = images.output_size(height, width, references.pixel_sizes if references else ())
-        if rounded:
-            warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=2)
-        batch = len(prompts) * per_prompt
-        self._check_fits(batch, h, w)
-        with clock("text"):
-            txt = jax.block_until_ready(self._prompt_batch(prompts, per_prompt, guidance))
-        x, seed = self._initial_noise(latents, seed, batch, h // 16, w // 16)
-        with clock("denoise"):
-            # Dispatch is asynchronous: wait at each stage's end so its time is its own.
-            x = jax.block_until_ready(
-                self._denoise(x, txt, references, guidance, steps, (h // 16, w // 16), progress)
-            )
-        with clock("decode"):
-            decoded = np.asarray(self._decode(sampling.unpack(x, h // 16, w // 16)))
-        out = images.to_pil(decoded) if output_type == "pil" else images.to_float01(decoded)
-        settings = dict(
-            model=self.name,
-            variant=self.variant.name,
-            steps=steps,
-            guidance=guidance,
-            height=h,
-            width=w,
-            use_kv=bool(references is not None and references.kv is not None),
-            num_references=len(references.pixel_sizes) if references else 0,
-        )
-        return GenerationOutput(out, seed, timings, settings)
-
-    def _check_fits(self, batch: int, h: int, w: int) -> None:
-        """Fail before any work when the mesh cannot split this request evenly."""
-        tokens = [("batch", "batch size", batch), ("seq", f"image tokens ({h}x{w} px / 256)", h * w // 256)]
-        sharding.check_divisible(self.mesh, "this request", tokens)
-
-    def _guidance(self, guidance_scale: float | None) -> float | None:
-        if self.variant.distilled:
-            return None  # step-distilled variants ignore guidance, as in diffusers
-        scale = self.variant.guidance if guidance_scale is None else float(guidance_scale)
-        return scale if scale > 1.0 else None
-
-    def _prompt_batch(self, prompts, per_prompt, guidance):
+    def _prompt_batch(self, prompts, per_prompt, run: _Run):
         embeds = jnp.repeat(self.encode_prompt(prompts), per_prompt, axis=0)
-        if guidance is None:
+        if not run.mode.guided:
             return embeds
         negative = jnp.repeat(self.encode_prompt([""]), embeds.shape[0], axis=0)
         return jnp.concatenate([embeds, negative])
 
     def _initial_noise(self, latents, seed, batch, gh, gw):
+        shape = (batch, self.config.in_channels, gh, gw)
         if latents is not None:
             latents = np.asarray(latents, np.float32)
-            if latents.shape != (batch, self.config.in_channels, gh, gw):
-                raise InputError(
-                    f"latents must have shape {(batch, self.config.in_channels, gh, gw)}, got {latents.shape}"
-                )
-            return jnp.asarray(sampling.pack(latents), self.dtype), seed
-        seed = _fresh_seed() if seed is None else int(seed)
-        noise = jax.random.normal(jax.random.key(seed), (batch, self.config.in_channels, gh, gw), jnp.float32)
-        return jnp.asarray(sampling.pack(np.asarray(noise)), self.dtype), seed
+            if latents.shape != shape:
+                raise InputError(f"latents must have shape {shape}, got {latents.shape}")
+            return jnp.asarray(sampling.pack(latents), self.dtype)
+        noise = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+        return jnp.asarray(sampling.pack(np.asarray(noise)), self.dtype)
 
-    def _denoise(self, x, txt, references, guidance, steps, grid, progress):
-        schedule = sampling.sigmas(steps, grid[0] * grid[1])
-        ropes = (
-            self._rope(sampling.image_ids(*grid)),
-            self._rope(sampling.text_ids(txt.shape[1])),
-        )
-        cond = None
-        if references is not None:
-            cond = references.kv
-            if cond is None:
-                cond = (references.tokens[None], self._rope(references.ids))
-        step = self._step if guidance is None else self._step_cfg
-        scale = jnp.float32(guidance or 1.0)
+    def _denoise(self, x, txt, references, run: _Run, progress):
+        h, w = run.request.height // 16, run.request.width // 16
+        steps = run.request.num_inference_steps
+        schedule = sampling.sigmas(steps, h * w)
+        ropes = (self._rope(sampling.image_ids(h, w)), self._rope(sampling.text_ids(txt.shape[1])))
+        cond = {
+            Conditioning.TEXT: lambda: (),
+            Conditioning.REFERENCES: lambda: (references.tokens, self._rope(references.ids)),
+            Conditioning.CACHED: lambda: references.kv,
+        }[run.mode.conditioning]()
+        step = self._steps[run.mode]
+        scale = jnp.float32(run.request.guidance_scale or 1.0)
         x = sharding.put(x, sharding.TOKENS, self.mesh)
         for i in range(steps):
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
@@ -243,24 +268,31 @@ class Flux2KleinPipeline:
         return x
 
 
-def _denoise_step(model, x, txt, sigma, sigma_next, ropes, cond, scale, *, cfg: bool):
-    """One Euler step; with `cfg`, txt holds [prompts; negatives] and the batch runs once, doubled."""
-    img_rope, txt_rope = ropes
-    x_in = jnp.concatenate([x, x]) if cfg else x
-    t = jnp.full((x_in.shape[0],), sigma, jnp.float32)
-    if isinstance(cond, T.ReferenceKV):
-        v = T.forward_cached(model, x_in, txt, t, img_rope, txt_rope, cond)
-    else:
-        v = T.forward(model, x_in, txt, t, img_rope, txt_rope, refs=cond)
-    if cfg:
-        v = sampling.guided(*jnp.split(v, 2), scale)
-    # The same layout in as out: every step reuses one compiled program.
-    return sharding.constrain(sampling.euler_step(x, v, sigma, sigma_next), sharding.TOKENS)
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """A request resolved for running: the settings record's request, its mode, and its batch."""
+
+    request: GenerationRequest
+    mode: Mode
+    images: int
+
+
+def _prepare(images) -> list[np.ndarray]:
+    """Reference images -> float32[H, W, 3] arrays, on the host."""
+    return [images_prepare(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(images)]
+
+
+def _planning_mesh(mesh):
+    return mesh.abstract_mesh if mesh is not None else sharding.abstract_mesh("single")
 
 
 def _decode_replicated(vae, latents):
     # Pixels are wanted whole on the host (of every process), so every device gets all of them.
     return sharding.constrain(vae_model.decode_latents(vae, latents), ())
+
+
+def _decode_tiled_replicated(vae, latents):
+    return sharding.constrain(vae_model.decode_latents_tiled(vae, latents), ())
 
 
 def _fresh_seed() -> int:
@@ -276,12 +308,6 @@ def _rope_cached(ids: bytes, axes, theta):
     return tuple(jnp.asarray(t) for t in rope_tables(table, axes, theta))
 
 
-def _positive(name: str, value) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
-        raise InputError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _as_pil(image) -> PIL.Image.Image:
     if isinstance(image, str | Path):
         return images.load_image(image)
@@ -293,7 +319,6 @@ def _as_pil(image) -> PIL.Image.Image:
 def load_pipeline(
     source: str | Path | None = None,
     dtype: str = "float32",
-    use_kv: bool | None = None,
     *,
     mesh: str | None = None,
     transformer: str | Path | None = None,
@@ -313,13 +338,11 @@ def load_pipeline(
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
     Each weight is placed on its shards as it is read.
     """
-    if dtype not in DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    jdtype = DTYPES[dtype]
+    jdtype = dtypes.dtype(dtype)
     device_mesh = sharding.make_mesh(mesh)
     _enable_compilation_cache()
     parts = components.Parts(transformer, text_encoder, vae, tokenizer)
-    c = components.load_components(source, parts, jdtype, use_kv, variant, dequantize, device_mesh)
+    c = components.load_components(source, parts, jdtype, variant, dequantize, device_mesh)
     return Flux2KleinPipeline(
         c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype, device_mesh
     )

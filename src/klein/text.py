@@ -1,4 +1,4 @@
-"""Prompt preparation: chat template, tokenization, padding, text position ids (../shared/DESIGN.md §1).
+"""Prompt preparation: chat template, tokenization, padding, text position ids (docs/design.md, "Architecture").
 
 Reproduces diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` up to the text encoder call, with the
 checkpoint's own `tokenizer/` folder and without transformers: `tokenizer.json` is run by the `tokenizers`

@@ -5,6 +5,7 @@ stage to "compile", so a first call's breakdown says what compiling cost and wha
 """
 
 import time
+from collections import Counter
 
 import jax
 
@@ -41,3 +42,19 @@ class _Timed:
         elapsed = time.perf_counter() - self.start
         for stage, seconds in ((self.stage, elapsed - compiling), ("compile", compiling)):
             self.timings[stage] = self.timings.get(stage, 0.0) + seconds
+
+
+class Stages:
+    """The one stage helper of the pipeline: `run(stage, fn, *args)` times the stage (compilation apart),
+    waits for its device work to finish (dispatch is asynchronous) so that each stage's time is its own,
+    and counts it in `counters` (work actually done: lets tests prove reuse)."""
+
+    def __init__(self, counters: Counter, timings: dict[str, float]):
+        self.counters, self.timings = counters, timings
+        self._clock = StageClock(timings)
+
+    def run(self, stage: str, fn, *args):
+        with self._clock(stage):
+            out = jax.block_until_ready(fn(*args))
+        self.counters[stage] += 1
+        return out

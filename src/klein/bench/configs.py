@@ -50,7 +50,7 @@ def _transformer(cfg: TransformerConfig) -> dict:
     return dict(TRANSFORMER, **fields)
 
 
-# Real VAE (DESIGN.md §1); the CPU config narrows its channels, keeping the 16 px per token.
+# Real VAE (docs/design.md, "Architecture"); the CPU config narrows its channels, keeping the 16 px per token.
 REAL_VAE = dict(VAE, block_out_channels=[128, 256, 512, 512], layers_per_block=2, norm_num_groups=32)
 QWEN3_8B = dict(text_encoder_config(4096, 12288, 36, 32, 8, 128), vocab_size=151936)
 QWEN3_4B = dict(text_encoder_config(2560, 9728, 36, 32, 8, 128), vocab_size=151936)

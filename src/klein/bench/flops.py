@@ -2,7 +2,7 @@
 
 Axes: T text tokens, N output image tokens, R reference tokens (all references), D width, L layers.
 
-Assumptions (they reproduce DESIGN.md §6): every block, double or single, costs each token it
+Assumptions (they reproduce docs/design.md, "FLOP model"): every block, double or single, costs each token it
 processes 26 D^2 FLOPs in its Linears (13 D^2 multiply-adds: double = q, k, v, out 4 D^2 + SwiGLU in
 6 D^2 + out 3 D^2; single = fused in 9 D^2 + out 4 D^2), and its attention costs 4 Sq Sk D FLOPs
 (Q K^T and A V over Sq queries and Sk keys). Embedders, modulation, norms, RoPE and softmax are

@@ -1,5 +1,5 @@
 """Black Forest Labs' own key names for the FLUX.2 transformer (single files such as
-`flux-2-klein-9b-kv.safetensors`), declared against diffusers' names (../shared/DESIGN.md §4).
+`flux-2-klein-9b-kv.safetensors`), declared against diffusers' names (docs/design.md, "Checkpoint layouts").
 
 BFL fuses the double blocks' q, k, v projections into one `qkv` Linear (rows [q; k; v]), calls RMSNorm
 weights `scale`, and orders the final adaLN Linear's halves (shift, scale) where diffusers has

@@ -1,4 +1,4 @@
-"""Qwen3 text encoder: the prompt embedding of FLUX.2 [klein] (../shared/DESIGN.md §1).
+"""Qwen3 text encoder: the prompt embedding of FLUX.2 [klein] (docs/design.md, "Architecture").
 
 Axes: B batch, L text tokens (512 in the pipeline), D hidden size, N query heads, K key/value heads,
 H head dim (128), S selected hidden states (3), T decoder layers that run (27 of 36).

@@ -1,0 +1,53 @@
+"""Admission: refuse a request that cannot fit before it allocates anything (docs/design.md, "Admission").
+
+The request's bytes come from the planner's estimator (`klein.plan.request_memory`, the same one
+`klein plan` prints); what the device can give comes from `device.memory_stats()` where the backend
+reports it, else (CPU) from the host's available memory.
+"""
+
+from __future__ import annotations
+
+from klein.errors import InputError
+from klein.plan import RequestMemory
+
+
+def available_bytes(devices) -> tuple[int, str]:
+    """(bytes free on the most loaded device, where that figure comes from)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    if free:
+        return min(free), "free on the device"
+    return _host_available(), "of available host memory"
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check(memory: RequestMemory, limit: int, where: str) -> None:
+    """An `InputError` with the estimate, the limit and what to reduce when `memory` does not fit."""
+    if memory.peak <= limit:
+        return
+    parts = sorted(memory.parts().items(), key=lambda item: -item[1])
+    terms = ", ".join(f"{name.replace('_', ' ')} {_gib(value)}" for name, value in parts if value)
+    raise InputError(
+        f"this request needs about {_gib(memory.peak)} of device memory beyond the loaded weights "
+        f"({terms}), more than the {_gib(limit)} {where}; ask for less: smaller or fewer images "
+        f"(height, width, num_images_per_prompt) or fewer or smaller references"
+    )
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB" if value >= 2**27 else f"{value / 2**20:.1f} MiB"

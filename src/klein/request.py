@@ -1,0 +1,251 @@
+"""The generation request: every setting of one generation, once, with its documentation and limits.
+
+Every front end maps onto this one type: the Python call (`pipe(prompt, **settings)` or
+`pipe(GenerationRequest(...))`), `klein generate`'s flags and `key=value` words (derived from each
+field's `Setting`), and the PNG metadata (written from the resolved `Settings` and read back by
+`GenerationRequest.from_metadata`). Validation lives here and raises `InputError` naming the field, so
+every front end refuses the same inputs with the same words. Adding a setting is one field with its
+`Setting` (docs/design.md, "The request").
+
+Field names follow diffusers' `Flux2KleinPipeline.__call__` arguments; the short names (`steps`,
+`guidance`, `num_images`, `kv`) are the flags and metadata keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import PIL.Image
+
+from klein import setting_kinds as kinds
+from klein.errors import InputError
+from klein.modes import Mode
+from klein.references import References
+
+MIN_SIDE = 16
+MAX_STEPS = 1000
+MAX_SEED = 2**63 - 1
+OUTPUT_TYPES = ("pil", "np")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """How a request field is documented, spelled on the command line and written as text."""
+
+    doc: str
+    kind: kinds.Kind | None
+    """How the value travels as text; None for values only Python can pass (arrays, encoded references)."""
+    name: str | None = None
+    """Short name: the flag (--name), the first key=value word and the PNG metadata key (default: the field's)."""
+    aliases: tuple[str, ...] = ()
+    """Further key=value words (the field name is always one)."""
+    metavar: str | None = None
+
+
+def setting(doc: str, kind: kinds.Kind | None, default: Any = None, **spelling) -> Any:
+    return dataclasses.field(default=default, metadata={"setting": Setting(doc, kind, **spelling)})
+
+
+def settings_of(cls) -> list[tuple[dataclasses.Field, Setting]]:
+    """(field, setting) of every field of a dataclass declared with `setting`."""
+    return [(f, f.metadata["setting"]) for f in dataclasses.fields(cls) if "setting" in f.metadata]
+
+
+def short_name(field: dataclasses.Field, spec: Setting) -> str:
+    return spec.name or field.name
+
+
+ImageLike = str | os.PathLike | PIL.Image.Image
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: None means the model's default, resolved when it runs (see `Settings`)."""
+
+    prompt: str | tuple[str, ...] = setting(
+        "what to generate, or how to edit the references; several prompts make one batch", kinds.TEXT
+    )
+    image: tuple[ImageLike, ...] = setting(
+        "reference images to edit or combine (paths or PIL images; repeat --image for several)",
+        kinds.PATHS,
+        default=(),
+        aliases=("image_paths",),
+        metavar="PATH",
+    )
+    references: References | None = setting(
+        "references encoded once by `encode_references`, reused instead of `image`", None
+    )
+    height: int | None = setting(
+        f"output height in px, at least {MIN_SIDE}, rounded down to a multiple of 16 "
+        "(default: the first reference's, else 1024)",
+        kinds.INT,
+    )
+    width: int | None = setting(
+        f"output width in px, at least {MIN_SIDE}, rounded down to a multiple of 16 "
+        "(default: the first reference's, else 1024)",
+        kinds.INT,
+    )
+    num_inference_steps: int | None = setting(
+        f"denoising steps, 1 to {MAX_STEPS} (default: the model's, 4 distilled / 50 base)",
+        kinds.INT,
+        name="steps",
+    )
+    guidance_scale: float | None = setting(
+        "classifier-free guidance scale, base models only (default 4.0 there; 1 or less turns it off)",
+        kinds.FLOAT,
+        name="guidance",
+    )
+    num_images_per_prompt: int = setting(
+        "images per prompt (default: 1)", kinds.INT, default=1, name="num_images"
+    )
+    seed: int | None = setting(
+        "random seed, 0 to 2**63-1 (default: a random one, recorded in the result)", kinds.INT
+    )
+    latents: Any = setting("initial noise float[B, 128, H/16, W/16] instead of the seed's", None)
+    use_kv: bool | None = setting(
+        "cache reference keys/values (default: on for KV checkpoints with references)",
+        kinds.OPTIONAL_BOOL,
+        name="kv",
+    )
+    output_type: str = setting("'pil' (PIL images) or 'np' (float32[B, H, W, 3] in [0, 1])", None, "pil")
+
+    def __post_init__(self) -> None:
+        fix = object.__setattr__  # frozen: normalise the accepted spellings once, here
+        fix(self, "prompt", _prompts(self.prompt))
+        fix(self, "image", _images(self.image))
+        if self.image and self.references is not None:
+            raise InputError("give reference images (image) or encoded references (references), not both")
+        if self.references is not None and not isinstance(self.references, References):
+            raise InputError(
+                f"references must come from pipe.encode_references, got {type(self.references).__name__}"
+            )
+        for name in ("height", "width"):
+            _check_int(name, getattr(self, name), MIN_SIDE, None, "px", optional=True)
+        _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS, "", optional=True)
+        _check_int("num_images_per_prompt", self.num_images_per_prompt, 1, None, "")
+        _check_int("seed", self.seed, 0, MAX_SEED, "", optional=True)
+        scale = self.guidance_scale
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+                raise InputError(f"guidance_scale (--guidance) must be a finite number, got {scale!r}")
+            fix(self, "guidance_scale", float(scale))
+        if self.use_kv is not None and not isinstance(self.use_kv, bool):
+            raise InputError(f"use_kv (--kv) must be True, False or None, got {self.use_kv!r}")
+        if self.output_type not in OUTPUT_TYPES:
+            raise InputError(f"output_type must be 'pil' or 'np', got {self.output_type!r}")
+
+    @property
+    def prompts(self) -> tuple[str, ...]:
+        return self.prompt if isinstance(self.prompt, tuple) else (self.prompt,)
+
+    @classmethod
+    def create(cls, **values) -> GenerationRequest:
+        """Like the constructor, with an `InputError` listing the known settings for an unknown one."""
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            known = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise InputError(f"unknown setting {sorted(unknown)[0]!r}; known settings: {known}")
+        if values.get("prompt") is None:
+            raise InputError("no prompt: a request needs a prompt (a string, or a list of strings)")
+        return cls(**values)
+
+    @classmethod
+    def from_metadata(cls, text: Mapping[str, str]) -> GenerationRequest:
+        """The request that the PNG text metadata of an image (`Settings.metadata`) records."""
+        values = {}
+        for field, spec in settings_of(cls):
+            key = short_name(field, spec)
+            if spec.kind is not None and key in text:
+                values[field.name] = spec.kind.read(key, text[key])
+        return cls.create(**values)
+
+
+def _prompts(prompt) -> str | tuple[str, ...]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list | tuple) and prompt and all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
+    raise InputError(f"prompt must be a string or a non-empty list of strings, got {prompt!r:.200}")
+
+
+def _images(image) -> tuple[ImageLike, ...]:
+    if image is None:
+        return ()
+    images = tuple(image) if isinstance(image, list | tuple) else (image,)
+    for index, item in enumerate(images):
+        if not isinstance(item, str | os.PathLike | PIL.Image.Image):
+            raise InputError(
+                f"image {index + 1}: reference images must be PIL images or paths, got {type(item).__name__}"
+            )
+    return images
+
+
+def _check_int(name: str, value, low: int, high: int | None, unit: str, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    flag = {"num_inference_steps": " (--steps)", "num_images_per_prompt": " (--num-images)"}.get(name, "")
+    limits = f"at least {low}" if high is None else f"{low} to {high}"
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or value < low or (high is not None and value > high):
+        kind = "a positive integer" if low >= 1 else "an integer"
+        small = " (too small)" if ok and value < low else ""
+        raise InputError(f"{name} must be {kind}{flag}, {limits}{unit and ' ' + unit}; got {value!r}{small}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What actually ran: the request with every default resolved, and what the model made of it."""
+
+    request: GenerationRequest
+    """The request as it ran: size after rounding, steps, seed; guidance None when none ran."""
+    mode: Mode
+    model: str
+    variant: str
+    reference_sizes: tuple[tuple[int, int], ...]
+    """(height, width) px of each prepared reference."""
+
+    @property
+    def images(self) -> int:
+        return len(self.request.prompts) * self.request.num_images_per_prompt
+
+    def metadata(self, index: int, version: str) -> dict[str, str]:
+        """PNG text chunks of image `index` (0-based): every text-valued setting under its short name
+        (the image's own prompt), then what ran. `GenerationRequest.from_metadata` reads them back."""
+        request = self.request
+        prompt = request.prompts[index // request.num_images_per_prompt]
+        text = {}
+        for field, spec in settings_of(GenerationRequest):
+            if spec.kind is not None:
+                value = prompt if field.name == "prompt" else getattr(request, field.name)
+                if field.name == "image":
+                    value = tuple(_image_name(item, i) for i, item in enumerate(value))
+                text[short_name(field, spec)] = spec.kind.write(value)
+        text.update(
+            mode=str(self.mode),
+            model=self.model,
+            variant=self.variant,
+            reference_sizes=",".join(f"{w}x{h}" for h, w in self.reference_sizes),
+            index=f"{index + 1} of {self.images}",
+            klein=version,
+            Software=f"klein {version}",
+        )
+        return text
+
+    def describe(self) -> str:
+        """One line saying what ran."""
+        r = self.request
+        guidance = "no guidance" if r.guidance_scale is None else f"guidance {r.guidance_scale}"
+        refs = len(self.reference_sizes)
+        return (
+            f"{r.width}x{r.height} px, {r.num_inference_steps} steps, {guidance}, "
+            f"{refs} reference{'' if refs == 1 else 's'}, {self.mode}, seed {r.seed}"
+        )
+
+
+def _image_name(item: ImageLike, index: int) -> str:
+    """A reference as the metadata names it: its path, or a placeholder for an in-memory picture."""
+    return f"<image {index + 1}>" if isinstance(item, PIL.Image.Image) else os.fspath(item)

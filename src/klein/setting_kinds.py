@@ -1,0 +1,115 @@
+"""Settings as text: how each kind of setting is read from and written to a string.
+
+One table for every place a setting travels as text: `klein generate`'s `key=value` words, PNG metadata
+read back into a request, and (later) form fields. Values are read with `ast.literal_eval` (never
+`eval`), so `image_paths="['a.png','b.png']"` is a list and `use_kv=True` a bool, while an unquoted
+prompt stays text. Optional kinds read "none" as None (the setting's default).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from collections.abc import Callable
+
+from klein.errors import InputError
+
+
+def _literal(text: str) -> object:
+    """The Python literal `text` spells, or `text` itself when it is not one (an unquoted prompt or path)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+def _none(text: str) -> bool:
+    return text.strip().lower() == "none"
+
+
+def read_text(key: str, text: str) -> str:
+    value = _literal(text)
+    # prompt=42 means the text "42"; only a quoted literal ('a cat') is unwrapped.
+    return value if isinstance(value, str) else text
+
+
+def read_paths(key: str, text: str) -> tuple[str, ...]:
+    value = _literal(text)
+    if isinstance(value, str):
+        if value.lstrip().startswith(("[", "(")):
+            raise InputError(
+                f"{key}={text} is not a valid Python list; quote each path, e.g. {key}=\"['a.png','b.png']\""
+            )
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(path, str) for path in value):
+        return tuple(value)
+    raise InputError(f"{key} must be a path or a list of paths like \"['a.png','b.png']\", got {text}")
+
+
+def read_int(key: str, text: str) -> int | None:
+    if _none(text):
+        return None
+    value = _literal(text)
+    # bool is an int subclass; height=True is a mistake, not 1.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise InputError(f"{key} must be an integer, got {text!r}")
+
+
+def read_float(key: str, text: str) -> float | None:
+    if _none(text):
+        return None
+    value = _literal(text)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise InputError(f"{key} must be a number, got {text!r}")
+
+
+_BOOL_WORDS = {
+    "true": True,
+    "yes": True,
+    "on": True,
+    "1": True,
+    "false": False,
+    "no": False,
+    "off": False,
+    "0": False,
+}
+
+
+def read_bool(key: str, text: str) -> bool:
+    if text.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[text.strip().lower()]
+    raise InputError(f"{key} must be True or False, got {text!r}")
+
+
+def read_optional_bool(key: str, text: str) -> bool | None:
+    # use_kv=None (or auto) restores the default: KV exactly when the checkpoint is a KV one and references are given.
+    return None if text.strip().lower() in ("none", "auto") else read_bool(key, text)
+
+
+def _write(value: object) -> str:
+    return "none" if value is None else str(value)
+
+
+def _write_paths(value: tuple) -> str:
+    return json.dumps([str(path) for path in value], ensure_ascii=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """How one kind of setting is written as text and read back."""
+
+    name: str
+    read: Callable[[str, str], object]
+    """(key, text) -> value; an `InputError` naming the key when the text is not such a value."""
+    write: Callable[[object], str] = _write
+
+
+TEXT = Kind("text", read_text)
+PATHS = Kind("paths", read_paths, _write_paths)
+INT = Kind("int", read_int)
+FLOAT = Kind("float", read_float)
+BOOL = Kind("bool", read_bool)
+OPTIONAL_BOOL = Kind("optional bool", read_optional_bool)

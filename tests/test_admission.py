@@ -1,0 +1,74 @@
+"""Admission: requests that cannot fit are refused before any device work, with the estimate and the
+limit; requests that fit next to them run; a decode that fits only in tiles runs tiled."""
+
+import numpy as np
+import pytest
+
+from klein import InputError, plan, sharding
+from klein.pipeline import load_pipeline
+from tests.test_cli import assert_clean_error, run_klein
+
+
+@pytest.fixture(scope="module")
+def pipe(klein_home, monkeypatch_module):
+    monkeypatch_module.setenv("KLEIN_HOME", str(klein_home))
+    return load_pipeline("demo")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_oversized_request_is_refused_before_any_work(pipe):
+    before = dict(pipe.counters)
+    with pytest.raises(
+        InputError, match=r"needs about .* GiB .* more than the .* GiB of available host memory"
+    ):
+        pipe("x", height=100000, width=100000)
+    with pytest.raises(InputError, match="denoise step"):
+        pipe("x", num_images_per_prompt=5000)
+    assert dict(pipe.counters) == before  # nothing ran: no text encoding, no step, no decode
+    # A request that fits, right after, runs as usual.
+    out = pipe("x", height=64, width=64, num_inference_steps=1, seed=0, output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+
+
+def test_a_decode_that_fits_only_in_tiles_runs_tiled(pipe):
+    kwargs = dict(height=64, width=2048, num_inference_steps=1, seed=0, output_type="np")
+    work = plan.Workload(1, 1, 64, 2048, 0, cached=False, guided=False)
+    estimate = [
+        plan.request_memory(
+            pipe.config,
+            pipe.text_config,
+            pipe.vae_config,
+            sharding.abstract_mesh("single"),
+            work,
+            4,
+            tiled_decode=tiled,
+        )
+        for tiled in (False, True)
+    ]
+    plain, tiled = estimate
+    assert tiled.peak < plain.peak
+    plain_image = pipe("x", **kwargs).images
+    pipe.memory_limit = tiled.peak
+    try:
+        before = pipe.counters["decode_tiled"]
+        tiled_image = pipe("x", **kwargs).images
+        assert pipe.counters["decode_tiled"] == before + 1
+        pipe.memory_limit = tiled.peak - 1
+        with pytest.raises(InputError, match="allowed"):
+            pipe("x", **kwargs)
+    finally:
+        pipe.memory_limit = None
+    assert tiled_image.shape == plain_image.shape == (1, 64, 2048, 3)
+    assert np.isfinite(tiled_image).all() and tiled_image.std() > 0
+
+
+@pytest.mark.parametrize("args", [["--height", "65536", "--width", "65536"], ["--num-images", "5000"]])
+def test_cli_refuses_what_cannot_fit(klein_home, tmp_path, args):
+    result = run_klein(klein_home, "generate", "--prompt", "x", *args, cwd=tmp_path)
+    assert_clean_error(result, "needs about", "GiB of available host memory", "ask for less")
+    assert list(tmp_path.iterdir()) == []
