@@ -43,4 +43,4 @@ def test_cli_transformer_file(parts, tmp_path):
     assert cli.main(["generate", *map(str, args), "--width", "48", "--out", str(out)]) == 0
     image = PIL.Image.open(out)
     assert image.size == (48, 32) and image.text["model"] == str(file)
-    assert json.loads(image.text["references"]) == []
+    assert json.loads(image.text["image"]) == []

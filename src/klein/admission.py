@@ -12,7 +12,7 @@ from klein.plan import RequestMemory
 
 
 def available_bytes(devices) -> tuple[int, str]:
-    """(bytes free on the most loaded device, where that figure comes from)."""
+    """(bytes free on the most loaded of this process's `devices`, where that figure comes from)."""
     free = []
     for device in devices:
         stats = device.memory_stats() or {}

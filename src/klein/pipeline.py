@@ -192,7 +192,7 @@ class Flux2KleinPipeline:
         )
         if self.memory_limit is None:
             limit, where = admission.available_bytes(
-                self.mesh.devices.flat if self.mesh else jax.local_devices()[:1]
+                self.mesh.local_devices if self.mesh else jax.local_devices()[:1]
             )
         else:
             limit, where = self.memory_limit, "allowed (memory_limit)"

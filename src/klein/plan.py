@@ -12,7 +12,8 @@ is the reference KV plus its largest stage:
     residual stream          b * s_q * D
     fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
     gathered keys, values    2 * b * S_k * D / tensor          (all-gathered under context parallelism)
-    attention scores (fp32)  b * H / tensor * s_q * S_k * 4 B  (XLA's attention; a flash kernel avoids them)
+    scores and weights, fp32 2 * b * H / tensor * rows * S_k * 4 B, rows = s_q on a mesh (XLA's attention)
+                             and 256 on one device (attention in blocks of 256 queries)
     gathered layer weights   one single block's weights / tensor (fsdp gathers a layer at a time)
   KV prefill        the same over the reference tokens alone
   decode            the VAE decoder's widest resolution level for every image at once (fp32), or for one
@@ -36,6 +37,7 @@ from klein import dtypes, sharding
 from klein.errors import InputError
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
+from klein.models.attention import QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -258,7 +260,7 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
         b * s_q * d * itemsize,  # residual stream
         b * s_q * fused // tensor * itemsize,  # fused projection
         2 * b * keys * d // tensor * itemsize,  # gathered keys and values
-        b * cfg.num_attention_heads // tensor * s_q * keys * 4,  # attention scores, fp32
+        b * cfg.num_attention_heads // tensor * _score_rows(mesh, s_q) * keys * 4 * 2,  # scores, weights
     ]
     if _ways(mesh, "embed") > 1:
         live.append((d * fused + (d + mlp) * d) // tensor * itemsize)  # one gathered single block
@@ -311,6 +313,12 @@ def _tile_count(size: int) -> int:
         return 1
     stride = DECODE_TILE * 3 // 4
     return -(-(size - DECODE_TILE) // stride) + 1
+
+
+def _score_rows(mesh, queries: int) -> int:
+    """Query rows whose fp32 scores are live at once: one device runs attention in blocks of
+    `QUERY_BLOCK` queries (`klein.models.attention`); a mesh materialises all of them."""
+    return min(QUERY_BLOCK, queries) if math.prod(mesh.shape.values()) == 1 else queries
 
 
 def _ways(mesh, logical: str) -> int:
