@@ -127,10 +127,6 @@ def ensure_checkpoint(home: Path, spec: RandomCheckpoint) -> Path:
     return home
 
 
-def write_demo(folder: Path, seed: int = 0) -> None:
-    write_checkpoint(folder, DEMO, seed)
-
-
 def write_checkpoint(folder: Path, spec: RandomCheckpoint, seed: int = 0) -> None:
     """Write every component of `spec` with random weights to `folder` (which may exist, empty)."""
     rng = np.random.default_rng(seed)
