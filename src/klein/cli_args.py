@@ -58,7 +58,8 @@ def add_generation_flags(add) -> None:
         elif spec.kind is kinds.OPTIONAL_BOOL:
             add(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=spec.doc)
         else:
-            add(flag, dest=field.name, type=_FLAG_TYPES[spec.kind.name], help=spec.doc)
+            metavar = spec.metavar or short_name(field, spec).upper()
+            add(flag, dest=field.name, type=_FLAG_TYPES[spec.kind.name], metavar=metavar, help=spec.doc)
 
 
 def _generation_keys() -> dict[str, tuple[str, Callable[[str, str], object]]]:
