@@ -15,6 +15,7 @@ import time
 import warnings
 
 from klein import cli_args, cli_output, cli_tools
+from klein.dtypes import DTYPES
 from klein.errors import KleinError
 
 EXIT_USAGE = 2
@@ -104,7 +105,7 @@ def _generate_parser() -> argparse.ArgumentParser:
         help="output file (numbered -0, -1, ... for several images) or folder",
     )
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
-    add("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
+    add("--dtype", choices=tuple(DTYPES), help="compute dtype (default: float32)")
     add("--mesh", help='shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single')
     add("--coordinator", metavar="HOST:PORT|auto", help="multi-process run: process 0's address (or auto)")
     add("--num-processes", type=int, help="multi-process run: how many processes")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from klein.cli_args import Parser
+from klein.dtypes import DTYPES
 from klein.errors import InputError
 
 PLAN_DESCRIPTION = """\
@@ -30,7 +31,7 @@ def plan_parser() -> argparse.ArgumentParser:
     add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
     add("--ref-size", type=_pixels, metavar="WxH", help="size of each reference (default: --size)")
     add("--batch", type=int, default=1, help="images per request (default: 1)")
-    add("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights (default: bfloat16)")
+    add("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights (default: bfloat16)")
     return parser
 
 

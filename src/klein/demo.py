@@ -15,12 +15,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from klein import dtypes
 from klein.io.loading import expected_shapes
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder
 from klein.io.transformer_checkpoint import expected_transformer_keys
@@ -130,7 +130,7 @@ def ensure_checkpoint(home: Path, spec: RandomCheckpoint) -> Path:
 def write_checkpoint(folder: Path, spec: RandomCheckpoint, seed: int = 0) -> None:
     """Write every component of `spec` with random weights to `folder` (which may exist, empty)."""
     rng = np.random.default_rng(seed)
-    dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[spec.dtype]
+    dtype = dtypes.dtype(spec.dtype)
     vocab = _write_tokenizer(folder / "tokenizer")
     _write_component(folder / "transformer", spec.transformer, _transformer_shapes(spec), rng, dtype)
     _write_component(folder / "vae", spec.vae, _vae_shapes(spec), rng, dtype)
