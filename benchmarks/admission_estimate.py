@@ -33,7 +33,9 @@ def main() -> None:
         got = measured(step, x, txt, np.float32(1), np.float32(0.5), ropes, (), jnp.float32(1))
         decode = measured(pipe._decode, jnp.zeros((batch, g, g, 128), jnp.float32))
         for stage, mine, xla in (("denoise step", est.step, got), ("decode", est.decode, decode)):
-            print(f"| {stage} | {size}^2 | {batch} | {mine / 2**20:.1f} | {xla / 2**20:.1f} | {mine / xla:.2f} |")
+            print(
+                f"| {stage} | {size}^2 | {batch} | {mine / 2**20:.1f} | {xla / 2**20:.1f} | {mine / xla:.2f} |"
+            )
     print(f"\n{jax.devices()[0].device_kind}")
 
 
