@@ -35,7 +35,7 @@ from klein.models.rope import rope_tables
 from klein.modes import Conditioning, Mode
 from klein.paths import klein_home
 from klein.references import References
-from klein.request import GenerationRequest, Settings
+from klein.request import GenerationRequest, Settings, as_images
 from klein.timing import Stages
 from klein.variants import Variant
 
@@ -96,7 +96,7 @@ class Flux2KleinPipeline:
 
     def encode_references(self, image, use_kv: bool | None = None) -> References:
         """Preprocess, VAE-encode and (cached-reference mode) prefill reference images once."""
-        images = GenerationRequest(prompt="", image=image).image
+        images = as_images(image)
         if not images:
             raise InputError("encode_references needs at least one image")
         cached = modes.conditioning(self.variant, self.name, use_kv, True) is Conditioning.CACHED
@@ -120,7 +120,7 @@ class Flux2KleinPipeline:
         # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
         run = self._resolve(request, sizes)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
-        tiled = self._admit(run, sum((h // 16) * (w // 16) for h, w in sizes))
+        tiled = self._admit(run)
         # 4. Reference encoding (VAE, and the prefill for cached references).
         references = request.references
         if prepared:
@@ -157,11 +157,6 @@ class Flux2KleinPipeline:
         batch = len(request.prompts) * request.num_images_per_prompt
         tokens = [("batch", "batch size", batch), ("seq", f"image tokens ({h}x{w} px / 256)", h * w // 256)]
         sharding.check_divisible(self.mesh, "this request", tokens)
-        if request.references is None and sizes:
-            ref_tokens = sum((rh // 16) * (rw // 16) for rh, rw in sizes)
-            sharding.check_divisible(
-                self.mesh, "these references", [("ref_seq", "reference tokens", ref_tokens)]
-            )
         steps = self.variant.steps if request.num_inference_steps is None else request.num_inference_steps
         seed = request.seed
         if request.latents is None and seed is None:
@@ -177,16 +172,17 @@ class Flux2KleinPipeline:
             latents=None,
             references=None,
         )
-        return _Run(resolved, Mode(conditioning, guidance is not None), batch)
+        ref_tokens = sum((rh // 16) * (rw // 16) for rh, rw in sizes)
+        return _Run(resolved, Mode(conditioning, guidance is not None), batch, ref_tokens)
 
-    def _admit(self, run: _Run, reference_tokens: int) -> bool:
+    def _admit(self, run: _Run) -> bool:
         """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit."""
         work = plan.Workload(
             images=run.images,
             prompts=len(run.request.prompts) + run.mode.guided,
             height=run.request.height,
             width=run.request.width,
-            reference_tokens=reference_tokens,
+            reference_tokens=run.reference_tokens,
             cached=run.mode.conditioning is Conditioning.CACHED,
             guided=run.mode.guided,
         )
@@ -213,6 +209,8 @@ class Flux2KleinPipeline:
         return True
 
     def _encode_references(self, prepared, cached: bool, stages: Stages) -> References:
+        tokens = sum((a.shape[0] // 16) * (a.shape[1] // 16) for a in prepared)
+        sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", tokens)])
         references = stages.run("references", self._vae_references, prepared)
         if not cached:
             return references
@@ -223,7 +221,6 @@ class Flux2KleinPipeline:
         latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in prepared]
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
         ids = sampling.reference_ids([tuple(z.shape[:2]) for z in latents])
-        sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", len(ids))])
         return References(tokens, ids, tuple(a.shape[:2] for a in prepared), None)
 
     def _rope(self, ids: np.ndarray):
@@ -275,6 +272,7 @@ class _Run:
     request: GenerationRequest
     mode: Mode
     images: int
+    reference_tokens: int
 
 
 def _prepare(images) -> list[np.ndarray]:

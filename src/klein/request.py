@@ -116,7 +116,7 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalise the accepted spellings once, here
         fix(self, "prompt", _prompts(self.prompt))
-        fix(self, "image", _images(self.image))
+        fix(self, "image", as_images(self.image))
         if self.image and self.references is not None:
             raise InputError("give reference images (image) or encoded references (references), not both")
         if self.references is not None and not isinstance(self.references, References):
@@ -172,7 +172,8 @@ def _prompts(prompt) -> str | tuple[str, ...]:
     raise InputError(f"prompt must be a string or a non-empty list of strings, got {prompt!r:.200}")
 
 
-def _images(image) -> tuple[ImageLike, ...]:
+def as_images(image) -> tuple[ImageLike, ...]:
+    """One reference image, a list of them or None, as a tuple; an `InputError` for anything else."""
     if image is None:
         return ()
     images = tuple(image) if isinstance(image, list | tuple) else (image,)
@@ -187,7 +188,8 @@ def _images(image) -> tuple[ImageLike, ...]:
 def _check_int(name: str, value, low: int, high: int | None, unit: str, optional: bool = False) -> None:
     if value is None and optional:
         return
-    flag = {"num_inference_steps": " (--steps)", "num_images_per_prompt": " (--num-images)"}.get(name, "")
+    spec = dict((field.name, spec) for field, spec in settings_of(GenerationRequest))[name]
+    flag = f" (--{spec.name.replace('_', '-')})" if spec.name else ""
     limits = f"at least {low}" if high is None else f"{low} to {high}"
     ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok or value < low or (high is not None and value > high):
