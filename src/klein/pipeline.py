@@ -28,6 +28,8 @@ from jax.experimental import multihost_utils
 from klein import admission, components, denoise, dtypes, images, modes, plan, sampling, sharding, text
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
+from klein.lora import LoraInfo, load_lora
+from klein.lora.merge import MergedWeights
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
@@ -49,7 +51,7 @@ class Compiled:
     """
 
     def __init__(self, fn, module: nnx.Module, mesh=None):
-        graphdef, self.state = nnx.split(module)
+        graphdef, self.state = nnx.split(module)  # replaced when the weights change (LoRAs)
         self._mesh = mesh
         self._jit = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
 
@@ -86,9 +88,32 @@ class Flux2KleinPipeline:
             for conditioning, velocity in denoise.VELOCITY.items()
             for guided in (False, True)
         }
+        self._weights = MergedWeights(self._prefill.state, dtype)
+        self.loras: tuple[LoraInfo, ...] = ()
+        """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
+
+    @property
+    def weights_id(self) -> str:
+        """Identity of the weights in use: model, variant, dtype and each merged LoRA's hash and scale.
+        It changes with `set_loras`; whatever depends on the transformer's weights (reference keys and
+        values) is valid only under the `weights_id` it was computed with."""
+        loras = "".join(f"|lora:{lora.sha256}:{lora.scale!r}" for lora in self.loras)
+        return f"{self.name}|{self.variant.name}|{np.dtype(self.dtype).name}{loras}"
+
+    def set_loras(self, loras: Sequence = ()) -> None:
+        """Merge exactly these LoRAs (each `path`, `"path:scale"` or `(path, scale)`; a path may be a repo id)
+        into the transformer, in place of those merged before; `set_loras([])` restores the original weights.
+        Every file is read and checked before any weight changes. Cached references encoded under other
+        weights are prefilled again when a request uses them (`weights_id`)."""
+        loaded = [load_lora(spec, self.config) for spec in loras]
+        weighted = [(update, info.scale) for info, updates in loaded for update in updates]
+        state = self._weights.merge(weighted)
+        for compiled in (self._prefill, *self._steps.values()):
+            compiled.state = state
+        self.loras = tuple(info for info, _ in loaded)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
         ids, mask = text.tokenize_prompts(self.tokenizer, list(prompts))
@@ -127,6 +152,8 @@ class Flux2KleinPipeline:
             references = self._encode_references(
                 prepared, run.mode.conditioning is Conditioning.CACHED, stages
             )
+        elif references is not None and references.cached and references.weights_id != self.weights_id:
+            references = self._prefilled(references, stages)  # cached under other weights (LoRAs)
         # 5. Text, 6. noise, 7. denoising, 8. decoding.
         txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
         h, w = run.request.height, run.request.width
@@ -139,7 +166,7 @@ class Flux2KleinPipeline:
         decoded = np.asarray(decoded)
         # 9. Output, with the record of what ran.
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
-        settings = Settings(run.request, run.mode, self.name, self.variant.name, tuple(sizes))
+        settings = Settings(run.request, run.mode, self.name, self.variant.name, tuple(sizes), self.loras)
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
     def _resolve(self, request: GenerationRequest, sizes) -> _Run:
@@ -212,10 +239,11 @@ class Flux2KleinPipeline:
         tokens = sum((a.shape[0] // 16) * (a.shape[1] // 16) for a in prepared)
         sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", tokens)])
         references = stages.run("references", self._vae_references, prepared)
-        if not cached:
-            return references
+        return self._prefilled(references, stages) if cached else references
+
+    def _prefilled(self, references: References, stages: Stages) -> References:
         kv = stages.run("prefill", self._prefill, references.tokens, self._rope(references.ids))
-        return dataclasses.replace(references, kv=kv)
+        return dataclasses.replace(references, kv=kv, weights_id=self.weights_id)
 
     def _vae_references(self, prepared) -> References:
         latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in prepared]
@@ -325,12 +353,14 @@ def load_pipeline(
     tokenizer: str | Path | None = None,
     variant: str | None = None,
     dequantize: bool = False,
+    loras: Sequence = (),
 ):
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
     `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.components`).
     `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8 weights
-    to `dtype` at load instead of keeping them FP8.
+    to `dtype` at load instead of keeping them FP8. `loras` are merged into the transformer (see
+    `Flux2KleinPipeline.set_loras`: each a path or repo id, `"path:scale"` or `(path, scale)`).
 
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
@@ -341,9 +371,12 @@ def load_pipeline(
     _enable_compilation_cache()
     parts = components.Parts(transformer, text_encoder, vae, tokenizer)
     c = components.load_components(source, parts, jdtype, variant, dequantize, device_mesh)
-    return Flux2KleinPipeline(
+    pipe = Flux2KleinPipeline(
         c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype, device_mesh
     )
+    if loras:
+        pipe.set_loras(loras)
+    return pipe
 
 
 def _enable_compilation_cache() -> None:

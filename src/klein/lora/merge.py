@@ -1,0 +1,93 @@
+"""Merging LoRA updates into the transformer's weights, and taking them out again.
+
+Axes: L stacked layers, I in features, O out features, r rank. A kernel is float[L, I, O] (stacked blocks)
+or float[I, O]; an update adds `strength * scale * (up @ down).T` (down float[r, I], up float[O, r]) to one
+layer. The sum is formed in float32 and cast to the kernel's compute dtype once, so several LoRAs cost one
+rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
+touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
+
+`MergedWeights` keeps a host copy of the original value of every kernel a LoRA set has changed (only
+those), so that another set is merged from the originals and an empty set restores them exactly, without
+reading the checkpoint again.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from klein.lora.targets import Update
+
+Weighted = tuple[Update, float]
+"""An update and the user's strength for its LoRA."""
+
+
+def merge_kernel(kernel, weight_scale, updates: list[Weighted], dtype) -> jax.Array:
+    """kernel float[L?, I, O] (FP8 with weight_scale float32[L?], else weight_scale None) plus the updates."""
+    w = jnp.asarray(kernel).astype(jnp.float32)
+    if weight_scale is not None:
+        w = w * jnp.asarray(weight_scale, jnp.float32)[..., None, None]
+    for update, strength in updates:
+        delta = jnp.matmul(
+            jnp.asarray(update.down).T, jnp.asarray(update.up).T, precision=jax.lax.Precision.HIGHEST
+        )
+        delta = delta * np.float32(update.scale * strength)
+        w = w + delta if update.layer is None else w.at[update.layer].add(delta)
+    return w.astype(dtype)
+
+
+class MergedWeights:
+    """The transformer's weights (an `nnx.State`) with one set of LoRA updates merged in."""
+
+    def __init__(self, state: nnx.State, dtype):
+        self.state = state
+        self._dtype = dtype
+        self._base: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
+
+    @property
+    def base_bytes(self) -> int:
+        """Host memory held by the copies of original kernels (and FP8 scales)."""
+        return sum(k.nbytes + (0 if s is None else s.nbytes) for k, s in self._base.values())
+
+    def merge(self, updates: list[Weighted]) -> nnx.State:
+        """The weights with exactly `updates` merged (earlier merges undone); also kept as `self.state`."""
+        by_path: dict[tuple, list[Weighted]] = defaultdict(list)
+        for update, strength in updates:
+            by_path[update.path].append((update, strength))
+        flat = dict(nnx.to_flat_state(self.state))
+        for path in sorted(set(self._base) | set(by_path)):
+            self._keep_base(flat, path)
+            kernel, scale = self._base[path]
+            if path in by_path:
+                dtype = self._dtype if scale is not None else kernel.dtype
+                merged = merge_kernel(kernel, scale, by_path[path], dtype)
+                _put(flat, path, merged, None if scale is None else np.ones_like(scale))
+            else:
+                _put(flat, path, kernel, scale)
+                del self._base[path]  # back to the original: nothing left to keep
+        self.state = nnx.from_flat_state(list(flat.items()))
+        return self.state
+
+    def _keep_base(self, flat, path: tuple) -> None:
+        if path not in self._base:
+            scale = flat.get(_scale_path(path))
+            self._base[path] = (
+                np.asarray(jax.device_get(flat[path].get_value())),
+                None if scale is None else np.asarray(jax.device_get(scale.get_value())),
+            )
+
+
+def _scale_path(kernel_path: tuple) -> tuple:
+    return (*kernel_path[:-1], "weight_scale")
+
+
+def _put(flat, path: tuple, kernel, scale) -> None:
+    """Replace a kernel (and its FP8 scale) in place, on the devices and shards the old value had."""
+    for key, value in ((path, kernel), (_scale_path(path), scale)):
+        if value is not None:
+            old = flat[key]
+            flat[key] = old.replace(jax.device_put(value, old.get_value().sharding))
