@@ -57,6 +57,8 @@ class Adapter:
 
     key: str
     """The file's key prefix of this module (before `.lora_A.weight` etc.), for messages."""
+    down_key: str
+    up_key: str
     module: str
     """Module name without the layout prefix, as written (diffusers or BFL naming; kohya flattened)."""
     down: np.ndarray
@@ -131,7 +133,7 @@ def _adapter(key, prefix, tensors, down_key, up_key, alphas, where) -> Adapter:
         scale = alphas(module, rank)
     else:
         scale = 1.0
-    return Adapter(key, module, down, up, scale)
+    return Adapter(key, down_key, up_key, module, down, up, scale)
 
 
 def _peft_alphas(metadata: dict[str, str], where: str):

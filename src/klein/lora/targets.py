@@ -111,13 +111,13 @@ def _check_shapes(adapter, targets, shapes, parsed, cfg, where: str) -> None:
     want_in, want_out = kernel[0], kernel[1] * targets[0].blocks
     rank = adapter.down.shape[0]
     bad = [
-        (f"{adapter.key}.down", adapter.down.shape, (rank, want_in)),
-        (f"{adapter.key}.up", adapter.up.shape, (want_out, rank)),
+        (adapter.down_key, adapter.down.shape, (rank, want_in)),
+        (adapter.up_key, adapter.up.shape, (want_out, rank)),
     ]
     for name, got, want in bad:
         if got != want:
             raise CheckpointError(
-                f"{where}: LoRA for another model size: '{name}' has shape {got}, this model needs {want}. "
+                f"{where}: made for another model size: '{name}' has shape {got}, this model needs {want}. "
                 f"The LoRA is for {_size(_lora_width(parsed))}, the model is {_size(cfg.hidden)}."
             )
 
