@@ -11,7 +11,7 @@ import pytest
 
 from klein import cli, demo
 from klein.errors import CheckpointError, InputError
-from klein.lora import load_lora
+from klein.lora import lora_updates, read_lora
 from klein.lora.files import parse_spec
 from klein.models.transformer_config import TransformerConfig
 from tests.fixtures import lora_files as lf
@@ -19,6 +19,11 @@ from tests.test_cli import run_klein
 
 CFG = TransformerConfig.from_diffusers(demo.TRANSFORMER)  # the tiny fixture shape
 SHAPES = lf.linear_shapes(CFG, "bfl")
+
+
+def load_lora(spec, cfg):
+    lora = read_lora(spec)
+    return lora.info, lora_updates(lora, cfg)
 
 
 def refused(path, *fragments):

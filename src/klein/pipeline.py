@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from klein import admission, components, denoise, dtypes, images, modes, plan, sampling, sharding, text
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
-from klein.lora import LoraInfo, load_lora
+from klein.lora import LoraInfo, lora_updates, read_lora
 from klein.lora.merge import MergedWeights
 from klein.models import qwen3
 from klein.models import transformer as T
@@ -104,16 +104,17 @@ class Flux2KleinPipeline:
         return f"{self.name}|{self.variant.name}|{np.dtype(self.dtype).name}{loras}"
 
     def set_loras(self, loras: Sequence = ()) -> None:
-        """Merge exactly these LoRAs (each `path`, `"path:scale"` or `(path, scale)`; a path may be a repo id)
-        into the transformer, in place of those merged before; `set_loras([])` restores the original weights.
-        Every file is read and checked before any weight changes. Cached references encoded under other
-        weights are prefilled again when a request uses them (`weights_id`)."""
-        loaded = [load_lora(spec, self.config) for spec in loras]
-        weighted = [(update, info.scale) for info, updates in loaded for update in updates]
+        """Merge exactly these LoRAs into the transformer, in place of those merged before; `set_loras([])`
+        restores the original weights. Each is a path (a file, or a folder or repo id holding one),
+        `"path:scale"`, `(path, scale)` or a `klein.lora.Lora`. Every file is read and checked before any
+        weight changes. Cached references encoded under other weights are prefilled again when a request
+        uses them (`weights_id`)."""
+        read = [read_lora(spec) for spec in loras]
+        weighted = [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.config)]
         state = self._weights.merge(weighted)
         for compiled in (self._prefill, *self._steps.values()):
             compiled.state = state
-        self.loras = tuple(info for info, _ in loaded)
+        self.loras = tuple(lora.info for lora in read)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
         ids, mask = text.tokenize_prompts(self.tokenizer, list(prompts))
@@ -367,6 +368,7 @@ def load_pipeline(
     Each weight is placed on its shards as it is read.
     """
     jdtype = dtypes.dtype(dtype)
+    read = [read_lora(spec) for spec in loras]  # a bad LoRA file fails before the model loads
     device_mesh = sharding.make_mesh(mesh)
     _enable_compilation_cache()
     parts = components.Parts(transformer, text_encoder, vae, tokenizer)
@@ -374,8 +376,8 @@ def load_pipeline(
     pipe = Flux2KleinPipeline(
         c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype, device_mesh
     )
-    if loras:
-        pipe.set_loras(loras)
+    if read:
+        pipe.set_loras(read)
     return pipe
 
 

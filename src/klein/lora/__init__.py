@@ -1,17 +1,40 @@
 """LoRA adapters for the FLUX.2 [klein] transformer: files (`files`), their key layouts (`layouts`), where
-their modules land in the model (`targets`) and merging them into the weights (`merge`)."""
+their modules land in the model (`targets`) and merging them into the weights (`merge`).
+
+Reading (`read_lora`) needs no model, so front ends can refuse a bad file before loading one; mapping onto
+a model (`lora_updates`) checks names and shapes against its config.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 from klein.lora import files, layouts, targets
 from klein.lora.files import LoraInfo
 from klein.models.transformer_config import TransformerConfig
 
 
-def load_lora(spec, cfg: TransformerConfig) -> tuple[LoraInfo, list[targets.Update]]:
-    """Read the LoRA `spec` names (`path`, `path:scale` or `(path, scale)`) and map it onto a transformer
-    with config `cfg`; every problem is a `CheckpointError` naming the file."""
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """A LoRA file read and parsed, with the strength it is to be merged at."""
+
+    info: LoraInfo
+    parsed: layouts.Parsed
+
+    @property
+    def where(self) -> str:
+        return f"LoRA {self.info.name}"
+
+
+def read_lora(spec) -> Lora:
+    """Read the LoRA `spec` names: a path or repo id, `"path:scale"`, `(path, scale)`, or a `Lora` already
+    read. Every problem is a `CheckpointError` naming the file."""
+    if isinstance(spec, Lora):
+        return spec
     lora = files.open_lora(spec)
-    where = f"LoRA {lora.info.name}"
-    parsed = layouts.parse(lora.tensors, lora.metadata, where)
-    return lora.info, targets.updates(parsed, cfg, where)
+    return Lora(lora.info, layouts.parse(lora.tensors, lora.metadata, f"LoRA {lora.info.name}"))
+
+
+def lora_updates(lora: Lora, cfg: TransformerConfig) -> list[targets.Update]:
+    """The kernel updates of `lora` on a transformer with config `cfg` (checked against it)."""
+    return targets.updates(lora.parsed, cfg, lora.where)

@@ -74,7 +74,10 @@ def open_lora(spec) -> LoraFile:
     """Read the LoRA that `spec` names (see `parse_spec`)."""
     name, scale = parse_spec(spec)
     path = _locate(name)
-    source = TensorSource.from_file(path)
+    try:
+        source = TensorSource.from_file(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"LoRA {name}: {exc}") from None
     tensors = {key: np.asarray(source.get(key), np.float32) for key in sorted(source.keys())}
     info = LoraInfo(name, scale, _sha256(path))
     return LoraFile(info, path, tensors, source.metadata())
