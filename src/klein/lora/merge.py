@@ -13,6 +13,7 @@ reading the checkpoint again.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import jax
@@ -26,18 +27,41 @@ Weighted = tuple[Update, float]
 """An update and the user's strength for its LoRA."""
 
 
-def merge_kernel(kernel, weight_scale, updates: list[Weighted], dtype) -> jax.Array:
-    """kernel float[L?, I, O] (FP8 with weight_scale float32[L?], else weight_scale None) plus the updates."""
+def merge_kernel(
+    kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype, sharding=None
+) -> jax.Array:
+    """kernel float[L?, I, O] (FP8 with weight_scale float32[L?], else weight_scale None) plus the updates,
+    in `dtype`, placed with `sharding`. A stack is merged layer by layer into one new array, so the device
+    holds at most one layer in float32 besides the stack."""
+    if kernel.ndim == 2:
+        return jax.device_put(_merged_layer(kernel, weight_scale, updates, dtype), sharding)
+    touched = sorted({update.layer for update, _ in updates})
+    if weight_scale is None:
+        out = jax.device_put(kernel, sharding)
+    else:  # FP8: every layer of the stack is widened
+        out, touched = jax.device_put(np.zeros(kernel.shape, dtype), sharding), range(len(kernel))
+    for layer in touched:
+        mine = [(u, s) for u, s in updates if u.layer == layer]
+        scale = None if weight_scale is None else weight_scale[layer]
+        out = _set_layer(out, layer, _merged_layer(kernel[layer], scale, mine, dtype))
+    return out
+
+
+def _merged_layer(kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype) -> jax.Array:
     w = jnp.asarray(kernel).astype(jnp.float32)
     if weight_scale is not None:
-        w = w * jnp.asarray(weight_scale, jnp.float32)[..., None, None]
+        w = w * jnp.asarray(weight_scale, jnp.float32)
     for update, strength in updates:
-        delta = jnp.matmul(
-            jnp.asarray(update.down).T, jnp.asarray(update.up).T, precision=jax.lax.Precision.HIGHEST
-        )
-        delta = delta * np.float32(update.scale * strength)
-        w = w + delta if update.layer is None else w.at[update.layer].add(delta)
+        down, up = jnp.asarray(update.down), jnp.asarray(update.up)
+        delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
+        w = w + delta * np.float32(update.scale * strength)
     return w.astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack, layer, value):
+    # Donated: the stack is updated in place instead of copied once per layer.
+    return stack.at[layer].set(value)
 
 
 class MergedWeights:
@@ -64,7 +88,8 @@ class MergedWeights:
             kernel, scale = self._base[path]
             if path in by_path:
                 dtype = self._dtype if scale is not None else kernel.dtype
-                merged = merge_kernel(kernel, scale, by_path[path], dtype)
+                sharding = flat[path].get_value().sharding
+                merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding)
                 _put(flat, path, merged, None if scale is None else np.ones_like(scale))
             else:
                 _put(flat, path, kernel, scale)
