@@ -33,35 +33,40 @@ def merge_kernel(
     """kernel float[L?, I, O] (FP8 with weight_scale float32[L?], else weight_scale None) plus the updates,
     in `dtype`, placed with `sharding`. A stack is merged layer by layer into one new array, so the device
     holds at most one layer in float32 besides the stack."""
+    scales = np.ones(kernel.shape[:-2], np.float32) if weight_scale is None else weight_scale
     if kernel.ndim == 2:
-        return jax.device_put(_merged_layer(kernel, weight_scale, updates, dtype), sharding)
+        return jax.device_put(
+            _merged(kernel, scales, *_low_rank(updates, kernel.shape), dtype=dtype), sharding
+        )
     touched = sorted({update.layer for update, _ in updates})
     if weight_scale is None:
         out = jax.device_put(kernel, sharding)
     else:  # FP8: every layer of the stack is widened
         out, touched = jax.device_put(np.zeros(kernel.shape, dtype), sharding), range(len(kernel))
     for layer in touched:
-        mine = [(u, s) for u, s in updates if u.layer == layer]
-        scale = None if weight_scale is None else weight_scale[layer]
-        out = _set_layer(out, layer, _merged_layer(kernel[layer], scale, mine, dtype))
+        down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], kernel.shape[1:])
+        out = _merged_into(out, layer, kernel[layer], scales[layer], down, up)
     return out
 
 
-def _merged_layer(kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype) -> jax.Array:
-    w = jnp.asarray(kernel).astype(jnp.float32)
-    if weight_scale is not None:
-        w = w * jnp.asarray(weight_scale, jnp.float32)
-    for update, strength in updates:
-        down, up = jnp.asarray(update.down), jnp.asarray(update.up)
-        delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
-        w = w + delta * np.float32(update.scale * strength)
-    return w.astype(dtype)
+def _low_rank(updates: list[Weighted], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(down float32[R, I], up float32[O, R]) whose product is the sum of the scaled updates (R: total rank,
+    0 for a layer no update touches); `shape` is the kernel's [I, O]."""
+    downs = [np.zeros((0, shape[0]), np.float32)] + [u.down * np.float32(u.scale * s) for u, s in updates]
+    ups = [np.zeros((shape[1], 0), np.float32)] + [u.up for u, _ in updates]
+    return np.concatenate(downs), np.concatenate(ups, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _merged(kernel, scale, down, up, dtype):
+    delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
+    return (kernel.astype(jnp.float32) * scale + delta).astype(dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stack, layer, value):
+def _merged_into(stack, layer, kernel, scale, down, up):
     # Donated: the stack is updated in place instead of copied once per layer.
-    return stack.at[layer].set(value)
+    return stack.at[layer].set(_merged(kernel, scale, down, up, stack.dtype))
 
 
 class MergedWeights:
