@@ -51,7 +51,7 @@ class Compiled:
     """
 
     def __init__(self, fn, module: nnx.Module, mesh=None):
-        graphdef, self.state = nnx.split(module)  # replaced when the weights change (LoRAs)
+        graphdef, self.state = nnx.split(module)
         self._mesh = mesh
         self._jit = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
 
@@ -88,6 +88,8 @@ class Flux2KleinPipeline:
             for conditioning, velocity in denoise.VELOCITY.items()
             for guided in (False, True)
         }
+        for compiled in self._steps.values():  # one transformer state, which LoRAs update in place
+            compiled.state = self._prefill.state
         self._weights = MergedWeights(self._prefill.state, dtype)
         self.loras: tuple[LoraInfo, ...] = ()
         """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
@@ -111,9 +113,7 @@ class Flux2KleinPipeline:
         uses them (`weights_id`)."""
         read = [read_lora(spec) for spec in loras]
         weighted = [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.config)]
-        state = self._weights.merge(weighted)
-        for compiled in (self._prefill, *self._steps.values()):
-            compiled.state = state
+        self._weights.merge(weighted)
         self.loras = tuple(lora.info for lora in read)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:

@@ -70,7 +70,9 @@ def _merged_into(stack, layer, kernel, scale, down, up):
 
 
 class MergedWeights:
-    """The transformer's weights (an `nnx.State`) with one set of LoRA updates merged in."""
+    """The transformer's weights (an `nnx.State`, shared by everything that runs the transformer) with one
+    set of LoRA updates merged in. Values are replaced in place, one kernel at a time, so the device holds
+    at most one stack twice while merging."""
 
     def __init__(self, state: nnx.State, dtype):
         self.state = state
@@ -82,8 +84,8 @@ class MergedWeights:
         """Host memory held by the copies of original kernels (and FP8 scales)."""
         return sum(k.nbytes + (0 if s is None else s.nbytes) for k, s in self._base.values())
 
-    def merge(self, updates: list[Weighted]) -> nnx.State:
-        """The weights with exactly `updates` merged (earlier merges undone); also kept as `self.state`."""
+    def merge(self, updates: list[Weighted]) -> None:
+        """Make `self.state` the original weights with exactly `updates` merged (earlier merges undone)."""
         by_path: dict[tuple, list[Weighted]] = defaultdict(list)
         for update, strength in updates:
             by_path[update.path].append((update, strength))
@@ -95,12 +97,10 @@ class MergedWeights:
                 dtype = self._dtype if scale is not None else kernel.dtype
                 sharding = flat[path].get_value().sharding
                 merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding)
-                _put(flat, path, merged, None if scale is None else np.ones_like(scale))
+                _set(flat, path, merged, None if scale is None else np.ones_like(scale))
             else:
-                _put(flat, path, kernel, scale)
+                _set(flat, path, kernel, scale)
                 del self._base[path]  # back to the original: nothing left to keep
-        self.state = nnx.from_flat_state(list(flat.items()))
-        return self.state
 
     def _keep_base(self, flat, path: tuple) -> None:
         if path not in self._base:
@@ -115,9 +115,9 @@ def _scale_path(kernel_path: tuple) -> tuple:
     return (*kernel_path[:-1], "weight_scale")
 
 
-def _put(flat, path: tuple, kernel, scale) -> None:
+def _set(flat, path: tuple, kernel, scale) -> None:
     """Replace a kernel (and its FP8 scale) in place, on the devices and shards the old value had."""
     for key, value in ((path, kernel), (_scale_path(path), scale)):
         if value is not None:
-            old = flat[key]
-            flat[key] = old.replace(jax.device_put(value, old.get_value().sharding))
+            variable = flat[key]
+            variable.set_value(jax.device_put(value, variable.get_value().sharding))
