@@ -3,6 +3,7 @@ different strengths) in every layout diffusers reads correctly, exact hand-merge
 (the final adaLN's swapped halves, `diffusion_model.` names with `lora_down` tensors), switching sets on a
 live pipeline, cached references following the switch, FP8 bases."""
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -11,7 +12,7 @@ from flax import nnx
 from klein.io.transformer_file import load_transformer_file
 from klein.pipeline import load_pipeline
 from tests.fixtures import lora_files as lf
-from tests.fixtures.bfl_files import quantize_fp8, to_bfl, write_safetensors
+from tests.fixtures.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
 from tests.test_pipeline import MAX_ABS, compare, picture
 
 STRENGTHS = (0.7, 0.4)
@@ -204,3 +205,29 @@ def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
     for path, value in nnx.to_flat_state(fp8._weights.state):
         assert value.get_value().dtype == original[path].dtype
         np.testing.assert_array_equal(np.asarray(value.get_value()), np.asarray(original[path]))
+
+
+def test_gguf_base_merges_after_dequantisation(pipes, tmp_path):
+    """A Q8_0 GGUF transformer is dequantised at load; the LoRA adds to those weights, in the right rows."""
+    _, reference, folder = pipes("distilled")
+    bfl = {k: v.numpy() for k, v in to_bfl(reference.transformer.state_dict()).items()}
+    q8 = {k: gguf.GGMLQuantizationType.Q8_0 for k, v in bfl.items() if v.ndim == 2}
+    parts = dict(transformer=write_gguf(tmp_path / "klein-tiny-Q8_0.gguf", bfl, q8), text_encoder=folder)
+    parts["vae"] = folder / "vae"
+    plain = _kernels(load_pipeline(**parts)._weights.state)
+    shapes = lf.linear_shapes(pipes("distilled")[0].config, "bfl")
+    lora = lf.random_lora({m: shapes[m] for m in ("img_in", "double_blocks.1.txt_attn.qkv")}, 4, 2)
+    file = lf.write_bfl(tmp_path / "lora.safetensors", lora)
+    merged = _kernels(load_pipeline(**parts, loras=[(file, 0.5)])._weights.state)
+    want = dict(plain)
+    down, up = lora["img_in"]
+    want[("x_embedder", "kernel")] = plain[("x_embedder", "kernel")] + 0.5 * (up @ down).T
+    down, up = lora["double_blocks.1.txt_attn.qkv"]
+    rows = len(up) // 3
+    for block, name in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
+        path = ("transformer_blocks", "attn", name, "kernel")
+        want[path] = plain[path].copy()
+        want[path][1] += 0.5 * (up[rows * block : rows * (block + 1)] @ down).T
+    for path in plain:
+        np.testing.assert_allclose(merged[path], want[path], atol=1e-6, err_msg=str(path))
+    assert np.abs(merged[("x_embedder", "kernel")] - plain[("x_embedder", "kernel")]).max() > 0.05
