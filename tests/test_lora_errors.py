@@ -11,14 +11,19 @@ import pytest
 
 from klein import cli, demo
 from klein.errors import CheckpointError, InputError
-from klein.lora import lora_updates, read_lora
-from klein.lora.files import parse_spec
+from klein.lora.files import LoraInfo, parse_spec
+from klein.lora.layouts import parse
+from klein.lora.loading import Lora, lora_updates, read_lora
 from klein.models.transformer_config import TransformerConfig
 from tests.fixtures import lora_files as lf
 from tests.test_cli import run_klein
 
 CFG = TransformerConfig.from_diffusers(demo.TRANSFORMER)  # the tiny fixture shape
 SHAPES = lf.linear_shapes(CFG, "bfl")
+
+
+def read_lora_tensors(tensors):
+    return Lora(LoraInfo("test", 1.0, ""), parse(tensors, {}, "test"))
 
 
 def load_lora(spec, cfg):
@@ -167,3 +172,21 @@ def test_cli_bad_lora_is_a_clean_error(klein_home, tmp_path, capsys, monkeypatch
     error = capsys.readouterr().err
     assert f"error: LoRA {bad}: made for another model size" in error and "Traceback" not in error
     assert not out.exists()
+
+
+def test_kohya_style_diffusers_names():
+    """OneTrainer's `lora_transformer_` keys: diffusers module names with `_` for `.`."""
+    lora = read_lora_tensors(
+        {
+            "lora_transformer_transformer_blocks_1_attn_to_add_out.lora_down.weight": np.ones(
+                (2, 32), np.float32
+            ),
+            "lora_transformer_transformer_blocks_1_attn_to_add_out.lora_up.weight": np.ones(
+                (32, 2), np.float32
+            ),
+            "lora_transformer_transformer_blocks_1_attn_to_add_out.alpha": np.array(1.0, np.float32),
+        }
+    )
+    (update,) = lora_updates(lora, CFG)
+    assert update.path == ("transformer_blocks", "attn", "to_add_out", "kernel") and update.layer == 1
+    assert update.scale == 0.5 and lora.parsed.layout.startswith("kohya-style")

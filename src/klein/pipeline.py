@@ -28,7 +28,8 @@ from jax.experimental import multihost_utils
 from klein import admission, components, denoise, dtypes, images, modes, plan, sampling, sharding, text
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
-from klein.lora import LoraInfo, lora_updates, read_lora
+from klein.lora.files import LoraInfo
+from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
 from klein.models import qwen3
 from klein.models import transformer as T
@@ -108,7 +109,7 @@ class Flux2KleinPipeline:
     def set_loras(self, loras: Sequence = ()) -> None:
         """Merge exactly these LoRAs into the transformer, in place of those merged before; `set_loras([])`
         restores the original weights. Each is a path (a file, or a folder or repo id holding one),
-        `"path:scale"`, `(path, scale)` or a `klein.lora.Lora`. Every file is read and checked before any
+        `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked before any
         weight changes. Cached references encoded under other weights are prefilled again when a request
         uses them (`weights_id`)."""
         read = [read_lora(spec) for spec in loras]

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-from klein import checkpoints
 from klein.errors import CheckpointError, InputError
 from klein.io.safetensors import TensorSource
 
@@ -88,6 +87,8 @@ def _locate(name: str) -> Path:
     if not path.exists():
         if path.suffix.lower() in (".safetensors", ".sft") or name.count("/") != 1:
             raise CheckpointError(f"LoRA {name}: no such file")
+        from klein import checkpoints  # here: it loads JAX, which naming a LoRA (`LoraInfo`) must not
+
         path = checkpoints.resolve(name)[0]  # a repo id (or the error saying where it was looked for)
     if path.is_file():
         return path

@@ -7,6 +7,7 @@ module, its down matrix float[r, in], up matrix float[out, r] and the scale the 
 | BFL / ai-toolkit | `diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight` (or `lora_down`) | alpha / r with `.alpha`, else 1 |
 | fal | `base_model.model.double_blocks.0.img_attn.qkv.lora_A.weight` | as BFL |
 | kohya / musubi | `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`, `.alpha` | alpha / r (alpha defaults to r) |
+| OneTrainer | `lora_transformer_transformer_blocks_0_attn_to_q.lora_down.weight`, `.alpha` | as kohya |
 
 Module names stay as written (diffusers or BFL names; kohya's with `_` for `.`): `klein.lora.targets` maps
 them onto the model. Adapter kinds klein does not merge (LoHa, LoKr, DoRA, ...) are refused by name.
@@ -31,8 +32,10 @@ LAYOUTS = {
     "model.diffusion_model.": "ComfyUI (BFL names)",
     "diffusion_model.": "BFL / ai-toolkit",
     "lora_unet_": "kohya / musubi-tuner",
+    "lora_transformer_": "kohya-style with diffusers names (OneTrainer)",
 }
-KOHYA = "lora_unet_"
+FLATTENED = ("lora_unet_", "lora_transformer_")
+"""Layout prefixes whose module names have `_` for `.`."""
 _BARE = "bare module names"
 
 _DOWN = (".lora_A.weight", ".lora_down.weight")

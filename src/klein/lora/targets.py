@@ -66,7 +66,8 @@ def updates(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> list[
     flat = {name.replace(".", "_"): targets for name, targets in table.items()}
     out, unmatched = [], list(parsed.stray)
     for adapter in parsed.adapters:
-        found = (flat if parsed.layout == layouts.LAYOUTS[layouts.KOHYA] else table).get(adapter.module)
+        flattened = parsed.layout in {layouts.LAYOUTS[p] for p in layouts.FLATTENED}
+        found = (flat if flattened else table).get(adapter.module)
         if found is None:
             unmatched.append(adapter.key)
             continue
