@@ -49,7 +49,7 @@ def from_shapes(cfg, rank: int) -> dict[str, float]:
 
 
 def real_stack(cfg, layers: int, rank: int) -> tuple[float, int]:
-    """(seconds, elements) merging a rank-`rank` LoRA into `layers` layers of the largest real stack (bf16)."""
+    """(seconds, elements) merging a rank-`rank` LoRA into `layers` layers of 9b's largest stack (bf16)."""
     o, i = 3 * cfg.hidden + 2 * cfg.mlp_hidden, cfg.hidden  # single blocks' fused qkv + MLP-in
     rng = np.random.default_rng(0)
     kernel = (rng.standard_normal((layers, i, o), np.float32) / np.sqrt(i)).astype(ml_dtypes.bfloat16)
@@ -75,7 +75,7 @@ def real_stack(cfg, layers: int, rank: int) -> tuple[float, int]:
 
 
 def fixture(rank: int) -> dict[str, float]:
-    """Seconds and bytes of `set_loras` on the tiny test pipeline (float32), rank-`rank` LoRAs on every Linear."""
+    """Seconds and bytes of `set_loras` on the tiny test pipeline (float32), LoRAs on every Linear."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_pipeline(folder / "model", kv=False)
@@ -107,7 +107,8 @@ def main() -> None:
     seconds, elements = real_stack(KLEIN_9B, args.layers, args.rank)
     total = from_shapes(KLEIN_9B, args.rank)["weights merged, G elements"] * 1e9
     print(
-        f"klein-9b single-block stack, {args.layers} layers measured: {seconds:.2f} s for {elements / 1e9:.2f} G"
+        f"klein-9b single-block stack, {args.layers} layers measured: "
+        f"{seconds:.2f} s for {elements / 1e9:.2f} G"
     )
     print(
         f"  -> every Linear of klein-9b at this rate: {seconds * total / elements:.1f} s ({jax.devices()[0]})"

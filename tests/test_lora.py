@@ -1,5 +1,5 @@
-"""LoRAs merged into the transformer: parity with diffusers' `load_lora_weights` + `set_adapters` (two LoRAs at
-different strengths) in every layout diffusers reads correctly, exact hand-merged checks where it does not
+"""LoRAs merged into the transformer: parity with diffusers' `load_lora_weights` + `set_adapters` (two LoRAs
+at different strengths) in every layout diffusers reads correctly, exact hand-merged checks where it does not
 (the final adaLN's swapped halves, `diffusion_model.` names with `lora_down` tensors), switching sets on a
 live pipeline, cached references following the switch, FP8 bases."""
 

@@ -109,9 +109,9 @@ class Flux2KleinPipeline:
     def set_loras(self, loras: Sequence = ()) -> None:
         """Merge exactly these LoRAs into the transformer, in place of those merged before; `set_loras([])`
         restores the original weights. Each is a path (a file, or a folder or repo id holding one),
-        `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked before any
-        weight changes. Cached references encoded under other weights are prefilled again when a request
-        uses them (`weights_id`)."""
+        `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked
+        before any weight changes. Cached references encoded under other weights are prefilled again when
+        a request uses them (`weights_id`)."""
         read = [read_lora(spec) for spec in loras]
         weighted = [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.config)]
         self._weights.merge(weighted)

@@ -1,5 +1,5 @@
-"""LoRA files as users name them: `style.safetensors`, `style.safetensors:0.8`, a folder or a Hugging Face repo
-holding one `.safetensors`, or `(path_or_repo, scale)` from Python.
+"""LoRA files as users name them: `style.safetensors`, `style.safetensors:0.8`, a folder or a Hugging Face
+repo holding one `.safetensors`, or `(path_or_repo, scale)` from Python.
 
 `open_lora` reads the whole file (LoRAs are small: rank x (in + out) per layer) as float32 host arrays with
 its header metadata, and hashes it (sha256), so that settings, PNG metadata and caches can name exactly
@@ -54,7 +54,7 @@ def parse_spec(spec) -> tuple[str, float]:
         raise InputError(f"a LoRA is a path or (path, scale), got {type(spec).__name__}")
     text = os.fspath(spec)
     name, sep, tail = text.rpartition(":")
-    # "C:\\x.safetensors" and "dir:with:colons/x" keep their colons: only a number after the last one is a scale.
+    # "C:\\x.safetensors" and "a:b/x" keep their colons: only a number after the last one is a scale.
     if sep and name and not Path(text).exists():
         try:
             return name, _scale(float(tail), text)

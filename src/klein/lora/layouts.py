@@ -1,13 +1,12 @@
 """The key layouts FLUX.2 LoRA trainers write (docs/design.md, "LoRA"), read into one form: per adapted
 module, its down matrix float[r, in], up matrix float[out, r] and the scale the trainer meant.
 
-| layout | example key | scale |
-|---|---|---|
-| diffusers / PEFT | `transformer.transformer_blocks.0.attn.to_q.lora_A.weight` | alpha / r (header metadata), else 1 |
-| BFL / ai-toolkit | `diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight` (or `lora_down`) | alpha / r with `.alpha`, else 1 |
-| fal | `base_model.model.double_blocks.0.img_attn.qkv.lora_A.weight` | as BFL |
-| kohya / musubi | `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`, `.alpha` | alpha / r (alpha defaults to r) |
-| OneTrainer | `lora_transformer_transformer_blocks_0_attn_to_q.lora_down.weight`, `.alpha` | as kohya |
+- diffusers / PEFT: `transformer.transformer_blocks.0.attn.to_q.lora_A.weight`; scale alpha / r with
+  alpha from the header's PEFT config (`lora_adapter_metadata`), else 1.
+- BFL / ai-toolkit: `diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight` (or `lora_down` /
+  `lora_up`); alpha / r with `.alpha` tensors, else 1. fal: the same under `base_model.model.`.
+- kohya / musubi-tuner: `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight` and `.alpha`; alpha / r
+  (alpha defaults to r). OneTrainer: the same style with diffusers names (`lora_transformer_...`).
 
 Module names stay as written (diffusers or BFL names; kohya's with `_` for `.`): `klein.lora.targets` maps
 them onto the model. Adapter kinds klein does not merge (LoHa, LoKr, DoRA, ...) are refused by name.
@@ -87,7 +86,8 @@ def parse(tensors: dict[str, np.ndarray], metadata: dict[str, str], where: str) 
     unpaired = sorted(set(downs) ^ set(ups))
     if unpaired:
         raise CheckpointError(
-            f"{where}: LoRA modules with only one of their two matrices (down/A and up/B): {', '.join(unpaired[:10])}"
+            f"{where}: LoRA modules with only one of their two matrices (down/A and up/B): "
+            f"{', '.join(unpaired[:10])}"
         )
     prefix = _prefix(downs)
     alphas = _peft_alphas(metadata, where)

@@ -51,8 +51,8 @@ class Update(NamedTuple):
 
 # Modules that exist only in other models of the family, by the model that has them.
 _FOREIGN = {
-    "FLUX.1": r"(^|[._])(img_mod|txt_mod|norm1(_context)?[._]linear|proj_mlp|time_text_embed|vector_in)([._]|$)"
-    r"|single_blocks[._]\d+[._]modulation",
+    "FLUX.1": r"(^|[._])(img_mod|txt_mod|norm1(_context)?[._]linear|proj_mlp|time_text_embed|vector_in)"
+    r"([._]|$)|single_blocks[._]\d+[._]modulation",
     "FLUX.2 [dev]": r"guidance_in|guidance_embedder",
 }
 _SIZES = {3072: "klein-4b", 4096: "klein-9b", 6144: "FLUX.2 [dev]"}
@@ -64,10 +64,10 @@ def updates(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> list[
     _refuse_other_models(parsed, cfg, where)
     table, shapes = _tables(cfg)
     flat = {name.replace(".", "_"): targets for name, targets in table.items()}
+    names = flat if parsed.layout in {layouts.LAYOUTS[p] for p in layouts.FLATTENED} else table
     out, unmatched = [], list(parsed.stray)
     for adapter in parsed.adapters:
-        flattened = parsed.layout in {layouts.LAYOUTS[p] for p in layouts.FLATTENED}
-        found = (flat if flattened else table).get(adapter.module)
+        found = names.get(adapter.module)
         if found is None:
             unmatched.append(adapter.key)
             continue
