@@ -39,8 +39,10 @@ def _without(shapes, *fragments):
 
 @pytest.fixture(scope="module")
 def loras(pipes, tmp_path_factory):
-    """layout -> two LoRA files, for every layout diffusers 0.42.1 converts correctly."""
-    cfg = pipes("distilled")[0].config
+    """layout -> two LoRA files, for every layout diffusers 0.42.1 converts correctly. PEFT: one saved as
+    diffusers' trainers save (alpha in the header), one hand-written without a config (alpha = rank)."""
+    ours, reference, _ = pipes("distilled")
+    cfg, transformer = ours.config, reference.transformer
     folder = tmp_path_factory.mktemp("loras")
     peft, bfl = lf.linear_shapes(cfg, "diffusers"), lf.linear_shapes(cfg, "bfl")
     # diffusers maps the BFL final adaLN without swapping its halves, and its kohya converter drops the
@@ -52,8 +54,8 @@ def loras(pipes, tmp_path_factory):
     block_diagonal[qkv] = lf.block_diagonal(*block_diagonal[qkv])
     return {
         "peft": (
-            lf.write_peft(folder / "peft-a.safetensors", lf.random_lora(peft, 4, 1), alpha=2.0),
-            lf.write_peft(folder / "peft-b.safetensors", lf.random_lora(peft, 8, 2), alpha=None),
+            lf.write_peft_trained(folder / "peft-a.safetensors", transformer, rank=4, alpha=8.0, seed=1),
+            lf.write_peft(folder / "peft-b.safetensors", lf.random_lora(peft, 8, 2)),
         ),
         "bfl": (
             lf.write_bfl(folder / "bfl-a.safetensors", lf.random_lora(bfl, 4, 1)),
