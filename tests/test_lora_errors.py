@@ -8,6 +8,7 @@ import json
 import numpy as np
 import PIL.Image
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from klein import cli, demo
 from klein.errors import CheckpointError, InputError
@@ -101,6 +102,16 @@ def test_keys_that_match_nothing_are_listed(tmp_path):
     )
 
 
+def test_text_encoder_loras_are_named(tmp_path):
+    lora = lf.random_lora({"transformer_blocks.0.attn.to_q": (32, 32)}, 4, 0)
+    file = lf.write_peft(tmp_path / "both.safetensors", lora)
+    tensors = load_file(str(file))
+    tensors["text_encoder.layers.0.q_proj.lora_A.weight"] = np.ones((4, 32), np.float32)
+    tensors["text_encoder.layers.0.q_proj.lora_B.weight"] = np.ones((32, 4), np.float32)
+    save_file(tensors, str(file))
+    refused(file, "1 LoRA key(s) match no layer", "text_encoder.layers.0.q_proj", "not text encoder ones")
+
+
 def test_not_a_lora(tmp_path, tiny_transformer):
     folder, _ = tiny_transformer
     refused(
@@ -120,8 +131,6 @@ def test_not_a_lora(tmp_path, tiny_transformer):
     ],
 )
 def test_unsupported_adapter_kinds_are_refused_by_name(tmp_path, suffixes, kind):
-    from safetensors.numpy import save_file
-
     file = tmp_path / "adapter.safetensors"
     save_file({f"diffusion_model.img_in{s}": np.ones((4, 4), np.float32) for s in suffixes}, str(file))
     refused(file, f"a {kind}", "klein merges plain LoRA")

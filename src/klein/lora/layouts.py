@@ -115,9 +115,10 @@ def _what(tensors) -> str:
 
 
 def _prefix(modules) -> str:
-    """The layout prefix most modules have; modules without it keep their whole key (and match nothing)."""
+    """The layout prefix most modules have (any prefix before none: a diffusers file may also hold
+    `text_encoder.` modules); modules without it keep their whole key, and match nothing."""
     found = Counter(next((p for p in LAYOUTS if m.startswith(p)), "") for m in modules)
-    return found.most_common(1)[0][0]
+    return next((prefix for prefix, _ in found.most_common() if prefix), "")
 
 
 def _adapter(key, prefix, tensors, down_key, up_key, alphas, where) -> Adapter:

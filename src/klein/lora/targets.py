@@ -57,6 +57,7 @@ _FOREIGN = {
 }
 _SIZES = {3072: "klein-4b", 4096: "klein-9b", 6144: "FLUX.2 [dev]"}
 _LISTED = 12
+_TEXT_ENCODER = ("text_encoder.", "lora_te", "te_")
 
 
 def updates(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> list[Update]:
@@ -75,9 +76,11 @@ def updates(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> list[
         out.extend(_split(adapter, target) for target in found)
     if unmatched:
         more = f" ... and {len(unmatched) - _LISTED} more" if len(unmatched) > _LISTED else ""
+        encoder = any(key.startswith(_TEXT_ENCODER) for key in unmatched)
         raise CheckpointError(
             f"{where}: {len(unmatched)} LoRA key(s) match no layer of the FLUX.2 [klein] transformer "
             f"({parsed.layout} layout): {', '.join(unmatched[:_LISTED])}{more}"
+            + ("; klein merges transformer LoRAs only, not text encoder ones" if encoder else "")
         )
     return out
 
