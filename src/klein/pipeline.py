@@ -5,7 +5,8 @@ for the device and counts the work (`klein.timing.Stages`): references prepared 
 resolved once (mode, size, steps, guidance, seed), admission against the device's memory, reference
 encoding (VAE, and the prefill for cached references), text encoding, the denoising steps of that mode
 (`klein.denoise`), decoding. Each stage is jitted once per input shape. The call mirrors diffusers'
-Flux2Klein pipelines so that users feel at home and tests can compare call for call.
+Flux2Klein pipelines so that users feel at home and tests can compare call for call. LoRAs are merged
+into the transformer's weights (`set_loras`, `klein.lora`); `weights_id` names the weights in use.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class Flux2KleinPipeline:
         `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked
         before any weight changes. Cached references encoded under other weights are prefilled again when
         a request uses them (`weights_id`)."""
+        if loras and jax.process_count() > 1:
+            # The originals are kept on the host, and no process can read another's shards.
+            raise InputError("LoRAs on a multi-process run are not supported yet; run on one host")
         read = [read_lora(spec) for spec in loras]
         weighted = [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.config)]
         self._weights.merge(weighted)
