@@ -20,6 +20,7 @@ from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
+from tests.fixtures import lora_files
 
 if jax.device_count() != 8:
     pytest.skip("needs 8 devices: run through tests/test_sharding.py", allow_module_level=True)
@@ -233,3 +234,22 @@ def test_cli_generate_on_a_mesh(pipelines, tmp_path, monkeypatch):
     for index, image in enumerate(want):
         got = np.asarray(PIL.Image.open(tmp_path / f"cat-{index}.png"), np.int16)
         assert np.abs(got - np.asarray(image, np.int16)).max() <= 1  # PNG rounding of values equal to 1e-5
+
+
+def test_pipeline_lora_sharded_equals_single_device(pipelines, tmp_path):
+    """A LoRA merged into sharded weights stays in their shards and gives the one-device image."""
+    single, sharded = pipelines
+    shapes = lora_files.linear_shapes(single.config, "bfl")
+    file = lora_files.write_bfl(tmp_path / "lora.safetensors", lora_files.random_lora(shapes, 4, 0))
+    kwargs = dict(num_inference_steps=2, num_images_per_prompt=2, seed=1, output_type="np", **MODES["t2i"])
+    plain = sharded("a cat on a sofa", **kwargs).images
+    for pipe in pipelines:
+        pipe.set_loras([(file, 0.7)])
+    try:
+        want, got = (p("a cat on a sofa", **kwargs).images for p in pipelines)
+        assert np.abs(got - want).max() < TOL and np.abs(got - plain).max() > 100 * TOL
+        kernel = sharded._prefill.state["transformer_blocks"]["attn"]["to_q"]["kernel"].get_value()
+        assert kernel.sharding.spec == P(None, "fsdp")
+    finally:
+        for pipe in pipelines:
+            pipe.set_loras([])

@@ -64,6 +64,8 @@ examples:
       --vae ae.safetensors --prompt "a red fox in snow"   # single files, parts kept apart
   klein generate --model black-forest-labs/FLUX.2-klein-9b-kv --mesh fsdp=4,context=2 \\
       --prompt "the cat wears a hat" --image cat.png --image hat.png  # over 8 devices
+  klein generate --model black-forest-labs/FLUX.2-klein-4B --lora style.safetensors:0.8 \\
+      --lora detail.safetensors --prompt "a red fox in snow"   # two LoRAs merged at load
 
 exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback)"""
 
@@ -128,6 +130,14 @@ def _add_part_flags(add) -> None:
         help="VAE: ae.safetensors (BFL or diffusers names), a folder or repo id",
     )
     add("--tokenizer", metavar="FOLDER", help="tokenizer folder or repo id (default: the text encoder's)")
+    add(
+        "--lora",
+        dest="loras",
+        action="append",
+        metavar="FILE[:SCALE]",
+        help="merge a LoRA into the transformer, at SCALE (default 1); repeat for several. Any trainer's "
+        "layout: diffusers/PEFT, BFL/ai-toolkit, fal, kohya/musubi. A folder or repo id holding one file works too",
+    )
     add("--variant", help="variant of a --transformer file whose name does not say, e.g. klein-9b-kv")
     add(
         "--dequantize",
@@ -247,6 +257,7 @@ def _load(request: cli_args.GenerateRequest):
             variant=request.variant,
             dequantize=bool(request.dequantize),
             mesh=request.mesh,
+            loras=request.loras,
         )
         bar.update()
     return pipe, tuple(references), time.perf_counter() - started

@@ -38,6 +38,8 @@ class GenerateRequest:
     tokenizer: str | None = None
     variant: str | None = None
     dequantize: bool | None = None
+    loras: tuple[str, ...] = ()
+    """LoRA files (or repo ids), each optionally with `:SCALE`."""
     mesh: str | None = None
     coordinator: str | None = None
     num_processes: int | None = None
@@ -114,7 +116,7 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
             continue
         if field in values:
             raise InputError(f"{field} is given twice: once as a flag and once as a key=value setting")
-        values[field] = tuple(value) if field == "image" else value
+        values[field] = tuple(value) if field in ("image", "loras") else value
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
     names = {field.name for field, _ in GENERATION}

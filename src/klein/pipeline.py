@@ -5,7 +5,8 @@ for the device and counts the work (`klein.timing.Stages`): references prepared 
 resolved once (mode, size, steps, guidance, seed), admission against the device's memory, reference
 encoding (VAE, and the prefill for cached references), text encoding, the denoising steps of that mode
 (`klein.denoise`), decoding. Each stage is jitted once per input shape. The call mirrors diffusers'
-Flux2Klein pipelines so that users feel at home and tests can compare call for call.
+Flux2Klein pipelines so that users feel at home and tests can compare call for call. LoRAs are merged
+into the transformer's weights (`set_loras`, `klein.lora`); `weights_id` names the weights in use.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from jax.experimental import multihost_utils
 from klein import admission, components, denoise, dtypes, images, modes, plan, sampling, sharding, text
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
+from klein.lora.files import LoraInfo
+from klein.lora.loading import lora_updates, read_lora
+from klein.lora.merge import MergedWeights
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
@@ -86,9 +90,36 @@ class Flux2KleinPipeline:
             for conditioning, velocity in denoise.VELOCITY.items()
             for guided in (False, True)
         }
+        for compiled in self._steps.values():  # one transformer state, which LoRAs update in place
+            compiled.state = self._prefill.state
+        self._weights = MergedWeights(self._prefill.state, dtype)
+        self.loras: tuple[LoraInfo, ...] = ()
+        """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
+
+    @property
+    def weights_id(self) -> str:
+        """Identity of the weights in use: model, variant, dtype and each merged LoRA's hash and scale.
+        It changes with `set_loras`; whatever depends on the transformer's weights (reference keys and
+        values) is valid only under the `weights_id` it was computed with."""
+        loras = "".join(f"|lora:{lora.sha256}:{lora.scale!r}" for lora in self.loras)
+        return f"{self.name}|{self.variant.name}|{np.dtype(self.dtype).name}{loras}"
+
+    def set_loras(self, loras: Sequence = ()) -> None:
+        """Merge exactly these LoRAs into the transformer, in place of those merged before; `set_loras([])`
+        restores the original weights. Each is a path (a file, or a folder or repo id holding one),
+        `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked
+        before any weight changes. Cached references encoded under other weights are prefilled again when
+        a request uses them (`weights_id`)."""
+        if loras and jax.process_count() > 1:
+            # The originals are kept on the host, and no process can read another's shards.
+            raise InputError("LoRAs on a multi-process run are not supported yet; run on one host")
+        read = [read_lora(spec) for spec in loras]
+        weighted = [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.config)]
+        self._weights.merge(weighted)
+        self.loras = tuple(lora.info for lora in read)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
         ids, mask = text.tokenize_prompts(self.tokenizer, list(prompts))
@@ -127,6 +158,8 @@ class Flux2KleinPipeline:
             references = self._encode_references(
                 prepared, run.mode.conditioning is Conditioning.CACHED, stages
             )
+        elif references is not None and references.cached and references.weights_id != self.weights_id:
+            references = self._prefilled(references, stages)  # cached under other weights (LoRAs)
         # 5. Text, 6. noise, 7. denoising, 8. decoding.
         txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
         h, w = run.request.height, run.request.width
@@ -139,7 +172,7 @@ class Flux2KleinPipeline:
         decoded = np.asarray(decoded)
         # 9. Output, with the record of what ran.
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
-        settings = Settings(run.request, run.mode, self.name, self.variant.name, tuple(sizes))
+        settings = Settings(run.request, run.mode, self.name, self.variant.name, tuple(sizes), self.loras)
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
     def _resolve(self, request: GenerationRequest, sizes) -> _Run:
@@ -212,10 +245,11 @@ class Flux2KleinPipeline:
         tokens = sum((a.shape[0] // 16) * (a.shape[1] // 16) for a in prepared)
         sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", tokens)])
         references = stages.run("references", self._vae_references, prepared)
-        if not cached:
-            return references
+        return self._prefilled(references, stages) if cached else references
+
+    def _prefilled(self, references: References, stages: Stages) -> References:
         kv = stages.run("prefill", self._prefill, references.tokens, self._rope(references.ids))
-        return dataclasses.replace(references, kv=kv)
+        return dataclasses.replace(references, kv=kv, weights_id=self.weights_id)
 
     def _vae_references(self, prepared) -> References:
         latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in prepared]
@@ -325,25 +359,31 @@ def load_pipeline(
     tokenizer: str | Path | None = None,
     variant: str | None = None,
     dequantize: bool = False,
+    loras: Sequence = (),
 ):
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
     `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.components`).
     `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8 weights
-    to `dtype` at load instead of keeping them FP8.
+    to `dtype` at load instead of keeping them FP8. `loras` are merged into the transformer (see
+    `Flux2KleinPipeline.set_loras`: each a path or repo id, `"path:scale"` or `(path, scale)`).
 
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
     Each weight is placed on its shards as it is read.
     """
     jdtype = dtypes.dtype(dtype)
+    read = [read_lora(spec) for spec in loras]  # a bad LoRA file fails before the model loads
     device_mesh = sharding.make_mesh(mesh)
     _enable_compilation_cache()
     parts = components.Parts(transformer, text_encoder, vae, tokenizer)
     c = components.load_components(source, parts, jdtype, variant, dequantize, device_mesh)
-    return Flux2KleinPipeline(
+    pipe = Flux2KleinPipeline(
         c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype, device_mesh
     )
+    if read:
+        pipe.set_loras(read)
+    return pipe
 
 
 def _enable_compilation_cache() -> None:

@@ -28,6 +28,8 @@ class References:
     """(height, width) px of each prepared reference."""
     kv: ReferenceKV | None
     """Per-layer keys and values from the prefill (cached-reference mode, KV checkpoints); else None."""
+    weights_id: str = ""
+    """The pipeline's `weights_id` when `kv` was computed; under other weights (LoRAs) it is redone."""
 
     @property
     def cached(self) -> bool:

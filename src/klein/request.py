@@ -14,6 +14,7 @@ Field names follow diffusers' `Flux2KleinPipeline.__call__` arguments; the short
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ import PIL.Image
 
 from klein import setting_kinds as kinds
 from klein.errors import InputError
+from klein.lora.files import LoraInfo
 from klein.modes import Mode
 from klein.references import References
 
@@ -209,6 +211,8 @@ class Settings:
     variant: str
     reference_sizes: tuple[tuple[int, int], ...]
     """(height, width) px of each prepared reference."""
+    loras: tuple[LoraInfo, ...] = ()
+    """The LoRAs merged into the transformer: name, scale, sha256 of the file."""
 
     @property
     def images(self) -> int:
@@ -232,6 +236,9 @@ class Settings:
             variant=self.variant,
             reference_sizes=",".join(f"{w}x{h}" for h, w in self.reference_sizes),
             index=f"{index + 1} of {self.images}",
+            **(
+                {"loras": json.dumps([dataclasses.asdict(lora) for lora in self.loras])} if self.loras else {}
+            ),
             klein=version,
             Software=f"klein {version}",
         )
@@ -245,6 +252,7 @@ class Settings:
         return (
             f"{r.width}x{r.height} px, {r.num_inference_steps} steps, {guidance}, "
             f"{refs} reference{'' if refs == 1 else 's'}, {self.mode}, seed {r.seed}"
+            + "".join(f", LoRA {lora.describe()}" for lora in self.loras)
         )
 
 

@@ -1,0 +1,109 @@
+"""LoRA files as users name them: `style.safetensors`, `style.safetensors:0.8`, a folder or a Hugging Face
+repo holding one `.safetensors`, or `(path_or_repo, scale)` from Python.
+
+`open_lora` reads the whole file (LoRAs are small: rank x (in + out) per layer) as float32 host arrays with
+its header metadata, and hashes it (sha256), so that settings, PNG metadata and caches can name exactly
+which weights ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from klein.errors import CheckpointError, InputError
+from klein.io.safetensors import TensorSource
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraInfo:
+    """Which LoRA ran, at which strength: what the settings and PNG metadata record."""
+
+    name: str
+    """The file or repo id as the user gave it."""
+    scale: float
+    sha256: str
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.scale:g} (sha256 {self.sha256[:12]})"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraFile:
+    info: LoraInfo
+    path: Path
+    tensors: dict[str, np.ndarray]
+    """Every tensor of the file, float32 (scalars as shape ())."""
+    metadata: dict[str, str]
+    """The safetensors header's `__metadata__`."""
+
+
+def parse_spec(spec) -> tuple[str, float]:
+    """`"FILE"`, `"FILE:SCALE"`, `(FILE, SCALE)` -> (FILE, SCALE); the scale defaults to 1."""
+    if isinstance(spec, tuple | list):
+        if len(spec) != 2:
+            raise InputError(f"a LoRA is a path or (path, scale), got {spec!r}")
+        name, scale = spec
+        return os.fspath(name), _scale(scale, spec)
+    if not isinstance(spec, str | os.PathLike):
+        raise InputError(f"a LoRA is a path or (path, scale), got {type(spec).__name__}")
+    text = os.fspath(spec)
+    name, sep, tail = text.rpartition(":")
+    # "C:\\x.safetensors" and "a:b/x" keep their colons: only a number after the last one is a scale.
+    if sep and name and not Path(text).exists():
+        try:
+            return name, _scale(float(tail), text)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def _scale(value, spec) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InputError(f"LoRA {spec!r}: the scale must be a finite number, got {value!r}")
+    return float(value)
+
+
+def open_lora(spec) -> LoraFile:
+    """Read the LoRA that `spec` names (see `parse_spec`)."""
+    name, scale = parse_spec(spec)
+    path = _locate(name)
+    try:
+        source = TensorSource.from_file(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"LoRA {name}: {exc}") from None
+    tensors = {key: np.asarray(source.get(key), np.float32) for key in sorted(source.keys())}
+    info = LoraInfo(name, scale, _sha256(path))
+    return LoraFile(info, path, tensors, source.metadata())
+
+
+def _locate(name: str) -> Path:
+    path = Path(name).expanduser()
+    if not path.exists():
+        if path.suffix.lower() in (".safetensors", ".sft") or name.count("/") != 1:
+            raise CheckpointError(f"LoRA {name}: no such file")
+        from klein import checkpoints  # here: it loads JAX, which naming a LoRA (`LoraInfo`) must not
+
+        path = checkpoints.resolve(name)[0]  # a repo id (or the error saying where it was looked for)
+    if path.is_file():
+        return path
+    found = sorted(path.glob("*.safetensors"))
+    if len(found) != 1:
+        listed = ", ".join(p.name for p in found) or "none"
+        raise CheckpointError(
+            f"LoRA {name}: a folder must hold exactly one .safetensors file (found {listed}); name the file"
+        )
+    return found[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

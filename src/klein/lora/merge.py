@@ -1,0 +1,123 @@
+"""Merging LoRA updates into the transformer's weights, and taking them out again.
+
+Axes: L stacked layers, I in features, O out features, r rank. A kernel is float[L, I, O] (stacked blocks)
+or float[I, O]; an update adds `strength * scale * (up @ down).T` (down float[r, I], up float[O, r]) to one
+layer. The sum is formed in float32 and cast to the kernel's compute dtype once, so several LoRAs cost one
+rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
+touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
+
+`MergedWeights` keeps a host copy of the original value of every kernel a LoRA set has changed (only
+those), so that another set is merged from the originals and an empty set restores them exactly, without
+reading the checkpoint again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from klein.lora.targets import Update
+
+Weighted = tuple[Update, float]
+"""An update and the user's strength for its LoRA."""
+
+
+def merge_kernel(
+    kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype, sharding=None
+) -> jax.Array:
+    """kernel float[L?, I, O] (FP8 with weight_scale float32[L?], else weight_scale None) plus the updates,
+    in `dtype`, placed with `sharding`. A stack is merged layer by layer into one new array, so the device
+    holds at most one layer in float32 besides the stack."""
+    scales = np.ones(kernel.shape[:-2], np.float32) if weight_scale is None else weight_scale
+    if kernel.ndim == 2:
+        return jax.device_put(
+            _merged(kernel, scales, *_low_rank(updates, kernel.shape), dtype=dtype), sharding
+        )
+    touched = sorted({update.layer for update, _ in updates})
+    if weight_scale is None:
+        out = jax.device_put(kernel, sharding)
+    else:  # FP8: every layer of the stack is widened
+        out, touched = jax.device_put(np.zeros(kernel.shape, dtype), sharding), range(len(kernel))
+    for layer in touched:
+        down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], kernel.shape[1:])
+        out = _merged_into(out, layer, kernel[layer], scales[layer], down, up)
+    return out
+
+
+def _low_rank(updates: list[Weighted], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(down float32[R, I], up float32[O, R]) whose product is the sum of the scaled updates (R: total rank,
+    0 for a layer no update touches); `shape` is the kernel's [I, O]."""
+    downs = [np.zeros((0, shape[0]), np.float32)] + [u.down * np.float32(u.scale * s) for u, s in updates]
+    ups = [np.zeros((shape[1], 0), np.float32)] + [u.up for u, _ in updates]
+    return np.concatenate(downs), np.concatenate(ups, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _merged(kernel, scale, down, up, dtype):
+    delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
+    return (kernel.astype(jnp.float32) * scale + delta).astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _merged_into(stack, layer, kernel, scale, down, up):
+    # Donated: the stack is updated in place instead of copied once per layer.
+    return stack.at[layer].set(_merged(kernel, scale, down, up, stack.dtype))
+
+
+class MergedWeights:
+    """The transformer's weights (an `nnx.State`, shared by everything that runs the transformer) with one
+    set of LoRA updates merged in. Values are replaced in place, one kernel at a time, so the device holds
+    at most one stack twice while merging."""
+
+    def __init__(self, state: nnx.State, dtype):
+        self.state = state
+        self._dtype = dtype
+        self._base: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
+
+    @property
+    def base_bytes(self) -> int:
+        """Host memory held by the copies of original kernels (and FP8 scales)."""
+        return sum(k.nbytes + (0 if s is None else s.nbytes) for k, s in self._base.values())
+
+    def merge(self, updates: list[Weighted]) -> None:
+        """Make `self.state` the original weights with exactly `updates` merged (earlier merges undone)."""
+        by_path: dict[tuple, list[Weighted]] = defaultdict(list)
+        for update, strength in updates:
+            by_path[update.path].append((update, strength))
+        flat = dict(nnx.to_flat_state(self.state))
+        for path in sorted(set(self._base) | set(by_path)):
+            self._keep_base(flat, path)
+            kernel, scale = self._base[path]
+            if path in by_path:
+                dtype = self._dtype if scale is not None else kernel.dtype
+                sharding = flat[path].get_value().sharding
+                merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding)
+                _set(flat, path, merged, None if scale is None else np.ones_like(scale))
+            else:
+                _set(flat, path, kernel, scale)
+                del self._base[path]  # back to the original: nothing left to keep
+
+    def _keep_base(self, flat, path: tuple) -> None:
+        if path not in self._base:
+            scale = flat.get(_scale_path(path))
+            self._base[path] = (
+                np.asarray(jax.device_get(flat[path].get_value())),
+                None if scale is None else np.asarray(jax.device_get(scale.get_value())),
+            )
+
+
+def _scale_path(kernel_path: tuple) -> tuple:
+    return (*kernel_path[:-1], "weight_scale")
+
+
+def _set(flat, path: tuple, kernel, scale) -> None:
+    """Replace a kernel (and its FP8 scale) in place, on the devices and shards the old value had."""
+    for key, value in ((path, kernel), (_scale_path(path), scale)):
+        if value is not None:
+            variable = flat[key]
+            variable.set_value(jax.device_put(value, variable.get_value().sharding))

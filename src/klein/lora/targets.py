@@ -1,0 +1,159 @@
+"""Where a LoRA's modules land in klein's transformer: per Linear kernel (and layer of a stacked one), the
+low-rank factors of its update, checked against the model.
+
+Module names are resolved through the checkpoint key maps the loaders use (diffusers names from the
+parameter paths, BFL names from `klein.io.bfl_transformer_keys`), so a LoRA module maps exactly as the
+weight it adapts: a fused BFL `qkv` update `up @ down` is split by rows of `up` into q, k and v (`down` is
+shared, or block-diagonal for kohya's split ranks - the row split is exact either way), and the final adaLN
+update has its halves swapped like the weight. Errors name LoRAs for FLUX.1 and FLUX.2 [dev], LoRAs for
+another size (the key and both shapes), and every key that matches nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import Counter
+from typing import NamedTuple
+
+import numpy as np
+from flax import nnx
+
+from klein.errors import CheckpointError
+from klein.io import bfl_transformer_keys as bfl
+from klein.io.loading import checkpoint_keys
+from klein.io.transformer_checkpoint import STACKED, abstract_transformer, key_map
+from klein.lora import layouts
+from klein.models.transformer_config import TransformerConfig
+
+
+class Target(NamedTuple):
+    """A model kernel a LoRA module writes to, as rows `block` of `blocks` of the module's output."""
+
+    path: tuple
+    layer: int | None
+    block: int = 0
+    blocks: int = 1
+    swapped: bool = False
+
+
+class Update(NamedTuple):
+    """`scale * up @ down` (torch layout [out, in]) added to layer `layer` of the kernel at `path`."""
+
+    path: tuple
+    layer: int | None
+    down: np.ndarray
+    """float32[r, in]."""
+    up: np.ndarray
+    """float32[out, r]: this kernel's rows of the module's up matrix."""
+    scale: float
+
+
+# Modules that exist only in other models of the family, by the model that has them.
+_FOREIGN = {
+    "FLUX.1": r"(^|[._])(img_mod|txt_mod|norm1(_context)?[._]linear|proj_mlp|time_text_embed|vector_in)"
+    r"([._]|$)|single_blocks[._]\d+[._]modulation",
+    "FLUX.2 [dev]": r"guidance_in|guidance_embedder",
+}
+_SIZES = {3072: "klein-4b", 4096: "klein-9b", 6144: "FLUX.2 [dev]"}
+_LISTED = 12
+_TEXT_ENCODER = ("text_encoder.", "lora_te", "te_")
+
+
+def updates(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> list[Update]:
+    """The kernel updates of a parsed LoRA, or a `CheckpointError` naming what does not fit the model."""
+    _refuse_other_models(parsed, cfg, where)
+    table, shapes = _tables(cfg)
+    flat = {name.replace(".", "_"): targets for name, targets in table.items()}
+    names = flat if parsed.layout in {layouts.LAYOUTS[p] for p in layouts.FLATTENED} else table
+    out, unmatched = [], list(parsed.stray)
+    for adapter in parsed.adapters:
+        found = names.get(adapter.module)
+        if found is None:
+            unmatched.append(adapter.key)
+            continue
+        _check_shapes(adapter, found, shapes, parsed, cfg, where)
+        out.extend(_split(adapter, target) for target in found)
+    if unmatched:
+        more = f" ... and {len(unmatched) - _LISTED} more" if len(unmatched) > _LISTED else ""
+        encoder = any(key.startswith(_TEXT_ENCODER) for key in unmatched)
+        raise CheckpointError(
+            f"{where}: {len(unmatched)} LoRA key(s) match no layer of the FLUX.2 [klein] transformer "
+            f"({parsed.layout} layout): {', '.join(unmatched[:_LISTED])}{more}"
+            + ("; klein merges transformer LoRAs only, not text encoder ones" if encoder else "")
+        )
+    return out
+
+
+def _refuse_other_models(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> None:
+    names = [a.module for a in parsed.adapters] + parsed.stray
+    for model, pattern in _FOREIGN.items():
+        hit = next((n for n in names if re.search(pattern, n)), None)
+        if hit is not None:
+            raise CheckpointError(
+                f"{where}: a LoRA for {model} (it adapts '{hit}', which {model} has and FLUX.2 [klein] does "
+                f"not); klein loads LoRAs trained for FLUX.2 [klein]"
+            )
+    width = _lora_width(parsed)
+    if width == 6144 and cfg.hidden != 6144:
+        raise CheckpointError(
+            f"{where}: a LoRA for FLUX.2 [dev] (width 6144); klein loads FLUX.2 [klein] LoRAs"
+        )
+
+
+def _lora_width(parsed: layouts.Parsed) -> int | None:
+    widths = Counter(a.down.shape[1] for a in parsed.adapters)
+    return widths.most_common(1)[0][0] if widths else None
+
+
+def _size(width) -> str:
+    return f"{_SIZES[width]} (width {width})" if width in _SIZES else f"width {width}"
+
+
+def _check_shapes(adapter, targets, shapes, parsed, cfg, where: str) -> None:
+    kernel = shapes[targets[0].path]  # [in, out] (per layer)
+    want_in, want_out = kernel[0], kernel[1] * targets[0].blocks
+    rank = adapter.down.shape[0]
+    bad = [
+        (adapter.down_key, adapter.down.shape, (rank, want_in)),
+        (adapter.up_key, adapter.up.shape, (want_out, rank)),
+    ]
+    for name, got, want in bad:
+        if got != want:
+            raise CheckpointError(
+                f"{where}: made for another model size: '{name}' has shape {got}, this model needs {want}. "
+                f"The LoRA is for {_size(_lora_width(parsed))}, the model is {_size(cfg.hidden)}."
+            )
+
+
+def _split(adapter: layouts.Adapter, target: Target) -> Update:
+    rows = len(adapter.up) // target.blocks
+    up = adapter.up[target.block * rows : (target.block + 1) * rows]
+    if target.swapped:
+        up = np.concatenate([up[rows // 2 :], up[: rows // 2]])
+    return Update(target.path, target.layer, adapter.down, up, adapter.scale)
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(cfg: TransformerConfig) -> tuple[dict[str, list[Target]], dict[tuple, tuple]]:
+    """(module name -> targets, in diffusers and BFL names; kernel path -> per-layer [in, out] shape)."""
+    abstract = abstract_transformer(cfg)
+    stacked = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(abstract))}
+    table: dict[str, list[Target]] = {}
+    shapes = {}
+    for path, keys in checkpoint_keys(abstract, STACKED, key_map).items():
+        if path[-1] != "kernel":
+            continue
+        shapes[path] = stacked[path][-2:]
+        for i, key in enumerate(keys):
+            layer = i if path[0] in STACKED else None
+            module = key.removesuffix(".weight")
+            table[module] = [Target(path, layer)]
+            source = bfl.bfl_key(key)
+            fused = source.key.removesuffix(".weight")
+            table.setdefault(fused, []).append(
+                Target(path, layer, source.block, source.blocks, source.swapped)
+            )
+    for targets in table.values():
+        targets.sort(key=lambda t: t.block)
+    return table, shapes
