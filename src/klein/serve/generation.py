@@ -47,7 +47,7 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
         "data": [{"b64_json": png} for png in pngs],
         "klein": {
             "seed": out.seed,
-            "settings": settings(out.settings),
+            "settings": _settings(out.settings),
             "timings": {**(encoded.timings if encoded else {}), **out.timings},
             "references": _references(encoded),
         },
@@ -61,7 +61,8 @@ def encode_references(sets: ReferenceSets, images: tuple[PreparedImage, ...]) ->
     return describe(encoded.id, sizes, encoded.bytes, encoded.hit)
 
 
-def settings(settings) -> dict:
+def _settings(settings) -> dict:
+    """The resolved settings, as the response reports them."""
     r = settings.request
     return {
         "prompt": r.prompt,
