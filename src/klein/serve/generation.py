@@ -48,7 +48,7 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
         "klein": {
             "seed": out.seed,
             "settings": _settings(out.settings),
-            "timings": {**(encoded.timings if encoded else {}), **out.timings},
+            "timings": _add(encoded.timings if encoded else {}, out.timings),
             "references": _references(encoded),
         },
     }
@@ -77,6 +77,15 @@ def _settings(settings) -> dict:
         "variant": settings.variant,
         "reference_sizes": [{"width": w, "height": h} for h, w in settings.reference_sizes],
     }
+
+
+def _add(*timings: dict[str, float]) -> dict[str, float]:
+    """Stage timings summed (reference encoding and the pipeline both book compilation)."""
+    total: dict[str, float] = {}
+    for part in timings:
+        for stage, seconds in part.items():
+            total[stage] = total.get(stage, 0.0) + seconds
+    return total
 
 
 def _references(encoded: Encoded | None) -> dict | None:
