@@ -107,7 +107,10 @@ def main() -> None:
     args = parser.parse_args()
     with server(args) as url:
         same = [picture(seed, args.size) for seed in range(args.refs)]
-        edit(url, same, args, 0)  # compiles every stage at this shape, and leaves `same` cached
+        # Compiles every stage at this shape (and, batching, at the batch sizes that arise); leaves `same` cached.
+        phase(
+            url, argparse.Namespace(**{**vars(args), "requests": 4 * args.clients}), [same] * 4 * args.clients
+        )
         fresh = [
             [picture(1000 + args.refs * i + j, args.size) for j in range(args.refs)]
             for i in range(args.requests)
@@ -117,7 +120,8 @@ def main() -> None:
             line for line in httpx.get(url + "/metrics").text.splitlines() if "reference_cache_" in line
         ]
     print(
-        f"{args.clients} clients x {args.requests} requests, {args.refs} references of {args.size} px, {args.steps} steps"
+        f"{args.clients} clients x {args.requests} requests, {args.refs} references of {args.size} px, "
+        f"{args.steps} steps, --max-batch {args.max_batch}"
     )
     print(f"{'references':<12}{'req/s':>8}{'p50 s':>8}{'p95 s':>8}")
     for name, r in results.items():
