@@ -117,7 +117,9 @@ def main() -> None:
         ]
         results = {"cold": phase(url, args, fresh), "warm": phase(url, args, [same] * args.requests)}
         counters = [
-            line for line in httpx.get(url + "/metrics").text.splitlines() if "reference_cache_" in line
+            line
+            for line in httpx.get(url + "/metrics").text.splitlines()
+            if "reference_cache_" in line or "batch" in line
         ]
     print(
         f"{args.clients} clients x {args.requests} requests, {args.refs} references of {args.size} px, "
