@@ -65,7 +65,7 @@ def _read(source, name: str, max_pixels: int | None = None) -> PIL.Image.Image:
     except PIL.Image.DecompressionBombError as error:
         raise InputError(f"{name} is too large to load safely ({error}); use a smaller image") from error
     except (OSError, SyntaxError, ValueError) as error:
-        raise InputError(f"image {name} is truncated or corrupt ({error})") from error
+        raise InputError(f"{name} is truncated or corrupt ({error})") from error
 
 
 def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> np.ndarray:
