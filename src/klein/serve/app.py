@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from klein.serve import schema, uploads
+from klein.serve import errors, schema, uploads
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.service import Service
@@ -50,6 +50,11 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
         problem = schema.from_validation(error.errors())
+        return JSONResponse(problem.body(), problem.status)
+
+    @app.exception_handler(Exception)
+    async def internal(request, error: Exception):  # a bug: uvicorn logs the traceback, the client gets JSON
+        problem = errors.internal(error)
         return JSONResponse(problem.body(), problem.status)
 
     @app.exception_handler(HTTPException)
