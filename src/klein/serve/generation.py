@@ -1,0 +1,117 @@
+"""The work of one image request, run on the worker thread: references through the cache, the pipeline,
+PNGs with klein's metadata, and the response body of the contract (docs/design.md, "Serving").
+
+Response: {"created": unix seconds, "data": [{"b64_json": PNG}], "klein": {"seed", "settings",
+"timings": {stage: seconds}, "references": null | {"id", "cache": "hit" | "miss", "saved_seconds"}}}.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import time
+
+from klein.cli_output import png_metadata
+from klein.request import GenerationRequest, Settings
+from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe, set_id
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """A generation waiting for the worker: the request, and its references as images or as a set id."""
+
+    request: GenerationRequest
+    images: tuple[PreparedImage, ...] = ()
+    reference_id: str | None = None
+
+    @property
+    def batch_key(self) -> tuple:
+        """Generations with equal keys can run as one batch: same size, steps, guidance and references."""
+        r = self.request
+        refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs)
+
+    def references(self, sets: ReferenceSets) -> Encoded | None:
+        if self.images:
+            return sets.encode(list(self.images))
+        if self.reference_id is not None:
+            return sets.resolve(self.reference_id)
+        return None
+
+
+def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: str) -> dict:
+    """Generate, and the contract's response body."""
+    encoded = generation.references(sets)
+    request = generation.request
+    if encoded is not None:
+        request = dataclasses.replace(request, references=encoded.references)
+    out = pipe.generate(request, progress)
+    return respond(out.images, out.settings, encoded, out.timings, version)
+
+
+def respond(images, settings: Settings, encoded: Encoded | None, timings: dict, version: str) -> dict:
+    """The response body for the images of one request and the settings they ran with."""
+    extra = {"reference_id": encoded.id} if encoded else {}
+    pngs = [_png(image, {**settings.metadata(i, version), **extra}) for i, image in enumerate(images)]
+    return {
+        "created": int(time.time()),
+        "data": [{"b64_json": png} for png in pngs],
+        "klein": {
+            "seed": settings.request.seed,
+            "settings": _settings(settings),
+            "timings": _add(encoded.timings if encoded else {}, timings),
+            "references": _references(encoded),
+        },
+    }
+
+
+def encode_references(sets: ReferenceSets, images: tuple[PreparedImage, ...]) -> dict:
+    """POST /v1/references: encode (or find) a set; the contract's reference object."""
+    encoded = sets.encode(list(images))
+    sizes = [image.pixels.shape[:2] for image in images]
+    return describe(encoded.id, sizes, encoded.bytes, encoded.hit)
+
+
+def _settings(settings) -> dict:
+    """The resolved settings, as the response reports them."""
+    r = settings.request
+    return {
+        "prompt": r.prompt,
+        "n": r.num_images_per_prompt,
+        "width": r.width,
+        "height": r.height,
+        "num_inference_steps": r.num_inference_steps,
+        "guidance_scale": r.guidance_scale,
+        "seed": r.seed,
+        "mode": str(settings.mode),
+        "model": settings.model,
+        "variant": settings.variant,
+        "reference_sizes": [{"width": w, "height": h} for h, w in settings.reference_sizes],
+        "loras": [dataclasses.asdict(lora) for lora in settings.loras],
+    }
+
+
+def _add(*timings: dict[str, float]) -> dict[str, float]:
+    """Stage timings summed (reference encoding and the pipeline both book compilation)."""
+    total: dict[str, float] = {}
+    for part in timings:
+        for stage, seconds in part.items():
+            total[stage] = total.get(stage, 0.0) + seconds
+    return total
+
+
+def _references(encoded: Encoded | None) -> dict | None:
+    if encoded is None:
+        return None
+    return {
+        "id": encoded.id,
+        "cache": "hit" if encoded.hit else "miss",
+        "saved_seconds": round(encoded.saved_seconds, 6),
+    }
+
+
+def _png(image, metadata: dict) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=png_metadata(metadata))
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
