@@ -147,7 +147,7 @@ function applyConfig(config) {
   $("model").textContent = [config.model, config.variant].filter(Boolean).join(" · ");
   const steps = $("steps");
   steps.max = config.max_steps || 1000;
-  steps.value = config.default_steps || steps.value;
+  steps.value = Math.min(config.default_steps || steps.value, steps.max);
   $("count").max = MAX_IMAGES;
   $("guidance-field").hidden = !config.guided;
   fillSizes(config.max_pixels);
