@@ -7,7 +7,7 @@ reports it, else (CPU) from the host's available memory.
 
 from __future__ import annotations
 
-from klein.errors import InputError
+from klein.errors import CannotFitError
 from klein.plan import RequestMemory
 
 
@@ -37,12 +37,12 @@ def _host_available() -> int:
 
 
 def check(memory: RequestMemory, limit: int, where: str) -> None:
-    """An `InputError` with the estimate, the limit and what to reduce when `memory` does not fit."""
+    """A `CannotFitError` (an `InputError`) with the estimate, the limit and what to reduce when `memory` does not fit."""
     if memory.peak <= limit:
         return
     parts = sorted(memory.parts().items(), key=lambda item: -item[1])
     terms = ", ".join(f"{name.replace('_', ' ')} {_gib(value)}" for name, value in parts if value)
-    raise InputError(
+    raise CannotFitError(
         f"this request needs about {_gib(memory.peak)} of device memory beyond the loaded weights "
         f"({terms}), more than the {_gib(limit)} {where}; ask for less: smaller or fewer images "
         f"(height, width, num_images_per_prompt) or fewer or smaller references"

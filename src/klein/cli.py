@@ -15,7 +15,6 @@ import time
 import warnings
 
 from klein import cli_args, cli_output, cli_tools
-from klein.dtypes import DTYPES
 from klein.errors import KleinError
 
 EXIT_USAGE = 2
@@ -75,6 +74,7 @@ def _top_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"klein {_version()}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
+    commands.add_parser("serve", help="an HTTP images API with references kept warm (klein serve --help)")
     commands.add_parser("plan", help="per-device memory of a model on a mesh (klein plan --help)")
     commands.add_parser(
         "bench", help="time klein against diffusers, KV speedup vs ceiling (klein bench --help)"
@@ -94,10 +94,6 @@ def _generate_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')
-    add(
-        "--model",
-        help='checkpoint folder or Hugging Face repo id (default: "demo", the offline demo checkpoint)',
-    )
     cli_args.add_generation_flags(add)
     add(
         "--out",
@@ -105,36 +101,11 @@ def _generate_parser() -> argparse.ArgumentParser:
         help="output file (numbered -0, -1, ... for several images) or folder",
     )
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
-    add("--dtype", choices=tuple(DTYPES), help="compute dtype (default: float32)")
-    add("--mesh", help='shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single')
+    cli_args.add_model_flags(add)
     add("--coordinator", metavar="HOST:PORT|auto", help="multi-process run: process 0's address (or auto)")
     add("--num-processes", type=int, help="multi-process run: how many processes")
     add("--process-id", type=int, help="multi-process run: this process's index (0 writes the images)")
-    _add_part_flags(add)
     return parser
-
-
-def _add_part_flags(add) -> None:
-    """Parts kept apart from a diffusers-layout model (single-file downloads); each overrides --model's."""
-    add(
-        "--transformer",
-        metavar="FILE|FOLDER",
-        help="transformer: a BFL single file (.safetensors, FP8 too), a GGUF file, a folder or repo id",
-    )
-    add("--text-encoder", metavar="FOLDER", help="Qwen3 text encoder folder or repo id")
-    add(
-        "--vae",
-        metavar="FILE|FOLDER",
-        help="VAE: ae.safetensors (BFL or diffusers names), a folder or repo id",
-    )
-    add("--tokenizer", metavar="FOLDER", help="tokenizer folder or repo id (default: the text encoder's)")
-    add("--variant", help="variant of a --transformer file whose name does not say, e.g. klein-9b-kv")
-    add(
-        "--dequantize",
-        action="store_true",
-        default=None,
-        help="FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
-    )
 
 
 def _version() -> str:
@@ -169,6 +140,10 @@ def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
         flags = _generate_parser().parse_intermixed_args(argv[1:])
         return generate(cli_args.build_request(flags))
+    if argv[:1] == ["serve"]:
+        from klein import cli_serve
+
+        return cli_serve.serve_command(cli_serve.serve_parser().parse_args(argv[1:]))
     if argv[:1] == ["plan"]:
         return cli_tools.plan_command(cli_tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:

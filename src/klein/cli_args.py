@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from klein import setting_kinds as kinds
+from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.request import GenerationRequest, settings_of, short_name
 
@@ -60,6 +61,36 @@ def add_generation_flags(add) -> None:
         else:
             metavar = spec.metavar or short_name(field, spec).upper()
             add(flag, dest=field.name, type=_FLAG_TYPES[spec.kind.name], metavar=metavar, help=spec.doc)
+
+
+def add_model_flags(add) -> None:
+    """Where the model comes from (--model, or parts kept apart from a diffusers-layout model, as
+    single-file downloads are: each overrides --model's), its dtype and its mesh."""
+    add(
+        "--model",
+        help='checkpoint folder or Hugging Face repo id (default: "demo", the offline demo checkpoint)',
+    )
+    add(
+        "--transformer",
+        metavar="FILE|FOLDER",
+        help="transformer: a BFL single file (.safetensors, FP8 too), a GGUF file, a folder or repo id",
+    )
+    add("--text-encoder", metavar="FOLDER", help="Qwen3 text encoder folder or repo id")
+    add(
+        "--vae",
+        metavar="FILE|FOLDER",
+        help="VAE: ae.safetensors (BFL or diffusers names), a folder or repo id",
+    )
+    add("--tokenizer", metavar="FOLDER", help="tokenizer folder or repo id (default: the text encoder's)")
+    add("--variant", help="variant of a --transformer file whose name does not say, e.g. klein-9b-kv")
+    add(
+        "--dequantize",
+        action="store_true",
+        default=None,
+        help="FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
+    )
+    add("--dtype", choices=tuple(DTYPES), help="compute dtype (default: float32)")
+    add("--mesh", help='shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single')
 
 
 def _generation_keys() -> dict[str, tuple[str, Callable[[str, str], object]]]:

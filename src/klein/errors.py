@@ -11,3 +11,7 @@ class CheckpointError(KleinError):
 
 class InputError(KleinError):
     """A user-supplied input (prompt, image, size, option) is invalid."""
+
+
+class CannotFitError(InputError):
+    """A request that cannot fit in the device memory it may use (admission; the message has the estimate)."""

@@ -2,13 +2,15 @@
 
 Axes: B batch, H height, W width (pixels); arrays are channels-last RGB.
 
-- `load_image(path)`: a file -> upright RGB `PIL.Image` (what `diffusers.utils.load_image` returns).
+- `load_image(path)`: a file -> upright RGB `PIL.Image` (what `diffusers.utils.load_image` returns);
+  `read_image(data, name)` the same for bytes in memory.
 - `prepare_reference(image)`: any-mode `PIL.Image` -> float32[H, W, 3] in [-1, 1], H and W multiples of 16.
 - `output_size(height, width, references)`: the output size diffusers would generate at.
 - `to_float01` / `to_uint8` / `to_pil`: decoder output float[B, H, W, 3] in [-1, 1] -> float32[B, H, W, 3]
   in [0, 1] / uint8[B, H, W, 3] / B RGB images (diffusers' `postprocess` with `output_type` "np" / "pil").
 """
 
+import io
 import math
 import os
 from collections.abc import Sequence
@@ -32,23 +34,38 @@ def load_image(path: str | os.PathLike) -> PIL.Image.Image:
 
     Note that a 16-bit image is clipped at 255 rather than rescaled: that is PIL's conversion, and diffusers'.
     """
+    return _read(path, str(path))
+
+
+def read_image(data: bytes, name: str, max_pixels: int | None = None) -> PIL.Image.Image:
+    """`load_image` for bytes in memory (an upload, called `name` in errors); an image of more than
+    `max_pixels` pixels is refused from its header, before its pixels are decoded (decompression bombs)."""
+    return _read(io.BytesIO(data), name, max_pixels)
+
+
+def _read(source, name: str, max_pixels: int | None = None) -> PIL.Image.Image:
     try:
-        with PIL.Image.open(path) as image:
+        with PIL.Image.open(source) as image:
+            if max_pixels is not None and image.width * image.height > max_pixels:
+                raise InputError(
+                    f"{name} is {image.width}x{image.height} px, more than the {max_pixels} pixels allowed; "
+                    "send a smaller image"
+                )
             # open() parses only the header; load() decodes every pixel so a truncated file fails here.
             image.load()
             return PIL.ImageOps.exif_transpose(image).convert("RGB")
     except FileNotFoundError as error:
-        raise InputError(f"image not found: {path}") from error
+        raise InputError(f"image not found: {name}") from error
     except IsADirectoryError as error:
-        raise InputError(f"{path} is a directory, not an image file") from error
+        raise InputError(f"{name} is a directory, not an image file") from error
     except PermissionError as error:
-        raise InputError(f"cannot read image {path}: permission denied") from error
+        raise InputError(f"cannot read image {name}: permission denied") from error
     except PIL.UnidentifiedImageError as error:
-        raise InputError(f"{path} is not an image file (or not a format PIL can read)") from error
+        raise InputError(f"{name} is not an image file (or not a format PIL can read)") from error
     except PIL.Image.DecompressionBombError as error:
-        raise InputError(f"image {path} is too large to load safely: {error}") from error
+        raise InputError(f"image {name} is too large to load safely: {error}") from error
     except (OSError, SyntaxError, ValueError) as error:
-        raise InputError(f"image {path} is truncated or corrupt ({error})") from error
+        raise InputError(f"image {name} is truncated or corrupt ({error})") from error
 
 
 def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> np.ndarray:

@@ -87,11 +87,27 @@ class Flux2KleinPipeline:
             for guided in (False, True)
         }
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
+        self.weights_id = f"{name}|{variant.name}|{jnp.dtype(dtype).name}"
+        """Identity of the weights in use (model, variant, dtype): whatever is computed from the weights
+        (reference keys/values, prompt embeddings) may be reused only under the same `weights_id`."""
+        self.prompt_cache = None
+        """None, or a cache whose `get(key, compute)` returns compute()'s value, kept or not: then
+        `encode_prompt` reuses each prompt's embeddings under (`weights_id`, prompt)."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
-        ids, mask = text.tokenize_prompts(self.tokenizer, list(prompts))
+        """float[P, T, D] text embeddings of `prompts`; one prompt at a time through `prompt_cache`."""
+        if self.prompt_cache is None:
+            return self._encode_prompts(list(prompts))
+        embeds = [
+            self.prompt_cache.get((self.weights_id, p), lambda p=p: self._encode_prompts([p]))
+            for p in prompts
+        ]
+        return embeds[0] if len(embeds) == 1 else jnp.concatenate(embeds)
+
+    def _encode_prompts(self, prompts: list[str]) -> jax.Array:
+        ids, mask = text.tokenize_prompts(self.tokenizer, prompts)
         return self._text(jnp.asarray(ids), jnp.asarray(mask))
 
     def encode_references(self, image, use_kv: bool | None = None) -> References:
@@ -208,20 +224,37 @@ class Flux2KleinPipeline:
         admission.check(tiled if tiled.peak < plain.peak else plain, limit, where)
         return True
 
-    def _encode_references(self, prepared, cached: bool, stages: Stages) -> References:
-        tokens = sum((a.shape[0] // 16) * (a.shape[1] // 16) for a in prepared)
+    def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
+        """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
+        float[H/16, W/16, C]: the per-image half of reference encoding, reusable in any set. Check the
+        whole set with `check_reference_tokens` first."""
+        return self._encode(jnp.asarray(prepared[None], self.dtype))[0]
+
+    def references_from_latents(self, latents: Sequence[jax.Array], cached: bool) -> References:
+        """An ordered set of per-image latents -> `References`, with the prefill's keys/values when
+        `cached` (the set half of reference encoding: positions and keys/values depend on the order)."""
+        tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
+        sizes = [tuple(z.shape[:2]) for z in latents]
+        references = References(
+            tokens, sampling.reference_ids(sizes), tuple((h * 16, w * 16) for h, w in sizes), None
+        )
+        if not cached:
+            return references
+        return dataclasses.replace(references, kv=self._prefill(tokens, self._rope(references.ids)))
+
+    def check_reference_tokens(self, sizes) -> None:
+        """An `InputError` when references of these (height, width) px sizes cannot be split on the mesh."""
+        tokens = sum((h // 16) * (w // 16) for h, w in sizes)
         sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", tokens)])
-        references = stages.run("references", self._vae_references, prepared)
+
+    def _encode_references(self, prepared, cached: bool, stages: Stages) -> References:
+        self.check_reference_tokens([a.shape[:2] for a in prepared])
+        latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
+        references = self.references_from_latents(latents, cached=False)
         if not cached:
             return references
         kv = stages.run("prefill", self._prefill, references.tokens, self._rope(references.ids))
         return dataclasses.replace(references, kv=kv)
-
-    def _vae_references(self, prepared) -> References:
-        latents = [self._encode(jnp.asarray(a[None], self.dtype))[0] for a in prepared]
-        tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
-        ids = sampling.reference_ids([tuple(z.shape[:2]) for z in latents])
-        return References(tokens, ids, tuple(a.shape[:2] for a in prepared), None)
 
     def _rope(self, ids: np.ndarray):
         ids = np.ascontiguousarray(ids, np.int64)

@@ -1,0 +1,92 @@
+"""`klein serve`: the HTTP service (`klein.serve`), with every model flag of `klein generate`.
+
+FastAPI and uvicorn are imported only when the command runs, so `klein --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from klein import cli_args
+from klein.serve.options import ServeOptions, parse_size
+
+DESCRIPTION = """\
+Serve an OpenAI-compatible images API (POST /v1/images/generations, /v1/images/edits), reference
+sets kept encoded across requests (POST /v1/references), jobs with progress events (/v1/jobs), /healthz,
+/metrics (Prometheus) and OpenAPI docs at /docs. One worker owns the device; requests queue.
+
+Without --model it serves the offline demo checkpoint (tiny random weights: images are noise-like).
+SIZE is bytes or KiB/MiB/GiB (e.g. 512MiB). It binds 127.0.0.1 unless --host says otherwise."""
+
+EXAMPLES = """\
+examples:
+  klein serve                                                    # demo checkpoint, port 8000
+  klein serve --model black-forest-labs/FLUX.2-klein-9b-kv --cache-bytes 8GiB --api-key secret
+  curl -s localhost:8000/v1/images/generations -H 'Content-Type: application/json' \\
+      -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'
+
+SIGTERM (or Ctrl+C) stops gracefully: nothing new is accepted, the running job finishes, exit 0."""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = cli_args.Parser(
+        prog="klein serve",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    cli_args.add_model_flags(add)
+    add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    add("--port", type=int, default=8000, help="port (default: 8000)")
+    add("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /healthz")
+    add("--memory-limit", type=parse_size, metavar="SIZE", help="bytes a request may use beyond the weights")
+    defaults = ServeOptions()
+    for name, help_ in _LIMITS.items():
+        field = name.replace("-", "_")
+        sized = field.endswith("bytes")
+        default = getattr(defaults, field)
+        add(
+            f"--{name}",
+            type=parse_size if sized else int,
+            default=default,
+            metavar="SIZE" if sized else "N",
+            help=f"{help_} (default: {default})",
+        )
+    return parser
+
+
+_LIMITS = {
+    "cache-bytes": "reference cache budget: per-image latents and encoded sets, in device bytes",
+    "prompt-cache-bytes": "prompt-embedding cache budget, in device bytes",
+    "max-queue": "requests that may wait for the worker; more get 429 with Retry-After",
+    "max-upload-bytes": "largest request body (413 beyond, checked while it streams)",
+    "max-references": "most reference images in one request or set",
+    "max-pixels": "largest image accepted or generated, width x height",
+    "max-steps": "most denoising steps a request may ask for",
+}
+
+
+def serve_command(flags: argparse.Namespace) -> int:
+    from klein.cli import _version
+    from klein.pipeline import load_pipeline
+    from klein.serve.server import serve
+
+    names = {field.name for field in dataclasses.fields(ServeOptions)}
+    options = ServeOptions(**{k: v for k, v in vars(flags).items() if k in names})
+    print(f"klein serve: loading {flags.transformer or flags.model or 'demo'}", file=sys.stderr)
+    pipe = load_pipeline(
+        source=flags.model,
+        dtype=flags.dtype or "float32",
+        transformer=flags.transformer,
+        text_encoder=flags.text_encoder,
+        vae=flags.vae,
+        tokenizer=flags.tokenizer,
+        variant=flags.variant,
+        dequantize=bool(flags.dequantize),
+        mesh=flags.mesh,
+    )
+    pipe.memory_limit = flags.memory_limit
+    return serve(pipe, options, flags.host, flags.port, _version())

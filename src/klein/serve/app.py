@@ -1,0 +1,209 @@
+"""The HTTP routes of `klein serve` (the contract: docs/design.md, "Serving"); thin by design.
+
+Handlers parse and validate, submit a job to the worker and await it without blocking the event loop;
+a synchronous request whose client goes away while its job still waits drops the job. Every error is
+OpenAI's JSON error shape (`klein.serve.errors`). With an API key, every route but /healthz and the web
+page needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from klein.serve import schema, uploads
+from klein.serve.errors import ApiError
+from klein.serve.generation import Generation
+from klein.serve.service import Service
+from klein.serve.worker import Job
+
+DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still there
+EVENT_POLL = 0.05  # seconds between looks at a job's events for its event stream
+PUBLIC = ("/healthz", "/")
+PUBLIC_PREFIX = "/static/"  # the web page's assets (issue 12)
+_MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="klein serve", version=service.version, description="FLUX.2 [klein] images API")
+    app.state.service = service
+    app.add_middleware(_Guard, service=service)
+    _errors(app)
+    _routes(app, service)
+    _references(app, service)
+    _jobs(app, service)
+    # --- The web page (issue 12) goes here: app.include_router(page.router) for GET / and /static/. ---
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request, error: ApiError):
+        return JSONResponse(error.body(), error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, error: RequestValidationError):
+        problem = schema.from_validation(error.errors())
+        return JSONResponse(problem.body(), problem.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        body = ApiError(
+            error.status_code, f"{request.method} {request.url.path}: {error.detail}", code
+        ).body()
+        return JSONResponse(body, error.status_code)
+
+
+def _routes(app: FastAPI, service: Service) -> None:
+    options = service.options
+
+    @app.get("/healthz")
+    async def healthz():
+        return service.health()
+
+    @app.get("/v1/config")
+    async def config():
+        return service.config()
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/images/generations")
+    async def generations(body: schema.ImageBody, request: Request):
+        work = Generation(schema.to_request(body, options), reference_id=body.references)
+        return await _wait(service.worker, service.submit_generation(work), request)
+
+    @app.post("/v1/images/edits", openapi_extra=_MULTIPART)
+    async def edits(request: Request):
+        """Multipart: image / image[] files and the fields of /v1/images/generations as form fields."""
+        fields, files = await uploads.read_form(request, options)
+        body = schema.from_form(fields)
+        if body.references is not None and files:
+            raise ApiError(
+                400, "give image files or references (an id), not both", "invalid_value", "references"
+            )
+        images = () if body.references is not None else tuple(await uploads.prepare(files, options))
+        work = Generation(schema.to_request(body, options), images, body.references)
+        return await _wait(service.worker, service.submit_generation(work), request)
+
+
+def _references(app: FastAPI, service: Service) -> None:
+    @app.post("/v1/references", openapi_extra=_MULTIPART)
+    async def create_references(request: Request):
+        """Multipart: image / image[] files, encoded once and kept in the reference cache."""
+        _, files = await uploads.read_form(request, service.options)
+        images = tuple(await uploads.prepare(files, service.options))
+        return await _wait(service.worker, service.submit_references(images), request)
+
+    @app.get("/v1/references/{reference_id}")
+    async def get_references(reference_id: str):
+        found = service.sets.describe(reference_id)
+        if found is None:
+            raise _unknown_reference(reference_id)
+        return found
+
+    @app.delete("/v1/references/{reference_id}")
+    async def delete_references(reference_id: str):
+        if not service.sets.delete(reference_id):
+            raise _unknown_reference(reference_id)
+        return {"id": reference_id, "deleted": True}
+
+
+def _jobs(app: FastAPI, service: Service) -> None:
+    @app.post("/v1/jobs", status_code=202)
+    async def create_job(body: schema.ImageBody):
+        work = Generation(schema.to_request(body, service.options), reference_id=body.references)
+        job = service.submit_generation(work)
+        return {"id": job.id, "status": job.status}
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str):
+        return _job(service, job_id).view()
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: str):
+        """Server-sent events: queued, one step per denoising step, then done or error."""
+        return StreamingResponse(_events(_job(service, job_id)), media_type="text/event-stream")
+
+
+def _job(service: Service, job_id: str) -> Job:
+    job = service.worker.jobs.get(job_id)
+    if job is None:
+        raise ApiError(
+            404, f"unknown job id {job_id!r:.80} (finished jobs are kept for a while)", "unknown_job", "id"
+        )
+    return job
+
+
+def _unknown_reference(reference_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"unknown reference id {reference_id!r:.80}, or its encodings were evicted; upload the images again",
+        "unknown_reference",
+        "id",
+    )
+
+
+async def _wait(worker, job: Job, request: Request) -> dict:
+    """The job's result (or its error raised); drops the job if the client leaves before it starts."""
+    future = asyncio.wrap_future(job.future)
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL)
+        if done:
+            return future.result()
+        if job.status == "queued" and await request.is_disconnected():
+            worker.abandon(job)
+
+
+async def _events(job: Job):
+    sent = 0
+    while True:
+        events = job.events[sent:]
+        for name, data in events:
+            yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
+        sent += len(events)
+        if job.finished and sent == len(job.events):
+            return
+        await asyncio.sleep(EVENT_POLL)
+
+
+class _Guard:
+    """Pure ASGI middleware: the API key check, and HTTP responses counted by status for /metrics."""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        metrics = self.service.metrics
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                metrics.count_request(str(message["status"]))
+            await send(message)
+
+        if not self._allowed(scope):
+            error = ApiError(
+                401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "unauthorized"
+            )
+            response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, counted)
+        return await self.app(scope, receive, counted)
+
+    def _allowed(self, scope) -> bool:
+        key = self.service.options.api_key
+        path = scope["path"]
+        if key is None or path in PUBLIC or path.startswith(PUBLIC_PREFIX):
+            return True
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())

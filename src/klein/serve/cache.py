@@ -1,0 +1,114 @@
+"""A least-recently-used cache with a byte budget, for device arrays computed from the weights.
+
+`klein serve` keeps two: the reference cache (per-image latents float[H/16, W/16, C] keyed by the hash
+of the prepared image, and encoded reference sets, `klein.references.References` with the prefill's
+keys/values, keyed by the ordered image hashes and the pipeline's `weights_id`) and the prompt cache
+(embeddings float[1, T, D] keyed by `weights_id` and the prompt). Sizes are device bytes: every
+addressable shard of every array, so a replicated array counts once per device that holds it.
+
+An entry larger than the whole budget is computed, used and not kept. The worker thread computes and
+stores; the event loop may look up or remove (GET / DELETE /v1/references), so the bookkeeping holds a
+lock; computing happens outside it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes that the arrays of a pytree occupy on devices, summed over every shard this process holds."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            total += sum(shard.data.nbytes for shard in leaf.addressable_shards)
+    return total
+
+
+@dataclasses.dataclass
+class Entry:
+    value: Any
+    size: int
+    """Device bytes."""
+    seconds: float
+    """What computing the value took: the time a hit saves."""
+
+
+@dataclasses.dataclass
+class Stats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    too_large: int = 0
+    """Entries computed and used but not kept: each alone was over the budget."""
+
+
+class ByteBudgetCache:
+    """Keys -> device values, never holding more than `budget` bytes; least recently used leave first."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.bytes = 0
+        self.stats = Stats()
+        self._entries: collections.OrderedDict[Hashable, Entry] = collections.OrderedDict()
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def peek(self, key: Hashable) -> Entry | None:
+        """The entry under `key`, if held, without counting a hit or refreshing its age."""
+        return self._entries.get(key)
+
+    def lookup(self, key: Hashable) -> Entry | None:
+        """The entry under `key` (now the most recently used), counting a hit or a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self.stats.hits += 1
+            self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: Hashable, value: Any, seconds: float) -> Entry:
+        """Keep `value` (unless it alone exceeds the budget), evicting the least recently used first."""
+        entry = Entry(value, device_bytes(value), seconds)
+        with self._lock:
+            self.remove(key)
+            if entry.size > self.budget:
+                self.stats.too_large += 1
+                return entry
+            while self.bytes + entry.size > self.budget:
+                _, old = self._entries.popitem(last=False)
+                self.bytes -= old.size
+                self.stats.evictions += 1
+            self._entries[key] = entry
+            self.bytes += entry.size
+            return entry
+
+    def remove(self, key: Hashable) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self.bytes -= entry.size
+            return entry is not None
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """The value under `key`, or `compute()`'s, kept for next time if it fits."""
+        entry = self.lookup(key)
+        if entry is None:
+            started = time.perf_counter()
+            value = jax.block_until_ready(compute())
+            entry = self.put(key, value, time.perf_counter() - started)
+        return entry.value

@@ -1,0 +1,38 @@
+"""HTTP errors in OpenAI's shape, which the official client parses:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": field | null, "code": "..."}}
+
+`ApiError` carries the status with it; `from_input_error` maps klein's own `InputError`s (raised by the
+request type, image preparation, admission, the reference store) onto a status and code.
+"""
+
+from __future__ import annotations
+
+from klein.errors import CannotFitError, InputError
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def from_input_error(error: InputError, param: str | None = None) -> ApiError:
+    from klein.serve.reference_sets import UnknownReferences
+
+    if isinstance(error, CannotFitError):
+        return ApiError(422, str(error), "cannot_fit", param)
+    if isinstance(error, UnknownReferences):
+        return ApiError(404, str(error), "unknown_reference", "references")
+    return ApiError(400, str(error), "invalid_request", param)
+
+
+def internal(error: Exception) -> ApiError:
+    return ApiError(
+        500, f"internal error: {type(error).__name__}; the server logged the traceback", "internal"
+    )

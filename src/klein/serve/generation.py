@@ -1,0 +1,94 @@
+"""The work of one image request, run on the worker thread: references through the cache, the pipeline,
+PNGs with klein's metadata, and the response body of the contract (docs/design.md, "Serving").
+
+Response: {"created": unix seconds, "data": [{"b64_json": PNG}], "klein": {"seed", "settings",
+"timings": {stage: seconds}, "references": null | {"id", "cache": "hit" | "miss", "saved_seconds"}}}.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import time
+
+from klein.cli_output import png_metadata
+from klein.request import GenerationRequest
+from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """A generation waiting for the worker: the request, and its references as images or as a set id."""
+
+    request: GenerationRequest
+    images: tuple[PreparedImage, ...] = ()
+    reference_id: str | None = None
+
+    def references(self, sets: ReferenceSets) -> Encoded | None:
+        if self.images:
+            return sets.encode(list(self.images))
+        if self.reference_id is not None:
+            return sets.resolve(self.reference_id)
+        return None
+
+
+def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: str) -> dict:
+    """Generate, and the contract's response body."""
+    encoded = generation.references(sets)
+    request = generation.request
+    if encoded is not None:
+        request = dataclasses.replace(request, references=encoded.references)
+    out = pipe.generate(request, progress)
+    extra = {"reference_id": encoded.id} if encoded else {}
+    pngs = [_png(image, {**out.settings.metadata(i, version), **extra}) for i, image in enumerate(out.images)]
+    return {
+        "created": int(time.time()),
+        "data": [{"b64_json": png} for png in pngs],
+        "klein": {
+            "seed": out.seed,
+            "settings": settings(out.settings),
+            "timings": {**(encoded.timings if encoded else {}), **out.timings},
+            "references": _references(encoded),
+        },
+    }
+
+
+def encode_references(sets: ReferenceSets, images: tuple[PreparedImage, ...]) -> dict:
+    """POST /v1/references: encode (or find) a set; the contract's reference object."""
+    encoded = sets.encode(list(images))
+    sizes = [image.pixels.shape[:2] for image in images]
+    return describe(encoded.id, sizes, encoded.bytes, encoded.hit)
+
+
+def settings(settings) -> dict:
+    r = settings.request
+    return {
+        "prompt": r.prompt,
+        "n": r.num_images_per_prompt,
+        "width": r.width,
+        "height": r.height,
+        "num_inference_steps": r.num_inference_steps,
+        "guidance_scale": r.guidance_scale,
+        "seed": r.seed,
+        "mode": str(settings.mode),
+        "model": settings.model,
+        "variant": settings.variant,
+        "reference_sizes": [{"width": w, "height": h} for h, w in settings.reference_sizes],
+    }
+
+
+def _references(encoded: Encoded | None) -> dict | None:
+    if encoded is None:
+        return None
+    return {
+        "id": encoded.id,
+        "cache": "hit" if encoded.hit else "miss",
+        "saved_seconds": round(encoded.saved_seconds, 6),
+    }
+
+
+def _png(image, metadata: dict) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=png_metadata(metadata))
+    return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -1,0 +1,168 @@
+"""Reference sets, content-addressed: uploaded images -> `klein.references.References`, through the cache.
+
+A prepared image (float32[H, W, 3], `klein.images.prepare_reference`) is known by the SHA-256 of its
+bytes; a set by the ordered tuple of those digests, and its id is derived from that tuple alone, so the
+same images in the same order give the same id whoever sends them and however (`/v1/references` or
+`/v1/images/edits`). Cache keys:
+
+- ("latents", image digest): the image's VAE latents float[H/16, W/16, C], reusable in any set;
+- ("set", digests, weights_id, cached): the set's `References` (tokens, and the prefill's keys/values
+  when `cached`), which depend on the order and on the weights, so a weights change cannot hit them.
+
+Encoding runs on the serving worker thread, which owns the pipeline; `describe` and `delete` may run on
+the event loop, so the id table holds a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+import time
+
+import jax
+import numpy as np
+
+from klein.errors import InputError
+from klein.references import References
+from klein.serve.cache import ByteBudgetCache
+
+MAX_IDS = 4096  # ids remembered; each is a few digests, the arrays live (or not) in the cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedImage:
+    digest: str
+    pixels: np.ndarray
+    """float32[H, W, 3] in [-1, 1]."""
+
+    @classmethod
+    def of(cls, pixels: np.ndarray) -> PreparedImage:
+        return cls(hashlib.sha256(np.ascontiguousarray(pixels).tobytes()).hexdigest(), pixels)
+
+
+class UnknownReferences(InputError):
+    """A reference id the server does not know, or whose encodings the cache no longer holds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    id: str
+    references: References
+    hit: bool
+    """The whole set came from the cache."""
+    saved_seconds: float
+    """Compute time the cache saved (whole set, or the latents of some images)."""
+    bytes: int
+    timings: dict[str, float]
+
+
+def set_id(digests: tuple[str, ...]) -> str:
+    return hashlib.sha256("|".join(digests).encode()).hexdigest()[:32]
+
+
+class ReferenceSets:
+    """Encodes reference sets through a `ByteBudgetCache` and remembers which digests each id names."""
+
+    def __init__(self, pipe, cache: ByteBudgetCache, cached: bool):
+        self.pipe, self.cache, self.cached = pipe, cache, cached
+        """`cached`: encode with the prefill's keys/values (KV checkpoints)."""
+        self._ids: collections.OrderedDict[str, tuple[tuple[str, ...], tuple[tuple[int, int], ...]]] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def _set_key(self, digests: tuple[str, ...]):
+        return ("set", digests, self.pipe.weights_id, self.cached)
+
+    def encode(self, images: list[PreparedImage]) -> Encoded:
+        """The set of these images, from the cache or computed (and then kept if it fits)."""
+        digests = tuple(image.digest for image in images)
+        sizes = tuple(image.pixels.shape[:2] for image in images)
+        self._remember(set_id(digests), digests, sizes)
+        hit = self._cached_set(digests)
+        if hit is not None:
+            return hit
+        self.pipe.check_reference_tokens(sizes)
+        return self._compute(digests, {i.digest: i.pixels for i in images})
+
+    def resolve(self, reference_id: str) -> Encoded:
+        """The set an id names; `UnknownReferences` if the id is unknown or its encodings were evicted."""
+        with self._lock:
+            known = self._ids.get(reference_id)
+            if known is not None:
+                self._ids.move_to_end(reference_id)
+        if known is None:
+            raise UnknownReferences(
+                f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
+            )
+        digests, _ = known
+        hit = self._cached_set(digests)
+        if hit is not None:
+            return hit
+        if not all(("latents", d) in self.cache for d in digests):
+            raise UnknownReferences(
+                f"reference set {reference_id} was evicted from the cache (--cache-bytes); upload the "
+                "images again (POST /v1/references, or send them with the edit)"
+            )
+        return self._compute(digests, {})
+
+    def describe(self, reference_id: str) -> dict | None:
+        """The contract's reference object, or None when the id cannot be used (unknown or evicted)."""
+        known = self._ids.get(reference_id)
+        if known is None:
+            return None
+        digests, sizes = known
+        entry = self.cache.peek(self._set_key(digests))
+        if entry is None and not all(("latents", d) in self.cache for d in digests):
+            return None
+        return describe(reference_id, sizes, entry.size if entry else 0, entry is not None)
+
+    def delete(self, reference_id: str) -> bool:
+        """Forget an id and drop its set's encodings (per-image latents may serve other sets and stay)."""
+        with self._lock:
+            known = self._ids.pop(reference_id, None)
+        if known is None:
+            return False
+        digests, _ = known
+        self.cache.remove(self._set_key(digests))
+        return True
+
+    def _remember(self, reference_id, digests, sizes) -> None:
+        with self._lock:
+            self._ids[reference_id] = (digests, sizes)
+            self._ids.move_to_end(reference_id)
+            while len(self._ids) > MAX_IDS:
+                self._ids.popitem(last=False)
+
+    def _cached_set(self, digests) -> Encoded | None:
+        entry = self.cache.lookup(self._set_key(digests))
+        if entry is None:
+            return None
+        return Encoded(set_id(digests), entry.value, True, entry.seconds, entry.size, {})
+
+    def _compute(self, digests, pixels: dict[str, np.ndarray]) -> Encoded:
+        timings = {"references": 0.0, "prefill": 0.0}
+        latents, saved = [], 0.0
+        for digest in digests:
+            entry = self.cache.lookup(("latents", digest))
+            if entry is None:
+                started = time.perf_counter()
+                z = jax.block_until_ready(self.pipe.encode_reference_latents(pixels[digest]))
+                entry = self.cache.put(("latents", digest), z, time.perf_counter() - started)
+                timings["references"] += entry.seconds
+            else:
+                saved += entry.seconds
+            latents.append(entry.value)
+        started = time.perf_counter()
+        references = jax.block_until_ready(self.pipe.references_from_latents(latents, self.cached))
+        timings["prefill"] = time.perf_counter() - started
+        cost = saved + timings["references"] + timings["prefill"]
+        entry = self.cache.put(self._set_key(digests), references, cost)
+        return Encoded(set_id(digests), references, False, saved, entry.size, timings)
+
+
+def describe(reference_id: str, sizes, size_bytes: int, cached: bool) -> dict:
+    images = [{"width": w, "height": h} for h, w in sizes]
+    return {"id": reference_id, "images": images, "bytes": size_bytes, "cached": cached}

@@ -1,0 +1,131 @@
+"""Request bodies of the images API -> `klein.GenerationRequest` (the one request type; no copy of it).
+
+`ImageBody` is what OpenAI's images API sends (prompt, n, size "WxH" or "auto", response_format) plus
+klein's own settings (seed, num_inference_steps, guidance_scale, references: a reference set id), as
+JSON (`/v1/images/generations`, `/v1/jobs`) or as multipart form fields (`/v1/images/edits`, read by
+`from_form`). Types are strict: "3" is not a number in JSON. OpenAI fields klein has no use for
+(model, quality, style, user, ...) are accepted and ignored: one server runs one model.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from klein import setting_kinds as kinds
+from klein.errors import InputError
+from klein.request import MAX_SEED, GenerationRequest
+from klein.serve.errors import ApiError
+from klein.serve.options import ServeOptions
+
+MULTIPLE = 16
+
+
+class ImageBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    prompt: str = Field(min_length=1, description="what to generate, or how to edit the references")
+    n: int = Field(1, ge=1, description="images to generate (one batch)")
+    size: str | None = Field(
+        None, description='"WxH" in px (multiples of 16), or "auto": the first reference\'s'
+    )
+    response_format: Literal["b64_json"] | None = Field("b64_json", description="only b64_json (PNG bytes)")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="random seed (default: a random one)")
+    num_inference_steps: int | None = Field(None, ge=1, description="denoising steps (default: the model's)")
+    guidance_scale: float | None = Field(None, description="CFG scale, base models only")
+    references: str | None = Field(None, description="a reference set id from POST /v1/references")
+
+
+# Form fields are text: how each typed one reads (klein's setting kinds, the same as key=value words).
+_FORM_READERS = {"n": kinds.read_int, "seed": kinds.read_int, "num_inference_steps": kinds.read_int}
+_FORM_READERS |= {"guidance_scale": kinds.read_float}
+
+
+def from_form(fields: dict[str, str]) -> ImageBody:
+    """The body of a multipart form's text fields."""
+    values = {}
+    for key, text in fields.items():
+        if key in _FORM_READERS:
+            try:
+                values[key] = _FORM_READERS[key](key, text)
+            except InputError as error:
+                raise ApiError(400, str(error), "invalid_value", key) from None
+        else:
+            values[key] = text
+    return validate(values)
+
+
+def validate(values: dict) -> ImageBody:
+    try:
+        return ImageBody.model_validate(values)
+    except pydantic.ValidationError as error:
+        raise from_validation(error.errors()) from None
+
+
+def from_validation(problems) -> ApiError:
+    """The first of pydantic's (or FastAPI's) validation problems as a 400 naming the field."""
+    problem = problems[0]
+    names = [str(part) for part in problem.get("loc", ()) if part != "body" and not isinstance(part, int)]
+    param = names[-1] if names else None
+    where = f"{param}: " if param else "request body: "
+    return ApiError(400, where + problem.get("msg", "invalid value"), "invalid_value", param)
+
+
+def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
+    """The generation a body asks for, within the server's limits; references are attached by the worker."""
+    if body.n > options.max_images:
+        raise ApiError(400, f"n must be at most {options.max_images}, got {body.n}", "invalid_value", "n")
+    steps = body.num_inference_steps
+    if steps is not None and steps > options.max_steps:
+        raise ApiError(
+            400,
+            f"num_inference_steps must be at most {options.max_steps} on this server (--max-steps), got {steps}",
+            "invalid_value",
+            "num_inference_steps",
+        )
+    width, height = parse_size(body.size, options.max_pixels)
+    try:
+        return GenerationRequest.create(
+            prompt=body.prompt,
+            num_images_per_prompt=body.n,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=body.guidance_scale,
+            seed=body.seed,
+        )
+    except InputError as error:
+        raise ApiError(400, str(error), "invalid_value") from None
+
+
+def parse_size(size: str | None, max_pixels: int) -> tuple[int | None, int | None]:
+    """(width, height) of "WxH"; (None, None) for "auto" or no size (the first reference's, else 1024)."""
+    if size is None or size == "auto":
+        return None, None
+    match = re.fullmatch(r"(\d{1,6})x(\d{1,6})", size)
+    if not match:
+        raise ApiError(
+            400,
+            f'size must be "WxH" in px (e.g. "512x512") or "auto", got {size!r:.40}',
+            "invalid_size",
+            "size",
+        )
+    width, height = int(match.group(1)), int(match.group(2))
+    if width % MULTIPLE or height % MULTIPLE or min(width, height) < 64:
+        raise ApiError(
+            400,
+            f"size {size}: width and height must be multiples of {MULTIPLE}, at least 64 px",
+            "invalid_size",
+            "size",
+        )
+    if width * height > max_pixels:
+        raise ApiError(
+            400,
+            f"size {size} is {width * height} px, more than the {max_pixels} allowed (--max-pixels)",
+            "invalid_size",
+            "size",
+        )
+    return width, height

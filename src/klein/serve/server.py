@@ -1,0 +1,52 @@
+"""Running the service under uvicorn, with the graceful stop SIGTERM asks for.
+
+On SIGTERM (or Ctrl+C) the worker stops accepting and fails the jobs still queued (503), uvicorn stops
+listening and waits for the open requests, among them the running job's, which finishes; then the
+worker thread ends and `klein serve` exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import PIL.Image
+import uvicorn
+
+from klein.errors import InputError
+from klein.serve.app import create_app
+from klein.serve.options import ServeOptions
+from klein.serve.service import Service
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:
+        self.service.worker.stop()
+        super().handle_exit(sig, frame)
+
+
+def serve(pipe, options: ServeOptions, host: str, port: int, version: str) -> int:
+    """Serve `pipe` on host:port until SIGTERM / SIGINT; the exit code."""
+    # PIL's own guard as a second line behind the header check in klein.images.read_image.
+    PIL.Image.MAX_IMAGE_PIXELS = options.max_pixels
+    service = Service(pipe, options, version)
+    config = uvicorn.Config(create_app(service), host=host, port=port, lifespan="off", log_level="info")
+    server = _Server(config, service)
+    # uvicorn raises a caught SIGTERM again once it has shut down; by then the stop was graceful, so the
+    # handler it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, _stopped)
+    try:
+        server.run()
+    except SystemExit:
+        raise InputError(f"cannot serve on {host}:{port} (is the port in use? see the log above)") from None
+    finally:
+        service.worker.stop()
+        service.worker.join()
+    return 0
+
+
+def _stopped(sig, frame) -> None:
+    """SIGTERM after the graceful shutdown: nothing left to do."""

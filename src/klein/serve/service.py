@@ -1,0 +1,66 @@
+"""What `klein serve` serves: one pipeline, its caches, the worker that owns it, and the metrics.
+
+The HTTP layer (`klein.serve.app`) only parses, submits and awaits; everything that touches the device
+(reference encoding, the prompt cache, generation) runs as a job on the worker thread.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from klein import modes
+from klein.modes import Conditioning
+from klein.serve import generation
+from klein.serve.cache import ByteBudgetCache
+from klein.serve.metrics import Metrics
+from klein.serve.options import ServeOptions
+from klein.serve.reference_sets import PreparedImage, ReferenceSets
+from klein.serve.worker import Job, Worker
+
+
+class Service:
+    def __init__(self, pipe, options: ServeOptions, version: str):
+        self.pipe, self.options, self.version = pipe, options, version
+        self.metrics = Metrics()
+        self.reference_cache = ByteBudgetCache(options.cache_bytes)
+        self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes)
+        pipe.prompt_cache = self.prompt_cache
+        cached = modes.conditioning(pipe.variant, pipe.name, None, True) is Conditioning.CACHED
+        self.sets = ReferenceSets(pipe, self.reference_cache, cached)
+        self.worker = Worker(options.max_queue, self.metrics)
+
+    def submit_generation(self, work: generation.Generation) -> Job:
+        return self.worker.submit(functools.partial(self._generate, work))
+
+    def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
+        return self.worker.submit(lambda job: generation.encode_references(self.sets, images))
+
+    def _generate(self, work: generation.Generation, job: Job) -> dict:
+        result = generation.run(self.pipe, self.sets, work, job.step, self.version)
+        for stage, seconds in result["klein"]["timings"].items():
+            self.metrics.observe(stage, seconds)
+        return result
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.pipe.name, "variant": self.pipe.variant.name}
+
+    def config(self) -> dict:
+        """GET /v1/config: the limits and defaults a client (the web page) needs."""
+        variant, options = self.pipe.variant, self.options
+        return {
+            "model": self.pipe.name,
+            "variant": variant.name,
+            "max_references": options.max_references,
+            "max_pixels": options.max_pixels,
+            "max_steps": options.max_steps,
+            "max_upload_bytes": options.max_upload_bytes,
+            "max_images": options.max_images,
+            "default_steps": variant.steps,
+            "default_guidance_scale": variant.guidance,
+            "guided": not variant.distilled,
+            "cached_references": self.sets.cached,
+        }
+
+    def metrics_text(self) -> str:
+        caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
+        return self.metrics.render(self.worker.depth, caches)

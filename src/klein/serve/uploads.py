@@ -1,0 +1,124 @@
+"""Multipart uploads: the body capped while it streams, images decoded safely and prepared off the loop.
+
+- A body larger than `--max-upload-bytes` is refused (413) from its Content-Length, or as soon as the
+  bytes read exceed it when the client streams without one: never read whole first.
+- Files come under "image" or "image[]" (what the openai client sends for one or several); at most
+  `--max-references` of them. Their bytes stay in memory (Starlette spools large parts to anonymous
+  temporary files); nothing a client sends (file names included) becomes a path.
+- Decoding refuses an image over `--max-pixels` from its header, before decoding (decompression bombs),
+  then prepares it as the pipeline does (`klein.images.prepare_reference`) in a thread, not on the loop.
+"""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+
+from klein import images
+from klein.errors import InputError
+from klein.serve.errors import ApiError
+from klein.serve.options import ServeOptions
+from klein.serve.reference_sets import PreparedImage
+
+IMAGE_FIELDS = ("image", "image[]")
+MAX_FIELD_BYTES = 64 * 2**10  # one text field (a prompt is far shorter)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is larger than the {limit} bytes allowed (--max-upload-bytes)",
+        "upload_too_large",
+    )
+
+
+def _capped(receive, limit: int):
+    """`receive` that raises `_TooLarge` once the body read so far exceeds `limit` bytes."""
+    seen = 0
+
+    async def capped():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise _TooLarge
+        return message
+
+    return capped
+
+
+async def read_form(request: Request, options: ServeOptions) -> tuple[dict[str, str], list[bytes]]:
+    """(text fields, image file bytes in order) of a multipart request."""
+    limit = options.max_upload_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    capped = Request(request.scope, _capped(request.receive, limit))
+    try:
+        form = await capped.form(
+            max_files=options.max_references + 1, max_fields=64, max_part_size=MAX_FIELD_BYTES
+        )
+        fields, files = {}, []
+        for key, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                files.append(await _file(key, value))
+            elif key in IMAGE_FIELDS:
+                raise ApiError(
+                    400, f"{key} must be an image file, not a text field", "invalid_image", "image"
+                )
+            else:
+                fields[key] = value
+        await form.close()
+    except _TooLarge:
+        raise _too_large(limit) from None
+    except MultiPartException as error:
+        code = "too_many_references" if "files" in str(error).lower() else "invalid_multipart"
+        raise ApiError(400, f"malformed or over-limit multipart body: {error}", code, None) from None
+    _check_count(len(files), options.max_references)
+    return fields, files
+
+
+async def _file(key: str, upload: UploadFile) -> bytes:
+    if key not in IMAGE_FIELDS:
+        raise ApiError(
+            400, f"unexpected file field {key!r}; send images as 'image' or 'image[]'", "invalid_value", key
+        )
+    return await upload.read()
+
+
+def _check_count(count: int, most: int) -> None:
+    if count > most:
+        raise ApiError(
+            400,
+            f"{count} images sent; at most {most} references are allowed (--max-references)",
+            "too_many_references",
+            "image",
+        )
+
+
+async def prepare(files: list[bytes], options: ServeOptions) -> list[PreparedImage]:
+    """Decode and prepare uploaded images in a worker thread of the loop's pool (host work only)."""
+    if not files:
+        raise ApiError(
+            400, "no image: send one or more image files as 'image' (or 'image[]')", "missing_image", "image"
+        )
+    _check_count(len(files), options.max_references)
+    return await run_in_threadpool(_prepare_all, files, options.max_pixels)
+
+
+def _prepare_all(files: list[bytes], max_pixels: int) -> list[PreparedImage]:
+    prepared = []
+    for index, data in enumerate(files):
+        name = f"image {index + 1}"
+        try:
+            picture = images.read_image(data, name, max_pixels)
+            prepared.append(PreparedImage.of(images.prepare_reference(picture, name)))
+        except InputError as error:
+            raise ApiError(400, str(error), "invalid_image", "image") from None
+    return prepared

@@ -1,0 +1,171 @@
+"""One worker thread owns the device: jobs wait on a bounded queue and run one at a time.
+
+The pipeline and its tokenizer are used from this thread only; HTTP handlers submit a job (its `work`
+is a function of the job, run on the worker thread) and await its `future` without blocking the event
+loop. A job carries its status, progress and events (queued, step, done / error) for `/v1/jobs`.
+
+- A full queue refuses at once (`QueueFull`, 429 with Retry-After), rather than letting latency grow.
+- `abandon(job)` drops a queued job whose client has gone away; a running job finishes.
+- `stop()` (SIGTERM): accept nothing more, fail the queued jobs, let the running job finish; `join`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from klein.errors import InputError
+from klein.serve import errors
+
+log = logging.getLogger("klein.serve")
+HISTORY = 1024  # finished jobs kept for GET /v1/jobs/{id}
+
+
+@dataclasses.dataclass
+class Job:
+    work: Callable[[Job], dict]
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    status: str = "queued"
+    progress: dict | None = None
+    result: dict | None = None
+    error: errors.ApiError | None = None
+    events: list[tuple[str, dict]] = dataclasses.field(default_factory=list)
+    """(event, data) in order; appended by the worker, read by event streams."""
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    """The result dict, or the `ApiError`."""
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def step(self, stage: str, done: int, total: int) -> None:
+        """The pipeline's progress callback."""
+        self.progress = {"step": done, "steps": total}
+        self.events.append(("step", dict(self.progress)))
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("done", "error")
+
+    def view(self) -> dict:
+        error = self.error.body()["error"] if self.error else None
+        return {
+            "id": self.id,
+            "status": self.status,
+            "progress": self.progress,
+            "result": self.result,
+            "error": error,
+        }
+
+
+class Worker:
+    def __init__(self, max_queue: int, metrics):
+        self.max_queue, self.metrics = max_queue, metrics
+        self.accepting = True
+        self.running: Job | None = None
+        self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._wake = threading.Condition()
+        self._seconds_per_job = 1.0  # a running mean, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="klein-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def submit(self, work: Callable[[Job], dict]) -> Job:
+        job = Job(work)
+        with self._wake:
+            if not self.accepting:
+                raise errors.ApiError(
+                    503, "the server is shutting down; retry on another replica", "shutting_down"
+                )
+            if len(self._queue) >= self.max_queue:
+                retry = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
+                raise errors.ApiError(
+                    429,
+                    f"the queue is full ({self.max_queue} requests waiting); retry in about {retry} s",
+                    "queue_full",
+                    headers={"Retry-After": str(retry)},
+                )
+            job.events.append(("queued", {"position": len(self._queue)}))
+            self._queue.append(job)
+            self._remember(job)
+            self._wake.notify()
+        return job
+
+    def abandon(self, job: Job) -> None:
+        """Drop `job` if it has not started: its client went away."""
+        with self._wake:
+            if job in self._queue:
+                self._queue.remove(job)
+                self.metrics.count_job("dropped")
+                self._finish(job, error=errors.ApiError(499, "the client went away", "client_closed"))
+
+    def stop(self) -> None:
+        """Accept nothing more and fail the queued jobs; the running one finishes, then the thread ends."""
+        with self._wake:
+            self.accepting = False
+            while self._queue:
+                job = self._queue.popleft()
+                self.metrics.count_job("shutdown")
+                self._finish(job, error=errors.ApiError(503, "the server is shutting down", "shutting_down"))
+            self._wake.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _remember(self, job: Job) -> None:
+        self.jobs[job.id] = job
+        while len(self.jobs) > HISTORY:
+            oldest = next(iter(self.jobs.values()))
+            if not oldest.finished:
+                break
+            self.jobs.popitem(last=False)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and self.accepting:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                job = self.running = self._queue.popleft()
+                job.status = "running"
+            self._run(job)
+            self.running = None
+
+    def _run(self, job: Job) -> None:
+        started = time.perf_counter()
+        self.metrics.observe("queue_wait", started - job.submitted)
+        try:
+            result = job.work(job)
+        except errors.ApiError as error:
+            self._failed(job, error)
+        except InputError as error:
+            self._failed(job, errors.from_input_error(error))
+        except Exception as error:  # a bug: log it, answer 500, keep serving
+            log.exception("job %s failed", job.id)
+            self._failed(job, errors.internal(error))
+        else:
+            self.metrics.count_job("done")
+            self._finish(job, result=result)
+        elapsed = time.perf_counter() - started
+        self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * elapsed
+
+    def _failed(self, job: Job, error: errors.ApiError) -> None:
+        self.metrics.count_job("error")
+        self._finish(job, error=error)
+
+    def _finish(self, job: Job, result: dict | None = None, error: errors.ApiError | None = None) -> None:
+        job.result, job.error = result, error
+        job.status = "error" if error else "done"
+        job.events.append(("error", error.body()["error"]) if error else ("done", result))
+        if error:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
