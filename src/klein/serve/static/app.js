@@ -67,6 +67,8 @@ async function postJSON(path, body) {
 async function uploadReferences() {
   const keys = state.refs.map((ref) => ref.key).join(",");
   if (state.uploaded && state.uploaded.keys === keys) return state.uploaded.id;
+  const count = state.refs.length;
+  setStatus(`Uploading and encoding ${count === 1 ? "1 reference" : `${count} references`}…`, null);
   const form = new FormData();
   for (const ref of state.refs) form.append("image", ref.blob, ref.name);
   const answer = await (await api("v1/references", { method: "POST", body: form })).json();
@@ -148,8 +150,9 @@ function applyConfig(config) {
   const steps = $("steps");
   steps.max = config.max_steps || 1000;
   steps.value = Math.min(config.default_steps || steps.value, steps.max);
-  $("count").max = MAX_IMAGES;
+  $("count").max = maxImages();
   $("guidance-field").hidden = !config.guided;
+  if (config.default_guidance_scale) $("guidance").value = config.default_guidance_scale;
   fillSizes(config.max_pixels);
   renderRefs();
 }
@@ -166,6 +169,10 @@ function fillSizes(maxPixels) {
 }
 
 // ---------------------------------------------------------------- references
+
+function maxImages() {
+  return (state.config && state.config.max_images) || MAX_IMAGES;
+}
 
 function maxReferences() {
   return (state.config && state.config.max_references) || 4;
@@ -284,7 +291,7 @@ function readSettings() {
   if (!prompt) throw new InputProblem("Write a prompt first: what to generate, or how to change the references.", "prompt");
   const body = { prompt, response_format: "b64_json" };
   body.num_inference_steps = wholeNumber("steps", "Steps", 1, config.max_steps || 1000);
-  body.n = wholeNumber("count", "Images", 1, MAX_IMAGES);
+  body.n = wholeNumber("count", "Images", 1, maxImages());
   body.seed = $("seed-fixed").checked ? wholeNumber("seed", "The seed", 0, Number.MAX_SAFE_INTEGER) : randomSeed();
   body.size = readSize();
   if (config.guided) body.guidance_scale = Number($("guidance").value);
@@ -497,9 +504,9 @@ function cacheLine(entry) {
   const count = entry.refs.length === 1 ? "1 reference" : `${entry.refs.length} references`;
   if (refs.cache === "hit") {
     line.classList.add("hit");
-    line.append(element("span", "badge", "Cache hit"), ` ${count} reused, encoded earlier: saved ${formatSeconds(refs.saved_seconds || 0)}`);
+    line.append(element("span", "badge", "Cache hit"), ` ${count}, encoded once and reused: saved ${formatSeconds(refs.saved_seconds || 0)}`);
   } else {
-    line.append(element("span", "badge", "Encoded"), ` ${count} encoded now; the next prompt reuses them`);
+    line.append(element("span", "badge", "Encoded"), ` ${count} encoded for this edit; the next prompt reuses the encoding`);
   }
   return line;
 }
@@ -544,7 +551,7 @@ function renderHistory() {
     thumb.src = entry.images[0].url;
     thumb.alt = "";
     const text = element("span", "history-text");
-    const refs = entry.refs.length ? ` · ${entry.refs.length} ref` : "";
+    const refs = entry.refs.length ? ` · ${entry.refs.length} ref${entry.refs.length > 1 ? "s" : ""}` : "";
     text.append(element("span", "history-prompt", entry.request.prompt), element("span", "muted", `#${entry.number} · seed ${entry.seed}${refs}`));
     button.append(thumb, text);
     button.setAttribute("aria-label", `Show result ${entry.number}: ${entry.request.prompt}`);
