@@ -141,7 +141,7 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
     assert page.eval_on_selector("#current .result img", "img => img.naturalWidth") == 96
     lines = page.evaluate("window.statusLines")
     assert "Step 1 of 2" in lines and any(line.startswith("Step 2 of 2") for line in lines), lines
-    expect(page.locator("#current .cache")).to_contain_text("1 reference")
+    expect(page.locator("#current .cache")).to_contain_text("Encoded")
     assert page.locator("#current .timings .timing").count() >= 3  # stages and the total
 
     # Ctrl+Enter with a fixed seed and another prompt: the same reference comes from the cache.
@@ -165,6 +165,7 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
     expect(page.locator("#refs li")).to_have_count(2)
     generate(page, "make it snow harder", results=3)
     expect(page.locator("#current .facts .fact-refs img")).to_have_count(2)
+    expect(page.locator("#current .cache")).to_contain_text("Encoded")
     expect(page.locator("#current .cache")).to_contain_text("2 references")
     # The unchanged reference list was uploaded once for the first two edits, then once more with the result.
     uploads = [url for url in requests if url.endswith("/v1/references")]

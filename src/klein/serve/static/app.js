@@ -9,6 +9,7 @@ const SIZE_PRESETS = [
 ];
 const MAX_IMAGES = 8;
 const KEY_STORE = "klein-api-key";
+const EMPTY = "Add a reference image, write a prompt and press Generate. Each result can become the reference of the next edit.";
 
 const state = {
   config: null,
@@ -64,28 +65,34 @@ async function postJSON(path, body) {
   return (await api(path, { method: "POST", headers, body: JSON.stringify(body) })).json();
 }
 
+// The current reference list as the server's id. The server encodes a new list on upload, so the
+// answer says whether this upload paid for the encoding (`encoded`) and how long it took, as seen here.
 async function uploadReferences() {
   const keys = state.refs.map((ref) => ref.key).join(",");
-  if (state.uploaded && state.uploaded.keys === keys) return state.uploaded.id;
+  if (state.uploaded && state.uploaded.keys === keys) return { id: state.uploaded.id, encoded: false };
   const count = state.refs.length;
   setStatus(`Uploading and encoding ${count === 1 ? "1 reference" : `${count} references`}…`, null);
   const form = new FormData();
   for (const ref of state.refs) form.append("image", ref.blob, ref.name);
+  const started = performance.now();
   const answer = await (await api("v1/references", { method: "POST", body: form })).json();
   state.uploaded = { keys, id: answer.id };
-  return answer.id;
+  return { id: answer.id, encoded: !answer.cached, seconds: (performance.now() - started) / 1000 };
 }
 
+// Submits the job; resolves to {job, upload} (upload: null without references).
 async function submitJob(body) {
-  if (state.refs.length) body.references = await uploadReferences();
+  let upload = state.refs.length ? await uploadReferences() : null;
+  if (upload) body.references = upload.id;
   try {
-    return await postJSON("v1/jobs", body);
+    return { job: await postJSON("v1/jobs", body), upload };
   } catch (error) {
     // The server may have dropped our references (restart, eviction): send them again, once.
     if (!(error instanceof ServerError && error.code === "unknown_reference")) throw error;
     state.uploaded = null;
-    body.references = await uploadReferences();
-    return postJSON("v1/jobs", body);
+    upload = await uploadReferences();
+    body.references = upload.id;
+    return { job: await postJSON("v1/jobs", body), upload };
   }
 }
 
@@ -104,7 +111,7 @@ async function followJob(id, onEvent) {
       const event = parseEvent(buffer.slice(0, end));
       buffer = buffer.slice(end + 2);
       if (event.name === "done") return event.data;
-      if (event.name === "error") throw new ServerError(422, event.data.error || event.data, null);
+      if (event.name === "error") throw new ServerError(null, event.data.error || event.data, null);
       if (event.name) onEvent(event);
     }
   }
@@ -129,7 +136,7 @@ function parseEvent(block) {
 function jobOutcome(job) {
   // The stream ended without its last event (a proxy cut it): the job's own record says how it went.
   if (job.status === "done" && job.result) return job.result;
-  if (job.error) throw new ServerError(422, job.error.error || job.error, null);
+  if (job.error) throw new ServerError(null, job.error.error || job.error, null);
   throw new Error(`the progress stream ended while the job was ${job.status}; try again`);
 }
 
@@ -357,10 +364,10 @@ async function generate() {
   const refs = state.refs.map((ref) => ({ url: ref.url, name: ref.name }));
   try {
     setStatus("Sending…", null);
-    const job = await submitJob(body);
+    const { job, upload } = await submitJob(body);
     setStatus("Queued", null);
     const result = await followJob(job.id, showProgress);
-    const entry = addHistory(body, result, refs);
+    const entry = addHistory(body, result, refs, upload);
     if ($("seed-random").checked) $("seed").value = entry.seed;
     showEntry(entry);
     setStatus(`Done in ${formatSeconds(totalSeconds(entry.timings))}`, null);
@@ -395,18 +402,20 @@ function setRunning(running) {
   const button = $("generate");
   button.disabled = running;
   button.textContent = running ? "Generating…" : "Generate";
-  $("results-title").parentElement.classList.toggle("busy", running);
+  $("results-title").closest(".results").classList.toggle("busy", running);
+  if (!state.shown) $("empty").textContent = running ? "Working on it: the image appears here as soon as it is decoded." : EMPTY;
   $("progress").hidden = !running;
 }
 
 // ---------------------------------------------------------------- results and history
 
-function addHistory(request, result, refs) {
+function addHistory(request, result, refs, upload) {
   const klein = result.klein || {};
   const entry = {
     number: state.history.length + 1,
     request,
     refs,
+    upload,
     seed: klein.seed ?? request.seed,
     settings: klein.settings || {},
     timings: klein.timings || {},
@@ -502,11 +511,14 @@ function cacheLine(entry) {
     return line;
   }
   const count = entry.refs.length === 1 ? "1 reference" : `${entry.refs.length} references`;
-  if (refs.cache === "hit") {
+  if (refs.cache === "hit" && entry.upload && entry.upload.encoded) {
+    const took = formatSeconds(entry.upload.seconds);
+    line.append(element("span", "badge", "Encoded"), ` ${count} encoded on upload (${took}); the next prompts reuse the encoding`);
+  } else if (refs.cache === "hit") {
     line.classList.add("hit");
-    line.append(element("span", "badge", "Cache hit"), ` ${count}, encoded once and reused: saved ${formatSeconds(refs.saved_seconds || 0)}`);
+    line.append(element("span", "badge", "Cache hit"), ` ${count} reused, encoded earlier: saved ${formatSeconds(refs.saved_seconds || 0)}`);
   } else {
-    line.append(element("span", "badge", "Encoded"), ` ${count} encoded for this edit; the next prompt reuses the encoding`);
+    line.append(element("span", "badge", "Encoded"), ` ${count} encoded for this edit`);
   }
   return line;
 }
@@ -569,10 +581,10 @@ const FIELDS = {
   guidance_scale: "guidance", image: "ref-input", references: "ref-input",
 };
 
+// What to do, where the server's own sentence may leave it out.
 const ADVICE = {
-  413: "Use smaller images or fewer references.",
-  422: "",
-  429: "The server is busy with other requests.",
+  upload_too_large: "Use smaller images or fewer references.",
+  queue_full: "The server is busy with other requests.",
 };
 
 function showFailure(error, retry) {
@@ -581,11 +593,16 @@ function showFailure(error, retry) {
   if (!(error instanceof ServerError)) {
     return showError(`Could not reach the server (${error.message}). Is klein serve still running?`, null);
   }
-  let text = error.message;
-  const advice = ADVICE[error.status];
-  if (advice && !text.includes(advice)) text += ` ${advice}`;
-  if (error.status === 429 && error.retryAfter) text += ` Try again in ${error.retryAfter} s.`;
+  let text = sentence(error.message);
+  if (ADVICE[error.code]) text += ` ${ADVICE[error.code]}`;
+  if (error.retryAfter && !/retry/i.test(text)) text += ` Try again in ${error.retryAfter} s.`;
   showError(text, FIELDS[error.param] || (error.code === "upload_too_large" ? "ref-input" : null));
+}
+
+function sentence(text) {
+  const trimmed = text.trim();
+  const capital = trimmed.charAt(0).toUpperCase() + trimmed.slice(1);
+  return /[.!?]$/.test(capital) ? capital : `${capital}.`;
 }
 
 function showProblem(problem) {
@@ -617,7 +634,8 @@ function askForKey(retry) {
   $("auth").hidden = false;
   showError("The server refused the request: it needs an API key.", null);
   $("api-key").focus();
-  $("api-key-save").onclick = () => {
+  $("auth").onsubmit = (event) => {
+    event.preventDefault();
     state.apiKey = $("api-key").value.trim();
     sessionStorage.setItem(KEY_STORE, state.apiKey);
     $("auth").hidden = true;
