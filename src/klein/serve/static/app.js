@@ -147,7 +147,7 @@ async function loadConfig() {
     state.config = await (await api("v1/config")).json();
     applyConfig(state.config);
   } catch (error) {
-    $("model").textContent = "not connected";
+    $("model").textContent = error instanceof ServerError && error.status === 401 ? "API key needed" : "not connected";
     showFailure(error, loadConfig);
   }
 }
@@ -584,7 +584,6 @@ const FIELDS = {
 // What to do, where the server's own sentence may leave it out.
 const ADVICE = {
   upload_too_large: "Use smaller images or fewer references.",
-  queue_full: "The server is busy with other requests.",
 };
 
 function showFailure(error, retry) {
