@@ -45,3 +45,15 @@ def klein_home(tmp_path_factory):
         patch.setenv("KLEIN_HOME", str(home))
         demo.ensure_demo()
     return home
+
+
+@pytest.fixture(scope="session")
+def serve_url(klein_home):
+    """Base URL of one `klein serve` (demo checkpoint) shared by the serving tests, with small limits: a
+    160 KiB reference cache, 8 queued requests, 3 references, 1 MP images, 1 MiB uploads, 64 MiB per request."""
+    from tests.serve_process import running
+
+    flags = "--cache-bytes 160KiB --max-queue 8 --max-references 3 --max-pixels 1000000"
+    flags += " --max-upload-bytes 1MiB --memory-limit 64MiB"
+    with running(klein_home, *flags.split()) as url:
+        yield url

@@ -63,7 +63,7 @@ def _read(source, name: str, max_pixels: int | None = None) -> PIL.Image.Image:
     except PIL.UnidentifiedImageError as error:
         raise InputError(f"{name} is not an image file (or not a format PIL can read)") from error
     except PIL.Image.DecompressionBombError as error:
-        raise InputError(f"image {name} is too large to load safely: {error}") from error
+        raise InputError(f"{name} is too large to load safely ({error}); use a smaller image") from error
     except (OSError, SyntaxError, ValueError) as error:
         raise InputError(f"image {name} is truncated or corrupt ({error})") from error
 

@@ -23,10 +23,17 @@ from typing import Any
 import jax
 
 
-def device_bytes(tree: Any) -> int:
-    """Bytes that the arrays of a pytree occupy on devices, summed over every shard this process holds."""
+def arrays(value: Any) -> list:
+    """The leaves of a pytree, looking into dataclasses (`References`) too."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [leaf for field in dataclasses.fields(value) for leaf in arrays(getattr(value, field.name))]
+    return jax.tree.leaves(value)
+
+
+def device_bytes(value: Any) -> int:
+    """Bytes that the arrays of a value occupy on devices, summed over every shard this process holds."""
     total = 0
-    for leaf in jax.tree.leaves(tree):
+    for leaf in arrays(value):
         if isinstance(leaf, jax.Array):
             total += sum(shard.data.nbytes for shard in leaf.addressable_shards)
     return total
@@ -109,6 +116,7 @@ class ByteBudgetCache:
         entry = self.lookup(key)
         if entry is None:
             started = time.perf_counter()
-            value = jax.block_until_ready(compute())
+            value = compute()
+            jax.block_until_ready(arrays(value))
             entry = self.put(key, value, time.perf_counter() - started)
         return entry.value

@@ -26,7 +26,7 @@ import numpy as np
 
 from klein.errors import InputError
 from klein.references import References
-from klein.serve.cache import ByteBudgetCache
+from klein.serve.cache import ByteBudgetCache, arrays
 
 MAX_IDS = 4096  # ids remembered; each is a few digests, the arrays live (or not) in the cache
 
@@ -156,7 +156,8 @@ class ReferenceSets:
                 saved += entry.seconds
             latents.append(entry.value)
         started = time.perf_counter()
-        references = jax.block_until_ready(self.pipe.references_from_latents(latents, self.cached))
+        references = self.pipe.references_from_latents(latents, self.cached)
+        jax.block_until_ready(arrays(references))
         timings["prefill"] = time.perf_counter() - started
         cost = saved + timings["references"] + timings["prefill"]
         entry = self.cache.put(self._set_key(digests), references, cost)

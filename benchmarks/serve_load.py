@@ -1,0 +1,126 @@
+"""Throughput and latency of `klein serve` under concurrent edits, with cold and with warm references.
+
+Starts `klein serve` (demo checkpoint unless --model; or targets --url), compiles every shape once, then
+runs two phases of --requests edits from --clients concurrent clients, each with --refs reference images:
+
+- cold: every request sends new images (a cache miss: VAE encoding and, on KV checkpoints, the prefill);
+- warm: every request sends the same images (a cache hit: only text, denoising and decoding run).
+
+Prints requests/s and p50 / p95 latency per phase, and the server's cache counters.
+
+    python benchmarks/serve_load.py --clients 4 --requests 32 --size 256 --steps 4 --refs 2
+"""
+
+import argparse
+import contextlib
+import io
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import PIL.Image
+
+
+def picture(seed: int, side: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def edit(url: str, images: list[bytes], args, seed: int) -> float:
+    """Seconds for one edit (raises on any status but 200)."""
+    fields = {
+        "prompt": "a cat in a hat",
+        "size": "auto",
+        "seed": str(seed),
+        "num_inference_steps": str(args.steps),
+    }
+    started = time.perf_counter()
+    response = httpx.post(
+        url + "/v1/images/edits", data=fields, files=[("image", i) for i in images], timeout=600
+    )
+    response.raise_for_status()
+    return time.perf_counter() - started
+
+
+def phase(url: str, args, image_sets: list[list[bytes]]) -> dict:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        latencies = list(pool.map(lambda i: edit(url, image_sets[i], args, i), range(args.requests)))
+    wall = time.perf_counter() - started
+    cuts = statistics.quantiles(latencies, n=20)
+    return {"throughput": args.requests / wall, "p50": statistics.median(latencies), "p95": cuts[18]}
+
+
+@contextlib.contextmanager
+def server(args):
+    if args.url:
+        yield args.url
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "klein.cli", "serve", "--port", str(port), "--max-queue", "256"]
+    command += ["--model", args.model] if args.model else []
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                raise SystemExit(f"klein serve exited:\n{log.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/healthz").status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", help="an already running server (default: start one)")
+    parser.add_argument("--model", help="checkpoint for the started server (default: demo)")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--size", type=int, default=256, help="reference (and output) side, px")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--refs", type=int, default=2, help="reference images per request")
+    args = parser.parse_args()
+    with server(args) as url:
+        same = [picture(seed, args.size) for seed in range(args.refs)]
+        edit(url, same, args, 0)  # compiles every stage at this shape, and leaves `same` cached
+        fresh = [
+            [picture(1000 + args.refs * i + j, args.size) for j in range(args.refs)]
+            for i in range(args.requests)
+        ]
+        results = {"cold": phase(url, args, fresh), "warm": phase(url, args, [same] * args.requests)}
+        counters = [
+            line for line in httpx.get(url + "/metrics").text.splitlines() if "reference_cache_" in line
+        ]
+    print(
+        f"{args.clients} clients x {args.requests} requests, {args.refs} references of {args.size} px, {args.steps} steps"
+    )
+    print(f"{'references':<12}{'req/s':>8}{'p50 s':>8}{'p95 s':>8}")
+    for name, r in results.items():
+        print(f"{name:<12}{r['throughput']:>8.2f}{r['p50']:>8.3f}{r['p95']:>8.3f}")
+    print(f"warm / cold throughput: {results['warm']['throughput'] / results['cold']['throughput']:.2f}x")
+    print("\n".join(line for line in counters if not line.startswith("#")))
+
+
+if __name__ == "__main__":
+    main()

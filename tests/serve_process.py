@@ -1,0 +1,89 @@
+"""`klein serve` as a real process on 127.0.0.1 for the tests: started on a free port, ready once
+/healthz answers, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+import PIL.Image
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(klein_home, *flags: str) -> tuple[subprocess.Popen, str]:
+    """(process, base URL) of a `klein serve` with the demo checkpoint, once it answers /healthz."""
+    port = free_port()
+    env = dict(os.environ, KLEIN_HOME=str(klein_home), JAX_PLATFORMS="cpu")
+    command = [sys.executable, "-m", "klein.cli", "serve", "--port", str(port), *flags]
+    # The log goes to a file: a pipe nobody reads would fill up and stall the server.
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process.log = log
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"klein serve exited with {process.returncode}:\n{log_of(process)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return process, url
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("klein serve did not answer /healthz within 180 s")
+
+
+def stop(process: subprocess.Popen) -> int:
+    """SIGTERM, and the exit code (the log is printed if it is not 0)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    if code != 0:
+        print(log_of(process))
+    return code
+
+
+def log_of(process: subprocess.Popen) -> str:
+    process.log.seek(0)
+    return process.log.read()
+
+
+@contextlib.contextmanager
+def running(klein_home, *flags: str):
+    process, url = start(klein_home, *flags)
+    try:
+        yield url
+    finally:
+        stop(process)
+
+
+def png(seed: int, width: int = 64, height: int = 64, mode: str = "RGB") -> bytes:
+    """A random picture as PNG bytes."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(pixels).convert(mode).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
+    """/metrics as {sample name with labels: value}."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples}

@@ -1,0 +1,108 @@
+"""The byte-budget cache, and the pipeline's reuse hooks the server builds on: cached references and
+cached prompt embeddings give exactly the cold images (KV and guided base variants, several images)."""
+
+import jax.numpy as jnp
+import numpy as np
+import PIL.Image
+import pytest
+
+from klein import GenerationRequest
+from klein.pipeline import load_pipeline
+from klein.serve.cache import ByteBudgetCache, device_bytes
+from klein.serve.reference_sets import PreparedImage, ReferenceSets
+
+
+def block(n_floats: int):
+    return jnp.zeros((n_floats,), jnp.float32)  # 4 bytes each
+
+
+def test_least_recently_used_leave_first_and_the_budget_holds():
+    cache = ByteBudgetCache(budget=1000)
+    for key in "abc":
+        cache.put(key, block(75), seconds=1.0)  # 300 bytes each
+    assert cache.bytes == 900 and len(cache) == 3
+    assert cache.lookup("a") is not None  # a is now the most recent; b the least
+    cache.put("d", block(75), seconds=1.0)
+    assert "b" not in cache and all(k in cache for k in "acd")
+    assert cache.bytes == 900 and cache.stats.evictions == 1
+    cache.put("e", block(200), seconds=1.0)  # 800 bytes: c, a and d leave
+    assert list(cache._entries) == ["e"] and cache.bytes == 800 and cache.stats.evictions == 4
+    assert cache.lookup("zz") is None
+    assert (cache.stats.hits, cache.stats.misses) == (1, 1)
+
+
+def test_an_entry_larger_than_the_budget_is_used_but_not_kept():
+    cache = ByteBudgetCache(budget=1000)
+    cache.put("small", block(10), seconds=1.0)
+    computed = []
+    value = cache.get("huge", lambda: computed.append(1) or block(300))  # 1200 bytes
+    assert value.shape == (300,) and computed == [1]
+    assert "huge" not in cache and "small" in cache
+    assert cache.stats.too_large == 1 and cache.stats.evictions == 0 and cache.bytes == 40
+    assert cache.remove("small") and cache.bytes == 0 and not cache.remove("small")
+
+
+def test_device_bytes_count_every_array_of_a_reference_set(klein_home, monkeypatch):
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    pipe = load_pipeline()
+    z = pipe.encode_reference_latents(np.zeros((64, 64, 3), np.float32))
+    references = pipe.references_from_latents([z, z], cached=True)
+    kv_bytes = sum(a.nbytes for a in references.kv)
+    assert device_bytes(z) == z.nbytes == 4 * 4 * 128 * 4
+    assert device_bytes(references) == references.tokens.nbytes + kv_bytes > 2 * z.nbytes
+
+
+@pytest.fixture(scope="module")
+def demo(klein_home):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KLEIN_HOME", str(klein_home))
+        return load_pipeline()
+
+
+def pictures(*seeds):
+    return [
+        PIL.Image.fromarray(np.random.default_rng(s).integers(0, 256, (64, 64, 3), np.uint8)) for s in seeds
+    ]
+
+
+def test_references_through_the_cache_give_the_cold_image_exactly(demo):
+    images = pictures(1, 2)
+    cold = demo("a hat", image=images, num_inference_steps=2, seed=4, num_images_per_prompt=2).images
+    sets = ReferenceSets(demo, ByteBudgetCache(2**30), cached=True)
+    from klein.images import prepare_reference
+
+    prepared = [PreparedImage.of(prepare_reference(i)) for i in images]
+    for expect_hit in (False, True):
+        encoded = sets.encode(prepared)
+        assert encoded.hit is expect_hit
+        request = GenerationRequest(
+            prompt="a hat",
+            references=encoded.references,
+            num_inference_steps=2,
+            seed=4,
+            num_images_per_prompt=2,
+        )
+        warm = demo.generate(request).images
+        assert [np.asarray(a).tobytes() for a in warm] == [np.asarray(a).tobytes() for a in cold]
+    other = demo("a hat", image=images[::-1], num_inference_steps=2, seed=4).images[0]
+    assert not np.array_equal(np.asarray(other), np.asarray(cold[0]))  # the comparison can fail
+
+
+@pytest.mark.parametrize("kind", ["base", "kv"])
+def test_cached_prompt_embeddings_give_the_cold_images_exactly(tiny_pipelines, kind):
+    folder, _ = tiny_pipelines(kind)
+    pipe = load_pipeline(folder)
+    images = pictures(3) if kind == "kv" else None
+    settings = dict(image=images, height=64, width=64, num_inference_steps=2, seed=9)
+    settings |= dict(num_images_per_prompt=2, output_type="np")
+    cold = pipe("a red fox", **settings).images
+    pipe.prompt_cache = ByteBudgetCache(2**30)
+    first, second = (pipe("a red fox", **settings).images for _ in range(2))
+    # Base: the prompt and the negative prompt, each computed once, then both found.
+    assert (pipe.prompt_cache.stats.misses, pipe.prompt_cache.stats.hits) == (
+        (2, 2) if kind == "base" else (1, 1)
+    )
+    np.testing.assert_array_equal(first, cold)
+    np.testing.assert_array_equal(second, cold)
+    other = pipe("a blue fox", **settings).images
+    assert not np.array_equal(other, cold)

@@ -1,0 +1,104 @@
+"""`klein serve`'s own server for what changes its state: the API key, a full queue (429 with
+Retry-After), a client that leaves before its job starts (dropped), and SIGTERM (the running job
+finishes, queued ones fail, exit 0)."""
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serve_process import log_of, metrics, start, stop
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# Long enough to be still running while the test queues behind it (it compiles a new shape first).
+LONG = {"prompt": "a long job", "size": "512x512", "num_inference_steps": 40, "seed": 1}
+SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 2, "seed": 2}
+
+
+@pytest.fixture(scope="module")
+def server(klein_home):
+    process, url = start(klein_home, "--max-queue", "2", "--api-key", KEY)
+    yield process, url
+    stop(process)
+
+
+def test_the_api_key_guards_every_route_but_healthz(server):
+    _, url = server
+    assert httpx.get(url + "/healthz").status_code == 200
+    for method, path in [("GET", "/v1/config"), ("GET", "/metrics"), ("POST", "/v1/images/generations")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.request(method, url + path, headers=headers, json=SHORT)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "unauthorized"
+    assert httpx.get(url + "/v1/config", headers=AUTH).json()["max_references"] == 4
+
+
+def events(url: str, job: str) -> list[tuple[str, dict]]:
+    received, name = [], None
+    with httpx.stream("GET", f"{url}/v1/jobs/{job}/events", headers=AUTH, timeout=300) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                received.append((name, json.loads(line.removeprefix("data: "))))
+    return received
+
+
+def submit(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/jobs", json=body, headers=AUTH)
+
+
+def wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_full_queue_dropped_client_and_graceful_sigterm(server):
+    process, url = server
+    running = submit(url, LONG).json()["id"]
+    streams, listeners = {}, []
+
+    def listen(job: str) -> None:
+        listener = threading.Thread(target=lambda: streams.update({job: events(url, job)}))
+        listener.start()
+        listeners.append(listener)
+
+    listen(running)
+    job_status = lambda job: httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["status"]  # noqa: E731
+    wait_for(lambda: job_status(running) == "running", "the long job to start")
+
+    # A client that gives up while its request waits: the job is dropped before it runs.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/images/generations", json=SHORT, headers=AUTH, timeout=1.0)
+    wait_for(lambda: metrics_of(url).get('klein_jobs_total{status="dropped"}') == 1, "the dropped job")
+
+    queued = [submit(url, SHORT) for _ in range(2)]
+    assert [r.status_code for r in queued] == [202, 202]
+    for response in queued:
+        listen(response.json()["id"])
+    full = submit(url, SHORT)
+    assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+    assert full.json()["error"]["code"] == "queue_full"
+    assert metrics_of(url)["klein_queue_depth"] == 2
+
+    assert job_status(running) == "running"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=180) == 0, log_of(process)
+    for listener in listeners:
+        listener.join(timeout=60)
+    names = [name for name, _ in streams[running]]
+    assert names[0] == "queued" and names[-1] == "done" and names.count("step") == 40
+    for response in queued:
+        (_, first), (last, error) = streams[response.json()["id"]]
+        assert first == {"position": 1} or first == {"position": 0}
+        assert last == "error" and error["code"] == "shutting_down"
+
+
+def metrics_of(url: str) -> dict:
+    return metrics(url, AUTH)
