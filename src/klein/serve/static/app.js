@@ -455,7 +455,8 @@ function imageGrid(entry) {
     const use = element("button", "use", "Use as reference");
     use.type = "button";
     use.addEventListener("click", () => useAsReference(image));
-    const download = element("a", "button download", "Download PNG");
+    const download = element("a", "button download", entry.images.length > 1 ? "Download" : "Download PNG");
+    download.title = "The PNG as the server made it, with klein's settings in its metadata";
     download.href = image.url;
     download.download = image.name;
     actions.append(use, download);
