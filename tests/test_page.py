@@ -8,11 +8,13 @@ prompt kept. Throughout: no console errors and no request that leaves the server
 
 import io
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from importlib import resources
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -129,6 +131,24 @@ def generate(page, prompt: str, results: int) -> None:
     page.click("#generate")
     expect(page.locator("#history li")).to_have_count(results, timeout=GENERATION_TIMEOUT_MS)
     expect(page.locator("#generate")).to_be_enabled()
+
+
+def test_every_page_file_is_served_and_names_no_other_host():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from klein.serve import page
+
+    client = TestClient(FastAPI(routes=page.router.routes))
+    folder = resources.files("klein.serve") / "static"
+    names = sorted(item.name for item in folder.iterdir())
+    assert names == sorted(page.ASSETS)
+    for name in names:
+        response = client.get("/" if name == "index.html" else f"/static/{name}")
+        assert response.status_code == 200 and response.headers["content-type"] == page.ASSETS[name]
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", response.text, re.IGNORECASE), name
+    assert client.get("/static/..%2Fpage.py").status_code == 404
+    assert client.get("/static/index.js").status_code == 404
 
 
 def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
