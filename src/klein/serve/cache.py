@@ -45,7 +45,7 @@ class Entry:
     size: int
     """Device bytes."""
     seconds: float
-    """What computing the value took: the time a hit saves."""
+    """What computing the value took (compilation aside, where the caller books it apart): what a hit saves."""
 
 
 @dataclasses.dataclass

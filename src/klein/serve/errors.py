@@ -22,14 +22,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def from_input_error(error: InputError, param: str | None = None) -> ApiError:
+def from_input_error(error: InputError) -> ApiError:
     from klein.serve.reference_sets import UnknownReferences
 
     if isinstance(error, CannotFitError):
-        return ApiError(422, str(error), "cannot_fit", param)
+        return ApiError(422, str(error), "cannot_fit")
     if isinstance(error, UnknownReferences):
         return ApiError(404, str(error), "unknown_reference", "references")
-    return ApiError(400, str(error), "invalid_request", param)
+    return ApiError(400, str(error), "invalid_request")
 
 
 def internal(error: Exception) -> ApiError:

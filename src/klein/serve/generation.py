@@ -47,8 +47,8 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
         "data": [{"b64_json": png} for png in pngs],
         "klein": {
             "seed": out.seed,
-            "settings": settings(out.settings),
-            "timings": {**(encoded.timings if encoded else {}), **out.timings},
+            "settings": _settings(out.settings),
+            "timings": _add(encoded.timings if encoded else {}, out.timings),
             "references": _references(encoded),
         },
     }
@@ -61,7 +61,8 @@ def encode_references(sets: ReferenceSets, images: tuple[PreparedImage, ...]) ->
     return describe(encoded.id, sizes, encoded.bytes, encoded.hit)
 
 
-def settings(settings) -> dict:
+def _settings(settings) -> dict:
+    """The resolved settings, as the response reports them."""
     r = settings.request
     return {
         "prompt": r.prompt,
@@ -76,6 +77,15 @@ def settings(settings) -> dict:
         "variant": settings.variant,
         "reference_sizes": [{"width": w, "height": h} for h, w in settings.reference_sizes],
     }
+
+
+def _add(*timings: dict[str, float]) -> dict[str, float]:
+    """Stage timings summed (reference encoding and the pipeline both book compilation)."""
+    total: dict[str, float] = {}
+    for part in timings:
+        for stage, seconds in part.items():
+            total[stage] = total.get(stage, 0.0) + seconds
+    return total
 
 
 def _references(encoded: Encoded | None) -> dict | None:

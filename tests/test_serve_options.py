@@ -1,0 +1,40 @@
+"""`klein serve`'s options: SIZE text, and bad flags refused as one error line (exit 2) before loading."""
+
+import pytest
+
+from klein import cli
+from klein.errors import InputError
+from klein.serve.options import ServeOptions, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("4096", 4096), ("512KiB", 512 * 2**10), ("64 MiB", 64 * 2**20), ("2GiB", 2 * 2**30), ("1.5k", 1536)],
+)
+def test_sizes_read_bytes_and_binary_units(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "12XB", "-5", "1e9"])
+def test_a_size_that_is_not_one_is_an_input_error(text):
+    with pytest.raises(InputError, match="KiB/MiB/GiB"):
+        parse_size(text)
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(InputError, match="--max-queue must be a positive number"):
+        ServeOptions(max_queue=0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--cache-bytes", "lots"], "'lots' is not a size"),
+        (["--max-queue", "0"], "--max-queue must be a positive number"),
+        (["--port", "http"], "invalid int value"),
+    ],
+)
+def test_bad_serve_flags_exit_2_with_one_line(capsys, argv, words):
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
