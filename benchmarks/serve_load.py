@@ -6,9 +6,11 @@ runs two phases of --requests edits from --clients concurrent clients, each with
 - cold: every request sends new images (a cache miss: VAE encoding and, on KV checkpoints, the prefill);
 - warm: every request sends the same images (a cache hit: only text, denoising and decoding run).
 
+With --max-batch N the started server runs queued requests of one shape and reference set as one batch.
+
 Prints requests/s and p50 / p95 latency per phase, and the server's cache counters.
 
-    python benchmarks/serve_load.py --clients 4 --requests 32 --size 256 --steps 4 --refs 2
+    python benchmarks/serve_load.py --clients 4 --requests 32 --size 256 --steps 4 --refs 2 [--max-batch 4]
 """
 
 import argparse
@@ -71,6 +73,7 @@ def server(args):
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "klein.cli", "serve", "--port", str(port), "--max-queue", "256"]
     command += ["--model", args.model] if args.model else []
+    command += ["--max-batch", str(args.max_batch)]
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
@@ -100,6 +103,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256, help="reference (and output) side, px")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--refs", type=int, default=2, help="reference images per request")
+    parser.add_argument("--max-batch", type=int, default=1, help="the started server's --max-batch")
     args = parser.parse_args()
     with server(args) as url:
         same = [picture(seed, args.size) for seed in range(args.refs)]

@@ -1,13 +1,17 @@
-"""`klein serve`'s own server for what changes its state: the API key, a full queue (429 with
-Retry-After), a client that leaves before its job starts (dropped), and SIGTERM (the running job
-finishes, queued ones fail, exit 0)."""
+"""`klein serve`'s own server for what changes its state: the API key, batching of queued requests
+(--max-batch), a full queue (429 with Retry-After), a client that leaves before its job starts
+(dropped), and SIGTERM (the running job finishes, queued ones fail, exit 0)."""
 
+import base64
+import io
 import json
 import signal
 import threading
 import time
 
 import httpx
+import numpy as np
+import PIL.Image
 import pytest
 
 from tests.serve_process import log_of, metrics, start, stop
@@ -21,7 +25,7 @@ SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 2, "se
 
 @pytest.fixture(scope="module")
 def server(klein_home):
-    process, url = start(klein_home, "--max-queue", "2", "--api-key", KEY)
+    process, url = start(klein_home, "--max-queue", "2", "--max-batch", "4", "--api-key", KEY)
     yield process, url
     stop(process)
 
@@ -57,6 +61,40 @@ def wait_for(predicate, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def pixels(result: dict, index: int = 0) -> tuple[np.ndarray, dict]:
+    image = PIL.Image.open(io.BytesIO(base64.b64decode(result["data"][index]["b64_json"])))
+    return np.asarray(image).astype(int), dict(image.text)
+
+
+def finished(url: str, job: str) -> dict:
+    wait_for(lambda: httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["status"] == "done", "a job")
+    return httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["result"]
+
+
+def test_queued_requests_of_one_shape_run_as_one_batch(server):
+    _, url = server
+    long = submit(url, LONG).json()["id"]
+    wait_for(
+        lambda: httpx.get(f"{url}/v1/jobs/{long}", headers=AUTH).json()["status"] == "running", "the long job"
+    )
+    bodies = [{**SHORT, "prompt": "a cat", "seed": 11}, {**SHORT, "prompt": "a dog", "seed": 12, "n": 2}]
+    jobs = [submit(url, body).json()["id"] for body in bodies]  # queued behind the long job, together
+    batched = [finished(url, job) for job in jobs]
+    after = metrics_of(url)
+    assert (after["klein_batches_total"], after["klein_batched_jobs_total"]) == (1, 2)
+    alone = [finished(url, submit(url, body).json()["id"]) for body in bodies]  # one at a time: alone
+    assert metrics_of(url)["klein_batches_total"] == 1
+    for body, together, single in zip(bodies, batched, alone, strict=True):
+        assert together["klein"]["seed"] == body["seed"] and len(together["data"]) == body.get("n", 1)
+        for index in range(len(together["data"])):
+            got, text = pixels(together, index)
+            want, _ = pixels(single, index)
+            assert text["prompt"] == body["prompt"] and text["seed"] == str(body["seed"])
+            assert np.abs(got - want).max() <= 2  # float rounding of a batched product, no more
+    cat, dog = pixels(batched[0])[0], pixels(batched[1])[0]
+    assert np.abs(cat - dog).max() > 20  # each request kept its own prompt and noise
 
 
 def test_full_queue_dropped_client_and_graceful_sigterm(server):

@@ -66,6 +66,8 @@ _LIMITS = {
     "max-references": "most reference images in one request or set",
     "max-pixels": "largest image accepted or generated, width x height",
     "max-steps": "most denoising steps a request may ask for",
+    "max-batch": "queued requests of one size, steps and reference set run as one batch of up to N images "
+    "(equal to each alone up to float rounding, not bit for bit); 1: off",
 }
 
 

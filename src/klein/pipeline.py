@@ -267,15 +267,20 @@ class Flux2KleinPipeline:
         negative = jnp.repeat(self.encode_prompt([""]), embeds.shape[0], axis=0)
         return jnp.concatenate([embeds, negative])
 
+    def noise(self, seed: int, batch: int, height: int, width: int) -> np.ndarray:
+        """float32[batch, C, height/16, width/16]: the initial noise a request with this seed starts from
+        (requests run together may pass their noises, concatenated, as `latents`)."""
+        shape = (batch, self.config.in_channels, height // 16, width // 16)
+        return np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+
     def _initial_noise(self, latents, seed, batch, gh, gw):
         shape = (batch, self.config.in_channels, gh, gw)
-        if latents is not None:
-            latents = np.asarray(latents, np.float32)
-            if latents.shape != shape:
-                raise InputError(f"latents must have shape {shape}, got {latents.shape}")
-            return jnp.asarray(sampling.pack(latents), self.dtype)
-        noise = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-        return jnp.asarray(sampling.pack(np.asarray(noise)), self.dtype)
+        if latents is None:
+            latents = self.noise(seed, batch, gh * 16, gw * 16)
+        latents = np.asarray(latents, np.float32)
+        if latents.shape != shape:
+            raise InputError(f"latents must have shape {shape}, got {latents.shape}")
+        return jnp.asarray(sampling.pack(latents), self.dtype)
 
     def _denoise(self, x, txt, references, run: _Run, progress):
         h, w = run.request.height // 16, run.request.width // 16

@@ -13,8 +13,8 @@ import io
 import time
 
 from klein.cli_output import png_metadata
-from klein.request import GenerationRequest
-from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe
+from klein.request import GenerationRequest, Settings
+from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe, set_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +24,13 @@ class Generation:
     request: GenerationRequest
     images: tuple[PreparedImage, ...] = ()
     reference_id: str | None = None
+
+    @property
+    def batch_key(self) -> tuple:
+        """Generations with equal keys can run as one batch: same size, steps, guidance and references."""
+        r = self.request
+        refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs)
 
     def references(self, sets: ReferenceSets) -> Encoded | None:
         if self.images:
@@ -40,15 +47,20 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
     if encoded is not None:
         request = dataclasses.replace(request, references=encoded.references)
     out = pipe.generate(request, progress)
+    return respond(out.images, out.settings, encoded, out.timings, version)
+
+
+def respond(images, settings: Settings, encoded: Encoded | None, timings: dict, version: str) -> dict:
+    """The response body for the images of one request and the settings they ran with."""
     extra = {"reference_id": encoded.id} if encoded else {}
-    pngs = [_png(image, {**out.settings.metadata(i, version), **extra}) for i, image in enumerate(out.images)]
+    pngs = [_png(image, {**settings.metadata(i, version), **extra}) for i, image in enumerate(images)]
     return {
         "created": int(time.time()),
         "data": [{"b64_json": png} for png in pngs],
         "klein": {
-            "seed": out.seed,
-            "settings": _settings(out.settings),
-            "timings": _add(encoded.timings if encoded else {}, out.timings),
+            "seed": settings.request.seed,
+            "settings": _settings(settings),
+            "timings": _add(encoded.timings if encoded else {}, timings),
             "references": _references(encoded),
         },
     }

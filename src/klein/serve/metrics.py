@@ -2,6 +2,7 @@
 
 Names: klein_queue_depth, klein_requests_total{status} (HTTP responses by status code),
 klein_jobs_total{status} (done, error, dropped: client gone before it started, shutdown),
+klein_batches_total and klein_batched_jobs_total (--max-batch),
 klein_reference_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evictions_total},
 klein_prompt_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evictions_total}, and
 klein_stage_seconds{stage} (a summary: _sum and _count) for queue_wait, each pipeline stage and request.
@@ -20,12 +21,17 @@ class Metrics:
         self.jobs: Counter[str] = Counter()
         self.stage_sum: Counter[str] = Counter()
         self.stage_count: Counter[str] = Counter()
+        self.batches: Counter[str] = Counter()
 
     def count_request(self, status: str) -> None:
         self.requests[status] += 1
 
     def count_job(self, status: str) -> None:
         self.jobs[status] += 1
+
+    def count_batch(self, jobs: int) -> None:
+        self.batches["batches"] += 1
+        self.batches["jobs"] += jobs
 
     def observe(self, stage: str, seconds: float) -> None:
         self.stage_sum[stage] += seconds
@@ -38,6 +44,12 @@ class Metrics:
             "requests_total", "counter", "HTTP responses by status code", _labelled("status", self.requests)
         )
         lines += _metric("jobs_total", "counter", "jobs by outcome", _labelled("status", self.jobs))
+        lines += _metric(
+            "batches_total", "counter", "batches of several jobs run", [("", self.batches["batches"])]
+        )
+        lines += _metric(
+            "batched_jobs_total", "counter", "jobs run in those batches", [("", self.batches["jobs"])]
+        )
         for prefix, cache in caches.items():
             stats = cache.stats
             for name, kind, help_, value in (

@@ -34,6 +34,8 @@ class ServeOptions:
     max_pixels: int = 4 * 2**20
     """Largest image (width x height) accepted, uploaded or generated: 4 MP."""
     max_steps: int = 50
+    max_batch: int = 1
+    """Images that queued requests of one shape and reference set may share a batch for; 1: no batching."""
     max_images: int = 10
     """Largest n (images per request), OpenAI's limit."""
     api_key: str | None = None

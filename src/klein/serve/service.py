@@ -10,7 +10,7 @@ import functools
 
 from klein import modes
 from klein.modes import Conditioning
-from klein.serve import generation
+from klein.serve import batching, generation
 from klein.serve.cache import ByteBudgetCache
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
@@ -27,10 +27,11 @@ class Service:
         pipe.prompt_cache = self.prompt_cache
         cached = modes.conditioning(pipe.variant, pipe.name, None, True) is Conditioning.CACHED
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
-        self.worker = Worker(options.max_queue, self.metrics)
+        self.worker = Worker(options.max_queue, self.metrics, options.max_batch, self._generate_batch)
 
     def submit_generation(self, work: generation.Generation) -> Job:
-        return self.worker.submit(functools.partial(self._generate, work))
+        images = work.request.num_images_per_prompt
+        return self.worker.submit(functools.partial(self._generate, work), work.batch_key, images, work)
 
     def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
         return self.worker.submit(lambda job: generation.encode_references(self.sets, images))
@@ -40,6 +41,13 @@ class Service:
         for stage, seconds in result["klein"]["timings"].items():
             self.metrics.observe(stage, seconds)
         return result
+
+    def _generate_batch(self, jobs: list[Job]) -> list[dict]:
+        works = [job.spec for job in jobs]
+        results = batching.run_batch(self.pipe, self.sets, works, [job.step for job in jobs], self.version)
+        for stage, seconds in results[0]["klein"]["timings"].items():
+            self.metrics.observe(stage, seconds)
+        return results
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.pipe.name, "variant": self.pipe.variant.name}

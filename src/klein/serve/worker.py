@@ -7,6 +7,9 @@ loop. A job carries its status, progress and events (queued, step, done / error)
 - A full queue refuses at once (`QueueFull`, 429 with Retry-After), rather than letting latency grow.
 - `abandon(job)` drops a queued job whose client has gone away; a running job finishes.
 - `stop()` (SIGTERM): accept nothing more, fail the queued jobs, let the running job finish; `join`.
+- With `max_batch` > 1, queued jobs whose `batch_key` equals the next job's join it, up to `max_batch`
+  images, and run together through `run_batch` (`klein.serve.batching`); if the batch fails as a whole,
+  each job runs alone, so one job's error stays its own.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from klein.errors import InputError
 from klein.serve import errors
@@ -40,6 +44,11 @@ class Job:
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     """The result dict, or the `ApiError`."""
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    batch_key: Hashable | None = None
+    """Jobs with equal keys may run as one batch; None: always alone."""
+    images: int = 1
+    spec: Any = None
+    """What the job does (a `Generation`), for `run_batch`."""
 
     def step(self, stage: str, done: int, total: int) -> None:
         """The pipeline's progress callback."""
@@ -62,8 +71,10 @@ class Job:
 
 
 class Worker:
-    def __init__(self, max_queue: int, metrics):
+    def __init__(self, max_queue: int, metrics, max_batch: int = 1, run_batch=None):
         self.max_queue, self.metrics = max_queue, metrics
+        self.max_batch, self.run_batch = max_batch, run_batch
+        """`run_batch(jobs)` -> one result per job, for jobs of equal `batch_key`."""
         self.accepting = True
         self.running: Job | None = None
         self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
@@ -77,8 +88,10 @@ class Worker:
     def depth(self) -> int:
         return len(self._queue)
 
-    def submit(self, work: Callable[[Job], dict]) -> Job:
-        job = Job(work)
+    def submit(
+        self, work: Callable[[Job], dict], batch_key: Hashable | None = None, images: int = 1, spec=None
+    ) -> Job:
+        job = Job(work, batch_key=batch_key, images=images, spec=spec)
         with self._wake:
             if not self.accepting:
                 raise errors.ApiError(
@@ -135,9 +148,41 @@ class Worker:
                 if not self._queue:
                     return
                 job = self.running = self._queue.popleft()
-                job.status = "running"
-            self._run(job)
+                batch = [job, *self._companions(job)]
+                for each in batch:
+                    each.status = "running"
+            if len(batch) == 1:
+                self._run(job)
+            else:
+                self._run_batch(batch)
             self.running = None
+
+    def _companions(self, first: Job) -> list[Job]:
+        """Queued jobs that may run in one batch with `first` (taken off the queue)."""
+        if first.batch_key is None or self.max_batch == 1:
+            return []
+        taken, images = [], first.images
+        for job in list(self._queue):
+            if job.batch_key == first.batch_key and images + job.images <= self.max_batch:
+                self._queue.remove(job)
+                taken.append(job)
+                images += job.images
+        return taken
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        started = time.perf_counter()
+        try:
+            results = self.run_batch(jobs)
+        except Exception:  # e.g. the batch cannot fit where each job alone can: run them one by one
+            log.info("a batch of %d jobs failed as a whole; running them one by one", len(jobs))
+            for job in jobs:
+                self._run(job)
+            return
+        self.metrics.count_batch(len(jobs))
+        for job, result in zip(jobs, results, strict=True):
+            self.metrics.observe("queue_wait", started - job.submitted)
+            self.metrics.count_job("done")
+            self._finish(job, result=result)
 
     def _run(self, job: Job) -> None:
         started = time.perf_counter()

@@ -1,0 +1,58 @@
+"""Queued generations with the same size, steps, guidance and reference set, run as one batch.
+
+One reference encoding (and, on KV checkpoints, one prefill) and one denoising loop then serve every
+request of the batch: the prompts are stacked (each repeated for its n images) and each request's own
+noise, drawn from its own seed exactly as it would be alone (`pipe.noise`), is stacked as `latents`.
+Each request gets back its own images, seed, prompt and metadata. A batched image equals the image the
+request gives alone up to floating-point rounding (batched matrix products may round differently), not
+bit for bit; hence batching is opt-in (`--max-batch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import numpy as np
+
+from klein.images import output_size
+from klein.request import GenerationRequest
+from klein.serve.generation import Generation, respond
+from klein.serve.reference_sets import ReferenceSets
+
+
+def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, version: str) -> list[dict]:
+    """Generate `works` (equal `batch_key`s) as one batch; one response body per work, in order."""
+    encoded = works[0].references(sets)
+    first = works[0].request
+    refs = encoded.references if encoded else None
+    height, width, _ = output_size(first.height, first.width, refs.pixel_sizes if refs else ())
+    seeds = [_seed(work.request) for work in works]
+    counts = [work.request.num_images_per_prompt for work in works]
+    noise = np.concatenate([pipe.noise(s, n, height, width) for s, n in zip(seeds, counts, strict=True)])
+    prompts = tuple(p for work, n in zip(works, counts, strict=True) for p in [work.request.prompt] * n)
+    request = dataclasses.replace(
+        first, prompt=prompts, num_images_per_prompt=1, height=height, width=width, latents=noise, seed=None
+    )
+    out = pipe.generate(dataclasses.replace(request, references=refs), _fan_out(progresses))
+    bodies, start = [], 0
+    for work, seed, n in zip(works, seeds, counts, strict=True):
+        ran = dataclasses.replace(
+            out.settings.request, prompt=work.request.prompt, num_images_per_prompt=n, seed=seed
+        )
+        settings = dataclasses.replace(out.settings, request=ran)
+        bodies.append(respond(out.images[start : start + n], settings, encoded, out.timings, version))
+        start += n
+    return bodies
+
+
+def _seed(request: GenerationRequest) -> int:
+    return request.seed if request.seed is not None else secrets.randbelow(2**31)
+
+
+def _fan_out(progresses):
+    def progress(stage: str, done: int, total: int) -> None:
+        for each in progresses:
+            each(stage, done, total)
+
+    return progress
