@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from klein.serve import errors, schema, uploads
+from klein.serve import errors, page, schema, uploads
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.service import Service
@@ -39,6 +39,7 @@ def create_app(service: Service) -> FastAPI:
     _references(app, service)
     _jobs(app, service)
     # --- The web page (issue 12) goes here: app.include_router(page.router) for GET / and /static/. ---
+    app.include_router(page.router)
     return app
 
 

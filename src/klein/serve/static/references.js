@@ -1,0 +1,181 @@
+// The reference images of the next edit, in the order the model sees them: thumbnails, reordering
+// (buttons, or dragging), removal, adding by file choice, drop or paste. The list travels to the
+// server as one upload (POST /v1/references), whose id is reused for as long as the list is unchanged.
+import { $, counted, element, iconButton } from "./dom.js";
+import { postForm } from "./api.js";
+import { InputProblem, clearError, showFailure } from "./errors.js";
+
+const refs = []; // {key, blob, name, url, width, height}
+let nextKey = 1;
+let limit = 4; // the server's --max-references, once /v1/config has said
+let uploaded = null; // {keys, id}: the server's id for the list as it was last uploaded
+let changed = () => {};
+
+export const current = () => refs.slice();
+
+export function setLimit(max) {
+  limit = max;
+  render();
+}
+
+export function onChange(callback) {
+  changed = callback;
+}
+
+// Adds an image (a File, or a result's PNG blob); an InputProblem when the list is full.
+export function addReference(blob, name) {
+  if (refs.length >= limit) {
+    throw new InputProblem(`This server takes at most ${limit} references: remove one first.`, "ref-input");
+  }
+  const ref = { key: nextKey++, blob, name, url: URL.createObjectURL(blob), width: 0, height: 0 };
+  refs.push(ref);
+  const probe = new Image();
+  probe.onload = () => {
+    ref.width = probe.naturalWidth;
+    ref.height = probe.naturalHeight;
+    render();
+  };
+  probe.src = ref.url;
+  render();
+  return refs.length;
+}
+
+function addFiles(files) {
+  clearError();
+  try {
+    for (const file of files) {
+      if (!file.type.startsWith("image/")) {
+        throw new InputProblem(`${file.name} is not an image: choose PNG, JPEG or WebP files.`, "ref-input");
+      }
+      addReference(file, file.name);
+    }
+  } catch (problem) {
+    showFailure(problem);
+  }
+}
+
+function move(from, to) {
+  const [ref] = refs.splice(from, 1);
+  refs.splice(to, 0, ref);
+  render();
+}
+
+// Keyboard moves keep the focus on the moved item's controls, so the next press moves it again.
+function moveByButton(index, by, kind) {
+  move(index, index + by);
+  const item = $("refs").children[index + by];
+  const button = item.querySelector(`.${kind}`);
+  (button.disabled ? item.querySelector("button:not([disabled])") : button).focus();
+}
+
+function remove(index) {
+  const [ref] = refs.splice(index, 1);
+  URL.revokeObjectURL(ref.url);
+  render();
+  const items = $("refs").children;
+  (items.length ? items[Math.min(index, items.length - 1)].querySelector(".remove") : $("ref-input")).focus();
+}
+
+function render() {
+  $("refs").replaceChildren(...refs.map(item));
+  const full = refs.length >= limit;
+  $("ref-count").textContent = `${refs.length} of ${limit}`;
+  $("ref-input").disabled = full;
+  $("drop").classList.toggle("full", full);
+  $("drop-text").textContent = full ? "Reference limit reached" : "Add reference images";
+  changed(refs[0] || null);
+}
+
+function item(ref, index) {
+  const li = element("li", "ref");
+  li.draggable = true;
+  li.dataset.index = index;
+  const img = element("img");
+  img.src = ref.url;
+  img.alt = `Reference ${index + 1}: ${ref.name}`;
+  const label = element("div", "ref-label");
+  label.append(element("span", "ref-index", String(index + 1)), element("span", "ref-name", ref.name));
+  if (ref.width) label.append(element("span", "ref-size", `${ref.width} × ${ref.height}`));
+  const tools = element("div", "ref-tools");
+  const last = index === refs.length - 1;
+  tools.append(
+    iconButton("up", `Move reference ${index + 1} earlier`, index === 0, () => moveByButton(index, -1, "up")),
+    iconButton("down", `Move reference ${index + 1} later`, last, () => moveByButton(index, 1, "down")),
+    iconButton("remove", `Remove reference ${index + 1}`, false, () => remove(index)),
+  );
+  li.append(img, label, tools);
+  return li;
+}
+
+// ---------------------------------------------------------------- the upload
+
+const listKeys = () => refs.map((ref) => ref.key).join(",");
+
+export function needsUpload() {
+  return refs.length > 0 && !(uploaded && uploaded.keys === listKeys());
+}
+
+export function forgetUpload() {
+  uploaded = null;
+}
+
+// The list's id on the server. The server encodes a new list when it is uploaded, so the answer also
+// says whether this upload paid for the encoding (`encoded`) and how long that took, seen from here.
+export async function upload() {
+  const keys = listKeys();
+  if (uploaded && uploaded.keys === keys) return { id: uploaded.id, encoded: false, seconds: 0 };
+  const form = new FormData();
+  for (const ref of refs) form.append("image", ref.blob, ref.name);
+  const started = performance.now();
+  const answer = await postForm("v1/references", form);
+  uploaded = { keys, id: answer.id };
+  return { id: answer.id, encoded: !answer.cached, seconds: (performance.now() - started) / 1000 };
+}
+
+// ---------------------------------------------------------------- wiring
+
+export function wireReferences() {
+  $("ref-input").addEventListener("change", (event) => {
+    addFiles([...event.target.files]);
+    event.target.value = "";
+  });
+  const drop = $("drop");
+  drop.addEventListener("dragover", (event) => {
+    if (![...event.dataTransfer.types].includes("Files")) return;
+    event.preventDefault();
+    drop.classList.add("over");
+  });
+  drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (event) => {
+    event.preventDefault();
+    drop.classList.remove("over");
+    addFiles([...event.dataTransfer.files]);
+  });
+  document.addEventListener("paste", (event) => {
+    const files = [...event.clipboardData.files].filter((file) => file.type.startsWith("image/"));
+    if (files.length) addFiles(files);
+  });
+  wireReorder($("refs"));
+  render();
+}
+
+function wireReorder(list) {
+  let from = null;
+  list.addEventListener("dragstart", (event) => {
+    from = Number(event.target.closest("li").dataset.index);
+    event.dataTransfer.effectAllowed = "move";
+  });
+  list.addEventListener("dragover", (event) => {
+    if (from !== null) event.preventDefault();
+  });
+  list.addEventListener("drop", (event) => {
+    const target = event.target.closest("li");
+    if (from === null || !target) return;
+    event.preventDefault();
+    move(from, Number(target.dataset.index));
+    from = null;
+  });
+  list.addEventListener("dragend", () => {
+    from = null;
+  });
+}
