@@ -26,7 +26,7 @@ from klein.serve.worker import Job
 DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still there
 EVENT_POLL = 0.05  # seconds between looks at a job's events for its event stream
 PUBLIC = ("/healthz", "/")
-PUBLIC_PREFIX = "/static/"  # the web page's assets (issue 12)
+PUBLIC_PREFIX = "/static/"  # the web page's assets: no data, so no key needed
 _MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
 
 
@@ -38,7 +38,7 @@ def create_app(service: Service) -> FastAPI:
     _routes(app, service)
     _references(app, service)
     _jobs(app, service)
-    # --- The web page (issue 12) goes here: app.include_router(page.router) for GET / and /static/. ---
+    # The web page: GET / and its assets under /static/.
     app.include_router(page.router)
     return app
 
