@@ -36,7 +36,7 @@ from klein.models.blocks import DoubleBlock, SingleBlock
 from klein.models.layers import AdaNormOut, Modulation, TimeGuidanceEmbed, linear
 from klein.models.rope import concat_tables
 from klein.models.transformer_config import TransformerConfig
-from klein.sharding import REFERENCE_KV, TOKENS, constrain, mesh_axis
+from klein.sharding import REFERENCE_KV, TOKENS, constrain, ways
 
 
 class ReferenceKV(NamedTuple):
@@ -124,9 +124,7 @@ def _always_full(_layer_kv):
 
 def _context_ways() -> int:
     """Devices the token streams split over in the mesh of JAX's context (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    axis = None if mesh.empty else mesh_axis("seq", mesh)
-    return mesh.shape[axis] if axis is not None else 1
+    return ways(jax.sharding.get_abstract_mesh(), "seq")
 
 
 class _Padded(NamedTuple):
