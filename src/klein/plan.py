@@ -241,8 +241,11 @@ def _weights(abstract: nnx.Module, table, mesh, itemsize: int) -> tuple[int, int
 
 
 def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> int:
-    """Keys and values of every layer, [L, R, H, Dh] each, split as the prefill leaves them."""
+    """Keys and values of every layer, [L, R, H, Dh] each, split as the prefill leaves them (R padded
+    to a multiple of the context size)."""
     layers = cfg.num_layers + cfg.num_single_layers
+    context = sharding.ways(mesh, "ref_seq")
+    tokens = -(-tokens // context) * context
     shape = (layers, tokens, cfg.num_attention_heads, cfg.attention_head_dim)
     return 2 * _shard_bytes(shape, sharding.REFERENCE_KV, mesh, itemsize)
 
