@@ -91,21 +91,25 @@ def odd_inputs():
 
 
 def every_mode(model, x, txt, t, img_rope, txt_rope, ref, ref_rope) -> dict:
-    """Text-to-image, standard editing and KV editing (prefill + cached forward, and in one pass),
-    in one program."""
+    """Text-to-image, standard editing and KV editing (prefill + cached forward), in one program."""
     common = (x, txt, t, img_rope, txt_rope)
     kv = T.prefill(model, ref, ref_rope)
     return dict(
         t2i=T.forward(model, *common),
         edit=T.forward(model, *common, refs=(ref[None], ref_rope)),
         kv=T.forward_cached(model, *common, kv),
-        kv_uncached=T.forward_kv_uncached(model, *common, ref, ref_rope),
         cache=kv,
     )
 
 
-def run(model, mesh, inputs) -> dict:
-    """`every_mode` on `mesh` (None: one device), with the weights placed by the loader's rules."""
+def every_mode_and_one_pass_kv(model, x, txt, t, img_rope, txt_rope, ref, ref_rope) -> dict:
+    """`every_mode`, and KV editing in one pass (`forward_kv_uncached`: the reference span's ranks)."""
+    out = every_mode(model, x, txt, t, img_rope, txt_rope, ref, ref_rope)
+    return {**out, "kv_uncached": T.forward_kv_uncached(model, x, txt, t, img_rope, txt_rope, ref, ref_rope)}
+
+
+def run(model, mesh, inputs, modes=every_mode) -> dict:
+    """`modes` on `mesh` (None: one device), with the weights placed by the loader's rules."""
     graphdef, state = nnx.split(model)
     place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS) or (lambda path, array: jnp.asarray(array))
     flat = [(path, v.replace(place(path, np.asarray(v.get_value())))) for path, v in nnx.to_flat_state(state)]
@@ -113,7 +117,7 @@ def run(model, mesh, inputs) -> dict:
     x = sharding.put(jnp.asarray(inputs["img"]), sharding.TOKENS, mesh)
     args = [inputs[k] for k in ("txt", "t", "img_rope", "txt_rope", "ref", "ref_rope")]
     with sharding.use(mesh):
-        out = jax.jit(lambda s, *a: every_mode(nnx.merge(graphdef, s), *a))(state, x, *args)
+        out = jax.jit(lambda s, *a: modes(nnx.merge(graphdef, s), *a))(state, x, *args)
     return {**out, "state": state}
 
 
@@ -129,19 +133,21 @@ def sharded(request, model, inputs):
 
 @pytest.fixture(scope="module")
 def odd_single(model, odd_inputs):
-    return run(model, None, odd_inputs)
+    return run(model, None, odd_inputs, every_mode_and_one_pass_kv)
 
 
 @pytest.fixture(scope="module", params=ODD_MESHES)
 def odd_sharded(request, model, odd_inputs):
-    return request.param, run(model, sharding.make_mesh(request.param), odd_inputs)
+    return request.param, run(
+        model, sharding.make_mesh(request.param), odd_inputs, every_mode_and_one_pass_kv
+    )
 
 
 def max_error(out, want, mode) -> float:
     return float(np.abs(np.asarray(out[mode]) - np.asarray(want[mode])).max())
 
 
-@pytest.mark.parametrize("mode", ["t2i", "edit", "kv", "kv_uncached"])
+@pytest.mark.parametrize("mode", ["t2i", "edit", "kv"])
 def test_transformer_sharded_equals_single_device(sharded, single, mode):
     spec, out = sharded
     err = max_error(out, single, mode)
@@ -170,6 +176,8 @@ def test_padded_reference_kv_is_split_and_its_padding_masked(model, odd_sharded,
     if ways == 1:
         return
     assert np.array_equal(np.asarray(kv.key_rank)[0] > 0, np.arange(padded) >= 15)
+    if ways != 4:  # the check below compiles another program: once is enough
+        return
     # Sensitive: were the padded keys not masked, they would move the cached forward pass.
     graphdef, state = nnx.split(model)
     args = [odd_inputs[k] for k in ("img", "txt", "t", "img_rope", "txt_rope")]
@@ -266,24 +274,21 @@ def test_mesh_errors_name_the_dimension(pipelines):
 
 
 # Requests that no mesh axis divides: 9 image tokens (48x48 px), a 25-token reference (80x80 px), one
-# image on data=2; padded and trimmed, never refused.
+# image on data=2; padded and trimmed, never refused. (Standard editing: at the transformer, above.)
 ODD_PIPELINE_MESH = "data=2,context=4"
 ODD_MODES = {
     "t2i": dict(height=48, width=48),
-    "edit": dict(image=[picture(80, 80, 0)], use_kv=False, height=48, width=48),
     "kv": dict(image=[picture(80, 80, 0)], use_kv=True, height=48, width=48),
 }
 
 
-@pytest.mark.parametrize("mesh", [PIPELINE_MESH, ODD_PIPELINE_MESH])
-def test_pipeline_takes_requests_no_axis_divides(pipelines, mesh):
-    single = pipelines[0]
-    sharded = pipelines[1] if mesh == PIPELINE_MESH else load_pipeline("demo", mesh=mesh)
+def test_pipeline_takes_requests_no_axis_divides(pipelines):
+    single, sharded = pipelines[0], load_pipeline("demo", mesh=ODD_PIPELINE_MESH)
     for mode, settings in ODD_MODES.items():
         kwargs = dict(num_inference_steps=1, num_images_per_prompt=1, seed=2, output_type="np", **settings)
         want, got = (p("a cat on a sofa", **kwargs).images for p in (single, sharded))
         err = float(np.abs(got - want).max())
-        print(f"pipeline {mesh} odd {mode}: max abs error {err:.2e}")
+        print(f"pipeline {ODD_PIPELINE_MESH} odd {mode}: max abs error {err:.2e}")
         assert got.shape == want.shape == (1, 48, 48, 3) and err < TOL
 
 

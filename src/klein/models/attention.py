@@ -101,48 +101,44 @@ def _blocked(q, k, v, q_rank, k_rank):
     b, sq, h, dh = q.shape
     sk, groups = k.shape[1], h // k.shape[2]
     q_size = min(QUERY_BLOCK, sq)
-    q_count = -(-sq // q_size)
-    k_count = -(-sk // KEY_BLOCK)
+    q_count, k_count = -(-sq // q_size), -(-sk // KEY_BLOCK)
     k_size = -(-sk // k_count)  # even blocks: the least padding
     masked = q_rank is not None or k_count * k_size != sk
     if masked:
         q_rank = jnp.zeros((1, sq), jnp.int32) if q_rank is None else q_rank
         k_rank = jnp.zeros((1, sk), jnp.int32) if k_rank is None else k_rank
-        q_rank = _blocks(_pad(q_rank, 1, q_count * q_size, 0), q_count)  # [Q, B|1, q]
-        k_rank = _blocks(_pad(k_rank, 1, k_count * k_size, MASKED), k_count)  # [Kb, B|1, k]
+        q_rank = jnp.tile(
+            _blocks(_pad(q_rank, q_count * q_size, 0), q_count), (1, 1, groups)
+        )  # [Q, B|1, G*q]
+        k_rank = _blocks(_pad(k_rank, k_count * k_size, MASKED), k_count)  # [Kb, B|1, k]
+    else:  # placeholders that the loops carry and never read
+        q_rank, k_rank = jnp.zeros((q_count,)), jnp.zeros((k_count,))
     # Padded query rows attend like any other and are dropped at the end.
-    q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), 1, q_count * q_size, 0)
+    q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size, 0)
     q = q.reshape(b, q_count, q_size, -1, groups, dh).transpose(1, 0, 3, 4, 2, 5)
     q = q.reshape(q_count, b, -1, groups * q_size, dh)  # [Q, B, K, G * q, Dh]: a key head's queries
-    if masked:
-        q_rank = jnp.tile(q_rank, (1, 1, groups))
-    k, v = (_pad(x, 1, k_count * k_size, 0) for x in (k, v))
+    # [Kb, B, K, k, Dh]
     k, v = (
-        x.reshape(b, k_count, k_size, -1, dh).transpose(1, 0, 3, 2, 4) for x in (k, v)
-    )  # [Kb, B, K, k, Dh]
+        _pad(x, k_count * k_size, 0).reshape(b, k_count, k_size, -1, dh).transpose(1, 0, 3, 2, 4)
+        for x in (k, v)
+    )
 
     def one(args):
         q_block, q_block_rank = args
-        if k_count == 1:
-            k_block_rank = k_rank[0] if masked else None
-            return _finish(
-                *_tile(_start(q_block), q_block, k[0], v[0], q_block_rank, k_block_rank, masked), q.dtype
-            )
-        keys = (k, v, k_rank if masked else jnp.zeros((k_count,)))
 
         def step(carry, key_block):
-            k_block, v_block, k_block_rank = key_block
-            return _tile(carry, q_block, k_block, v_block, q_block_rank, k_block_rank, masked), None
+            return _tile(carry, q_block, *key_block, q_block_rank, masked), None
 
-        carry, _ = jax.lax.scan(step, _start(q_block), keys)
-        return _finish(*carry, q.dtype)
+        if k_count == 1:  # the tuned query-blocked path, without a loop
+            return _finish(*step(_start(q_block), (k[0], v[0], k_rank[0]))[0], q.dtype)
+        return _finish(*jax.lax.scan(step, _start(q_block), (k, v, k_rank))[0], q.dtype)
 
-    out = jax.lax.map(one, (q, q_rank if masked else jnp.zeros((q_count,))))
+    out = jax.lax.map(one, (q, q_rank))
     out = out.reshape(q_count, b, -1, groups, q_size, dh).transpose(1, 0, 4, 2, 3, 5)
     return out.reshape(b, q_count * q_size, h, dh)[:, :sq]
 
 
-def _tile(carry, q_block, k_block, v_block, q_rank, k_rank, masked: bool):
+def _tile(carry, q_block, k_block, v_block, k_rank, q_rank, masked: bool):
     """Fold one key block into the running (max, sum, weighted values) of a query block."""
     running_max, total, acc = carry
     scores = jnp.einsum("bkqd,bkjd->bkqj", q_block, k_block, preferred_element_type=jnp.float32)
@@ -174,9 +170,10 @@ def _finish(_max, total, acc, dtype):
     return (acc / jnp.where(total == 0, 1.0, total)[..., None]).astype(dtype)
 
 
-def _pad(x, axis: int, size: int, value):
+def _pad(x, size: int, value):
+    """Pad the token axis (1) of x to `size`."""
     widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
+    widths[1] = (0, size - x.shape[1])
     return jnp.pad(x, widths, constant_values=value)
 
 
