@@ -1,9 +1,14 @@
 """The memory planner against hand calculations for klein-9b-kv (docs/design.md, "Architecture" and "Sharding")."""
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
-from klein import InputError, cli
-from klein.plan import plan
+from klein import InputError, cli, demo, sharding
+from klein.models import transformer as T
+from klein.models.transformer_config import TransformerConfig
+from klein.plan import _activations, plan
 
 GiB = 2**30
 PARAMS_9B = 9.08e9  # docs/design.md: 9b is about 9.08 B parameters
@@ -90,3 +95,17 @@ def test_klein_plan_command(capsys):
     assert "transformer weights          4.23 GiB  9.08 B params" in out
     assert cli.main(["plan", "--model", "klein-9b-kv", "--size", "big"]) == 2
     assert "expected WIDTHxHEIGHT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", [1024, 5000])
+def test_prefill_estimate_follows_xla_on_one_device(tokens):
+    """The tiled-attention estimate against `compiled.memory_analysis()` of the demo's prefill, below
+    and above one key block (2,048 keys); the same on context=2 is in tests/on_eight_devices.py."""
+    cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: T.Flux2Transformer(cfg, rngs=nnx.Rngs(0))))
+    ref = jax.ShapeDtypeStruct((tokens, cfg.in_channels), jnp.float32)
+    rope = (jax.ShapeDtypeStruct((tokens, cfg.attention_head_dim), jnp.float32),) * 2
+    prefill = jax.jit(lambda s, r, p: T.prefill(nnx.merge(graphdef, s), r, p))
+    temporaries = prefill.lower(state, ref, rope).compile().memory_analysis().temp_size_in_bytes
+    estimate = _activations(cfg, sharding.abstract_mesh("single"), 1, tokens, tokens, 4)
+    assert estimate / 2 < temporaries < 2 * estimate
