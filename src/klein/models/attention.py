@@ -48,8 +48,8 @@ def attention(q, k, v, q_rank=None, k_rank=None) -> jnp.ndarray:
 def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.ndarray:
     """Attention over one joint sequence in which tokens [start, stop) see only each other and every
     other token sees all (KV editing's reference tokens). `k_rank`: None, or 0 for keys and `MASKED`
-    for padding. On cuDNN: two unmasked calls; elsewhere the span's ranks."""
-    if k_rank is None and _cudnn(q):
+    for padding. On cuDNN (one device): two unmasked calls; elsewhere the span's ranks."""
+    if k_rank is None and _cudnn(q) and jax.sharding.get_abstract_mesh().empty:
         inside = jax.nn.dot_product_attention(
             q[:, start:stop], k[:, start:stop], v[:, start:stop], implementation="cudnn"
         )

@@ -137,9 +137,9 @@ class _Padded(NamedTuple):
     real: int
 
 
-def _pad_stream(tokens, rope, ways: int) -> _Padded:
+def _pad_stream(tokens, rope, multiple: int) -> _Padded:
     real = tokens.shape[1]
-    extra = -real % ways
+    extra = -real % multiple
     rank = jnp.concatenate([jnp.zeros(real, jnp.int32), jnp.full(extra, MASKED, jnp.int32)])
     return _Padded(_pad_tokens(tokens, extra), tuple(_pad_tokens(t, extra, 0) for t in rope), rank, real)
 
@@ -206,8 +206,8 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
         ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:]))
         img = jnp.concatenate([img, ref_tokens.astype(img.dtype)], axis=1)
         img_rope = concat_tables(img_rope, ref_rope)
-    ways = _context_ways()
-    text, image = _pad_stream(txt, txt_rope, ways), _pad_stream(img, img_rope, ways)
+    context = _context_ways()
+    text, image = _pad_stream(txt, txt_rope, context), _pad_stream(img, img_rope, context)
     temb, mods = _modulations(model, t)
     h = _run(
         model,
@@ -269,8 +269,8 @@ def _with_cached(text: _Padded, image: _Padded, kv: ReferenceKV):
 
 def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV):
     """Velocity float[B, N, C] with the references' cached keys/values (from `prefill`)."""
-    ways = _context_ways()
-    text, image = _pad_stream(txt, txt_rope, ways), _pad_stream(img, img_rope, ways)
+    context = _context_ways()
+    text, image = _pad_stream(txt, txt_rope, context), _pad_stream(img, img_rope, context)
     temb, mods = _modulations(model, t)
     h = _run(
         model,
@@ -290,10 +290,10 @@ def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope
     b, n_ref, n_img = img.shape[0], ref.shape[0], img.shape[1]
     temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
     _, (ref_img_mod, _, ref_single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
-    ways = _context_ways()
+    context = _context_ways()
     tokens = jnp.concatenate([jnp.broadcast_to(ref[None], (b, *ref.shape)), img], axis=1)
-    text = _pad_stream(txt, txt_rope, ways)
-    image = _pad_stream(tokens, concat_tables(ref_rope, img_rope), ways)
+    text = _pad_stream(txt, txt_rope, context)
+    image = _pad_stream(tokens, concat_tables(ref_rope, img_rope), context)
     n_txt, pad = text.tokens.shape[1], image.tokens.shape[1] - image.real
 
     def per_token(*parts):
