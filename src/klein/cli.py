@@ -214,18 +214,7 @@ def _load(request: cli_args.GenerateRequest):
             references.append(load_image(path))
             bar.update()
         bar.set_postfix_str(request.transformer or request.model or "demo")
-        pipe = load_pipeline(
-            source=_model(request),
-            dtype=request.dtype or "float32",
-            transformer=request.transformer,
-            text_encoder=request.text_encoder,
-            vae=request.vae,
-            tokenizer=request.tokenizer,
-            variant=request.variant,
-            dequantize=bool(request.dequantize),
-            mesh=request.mesh,
-            loras=request.loras,
-        )
+        pipe = load_pipeline(_model(request), **cli_args.model_arguments(request))
         bar.update()
     return pipe, tuple(references), time.perf_counter() - started
 

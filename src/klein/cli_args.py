@@ -103,6 +103,22 @@ def add_model_flags(add) -> None:
     add("--mesh", help='shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single')
 
 
+def model_arguments(flags) -> dict:
+    """`klein.load_pipeline`'s keyword arguments (all but the source) from the flags `add_model_flags`
+    declares, as either command parsed them."""
+    return dict(
+        dtype=flags.dtype or "float32",
+        transformer=flags.transformer,
+        text_encoder=flags.text_encoder,
+        vae=flags.vae,
+        tokenizer=flags.tokenizer,
+        variant=flags.variant,
+        dequantize=bool(flags.dequantize),
+        mesh=flags.mesh,
+        loras=tuple(flags.loras or ()),
+    )
+
+
 def _generation_keys() -> dict[str, tuple[str, Callable[[str, str], object]]]:
     keys = {}
     for field, spec in GENERATION:
