@@ -48,7 +48,7 @@ def test_device_bytes_count_every_array_of_a_reference_set(klein_home, monkeypat
     pipe = load_pipeline()
     z = pipe.encode_reference_latents(np.zeros((64, 64, 3), np.float32))
     references = pipe.references_from_latents([z, z], cached=True)
-    kv_bytes = sum(a.nbytes for a in references.kv)
+    kv_bytes = sum(a.nbytes for a in references.kv.arrays)
     assert device_bytes(z) == z.nbytes == 4 * 4 * 128 * 4
     assert device_bytes(references) == references.tokens.nbytes + kv_bytes > 2 * z.nbytes
 
