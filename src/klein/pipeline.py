@@ -155,8 +155,6 @@ class Flux2KleinPipeline:
         if rounded:
             warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=4)
         batch = len(request.prompts) * request.num_images_per_prompt
-        tokens = [("batch", "batch size", batch), ("seq", f"image tokens ({h}x{w} px / 256)", h * w // 256)]
-        sharding.check_divisible(self.mesh, "this request", tokens)
         steps = self.variant.steps if request.num_inference_steps is None else request.num_inference_steps
         seed = request.seed
         if request.latents is None and seed is None:
@@ -209,8 +207,6 @@ class Flux2KleinPipeline:
         return True
 
     def _encode_references(self, prepared, cached: bool, stages: Stages) -> References:
-        tokens = sum((a.shape[0] // 16) * (a.shape[1] // 16) for a in prepared)
-        sharding.check_divisible(self.mesh, "these references", [("ref_seq", "reference tokens", tokens)])
         references = stages.run("references", self._vae_references, prepared)
         if not cached:
             return references
@@ -256,13 +252,28 @@ class Flux2KleinPipeline:
         }[run.mode.conditioning]()
         step = self._steps[run.mode]
         scale = jnp.float32(run.request.guidance_scale or 1.0)
+        x, txt = self._batch_for_mesh(x, txt, run.mode.guided)
         x = sharding.put(x, sharding.TOKENS, self.mesh)
         for i in range(steps):
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress("denoise", i + 1, steps)
-        return x
+        return x[: run.images]
+
+    def _batch_for_mesh(self, x, txt, guided: bool):
+        """Pad the batch with zero images (and their zero prompts) to a multiple of the `data` axis, so
+        that it splits over the devices; `_denoise` drops them. Images never see each other."""
+        extra = -x.shape[0] % sharding.ways(_planning_mesh(self.mesh), "batch")
+        if not extra:
+            return x, txt
+
+        def pad(a):
+            return jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1))
+
+        # With CFG txt is [prompts; negatives]: each half grows, so that halves still pair up.
+        texts = jnp.split(txt, 2) if guided else [txt]
+        return pad(x), jnp.concatenate([pad(t) for t in texts])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,9 @@ is the reference KV plus its largest stage:
     residual stream          b * s_q * D
     fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
     gathered keys, values    2 * b * S_k * D / tensor          (all-gathered under context parallelism)
-    scores and weights, fp32 2 * b * H / tensor * rows * S_k * 4 B, rows = s_q on a mesh (XLA's attention)
-                             and 256 on one device (attention in blocks of 256 queries)
+    scores and weights, fp32 2 * b * H / tensor * rows * cols * 4 B, one tile of the blocked attention
+                             (`klein.models.attention`): rows = min(256, s_q) queries by cols <= 2048
+                             keys, on one device and per device on a mesh alike
     gathered layer weights   one single block's weights / tensor (fsdp gathers a layer at a time)
   KV prefill        the same over the reference tokens alone
   decode            the VAE decoder's widest resolution level for every image at once (fp32), or for one
@@ -37,7 +38,7 @@ from klein import dtypes, sharding
 from klein.errors import InputError
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
-from klein.models.attention import QUERY_BLOCK
+from klein.models.attention import KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -111,7 +112,7 @@ def request_memory(
     batch = work.images * (2 if work.guided else 1)
     queries = TEXT_TOKENS + image + (0 if work.cached else refs)
     keys = TEXT_TOKENS + image + refs
-    embeddings = -(-batch // _ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+    embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
         prefill=_activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
@@ -168,8 +169,8 @@ def plan(
     ref_size = ref_size or size
     if batch < 1 or refs < 0 or min(*size, *ref_size) < 16:
         raise InputError("plan needs batch >= 1, refs >= 0 and sizes of at least 16x16 px")
-    image, ref_tokens = _tokens(size), refs * _tokens(ref_size)
-    _check_fits(abstract, variant, cfg, text_config, [batch, image, ref_tokens])
+    ref_tokens = refs * _tokens(ref_size)
+    _check_fits(abstract, variant, cfg, text_config)
     chosen, e = VARIANTS[variant], dtypes.itemsize(dtype)
     work = Workload(
         images=batch,
@@ -211,14 +212,10 @@ def _abstract_models(cfg: TransformerConfig, text_config: Qwen3Config) -> tuple[
     return abstract_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
 
 
-def _check_fits(mesh, variant: str, cfg, text_config, request: list[int]) -> None:
-    """The same divisibility errors a real run on this mesh would raise."""
+def _check_fits(mesh, variant: str, cfg, text_config) -> None:
+    """The same divisibility errors loading the model on this mesh would raise (any request fits)."""
     sharding.check_divisible(mesh, variant, sharding.transformer_dims(cfg))
     sharding.check_divisible(mesh, f"{variant}'s text encoder", sharding.text_encoder_dims(text_config))
-    labels = [("batch", "batch size"), ("seq", "image tokens"), ("ref_seq", "reference tokens")]
-    sharding.check_divisible(
-        mesh, "this request", [(*label, n) for label, n in zip(labels, request, strict=True)]
-    )
 
 
 def _tokens(size: tuple[int, int]) -> int:
@@ -244,8 +241,11 @@ def _weights(abstract: nnx.Module, table, mesh, itemsize: int) -> tuple[int, int
 
 
 def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> int:
-    """Keys and values of every layer, [L, R, H, Dh] each, split as the prefill leaves them."""
+    """Keys and values of every layer, [L, R, H, Dh] each, split as the prefill leaves them (R padded
+    to a multiple of the context size)."""
     layers = cfg.num_layers + cfg.num_single_layers
+    context = sharding.ways(mesh, "ref_seq")
+    tokens = -(-tokens // context) * context
     shape = (layers, tokens, cfg.num_attention_heads, cfg.attention_head_dim)
     return 2 * _shard_bytes(shape, sharding.REFERENCE_KV, mesh, itemsize)
 
@@ -253,16 +253,16 @@ def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> i
 def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int) -> int:
     """The module docstring's estimate of the live tensors at a single-stream block's attention."""
 
-    b, s_q = -(-batch // _ways(mesh, "batch")), -(-queries // _ways(mesh, "seq"))
-    tensor, d, mlp = _ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
+    b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
+    tensor, d, mlp = sharding.ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
     fused = 3 * d + 2 * mlp
     live = [
         b * s_q * d * itemsize,  # residual stream
         b * s_q * fused // tensor * itemsize,  # fused projection
         2 * b * keys * d // tensor * itemsize,  # gathered keys and values
-        b * cfg.num_attention_heads // tensor * _score_rows(mesh, s_q) * keys * 4 * 2,  # scores, weights
+        b * cfg.num_attention_heads // tensor * _score_tile(s_q, keys) * 4 * 2,  # scores, weights
     ]
-    if _ways(mesh, "embed") > 1:
+    if sharding.ways(mesh, "embed") > 1:
         live.append((d * fused + (d + mlp) * d) // tensor * itemsize)  # one gathered single block
     return sum(live)
 
@@ -278,7 +278,7 @@ def _text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:
         2 * tokens * config.intermediate_size,  # gate and up projections
         len(PROMPT_LAYERS) * tokens * config.hidden_size,  # the hidden states of the embedding
     ]
-    scores = prompts * config.num_attention_heads * TEXT_TOKENS * TEXT_TOKENS * 4  # fp32
+    scores = prompts * config.num_attention_heads * _score_tile(TEXT_TOKENS, TEXT_TOKENS) * 4 * 2  # fp32
     return sum(live) * itemsize + scores
 
 
@@ -315,16 +315,11 @@ def _tile_count(size: int) -> int:
     return -(-(size - DECODE_TILE) // stride) + 1
 
 
-def _score_rows(mesh, queries: int) -> int:
-    """Query rows whose fp32 scores are live at once: one device runs attention in blocks of
-    `QUERY_BLOCK` queries (`klein.models.attention`); a mesh materialises all of them."""
-    return min(QUERY_BLOCK, queries) if math.prod(mesh.shape.values()) == 1 else queries
-
-
-def _ways(mesh, logical: str) -> int:
-    """How many shards the mesh splits a `logical` dimension into."""
-    axis = sharding.mesh_axis(logical, mesh)
-    return mesh.shape[axis] if axis else 1
+def _score_tile(queries: int, keys: int) -> int:
+    """Scores live at once per head: one tile of `QUERY_BLOCK` queries by the even key blocks of at
+    most `KEY_BLOCK` keys that `klein.models.attention` cuts `keys` into."""
+    key_blocks = -(-keys // KEY_BLOCK)
+    return min(QUERY_BLOCK, queries) * -(-keys // key_blocks)
 
 
 def describe(p: MemoryPlan) -> str:

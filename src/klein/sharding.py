@@ -124,6 +124,12 @@ def mesh_axis(logical: str | None, mesh) -> str | None:
     return None
 
 
+def ways(mesh, logical: str) -> int:
+    """How many shards `mesh` splits a `logical` dimension into (1 on an empty mesh)."""
+    axis = mesh_axis(logical, mesh)
+    return mesh.shape[axis] if axis else 1
+
+
 def partition_spec(axes: tuple, mesh, shape: tuple | None = None) -> PartitionSpec:
     """PartitionSpec of logical `axes` (trailing dimensions left out are replicated); with `shape`,
     dimensions a mesh axis does not divide stay whole."""
@@ -163,8 +169,11 @@ def placer(mesh: Mesh | None, table=()):
 
 
 def put(x, axes: tuple, mesh: Mesh | None):
-    """Place an input on the mesh (unchanged without one)."""
-    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, partition_spec(axes, mesh)))
+    """Place an input on the mesh (unchanged without one); a dimension its axis does not divide stays
+    whole."""
+    if mesh is None:
+        return x
+    return jax.device_put(x, NamedSharding(mesh, partition_spec(axes, mesh, x.shape)))
 
 
 def constrain(x: jax.Array, axes: tuple) -> jax.Array:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from klein.models.attention import MASKED, attention
 from klein.models.qwen3_config import Qwen3Config
 
 PROMPT_LAYERS = (9, 18, 27)
@@ -52,18 +53,17 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, config.rms_norm_eps)
         self.head_dim = h
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], mask: jax.Array) -> jax.Array:
-        """x: float[B, L, D]; rope: (cos, sin) float[L, H]; mask: bool[B, 1, L, L] -> float[B, L, D]."""
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ranks: tuple) -> jax.Array:
+        """x: float[B, L, D]; rope: (cos, sin) float[L, H]; ranks: `_attention_ranks` -> float[B, L, D].
+
+        A query that may attend to no key (a left-padded row) gets 0, as from torch's SDPA, which
+        transformers uses."""
         b, length, _ = x.shape
         heads = (b, length, -1, self.head_dim)
         q = _apply_rope(self.q_norm(self.q_proj(x).reshape(heads)), *rope)
         k = _apply_rope(self.k_norm(self.k_proj(x).reshape(heads)), *rope)
         v = self.v_proj(x).reshape(heads)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
-        # A query that may attend to no key (a left-padded row) gets 0 from torch's SDPA, which
-        # transformers uses; XLA's softmax would average all values instead.
-        out = out * jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None].astype(out.dtype)
-        return self.o_proj(out.reshape(b, length, -1))
+        return self.o_proj(attention(q, k, v, *ranks).reshape(b, length, -1))
 
 
 class MLP(nnx.Module):
@@ -88,8 +88,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], mask: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ranks: tuple) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ranks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,14 +133,14 @@ def hidden_states(
     model = encoder.model
     x = model.embed_tokens(input_ids)
     rope = _rope_tables(x.shape[1], encoder.config, x.dtype)
-    mask = _attention_mask(attention_mask)
+    ranks = _attention_ranks(attention_mask)
     graphdef, state = nnx.split(model.layers)
     state = jax.tree.map(lambda w: w[: len(slots)], state)
 
     def step(carry, layer):
         x, collected = carry
         layer_state, slot = layer
-        x = nnx.merge(graphdef, layer_state)(x, rope, mask)
+        x = nnx.merge(graphdef, layer_state)(x, rope, ranks)
         # Unselected layers write to a spare slot, so the scan body stays uniform.
         return (x, jax.lax.dynamic_update_index_in_dim(collected, x, slot, 0)), None
 
@@ -175,11 +175,11 @@ def _slots(encoder: Qwen3TextEncoder, layers: Sequence[int]) -> np.ndarray:
     return slots
 
 
-def _attention_mask(attention_mask: jax.Array) -> jax.Array:
-    """Causal and key-padding mask, bool[B, 1, L, L], True where a query may attend to a key."""
-    length = attention_mask.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    return causal[None, None] & attention_mask.astype(bool)[:, None, None, :]
+def _attention_ranks(attention_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The causal and key-padding mask as `klein.models.attention` ranks: queries int32[1, L] and keys
+    int32[B, L] ranked by position, padded keys `MASKED`, so query i sees the real keys j <= i."""
+    positions = jnp.arange(attention_mask.shape[1], dtype=jnp.int32)[None]
+    return positions, jnp.where(attention_mask.astype(bool), positions, MASKED)
 
 
 def _rope_tables(length: int, config: Qwen3Config, dtype) -> tuple[jax.Array, jax.Array]:

@@ -12,9 +12,15 @@ Ways to run (explicit functions, no mode strings):
   keys and values. Those depend on nothing but the references, so one `ReferenceKV` (no batch axis)
   serves every image of a batch, every step and every later request with the same references.
 - `forward_kv_uncached`: the same KV semantics in one pass over [txt, ref, img] with per-token
-  modulation and a mask (how the reference implementation runs step 0); a check on the cache.
+  modulation, the reference tokens attending only to themselves (how the reference implementation runs
+  step 0); a check on the cache.
 
 Layers are stacked and run with `jax.lax.scan`: compile time no longer grows with depth.
+
+Under context parallelism (a mesh in JAX's context) each token stream (text, image + references,
+references alone) is padded with zero tokens to a multiple of the `context` size, so that it splits
+over the devices whatever its length; padded keys rank `MASKED` (no query sees them) and padded outputs
+are dropped, so the result is that of one device.
 """
 
 from __future__ import annotations
@@ -25,25 +31,33 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from klein.models.attention import attention
+from klein.models.attention import MASKED, attention, isolated_span_attention
 from klein.models.blocks import DoubleBlock, SingleBlock
 from klein.models.layers import AdaNormOut, Modulation, TimeGuidanceEmbed, linear
 from klein.models.rope import concat_tables
 from klein.models.transformer_config import TransformerConfig
-from klein.sharding import REFERENCE_KV, TOKENS, constrain
+from klein.sharding import REFERENCE_KV, TOKENS, constrain, ways
 
 
 class ReferenceKV(NamedTuple):
-    """Per-layer keys and values of the reference tokens, after QK-norm and RoPE. No batch axis."""
+    """Per-layer keys and values of the reference tokens, after QK-norm and RoPE. No batch axis.
+
+    R counts the padding a context-parallel prefill adds (see the module docstring); `key_rank` then
+    ranks it `MASKED` (int32[1, R], 0 for the references), and is None where there is none."""
 
     double_k: jnp.ndarray  # [L_double, R, H, Dh]
     double_v: jnp.ndarray
     single_k: jnp.ndarray  # [L_single, R, H, Dh]
     single_v: jnp.ndarray
+    key_rank: jnp.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.double_k.shape[1]
+
+    @property
+    def arrays(self) -> tuple[jnp.ndarray, ...]:
+        return self.double_k, self.double_v, self.single_k, self.single_v
 
 
 def _stack(make, count: int, rngs: nnx.Rngs):
@@ -108,6 +122,52 @@ def _always_full(_layer_kv):
     return _full
 
 
+def _context_ways() -> int:
+    """Devices the token streams split over in the mesh of JAX's context (1 without one)."""
+    return ways(jax.sharding.get_abstract_mesh(), "seq")
+
+
+class _Padded(NamedTuple):
+    """A token stream padded to a multiple of the context size: tokens [B, S', ...], rope [S', Dh],
+    rank int32[S'] (0 for its tokens, MASKED for the padding), and `real` = S."""
+
+    tokens: jnp.ndarray
+    rope: tuple
+    rank: jnp.ndarray
+    real: int
+
+
+def _pad_stream(tokens, rope, multiple: int) -> _Padded:
+    real = tokens.shape[1]
+    extra = -real % multiple
+    rank = jnp.concatenate([jnp.zeros(real, jnp.int32), jnp.full(extra, MASKED, jnp.int32)])
+    return _Padded(_pad_tokens(tokens, extra), tuple(_pad_tokens(t, extra, 0) for t in rope), rank, real)
+
+
+def _pad_tokens(x, extra: int, axis: int = 1):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths) if extra else x
+
+
+def _key_rank(*streams: _Padded):
+    """int32[1, S] over the concatenated streams, or None when none is padded (the unmasked kernel)."""
+    if all(s.tokens.shape[1] == s.real for s in streams):
+        return None
+    return jnp.concatenate([s.rank for s in streams])[None]
+
+
+def _masking(k_rank):
+    """`attend` for a layer: full attention, except to the padded keys `k_rank` marks."""
+    if k_rank is None:
+        return _always_full
+
+    def attend(q, k, v):
+        return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
+
+    return lambda _layer_kv: attend
+
+
 def _run(model, img, txt, mods, rope, attend=_always_full, kv=None):
     """Double then single blocks over [txt, img]; returns the image stream's hidden states.
 
@@ -141,39 +201,55 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
     refs: optional (tokens float[B or 1, R, C], rope) appended after the image tokens (standard editing).
     """
     n_img = img.shape[1]
-    rope = concat_tables(txt_rope, img_rope)
     if refs is not None:
         ref_tokens, ref_rope = refs
         ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:]))
         img = jnp.concatenate([img, ref_tokens.astype(img.dtype)], axis=1)
-        rope = concat_tables(rope, ref_rope)
+        img_rope = concat_tables(img_rope, ref_rope)
+    context = _context_ways()
+    text, image = _pad_stream(txt, txt_rope, context), _pad_stream(img, img_rope, context)
     temb, mods = _modulations(model, t)
-    h = _run(model, model.x_embedder(img), model.context_embedder(txt), mods, rope)
+    h = _run(
+        model,
+        model.x_embedder(image.tokens),
+        model.context_embedder(text.tokens),
+        mods,
+        concat_tables(text.rope, image.rope),
+        attend=_masking(_key_rank(text, image)),
+    )
     return _velocity(model, h[:, :n_img], temb)
 
 
 def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
     """Reference keys/values for ref tokens float[R, C] (all references concatenated)."""
     _, (img_mod, _, single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
-    h = model.x_embedder(ref[None].astype(model.x_embedder.dtype))
+    refs = _pad_stream(ref[None], ref_rope, _context_ways())
+    h = model.x_embedder(refs.tokens.astype(model.x_embedder.dtype))
+    attend = _masking(_key_rank(refs))(None)
 
     def double(block, x, _):
-        x, _, (k, v) = block(x, None, img_mod, None, ref_rope, _full)
+        x, _, (k, v) = block(x, None, img_mod, None, refs.rope, attend)
         return x, (k[0], v[0])
 
     h, (double_k, double_v) = _scan(model, model.transformer_blocks, double, h)
 
     def single(block, x, _):
-        x, (k, v) = block(x, single_mod, ref_rope, _full)
+        x, (k, v) = block(x, single_mod, refs.rope, attend)
         return x, (k[0], v[0])
 
     _, (single_k, single_v) = _scan(model, model.single_transformer_blocks, single, h)
     # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
-    return ReferenceKV(*(constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v)))
+    arrays = (constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v))
+    return ReferenceKV(*arrays, _key_rank(refs))
 
 
-def _with_cached(n_txt: int):
+def _with_cached(text: _Padded, image: _Padded, kv: ReferenceKV):
     """Attend over keys [txt, cached ref, img] for a joint sequence [txt, img]."""
+    n_txt = text.tokens.shape[1]
+    ref_rank = kv.key_rank if kv.key_rank is not None else jnp.zeros((1, kv.num_tokens), jnp.int32)
+    k_rank = None
+    if kv.key_rank is not None or _key_rank(text, image) is not None:
+        k_rank = jnp.concatenate([text.rank[None], ref_rank, image.rank[None]], axis=1)
 
     def make(layer_kv):
         k_ref, v_ref = layer_kv
@@ -182,7 +258,9 @@ def _with_cached(n_txt: int):
             shape = (q.shape[0], *k_ref.shape)
             k = jnp.concatenate([k[:, :n_txt], jnp.broadcast_to(k_ref, shape), k[:, n_txt:]], axis=1)
             v = jnp.concatenate([v[:, :n_txt], jnp.broadcast_to(v_ref, shape), v[:, n_txt:]], axis=1)
-            return attention(q, k, v)
+            if k_rank is None:
+                return attention(q, k, v)
+            return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
 
         return attend
 
@@ -191,42 +269,45 @@ def _with_cached(n_txt: int):
 
 def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV):
     """Velocity float[B, N, C] with the references' cached keys/values (from `prefill`)."""
+    context = _context_ways()
+    text, image = _pad_stream(txt, txt_rope, context), _pad_stream(img, img_rope, context)
     temb, mods = _modulations(model, t)
     h = _run(
         model,
-        model.x_embedder(img),
-        model.context_embedder(txt),
+        model.x_embedder(image.tokens),
+        model.context_embedder(text.tokens),
         mods,
-        concat_tables(txt_rope, img_rope),
-        attend=_with_cached(txt.shape[1]),
+        concat_tables(text.rope, image.rope),
+        attend=_with_cached(text, image, kv),
         kv=((kv.double_k, kv.double_v), (kv.single_k, kv.single_v)),
     )
-    return _velocity(model, h, temb)
+    return _velocity(model, h[:, : img.shape[1]], temb)
 
 
 def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, ref, ref_rope):
     """KV semantics in one pass over [txt, ref, img]: reference tokens modulated at t = 0 and
     attending only to themselves. Returns the velocity of the image tokens float[B, N, C]."""
-    b, n_txt, n_ref = img.shape[0], txt.shape[1], ref.shape[0]
+    b, n_ref, n_img = img.shape[0], ref.shape[0], img.shape[1]
     temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
     _, (ref_img_mod, _, ref_single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
+    context = _context_ways()
+    tokens = jnp.concatenate([jnp.broadcast_to(ref[None], (b, *ref.shape)), img], axis=1)
+    text = _pad_stream(txt, txt_rope, context)
+    image = _pad_stream(tokens, concat_tables(ref_rope, img_rope), context)
+    n_txt, pad = text.tokens.shape[1], image.tokens.shape[1] - image.real
 
     def per_token(*parts):
         return jnp.concatenate([jnp.broadcast_to(m, (b, n, m.shape[-1])) for m, n in parts], axis=1)
 
-    n_img = img.shape[1]
-    img_mod = per_token((ref_img_mod, n_ref), (img_mod, n_img))
-    single_mod = per_token((single_mod, n_txt), (ref_single_mod, n_ref), (single_mod, n_img))
-    total = n_txt + n_ref + n_img
-    is_ref = (jnp.arange(total) >= n_txt) & (jnp.arange(total) < n_txt + n_ref)
-    # Reference queries see only reference keys; text and image queries see everything.
-    mask = (~is_ref[:, None]) | is_ref[None, :]
+    img_mod = per_token((ref_img_mod, n_ref), (img_mod, n_img + pad))
+    single_mod = per_token((single_mod, n_txt), (ref_single_mod, n_ref), (single_mod, n_img + pad))
+    k_rank = _key_rank(text, image)
 
     def attend(_layer_kv):
-        return lambda q, k, v: attention(q, k, v, mask[None, None])
+        # Reference queries see only reference keys; text and image queries see everything.
+        return lambda q, k, v: isolated_span_attention(q, k, v, n_txt, n_txt + n_ref, k_rank)
 
-    tokens = jnp.concatenate([jnp.broadcast_to(ref[None], (b, *ref.shape)), img], axis=1)
-    rope = concat_tables(txt_rope, ref_rope, img_rope)
+    rope = concat_tables(text.rope, image.rope)
     mods = (img_mod, txt_mod, single_mod)
-    h = _run(model, model.x_embedder(tokens), model.context_embedder(txt), mods, rope, attend=attend)
-    return _velocity(model, h[:, n_ref:], temb)
+    h = _run(model, model.x_embedder(image.tokens), model.context_embedder(text.tokens), mods, rope, attend)
+    return _velocity(model, h[:, n_ref : n_ref + n_img], temb)
