@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from klein import cli, demo
-from klein.bench import flops
+from klein.bench import flops, runner
 from klein.bench.cases import Mode
 from klein.bench.configs import CONFIGS
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
@@ -50,6 +50,34 @@ def test_ceiling_by_hand_tiny_config():
     assert flops.kv_ceiling(cfg, 512, 9, 16, 4, warm=True) == pytest.approx(537 / 521)
 
 
+class _RecordingEngine:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def prepare(self, case, images):
+        pass
+
+    def run(self, case, latents, images):
+        self.calls.append((case, self.name))
+        return {"denoise": 0.0}, None
+
+    def device_peak_bytes(self):
+        return None
+
+
+def test_rounds_interleave_cases_and_alternate_engines():
+    """Round 0 walks the cases forward, round 1 backward; each case gets each engine first once."""
+    calls = []
+    engines = [_RecordingEngine("k", calls), _RecordingEngine("d", calls)]
+    cases, runs = ["a", "b", "c"], [{"k": [], "d": []} for _ in range(3)]
+    for round_ in range(2):
+        runner.timed_round(round_, cases, [(None, None)] * 3, engines, runs)
+    forward = [("a", "k"), ("a", "d"), ("b", "d"), ("b", "k"), ("c", "k"), ("c", "d")]
+    backward = [("c", "d"), ("c", "k"), ("b", "k"), ("b", "d"), ("a", "d"), ("a", "k")]
+    assert calls == forward + backward
+    assert all(len(r) == 2 for case in runs for r in case.values())
+
+
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     """One `klein bench --config tiny` run, in process; (report, printed table, output folder)."""
@@ -86,16 +114,47 @@ def test_report_covers_every_case_and_engine(tiny_report):
     for case in report["cases"]:
         assert set(case["engines"]) == {"klein", "diffusers"}
         for engine in case["engines"].values():
-            assert engine["min"] <= engine["median"] <= engine["max"]
+            assert engine["best"] <= engine["median"] <= engine["max"]
+            assert engine["transformer"] <= engine["transformer_median"]
             assert len(engine["runs"]) == config.repeats
             assert set(engine["stages"]) == {"text", "references", "prefill", "denoise", "decode", "other"}
             assert engine["rss_peak_mib"] > 0
             assert engine["compile_in_timed_runs"] == 0  # klein compiles in the warm-up only
-        ratio = case["engines"]["diffusers"]["median"] / case["engines"]["klein"]["median"]
+        ratio = case["engines"]["diffusers"]["best"] / case["engines"]["klein"]["best"]
         assert case["klein_vs_diffusers"] == pytest.approx(ratio)
         assert case["max_abs_diff"] < 1e-3  # same weights, same latents: the same image
-    assert "| case | klein s/image |" in printed
+    assert "| case | klein s/image |" in printed and "GFLOP/s (of peak)" in printed
     assert report["machine"]["cores"] >= 1 and report["command"] == "klein bench --config tiny"
+    assert report["machine"]["cpu"] and f"Machine: {report['machine']['cpu']}," in printed
+
+
+def test_report_fractions_of_peak_follow_the_flop_model(tiny_report):
+    """Per case and engine: FLOPs from the model (diffusers' warm KV is a cold KV call), over the best
+    transformer time, over the best matmul FLOP/s measured in the same run."""
+    report, printed, _ = tiny_report
+    cfg = CONFIGS["tiny"].transformer
+    peak = report["machine"]["matmul_peak"]
+    assert peak["dtype"] == "float32" and len(peak["measurements"]) == CONFIGS["tiny"].repeats + 1
+    assert all(set(m) == {"128", "256"} for m in peak["measurements"])
+    assert peak["flops_per_second"] == max(f for m in peak["measurements"] for f in m.values()) > 0
+    assert f"{peak['flops_per_second'] / 1e9:,.1f} GFLOP/s" in printed
+    for case in report["cases"]:
+        n = case["tokens"]
+        standard = flops.standard_flops(cfg, 512, n["image"], n["reference"], 4)
+        cold = flops.kv_flops(cfg, 512, n["image"], n["reference"], 4, warm=False)
+        warm = flops.kv_flops(cfg, 512, n["image"], n["reference"], 4, warm=True)
+        expected = {
+            Mode.TEXT_TO_IMAGE.value: (standard, standard),
+            Mode.STANDARD.value: (standard, standard),
+            Mode.KV.value: (cold, cold),
+            Mode.KV_WARM.value: (warm, cold),
+        }[case["mode"]]
+        for name, work in zip(("klein", "diffusers"), expected, strict=True):
+            engine = case["engines"][name]
+            assert engine["transformer_flops"] == pytest.approx(work)
+            rate = work / engine["transformer"]
+            assert engine["transformer_flops_per_second"] == pytest.approx(rate)
+            assert case[f"{name}_fraction_of_peak"] == pytest.approx(rate / peak["flops_per_second"])
 
 
 def test_report_ceilings_follow_the_flop_model(tiny_report):

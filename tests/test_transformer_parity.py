@@ -4,6 +4,7 @@ Every mode: text-to-image, standard editing with references, and the KV-cache mo
 values, cached forward at step 0 and later, and our cached vs our uncached path).
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -14,6 +15,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 
 from klein.io.transformer_checkpoint import load_transformer
 from klein.models import transformer as T
+from klein.models.attention import MASKED, attention
 from tests.transformer_inputs import jx, make_case, ropes, torch_call
 
 TOL = 1e-4  # max abs error relative to the output's scale (fp32 on both sides)
@@ -141,6 +143,31 @@ def test_parity_detects_a_perturbed_weight(models, tiny_transformer):
     want = torch_call(ref, case)[0].numpy()
     assert rel_err(ours_plain(models[0], case), want) < TOL
     assert rel_err(ours_plain(perturbed, case), want) > 10 * TOL
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_last_block_rows_equal_the_whole_block(models, per_token):
+    """The last single block over the kept rows only == the block over every token, rows kept after;
+    with one-per-image or per-token modulation and a masked (padded) key. Keys come from every token:
+    changing a token outside the rows moves the result."""
+    _, block = T._last_apart(models[0].single_transformer_blocks)
+    rng = np.random.default_rng(10)
+    d, tokens = block.width, 11
+    x = jnp.asarray(rng.standard_normal((2, tokens, d)), jnp.float32)
+    mod = jnp.asarray(rng.standard_normal((2, tokens if per_token else 1, 3 * d)) * 0.3, jnp.float32)
+    angles = rng.uniform(0, 6, (tokens, block.head_dim))
+    rope = (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
+    k_rank = jnp.asarray([[0] * (tokens - 1) + [MASKED]], jnp.int32)
+
+    def attend(q, k, v):
+        return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
+
+    got = block.rows(x, mod, rope, attend, 3, 8)
+    assert got.shape == (2, 5, d)
+    assert rel_err(got, block(x, mod, rope, attend)[0][:, 3:8]) < 1e-6
+    other = jnp.asarray(rng.standard_normal((2, d)), jnp.float32)
+    outside = block.rows(x.at[:, 1].set(other), mod, rope, attend, 3, 8)
+    assert rel_err(outside, got) > 1e-3
 
 
 def test_batch_shares_one_prefill(models):

@@ -2,6 +2,7 @@
 
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -188,3 +189,51 @@ def test_missing_key_is_reported(tiny_vae, tmp_path):
 def test_unsupported_config_is_rejected():
     with pytest.raises(CheckpointError, match="act_fn"):
         flax_vae.VAEConfig.from_diffusers_config({"act_fn": "relu"})
+
+
+def _upsample_by_repeat(upsample: flax_vae.Upsample, x: jax.Array) -> jax.Array:
+    """The plain formulation: build the 4x nearest-neighbour image, then the 3x3 conv."""
+    return upsample.conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_subpixel_upsample_equals_repeat_then_conv(dtype, tol):
+    """Four 2x2 convs on the low-resolution input + depth-to-space == repeat 2x + 3x3 conv, borders
+    included (odd, unequal sides), up to one bf16 rounding; a change of one corner tap (1% in float32)
+    moves the output past the tolerance."""
+    upsample = flax_vae.Upsample(6, rngs=nnx.Rngs(0), param_dtype=dtype)
+    upsample.conv.bias[...] = jnp.asarray(normal(6, seed=3), dtype)
+    x = jnp.asarray(normal(2, 5, 7, 6, seed=2), dtype)
+    ours = np.asarray(upsample(x), np.float32)
+    assert ours.shape == (2, 10, 14, 6) and upsample(x).dtype == dtype
+    assert rel_err(ours, np.asarray(_upsample_by_repeat(upsample, x), np.float32)) < tol
+    edited = _scaled(upsample, "conv.kernel", (0, 2), 1.01 if dtype == jnp.float32 else 2.0)
+    assert rel_err(ours, np.asarray(_upsample_by_repeat(edited, x), np.float32)) > 10 * tol
+
+
+def _group_norm_float64(norm, x) -> np.ndarray:
+    """GroupNorm in float64, two passes: the reference both float32 formulations are measured against."""
+    x = np.asarray(x, np.float64)
+    b, c, g = x.shape[0], x.shape[-1], norm.num_groups
+    grouped = x.reshape(b, -1, g, c // g)
+    mean, var = grouped.mean((1, 3), keepdims=True), grouped.var((1, 3), keepdims=True)
+    y = ((grouped - mean) / np.sqrt(var + norm.epsilon)).reshape(x.shape)
+    return y * np.asarray(norm.scale[...], np.float64) + np.asarray(norm.bias[...], np.float64)
+
+
+@pytest.mark.parametrize("offset", [0.0, 300.0])
+def test_one_pass_group_norm_equals_two_pass(offset):
+    """Per-channel shifted sums + law of total variance: as close to float64 as Flax's two-pass GroupNorm,
+    also on activations whose mean is 100 standard deviations from zero, where E[x^2] - E[x]^2 fails."""
+    norm = flax_vae.GroupNorm(12, 4, epsilon=1e-6, use_fast_variance=False, rngs=nnx.Rngs(0))
+    norm.scale[...] = jnp.asarray(1 + normal(12, seed=4) * 0.5)
+    norm.bias[...] = jnp.asarray(normal(12, seed=5))
+    x = jnp.asarray(normal(2, 9, 11, 12, seed=6) * 3 + offset)
+    exact = _group_norm_float64(norm, x)
+    ours, two_pass = norm(x), nnx.GroupNorm.__call__(norm, x)
+    assert rel_err(ours, exact) <= 2 * rel_err(two_pass, exact) + 1e-6
+    assert rel_err(ours, two_pass) < 3e-5
+    naive = nnx.GroupNorm(12, 4, epsilon=1e-6, use_fast_variance=True, rngs=nnx.Rngs(0))
+    naive.scale[...], naive.bias[...] = norm.scale[...], norm.bias[...]
+    assert rel_err(naive(x), exact) > (1e-3 if offset else 0.0)
+    assert rel_err(ours, _group_norm_float64(_scaled(norm, "scale", 5, 1.01), x)) > 1e-3

@@ -54,10 +54,12 @@ def plan_command(flags: argparse.Namespace) -> int:
 BENCH_DESCRIPTION = """\
 Time klein and diffusers side by side, in one process, on the same random weights, latents and
 dtype: text-to-image, standard editing and KV editing (cache built in the run, and warm) with 1, 2
-and 4 references, at two output sizes. Prints a Markdown table and writes <config>.json, .md and
-.png to --out. Needs the test extra (torch, diffusers, matplotlib): pip install -e .[test]
+and 4 references, at two output sizes; best of interleaved rounds. Also measures the machine's matmul
+peak and reports each engine's transformer FLOP/s and fraction of it. Prints a Markdown table and
+writes <config>.json, .md and .png to --out. Needs the test extra (torch, diffusers, matplotlib):
+pip install -e .[test]
 
-configs: bench-cpu (scaled-down geometry, 5-7 min on two quiet CPU cores), real-9b and real-4b (true
+configs: bench-cpu (scaled-down geometry, about 10 min on two quiet CPU cores), real-9b and real-4b (true
 dimensions, bf16, for an accelerator), tiny (seconds; what CI runs). Random checkpoints are
 written once under $KLEIN_HOME/bench."""
 

@@ -30,8 +30,10 @@ class BenchConfig:
     """Numbers of references of the editing cases."""
     steps: int = 4
     """Denoising steps (the distilled klein models use 4)."""
-    repeats: int = 3
-    """Timed runs per engine and case, after one untimed warm-up run each."""
+    repeats: int = 5
+    """Timed rounds (one run per engine and case each), after one untimed warm-up run each."""
+    peak_sizes: tuple[int, ...] = (512, 1024, 2048)
+    """Sides of the square matrix products that measure the machine's peak (`klein.bench.peak`)."""
 
     @property
     def kv(self) -> bool:
@@ -71,6 +73,7 @@ CONFIGS = {
             reference_size=64,
             reference_counts=(1, 2),
             repeats=1,
+            peak_sizes=(128, 256),
         ),
         BenchConfig(
             "bench-cpu",
@@ -89,7 +92,7 @@ CONFIGS = {
             RandomCheckpoint(_transformer(KLEIN_9B), REAL_VAE, QWEN3_8B, dtype="bfloat16"),
             output_sizes=(1024, 512),
             reference_size=1024,
-            repeats=5,
+            peak_sizes=(4096, 8192),
         ),
         BenchConfig(
             "real-4b",
@@ -98,7 +101,7 @@ CONFIGS = {
             ),
             output_sizes=(1024, 512),
             reference_size=1024,
-            repeats=5,
+            peak_sizes=(4096, 8192),
         ),
     )
 }

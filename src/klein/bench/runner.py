@@ -1,8 +1,12 @@
 """`klein bench`: both engines, every case, in one process and one invocation.
 
-Per case: each engine prepares (klein's warm case encodes its references here, as an earlier request
-would), runs once untimed (warm-up: klein compiles here, torch allocates), then the engines alternate
-for `repeats` timed runs, in ABBA order so that neither always runs first.
+First every case is warmed up: each engine prepares (klein's warm case encodes its references here, as
+an earlier request would) and runs once untimed (klein compiles here, torch allocates). Then come
+`repeats` timed rounds; each round runs every case once per engine, cases in forward order on even
+rounds and backward on odd ones, engines alternating. Interleaving the cases means a change in the
+machine's load (it is shared) lands on every case alike instead of on the cases that happened to run
+then, so ratios between cases (the KV speedups) and between engines stay put; the report takes the
+best of the rounds (see `report`). The matmul peak is measured before the first round and after each.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from klein.bench import cases as C
-from klein.bench import report
+from klein.bench import peak, report
 from klein.bench.configs import BenchConfig
 from klein.bench.engines import DiffusersEngine, KleinEngine
 from klein.bench.memory import PeakRSS
@@ -54,13 +58,48 @@ def run_benchmark(config: BenchConfig, out: Path, repeats: int | None = None, lo
     log(f"checkpoint: random {config.name} weights ({config.checkpoint.dtype})")
     folder = ensure_checkpoint(checkpoint_home(config), config.checkpoint)
     engines = [KleinEngine(folder, config), DiffusersEngine(folder, config)]
-    measured, cases = [], C.cases(config)
-    for index, case in enumerate(cases):
-        measured.append(measure_case(config, case, engines, repeats or config.repeats))
-        log(f"[{index + 1}/{len(cases)}] {case.name}: {_medians(measured[-1])}")
+    cases = C.cases(config)
+    inputs = [(C.latents(case), C.reference_images(config, case.references)) for case in cases]
+    peaks = [_peak(config, log)]
+    warmups = []
+    for index, (case, (latents, images)) in enumerate(zip(cases, inputs, strict=True)):
+        warmups.append(warm_up(case, engines, latents, images))
+        log(f"[{index + 1}/{len(cases)}] {case.name}: warmed up")
+    runs = [{engine.name: [] for engine in engines} for _ in cases]
+    for round_ in range(repeats or config.repeats):
+        timed_round(round_, cases, inputs, engines, runs)
+        peaks.append(_peak(config, log))
+        log(f"round {round_ + 1}/{repeats or config.repeats} done")
+    measured = [Measured(c, w, r, d) for c, (w, d), r in zip(cases, warmups, runs, strict=True)]
+    for index, m in enumerate(measured):
+        log(f"[{index + 1}/{len(cases)}] {m.case.name}: {_best(m)}")
     machine = describe_machine(engines, load_before, os.getloadavg())
+    machine["matmul_peak"] = _peak_entry(config, peaks)
     result = report.build(config, measured, machine)
     return result, report.write(result, out)
+
+
+def timed_round(round_: int, cases, inputs, engines, runs: list[dict[str, list[Run]]]) -> None:
+    """Every case once per engine, appended to `runs`: cases backward on odd rounds, engines alternating."""
+    order = range(len(cases)) if round_ % 2 == 0 else reversed(range(len(cases)))
+    for index in order:
+        for engine in engines if (round_ + index) % 2 == 0 else engines[::-1]:
+            runs[index][engine.name].append(_run(engine, cases[index], *inputs[index])[0])
+
+
+def _peak(config: BenchConfig, log: Callable) -> dict[int, float]:
+    by_size = peak.matmul_peak(config.checkpoint.dtype, config.peak_sizes)
+    log("matmul FLOP/s by size: " + ", ".join(f"{n} {f / 1e9:.1f} G" for n, f in by_size.items()))
+    return by_size
+
+
+def _peak_entry(config: BenchConfig, peaks: list[dict[int, float]]) -> dict:
+    """The best FLOP/s of every measurement, and each measurement (sizes as strings: JSON keys)."""
+    return dict(
+        dtype=config.checkpoint.dtype,
+        flops_per_second=max(f for by_size in peaks for f in by_size.values()),
+        measurements=[{str(n): f for n, f in by_size.items()} for by_size in peaks],
+    )
 
 
 def checkpoint_home(config: BenchConfig) -> Path:
@@ -70,21 +109,18 @@ def checkpoint_home(config: BenchConfig) -> Path:
     return klein_home() / "bench" / f"{config.name}-{digest}"
 
 
-def measure_case(config: BenchConfig, case: C.Case, engines, repeats: int) -> Measured:
-    latents, images = C.latents(case), C.reference_images(config, case.references)
+def warm_up(case: C.Case, engines, latents, images) -> tuple[dict[str, Run], float]:
+    """One untimed run per engine; (the runs by engine, largest pixel difference between their images)."""
     warmup, outputs = {}, {}
     for engine in engines:
         engine.prepare(case, images)
         warmup[engine.name], outputs[engine.name] = _run(engine, case, latents, images)
-    runs = {engine.name: [] for engine in engines}
-    for index in range(repeats):
-        for engine in engines if index % 2 == 0 else engines[::-1]:
-            runs[engine.name].append(_run(engine, case, latents, images)[0])
     first, second = outputs.values()
-    return Measured(case, warmup, runs, float(np.abs(first - second).max()))
+    return warmup, float(np.abs(first - second).max())
 
 
 def _run(engine, case, latents, images) -> tuple[Run, np.ndarray]:
+    engine.prepare(case, images)
     with PeakRSS() as memory:
         start = time.perf_counter()
         stages, image = engine.run(case, latents, images)
@@ -92,10 +128,8 @@ def _run(engine, case, latents, images) -> tuple[Run, np.ndarray]:
     return Run(seconds, stages, memory.start, memory.peak, engine.device_peak_bytes()), image
 
 
-def _medians(measured: Measured) -> str:
-    return ", ".join(
-        f"{name} {np.median([r.seconds for r in runs]):.3f} s" for name, runs in measured.runs.items()
-    )
+def _best(measured: Measured) -> str:
+    return ", ".join(f"{name} {min(r.seconds for r in runs):.3f} s" for name, runs in measured.runs.items())
 
 
 def describe_machine(engines, load_before, load_after) -> dict:

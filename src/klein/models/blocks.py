@@ -103,3 +103,22 @@ class SingleBlock(nnx.Module):
         out = _merge_heads(attend(q, k, v))
         mlp = swiglu(proj[..., 3 * self.width :])
         return x + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1)), (k, v)
+
+    def rows(self, x, mod, rope, attend: Attend, start: int, stop: int):
+        """The block's output for joint tokens [start, stop) only, float[B, stop - start, D].
+
+        Exact: a token's output depends on the others only through the keys and values, which still
+        come from every token; queries, MLP and output projection run over the chosen tokens alone.
+        """
+        shift, scale, gate = split_modulation(mod, 1)[0]
+        h = modulate(x, shift, scale, self.eps)
+        fused, d = self.attn.to_qkv_mlp_proj, self.width
+        k, v = (_heads(p, self.head_dim) for p in jnp.split(fused.columns(h, d, 3 * d), 2, axis=-1))
+        k = apply_rope(self.attn.norm_k(k), rope)
+        chosen = h[:, start:stop]
+        q = self.attn.norm_q(_heads(fused.columns(chosen, 0, d), self.head_dim))
+        q = apply_rope(q, tuple(t[start:stop] for t in rope))
+        out = _merge_heads(attend(q, k, v))
+        mlp = swiglu(fused.columns(chosen, 3 * d))
+        gate = gate if gate.shape[1] == 1 else gate[:, start:stop]  # per-token modulation
+        return x[:, start:stop] + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1))

@@ -29,7 +29,14 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        kernel = self.kernel[...].astype(self.dtype)
+        return self._product(x, self.kernel[...])
+
+    def columns(self, x: jnp.ndarray, start: int, stop: int | None = None) -> jnp.ndarray:
+        """`self(x)[..., start:stop]`, computing only those outputs."""
+        return self._product(x, self.kernel[..., start:stop])
+
+    def _product(self, x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+        kernel = kernel.astype(self.dtype)
         y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if self.weight_scale is not None:
             # float8 values are exact in bf16 and fp32; scaling the output (in fp32, like an FP8 GEMM's

@@ -168,11 +168,14 @@ def _masking(k_rank):
     return lambda _layer_kv: attend
 
 
-def _run(model, img, txt, mods, rope, attend=_always_full, kv=None):
-    """Double then single blocks over [txt, img]; returns the image stream's hidden states.
+def _run(model, img, txt, mods, rope, rows, attend=_always_full, kv=None, last_attend=None):
+    """Double then single blocks over [txt, img]; returns the hidden states float[B, count, D] of the
+    image-stream tokens `rows` = (first, count), the only ones the caller reads.
 
     `mods` may be per token (see `forward_kv_uncached`). `attend(layer_kv)` gives each layer's
-    attention; `kv` is the per-layer input it gets ((double, single) stacks, or None).
+    attention; `kv` is the per-layer input it gets ((double, single) stacks, or None). The last single
+    block computes queries, MLP and output projection for the kept rows alone (`SingleBlock.rows`);
+    `last_attend` is its attention where `attend` assumes queries over the whole sequence.
     """
     img_mod, txt_mod, single_mod = mods
     kv_double, kv_single = kv if kv is not None else (None, None)
@@ -187,8 +190,33 @@ def _run(model, img, txt, mods, rope, attend=_always_full, kv=None):
     def single(block, x, layer_kv):
         return block(x, single_mod, rope, attend(layer_kv))[0], None
 
-    x, _ = _scan(model, model.single_transformer_blocks, single, jnp.concatenate([txt, img], 1), kv_single)
-    return x[:, txt.shape[1] :]
+    blocks, last = _last_apart(model.single_transformer_blocks)
+    kv_head, kv_last = (None, None) if kv_single is None else _last_apart_arrays(kv_single)
+    x, _ = _scan(model, blocks, single, jnp.concatenate([txt, img], 1), kv_head)
+    first = txt.shape[1] + rows[0]
+    start, stop = _covering(first, rows[1], x.shape[1], _context_ways())
+    last_attend = last_attend or attend(kv_last)
+    h = last.rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
+    return h[:, first - start : first - start + rows[1]]
+
+
+def _last_apart(blocks):
+    """(the stacked blocks but the last, the last block) of a stack built by `_stack`."""
+    graphdef, params = nnx.split(blocks)
+    head, last = _last_apart_arrays(params)
+    return nnx.merge(graphdef, head), nnx.merge(graphdef, last)
+
+
+def _last_apart_arrays(tree):
+    return jax.tree.map(lambda a: a[:-1], tree), jax.tree.map(lambda a: a[-1], tree)
+
+
+def _covering(first: int, count: int, total: int, multiple: int) -> tuple[int, int]:
+    """Joint rows [start, stop) holding [first, first + count), as many as a multiple of `multiple`
+    (context parallelism splits the queries evenly) and within the `total` rows of the sequence."""
+    size = min(-(-count // multiple) * multiple, total)
+    start = min(first, total - size)
+    return start, start + size
 
 
 def _velocity(model, h, temb):
@@ -215,9 +243,10 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
         model.context_embedder(text.tokens),
         mods,
         concat_tables(text.rope, image.rope),
+        (0, n_img),
         attend=_masking(_key_rank(text, image)),
     )
-    return _velocity(model, h[:, :n_img], temb)
+    return _velocity(model, h, temb)
 
 
 def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
@@ -278,10 +307,11 @@ def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv:
         model.context_embedder(text.tokens),
         mods,
         concat_tables(text.rope, image.rope),
+        (0, img.shape[1]),
         attend=_with_cached(text, image, kv),
         kv=((kv.double_k, kv.double_v), (kv.single_k, kv.single_v)),
     )
-    return _velocity(model, h[:, : img.shape[1]], temb)
+    return _velocity(model, h, temb)
 
 
 def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, ref, ref_rope):
@@ -309,5 +339,8 @@ def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope
 
     rope = concat_tables(text.rope, image.rope)
     mods = (img_mod, txt_mod, single_mod)
-    h = _run(model, model.x_embedder(image.tokens), model.context_embedder(text.tokens), mods, rope, attend)
-    return _velocity(model, h[:, n_ref : n_ref + n_img], temb)
+    img_h, txt_h = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
+    # The last block's queries are image tokens only, which see every key.
+    image_attend = _masking(k_rank)(None)
+    h = _run(model, img_h, txt_h, mods, rope, (n_ref, n_img), attend, last_attend=image_attend)
+    return _velocity(model, h, temb)
