@@ -214,7 +214,7 @@ def _load(request: cli_args.GenerateRequest):
             references.append(load_image(path))
             bar.update()
         bar.set_postfix_str(request.transformer or request.model or "demo")
-        pipe = load_pipeline(_model(request), **cli_args.model_arguments(request))
+        pipe = load_pipeline(source=_model(request), **cli_args.model_arguments(request))
         bar.update()
     return pipe, tuple(references), time.perf_counter() - started
 

@@ -79,6 +79,6 @@ def serve_command(flags: argparse.Namespace) -> int:
     names = {field.name for field in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in vars(flags).items() if k in names})
     print(f"klein serve: loading {flags.transformer or flags.model or 'demo'}", file=sys.stderr)
-    pipe = load_pipeline(flags.model, **cli_args.model_arguments(flags))
+    pipe = load_pipeline(source=flags.model, **cli_args.model_arguments(flags))
     pipe.memory_limit = flags.memory_limit
     return serve(pipe, options, flags.host, flags.port, _version())
