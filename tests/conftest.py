@@ -9,6 +9,14 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# Files whose tests take minutes: under pytest-xdist (`-n 2`, a file per worker) they start first, so
+# that the workers finish together instead of one waiting out the longest file at the end.
+LONGEST_FIRST = ("test_sharding.py", "test_bench.py", "test_serve_lifecycle.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: otherwise file order
+
 
 @pytest.fixture(scope="session")
 def tiny_transformer(tmp_path_factory):
