@@ -170,6 +170,19 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
     assert rel_err(outside, got) > 1e-3
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_last_block_keys_values_equal_the_whole_block(models, per_token):
+    """A prefill's last single block computes only its keys and values: the same as the whole block's."""
+    _, block = T._last_apart(models[0].single_transformer_blocks)
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((1, 9, block.width)), jnp.float32)
+    mod = jnp.asarray(rng.standard_normal((1, 9 if per_token else 1, 3 * block.width)) * 0.3, jnp.float32)
+    angles = rng.uniform(0, 6, (9, block.head_dim))
+    rope = (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
+    for got, want in zip(block.keys_values(x, mod, rope), block(x, mod, rope, attention)[1], strict=True):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-6
+
+
 def test_batch_shares_one_prefill(models):
     """One prefill (no batch axis) serves a batch: each image equals its own batch-1 run."""
     ours, _ = models

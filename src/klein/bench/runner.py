@@ -134,7 +134,7 @@ def _best(measured: Measured) -> str:
 
 def describe_machine(engines, load_before, load_after) -> dict:
     return dict(
-        cpu=_cpu_model(),
+        cpu=cpu_model(),
         cores=os.cpu_count(),
         memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         load_average_before=[round(x, 2) for x in load_before],
@@ -143,7 +143,8 @@ def describe_machine(engines, load_before, load_after) -> dict:
     )
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU model as /proc/cpuinfo names it (every figure is reported with it)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -112,9 +112,8 @@ class SingleBlock(nnx.Module):
         """
         shift, scale, gate = split_modulation(mod, 1)[0]
         h = modulate(x, shift, scale, self.eps)
+        k, v = self._keys_values(h, rope)
         fused, d = self.attn.to_qkv_mlp_proj, self.width
-        k, v = (_heads(p, self.head_dim) for p in jnp.split(fused.columns(h, d, 3 * d), 2, axis=-1))
-        k = apply_rope(self.attn.norm_k(k), rope)
         chosen = h[:, start:stop]
         q = self.attn.norm_q(_heads(fused.columns(chosen, 0, d), self.head_dim))
         q = apply_rope(q, tuple(t[start:stop] for t in rope))
@@ -122,3 +121,17 @@ class SingleBlock(nnx.Module):
         mlp = swiglu(fused.columns(chosen, 3 * d))
         gate = gate if gate.shape[1] == 1 else gate[:, start:stop]  # per-token modulation
         return x[:, start:stop] + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1))
+
+    def keys_values(self, x, mod, rope):
+        """The block's joint (k, v) alone, as `__call__` returns them (the last block of a reference
+        prefill, whose output nothing reads): only the key and value columns of the fused projection."""
+        shift, scale, _ = split_modulation(mod, 1)[0]
+        return self._keys_values(modulate(x, shift, scale, self.eps), rope)
+
+    def _keys_values(self, h, rope):
+        d = self.width
+        k, v = (
+            _heads(p, self.head_dim)
+            for p in jnp.split(self.attn.to_qkv_mlp_proj.columns(h, d, 3 * d), 2, axis=-1)
+        )
+        return apply_rope(self.attn.norm_k(k), rope), v

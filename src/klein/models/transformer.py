@@ -266,7 +266,13 @@ def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
         x, (k, v) = block(x, single_mod, refs.rope, attend)
         return x, (k[0], v[0])
 
-    _, (single_k, single_v) = _scan(model, model.single_transformer_blocks, single, h)
+    # The last block's output is never read: it computes its keys and values alone.
+    blocks, last = _last_apart(model.single_transformer_blocks)
+    h, (single_k, single_v) = _scan(model, blocks, single, h)
+    last_k, last_v = last.keys_values(constrain(h, TOKENS), single_mod, refs.rope)
+    single_k, single_v = (
+        jnp.concatenate([a, b[0][None]]) for a, b in ((single_k, last_k), (single_v, last_v))
+    )
     # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
     arrays = (constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v))
     return ReferenceKV(*arrays, _key_rank(refs))

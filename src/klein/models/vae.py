@@ -15,8 +15,8 @@ and 128-channel full-resolution activations: 3.5 GiB at 1024^2 px, 14 GiB at 204
 2560^2, 26.5 GiB at 2816^2. So on a 24 GiB accelerator plain decoding stops fitting at about
 2600 x 2600 px (~6.7 megapixels per batch), and below ~2 megapixels if klein-9b's 18 GB of bf16
 weights stay resident; above that use `decode_latents_tiled` (~3.6-3.9 GiB at any size). The
-mid-block attention runs its queries in chunks: the whole (H/8 * W/8)^2 score matrix would more than
-double the 2048^2 figure (32 GiB). (XLA on CPU computes bf16 convolutions in fp32, so bf16 could not
+mid-block attention is the models' one tiled kernel (`klein.models.attention`, one head): the whole
+(H/8 * W/8)^2 score matrix would more than double the 2048^2 figure (32 GiB). (XLA on CPU computes bf16 convolutions in fp32, so bf16 could not
 be measured here.)
 """
 
@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from klein.errors import CheckpointError
+from klein.models.attention import attention
 
 _PATCH = 2  # latents are patchified 2x2 into transformer channels
 _NORM_EPS = 1e-6  # every GroupNorm of the diffusers encoder / decoder
-_QUERY_CHUNK = 1024  # mid-block attention queries per step: a [1024, L] score block per image
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,20 +230,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, h, w, c = x.shape
         tokens = self.group_norm(x).reshape(b, h * w, c)
-        out = _attention(self.to_q(tokens), self.to_k(tokens), self.to_v(tokens))
+        q, k, v = (p(tokens)[:, :, None] for p in (self.to_q, self.to_k, self.to_v))  # one head
+        out = attention(q, k, v)[:, :, 0]
         return x + self.to_out[0](out).reshape(x.shape)
-
-
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Softmax attention of float[B, L, C] queries, keys, values (one head), queries in chunks."""
-    scale = q.shape[-1] ** -0.5
-
-    def one_query(q_row):  # float[B, C]; lax.map vmaps it over a chunk of queries
-        logits = jnp.einsum("bc,blc->bl", q_row * scale, k, preferred_element_type=jnp.float32)
-        return jnp.einsum("bl,blc->bc", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
-
-    out = jax.lax.map(one_query, jnp.swapaxes(q, 0, 1), batch_size=_QUERY_CHUNK)
-    return jnp.swapaxes(out, 0, 1)
 
 
 class MidBlock(nnx.Module):
@@ -258,8 +247,8 @@ class MidBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.resnets[0](x)
-        for attention in self.attentions:
-            x = attention(x)
+        for block in self.attentions:
+            x = block(x)
         return self.resnets[1](x)
 
 
