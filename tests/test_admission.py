@@ -4,7 +4,7 @@ limit; requests that fit next to them run; a decode that fits only in tiles runs
 import numpy as np
 import pytest
 
-from klein import InputError, plan, sharding
+from klein import GenerationRequest, InputError, plan, sharding
 from klein.pipeline import load_pipeline
 from tests.test_cli import assert_clean_error, run_klein
 
@@ -33,6 +33,18 @@ def test_oversized_request_is_refused_before_any_work(pipe):
     # A request that fits, right after, runs as usual.
     out = pipe("x", height=64, width=64, num_inference_steps=1, seed=0, output_type="np")
     assert out.images.shape == (1, 64, 64, 3)
+
+
+def test_check_refuses_what_generate_would_without_running_anything(pipe):
+    """`check` (what a server runs before queueing) counts the references a request will come with."""
+    before = dict(pipe.counters)
+    request = GenerationRequest.create(prompt="x", height=512, width=512)
+    pipe.check(request)  # fits
+    with pytest.raises(InputError, match="needs about"):
+        pipe.check(request, [(16384, 16384)] * 4)
+    with pytest.raises(InputError, match="needs about"):
+        pipe.check(GenerationRequest.create(prompt="x", height=100000, width=100000))
+    assert dict(pipe.counters) == before
 
 
 def test_a_decode_that_fits_only_in_tiles_runs_tiled(pipe):

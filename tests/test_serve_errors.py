@@ -22,6 +22,10 @@ def generations(**changes):
     )
 
 
+def job(**changes):
+    return lambda url: httpx.post(url + "/v1/jobs", json={**GOOD, **changes})
+
+
 def edits(images, **fields):
     data = {"prompt": "a fox", "num_inference_steps": "2", **fields}
     return lambda url: httpx.post(url + "/v1/images/edits", data=data, files=[("image[]", i) for i in images])
@@ -107,6 +111,8 @@ CASES = [
     ("unknown reference to delete", lambda url: httpx.delete(url + "/v1/references/nope"), 404, "id"),
     ("unknown job", lambda url: httpx.get(url + "/v1/jobs/nope"), 404, "id"),
     ("job with a bad body", lambda url: httpx.post(url + "/v1/jobs", json={"prompt": ""}), 400, "prompt"),
+    ("job that cannot fit", job(size="1024x960", n=10), 422, None),
+    ("job with an unknown reference id", job(references="0123abcd"), 404, "references"),
     ("unknown route", lambda url: httpx.get(url + "/v1/nothing"), 404, None),
 ]
 

@@ -188,9 +188,15 @@ class Flux2KleinPipeline:
         settings = Settings(run.request, run.mode, self.name, self.variant.name, tuple(sizes), self.loras)
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
+    def check(self, request: GenerationRequest, reference_sizes=()) -> None:
+        """Refuse now what `generate` would refuse before any device work: settings that do not apply,
+        or a request that cannot fit (`InputError`s). `reference_sizes`: (height, width) px of each
+        prepared reference the request will come with (a server checks a job before queueing it)."""
+        self._admit(self._resolve(request, tuple(reference_sizes)))
+
     def _resolve(self, request: GenerationRequest, sizes) -> _Run:
-        has_refs = bool(request.image) or request.references is not None
-        conditioning = modes.conditioning(self.variant, self.name, request.use_kv, has_refs)
+        """`sizes`: (height, width) px of each prepared reference, none without references."""
+        conditioning = modes.conditioning(self.variant, self.name, request.use_kv, bool(sizes))
         if request.references is not None:
             encoded = Conditioning.CACHED if request.references.cached else Conditioning.REFERENCES
             if request.use_kv is not None and encoded is not conditioning:

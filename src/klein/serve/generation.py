@@ -32,6 +32,14 @@ class Generation:
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs)
 
+    def reference_sizes(self, sets: ReferenceSets) -> tuple[tuple[int, int], ...]:
+        """(height, width) px of each reference; `UnknownReferences` for an id the cache cannot serve."""
+        if self.images:
+            return tuple(image.pixels.shape[:2] for image in self.images)
+        if self.reference_id is not None:
+            return sets.sizes(self.reference_id)
+        return ()
+
     def references(self, sets: ReferenceSets) -> Encoded | None:
         if self.images:
             return sets.encode(list(self.images))

@@ -88,6 +88,18 @@ class ReferenceSets:
 
     def resolve(self, reference_id: str) -> Encoded:
         """The set an id names; `UnknownReferences` if the id is unknown or its encodings were evicted."""
+        digests, _ = self._usable(reference_id)
+        hit = self._cached_set(digests)
+        if hit is not None:
+            return hit
+        return self._compute(digests, {})
+
+    def sizes(self, reference_id: str) -> tuple[tuple[int, int], ...]:
+        """(height, width) px of each image of the set an id names; `UnknownReferences` as `resolve`."""
+        return self._usable(reference_id)[1]
+
+    def _usable(self, reference_id: str) -> tuple:
+        """(digests, sizes) of an id whose set, or else every image's latents, the cache still holds."""
         with self._lock:
             known = self._ids.get(reference_id)
             if known is not None:
@@ -97,15 +109,14 @@ class ReferenceSets:
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
             )
         digests, _ = known
-        hit = self._cached_set(digests)
-        if hit is not None:
-            return hit
-        if not all(("latents", d) in self.cache for d in digests):
+        if self._set_key(digests) not in self.cache and not all(
+            ("latents", d) in self.cache for d in digests
+        ):
             raise UnknownReferences(
                 f"reference set {reference_id} was evicted from the cache (--cache-bytes); upload the "
                 "images again (POST /v1/references, or send them with the edit)"
             )
-        return self._compute(digests, {})
+        return known
 
     def describe(self, reference_id: str) -> dict | None:
         """The contract's reference object, or None when the id cannot be used (unknown or evicted)."""

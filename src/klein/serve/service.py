@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 
 from klein import modes
+from klein.errors import InputError
 from klein.modes import Conditioning
-from klein.serve import batching, generation
+from klein.serve import batching, errors, generation
 from klein.serve.cache import ByteBudgetCache
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
@@ -29,7 +30,16 @@ class Service:
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         self.worker = Worker(options.max_queue, self.metrics, options.max_batch, self._generate_batch)
 
+    def check(self, work: generation.Generation) -> None:
+        """Refuse (an `ApiError`) before queueing what the worker would refuse: unknown or evicted
+        references, settings that do not apply, a request that cannot fit."""
+        try:
+            self.pipe.check(work.request, work.reference_sizes(self.sets))
+        except InputError as error:
+            raise errors.from_input_error(error) from None
+
     def submit_generation(self, work: generation.Generation) -> Job:
+        self.check(work)
         images = work.request.num_images_per_prompt
         return self.worker.submit(functools.partial(self._generate, work), work.batch_key, images, work)
 
