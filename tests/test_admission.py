@@ -38,10 +38,15 @@ def test_oversized_request_is_refused_before_any_work(pipe):
 def test_check_refuses_what_generate_would_without_running_anything(pipe):
     """`check` (what a server runs before queueing) counts the references a request will come with."""
     before = dict(pipe.counters)
-    request = GenerationRequest.create(prompt="x", height=512, width=512)
-    pipe.check(request)  # fits
-    with pytest.raises(InputError, match="needs about"):
-        pipe.check(request, [(16384, 16384)] * 4)
+    request = GenerationRequest.create(prompt="x", height=64, width=64)
+    pipe.memory_limit = 64 * 2**20
+    try:
+        pipe.check(request)  # fits
+        pipe.check(request, [(64, 64)])
+        with pytest.raises(InputError, match="needs about .* more than the 64.0 MiB"):
+            pipe.check(request, [(2048, 2048)] * 3)
+    finally:
+        pipe.memory_limit = None
     with pytest.raises(InputError, match="needs about"):
         pipe.check(GenerationRequest.create(prompt="x", height=100000, width=100000))
     assert dict(pipe.counters) == before
