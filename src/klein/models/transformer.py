@@ -270,9 +270,8 @@ def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
     blocks, last = _last_apart(model.single_transformer_blocks)
     h, (single_k, single_v) = _scan(model, blocks, single, h)
     last_k, last_v = last.keys_values(constrain(h, TOKENS), single_mod, refs.rope)
-    single_k, single_v = (
-        jnp.concatenate([a, b[0][None]]) for a, b in ((single_k, last_k), (single_v, last_v))
-    )
+    # The last block's batch axis of one becomes its layer axis in the stacks.
+    single_k, single_v = jnp.concatenate([single_k, last_k]), jnp.concatenate([single_v, last_v])
     # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
     arrays = (constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v))
     return ReferenceKV(*arrays, _key_rank(refs))

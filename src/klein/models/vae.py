@@ -16,8 +16,8 @@ and 128-channel full-resolution activations: 3.5 GiB at 1024^2 px, 14 GiB at 204
 2600 x 2600 px (~6.7 megapixels per batch), and below ~2 megapixels if klein-9b's 18 GB of bf16
 weights stay resident; above that use `decode_latents_tiled` (~3.6-3.9 GiB at any size). The
 mid-block attention is the models' one tiled kernel (`klein.models.attention`, one head): the whole
-(H/8 * W/8)^2 score matrix would more than double the 2048^2 figure (32 GiB). (XLA on CPU computes bf16 convolutions in fp32, so bf16 could not
-be measured here.)
+(H/8 * W/8)^2 score matrix would more than double the 2048^2 figure (32 GiB). (XLA on CPU computes
+bf16 convolutions in fp32, so bf16 could not be measured here.)
 """
 
 from __future__ import annotations

@@ -108,10 +108,7 @@ class ReferenceSets:
             raise UnknownReferences(
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
             )
-        digests, _ = known
-        if self._set_key(digests) not in self.cache and not all(
-            ("latents", d) in self.cache for d in digests
-        ):
+        if not self._held(known[0]):
             raise UnknownReferences(
                 f"reference set {reference_id} was evicted from the cache (--cache-bytes); upload the "
                 "images again (POST /v1/references, or send them with the edit)"
@@ -124,10 +121,14 @@ class ReferenceSets:
         if known is None:
             return None
         digests, sizes = known
-        entry = self.cache.peek(self._set_key(digests))
-        if entry is None and not all(("latents", d) in self.cache for d in digests):
+        if not self._held(digests):
             return None
+        entry = self.cache.peek(self._set_key(digests))
         return describe(reference_id, sizes, entry.size if entry else 0, entry is not None)
+
+    def _held(self, digests) -> bool:
+        """Whether the cache can still serve this set: the set itself, or every image's latents."""
+        return self._set_key(digests) in self.cache or all(("latents", d) in self.cache for d in digests)
 
     def delete(self, reference_id: str) -> bool:
         """Forget an id and drop its set's encodings (per-image latents may serve other sets and stay)."""
