@@ -11,8 +11,12 @@ while every other token ranks 1. Each tile compares two small vectors.
 
 Attention runs in tiles of `QUERY_BLOCK` queries by at most `KEY_BLOCK` keys, heads-major, with an
 online softmax over the key blocks (running max and sum, float32 whatever the input dtype): memory is
-linear in tokens. One key block reproduces the query-blocked path tuned on two CPU cores (2.5x faster
-than XLA's dense attention at 5.6k tokens), so text-to-image at 1024^2 pays no rescaling.
+linear in tokens. The keys are cut into even blocks (the last one shorter) once, before the loop over
+query blocks, and the loop body folds them in one after another: no key is padded, so attention without
+ranks never evaluates a mask, and no key block is copied again per query block (both cost 10-25% at
+2.5k-5.6k tokens on two CPU cores, `benchmarks/attention_speed.py`). One key block reproduces the
+query-blocked path (2.5x faster than XLA's dense attention at 5.6k tokens), so text-to-image at 1024^2
+pays no rescaling.
 
 On a device mesh the same kernel runs per device inside `shard_map` (context parallelism): queries keep
 their split along tokens (context), batch (data) and heads (tensor) while keys and values are gathered
@@ -101,37 +105,33 @@ def _blocked(q, k, v, q_rank, k_rank):
     b, sq, h, dh = q.shape
     sk, groups = k.shape[1], h // k.shape[2]
     q_size = min(QUERY_BLOCK, sq)
-    q_count, k_count = -(-sq // q_size), -(-sk // KEY_BLOCK)
-    k_size = -(-sk // k_count)  # even blocks: the least padding
-    masked = q_rank is not None or k_count * k_size != sk
+    q_count = -(-sq // q_size)
+    k_size = -(-sk // -(-sk // KEY_BLOCK))  # even key blocks; the last one has what is left
+    masked = q_rank is not None
     if masked:
-        q_rank = jnp.zeros((1, sq), jnp.int32) if q_rank is None else q_rank
-        k_rank = jnp.zeros((1, sk), jnp.int32) if k_rank is None else k_rank
         q_rank = jnp.tile(
             _blocks(_pad(q_rank, q_count * q_size, 0), q_count), (1, 1, groups)
         )  # [Q, B|1, G*q]
-        k_rank = _blocks(_pad(k_rank, k_count * k_size, MASKED), k_count)  # [Kb, B|1, k]
-    else:  # placeholders that the loops carry and never read
-        q_rank, k_rank = jnp.zeros((q_count,)), jnp.zeros((k_count,))
+    else:  # a placeholder that the loop carries and never reads
+        q_rank = jnp.zeros((q_count,))
     # Padded query rows attend like any other and are dropped at the end.
     q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size, 0)
     q = q.reshape(b, q_count, q_size, -1, groups, dh).transpose(1, 0, 3, 4, 2, 5)
     q = q.reshape(q_count, b, -1, groups * q_size, dh)  # [Q, B, K, G * q, Dh]: a key head's queries
-    # [Kb, B, K, k, Dh]
-    k, v = (
-        _pad(x, k_count * k_size, 0).reshape(b, k_count, k_size, -1, dh).transpose(1, 0, 3, 2, 4)
-        for x in (k, v)
-    )
+    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, Sk, Dh]
+    # Key blocks are cut once, before the loop over query blocks; no key is padded.
+    starts = range(0, sk, k_size)
+    blocks = [
+        (k[:, :, s : s + k_size], v[:, :, s : s + k_size], k_rank[:, s : s + k_size] if masked else None)
+        for s in starts
+    ]
 
     def one(args):
         q_block, q_block_rank = args
-
-        def step(carry, key_block):
-            return _tile(carry, q_block, *key_block, q_block_rank, masked), None
-
-        if k_count == 1:  # the tuned query-blocked path, without a loop
-            return _finish(*step(_start(q_block), (k[0], v[0], k_rank[0]))[0], q.dtype)
-        return _finish(*jax.lax.scan(step, _start(q_block), (k, v, k_rank))[0], q.dtype)
+        carry = _start(q_block)
+        for block in blocks:
+            carry = _tile(carry, q_block, *block, q_block_rank, masked)
+        return _finish(*carry, q.dtype)
 
     out = jax.lax.map(one, (q, q_rank))
     out = out.reshape(q_count, b, -1, groups, q_size, dh).transpose(1, 0, 4, 2, 3, 5)
