@@ -135,8 +135,11 @@ def test_report_fractions_of_peak_follow_the_flop_model(tiny_report):
     cfg = CONFIGS["tiny"].transformer
     peak = report["machine"]["matmul_peak"]
     assert peak["dtype"] == "float32" and len(peak["measurements"]) == CONFIGS["tiny"].repeats + 1
-    assert all(set(m) == {"128", "256"} for m in peak["measurements"])
-    assert peak["flops_per_second"] == max(f for m in peak["measurements"] for f in m.values()) > 0
+    assert all(set(m) == {"klein", "diffusers"} for m in peak["measurements"])
+    assert all(set(by_size) == {"128", "256"} for m in peak["measurements"] for by_size in m.values())
+    for name in ("klein", "diffusers"):
+        assert peak["by_engine"][name] == max(f for m in peak["measurements"] for f in m[name].values()) > 0
+    assert peak["flops_per_second"] == max(peak["by_engine"].values())
     assert f"{peak['flops_per_second'] / 1e9:,.1f} GFLOP/s" in printed
     for case in report["cases"]:
         n = case["tokens"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from klein.bench import peak
 from klein.bench.cases import PROMPT, Case, Mode
 from klein.bench.configs import BenchConfig
 from klein.errors import KleinError
@@ -46,6 +47,10 @@ class KleinEngine:
             kwargs.update(image=images, use_kv=case.mode is Mode.KV)
         out = self.pipe(PROMPT, output_type="np", **kwargs)
         return dict(out.timings), out.images[0]
+
+    def matmul_flops_per_second(self, dtype: str, size: int, repeats: int = 5) -> float:
+        """Best FLOP/s of a jitted XLA product of two size x size matrices (`klein.bench.peak`)."""
+        return peak.matmul_flops_per_second(dtype, size, repeats)
 
     def describe(self) -> dict:
         device = jax.local_devices()[0]
@@ -133,6 +138,17 @@ class DiffusersEngine:
             kwargs["image"] = images
         out = pipe(prompt=PROMPT, latents=self.torch.from_numpy(latents), output_type="np", **kwargs)
         return dict(self.stages), np.asarray(out.images[0], np.float32)
+
+    def matmul_flops_per_second(self, dtype: str, size: int, repeats: int = 5) -> float:
+        """Best FLOP/s of a torch product of two size x size matrices, timed as `klein.bench.peak` does."""
+        torch = self.torch
+        a, b = (torch.randn(size, size, dtype=getattr(torch, dtype), device=self.device) for _ in range(2))
+
+        def product():
+            torch.mm(a, b)
+            self._sync()
+
+        return peak.best_rate(product, 2.0 * size**3, repeats)
 
     def describe(self) -> dict:
         cuda = self.device == "cuda"

@@ -169,8 +169,10 @@ def _heading(report: dict) -> str:
             "",
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; load average (1/5/15 min) "
             f"{_load(m['load_average_before'])} before, {_load(m['load_average_after'])} after. {engines}.",
-            f"Matmul peak ({peak['dtype']}, jitted XLA, best of {len(peak['measurements'])} measurements "
-            f"through the run): {peak['flops_per_second'] / 1e9:,.1f} GFLOP/s.",
+            f"Matmul peak ({peak['dtype']}, best of {len(peak['measurements'])} measurements through the "
+            f"run, each engine's own products): {peak['flops_per_second'] / 1e9:,.1f} GFLOP/s ("
+            + ", ".join(f"{name} {f / 1e9:,.1f}" for name, f in peak["by_engine"].items())
+            + ").",
         ]
     )
 

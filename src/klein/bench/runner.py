@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from klein.bench import cases as C
-from klein.bench import peak, report
+from klein.bench import report
 from klein.bench.configs import BenchConfig
 from klein.bench.engines import DiffusersEngine, KleinEngine
 from klein.bench.memory import PeakRSS
@@ -60,7 +60,7 @@ def run_benchmark(config: BenchConfig, out: Path, repeats: int | None = None, lo
     engines = [KleinEngine(folder, config), DiffusersEngine(folder, config)]
     cases = C.cases(config)
     inputs = [(C.latents(case), C.reference_images(config, case.references)) for case in cases]
-    peaks = [_peak(config, log)]
+    peaks = [_peak(config, engines, log)]
     warmups = []
     for index, (case, (latents, images)) in enumerate(zip(cases, inputs, strict=True)):
         warmups.append(warm_up(case, engines, latents, images))
@@ -68,7 +68,7 @@ def run_benchmark(config: BenchConfig, out: Path, repeats: int | None = None, lo
     runs = [{engine.name: [] for engine in engines} for _ in cases]
     for round_ in range(repeats or config.repeats):
         timed_round(round_, cases, inputs, engines, runs)
-        peaks.append(_peak(config, log))
+        peaks.append(_peak(config, engines, log))
         log(f"round {round_ + 1}/{repeats or config.repeats} done")
     measured = [Measured(c, w, r, d) for c, (w, d), r in zip(cases, warmups, runs, strict=True)]
     for index, m in enumerate(measured):
@@ -87,18 +87,30 @@ def timed_round(round_: int, cases, inputs, engines, runs: list[dict[str, list[R
             runs[index][engine.name].append(_run(engine, cases[index], *inputs[index])[0])
 
 
-def _peak(config: BenchConfig, log: Callable) -> dict[int, float]:
-    by_size = peak.matmul_peak(config.checkpoint.dtype, config.peak_sizes)
-    log("matmul FLOP/s by size: " + ", ".join(f"{n} {f / 1e9:.1f} G" for n, f in by_size.items()))
-    return by_size
+def _peak(config: BenchConfig, engines, log: Callable) -> dict[str, dict[str, float]]:
+    """One measurement: FLOP/s by engine and matrix size (sizes as strings: JSON keys)."""
+    dtype = config.checkpoint.dtype
+    measured = {
+        e.name: {str(n): e.matmul_flops_per_second(dtype, n) for n in config.peak_sizes} for e in engines
+    }
+    log(
+        "matmul FLOP/s by size: "
+        + "; ".join(
+            f"{name} " + ", ".join(f"{n} {f / 1e9:.1f} G" for n, f in by_size.items())
+            for name, by_size in measured.items()
+        )
+    )
+    return measured
 
 
-def _peak_entry(config: BenchConfig, peaks: list[dict[int, float]]) -> dict:
-    """The best FLOP/s of every measurement, and each measurement (sizes as strings: JSON keys)."""
+def _peak_entry(config: BenchConfig, peaks: list[dict[str, dict[str, float]]]) -> dict:
+    """The best FLOP/s of every measurement (the machine's peak), each engine's best, and each measurement."""
+    by_engine = {name: max(max(m[name].values()) for m in peaks) for name in peaks[0]}
     return dict(
         dtype=config.checkpoint.dtype,
-        flops_per_second=max(f for by_size in peaks for f in by_size.values()),
-        measurements=[{str(n): f for n, f in by_size.items()} for by_size in peaks],
+        flops_per_second=max(by_engine.values()),
+        by_engine=by_engine,
+        measurements=peaks,
     )
 
 
