@@ -11,7 +11,9 @@ is the reference KV plus its largest stage:
   denoise step      the prompt embeddings, and a single-stream block's attention:
     residual stream          b * s_q * D
     fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
-    gathered keys, values    2 * b * S_k * D / tensor          (all-gathered under context parallelism)
+    gathered keys, values    4 * b * S_k * D / tensor          (all-gathered under context parallelism;
+                                                               XLA also holds them cut into the
+                                                               attention's key blocks)
     scores and weights, fp32 2 * b * H / tensor * rows * cols * 4 B, one tile of the blocked attention
                              (`klein.models.attention`): rows = min(256, s_q) queries by cols <= 2048
                              keys, on one device and per device on a mesh alike
@@ -259,7 +261,7 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
     live = [
         b * s_q * d * itemsize,  # residual stream
         b * s_q * fused // tensor * itemsize,  # fused projection
-        2 * b * keys * d // tensor * itemsize,  # gathered keys and values
+        4 * b * keys * d // tensor * itemsize,  # gathered keys and values, and their attention blocks
         b * cfg.num_attention_heads // tensor * _score_tile(s_q, keys) * 4 * 2,  # scores, weights
     ]
     if sharding.ways(mesh, "embed") > 1:
