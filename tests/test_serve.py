@@ -184,9 +184,8 @@ def test_load_many_clients_and_reference_sets_within_the_budget(client, url):
         after[f"klein_reference_cache_{k}_total"] - before[f"klein_reference_cache_{k}_total"]
         for k in ("hits", "misses")
     )
-    assert (
-        lookups >= 48
-    )  # every request looked its set up (whether 6 clients over 4 sets hit is up to timing)
+    # Every request looked its set up (whether 6 clients over 4 sets hit is up to timing).
+    assert lookups >= 48
     assert not any(key.startswith('klein_requests_total{status="5') for key in after)
     assert httpx.get(url + "/healthz").json()["status"] == "ok"
 

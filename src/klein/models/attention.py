@@ -15,9 +15,9 @@ linear in tokens. The keys are cut into even blocks (the last one shorter) once,
 query blocks, and the loop body folds them in one after another: no key is padded, so attention without
 ranks never evaluates a mask, and no key block is copied again per query block (both cost 10-25% at
 2.5k-5.6k tokens on two CPU cores, `benchmarks/attention_speed.py`). XLA holds the cut blocks beside
-the keys and values: memory stays linear in tokens (`klein.plan` counts them). One key block reproduces the
-query-blocked path (2.5x faster than XLA's dense attention at 5.6k tokens), so text-to-image at 1024^2
-pays no rescaling.
+the keys and values: memory stays linear in tokens (`klein.plan` counts them). One key block
+reproduces the query-blocked path (2.5x faster than XLA's dense attention at 5.6k tokens), so
+text-to-image at 1024^2 pays no rescaling.
 
 On a device mesh the same kernel runs per device inside `shard_map` (context parallelism): queries keep
 their split along tokens (context), batch (data) and heads (tensor) while keys and values are gathered
@@ -121,10 +121,9 @@ def _blocked(q, k, v, q_rank, k_rank):
     q = q.reshape(q_count, b, -1, groups * q_size, dh)  # [Q, B, K, G * q, Dh]: a key head's queries
     k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, Sk, Dh]
     # Key blocks are cut once, before the loop over query blocks; no key is padded.
-    starts = range(0, sk, k_size)
     blocks = [
         (k[:, :, s : s + k_size], v[:, :, s : s + k_size], k_rank[:, s : s + k_size] if masked else None)
-        for s in starts
+        for s in range(0, sk, k_size)
     ]
 
     def one(args):
