@@ -10,6 +10,7 @@ import torch
 from flax import nnx
 
 from klein.io.transformer_file import load_transformer_file
+from klein.models.stacks import as_float
 from klein.pipeline import load_pipeline
 from tests.fixtures import lora_files as lf
 from tests.fixtures.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
@@ -111,7 +112,12 @@ def test_each_lora_moves_the_image(pipes, loras, layout):
 
 
 def _kernels(state) -> dict:
-    return {path: np.asarray(v.get_value(), np.float32) for path, v in nnx.to_flat_state(state)}
+    return {path: np.asarray(_stored(v), np.float32) for path, v in nnx.to_flat_state(state)}
+
+
+def _stored(variable) -> np.ndarray:
+    """A weight as the float array it stands for (stacks keep their bits, `klein.models.stacks`)."""
+    return as_float(np.asarray(variable.get_value()))
 
 
 @pytest.mark.parametrize("names", [("lora_down", "lora_up"), ("lora_A", "lora_B")])
@@ -184,13 +190,13 @@ def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
     file = write_safetensors(tmp_path / "flux-2-klein-tiny-fp8.safetensors", tensors, metadata)
     parts = dict(transformer=file, text_encoder=folder, vae=folder / "vae")
     fp8 = load_pipeline(**parts)
-    original = {p: v.get_value() for p, v in nnx.to_flat_state(fp8._weights.state)}
+    original = {p: _stored(v) for p, v in nnx.to_flat_state(fp8._weights.state)}
     qkv = "double_blocks.0.img_attn.qkv"
     lora = lf.random_lora({qkv: lf.linear_shapes(fp8.config, "bfl")[qkv]}, 4, 1)
     spec = [(lf.write_bfl(tmp_path / "qkv.safetensors", lora), 0.7)]
     fp8.set_loras(spec)
     widened = _kernels(load_pipeline(**parts, dequantize=True, loras=spec)._weights.state)
-    state = {p: v.get_value() for p, v in nnx.to_flat_state(fp8._weights.state)}
+    state = {p: _stored(v) for p, v in nnx.to_flat_state(fp8._weights.state)}
     touched = {
         p for p in state if p[:3] in {("transformer_blocks", "attn", n) for n in ("to_q", "to_k", "to_v")}
     }
@@ -205,8 +211,8 @@ def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
     assert np.isfinite(image).all()
     fp8.set_loras([])
     for path, value in nnx.to_flat_state(fp8._weights.state):
-        assert value.get_value().dtype == original[path].dtype
-        np.testing.assert_array_equal(np.asarray(value.get_value()), np.asarray(original[path]))
+        assert _stored(value).dtype == original[path].dtype
+        np.testing.assert_array_equal(_stored(value), original[path])
 
 
 def test_gguf_base_merges_after_dequantisation(pipes, tmp_path):

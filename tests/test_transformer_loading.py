@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from klein.errors import CheckpointError
 from klein.io.transformer_checkpoint import expected_transformer_keys, load_transformer
+from klein.models.stacks import as_float
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
 
 # The transformer configs of the published checkpoints (black-forest-labs/FLUX.2-klein-*/transformer).
@@ -38,7 +39,7 @@ COMMON = dict(
 
 
 def _flat(model):
-    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+    return {p: as_float(np.asarray(v.get_value())) for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
 @pytest.mark.parametrize(

@@ -150,7 +150,7 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
     """The last single block over the kept rows only == the block over every token, rows kept after;
     with one-per-image or per-token modulation and a masked (padded) key. Keys come from every token:
     changing a token outside the rows moves the result."""
-    _, block = T._last_apart(models[0].single_transformer_blocks)
+    block = T._block(models[0].single_transformer_blocks, models[0].cfg.num_single_layers - 1)
     rng = np.random.default_rng(10)
     d, tokens = block.width, 11
     x = jnp.asarray(rng.standard_normal((2, tokens, d)), jnp.float32)
@@ -173,7 +173,7 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_last_block_keys_values_equal_the_whole_block(models, per_token):
     """A prefill's last single block computes only its keys and values: the same as the whole block's."""
-    _, block = T._last_apart(models[0].single_transformer_blocks)
+    block = T._block(models[0].single_transformer_blocks, models[0].cfg.num_single_layers - 1)
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.standard_normal((1, 9, block.width)), jnp.float32)
     mod = jnp.asarray(rng.standard_normal((1, 9 if per_token else 1, 3 * block.width)) * 0.3, jnp.float32)

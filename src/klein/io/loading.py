@@ -3,7 +3,8 @@
 A module's own parameter paths name the checkpoint keys: `("attn", "to_q", "kernel")` is
 `attn.to_q.weight`. Differences are declared, not coded per layer:
 - `stacked`: dotted module prefixes whose parameters carry a leading layer axis (scanned layers);
-  layer `i` of `blocks.attn.to_q.kernel` is checkpoint key `blocks.{i}.attn.to_q.weight`;
+  layer `i` of `blocks.attn.to_q.kernel` is checkpoint key `blocks.{i}.attn.to_q.weight`. Stacks are
+  kept in their stored form (bf16 and float8 as their bits, `klein.models.stacks`);
 - `key_map`: a function for the few renames left (e.g. diffusers' `to_out.0`);
 - `skip`: a predicate naming checkpoint keys that are deliberately not loaded.
 Every other checkpoint key must be used exactly once and every parameter must be found; anything
@@ -21,6 +22,7 @@ from flax import nnx
 
 from klein.errors import CheckpointError
 from klein.io.safetensors import TensorSource
+from klein.models.stacks import as_bits
 
 # NNX leaf names -> PyTorch parameter names.
 _LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
@@ -76,7 +78,7 @@ def load_module(
     for path, variable in flat:
         keys, layers = plan[path]
         host = _read(source, path, keys, layers, variable.get_value(), dtype)
-        loaded.append((path, variable.replace(place(path, host))))
+        loaded.append((path, variable.replace(place(path, as_bits(host) if layers else host))))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 

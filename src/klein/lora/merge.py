@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from klein.lora.targets import Update
+from klein.models.stacks import as_bits, as_float
 
 Weighted = tuple[Update, float]
 """An update and the user's strength for its LoRA."""
@@ -106,7 +107,7 @@ class MergedWeights:
         if path not in self._base:
             scale = flat.get(_scale_path(path))
             self._base[path] = (
-                np.asarray(jax.device_get(flat[path].get_value())),
+                as_float(np.asarray(jax.device_get(flat[path].get_value()))),
                 None if scale is None else np.asarray(jax.device_get(scale.get_value())),
             )
 
@@ -116,8 +117,10 @@ def _scale_path(kernel_path: tuple) -> tuple:
 
 
 def _set(flat, path: tuple, kernel, scale) -> None:
-    """Replace a kernel (and its FP8 scale) in place, on the devices and shards the old value had."""
+    """Replace a kernel (and its FP8 scale) in place, on the devices and shards the old value had, and
+    in its stored form (stacks keep their bits, `klein.models.stacks`)."""
     for key, value in ((path, kernel), (_scale_path(path), scale)):
         if value is not None:
-            variable = flat[key]
-            variable.set_value(jax.device_put(value, variable.get_value().sharding))
+            old = flat[key].get_value()
+            stored = as_bits(value) if as_float(old).dtype != old.dtype else value
+            flat[key].set_value(jax.device_put(stored, old.sharding))

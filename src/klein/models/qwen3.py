@@ -7,7 +7,7 @@ The embedding is Hugging Face's `hidden_states[k]` for k in (9, 18, 27) - the ra
 k decoder layers, before any final norm - concatenated on the feature axis: float[B, L, S * D].
 Parameter paths follow the `Qwen3ForCausalLM` checkpoint keys (`model.embed_tokens`,
 `model.layers.N.self_attn.q_proj`, ...); the decoder layers are stacked on a leading T axis and run
-with `jax.lax.scan`, so compile time does not grow with depth. The final norm and `lm_head` are not
+one at a time (`klein.models.stacks`), so compile time does not grow with depth. The final norm and `lm_head` are not
 part of the module: the embedding never reaches them.
 """
 
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from klein.models import stacks
 from klein.models.attention import MASKED, attention
 from klein.models.qwen3_config import Qwen3Config
 
@@ -135,7 +136,6 @@ def hidden_states(
     rope = _rope_tables(x.shape[1], encoder.config, x.dtype)
     ranks = _attention_ranks(attention_mask)
     graphdef, state = nnx.split(model.layers)
-    state = jax.tree.map(lambda w: w[: len(slots)], state)
 
     def step(carry, layer):
         x, collected = carry
@@ -145,7 +145,7 @@ def hidden_states(
         return (x, jax.lax.dynamic_update_index_in_dim(collected, x, slot, 0)), None
 
     collected = jnp.zeros((len(layers) + 1, *x.shape), x.dtype)
-    (_, collected), _ = jax.lax.scan(step, (x, collected), (state, jnp.asarray(slots)))
+    (_, collected), _ = stacks.scan(step, (x, collected), (state, jnp.asarray(slots)), len(slots))
     return collected[:-1]
 
 

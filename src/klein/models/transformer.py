@@ -15,7 +15,8 @@ Ways to run (explicit functions, no mode strings):
   modulation, the reference tokens attending only to themselves (how the reference implementation runs
   step 0); a check on the cache.
 
-Layers are stacked and run with `jax.lax.scan`: compile time no longer grows with depth.
+Layers are stacked and run one at a time (`klein.models.stacks`): compile time does not grow with depth,
+and the stacks are sliced inside the loop, never copied.
 
 Under context parallelism (a mesh in JAX's context) each token stream (text, image + references,
 references alone) is padded with zero tokens to a multiple of the `context` size, so that it splits
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from klein.models import stacks
 from klein.models.attention import MASKED, attention, isolated_span_attention
 from klein.models.blocks import DoubleBlock, SingleBlock
 from klein.models.layers import AdaNormOut, Modulation, TimeGuidanceEmbed, linear
@@ -40,7 +42,8 @@ from klein.sharding import REFERENCE_KV, TOKENS, constrain, ways
 
 
 class ReferenceKV(NamedTuple):
-    """Per-layer keys and values of the reference tokens, after QK-norm and RoPE. No batch axis.
+    """Per-layer keys and values of the reference tokens, after QK-norm and RoPE. No batch axis. Stacks in
+    their stored form (bf16 as its bits, `klein.models.stacks`).
 
     R counts the padding a context-parallel prefill adds (see the module docstring); `key_rank` then
     ranks it `MASKED` (int32[1, R], 0 for the references), and is None where there is none."""
@@ -85,24 +88,29 @@ class Flux2Transformer(nnx.Module):
         )
         self.norm_out = AdaNormOut(d, cfg.eps, rngs, dtype)
         self.proj_out = linear(d, cfg.in_channels, rngs, dtype)
-        # Scan unroll factor; `True` unrolls every layer (only for measuring compile time).
-        self.scan_unroll = 1
 
 
-def _scan(model, blocks, body, carry, xs=None):
-    """Run `body(block, carry, layer_xs) -> (carry, ys)` over a stack of blocks.
+def _scan(blocks, body, carry, count: int, xs=None):
+    """Run `body(block, carry, layer_xs) -> (carry, ys)` over the first `count` blocks of a stack; `xs`
+    are per-layer stacks (reference keys and values) or None.
 
     The carry is token streams float[B, S, D]; pinning their layout at every layer keeps batch and
     tokens split (data / context parallelism) instead of leaving it to propagation.
     """
     graphdef, params = nnx.split(blocks)
 
-    def step(carry, inputs):
-        layer_params, layer_xs = inputs
+    def step(carry, layers):
+        layer_params, layer_xs = layers
         carry = jax.tree.map(lambda x: constrain(x, TOKENS), carry)
         return body(nnx.merge(graphdef, layer_params), carry, layer_xs)
 
-    return jax.lax.scan(step, carry, (params, xs), unroll=model.scan_unroll)
+    return stacks.scan(step, carry, (params, xs), count)
+
+
+def _block(blocks, index: int):
+    """Block `index` of a stack, as a module of its own."""
+    graphdef, params = nnx.split(blocks)
+    return nnx.merge(graphdef, stacks.layer(params, index))
 
 
 def _modulations(model, t):
@@ -185,30 +193,19 @@ def _run(model, img, txt, mods, rope, rows, attend=_always_full, kv=None, last_a
         img, txt, _ = block(img, txt, img_mod, txt_mod, rope, attend(layer_kv))
         return (img, txt), None
 
-    (img, txt), _ = _scan(model, model.transformer_blocks, double, (img, txt), kv_double)
+    doubles, last = model.cfg.num_layers, model.cfg.num_single_layers - 1
+    (img, txt), _ = _scan(model.transformer_blocks, double, (img, txt), doubles, kv_double)
 
     def single(block, x, layer_kv):
         return block(x, single_mod, rope, attend(layer_kv))[0], None
 
-    blocks, last = _last_apart(model.single_transformer_blocks)
-    kv_head, kv_last = (None, None) if kv_single is None else _last_apart_arrays(kv_single)
-    x, _ = _scan(model, blocks, single, jnp.concatenate([txt, img], 1), kv_head)
+    blocks = model.single_transformer_blocks
+    x, _ = _scan(blocks, single, jnp.concatenate([txt, img], 1), last, kv_single)
     first = txt.shape[1] + rows[0]
     start, stop = _covering(first, rows[1], x.shape[1], _context_ways())
-    last_attend = last_attend or attend(kv_last)
-    h = last.rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
+    last_attend = last_attend or attend(None if kv_single is None else stacks.layer(kv_single, last))
+    h = _block(blocks, last).rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
     return h[:, first - start : first - start + rows[1]]
-
-
-def _last_apart(blocks):
-    """(the stacked blocks but the last, the last block) of a stack built by `_stack`."""
-    graphdef, params = nnx.split(blocks)
-    head, last = _last_apart_arrays(params)
-    return nnx.merge(graphdef, head), nnx.merge(graphdef, last)
-
-
-def _last_apart_arrays(tree):
-    return jax.tree.map(lambda a: a[:-1], tree), jax.tree.map(lambda a: a[-1], tree)
 
 
 def _covering(first: int, count: int, total: int, multiple: int) -> tuple[int, int]:
@@ -258,18 +255,21 @@ def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
 
     def double(block, x, _):
         x, _, (k, v) = block(x, None, img_mod, None, refs.rope, attend)
-        return x, (k[0], v[0])
+        return x, (stacks.as_bits(k[0]), stacks.as_bits(v[0]))
 
-    h, (double_k, double_v) = _scan(model, model.transformer_blocks, double, h)
+    h, (double_k, double_v) = _scan(model.transformer_blocks, double, h, model.cfg.num_layers)
 
     def single(block, x, _):
         x, (k, v) = block(x, single_mod, refs.rope, attend)
-        return x, (k[0], v[0])
+        return x, (stacks.as_bits(k[0]), stacks.as_bits(v[0]))
 
     # The last block's output is never read: it computes its keys and values alone.
-    blocks, last = _last_apart(model.single_transformer_blocks)
-    h, (single_k, single_v) = _scan(model, blocks, single, h)
-    last_k, last_v = last.keys_values(constrain(h, TOKENS), single_mod, refs.rope)
+    blocks, last = model.single_transformer_blocks, model.cfg.num_single_layers - 1
+    h, (single_k, single_v) = _scan(blocks, single, h, last)
+    last_k, last_v = (
+        stacks.as_bits(a)
+        for a in _block(blocks, last).keys_values(constrain(h, TOKENS), single_mod, refs.rope)
+    )
     # The last block's batch axis of one becomes its layer axis in the stacks.
     single_k, single_v = jnp.concatenate([single_k, last_k]), jnp.concatenate([single_v, last_v])
     # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.

@@ -1,0 +1,65 @@
+"""Stacks of layers: weights (and reference keys / values) with a leading layer axis L, run one layer at a
+time inside `jax.lax.scan`, so that compile time does not grow with depth.
+
+A stack narrower than 32 bits is kept as its bit pattern: bfloat16 as uint16, float8_e4m3fn as uint8
+(`as_bits`), and each layer is viewed as its float type again once it has been sliced out (`layer`).
+XLA:CPU has no bfloat16 or float8 slicing: it widens the whole stack to float32 to cut one layer out of
+it and hoists that conversion out of the loop, so a bf16 transformer would hold its weights twice more
+(docs/design.md, "Memory"). Slicing integers is native on every backend and a bit cast is free, so the
+bit form costs nothing elsewhere. Arrays of 32 bits or more are kept as they are.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+# Float type -> the unsigned integer of its width; and back.
+_BITS = {
+    np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16),
+    np.dtype(ml_dtypes.float8_e4m3fn): np.dtype(np.uint8),
+}
+_FLOATS = {bits: floating for floating, bits in _BITS.items()}
+
+
+def as_bits(array):
+    """`array` (NumPy or JAX) in its stored form: the bit pattern of a bf16 / float8 array, else itself."""
+    bits = _BITS.get(np.dtype(array.dtype))
+    if bits is None:
+        return array
+    if isinstance(array, np.ndarray):
+        return array.view(bits)  # no copy
+    return jax.lax.bitcast_convert_type(array, bits)
+
+
+def as_float(array):
+    """The float array whose stored form (`as_bits`) `array` is; any other array as it is."""
+    floating = _FLOATS.get(np.dtype(array.dtype))
+    if floating is None:
+        return array
+    if isinstance(array, np.ndarray):
+        return array.view(floating)
+    return jax.lax.bitcast_convert_type(array, floating)
+
+
+def layer(stack, index):
+    """Layer `index` (static or traced) of every array of the pytree `stack`, as floats."""
+    return jax.tree.map(lambda a: as_float(jax.lax.dynamic_index_in_dim(a, index, keepdims=False)), stack)
+
+
+def depth(stack) -> int:
+    """The number of layers of a stack (the leading axis of its arrays)."""
+    return jax.tree.leaves(stack)[0].shape[0]
+
+
+def scan(body, carry, stacks, count: int):
+    """`body(carry, layers) -> (carry, ys)` over layers 0..count-1 of `stacks` (a pytree of stacks),
+    each layer sliced from the whole stacks inside the loop: running a prefix of a stack copies nothing.
+    Returns (carry, ys stacked on a new leading axis)."""
+
+    def step(carry, index):
+        return body(carry, layer(stacks, index))
+
+    return jax.lax.scan(step, carry, jnp.arange(count))
