@@ -14,6 +14,7 @@ from klein import setting_kinds as kinds
 from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.request import GenerationRequest, settings_of, short_name
+from klein.residency import AUTO, CHOICES
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,6 +34,7 @@ class GenerateRequest:
     out: str | None = None
     overwrite: bool = False
     dtype: str | None = None
+    residency: str | None = None
     transformer: str | None = None
     text_encoder: str | None = None
     vae: str | None = None
@@ -99,7 +101,18 @@ def add_model_flags(add) -> None:
         default=None,
         help="FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
     )
-    add("--dtype", choices=tuple(DTYPES), help="compute dtype (default: float32)")
+    add(
+        "--dtype",
+        choices=tuple(DTYPES),
+        help="compute dtype (default: the checkpoint's own, bfloat16 for every published klein file)",
+    )
+    add(
+        "--residency",
+        choices=CHOICES,
+        help="which models stay on the device: all (fastest), sequential (text encoder and transformer "
+        "take turns: the largest model alone must fit), auto (default: the first that fits, chosen before "
+        "any weight is read)",
+    )
     add("--mesh", help='shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single')
 
 
@@ -107,7 +120,8 @@ def model_arguments(flags) -> dict:
     """`klein.load_pipeline`'s keyword arguments (all but the source) from the flags `add_model_flags`
     declares, as either command parsed them."""
     return dict(
-        dtype=flags.dtype or "float32",
+        dtype=flags.dtype,
+        residency=flags.residency or AUTO,
         transformer=flags.transformer,
         text_encoder=flags.text_encoder,
         vae=flags.vae,
@@ -135,6 +149,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "out": ("out", kinds.read_text),
     "overwrite": ("overwrite", kinds.read_bool),
     "dtype": ("dtype", kinds.read_text),
+    "residency": ("residency", kinds.read_text),
     "transformer": ("transformer", kinds.read_text),
     "text_encoder": ("text_encoder", kinds.read_text),
     "vae": ("vae", kinds.read_text),

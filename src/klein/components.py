@@ -9,19 +9,25 @@ checkpoint every part must be named, except the tokenizer, which the text encode
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
-from klein import checkpoints, sharding, text, variants
+import numpy as np
+
+from klein import checkpoints, dtypes, sharding, text, variants
 from klein.errors import CheckpointError, InputError
+from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_checkpoint import load_text_encoder
 from klein.io.text_encoder_checkpoint import read_config as read_text_encoder_config
 from klein.io.transformer_checkpoint import load_transformer
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.io.vae_checkpoint import load_vae, load_vae_file
+from klein.io.vae_checkpoint import read_config as read_vae_config
 from klein.models.qwen3 import Qwen3TextEncoder
+from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
-from klein.models.vae import AutoencoderKLFlux2
+from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,49 +41,103 @@ class Parts:
 
 
 @dataclasses.dataclass(frozen=True)
-class Components:
+class Located:
+    """Where each part of a pipeline is, and what it holds, read from configs and file headers alone:
+    no weight is read until a `load_*` function is called."""
+
     name: str
     variant: variants.Variant
-    transformer: Flux2Transformer
-    vae: AutoencoderKLFlux2
-    text_encoder: Qwen3TextEncoder
-    tokenizer: text.PromptTokenizer
+    transformer: Path
+    text_encoder: Path
+    vae: Path
+    tokenizer: Path
+    config: TransformerConfig
+    text_config: Qwen3Config
+    vae_config: VAEConfig
+    stored_dtype: np.dtype
+    """The float dtype the transformer's weights are stored in (FP8 files: bfloat16, their compute dtype)."""
+    fp8: bool
+    """Whether the transformer file holds FP8 weights (kept FP8 in memory unless dequantised)."""
 
 
-def load_components(source, parts: Parts, dtype, variant=None, dequantize=False, mesh=None) -> Components:
-    """Load every part; `variant` names the transformer's variant explicitly, `dequantize` widens FP8
-    weights, `mesh` (a jax Mesh or None) places every weight straight onto its shards."""
+def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
+    """Find every part, read its config, and check (before any weight is read) that the mesh, if any,
+    splits the models evenly."""
     root, name = _checkpoint(source, parts)
     named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
     if named["tokenizer"] is None:
         named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
-    transformer_path = _locate(named["transformer"])
+    transformer = _locate(named["transformer"])
     encoder_folder = _text_encoder_folder(_part(named["text_encoder"], "text_encoder"))
-    _check_fits(mesh, transformer_path, encoder_folder)
-    place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS)
-    chosen, transformer = _transformer(transformer_path, dtype, variant, dequantize, place)
-    place_encoder = sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS)
-    return Components(
+    config = file_config(transformer) if transformer.is_file() else _folder_config(transformer)
+    text_config = read_text_encoder_config(encoder_folder)
+    _check_fits(mesh, config, text_config)
+    vae = _part(named["vae"], "vae")
+    return Located(
         name=str(parts.transformer) if parts.transformer else name,
-        variant=chosen,
+        variant=_variant(transformer, config, variant),
         transformer=transformer,
-        vae=_vae(_part(named["vae"], "vae"), dtype, sharding.placer(mesh)),
-        text_encoder=load_text_encoder(encoder_folder, dtype, place=place_encoder),
-        tokenizer=text.load_tokenizer(_part(named["tokenizer"], "tokenizer")),
+        text_encoder=encoder_folder,
+        vae=vae,
+        tokenizer=_part(named["tokenizer"], "tokenizer"),
+        config=config,
+        text_config=text_config,
+        vae_config=VAEConfig.flux2() if vae.is_file() else read_vae_config(vae / "config.json"),
+        **_stored(transformer),
     )
 
 
-def _check_fits(mesh, transformer: Path, text_encoder: Path) -> None:
+def load_transformer_part(located: Located, dtype, dequantize=False, mesh=None) -> Flux2Transformer:
+    place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS)
+    path = located.transformer
+    if path.is_file():
+        return load_transformer_file(path, dtype, place=place, dequantize=dequantize)
+    return load_transformer(_transformer_folder(path), dtype, place=place)
+
+
+def load_text_encoder_part(located: Located, dtype, mesh=None) -> Qwen3TextEncoder:
+    return load_text_encoder(
+        located.text_encoder, dtype, place=sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS)
+    )
+
+
+def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:
+    path = located.vae
+    return (load_vae_file if path.is_file() else load_vae)(path, dtype, place=sharding.placer(mesh))
+
+
+def load_tokenizer_part(located: Located) -> text.PromptTokenizer:
+    return text.load_tokenizer(located.tokenizer)
+
+
+def _check_fits(mesh, config: TransformerConfig, text_config: Qwen3Config) -> None:
     """Fail before reading any weight when the mesh cannot split the models evenly."""
     if mesh is None:
         return
-    if transformer.is_file():
-        config = file_config(transformer)
-    else:
-        config = TransformerConfig.from_file(_transformer_folder(transformer) / "config.json")
     sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(config))
-    encoder = read_text_encoder_config(text_encoder)
-    sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(encoder))
+    sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(text_config))
+
+
+def _folder_config(path: Path) -> TransformerConfig:
+    return TransformerConfig.from_file(_transformer_folder(path) / "config.json")
+
+
+def _stored(path: Path) -> dict:
+    """`stored_dtype`: the float dtype most of the transformer's weights are stored in, FP8 and GGUF files
+    computing in bf16, the precision their weights were quantised from; `fp8`: whether it holds FP8."""
+    if path.suffix.lower() == ".gguf":
+        return dict(stored_dtype=dtypes.dtype("bfloat16"), fp8=False)
+    if path.is_file():
+        source = TensorSource.from_file(path)
+    else:
+        source = TensorSource.from_folder(_transformer_folder(path), "diffusion_pytorch_model")
+    stored = Counter(source.dtype(key) for key in source.keys())
+    name = max(_STORED, key=lambda kind: sum(stored[code] for code in _STORED[kind]))
+    return dict(stored_dtype=dtypes.dtype(name), fp8=stored["F8_E4M3"] > 0)
+
+
+# The safetensors dtype codes stored for each compute dtype.
+_STORED = {"bfloat16": ("BF16", "F16", "F8_E4M3", "F8_E5M2"), "float32": ("F32", "F64")}
 
 
 def _checkpoint(source, parts: Parts) -> tuple[Path | None, str | None]:
@@ -121,19 +181,12 @@ def _transformer_folder(path: Path) -> Path:
     return path / "transformer" if (path / "model_index.json").is_file() else path
 
 
-def _transformer(path: Path, dtype, variant, dequantize, place):
+def _variant(path: Path, config: TransformerConfig, variant: str | None) -> variants.Variant:
     if path.is_file():
-        chosen = variants.from_file(path, file_config(path), variant)  # before reading any weight
-        return chosen, load_transformer_file(path, dtype, place=place, dequantize=dequantize)
-    pipeline = (path / "model_index.json").is_file()
-    model = load_transformer(_transformer_folder(path), dtype, place=place)
-    if pipeline and variant is None:  # a whole pipeline's index says which variant it is
-        return variants.detect(path, model.cfg), model
-    return variants.from_file(path, model.cfg, variant), model
-
-
-def _vae(path: Path, dtype, place):
-    return (load_vae_file if path.is_file() else load_vae)(path, dtype, place=place)
+        return variants.from_file(path, config, variant)
+    if (path / "model_index.json").is_file() and variant is None:  # a pipeline's index says which
+        return variants.detect(path, config)
+    return variants.from_file(path, config, variant)
 
 
 def _text_encoder_folder(path: Path) -> Path:

@@ -27,6 +27,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from klein import admission, components, denoise, dtypes, images, modes, plan, sampling, sharding, text
+from klein import residency as residency_policy
+from klein.cache import ByteBudgetCache
+from klein.device_weights import Weights
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
 from klein.lora.files import LoraInfo
@@ -41,25 +44,32 @@ from klein.paths import klein_home
 from klein.references import References
 from klein.request import GenerationRequest, Settings, as_images
 from klein.timing import Stages
-from klein.variants import Variant
 
 
 class Compiled:
     """`fn(module, *args)` jitted over (weights, args) with the module graph static.
 
     Weights are arguments rather than closed-over constants, so XLA neither embeds nor copies them,
-    and one compilation per input shape serves every call. With a mesh, tracing sees it, so the
-    model's logical sharding constraints resolve against it.
+    and one compilation per input shape serves every call. They are asked for at every call
+    (`weights()` -> (graphdef, state)), so that the residency policy can move them in between. With a
+    mesh, tracing sees it, so the model's logical sharding constraints resolve against it.
     """
 
-    def __init__(self, fn, module: nnx.Module, mesh=None):
-        graphdef, self.state = nnx.split(module)
+    def __init__(self, fn, weights, mesh=None):
+        self._weights = weights
         self._mesh = mesh
-        self._jit = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
+        self._jit = jax.jit(
+            lambda graphdef, state, *args: fn(nnx.merge(graphdef, state), *args), static_argnums=0
+        )
+
+    @property
+    def state(self) -> nnx.State:
+        return self._weights()[1]
 
     def __call__(self, *args):
+        graphdef, state = self._weights()
         with sharding.use(self._mesh):
-            return self._jit(self.state, *args)
+            return self._jit(graphdef, state, *args)
 
 
 @dataclasses.dataclass
@@ -71,17 +81,31 @@ class GenerationOutput:
     """What ran (`klein.request.Settings`): the PNG metadata is written from it."""
 
 
+PROMPT_CACHE_BYTES = 256 * 2**20
+"""Default prompt-cache budget under a residency policy that moves the text encoder (about 20 klein-9b
+prompts)."""
+
+
 class Flux2KleinPipeline:
     def __init__(
-        self, name: str, variant: Variant, transformer, vae, text_encoder, tokenizer, dtype, mesh=None
+        self, located: components.Located, models: dict, tokenizer, dtype, mesh, policy: str, sizes: dict
     ):
-        self.name, self.variant, self.dtype, self.tokenizer = name, variant, dtype, tokenizer
-        self.config, self.mesh = transformer.cfg, mesh
-        self.text_config, self.vae_config = text_encoder.config, vae.config
-        self._text = Compiled(qwen3.prompt_embeddings, text_encoder, mesh)
+        """`models`: the text encoder, transformer and VAE weights (`klein.device_weights.Weights`) by name;
+        `policy`: the residency policy that moves them (`klein.residency`); `sizes`: each model's weight
+        bytes per device."""
+        self.name, self.variant, self.dtype, self.tokenizer = located.name, located.variant, dtype, tokenizer
+        self.config, self.text_config, self.vae_config = (
+            located.config,
+            located.text_config,
+            located.vae_config,
+        )
+        self.mesh, self.residency, self._models, self.weight_bytes = mesh, policy, models, sizes
+        self._text = Compiled(qwen3.prompt_embeddings, self._hold(residency_policy.TEXT_ENCODER), mesh)
+        vae = self._hold(residency_policy.VAE)
         self._encode = Compiled(vae_model.encode_latents, vae, mesh)
         self._decode = Compiled(_decode_replicated, vae, mesh)
         self._decode_tiled = Compiled(_decode_tiled_replicated, vae, mesh)
+        transformer = self._hold(residency_policy.TRANSFORMER)
         self._prefill = Compiled(T.prefill, transformer, mesh)
         self._steps = {
             Mode(conditioning, guided): Compiled(
@@ -90,17 +114,34 @@ class Flux2KleinPipeline:
             for conditioning, velocity in denoise.VELOCITY.items()
             for guided in (False, True)
         }
-        for compiled in self._steps.values():  # one transformer state, which LoRAs update in place
-            compiled.state = self._prefill.state
-        self._weights = MergedWeights(self._prefill.state, dtype)
+        # One transformer state, which LoRAs update in place (and merge again after it is read again).
+        self._weights = MergedWeights(lambda: transformer()[1], dtype)
+        models[residency_policy.TRANSFORMER].loaded = lambda state: self._weights.merge_again()
         self.loras: tuple[LoraInfo, ...] = ()
         """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
-        self.prompt_cache = None
+        self.prompt_cache = None if policy == "all" else ByteBudgetCache(PROMPT_CACHE_BYTES)
         """None, or a cache whose `get(key, compute)` returns compute()'s value, kept or not: then
-        `encode_prompt` reuses each prompt's embeddings under (`weights_id`, prompt)."""
+        `encode_prompt` reuses each prompt's embeddings under (`weights_id`, prompt). Under a policy that
+        moves the text encoder off the device, a byte-bounded one by default: a new prompt alone brings it
+        back."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
+
+    def _hold(self, name: str):
+        """`() -> (graphdef, state)` of model `name`, on the device, after moving off the models the
+        residency policy does not hold beside it."""
+
+        def weights():
+            beside = set().union(
+                *(together for together in residency_policy.POLICIES[self.residency] if name in together)
+            )
+            for other, model in self._models.items():
+                if other not in beside:
+                    model.release()
+            return self._models[name].get()
+
+        return weights
 
     @property
     def weights_id(self) -> str:
@@ -165,7 +206,9 @@ class Flux2KleinPipeline:
         run = self._resolve(request, sizes)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
         tiled = self._admit(run)
-        # 4. Reference encoding (VAE, and the prefill for cached references).
+        # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
+        txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
+        # 5. Reference encoding (VAE, and the prefill for cached references).
         references = request.references
         if prepared:
             references = self._encode_references(
@@ -173,8 +216,7 @@ class Flux2KleinPipeline:
             )
         elif references is not None and references.cached and references.weights_id != self.weights_id:
             references = self._prefilled(references, stages)  # cached under other weights (LoRAs)
-        # 5. Text, 6. noise, 7. denoising, 8. decoding.
-        txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
+        # 6. Noise, 7. denoising, 8. decoding.
         h, w = run.request.height, run.request.width
         x = self._initial_noise(request.latents, run.request.seed, run.images, h // 16, w // 16)
         x = stages.run("denoise", self._denoise, x, txt, references, run, progress)
@@ -185,7 +227,9 @@ class Flux2KleinPipeline:
         decoded = np.asarray(decoded)
         # 9. Output, with the record of what ran.
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
-        settings = Settings(run.request, run.mode, self.name, self.variant.name, tuple(sizes), self.loras)
+        settings = Settings(
+            run.request, run.mode, self.name, self.variant.name, tuple(sizes), self.loras, self.residency
+        )
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
     def check(self, request: GenerationRequest, reference_sizes=()) -> None:
@@ -237,9 +281,10 @@ class Flux2KleinPipeline:
             guided=run.mode.guided,
         )
         if self.memory_limit is None:
-            limit, where = admission.available_bytes(
-                self.mesh.local_devices if self.mesh else jax.local_devices()[:1]
-            )
+            free, where = admission.available_bytes(self._devices())
+            # Free memory counts the weights held now; the policy may hold more (or less) while this runs.
+            held = sum(size for name, size in self.weight_bytes.items() if self._models[name].resident)
+            limit = free + held - residency_policy.resident_weights(self.residency, self.weight_bytes)
         else:
             limit, where = self.memory_limit, "allowed (memory_limit)"
         estimate = functools.partial(
@@ -257,6 +302,9 @@ class Flux2KleinPipeline:
         tiled = estimate(tiled_decode=True)
         admission.check(tiled if tiled.peak < plain.peak else plain, limit, where)
         return True
+
+    def _devices(self) -> list:
+        return self.mesh.local_devices if self.mesh else jax.local_devices()[:1]
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
@@ -395,7 +443,7 @@ def _as_pil(image) -> PIL.Image.Image:
 
 def load_pipeline(
     source: str | Path | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
     *,
     mesh: str | None = None,
     transformer: str | Path | None = None,
@@ -405,6 +453,7 @@ def load_pipeline(
     variant: str | None = None,
     dequantize: bool = False,
     loras: Sequence = (),
+    residency: str = residency_policy.AUTO,
 ):
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
@@ -413,19 +462,59 @@ def load_pipeline(
     to `dtype` at load instead of keeping them FP8. `loras` are merged into the transformer (see
     `Flux2KleinPipeline.set_loras`: each a path or repo id, `"path:scale"` or `(path, scale)`).
 
+    dtype: "float32" or "bfloat16"; None (the default) computes in the precision the checkpoint stores
+    (bfloat16 for every published klein file). Norms, softmax statistics and the sampler's latents are
+    float32 whatever the dtype.
+
+    residency: "all" keeps every model on the device, "sequential" lets the text encoder and the
+    transformer take turns, "auto" (the default) picks the first that fits the memory there is, before any
+    weight is read (`klein.residency`); a load that fits under no policy is refused then, with the estimate.
+
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
     Each weight is placed on its shards as it is read.
     """
-    jdtype = dtypes.dtype(dtype)
+    residency_policy.check_policy(residency)
     read = [read_lora(spec) for spec in loras]  # a bad LoRA file fails before the model loads
     device_mesh = sharding.make_mesh(mesh)
     _enable_compilation_cache()
-    parts = components.Parts(transformer, text_encoder, vae, tokenizer)
-    c = components.load_components(source, parts, jdtype, variant, dequantize, device_mesh)
-    pipe = Flux2KleinPipeline(
-        c.name, c.variant, c.transformer, c.vae, c.text_encoder, c.tokenizer, jdtype, device_mesh
+    located = components.locate(
+        source, components.Parts(transformer, text_encoder, vae, tokenizer), variant, device_mesh
     )
+    jdtype = located.stored_dtype if dtype is None else dtypes.dtype(dtype)
+    sizes = plan.model_bytes(
+        located.config,
+        located.text_config,
+        located.vae_config,
+        _planning_mesh(device_mesh),
+        jdtype.itemsize,
+        fp8=located.fp8 and not dequantize,
+    )
+    devices = device_mesh.local_devices if device_mesh else jax.local_devices()[:1]
+    limit, where = admission.available_bytes(devices)
+    typical = plan.typical_request(located.variant)
+    request = plan.request_memory(
+        located.config,
+        located.text_config,
+        located.vae_config,
+        _planning_mesh(device_mesh),
+        typical,
+        jdtype.itemsize,
+    ).peak
+    policy = residency_policy.choose(residency, sizes, request, limit, where)
+    models = {
+        residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
+            located, jdtype, dequantize, device_mesh
+        ),
+        residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
+        residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
+            located, jdtype, device_mesh
+        ),
+    }
+    first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now
+    weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
+    tokenizer_ = components.load_tokenizer_part(located)
+    pipe = Flux2KleinPipeline(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes)
     if read:
         pipe.set_loras(read)
     return pipe

@@ -208,10 +208,45 @@ def _configs(variant: str, dtype: str) -> tuple[TransformerConfig, Qwen3Config]:
 
 
 @functools.cache
-def _abstract_models(cfg: TransformerConfig, text_config: Qwen3Config) -> tuple[nnx.Module, ...]:
+def _abstract_models(
+    cfg: TransformerConfig, text_config: Qwen3Config, vae_config: VAEConfig = FLUX2_VAE
+) -> tuple[nnx.Module, ...]:
     """Transformer, text encoder (the layers that run) and VAE as shapes only; read, never changed."""
-    vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(FLUX2_VAE, rngs=nnx.Rngs(0)))
+    vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(vae_config, rngs=nnx.Rngs(0)))
     return abstract_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
+
+
+def model_bytes(
+    cfg: TransformerConfig,
+    text_config: Qwen3Config,
+    vae_config: VAEConfig,
+    mesh,
+    itemsize: int,
+    fp8: bool = False,
+) -> dict[str, int]:
+    """Weight bytes per device of each model ("text_encoder", "transformer", "vae") in `itemsize`-byte
+    floats; `fp8`: the transformer's Linear kernels are kept in one byte each (FP8 files)."""
+    transformer, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
+    kernel = 1 if fp8 else itemsize
+    return dict(
+        text_encoder=_weights(text_encoder, sharding.TEXT_ENCODER_PARAMS, mesh, itemsize)[0],
+        transformer=_weights(transformer, sharding.TRANSFORMER_PARAMS, mesh, itemsize, kernel)[0],
+        vae=_weights(vae, (), mesh, itemsize)[0],
+    )
+
+
+def typical_request(variant) -> Workload:
+    """What a pipeline is planned for before it knows its requests: one 1024x1024 image, no references,
+    with CFG where the variant runs it."""
+    return Workload(
+        images=1,
+        prompts=1 if variant.distilled else 2,
+        height=1024,
+        width=1024,
+        reference_tokens=0,
+        cached=False,
+        guided=not variant.distilled,
+    )
 
 
 def _check_fits(mesh, variant: str, cfg, text_config) -> None:
@@ -230,13 +265,16 @@ def _shard_bytes(shape: tuple, axes: tuple, mesh, itemsize: int) -> int:
     return math.prod(shard) * itemsize
 
 
-def _weights(abstract: nnx.Module, table, mesh, itemsize: int) -> tuple[int, int]:
-    """(bytes per device, parameter count) of a module whose weights are cast to `itemsize` bytes."""
+def _weights(abstract: nnx.Module, table, mesh, itemsize: int, kernel: int | None = None) -> tuple[int, int]:
+    """(bytes per device, parameter count) of a module whose weights are cast to `itemsize` bytes (its
+    Linear kernels to `kernel` bytes, when given)."""
     per_device = count = 0
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
         value = variable.get_value()
         # Only Params are cast on loading; the VAE's BatchNorm statistics keep their float32.
         size = itemsize if isinstance(variable, nnx.Param) else np.dtype(value.dtype).itemsize
+        if kernel is not None and path[-1] == "kernel" and value.ndim >= 2:
+            size = kernel
         per_device += _shard_bytes(value.shape, sharding.param_axes(path, table), mesh, size)
         count += math.prod(value.shape)
     return per_device, count

@@ -213,6 +213,8 @@ class Settings:
     """(height, width) px of each prepared reference."""
     loras: tuple[LoraInfo, ...] = ()
     """The LoRAs merged into the transformer: name, scale, sha256 of the file."""
+    residency: str = "all"
+    """The residency policy the pipeline ran under (`klein.residency`); it changes no pixel."""
 
     @property
     def images(self) -> int:
@@ -234,6 +236,7 @@ class Settings:
             mode=str(self.mode),
             model=self.model,
             variant=self.variant,
+            residency=self.residency,
             reference_sizes=",".join(f"{w}x{h}" for h, w in self.reference_sizes),
             index=f"{index + 1} of {self.images}",
             **(

@@ -66,14 +66,15 @@ def load_module(
 
     Floating-point parameters are cast to `dtype`; with `dtype=None` each keeps the abstract module's
     own dtype (how FP8 kernels stay float8 next to their float32 scales).
-    `place(path, host_array)` puts one parameter on its device(s); the default is `jnp.asarray`.
+    `place(path, host_array)` puts one parameter on its device(s); the default, `jax.device_put`, takes
+    the host array as it is on CPU (it is allocated aligned for that): loading holds each weight once.
     """
     stacked = tuple(stacked)
     graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
     plan = _plan(flat, stacked, key_map)
     _check_keys(plan, source, skip)
-    place = place or (lambda path, array: jnp.asarray(array))
+    place = place or (lambda path, array: jax.device_put(array))
     loaded = []
     for path, variable in flat:
         keys, layers = plan[path]
@@ -140,7 +141,7 @@ def _listing(keys: list[str]) -> str:
 def _read(source, path, keys, layers, abstract, dtype) -> np.ndarray:
     floating = jnp.issubdtype(abstract.dtype, jnp.floating)
     target_dtype = np.dtype(dtype) if floating and dtype is not None else abstract.dtype
-    out = np.empty(abstract.shape, dtype=target_dtype)
+    out = _aligned_empty(abstract.shape, target_dtype)
     for i, key in enumerate(keys):
         want = abstract.shape[1:] if layers else abstract.shape
         shape = source.shape(key)
@@ -155,6 +156,16 @@ def _read(source, path, keys, layers, abstract, dtype) -> np.ndarray:
         else:
             out[...] = value
     return out
+
+
+def _aligned_empty(shape: tuple, dtype, alignment: int = 64) -> np.ndarray:
+    """`np.empty` whose data starts on an `alignment`-byte boundary: XLA:CPU then uses the buffer in place
+    (`jax.device_put` copies a less aligned one, holding the weight twice while it does)."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(size + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 def _torch_shape(path: tuple, shape: tuple) -> tuple:

@@ -71,14 +71,25 @@ def _merged_into(stack, layer, kernel, scale, down, up):
 
 
 class MergedWeights:
-    """The transformer's weights (an `nnx.State`, shared by everything that runs the transformer) with one
-    set of LoRA updates merged in. Values are replaced in place, one kernel at a time, so the device holds
-    at most one stack twice while merging."""
+    """The transformer's weights (an `nnx.State`, shared by everything that runs the transformer, from
+    `weights()`) with one set of LoRA updates merged in. Values are replaced in place, one kernel at a time,
+    so the device holds at most one stack twice while merging."""
 
-    def __init__(self, state: nnx.State, dtype):
-        self.state = state
+    def __init__(self, weights, dtype):
+        self._weights = weights
         self._dtype = dtype
         self._base: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
+        self._updates: list[Weighted] = []
+
+    @property
+    def state(self) -> nnx.State:
+        return self._weights()
+
+    def merge_again(self) -> None:
+        """The weights were read again from the checkpoint (residency): merge the current set into them."""
+        self._base = {}
+        if self._updates:
+            self.merge(self._updates)
 
     @property
     def base_bytes(self) -> int:
@@ -87,6 +98,7 @@ class MergedWeights:
 
     def merge(self, updates: list[Weighted]) -> None:
         """Make `self.state` the original weights with exactly `updates` merged (earlier merges undone)."""
+        self._updates = list(updates)
         by_path: dict[tuple, list[Weighted]] = defaultdict(list)
         for update, strength in updates:
             by_path[update.path].append((update, strength))

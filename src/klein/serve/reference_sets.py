@@ -23,9 +23,9 @@ import threading
 import jax
 import numpy as np
 
+from klein.cache import ByteBudgetCache, arrays
 from klein.errors import InputError
 from klein.references import References
-from klein.serve.cache import ByteBudgetCache, arrays
 from klein.timing import StageClock
 
 MAX_IDS = 4096  # ids remembered; each is a few digests, the arrays live (or not) in the cache

@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 
 from klein import modes
+from klein.cache import ByteBudgetCache
 from klein.errors import InputError
 from klein.modes import Conditioning
 from klein.serve import batching, errors, generation
-from klein.serve.cache import ByteBudgetCache
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage, ReferenceSets
@@ -60,7 +60,12 @@ class Service:
         return results
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.pipe.name, "variant": self.pipe.variant.name}
+        return {
+            "status": "ok",
+            "model": self.pipe.name,
+            "variant": self.pipe.variant.name,
+            "residency": self.pipe.residency,
+        }
 
     def config(self) -> dict:
         """GET /v1/config: the limits and defaults a client (the web page) needs."""

@@ -1,0 +1,91 @@
+"""One model's weights on the device, or off it, as the residency policy (`klein.residency`) moves them.
+
+Off the device the weights live in host memory (`pinned_host`) where the backend has a host memory of its
+own (GPU, TPU): bringing them back is one transfer. Where the device memory is the host memory (CPU),
+holding them elsewhere would save nothing, so they are dropped and read again from the memory-mapped
+checkpoint when next needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+
+class Weights:
+    """One model's weights: on the device while held, else in host memory or nowhere (read again).
+
+    `read()` reads the model from its checkpoint onto the device; `loaded(state)` hears of every time
+    the weights come back (a LoRA set is merged again after a read)."""
+
+    def __init__(self, name: str, read: Callable[[], nnx.Module], module: nnx.Module | None = None):
+        self.name = name
+        self._read = read
+        self._graphdef, self._state = nnx.split(module) if module is not None else (None, None)
+        self._host = None
+        self.loaded: Callable[[nnx.State], None] = lambda state: None
+        self.reads = 0 if module is None else 1
+        """Times the weights were read from the checkpoint (tests and metrics)."""
+
+    @property
+    def resident(self) -> bool:
+        return self._state is not None
+
+    def get(self) -> tuple[nnx.GraphDef, nnx.State]:
+        """(graph, weights), the weights on the device."""
+        if self._state is None:
+            if self._host is not None:
+                self._state, self._host = _to_device(self._host), None
+            else:
+                self._graphdef, self._state = nnx.split(self._read())
+                self.reads += 1
+            self.loaded(self._state)
+        return self._graphdef, self._state
+
+    def release(self) -> None:
+        """Free the device memory: keep a host copy where the backend has host memory, else drop them."""
+        if self._state is None:
+            return
+        if _host_memory(self._state) is not None:
+            self._host = _to_host(self._state)
+        for leaf in jax.tree.leaves(self._state):
+            leaf.delete()
+        self._state = None
+
+
+def _host_memory(state) -> str | None:
+    """The memory kind that keeps arrays in host memory beside the device's, or None (CPU: one memory)."""
+    leaf = jax.tree.leaves(state)[0]
+    device = next(iter(leaf.devices()))
+    if device.platform == "cpu":
+        return None
+    kinds = {memory.kind for memory in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def _to_host(state):
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("pinned_host")), state)
+
+
+def _to_device(state):
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")), state)
+
+
+def _host_memory(state) -> str | None:
+    """The memory kind that keeps arrays in host memory beside the device's, or None (CPU: one memory)."""
+    leaf = jax.tree.leaves(state)[0]
+    device = next(iter(leaf.devices()))
+    if device.platform == "cpu":
+        return None
+    kinds = {memory.kind for memory in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def _to_host(state):
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("pinned_host")), state)
+
+
+def _to_device(state):
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")), state)

@@ -1,0 +1,70 @@
+"""Residency: which of a pipeline's models hold device memory when (docs/design.md, "Residency").
+
+A pipeline has three models: the text encoder (needed once per new prompt), the transformer (reference
+prefill and every denoising step) and the VAE (reference encoding and decoding; small). A policy names
+the sets of them that may be on the device together:
+- `all`: everything, all the time (fastest when memory is ample);
+- `sequential`: the text encoder and the transformer take turns; the VAE stays (it is 1% of the
+  weights). A model is moved off only when the other one is needed, so a request whose prompt is cached
+  (`Flux2KleinPipeline.prompt_cache`) and whose references are encoded moves nothing.
+- `auto` (the default) is the first of these whose planned peak fits the memory there is, chosen before
+  any weight is read.
+
+Off the device a model's weights live in host memory, or nowhere (`klein.device_weights`).
+"""
+
+from __future__ import annotations
+
+from klein.errors import CannotFitError, InputError
+
+TEXT_ENCODER, TRANSFORMER, VAE = "text_encoder", "transformer", "vae"
+MODELS = (TEXT_ENCODER, TRANSFORMER, VAE)
+
+# The sets of models each policy may hold at once, in `auto`'s order of preference.
+POLICIES: dict[str, tuple[frozenset[str], ...]] = {
+    "all": (frozenset(MODELS),),
+    "sequential": (frozenset({TEXT_ENCODER, VAE}), frozenset({TRANSFORMER, VAE})),
+}
+AUTO = "auto"
+CHOICES = (AUTO, *POLICIES)
+
+
+def check_policy(name: str) -> str:
+    if name not in CHOICES:
+        raise InputError(f"residency must be one of {', '.join(CHOICES)}, got {name!r}")
+    return name
+
+
+def resident_weights(policy: str, sizes: dict[str, int]) -> int:
+    """The most weight bytes `policy` holds at once, given each model's bytes."""
+    return max(sum(sizes[model] for model in together) for together in POLICIES[policy])
+
+
+def peaks(sizes: dict[str, int], request: int) -> dict[str, int]:
+    """Planned peak bytes under each policy: its largest resident set plus `request`'s own bytes."""
+    return {policy: resident_weights(policy, sizes) + request for policy in POLICIES}
+
+
+def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: str) -> str:
+    """`policy`, or under `auto` the first policy that fits `limit`; a `CannotFitError` naming the
+    estimates, the limit and what would fit when the asked policy (or, under auto, every policy) does not."""
+    planned = peaks(sizes, request)
+    fitting = [name for name, peak in planned.items() if peak <= limit]
+    chosen = (fitting[0] if fitting else None) if policy == AUTO else policy
+    if chosen in fitting:
+        return chosen
+    estimates = ", ".join(f"{name} {_gib(peak)}" for name, peak in planned.items())
+    advice = (
+        f"use --residency {fitting[0]}"
+        if fitting
+        else "use a smaller model or the FP8 transformer file, or a device with more memory"
+    )
+    asked = "no residency policy fits" if policy == AUTO else f"residency {policy} does not fit"
+    raise CannotFitError(
+        f"{asked}: the weights and a {_gib(request)} request need about {estimates}, more than the "
+        f"{_gib(limit)} {where}; {advice}"
+    )
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
