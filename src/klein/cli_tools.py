@@ -14,25 +14,77 @@ from klein.dtypes import DTYPES
 from klein.errors import InputError
 
 PLAN_DESCRIPTION = """\
-Per-device memory of a klein variant on a device mesh, from the real configs alone (no weights, no
-devices): weights and the reference KV cache exactly, peak activations as an estimate."""
+Per-device memory of a klein model on a device mesh, from its configs alone (no weights are read, nothing
+is allocated): weights and the reference KV cache exactly, peak activations as an estimate; then the
+peak under each residency policy (all: every model resident; sequential: the text encoder and the
+transformer take turns) and which one `auto` picks on a device of --device-memory bytes or a named
+--device (default: what this machine's first device has free now).
+
+devices: {devices}"""
+
+# Nominal memory of common devices, less about 1 GiB that the driver and runtime keep for themselves.
+DEVICES = {
+    "rtx-3090": 24,
+    "rtx-4080": 16,
+    "rtx-4090": 24,
+    "rtx-5090": 32,
+    "l4": 24,
+    "a100-40gb": 40,
+    "a100-80gb": 80,
+    "h100-80gb": 80,
+    "h200": 141,
+    "tpu-v5e": 16,
+    "tpu-v6e": 32,
+    "tpu-v5p": 95,
+}
+RESERVED_GIB = 1
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="klein plan", description=PLAN_DESCRIPTION)
+    parser = Parser(
+        prog="klein plan",
+        description=PLAN_DESCRIPTION.format(devices=", ".join(DEVICES)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add = parser.add_argument
     add(
         "--model",
         required=True,
-        help="variant: klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b",
+        help="a published variant (klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b), or what "
+        "klein generate --model takes: a diffusers-layout folder or repo id",
     )
     add("--mesh", default="single", help='axis sizes, e.g. "fsdp=4,context=2" (default: single)')
     add("--refs", type=int, default=0, help="reference images (default: 0)")
     add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
     add("--ref-size", type=_pixels, metavar="WxH", help="size of each reference (default: --size)")
     add("--batch", type=int, default=1, help="images per request (default: 1)")
-    add("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights (default: bfloat16)")
+    add(
+        "--dtype",
+        choices=tuple(DTYPES),
+        help="weights (default: the checkpoint's own; bfloat16 for the published variants)",
+    )
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--device-memory", type=_bytes, metavar="SIZE", help="device memory, e.g. 24GiB or 16GB"
+    )
+    memory.add_argument(
+        "--device", choices=tuple(DEVICES), metavar="NAME", help="a device by name (see above)"
+    )
+    add("--json", action="store_true", help="print the plan as JSON, for tools")
     return parser
+
+
+def _bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    number = text.strip().lower().rstrip("bgikm")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB or 16GB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the device memory must be positive, got {text!r}")
+    return int(value)
 
 
 def _pixels(text: str) -> tuple[int, int]:
@@ -43,12 +95,51 @@ def _pixels(text: str) -> tuple[int, int]:
 
 
 def plan_command(flags: argparse.Namespace) -> int:
-    """Print the per-device memory plan of `klein plan`."""
-    from klein.plan import describe, plan
+    """Print the per-device memory plan of `klein plan`: a table, or JSON with --json."""
+    import json
 
-    memory = plan(flags.model, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, flags.dtype)
-    print(describe(memory))
+    from klein import plan
+
+    variant, models, dtype = _plan_model(flags.model, flags.dtype)
+    memory = plan.plan(
+        variant, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models
+    )
+    limit, where = _device_memory(flags)
+    print(
+        json.dumps(plan.as_json(memory, limit, where), indent=2)
+        if flags.json
+        else plan.describe(memory, limit, where)
+    )
     return 0
+
+
+def _plan_model(model: str, dtype: str | None):
+    """(name, `klein.plan.Models` or None for a published variant, dtype) of --model."""
+    from klein.variants import VARIANTS
+
+    if model in VARIANTS:
+        return model, None, dtype or "bfloat16"
+    from klein import components, plan
+
+    located = components.locate(model, components.Parts())
+    models = plan.Models(
+        located.config, located.text_config, located.vae_config, located.variant, located.fp8
+    )
+    return located.variant.name, models, dtype or located.stored_dtype.name
+
+
+def _device_memory(flags) -> tuple[int, str]:
+    if flags.device_memory is not None:
+        return flags.device_memory, "given"
+    if flags.device is not None:
+        return (
+            DEVICES[flags.device] - RESERVED_GIB
+        ) * 2**30, f"{flags.device}, less {RESERVED_GIB} GiB for the runtime"
+    import jax
+
+    from klein.admission import available_bytes
+
+    return available_bytes(jax.local_devices()[:1])
 
 
 BENCH_DESCRIPTION = """\

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from klein import dtypes, sharding
+from klein import dtypes, residency, sharding
 from klein.errors import InputError
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
@@ -45,7 +45,7 @@ from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
-from klein.variants import VARIANTS
+from klein.variants import VARIANTS, Variant
 
 FLUX2_VAE = VAEConfig.flux2()
 TEXT_TOKENS = 512
@@ -155,6 +155,12 @@ class MemoryPlan:
     def total(self) -> int:
         return self.transformer + self.text_encoder + self.vae + self.memory.peak
 
+    @property
+    def policies(self) -> dict[str, int]:
+        """Peak bytes per device under each residency policy (`klein.residency`), `all` = `total`."""
+        sizes = dict(transformer=self.transformer, text_encoder=self.text_encoder, vae=self.vae)
+        return residency.peaks(sizes, self.memory.peak)
+
 
 def plan(
     variant: str,
@@ -164,16 +170,19 @@ def plan(
     ref_size: tuple[int, int] | None = None,
     batch: int = 1,
     dtype: str = "bfloat16",
+    models: Models | None = None,
 ) -> MemoryPlan:
-    """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each."""
-    cfg, text_config = _configs(variant, dtype)
+    """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
+    published `variant`, or for the checkpoint `models` describes (its configs, read from its files)."""
+    models = models or _published(variant, dtype)
+    cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
     ref_size = ref_size or size
     if batch < 1 or refs < 0 or min(*size, *ref_size) < 16:
         raise InputError("plan needs batch >= 1, refs >= 0 and sizes of at least 16x16 px")
     ref_tokens = refs * _tokens(ref_size)
     _check_fits(abstract, variant, cfg, text_config)
-    chosen, e = VARIANTS[variant], dtypes.itemsize(dtype)
+    chosen, e = models.variant, dtypes.itemsize(dtype)
     work = Workload(
         images=batch,
         prompts=1 if chosen.distilled else 2,
@@ -183,19 +192,34 @@ def plan(
         cached=chosen.kv and ref_tokens > 0,
         guided=not chosen.distilled,
     )
-    modules = _abstract_models(cfg, text_config)
-    transformer, params = _weights(modules[0], sharding.TRANSFORMER_PARAMS, abstract, e)
+    sizes = model_bytes(cfg, text_config, models.vae, abstract, e, models.fp8)
     return MemoryPlan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
         devices=math.prod(abstract.shape.values()),
         request=f"{batch} x {size[0]}x{size[1]} px, {refs} reference(s) of {ref_size[0]}x{ref_size[1]} px, {dtype}",
-        transformer_params=params,
-        transformer=transformer,
-        text_encoder=_weights(modules[1], sharding.TEXT_ENCODER_PARAMS, abstract, e)[0],
-        vae=_weights(modules[2], (), abstract, e)[0],
-        memory=request_memory(cfg, text_config, FLUX2_VAE, abstract, work, e),
+        transformer_params=_weights(_abstract_models(cfg, text_config)[0], (), abstract, 1)[1],
+        transformer=sizes["transformer"],
+        text_encoder=sizes["text_encoder"],
+        vae=sizes["vae"],
+        memory=request_memory(cfg, text_config, models.vae, abstract, work, e),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """What a plan needs to know of a checkpoint: its configs and variant, and whether FP8 stays FP8."""
+
+    transformer: TransformerConfig
+    text_encoder: Qwen3Config
+    vae: VAEConfig
+    variant: Variant
+    fp8: bool = False
+
+
+def _published(variant: str, dtype: str) -> Models:
+    cfg, text_config = _configs(variant, dtype)
+    return Models(cfg, text_config, FLUX2_VAE, VARIANTS[variant])
 
 
 def _configs(variant: str, dtype: str) -> tuple[TransformerConfig, Qwen3Config]:
@@ -362,8 +386,9 @@ def _score_tile(queries: int, keys: int) -> int:
     return min(QUERY_BLOCK, queries) * -(-keys // key_blocks)
 
 
-def describe(p: MemoryPlan) -> str:
-    """The plan as a table for people."""
+def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
+    """The plan as a table for people; with a device's `limit` in bytes (`where` it comes from), which
+    policies fit it and which one `auto` picks."""
     rows = [
         ("transformer weights", p.transformer, f"{p.transformer_params / 1e9:.2f} B params"),
         ("text encoder weights", p.text_encoder, ""),
@@ -382,7 +407,35 @@ def describe(p: MemoryPlan) -> str:
     head = f"{p.variant} on mesh {p.mesh} ({p.devices} device{'s' * (p.devices > 1)}): {p.request}"
     lines = [head, "per device:"]
     lines += [f"  {name:<27}{_gib(value):>10}  {note}".rstrip() for name, value, note in rows]
+    lines.append("peak per device under each residency policy:")
+    notes = {"all": "every model resident", "sequential": "text encoder and transformer take turns"}
+    for policy, peak in p.policies.items():
+        fits = "" if limit is None else ("fits" if peak <= limit else "does not fit")
+        lines.append(f"  {policy:<27}{_gib(peak):>10}  {notes[policy]}{'; ' + fits if fits else ''}")
+    if limit is not None:
+        chosen = next((name for name, peak in p.policies.items() if peak <= limit), None)
+        lines.append(f"auto on {_gib(limit)} ({where}): {chosen or 'nothing fits'}")
     return "\n".join(lines)
+
+
+def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
+    """The plan for tools: bytes per device, each policy's peak, and `auto`'s choice on `limit`."""
+    policies = [
+        dict(name=name, peak_bytes=peak, fits=None if limit is None else peak <= limit)
+        for name, peak in p.policies.items()
+    ]
+    return dict(
+        variant=p.variant,
+        mesh=p.mesh,
+        devices=p.devices,
+        request=p.request,
+        transformer_params=p.transformer_params,
+        weights=dict(transformer=p.transformer, text_encoder=p.text_encoder, vae=p.vae),
+        request_bytes=dict(p.memory.parts(), peak=p.memory.peak),
+        policies=policies,
+        device_memory=None if limit is None else dict(bytes=limit, source=where),
+        auto=None if limit is None else next((x["name"] for x in policies if x["fits"]), None),
+    )
 
 
 def _gib(value: int) -> str:
