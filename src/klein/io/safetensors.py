@@ -6,6 +6,7 @@ one tensor at a time instead of holding it twice in host memory.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -84,30 +85,57 @@ class TensorSource:
         return merged
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
-        """Tensor `key`, or only `rows` of its first axis (read without the rest: parts of fused tensors)."""
+        """Tensor `key`, or only `rows` (a contiguous slice) of its first axis, read from the file into a
+        new array. Plain reads, not the memory map: mapped pages would count in the process's resident
+        memory until the file is closed, a second copy of the checkpoint while a model loads."""
         path = self._file_of[key]
         try:
-            if self.dtype(key) in _FLOAT8:
-                whole = _float8_view(path, key, _FLOAT8[self.dtype(key)])
-                return np.array(whole if rows is None else whole[rows])
-            if rows is None:
-                return self._handles[path].get_tensor(key)
-            return self._handles[path].get_slice(key)[rows]
-        except (SafetensorError, OSError, ValueError) as exc:
+            header, data_start = _header(path)
+            entry = header[key]
+            dtype = np.dtype(_DTYPES[entry["dtype"]])
+            shape = list(entry["shape"])
+            offset = data_start + entry["data_offsets"][0]
+            if rows is not None:
+                start, stop, step = rows.indices(shape[0] if shape else 0)
+                if step != 1:
+                    raise ValueError("rows must be a contiguous slice")
+                row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+                offset, shape[0] = offset + start * row, max(stop - start, 0)
+            count = int(np.prod(shape, dtype=np.int64))
+            return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(shape)
+        except (KeyError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{key}' ({exc})") from None
 
 
-# safetensors' numpy reader has no float8 types (numpy itself has none); these are read from the file directly.
-_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+# safetensors dtype names -> NumPy dtypes (bfloat16 and float8 from ml_dtypes).
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
-def _float8_view(path: Path, key: str, dtype) -> np.ndarray:
-    """Memory-mapped tensor: the file is 8 bytes of header length, the JSON header, then the data."""
+def _header(path: Path) -> tuple[dict, int]:
+    """(the JSON header, where the data starts): a file is 8 bytes of header length, the header, the data.
+    Parsed once per version of the file."""
+    stat = path.stat()
+    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(path: Path, mtime_ns: int, size: int) -> tuple[dict, int]:
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(size))[key]
-    offset = 8 + size + entry["data_offsets"][0]
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(entry["shape"]))
+        return json.loads(f.read(size)), 8 + size
 
 
 def _open(path: Path):
