@@ -493,14 +493,18 @@ def load_pipeline(
     devices = device_mesh.local_devices if device_mesh else jax.local_devices()[:1]
     limit, where = admission.available_bytes(devices)
     typical = plan.typical_request(located.variant)
-    request = plan.request_memory(
-        located.config,
-        located.text_config,
-        located.vae_config,
-        _planning_mesh(device_mesh),
-        typical,
-        jdtype.itemsize,
-    ).peak
+    request = min(  # the decode runs tiled where only that fits (`_admit`)
+        plan.request_memory(
+            located.config,
+            located.text_config,
+            located.vae_config,
+            _planning_mesh(device_mesh),
+            typical,
+            jdtype.itemsize,
+            tiled_decode=tiled,
+        ).peak
+        for tiled in (False, True)
+    )
     policy = residency_policy.choose(residency, sizes, request, limit, where)
     models = {
         residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
