@@ -5,14 +5,22 @@ is written once, on first use, to `$KLEIN_HOME/demo-v2` (default `~/.cache/klein
 real checkpoint has, and loaded through the same code. Its images are noise-like: the weights are
 random. Weights are drawn from the key/shape lists our own loaders expect, so the folder is complete;
 diffusers loads the same folder (the benchmarks write larger ones with `write_checkpoint`).
+
+A component larger than one shard (2 GiB by default) is written as Hugging Face shards,
+`<prefix>-00001-of-0000N.safetensors` listed in `<prefix>.safetensors.index.json`, one tensor at a time
+and drawn in blocks of rows, so that writing a full-size checkpoint (klein-9b-kv: 17 GiB of transformer)
+holds a few hundred MB, not the component. The draws are the same either way: a component holds the same
+tensors whether it is written as one file or as shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +39,10 @@ from klein.paths import klein_home
 
 # v2: uniform instead of normal weights, drawn ~10x faster (the benchmarks write billions).
 VERSION = "demo-v2"
+SHARD_BYTES = 2 * 2**30
+"""Tensor bytes per shard at most (a tensor larger than that gets a shard of its own)."""
+DRAW_BYTES = 128 * 2**20
+"""float32 bytes drawn at once when a sharded component is written (a block of one tensor's rows)."""
 TRANSFORMER = dict(
     _class_name="Flux2Transformer2DModel",
     patch_size=1,
@@ -98,6 +110,9 @@ class RandomCheckpoint:
     """`model_index.json` class: Flux2KleinKVPipeline (KV weights) or Flux2KleinPipeline."""
     dtype: str = "float32"
     """dtype of the stored tensors: float32 or bfloat16."""
+    vocab_size: int | None = None
+    """The text encoder's vocabulary (rows of its embedding), over `text_encoder`'s: e.g. Qwen3's published
+    151936 for full-size shapes. The tiny tokenizer's ids (< 320) index any vocabulary at least that large."""
 
 
 DEMO = RandomCheckpoint(TRANSFORMER, VAE, text_encoder_config(32, 64, 28, 4, 2, 8))
@@ -111,32 +126,53 @@ def ensure_demo() -> Path:
     return ensure_checkpoint(demo_home(), DEMO)
 
 
-def ensure_checkpoint(home: Path, spec: RandomCheckpoint) -> Path:
-    """`home`, written with `spec` on first use (atomically: a half-written folder is never left behind)."""
+Progress = Callable[[Path, int, int], None]
+"""Called after each file of a component is written: (the file, tensor bytes of the component written so
+far, the component's tensor bytes)."""
+
+
+def ensure_checkpoint(
+    home: Path, spec: RandomCheckpoint, *, shard_bytes: int = SHARD_BYTES, progress: Progress | None = None
+) -> Path:
+    """`home`, written with `spec` on first use (atomically: a half-written folder is never left behind,
+    not even when interrupted)."""
     if (home / "model_index.json").is_file():
         return home
     home.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=home.parent))
     try:
-        write_checkpoint(staging, spec)
+        write_checkpoint(staging, spec, shard_bytes=shard_bytes, progress=progress)
         staging.rename(home)
-    except OSError:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if not (home / "model_index.json").is_file():  # another process may have won the race
+        # another process may have won the race
+        if not (isinstance(exc, OSError) and (home / "model_index.json").is_file()):
             raise
     return home
 
 
-def write_checkpoint(folder: Path, spec: RandomCheckpoint, seed: int = 0) -> None:
-    """Write every component of `spec` with random weights to `folder` (which may exist, empty)."""
+def write_checkpoint(
+    folder: Path,
+    spec: RandomCheckpoint,
+    seed: int = 0,
+    *,
+    shard_bytes: int = SHARD_BYTES,
+    progress: Progress | None = None,
+) -> None:
+    """Write every component of `spec` with random weights to `folder` (which may exist, empty).
+
+    A component of more than `shard_bytes` is written as shards of at most that (see the module
+    docstring); the tensors are the same as in one file.
+    """
     rng = np.random.default_rng(seed)
     dtype = dtypes.dtype(spec.dtype)
     vocab = _write_tokenizer(folder / "tokenizer")
-    _write_component(folder / "transformer", spec.transformer, _transformer_shapes(spec), rng, dtype)
-    _write_component(folder / "vae", spec.vae, _vae_shapes(spec), rng, dtype)
-    text_config = {"vocab_size": vocab, **spec.text_encoder}
-    text_shapes = _text_encoder_shapes(text_config)
-    _write_component(folder / "text_encoder", text_config, text_shapes, rng, dtype, "model")
+    text_config = text_encoder_config_of(spec, vocab)
+    shapes = tensor_shapes(spec, vocab)
+    write = dict(rng=rng, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
+    _write_component(folder / "transformer", spec.transformer, shapes["transformer"], **write)
+    _write_component(folder / "vae", spec.vae, shapes["vae"], **write)
+    _write_component(folder / "text_encoder", text_config, shapes["text_encoder"], prefix="model", **write)
     _write_json(
         folder / "scheduler" / "scheduler_config.json",
         dict(
@@ -159,6 +195,24 @@ def write_checkpoint(folder: Path, spec: RandomCheckpoint, seed: int = 0) -> Non
     )
 
 
+def text_encoder_config_of(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict:
+    """The text encoder's `config.json`: `spec.text_encoder` with its `vocab_size` (`spec.vocab_size`, else
+    the dict's own, else the tokenizer's)."""
+    config = {"vocab_size": tokenizer_vocab, **spec.text_encoder}
+    if spec.vocab_size is not None:
+        config["vocab_size"] = spec.vocab_size
+    return config
+
+
+def tensor_shapes(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict[str, dict[str, tuple]]:
+    """Checkpoint keys and shapes of each component ("transformer", "vae", "text_encoder") of `spec`."""
+    return dict(
+        transformer=_transformer_shapes(spec),
+        vae=_vae_shapes(spec),
+        text_encoder=_text_encoder_shapes(text_encoder_config_of(spec, tokenizer_vocab)),
+    )
+
+
 def _transformer_shapes(spec: RandomCheckpoint) -> dict:
     return expected_transformer_keys(TransformerConfig.from_diffusers(spec.transformer))
 
@@ -171,7 +225,10 @@ def _vae_shapes(spec: RandomCheckpoint) -> dict:
 def _text_encoder_shapes(config: dict) -> dict:
     cfg = Qwen3Config.from_hf_config(config)
     shapes = expected_shapes(abstract_text_encoder(cfg, cfg.num_hidden_layers), STACKED)
-    return {**shapes, "model.norm.weight": (cfg.hidden_size,)}
+    shapes["model.norm.weight"] = (cfg.hidden_size,)
+    if not cfg.tie_word_embeddings:  # stored apart from the embedding (as Qwen3-8B is); never loaded
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
 
 
 def _random(key: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
@@ -186,11 +243,102 @@ def _random(key: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
     return (0.1 * rng.standard_normal(shape)).astype(np.float32)
 
 
-def _write_component(folder: Path, config: dict, shapes: dict, rng, dtype, prefix="diffusion_pytorch_model"):
+def _random_blocks(key: str, shape: tuple, rng: np.random.Generator, dtype, block_bytes: int) -> Iterator:
+    """`_random(key, shape, rng).astype(dtype)` as consecutive blocks of rows, each drawn as float32 of at
+    most about `block_bytes`. The draws come from `rng` in the same order, so the values are the same."""
+    if key.endswith("running_var") or len(shape) < 2:
+        yield _random(key, shape, rng).astype(dtype)
+        return
+    row = int(np.prod(shape[1:]))
+    bound = np.float32(np.sqrt(3.0 / row))  # as `_random`
+    step = max(1, block_bytes // (4 * row))
+    for start in range(0, shape[0], step):
+        block = (min(step, shape[0] - start), *shape[1:])
+        yield ((rng.random(block, dtype=np.float32) * 2 - 1) * bound).astype(dtype, copy=False)
+
+
+def _write_component(
+    folder: Path,
+    config: dict,
+    shapes: dict,
+    *,
+    rng,
+    dtype,
+    shard_bytes: int,
+    progress: Progress | None,
+    prefix="diffusion_pytorch_model",
+):
     folder.mkdir(parents=True)
     _write_json(folder / "config.json", config)
-    tensors = {key: _random(key, shape, rng).astype(dtype) for key, shape in sorted(shapes.items())}
-    save_file(tensors, str(folder / f"{prefix}.safetensors"), metadata={"format": "pt"})
+    keys = sorted(shapes)  # the order of the draws
+    sizes = {key: int(np.prod(shapes[key], dtype=np.int64)) * dtype.itemsize for key in keys}
+    total = sum(sizes.values())
+    if total <= shard_bytes:  # one file, drawn and written whole (the demo's components)
+        tensors = {key: _random(key, shapes[key], rng).astype(dtype) for key in keys}
+        save_file(tensors, str(folder / f"{prefix}.safetensors"), metadata={"format": "pt"})
+        if progress:
+            progress(folder / f"{prefix}.safetensors", total, total)
+        return
+    shards = _shards(keys, sizes, shard_bytes)
+    names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    written = 0
+    for name, shard in zip(names, shards, strict=True):
+        _write_streamed(folder / name, {key: shapes[key] for key in shard}, rng, dtype)
+        written += sum(sizes[key] for key in shard)
+        if progress:
+            progress(folder / name, written, total)
+    weight_map = {key: name for name, shard in zip(names, shards, strict=True) for key in shard}
+    _write_json(
+        folder / f"{prefix}.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
+
+
+def _shards(keys: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """`keys`, in order, cut into runs of at most `limit` bytes (as transformers and diffusers shard: a
+    tensor larger than the limit gets a shard of its own)."""
+    shards: list[list[str]] = []
+    used = limit + 1  # the first key starts a shard
+    for key in keys:
+        if used + sizes[key] > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += sizes[key]
+    return shards
+
+
+def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype) -> None:
+    """A safetensors file of random `shapes` (in key order), as `safetensors.numpy.save_file` lays it out
+    (header padded to 8 bytes, tensors in key order, back to back), each tensor drawn, cast and written
+    one block of rows at a time."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, shape in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype.name],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for key, shape in shapes.items():
+            for block in _random_blocks(key, shape, rng, dtype, DRAW_BYTES):
+                block.tofile(f)
+        # Written, then out of the page cache: tens of GB of shards would otherwise crowd out every other
+        # process's cached files (and, while dirty, their memory).
+        f.flush()
+        os.fsync(f.fileno())
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # every dtype of `klein.dtypes`
 
 
 def _write_tokenizer(folder: Path) -> int:
