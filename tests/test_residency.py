@@ -221,3 +221,23 @@ def test_plan_json_lists_every_policy_and_autos_choice(klein_home, tmp_path):
     assert policies["all"]["peak_bytes"] > policies["sequential"]["peak_bytes"]
     assert not policies["all"]["fits"] and policies["sequential"]["fits"]
     assert plan["auto"] == "sequential"
+
+
+def test_compiled_stages_agree_with_the_estimates_at_real_size(klein_home, tmp_path):
+    """`klein plan --compiled` at klein-4b's published size: XLA's memory analysis of each stage's real
+    program (compiled from abstract arrays: nothing allocated) beside the planner's estimate."""
+    args = ("plan", "--model", "klein-4b", "--refs", "1", "--size", "1024x1024", "--compiled", "--json")
+    result = run_klein(klein_home, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    compiled, estimates = report["compiled"], report["request_bytes"]
+    assert set(compiled) == {"text", "step", "decode"}
+    planned = dict(text=estimates["text_encoder"], step=estimates["denoise_step"], decode=estimates["decode"])
+    for stage, analysis in compiled.items():
+        used = analysis["temporaries"] + analysis["outputs"]
+        assert 0.85 <= planned[stage] / used <= 1.15, (stage, planned[stage], used)
+    # The weights the programs take are the planned weights (stacks stored as bits count the same bytes).
+    assert (
+        abs(compiled["step"]["arguments"] - report["weights"]["transformer"])
+        < 0.02 * report["weights"]["transformer"]
+    )

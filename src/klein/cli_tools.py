@@ -71,6 +71,13 @@ def plan_parser() -> argparse.ArgumentParser:
         "--device", choices=tuple(DEVICES), metavar="NAME", help="a device by name (see above)"
     )
     add("--json", action="store_true", help="print the plan as JSON, for tools")
+    add(
+        "--compiled",
+        action="store_true",
+        help="also lower and compile each stage's real program at these dimensions on this machine's backend "
+        "(abstract arrays: no weights, nothing allocated; seconds to minutes) and print XLA's memory analysis "
+        "beside each estimate",
+    )
     return parser
 
 
@@ -101,15 +108,21 @@ def plan_command(flags: argparse.Namespace) -> int:
     from klein import plan
 
     variant, models, dtype = _plan_model(flags.model, flags.dtype)
-    memory = plan.plan(
-        variant, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models
-    )
     limit, where = _device_memory(flags)
-    print(
-        json.dumps(plan.as_json(memory, limit, where), indent=2)
-        if flags.json
-        else plan.describe(memory, limit, where)
+    # Planned for this machine's own device when no other is named: XLA:CPU widens bf16 weights as it runs.
+    local_cpu = flags.device is None and flags.device_memory is None and _local_platform() == "cpu"
+    memory = plan.plan(
+        variant, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, local_cpu
     )
+    report = plan.as_json(memory, limit, where)
+    text = plan.describe(memory, limit, where)
+    if flags.compiled:
+        if flags.mesh not in (None, "single"):
+            raise InputError("--compiled compiles for this machine's one device; drop --mesh")
+        stages = _compiled(memory, models or plan.published(flags.model, dtype), dtype, local_cpu)
+        report["compiled"] = stages
+        text += "\n" + plan.describe_compiled(memory, stages)
+    print(json.dumps(report, indent=2) if flags.json else text)
     return 0
 
 
@@ -126,6 +139,34 @@ def _plan_model(model: str, dtype: str | None):
         located.config, located.text_config, located.vae_config, located.variant, located.fp8
     )
     return located.variant.name, models, dtype or located.stored_dtype.name
+
+
+def _compiled(memory, models, dtype: str, local_cpu: bool) -> dict:
+    """Each stage's compiled memory analysis (`klein.compiled`), as a dict of dicts of bytes."""
+    from klein import compiled, dtypes
+
+    stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype))
+    return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
+
+
+def _local_platform() -> str:
+    import jax
+
+    return jax.local_devices()[0].platform
+
+
+def _compiled(memory, models, dtype: str, local_cpu: bool) -> dict:
+    """Each stage's compiled memory analysis (`klein.compiled`), as a dict of dicts of bytes."""
+    from klein import compiled, dtypes
+
+    stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype))
+    return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
+
+
+def _local_platform() -> str:
+    import jax
+
+    return jax.local_devices()[0].platform
 
 
 def _device_memory(flags) -> tuple[int, str]:

@@ -295,6 +295,7 @@ class Flux2KleinPipeline:
             _planning_mesh(self.mesh),
             work,
             self.dtype.itemsize,
+            widens=_widens(self._devices()),
         )
         plain = estimate(tiled_decode=False)
         if plain.peak <= limit:
@@ -407,6 +408,11 @@ def _prepare(images) -> list[np.ndarray]:
     return [images_prepare(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(images)]
 
 
+def _widens(devices) -> bool:
+    """Whether the backend computes bf16 products in float32, widening each layer's weights (XLA:CPU)."""
+    return devices[0].platform == "cpu"
+
+
 def _planning_mesh(mesh):
     return mesh.abstract_mesh if mesh is not None else sharding.abstract_mesh("single")
 
@@ -502,6 +508,7 @@ def load_pipeline(
             typical,
             jdtype.itemsize,
             tiled_decode=tiled,
+            widens=_widens(devices),
         ).peak
         for tiled in (False, True)
     )

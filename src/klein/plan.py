@@ -107,19 +107,23 @@ def request_memory(
     work: Workload,
     itemsize: int,
     tiled_decode: bool = False,
+    widens: bool = False,
 ) -> RequestMemory:
-    """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes."""
+    """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes.
+    `widens`: the backend computes bf16 products in float32 (XLA:CPU), converting each layer's weights
+    as it runs them (`widened_layer`)."""
     image = (work.height // 16) * (work.width // 16)
     refs = work.reference_tokens
     batch = work.images * (2 if work.guided else 1)
     queries = TEXT_TOKENS + image + (0 if work.cached else refs)
     keys = TEXT_TOKENS + image + refs
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+    layer, text_layer = widened_layer(cfg, text_config, mesh) if widens and itemsize < 4 else (0, 0)
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
-        prefill=_activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
-        text=_text_activations(text_config, work.prompts, itemsize),
-        step=embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize),
+        prefill=layer + _activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
+        text=text_layer + _text_activations(text_config, work.prompts, itemsize),
+        step=layer + embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize),
         decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
         tiled_decode=tiled_decode,
     )
@@ -138,6 +142,7 @@ class MemoryPlan:
     text_encoder: int
     vae: int
     memory: RequestMemory
+    workload: Workload
 
     @property
     def reference_kv(self) -> int:
@@ -171,10 +176,12 @@ def plan(
     batch: int = 1,
     dtype: str = "bfloat16",
     models: Models | None = None,
+    widens: bool = False,
 ) -> MemoryPlan:
     """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
-    published `variant`, or for the checkpoint `models` describes (its configs, read from its files)."""
-    models = models or _published(variant, dtype)
+    published `variant`, or for the checkpoint `models` describes (its configs, read from its files);
+    `widens`: on a backend that computes bf16 products in float32 (`request_memory`)."""
+    models = models or published(variant, dtype)
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
     ref_size = ref_size or size
@@ -202,7 +209,8 @@ def plan(
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
-        memory=request_memory(cfg, text_config, models.vae, abstract, work, e),
+        memory=request_memory(cfg, text_config, models.vae, abstract, work, e, widens=widens),
+        workload=work,
     )
 
 
@@ -217,7 +225,7 @@ class Models:
     fp8: bool = False
 
 
-def _published(variant: str, dtype: str) -> Models:
+def published(variant: str, dtype: str) -> Models:
     cfg, text_config = _configs(variant, dtype)
     return Models(cfg, text_config, FLUX2_VAE, VARIANTS[variant])
 
@@ -331,6 +339,28 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
     return sum(live)
 
 
+# XLA:CPU's float32 copies of a layer's bf16 weights, as multiples of one layer in float32: its scheduler
+# converts the next layer's kernels while the current ones are still live. Read off `memory_analysis()` of
+# the real programs at the published sizes (benchmarks/real_size.py prints them): a klein-4b step 1.36 GiB
+# and a klein-9b one 2.40 GiB of temporaries at 64x64 px, the Qwen3-8B embedding 0.73 GiB.
+WIDENED_DOUBLE_BLOCKS = 1.42
+WIDENED_DECODER_LAYERS = 0.9
+
+
+def widened_layer(cfg: TransformerConfig, text_config: Qwen3Config, mesh) -> tuple[int, int]:
+    """Bytes of the float32 weight copies a backend without bf16 products (XLA:CPU) holds while it runs the
+    transformer, and the text encoder: about one layer's weights in float32 (module constants)."""
+    d, mlp = cfg.hidden, cfg.mlp_hidden
+    double = 8 * d * d + 6 * d * mlp  # q, k, v, out of both streams; both streams' SwiGLU
+    t = text_config
+    decoder = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)
+    decoder += 3 * t.hidden_size * t.intermediate_size
+    tensor = sharding.ways(mesh, "heads")
+    return int(WIDENED_DOUBLE_BLOCKS * 4 * double) // tensor, int(
+        WIDENED_DECODER_LAYERS * 4 * decoder
+    ) // tensor
+
+
 def _text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:
     """One decoder layer's live tensors over `prompts` x 512 tokens, and the hidden states kept for the
     embedding. The text encoder runs whole on every device (its batch is the prompts, not the images)."""
@@ -415,6 +445,21 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
     if limit is not None:
         chosen = next((name for name, peak in p.policies.items() if peak <= limit), None)
         lines.append(f"auto on {_gib(limit)} ({where}): {chosen or 'nothing fits'}")
+    return "\n".join(lines)
+
+
+def describe_compiled(p: MemoryPlan, stages: dict[str, dict[str, int]]) -> str:
+    """Each compiled stage's memory (`klein.compiled`: XLA's analysis) beside the planner's estimate."""
+    estimates = dict(text=p.memory.text, prefill=p.memory.prefill, step=p.memory.step, decode=p.memory.decode)
+    lines = ["compiled on this machine (XLA memory analysis) against the estimate, beyond the weights:"]
+    lines.append(f"  {'stage':<9}{'estimate':>12}{'compiled':>12}{'ratio':>8}{'arguments':>14}")
+    for name, analysis in stages.items():
+        # The prefill's outputs are the reference KV, planned apart (`reference_kv`).
+        used = analysis["temporaries"] + (0 if name == "prefill" else analysis["outputs"])
+        ratio = f"{estimates[name] / used:.2f}" if used else "-"
+        lines.append(
+            f"  {name:<9}{_gib(estimates[name]):>12}{_gib(used):>12}{ratio:>8}{_gib(analysis['arguments']):>14}"
+        )
     return "\n".join(lines)
 
 

@@ -83,6 +83,24 @@ def load_module(
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
+def stored_state(abstract: nnx.Module, dtype, stacked: Iterable[str] = ()) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graph, weights as `jax.ShapeDtypeStruct`s) of `abstract` as `load_module` would store it with
+    `dtype`: floating Params cast to it (the VAE's BatchNorm statistics keep float32), stacks as their
+    bits. Nothing is read or allocated: for compiling the real programs without weights."""
+    stacked = tuple(stacked)
+    graphdef, state = nnx.split(abstract)
+    flat = []
+    for path, variable in nnx.to_flat_state(state):
+        value = variable.get_value()
+        kind = value.dtype
+        if isinstance(variable, nnx.Param) and jnp.issubdtype(kind, jnp.floating):
+            kind = dtype
+        if _plan([(path, variable)], stacked, None)[path][1]:
+            kind = as_bits(np.empty(0, kind)).dtype
+        flat.append((path, variable.replace(jax.ShapeDtypeStruct(value.shape, kind))))
+    return graphdef, nnx.from_flat_state(flat)
+
+
 def expected_shapes(abstract: nnx.Module, stacked: Iterable[str] = (), key_map=None) -> dict[str, tuple]:
     """The checkpoint keys and PyTorch-layout shapes a module expects (to check against real configs)."""
     stacked = tuple(stacked)

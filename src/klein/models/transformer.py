@@ -94,23 +94,33 @@ def _scan(blocks, body, carry, count: int, xs=None):
     """Run `body(block, carry, layer_xs) -> (carry, ys)` over the first `count` blocks of a stack; `xs`
     are per-layer stacks (reference keys and values) or None.
 
-    The carry is token streams float[B, S, D]; pinning their layout at every layer keeps batch and
-    tokens split (data / context parallelism) instead of leaving it to propagation.
+    The carry holds token streams float[B, S, D] (and, in the prefill, the key / value stacks it fills);
+    pinning the streams' layout at every layer keeps batch and tokens split (data / context parallelism)
+    instead of leaving it to propagation.
     """
     graphdef, params = nnx.split(blocks)
 
     def step(carry, layers):
         layer_params, layer_xs = layers
-        carry = jax.tree.map(lambda x: constrain(x, TOKENS), carry)
+        carry = jax.tree.map(lambda x: constrain(x, TOKENS) if x.ndim == 3 else x, carry)
         return body(nnx.merge(graphdef, layer_params), carry, layer_xs)
 
     return stacks.scan(step, carry, (params, xs), count)
 
 
-def _block(blocks, index: int):
-    """Block `index` of a stack, as a module of its own."""
+def _into(stack, kv, index):
+    """`stack` with layer `index` set to one block's keys or values float[1, R, H, Dh], as bits."""
+    return jax.lax.dynamic_update_index_in_dim(stack, stacks.as_bits(kv[0]), index, 0)
+
+
+def _block(blocks, index: int, after=None):
+    """Block `index` of a stack, as a module of its own, its weights taken once `after` is computed (so
+    that a backend converting them, XLA:CPU, does not do it early and hold the copy through the loop)."""
     graphdef, params = nnx.split(blocks)
-    return nnx.merge(graphdef, stacks.layer(params, index))
+    weights = stacks.layer(params, index)
+    if after is not None:
+        _, weights = jax.lax.optimization_barrier((after, weights))
+    return nnx.merge(graphdef, weights)
 
 
 def _modulations(model, t):
@@ -204,7 +214,7 @@ def _run(model, img, txt, mods, rope, rows, attend=_always_full, kv=None, last_a
     first = txt.shape[1] + rows[0]
     start, stop = _covering(first, rows[1], x.shape[1], _context_ways())
     last_attend = last_attend or attend(None if kv_single is None else stacks.layer(kv_single, last))
-    h = _block(blocks, last).rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
+    h = _block(blocks, last, x).rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
     return h[:, first - start : first - start + rows[1]]
 
 
@@ -259,19 +269,21 @@ def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
 
     h, (double_k, double_v) = _scan(model.transformer_blocks, double, h, model.cfg.num_layers)
 
-    def single(block, x, _):
-        x, (k, v) = block(x, single_mod, refs.rope, attend)
-        return x, (stacks.as_bits(k[0]), stacks.as_bits(v[0]))
-
-    # The last block's output is never read: it computes its keys and values alone.
+    # The single blocks' keys and values go straight into their stacks, the last block's too: it computes
+    # its keys and values alone (its output is never read), and joining it to the others would copy them.
     blocks, last = model.single_transformer_blocks, model.cfg.num_single_layers - 1
-    h, (single_k, single_v) = _scan(blocks, single, h, last)
-    last_k, last_v = (
-        stacks.as_bits(a)
-        for a in _block(blocks, last).keys_values(constrain(h, TOKENS), single_mod, refs.rope)
-    )
-    # The last block's batch axis of one becomes its layer axis in the stacks.
-    single_k, single_v = jnp.concatenate([single_k, last_k]), jnp.concatenate([single_v, last_v])
+    cfg = model.cfg
+    shape = (last + 1, h.shape[1], cfg.num_attention_heads, cfg.attention_head_dim)
+    empty = jnp.zeros(shape, stacks.as_bits(h[:0]).dtype)
+
+    def single(block, carry, index):
+        x, ks, vs = carry
+        x, (k, v) = block(x, single_mod, refs.rope, attend)
+        return (x, _into(ks, k, index), _into(vs, v, index)), None
+
+    (h, single_k, single_v), _ = _scan(blocks, single, (h, empty, empty), last, jnp.arange(last))
+    last_k, last_v = _block(blocks, last, h).keys_values(constrain(h, TOKENS), single_mod, refs.rope)
+    single_k, single_v = _into(single_k, last_k, last), _into(single_v, last_v, last)
     # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
     arrays = (constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v))
     return ReferenceKV(*arrays, _key_rank(refs))
