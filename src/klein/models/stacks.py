@@ -60,9 +60,6 @@ def scan(body, carry, stacks, count: int):
     Returns (carry, ys stacked on a new leading axis)."""
 
     def step(carry, index):
-        # Each layer's weights are taken once the previous layer is done: a backend that converts them
-        # (XLA:CPU widens bf16 for its products) then holds one layer's conversions, not two.
-        carry, weights = jax.lax.optimization_barrier((carry, layer(stacks, index)))
-        return body(carry, weights)
+        return body(carry, layer(stacks, index))
 
     return jax.lax.scan(step, carry, jnp.arange(count))

@@ -113,14 +113,10 @@ def _into(stack, kv, index):
     return jax.lax.dynamic_update_index_in_dim(stack, stacks.as_bits(kv[0]), index, 0)
 
 
-def _block(blocks, index: int, after=None):
-    """Block `index` of a stack, as a module of its own, its weights taken once `after` is computed (so
-    that a backend converting them, XLA:CPU, does not do it early and hold the copy through the loop)."""
+def _block(blocks, index: int):
+    """Block `index` of a stack, as a module of its own."""
     graphdef, params = nnx.split(blocks)
-    weights = stacks.layer(params, index)
-    if after is not None:
-        _, weights = jax.lax.optimization_barrier((after, weights))
-    return nnx.merge(graphdef, weights)
+    return nnx.merge(graphdef, stacks.layer(params, index))
 
 
 def _modulations(model, t):
@@ -214,7 +210,7 @@ def _run(model, img, txt, mods, rope, rows, attend=_always_full, kv=None, last_a
     first = txt.shape[1] + rows[0]
     start, stop = _covering(first, rows[1], x.shape[1], _context_ways())
     last_attend = last_attend or attend(None if kv_single is None else stacks.layer(kv_single, last))
-    h = _block(blocks, last, x).rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
+    h = _block(blocks, last).rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
     return h[:, first - start : first - start + rows[1]]
 
 
@@ -282,7 +278,7 @@ def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
         return (x, _into(ks, k, index), _into(vs, v, index)), None
 
     (h, single_k, single_v), _ = _scan(blocks, single, (h, empty, empty), last, jnp.arange(last))
-    last_k, last_v = _block(blocks, last, h).keys_values(constrain(h, TOKENS), single_mod, refs.rope)
+    last_k, last_v = _block(blocks, last).keys_values(constrain(h, TOKENS), single_mod, refs.rope)
     single_k, single_v = _into(single_k, last_k, last), _into(single_v, last_v, last)
     # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
     arrays = (constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v))
