@@ -18,8 +18,9 @@ from tests.serve_process import log_of, metrics, start, stop
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# Long enough to be still running while the test queues behind it (it compiles a new shape first).
-LONG = {"prompt": "a long job", "size": "512x512", "num_inference_steps": 40, "seed": 1}
+# Long enough (several seconds of steps, even with its program already compiled) to still be running while a
+# test fills the queue behind it.
+LONG = {"prompt": "a long job", "size": "1280x1280", "num_inference_steps": 40, "seed": 1}
 SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 2, "seed": 2}
 
 
