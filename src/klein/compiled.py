@@ -20,6 +20,7 @@ from klein import denoise, plan
 from klein.io.loading import stored_state
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
+from klein.io.transformer_checkpoint import abstract_transformer
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
@@ -39,10 +40,9 @@ def analyse(models: plan.Models, work: plan.Workload, dtype) -> dict[str, Analys
     """Compile every stage `work` runs ("text", "prefill" for cached references, "step", "decode"), for the
     checkpoint `models` describes with weights in `dtype`, and analyse each program's memory."""
     dtype = np.dtype(dtype)
-    transformer_model, text_model, vae = plan._abstract_models(
-        models.transformer, models.text_encoder, models.vae
-    )
-    transformer = stored_state(transformer_model, dtype, TRANSFORMER_STACKED)
+    _, text_model, vae = plan._abstract_models(models.transformer, models.text_encoder, models.vae)
+    # The transformer's layers compute in the dtype they are built with: built as the loader builds them.
+    transformer = stored_state(abstract_transformer(models.transformer, dtype), dtype, TRANSFORMER_STACKED)
     text = stored_state(text_model, dtype, TEXT_STACKED)
     decoder = stored_state(vae, dtype, ())
     cfg = models.transformer

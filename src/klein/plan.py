@@ -118,10 +118,11 @@ def request_memory(
     queries = TEXT_TOKENS + image + (0 if work.cached else refs)
     keys = TEXT_TOKENS + image + refs
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+    # The prefill runs the double blocks' image stream alone: half their weights are widened.
     layer, text_layer = widened_layer(cfg, text_config, mesh) if widens and itemsize < 4 else (0, 0)
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
-        prefill=layer + _activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
+        prefill=layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
         text=text_layer + _text_activations(text_config, work.prompts, itemsize),
         step=layer + embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize),
         decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
@@ -323,7 +324,7 @@ def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> i
 
 
 def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int) -> int:
-    """The module docstring's estimate of the live tensors at a single-stream block's attention."""
+    """The module docstring's estimate of the live tensors around a single-stream block's attention."""
 
     b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
     tensor, d, mlp = sharding.ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
@@ -331,6 +332,11 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
     live = [
         b * s_q * d * itemsize,  # residual stream
         b * s_q * fused // tensor * itemsize,  # fused projection
+        b
+        * s_q
+        * (d + mlp)
+        // tensor
+        * itemsize,  # attention output and MLP, joined for the output projection
         4 * b * keys * d // tensor * itemsize,  # gathered keys and values, and their attention blocks
         b * cfg.num_attention_heads // tensor * _score_tile(s_q, keys) * 4 * 2,  # scores, weights
     ]
