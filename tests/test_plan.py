@@ -44,7 +44,8 @@ def test_context_parallelism_splits_attention_queries():
     tokens, width, fused = 4 * TOKENS_1024, 4096, 3 * 4096 + 2 * 12288
     tile = 32 * 256 * 2048 * 4 * 2  # fp32 scores and weights of one 256 x 2048 tile, 32 heads
     block = (width * fused + (width + 12288) * width) * 2  # one single block's weights, gathered by fsdp
-    queries = tokens // 8 * (width + fused) * 2  # residual and fused projection of this device's queries
+    # residual, fused projection, and the output projection's joined input of this device's queries
+    queries = tokens // 8 * (width + fused + width + 12288) * 2
     assert split.prefill_activations == queries + 4 * tokens * width * 2 + tile + block
     assert split.prefill_activations < 0.55 * single.prefill_activations  # the keys stay whole: not 1/8
     assert split.transformer == single.transformer
