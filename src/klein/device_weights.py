@@ -71,21 +71,3 @@ def _to_host(state):
 
 def _to_device(state):
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")), state)
-
-
-def _host_memory(state) -> str | None:
-    """The memory kind that keeps arrays in host memory beside the device's, or None (CPU: one memory)."""
-    leaf = jax.tree.leaves(state)[0]
-    device = next(iter(leaf.devices()))
-    if device.platform == "cpu":
-        return None
-    kinds = {memory.kind for memory in device.addressable_memories()}
-    return "pinned_host" if "pinned_host" in kinds else None
-
-
-def _to_host(state):
-    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("pinned_host")), state)
-
-
-def _to_device(state):
-    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")), state)
