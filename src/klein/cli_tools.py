@@ -119,7 +119,7 @@ def plan_command(flags: argparse.Namespace) -> int:
     if flags.compiled:
         if flags.mesh not in (None, "single"):
             raise InputError("--compiled compiles for this machine's one device; drop --mesh")
-        stages = _compiled(memory, models or plan.published(flags.model, dtype), dtype, local_cpu)
+        stages = _compiled(memory, models or plan.published(flags.model, dtype), dtype)
         report["compiled"] = stages
         text += "\n" + plan.describe_compiled(memory, stages)
     print(json.dumps(report, indent=2) if flags.json else text)
@@ -141,21 +141,7 @@ def _plan_model(model: str, dtype: str | None):
     return located.variant.name, models, dtype or located.stored_dtype.name
 
 
-def _compiled(memory, models, dtype: str, local_cpu: bool) -> dict:
-    """Each stage's compiled memory analysis (`klein.compiled`), as a dict of dicts of bytes."""
-    from klein import compiled, dtypes
-
-    stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype))
-    return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
-
-
-def _local_platform() -> str:
-    import jax
-
-    return jax.local_devices()[0].platform
-
-
-def _compiled(memory, models, dtype: str, local_cpu: bool) -> dict:
+def _compiled(memory, models, dtype: str) -> dict:
     """Each stage's compiled memory analysis (`klein.compiled`), as a dict of dicts of bytes."""
     from klein import compiled, dtypes
 

@@ -281,31 +281,17 @@ class Flux2KleinPipeline:
             guided=run.mode.guided,
         )
         if self.memory_limit is None:
-            free, where = admission.available_bytes(self._devices())
+            free, where = admission.available_bytes(_local_devices(self.mesh))
             # Free memory counts the weights held now; the policy may hold more (or less) while this runs.
             held = sum(size for name, size in self.weight_bytes.items() if self._models[name].resident)
             limit = free + held - residency_policy.resident_weights(self.residency, self.weight_bytes)
         else:
             limit, where = self.memory_limit, "allowed (memory_limit)"
-        estimate = functools.partial(
-            plan.request_memory,
-            self.config,
-            self.text_config,
-            self.vae_config,
-            _planning_mesh(self.mesh),
-            work,
-            self.dtype.itemsize,
-            widens=_widens(self._devices()),
-        )
-        plain = estimate(tiled_decode=False)
+        plain, tiled = _estimates(self, self.mesh, work, self.dtype.itemsize)
         if plain.peak <= limit:
             return False
-        tiled = estimate(tiled_decode=True)
         admission.check(tiled if tiled.peak < plain.peak else plain, limit, where)
         return True
-
-    def _devices(self) -> list:
-        return self.mesh.local_devices if self.mesh else jax.local_devices()[:1]
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
@@ -408,9 +394,28 @@ def _prepare(images) -> list[np.ndarray]:
     return [images_prepare(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(images)]
 
 
-def _widens(devices) -> bool:
-    """Whether the backend computes bf16 products in float32, widening each layer's weights (XLA:CPU)."""
-    return devices[0].platform == "cpu"
+def _local_devices(mesh) -> list:
+    return mesh.local_devices if mesh is not None else jax.local_devices()[:1]
+
+
+def _estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
+    """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
+    located checkpoint it loads) on `mesh` (`klein.plan.request_memory`)."""
+    # XLA:CPU computes bf16 products in float32, widening each layer's weights as it runs them.
+    widens = _local_devices(mesh)[0].platform == "cpu"
+    return tuple(
+        plan.request_memory(
+            models.config,
+            models.text_config,
+            models.vae_config,
+            _planning_mesh(mesh),
+            work,
+            itemsize,
+            tiled_decode=tiled,
+            widens=widens,
+        )
+        for tiled in (False, True)
+    )
 
 
 def _planning_mesh(mesh):
@@ -496,22 +501,10 @@ def load_pipeline(
         jdtype.itemsize,
         fp8=located.fp8 and not dequantize,
     )
-    devices = device_mesh.local_devices if device_mesh else jax.local_devices()[:1]
-    limit, where = admission.available_bytes(devices)
+    limit, where = admission.available_bytes(_local_devices(device_mesh))
     typical = plan.typical_request(located.variant)
-    request = min(  # the decode runs tiled where only that fits (`_admit`)
-        plan.request_memory(
-            located.config,
-            located.text_config,
-            located.vae_config,
-            _planning_mesh(device_mesh),
-            typical,
-            jdtype.itemsize,
-            tiled_decode=tiled,
-            widens=_widens(devices),
-        ).peak
-        for tiled in (False, True)
-    )
+    # The decode runs tiled where only that fits (`_admit`).
+    request = min(memory.peak for memory in _estimates(located, device_mesh, typical, jdtype.itemsize))
     policy = residency_policy.choose(residency, sizes, request, limit, where)
     models = {
         residency_policy.TRANSFORMER: lambda: components.load_transformer_part(

@@ -118,10 +118,10 @@ def request_memory(
     queries = TEXT_TOKENS + image + (0 if work.cached else refs)
     keys = TEXT_TOKENS + image + refs
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
-    # The prefill runs the double blocks' image stream alone: half their weights are widened.
     layer, text_layer = widened_layer(cfg, text_config, mesh) if widens and itemsize < 4 else (0, 0)
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
+        # The prefill runs the double blocks' image stream alone: half their weights are widened.
         prefill=layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
         text=text_layer + _text_activations(text_config, work.prompts, itemsize),
         step=layer + embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize),
@@ -347,7 +347,7 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
 
 # XLA:CPU's float32 copies of a layer's bf16 weights, as multiples of one layer in float32: its scheduler
 # converts the next layer's kernels while the current ones are still live. Read off `memory_analysis()` of
-# the real programs at the published sizes (benchmarks/real_size.py prints them): a klein-4b step 1.36 GiB
+# the real programs at the published sizes (`klein plan --compiled` prints them): a klein-4b step 1.36 GiB
 # and a klein-9b one 2.40 GiB of temporaries at 64x64 px, the Qwen3-8B embedding 0.73 GiB.
 WIDENED_DOUBLE_BLOCKS = 1.42
 WIDENED_DECODER_LAYERS = 0.9
