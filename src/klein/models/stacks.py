@@ -49,11 +49,6 @@ def layer(stack, index):
     return jax.tree.map(lambda a: as_float(jax.lax.dynamic_index_in_dim(a, index, keepdims=False)), stack)
 
 
-def depth(stack) -> int:
-    """The number of layers of a stack (the leading axis of its arrays)."""
-    return jax.tree.leaves(stack)[0].shape[0]
-
-
 def scan(body, carry, stacks, count: int):
     """`body(carry, layers) -> (carry, ys)` over layers 0..count-1 of `stacks` (a pytree of stacks),
     each layer sliced from the whole stacks inside the loop: running a prefix of a stack copies nothing.
