@@ -155,3 +155,21 @@ def test_size_not_multiple_of_16_is_rounded_with_a_warning(pipes):
     with pytest.warns(UserWarning, match="rounded down"):
         out = ours("a cat", height=40, width=70, num_inference_steps=1, output_type="np")
     assert out.images.shape == (1, 32, 64, 3)
+
+
+def test_the_diffusers_call_forms_equal_the_positional_one(pipes):
+    """Ported diffusers scripts pass everything by keyword (`prompt=`, `image=[...]`); klein's own
+    examples put the prompt first or pass a `GenerationRequest`: all three make the same images."""
+    from klein import GenerationRequest
+
+    ours, _ = pipes("distilled")
+    refs = [picture(96, 64, 1), picture(64, 80, 2)]
+    settings = dict(height=64, width=96, num_inference_steps=2, guidance_scale=1.0, seed=5, output_type="np")
+    keyword = ours(prompt="a red fox in snow", image=refs, **settings).images
+    positional = ours("a red fox in snow", image=refs, **settings).images
+    request = ours(GenerationRequest(prompt="a red fox in snow", image=tuple(refs), **settings)).images
+    text_only = ours(prompt=["a red fox", "a blue fox"], num_inference_steps=2, height=32, width=32)
+    assert keyword.shape == (1, 64, 96, 3)
+    np.testing.assert_array_equal(keyword, positional)
+    np.testing.assert_array_equal(keyword, request)
+    assert len(text_only.images) == 2 and text_only.images[0].size == (32, 32)

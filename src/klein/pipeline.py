@@ -187,10 +187,10 @@ class Flux2KleinPipeline:
         cached = modes.conditioning(self.variant, self.name, use_kv, True) is Conditioning.CACHED
         return self._encode_references(_prepare(images), cached, Stages(self.counters, {}))
 
-    def __call__(self, prompt=None, /, *, progress=None, **settings) -> GenerationOutput:
-        """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields
-        (diffusers' argument names: image, height, width, num_inference_steps, guidance_scale, ...).
-        `progress(stage, done, total)` hears of every denoising step."""
+    def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput:
+        """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields, by
+        keyword as diffusers' scripts pass them (`pipe(prompt=..., image=[...], num_inference_steps=...)`)
+        or with the prompt first. `progress(stage, done, total)` hears of every denoising step."""
         if isinstance(prompt, GenerationRequest):
             request = dataclasses.replace(prompt, **settings) if settings else prompt
         else:
