@@ -66,8 +66,15 @@ def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.
     return attention(q, k, v, rank, k_span if k_rank is None else jnp.maximum(k_span, k_rank))
 
 
+CUDNN_MAX_HEAD_DIM = 256
+"""cuDNN's fused attention takes head dims up to this, in multiples of 8 (the VAE's one 512-wide head
+runs the blocked attention instead)."""
+
+
 def _cudnn(q) -> bool:
-    return q.dtype == jnp.bfloat16 and jax.default_backend() == "gpu"
+    head_dim = q.shape[-1]
+    fits = head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0
+    return fits and q.dtype == jnp.bfloat16 and jax.default_backend() == "gpu"
 
 
 def _local(q, k, v, q_rank, k_rank):
