@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from klein import plan, sampling, sharding
-from klein.modes import Conditioning, Mode
-from klein.pipeline import load_pipeline
+from klein import sampling, sharding
+from klein.memory import plan
+from klein.pipeline.flux2_klein import load_pipeline
+from klein.request.modes import Conditioning, Mode
 
 
 def measured(compiled_fn, *args) -> int:

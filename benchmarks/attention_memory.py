@@ -18,8 +18,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from klein import plan, sharding  # noqa: E402
-from klein.demo import TRANSFORMER  # noqa: E402
+from klein import sharding  # noqa: E402
+from klein.io.demo import TRANSFORMER  # noqa: E402
+from klein.memory import plan
 from klein.models import transformer as T  # noqa: E402
 from klein.models.transformer_config import KLEIN_9B, TransformerConfig  # noqa: E402
 

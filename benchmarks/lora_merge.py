@@ -19,7 +19,7 @@ from klein.io.transformer_checkpoint import expected_transformer_keys
 from klein.lora.merge import merge_kernel
 from klein.lora.targets import Update
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B
-from klein.pipeline import load_pipeline
+from klein.pipeline.flux2_klein import load_pipeline
 from tests.fixtures import lora_files
 from tests.fixtures.tiny_pipeline import build_pipeline
 

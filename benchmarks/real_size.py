@@ -55,11 +55,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np  # noqa: E402
 import PIL.Image  # noqa: E402
 
-from klein import demo, dtypes  # noqa: E402
+from klein import dtypes  # noqa: E402
 from klein.bench.configs import REAL_VAE, _transformer  # noqa: E402
+from klein.io import demo  # noqa: E402
+from klein.io.paths import klein_home  # noqa: E402
 from klein.models.qwen3_config import Qwen3Config  # noqa: E402
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B  # noqa: E402
-from klein.paths import klein_home  # noqa: E402
 
 POLICIES = ("auto", "all", "sequential")
 PROMPT = "put a hat on it"
@@ -201,7 +202,7 @@ def klein_command() -> list[str]:
     if script.is_file():
         return [str(script)]
     found = shutil.which("klein")
-    return [found] if found else [sys.executable, "-m", "klein.cli"]
+    return [found] if found else [sys.executable, "-m", "klein.cli.main"]
 
 
 def run_measured(command: list[str], timeout: float, log: Path) -> dict:

@@ -71,7 +71,7 @@ def server(args):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "klein.cli", "serve", "--port", str(port), "--max-queue", "256"]
+    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), "--max-queue", "256"]
     command += ["--model", args.model] if args.model else []
     command += ["--max-batch", str(args.max_batch)]
     log = tempfile.TemporaryFile("w+")

@@ -46,7 +46,7 @@ def tiny_pipelines(tmp_path_factory):
 @pytest.fixture(scope="session")
 def klein_home(tmp_path_factory):
     """A KLEIN_HOME holding the demo checkpoint, written once here rather than raced for by subprocesses."""
-    from klein import demo
+    from klein.io import demo
 
     home = tmp_path_factory.mktemp("klein-home")
     with pytest.MonkeyPatch.context() as patch:

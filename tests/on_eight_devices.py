@@ -17,11 +17,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from klein import InputError, cli, demo, plan, sharding
+from klein import InputError, sharding
+from klein.cli import main as cli
+from klein.io import demo
+from klein.memory import plan
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
-from klein.pipeline import load_pipeline
+from klein.pipeline.flux2_klein import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
 from tests.fixtures import lora_files
 
@@ -301,7 +304,7 @@ def test_cli_generate_on_a_mesh(pipelines, tmp_path, monkeypatch):
         asked.append(kwargs["mesh"])
         return sharded
 
-    monkeypatch.setattr("klein.pipeline.load_pipeline", loaded)
+    monkeypatch.setattr("klein.pipeline.flux2_klein.load_pipeline", loaded)
     args = ["--prompt", "a cat", "--steps", "2", "--height", "64", "--width", "64", "--num-images", "2"]
     assert (
         cli.main(

@@ -28,7 +28,7 @@ def start(klein_home, *flags: str) -> tuple[subprocess.Popen, str]:
     """(process, base URL) of a `klein serve` with the demo checkpoint, once it answers /healthz."""
     port = free_port()
     env = dict(os.environ, KLEIN_HOME=str(klein_home), JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "klein.cli", "serve", "--port", str(port), *flags]
+    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), *flags]
     # The log goes to a file: a pipe nobody reads would fill up and stall the server.
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

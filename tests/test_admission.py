@@ -4,8 +4,9 @@ limit; requests that fit next to them run; a decode that fits only in tiles runs
 import numpy as np
 import pytest
 
-from klein import GenerationRequest, InputError, plan, sharding
-from klein.pipeline import load_pipeline
+from klein import GenerationRequest, InputError, sharding
+from klein.memory import plan
+from klein.pipeline.flux2_klein import load_pipeline
 from tests.test_cli import assert_clean_error, run_klein
 
 

@@ -10,12 +10,13 @@ import PIL.Image
 import pytest
 from safetensors import safe_open
 
-from klein import cli, demo
 from klein.bench import flops, runner
-from klein.bench.cases import Mode
+from klein.bench.cases import CaseKind
 from klein.bench.configs import CONFIGS
+from klein.cli import main as cli
+from klein.io import demo
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
-from klein.pipeline import load_pipeline
+from klein.pipeline.flux2_klein import load_pipeline
 
 
 @pytest.mark.parametrize(
@@ -106,9 +107,9 @@ def test_report_covers_every_case_and_engine(tiny_report):
     config = CONFIGS["tiny"]
     names = [(c["mode"], c["references"], c["size"]) for c in report["cases"]]
     for size in config.output_sizes:
-        assert (Mode.TEXT_TO_IMAGE.value, 0, size) in names
+        assert (CaseKind.TEXT_TO_IMAGE.value, 0, size) in names
         for n in config.reference_counts:
-            for mode in (Mode.STANDARD, Mode.KV, Mode.KV_WARM):
+            for mode in (CaseKind.STANDARD, CaseKind.KV, CaseKind.KV_WARM):
                 assert (mode.value, n, size) in names
     assert len(names) == len(config.output_sizes) * (1 + 3 * len(config.reference_counts))
     for case in report["cases"]:
@@ -147,10 +148,10 @@ def test_report_fractions_of_peak_follow_the_flop_model(tiny_report):
         cold = flops.kv_flops(cfg, 512, n["image"], n["reference"], 4, warm=False)
         warm = flops.kv_flops(cfg, 512, n["image"], n["reference"], 4, warm=True)
         expected = {
-            Mode.TEXT_TO_IMAGE.value: (standard, standard),
-            Mode.STANDARD.value: (standard, standard),
-            Mode.KV.value: (cold, cold),
-            Mode.KV_WARM.value: (warm, cold),
+            CaseKind.TEXT_TO_IMAGE.value: (standard, standard),
+            CaseKind.STANDARD.value: (standard, standard),
+            CaseKind.KV.value: (cold, cold),
+            CaseKind.KV_WARM.value: (warm, cold),
         }[case["mode"]]
         for name, work in zip(("klein", "diffusers"), expected, strict=True):
             engine = case["engines"][name]
@@ -163,19 +164,19 @@ def test_report_fractions_of_peak_follow_the_flop_model(tiny_report):
 def test_report_ceilings_follow_the_flop_model(tiny_report):
     report, _, _ = tiny_report
     cfg = CONFIGS["tiny"].transformer
-    kv_cases = [c for c in report["cases"] if c["mode"] in (Mode.KV.value, Mode.KV_WARM.value)]
+    kv_cases = [c for c in report["cases"] if c["mode"] in (CaseKind.KV.value, CaseKind.KV_WARM.value)]
     assert kv_cases and all("kv" not in c for c in report["cases"] if c not in kv_cases)
     for case in kv_cases:
         n = case["tokens"]
         assert (n["text"], n["image"]) == (512, (case["size"] // 16) ** 2)
         assert n["reference"] == case["references"] * (64 // 16) ** 2
-        warm = case["mode"] == Mode.KV_WARM.value
+        warm = case["mode"] == CaseKind.KV_WARM.value
         ceiling = flops.kv_ceiling(cfg, 512, n["image"], n["reference"], 4, warm=warm)
         assert case["kv"]["ceiling"] == pytest.approx(ceiling)
         klein = case["kv"]["speedup"]["klein"]
         assert klein["fraction_of_ceiling"] == pytest.approx(klein["transformer"] / ceiling)
     one_ref = next(
-        c for c in kv_cases if c["mode"] == Mode.KV.value and c["references"] == 1 and c["size"] == 48
+        c for c in kv_cases if c["mode"] == CaseKind.KV.value and c["references"] == 1 and c["size"] == 48
     )
     assert one_ref["kv"]["ceiling"] == pytest.approx(400065 / 389041)
 

@@ -15,7 +15,7 @@ from klein.io.bfl_transformer_keys import bfl_key, bfl_layout, config_from_bfl
 from klein.io.transformer_checkpoint import expected_transformer_keys
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
-from klein.variants import VARIANTS, from_file
+from klein.request.variants import VARIANTS, from_file
 from tests.fixtures.bfl_files import to_bfl, write_safetensors
 from tests.fixtures.tiny_transformer import TINY_TRANSFORMER
 from tests.fixtures.tiny_vae import build_vae

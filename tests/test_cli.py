@@ -15,9 +15,11 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from klein import cli, cli_args, cli_output, demo
+from klein.cli import flags as cli_args
+from klein.cli import main as cli
 from klein.errors import InputError
-from klein.request import GenerationRequest
+from klein.io import demo, png
+from klein.request.request import GenerationRequest
 
 SMALL = ["--steps", "2", "--height", "64", "--width", "64"]
 
@@ -45,7 +47,7 @@ def inputs(tmp_path_factory):
 
 def run_klein(klein_home, *args, cwd):
     env = {**os.environ, "KLEIN_HOME": str(klein_home), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "klein.cli", *map(str, args)]
+    command = [sys.executable, "-m", "klein.cli.main", *map(str, args)]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -229,12 +231,12 @@ def test_key_value_literals_are_read_safely():
 
 
 def test_fresh_names_skip_taken_files(tmp_path):
-    plan = cli_output.OutputPlan(tmp_path, None, False, "20250101-000000")
+    plan = png.OutputPlan(tmp_path, None, False, "20250101-000000")
     (tmp_path / "klein-20250101-000000-9.png").write_bytes(b"old")
     (tmp_path / "klein-20250101-000000-9-2.png").write_bytes(b"old")
     images = [PIL.Image.new("RGB", (16, 16), colour) for colour in ("red", "green", "blue")]
-    metadata = [cli_output.png_metadata({"prompt": "ünïcödé 🦊", "index": i}) for i in range(3)]
-    written = cli_output.write_images(images, plan, metadata, seed=9)
+    metadata = [png.png_metadata({"prompt": "ünïcödé 🦊", "index": i}) for i in range(3)]
+    written = png.write_images(images, plan, metadata, seed=9)
     assert [path.name for path in written] == [f"klein-20250101-000000-9-{i}.png" for i in (1, 3, 4)]
     assert (tmp_path / "klein-20250101-000000-9.png").read_bytes() == b"old"
     with PIL.Image.open(written[2]) as image:
@@ -249,7 +251,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path):
 
     target = tmp_path / "out.png"
     with pytest.raises(OSError, match="disk full"):
-        cli_output.write_png(Unsaveable(), target, cli_output.png_metadata({}), overwrite=True)
+        png.write_png(Unsaveable(), target, png.png_metadata({}), overwrite=True)
     assert list(tmp_path.iterdir()) == []
 
 

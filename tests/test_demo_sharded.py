@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from klein import demo
+from klein.io import demo
 from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_checkpoint import load_text_encoder
 from klein.io.transformer_checkpoint import load_transformer

@@ -12,7 +12,7 @@ from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkp
 
 from klein.errors import CheckpointError
 from klein.io.transformer_file import load_transformer_file
-from klein.variants import from_file
+from klein.request.variants import from_file
 from tests.fixtures.bfl_files import random_k_quant, to_bfl, write_gguf
 from tests.fixtures.tiny_transformer import build_transformer
 from tests.single_file_cases import both_outputs, rel_err

@@ -14,6 +14,7 @@ from diffusers.utils import load_image as diffusers_load_image
 
 from klein import images
 from klein.errors import InputError
+from klein.request.resolve import output_size
 
 
 class _Stop(Exception):
@@ -192,14 +193,14 @@ def test_bad_reference_sizes_rejected_like_diffusers(pipeline, size):
 def test_output_size_matches_pipeline(pipeline, height, width, reference_sizes):
     references = [_random_image("RGB", size, seed) for seed, size in enumerate(reference_sizes)]
     prepared, expected = run_pipeline(pipeline, references, height=height, width=width)
-    ours_height, ours_width, rounded = images.output_size(height, width, [p.shape[:2] for p in prepared])
+    ours_height, ours_width, rounded = output_size(height, width, [p.shape[:2] for p in prepared])
     assert (ours_height, ours_width) == expected
     assert rounded == any(side is not None and side % 16 for side in (height, width))
 
 
 def test_output_size_rejects_tiny_sizes():
     with pytest.raises(InputError, match="at least 16 px"):
-        images.output_size(10, 512, [])
+        output_size(10, 512, [])
 
 
 def test_postprocess_matches_diffusers(pipeline):

@@ -10,8 +10,9 @@ import PIL.Image
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from klein import cli, demo
+from klein.cli import main as cli
 from klein.errors import CheckpointError, InputError
+from klein.io import demo
 from klein.lora.files import LoraInfo, parse_spec
 from klein.lora.layouts import parse
 from klein.lora.loading import Lora, lora_updates, read_lora

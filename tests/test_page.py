@@ -81,7 +81,7 @@ def server(klein_home, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "KLEIN_HOME": str(klein_home), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "klein.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "klein.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [*command, *map(str, SERVE_FLAGS)], env=env, stdout=log, stderr=subprocess.STDOUT

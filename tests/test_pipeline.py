@@ -8,7 +8,7 @@ import torch
 from skimage.metrics import structural_similarity
 
 from klein import InputError
-from klein.pipeline import load_pipeline
+from klein.pipeline.flux2_klein import load_pipeline
 
 MAX_ABS = 2e-3
 MIN_SSIM = 0.999

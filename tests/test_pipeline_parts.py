@@ -6,9 +6,9 @@ import json
 import PIL.Image
 import pytest
 
-from klein import cli
+from klein.cli import main as cli
 from klein.errors import InputError
-from klein.pipeline import load_pipeline
+from klein.pipeline.flux2_klein import load_pipeline
 from tests.fixtures.bfl_files import to_bfl, write_safetensors
 from tests.test_pipeline import compare
 

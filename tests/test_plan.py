@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from klein import InputError, cli, demo, sharding
+from klein import InputError, sharding
+from klein.cli import main as cli
+from klein.io import demo
+from klein.memory.plan import _activations, plan
 from klein.models import transformer as T
 from klein.models.transformer_config import TransformerConfig
-from klein.plan import _activations, plan
 
 GiB = 2**30
 PARAMS_9B = 9.08e9  # docs/design.md: 9b is about 9.08 B parameters

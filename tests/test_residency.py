@@ -11,12 +11,14 @@ import PIL.Image
 import pytest
 from flax import nnx
 
-from klein import InputError, admission, demo, plan, residency, sharding
+from klein import InputError, sharding
 from klein.errors import CannotFitError
+from klein.io import demo
 from klein.io.transformer_checkpoint import load_transformer
+from klein.memory import admission, plan, residency
 from klein.models import transformer as T
 from klein.models.stacks import as_float
-from klein.pipeline import load_pipeline
+from klein.pipeline.flux2_klein import load_pipeline
 from tests.test_cli import run_klein
 
 REF = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 80, 3), np.uint8))

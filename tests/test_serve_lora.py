@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import PIL.Image
 
-from klein import demo
+from klein.io import demo
 from klein.models.transformer_config import TransformerConfig
 from tests import serve_process
 from tests.fixtures import lora_files as lf

@@ -2,7 +2,7 @@
 
 import pytest
 
-from klein import cli
+from klein.cli import main as cli
 from klein.errors import InputError
 from klein.serve.options import ServeOptions, parse_size
 

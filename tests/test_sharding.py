@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from klein import InputError, cli_args, sharding
+from klein import InputError, sharding
+from klein.cli import flags as cli_args
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.models.qwen3_config import Qwen3Config
@@ -101,7 +102,7 @@ def test_generate_flags_for_meshes_and_processes():
 
 
 def _generate_parser():
-    from klein.cli import _generate_parser
+    from klein.cli.main import _generate_parser
 
     return _generate_parser()
 

@@ -5,7 +5,6 @@ Axes: B batch, H height, W width (pixels); arrays are channels-last RGB.
 - `load_image(path)`: a file -> upright RGB `PIL.Image` (what `diffusers.utils.load_image` returns);
   `read_image(data, name)` the same for bytes in memory.
 - `prepare_reference(image)`: any-mode `PIL.Image` -> float32[H, W, 3] in [-1, 1], H and W multiples of 16.
-- `output_size(height, width, references)`: the output size diffusers would generate at.
 - `to_float01` / `to_uint8` / `to_pil`: decoder output float[B, H, W, 3] in [-1, 1] -> float32[B, H, W, 3]
   in [0, 1] / uint8[B, H, W, 3] / B RGB images (diffusers' `postprocess` with `output_type` "np" / "pil").
 """
@@ -13,7 +12,6 @@ Axes: B batch, H height, W width (pixels); arrays are channels-last RGB.
 import io
 import math
 import os
-from collections.abc import Sequence
 
 import numpy as np
 import PIL.Image
@@ -26,7 +24,6 @@ MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
 # One transformer token covers 16x16 px: the VAE downsamples 8x and latents are packed in 2x2 patches.
 MULTIPLE = 16
-DEFAULT_SIZE = 1024
 
 
 def load_image(path: str | os.PathLike) -> PIL.Image.Image:
@@ -116,27 +113,6 @@ def _centre_crop_box(width: int, height: int) -> tuple[int, int, int, int]:
     crop_width, crop_height = width // MULTIPLE * MULTIPLE, height // MULTIPLE * MULTIPLE
     left, top = (width - crop_width) // 2, (height - crop_height) // 2
     return left, top, left + crop_width, top + crop_height
-
-
-def output_size(
-    height: int | None, width: int | None, reference_sizes: Sequence[tuple[int, int]] = ()
-) -> tuple[int, int, bool]:
-    """(height, width, rounded): the size diffusers generates at for a requested size and the prepared
-    references' (height, width) sizes.
-
-    Each unset side independently takes the first reference's prepared size, else 1024 (so a height given
-    alone pairs with the reference's width). Both sides are then rounded down to multiples of 16; `rounded`
-    says whether that changed anything, so a caller can warn.
-    """
-    default_height, default_width = reference_sizes[0] if reference_sizes else (DEFAULT_SIZE, DEFAULT_SIZE)
-    requested = (default_height if height is None else height, default_width if width is None else width)
-    if min(requested) < MULTIPLE:
-        raise InputError(
-            f"output size {requested[1]}x{requested[0]} px (width x height) is too small; "
-            f"both sides must be at least {MULTIPLE} px"
-        )
-    rounded_height, rounded_width = (side // MULTIPLE * MULTIPLE for side in requested)
-    return rounded_height, rounded_width, (rounded_height, rounded_width) != requested
 
 
 def to_float01(images: np.ndarray) -> np.ndarray:

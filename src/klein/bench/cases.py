@@ -17,7 +17,10 @@ from klein.bench.configs import TEXT_TOKENS, BenchConfig
 PROMPT = "a photo of a cat wearing a small red hat, sitting on a blue sofa"
 
 
-class Mode(enum.Enum):
+class CaseKind(enum.Enum):
+    """What a benchmark case measures. It is not a request's mode: the engines pass `image`, `use_kv` or
+    encoded `references`, and the pipeline's `resolve` decides the mode from them."""
+
     TEXT_TO_IMAGE = "text-to-image"
     STANDARD = "standard editing"
     KV = "KV editing"
@@ -26,14 +29,14 @@ class Mode(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    mode: Mode
+    mode: CaseKind
     references: int
     size: int
     """Square output side in px."""
 
     @property
     def name(self) -> str:
-        refs = "" if self.mode is Mode.TEXT_TO_IMAGE else f", {self.references} ref"
+        refs = "" if self.mode is CaseKind.TEXT_TO_IMAGE else f", {self.references} ref"
         return f"{self.mode.value}{refs}, {self.size}px"
 
 
@@ -47,10 +50,10 @@ class Tokens:
 
 def cases(config: BenchConfig) -> list[Case]:
     """Per output size: text-to-image, then per reference count standard, KV and warm KV editing."""
-    modes = (Mode.STANDARD, Mode.KV, Mode.KV_WARM) if config.kv else (Mode.STANDARD,)
+    modes = (CaseKind.STANDARD, CaseKind.KV, CaseKind.KV_WARM) if config.kv else (CaseKind.STANDARD,)
     out = []
     for size in config.output_sizes:
-        out.append(Case(Mode.TEXT_TO_IMAGE, 0, size))
+        out.append(Case(CaseKind.TEXT_TO_IMAGE, 0, size))
         out += [Case(mode, n, size) for n in config.reference_counts for mode in modes]
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from klein.demo import TRANSFORMER, VAE, RandomCheckpoint, text_encoder_config
+from klein.io.demo import TRANSFORMER, VAE, RandomCheckpoint, text_encoder_config
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
 
 TEXT_TOKENS = 512  # prompts are padded to 512 tokens by both engines

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from klein.bench import peak
-from klein.bench.cases import PROMPT, Case, Mode
+from klein.bench.cases import PROMPT, Case, CaseKind
 from klein.bench.configs import BenchConfig
 from klein.errors import KleinError
 
@@ -27,7 +27,7 @@ class KleinEngine:
     name = "klein"
 
     def __init__(self, folder: Path, config: BenchConfig):
-        from klein.pipeline import load_pipeline
+        from klein.pipeline.flux2_klein import load_pipeline
 
         self.pipe = load_pipeline(folder, dtype=config.checkpoint.dtype)
         self.steps = config.steps
@@ -36,15 +36,15 @@ class KleinEngine:
 
     def prepare(self, case: Case, images) -> None:
         """For warm KV cases, encode the references once: the earlier request whose cache is reused."""
-        if case.mode is Mode.KV_WARM and case.references not in self._warm:
+        if case.mode is CaseKind.KV_WARM and case.references not in self._warm:
             self._warm[case.references] = self.pipe.encode_references(images, use_kv=True)
 
     def run(self, case: Case, latents: np.ndarray, images) -> tuple[dict[str, float], np.ndarray]:
         kwargs = dict(height=case.size, width=case.size, num_inference_steps=self.steps, latents=latents)
-        if case.mode is Mode.KV_WARM:
+        if case.mode is CaseKind.KV_WARM:
             kwargs["references"] = self._warm[case.references]
-        elif case.mode is not Mode.TEXT_TO_IMAGE:
-            kwargs.update(image=images, use_kv=case.mode is Mode.KV)
+        elif case.mode is not CaseKind.TEXT_TO_IMAGE:
+            kwargs.update(image=images, use_kv=case.mode is CaseKind.KV)
         out = self.pipe(PROMPT, output_type="np", **kwargs)
         return dict(out.timings), out.images[0]
 
@@ -132,9 +132,9 @@ class DiffusersEngine:
 
     def run(self, case: Case, latents: np.ndarray, images) -> tuple[dict[str, float], np.ndarray]:
         self.stages = {}
-        pipe = self.kv if case.mode in (Mode.KV, Mode.KV_WARM) else self.standard
+        pipe = self.kv if case.mode in (CaseKind.KV, CaseKind.KV_WARM) else self.standard
         kwargs = dict(height=case.size, width=case.size, num_inference_steps=self.steps)
-        if case.mode is not Mode.TEXT_TO_IMAGE:
+        if case.mode is not CaseKind.TEXT_TO_IMAGE:
             kwargs["image"] = images
         out = pipe(prompt=PROMPT, latents=self.torch.from_numpy(latents), output_type="np", **kwargs)
         return dict(self.stages), np.asarray(out.images[0], np.float32)

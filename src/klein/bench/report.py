@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import median
 
 from klein.bench import flops
-from klein.bench.cases import Mode, tokens
+from klein.bench.cases import CaseKind, tokens
 from klein.bench.configs import BenchConfig
 from klein.errors import KleinError
 
@@ -32,9 +32,9 @@ MIB = 2**20
 
 def build(config: BenchConfig, measured, machine: dict) -> dict:
     entries = [_case_entry(config, m, machine["matmul_peak"]["flops_per_second"]) for m in measured]
-    standard = {(e["references"], e["size"]): e for e in entries if e["mode"] == Mode.STANDARD.value}
+    standard = {(e["references"], e["size"]): e for e in entries if e["mode"] == CaseKind.STANDARD.value}
     for entry in entries:
-        if entry["mode"] in (Mode.KV.value, Mode.KV_WARM.value):
+        if entry["mode"] in (CaseKind.KV.value, CaseKind.KV_WARM.value):
             entry["kv"] = _kv_entry(config, entry, standard[entry["references"], entry["size"]])
     return dict(
         command=f"klein bench --config {config.name}",
@@ -91,9 +91,9 @@ def _case_entry(config: BenchConfig, measured, peak: float) -> dict:
 def case_flops(config: BenchConfig, case, n, engine: str) -> float:
     """The transformer FLOPs of one run of `case` by `engine` (diffusers' warm KV is a plain KV call)."""
     cfg, steps = config.transformer, config.steps
-    if case.mode in (Mode.TEXT_TO_IMAGE, Mode.STANDARD):
+    if case.mode in (CaseKind.TEXT_TO_IMAGE, CaseKind.STANDARD):
         return flops.standard_flops(cfg, n.text, n.image, n.reference, steps)
-    warm = case.mode is Mode.KV_WARM and engine == "klein"
+    warm = case.mode is CaseKind.KV_WARM and engine == "klein"
     return flops.kv_flops(cfg, n.text, n.image, n.reference, steps, warm=warm)
 
 
@@ -122,7 +122,7 @@ def _engine_entry(warmup, runs) -> dict:
 
 def _kv_entry(config: BenchConfig, kv: dict, standard: dict) -> dict:
     n = kv["tokens"]
-    warm = kv["mode"] == Mode.KV_WARM.value
+    warm = kv["mode"] == CaseKind.KV_WARM.value
     ceiling = flops.kv_ceiling(
         config.transformer, n["text"], n["image"], n["reference"], config.steps, warm=warm
     )
@@ -193,7 +193,7 @@ def headline_table(report: dict) -> str:
         cells += [_rate(k, e["klein_fraction_of_peak"]), _rate(d, e["diffusers_fraction_of_peak"])]
         if "kv" in e:
             kv = e["kv"]
-            dagger = " †" if e["mode"] == Mode.KV_WARM.value else ""
+            dagger = " †" if e["mode"] == CaseKind.KV_WARM.value else ""
             cells += [
                 _speedup(kv["speedup"]["klein"]),
                 _speedup(kv["speedup"]["diffusers"]) + dagger,
@@ -266,21 +266,21 @@ def chart(report: dict, path: Path) -> Path:
 
 
 SERIES = (
-    (Mode.KV, "klein", "klein, cache built in the run", dict(color="C0", marker="o")),
-    (Mode.KV_WARM, "klein", "klein, warm references", dict(color="C0", marker="s", linestyle="-.")),
-    (Mode.KV, "diffusers", "diffusers", dict(color="C1", marker="o")),
+    (CaseKind.KV, "klein", "klein, cache built in the run", dict(color="C0", marker="o")),
+    (CaseKind.KV_WARM, "klein", "klein, warm references", dict(color="C0", marker="s", linestyle="-.")),
+    (CaseKind.KV, "diffusers", "diffusers", dict(color="C1", marker="o")),
 )
 
 
 def _plot_size(axis, entries: list[dict]) -> None:
-    for mode in (Mode.KV, Mode.KV_WARM):
+    for mode in (CaseKind.KV, CaseKind.KV_WARM):
         chosen = [e for e in entries if e["mode"] == mode.value]
         axis.plot(
             [e["references"] for e in chosen],
             [e["kv"]["ceiling"] for e in chosen],
             color="grey",
-            linestyle="--" if mode is Mode.KV else ":",
-            label=f"FLOP ceiling{'' if mode is Mode.KV else ', warm'}",
+            linestyle="--" if mode is CaseKind.KV else ":",
+            label=f"FLOP ceiling{'' if mode is CaseKind.KV else ', warm'}",
         )
     for mode, engine, label, style in SERIES:
         chosen = [e for e in entries if e["mode"] == mode.value]

@@ -27,8 +27,8 @@ from klein.bench import report
 from klein.bench.configs import BenchConfig
 from klein.bench.engines import DiffusersEngine, KleinEngine
 from klein.bench.memory import PeakRSS
-from klein.demo import ensure_checkpoint
-from klein.paths import klein_home
+from klein.io.demo import ensure_checkpoint
+from klein.io.paths import klein_home
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
+from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
 from klein.io.safetensors import TensorSource
 from klein.models.transformer import Flux2Transformer
@@ -31,10 +32,15 @@ def expected_transformer_keys(cfg: TransformerConfig) -> dict[str, tuple[int, ..
     return expected_shapes(abstract_transformer(cfg), STACKED, key_map)
 
 
+def read_config(folder: str | Path) -> TransformerConfig:
+    """The transformer config of a diffusers-layout transformer folder (`config.json`)."""
+    return TransformerConfig.from_diffusers(read_json(Path(folder) / "config.json", "transformer config"))
+
+
 def load_transformer(folder: str | Path, dtype=jnp.float32, *, place=None) -> Flux2Transformer:
     """Strictly load `<folder>/config.json` and its safetensors (single file or sharded)."""
     folder = Path(folder)
-    cfg = TransformerConfig.from_file(folder / "config.json")
+    cfg = read_config(folder)
     source = TensorSource.from_folder(folder, "diffusion_pytorch_model")
     abstract = abstract_transformer(cfg, dtype)
     return load_module(abstract, source, dtype=dtype, stacked=STACKED, key_map=key_map, place=place)

@@ -51,9 +51,9 @@ def load_transformer_file(
     place=None,
     dequantize: bool = False,
 ) -> Flux2Transformer:
-    """The transformer of a BFL, FP8 or GGUF single file (`klein.variants.from_file` tells its variant);
-    `dequantize` widens FP8 weights to `dtype` at load; `place` puts each weight on its device(s) (see
-    `klein.io.loading.load_module`)."""
+    """The transformer of a BFL, FP8 or GGUF single file (`klein.pipeline.checkpoints.variant_of_file`
+    tells its variant); `dequantize` widens FP8 weights to `dtype` at load; `place` puts each weight on its
+    device(s) (see `klein.io.loading.load_module`)."""
     path = Path(path)
     source = _open(path)
     # 1. What the file holds: naming, config (from the shapes), FP8 layers; checked in BFL names.

@@ -87,9 +87,9 @@ def _locate(name: str) -> Path:
     if not path.exists():
         if path.suffix.lower() in (".safetensors", ".sft") or name.count("/") != 1:
             raise CheckpointError(f"LoRA {name}: no such file")
-        from klein import checkpoints  # here: it loads JAX, which naming a LoRA (`LoraInfo`) must not
+        from klein.io import sources  # here: it loads JAX, which naming a LoRA (`LoraInfo`) must not
 
-        path = checkpoints.resolve(name)[0]  # a repo id (or the error saying where it was looked for)
+        path = sources.resolve(name)[0]  # a repo id (or the error saying where it was looked for)
     if path.is_file():
         return path
     found = sorted(path.glob("*.safetensors"))

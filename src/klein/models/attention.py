@@ -15,7 +15,7 @@ linear in tokens. The keys are cut into even blocks (the last one shorter) once,
 query blocks, and the loop body folds them in one after another: no key is padded, so attention without
 ranks never evaluates a mask, and no key block is copied again per query block (both cost 10-25% at
 2.5k-5.6k tokens on two CPU cores, `benchmarks/attention_speed.py`). XLA holds the cut blocks beside
-the keys and values: memory stays linear in tokens (`klein.plan` counts them). One key block
+the keys and values: memory stays linear in tokens (`klein.memory.plan` counts them). One key block
 reproduces the query-blocked path (2.5x faster than XLA's dense attention at 5.6k tokens), so
 text-to-image at 1024^2 pays no rescaling.
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from klein.errors import CheckpointError
-from klein.io.json_file import read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +63,6 @@ class TransformerConfig:
             return cls(**values)
         except TypeError as exc:
             raise CheckpointError(f"transformer config is incomplete: {exc}") from None
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> TransformerConfig:
-        return cls.from_diffusers(read_json(path, "transformer config"))
 
 
 KLEIN_4B = TransformerConfig(

@@ -15,8 +15,8 @@ import secrets
 
 import numpy as np
 
-from klein.images import output_size
-from klein.request import GenerationRequest
+from klein.request.request import GenerationRequest
+from klein.request.resolve import output_size
 from klein.serve.generation import Generation, respond
 from klein.serve.reference_sets import ReferenceSets
 

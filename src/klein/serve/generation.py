@@ -12,8 +12,8 @@ import dataclasses
 import io
 import time
 
-from klein.cli_output import png_metadata
-from klein.request import GenerationRequest, Settings
+from klein.io.png import png_metadata
+from klein.request.request import GenerationRequest, Settings
 from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe, set_id
 
 

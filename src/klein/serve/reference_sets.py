@@ -1,4 +1,4 @@
-"""Reference sets, content-addressed: uploaded images -> `klein.references.References`, through the cache.
+"""Reference sets, content-addressed: uploaded images -> `klein.request.references.References`, through the cache.
 
 A prepared image (float32[H, W, 3], `klein.images.prepare_reference`) is known by the SHA-256 of its
 bytes; a set by the ordered tuple of those digests, and its id is derived from that tuple alone, so the
@@ -23,10 +23,10 @@ import threading
 import jax
 import numpy as np
 
-from klein.cache import ByteBudgetCache, arrays
 from klein.errors import InputError
-from klein.references import References
-from klein.timing import StageClock
+from klein.pipeline.cache import ByteBudgetCache, arrays
+from klein.pipeline.timing import StageClock
+from klein.request.references import References
 
 MAX_IDS = 4096  # ids remembered; each is a few digests, the arrays live (or not) in the cache
 
@@ -154,7 +154,7 @@ class ReferenceSets:
         return Encoded(set_id(digests), entry.value, True, entry.seconds, entry.size, {})
 
     def _compute(self, digests, pixels: dict[str, np.ndarray]) -> Encoded:
-        # Compilation is booked apart (klein.timing): an entry's cost is what a hit saves next time.
+        # Compilation is booked apart (klein.pipeline.timing): an entry's cost is what a hit saves next time.
         timings = {"references": 0.0, "prefill": 0.0}
         clock = StageClock(timings)
         latents, saved = [], 0.0

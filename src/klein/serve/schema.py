@@ -15,9 +15,9 @@ from typing import Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from klein import setting_kinds as kinds
 from klein.errors import InputError
-from klein.request import MAX_SEED, GenerationRequest
+from klein.request import kinds
+from klein.request.request import MAX_SEED, GenerationRequest
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import functools
 
-from klein import modes
-from klein.cache import ByteBudgetCache
 from klein.errors import InputError
-from klein.modes import Conditioning
+from klein.pipeline.cache import ByteBudgetCache
+from klein.request.resolve import caches_references
 from klein.serve import batching, errors, generation
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
@@ -26,7 +25,7 @@ class Service:
         self.reference_cache = ByteBudgetCache(options.cache_bytes)
         self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes)
         pipe.prompt_cache = self.prompt_cache
-        cached = modes.conditioning(pipe.variant, pipe.name, None, True) is Conditioning.CACHED
+        cached = caches_references(pipe.variant, pipe.name)
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         self.worker = Worker(options.max_queue, self.metrics, options.max_batch, self._generate_batch)
 

@@ -2,7 +2,7 @@
 arrays at the requested dimensions (`jax.ShapeDtypeStruct`: no weights, nothing allocated), and XLA's
 memory analysis of it (arguments, outputs, temporaries), for `klein plan --compiled`.
 
-The programs are the pipeline's own (`klein.models`, `klein.denoise`), over weights shaped and stored as
+The programs are the pipeline's own (`klein.models`, `klein.pipeline.denoise`), over weights shaped and stored as
 the loader stores them (`klein.io.loading.stored_state`), on the local backend.
 """
 
@@ -16,15 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from klein import denoise, plan
 from klein.io.loading import stored_state
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
 from klein.io.transformer_checkpoint import abstract_transformer
+from klein.memory import plan
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
-from klein.modes import Conditioning
+from klein.pipeline import denoise
+from klein.request.modes import Conditioning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ def analyse(models: plan.Models, work: plan.Workload, dtype) -> dict[str, Analys
 
 def _compile(fn, stored, *args) -> Analysis:
     graphdef, state = stored
-    # The weights are the program's arguments, as in the pipeline (`klein.pipeline.Compiled`).
+    # The weights are the program's arguments, as in the pipeline (`klein.pipeline.flux2_klein.Compiled`).
     program = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
     memory = program.lower(state, *args).compile().memory_analysis()
     return Analysis(memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.temp_size_in_bytes)

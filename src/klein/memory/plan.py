@@ -1,5 +1,5 @@
 """Memory planner: the bytes each device holds for a klein model on a mesh, for `klein plan` (before
-buying hardware) and for admission (before a request allocates anything, `klein.admission`).
+buying hardware) and for admission (before a request allocates anything, `klein.memory.admission`).
 
 Weights and the reference KV cache are exact: parameter and cache shapes (`nnx.eval_shape`, nothing
 allocated), split by the rules the loader and the model use (`klein.sharding`) on an abstract mesh, so
@@ -36,16 +36,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from klein import dtypes, residency, sharding
+from klein import dtypes, sharding
 from klein.errors import InputError
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
+from klein.memory import residency
 from klein.models.attention import KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
-from klein.variants import VARIANTS, Variant
+from klein.request import resolve
+from klein.request.modes import Conditioning
+from klein.request.request import GenerationRequest
+from klein.request.resolve import Resolved
+from klein.request.variants import VARIANTS, Variant
 
 FLUX2_VAE = VAEConfig.flux2()
 TEXT_TOKENS = 512
@@ -70,6 +75,19 @@ class Workload:
     """KV editing: a prefill over the references, then steps over the cached keys and values."""
     guided: bool
     """Classifier-free guidance: every step runs the batch twice (prompt and negative)."""
+
+    @classmethod
+    def of(cls, run: Resolved) -> Workload:
+        """The workload of a resolved request."""
+        return cls(
+            images=run.images,
+            prompts=run.prompts,
+            height=run.request.height,
+            width=run.request.width,
+            reference_tokens=run.reference_tokens,
+            cached=run.mode.conditioning is Conditioning.CACHED,
+            guided=run.mode.guided,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +181,7 @@ class MemoryPlan:
 
     @property
     def policies(self) -> dict[str, int]:
-        """Peak bytes per device under each residency policy (`klein.residency`), `all` = `total`."""
+        """Peak bytes per device under each residency policy (`klein.memory.residency`), `all` = `total`."""
         sizes = dict(transformer=self.transformer, text_encoder=self.text_encoder, vae=self.vae)
         return residency.peaks(sizes, self.memory.peak)
 
@@ -188,18 +206,10 @@ def plan(
     ref_size = ref_size or size
     if batch < 1 or refs < 0 or min(*size, *ref_size) < 16:
         raise InputError("plan needs batch >= 1, refs >= 0 and sizes of at least 16x16 px")
-    ref_tokens = refs * _tokens(ref_size)
     _check_fits(abstract, variant, cfg, text_config)
-    chosen, e = models.variant, dtypes.itemsize(dtype)
-    work = Workload(
-        images=batch,
-        prompts=1 if chosen.distilled else 2,
-        height=size[1] // 16 * 16,
-        width=size[0] // 16 * 16,
-        reference_tokens=ref_tokens,
-        cached=chosen.kv and ref_tokens > 0,
-        guided=not chosen.distilled,
-    )
+    request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
+    run = resolve.resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
+    work, e = Workload.of(run), dtypes.itemsize(dtype)
     sizes = model_bytes(cfg, text_config, models.vae, abstract, e, models.fp8)
     return MemoryPlan(
         variant=variant,
@@ -269,28 +279,14 @@ def model_bytes(
 
 
 def typical_request(variant) -> Workload:
-    """What a pipeline is planned for before it knows its requests: one 1024x1024 image, no references,
-    with CFG where the variant runs it."""
-    return Workload(
-        images=1,
-        prompts=1 if variant.distilled else 2,
-        height=1024,
-        width=1024,
-        reference_tokens=0,
-        cached=False,
-        guided=not variant.distilled,
-    )
+    """What a pipeline is planned for before it knows its requests (`klein.request.resolve.typical`)."""
+    return Workload.of(resolve.typical(variant))
 
 
 def _check_fits(mesh, variant: str, cfg, text_config) -> None:
     """The same divisibility errors loading the model on this mesh would raise (any request fits)."""
     sharding.check_divisible(mesh, variant, sharding.transformer_dims(cfg))
     sharding.check_divisible(mesh, f"{variant}'s text encoder", sharding.text_encoder_dims(text_config))
-
-
-def _tokens(size: tuple[int, int]) -> int:
-    width, height = size
-    return (width // 16) * (height // 16)
 
 
 def _shard_bytes(shape: tuple, axes: tuple, mesh, itemsize: int) -> int:
@@ -455,7 +451,7 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
 
 
 def describe_compiled(p: MemoryPlan, stages: dict[str, dict[str, int]]) -> str:
-    """Each compiled stage's memory (`klein.compiled`: XLA's analysis) beside the planner's estimate."""
+    """Each compiled stage's memory (`klein.pipeline.compiled`: XLA's analysis) beside the planner's estimate."""
     estimates = dict(text=p.memory.text, prefill=p.memory.prefill, step=p.memory.step, decode=p.memory.decode)
     lines = ["compiled on this machine (XLA memory analysis) against the estimate, beyond the weights:"]
     lines.append(f"  {'stage':<9}{'estimate':>12}{'compiled':>12}{'ratio':>8}{'arguments':>14}")

@@ -1,6 +1,6 @@
 """Admission: refuse a request that cannot fit before it allocates anything (docs/design.md, "Admission").
 
-The request's bytes come from the planner's estimator (`klein.plan.request_memory`, the same one
+The request's bytes come from the planner's estimator (`klein.memory.plan.request_memory`, the same one
 `klein plan` prints); what the device can give comes from `device.memory_stats()` where the backend
 reports it, else (CPU) from the host's available memory.
 """
@@ -8,7 +8,7 @@ reports it, else (CPU) from the host's available memory.
 from __future__ import annotations
 
 from klein.errors import CannotFitError
-from klein.plan import RequestMemory
+from klein.memory.plan import RequestMemory
 
 
 def available_bytes(devices) -> tuple[int, str]:

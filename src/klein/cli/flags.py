@@ -3,18 +3,18 @@
 Both spellings fill the same `GenerateRequest`, whose generation settings are a `klein.GenerationRequest`:
 the flags and key=value words of those are derived from the request type's fields, so a new setting
 appears here by itself. A setting given both ways is an error rather than a silent choice. Values of
-`key=value` tokens are read as `klein.setting_kinds` says (Python literals, never `eval`).
+`key=value` tokens are read as `klein.request.kinds` says (Python literals, never `eval`).
 """
 
 import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from klein import setting_kinds as kinds
 from klein.dtypes import DTYPES
 from klein.errors import InputError
-from klein.request import GenerationRequest, settings_of, short_name
-from klein.residency import AUTO, CHOICES
+from klein.memory.residency import AUTO, CHOICES
+from klein.request import kinds
+from klein.request.request import GenerationRequest, settings_of, short_name
 
 
 class Parser(argparse.ArgumentParser):

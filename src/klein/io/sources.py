@@ -1,13 +1,14 @@
-"""Where checkpoints live: a local folder, the Hugging Face cache, or the built-in demo."""
+"""Where checkpoints live: a local folder, the Hugging Face cache (downloaded there where the hub is
+reachable), or the built-in demo."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from klein import demo
 from klein.errors import CheckpointError
-from klein.variants import VARIANTS
+from klein.io import demo
+from klein.request import variants
 
 DEMO = "demo"
 DEMO_LABEL = "demo checkpoint: tiny random weights, the image is noise-like"
@@ -27,7 +28,7 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str]:
         return _from_hub(source), source
     raise CheckpointError(
         f"unknown model {source!r}: no such folder, and not a Hugging Face repo id (owner/name). "
-        f"Known repos: {', '.join(v.repo_id for v in VARIANTS.values())}; or use 'demo'."
+        f"Known repos: {', '.join(v.repo_id for v in variants.VARIANTS.values())}; or use 'demo'."
     )
 
 

@@ -1,6 +1,6 @@
 """The `klein plan` and `klein bench` subcommands: their arguments and what they print.
 
-Thin front ends over `klein.plan` and `klein.bench`, imported when the command runs so that
+Thin front ends over `klein.memory.plan` and `klein.bench`, imported when the command runs so that
 `klein --help` stays fast.
 """
 
@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from klein.cli_args import Parser
+from klein.cli.flags import Parser
 from klein.dtypes import DTYPES
 from klein.errors import InputError
 
@@ -105,7 +105,7 @@ def plan_command(flags: argparse.Namespace) -> int:
     """Print the per-device memory plan of `klein plan`: a table, or JSON with --json."""
     import json
 
-    from klein import plan
+    from klein.memory import plan
 
     variant, models, dtype = _plan_model(flags.model, flags.dtype)
     limit, where = _device_memory(flags)
@@ -127,12 +127,13 @@ def plan_command(flags: argparse.Namespace) -> int:
 
 
 def _plan_model(model: str, dtype: str | None):
-    """(name, `klein.plan.Models` or None for a published variant, dtype) of --model."""
-    from klein.variants import VARIANTS
+    """(name, `klein.memory.plan.Models` or None for a published variant, dtype) of --model."""
+    from klein.request.variants import VARIANTS
 
     if model in VARIANTS:
         return model, None, dtype or "bfloat16"
-    from klein import components, plan
+    from klein.memory import plan
+    from klein.pipeline import components
 
     located = components.locate(model, components.Parts())
     models = plan.Models(
@@ -142,8 +143,9 @@ def _plan_model(model: str, dtype: str | None):
 
 
 def _compiled(memory, models, dtype: str) -> dict:
-    """Each stage's compiled memory analysis (`klein.compiled`), as a dict of dicts of bytes."""
-    from klein import compiled, dtypes
+    """Each stage's compiled memory analysis (`klein.pipeline.compiled`), as a dict of dicts of bytes."""
+    from klein import dtypes
+    from klein.pipeline import compiled
 
     stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype))
     return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
@@ -164,7 +166,7 @@ def _device_memory(flags) -> tuple[int, str]:
         ) * 2**30, f"{flags.device}, less {RESERVED_GIB} GiB for the runtime"
     import jax
 
-    from klein.admission import available_bytes
+    from klein.memory.admission import available_bytes
 
     return available_bytes(jax.local_devices()[:1])
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from klein import sampling
 from klein.models import transformer as T
-from klein.modes import Conditioning
+from klein.request.modes import Conditioning
 from klein.sharding import TOKENS, constrain
 
 

@@ -10,7 +10,7 @@ the sets of them that may be on the device together:
 - `auto` (the default) is the first of these whose planned peak fits the memory there is, chosen before
   any weight is read.
 
-Off the device a model's weights live in host memory, or nowhere (`klein.device_weights`).
+Off the device a model's weights live in host memory, or nowhere (`klein.pipeline.device_weights`).
 """
 
 from __future__ import annotations

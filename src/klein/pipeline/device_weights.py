@@ -1,4 +1,4 @@
-"""One model's weights on the device, or off it, as the residency policy (`klein.residency`) moves them.
+"""One model's weights on the device, or off it, as the residency policy (`klein.memory.residency`) moves them.
 
 Off the device the weights live in host memory (`pinned_host`) where the backend has a host memory of its
 own (GPU, TPU): bringing them back is one transfer. Where the device memory is the host memory (CPU),

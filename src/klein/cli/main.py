@@ -1,21 +1,22 @@
 """The `klein` command line: `klein generate` turns a prompt (and optional reference images) into PNG files.
 
-A thin front end: it parses arguments (`klein.cli_args`), checks paths early, calls the pipeline and writes
-the results (`klein.cli_output`). Errors a user can fix are printed as one `error: ...` line with exit code 2;
+A thin front end: it parses arguments (`klein.cli.flags`), checks paths early, calls the pipeline and writes
+the results (`klein.cli.output`). Errors a user can fix are printed as one `error: ...` line with exit code 2;
 anything else is an internal error (exit code 1) whose traceback `KLEIN_DEBUG=1` shows.
 """
 
 import argparse
 import dataclasses
-import importlib.metadata
 import os
 import sys
 import textwrap
 import time
 import warnings
 
-from klein import cli_args, cli_output, cli_tools
+from klein import version
+from klein.cli import flags, output, tools
 from klein.errors import KleinError
+from klein.io import png
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -70,10 +71,10 @@ exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_D
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    parser = cli_args.Parser(
+    parser = flags.Parser(
         prog="klein", description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"klein {_version()}")
+    parser.add_argument("--version", action="version", version=f"klein {version()}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
     commands.add_parser("serve", help="an HTTP images API with references kept warm (klein serve --help)")
@@ -86,35 +87,28 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def _generate_parser() -> argparse.ArgumentParser:
-    parser = cli_args.Parser(
+    parser = flags.Parser(
         prog="klein generate",
         description=GENERATE_DESCRIPTION.format(
-            keys=textwrap.fill(", ".join(cli_args.KEYS), 95, initial_indent="  ", subsequent_indent="  ")
+            keys=textwrap.fill(", ".join(flags.KEYS), 95, initial_indent="  ", subsequent_indent="  ")
         ),
         epilog=GENERATE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
     add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')
-    cli_args.add_generation_flags(add)
+    flags.add_generation_flags(add)
     add(
         "--out",
         metavar="FILE.png|FOLDER",
         help="output file (numbered -0, -1, ... for several images) or folder",
     )
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
-    cli_args.add_model_flags(add)
+    flags.add_model_flags(add)
     add("--coordinator", metavar="HOST:PORT|auto", help="multi-process run: process 0's address (or auto)")
     add("--num-processes", type=int, help="multi-process run: how many processes")
     add("--process-id", type=int, help="multi-process run: this process's index (0 writes the images)")
     return parser
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("klein")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = cli_output.show_warning
+            warnings.showwarning = output.show_warning
             return _dispatch(argv)
     except KleinError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -140,16 +134,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
-        flags = _generate_parser().parse_intermixed_args(argv[1:])
-        return generate(cli_args.build_request(flags))
+        parsed = _generate_parser().parse_intermixed_args(argv[1:])
+        return generate(flags.build_request(parsed))
     if argv[:1] == ["serve"]:
-        from klein import cli_serve
+        from klein.cli import serve as cli_serve
 
         return cli_serve.serve_command(cli_serve.serve_parser().parse_args(argv[1:]))
     if argv[:1] == ["plan"]:
-        return cli_tools.plan_command(cli_tools.plan_parser().parse_args(argv[1:]))
+        return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
-        return cli_tools.bench_command(cli_tools.bench_parser().parse_args(argv[1:]))
+        return tools.bench_command(tools.bench_parser().parse_args(argv[1:]))
     parser = _top_parser()
     # Handles --help, --version and unknown commands; a bare `klein` shows the help.
     parser.parse_args(argv)
@@ -157,14 +151,12 @@ def _dispatch(argv: list[str]) -> int:
     return 0
 
 
-def generate(request: cli_args.GenerateRequest) -> int:
+def generate(request: flags.GenerateRequest) -> int:
     """Run one `klein generate` request: load, generate, write, report."""
     started = time.perf_counter()
-    plan = cli_output.plan_outputs(
-        request.out, request.generation.num_images_per_prompt, bool(request.overwrite)
-    )
+    plan = png.plan_outputs(request.out, request.generation.num_images_per_prompt, bool(request.overwrite))
     pipe, references, load_seconds = _load(request)
-    progress = cli_output.Progress()
+    progress = output.Progress()
     try:
         result = pipe(dataclasses.replace(request.generation, image=references), progress=progress)
     finally:
@@ -176,16 +168,16 @@ def generate(request: cli_args.GenerateRequest) -> int:
     settings = dataclasses.replace(
         result.settings, request=dataclasses.replace(result.settings.request, image=request.generation.image)
     )
-    metadata = [cli_output.png_metadata(settings.metadata(i, _version())) for i in range(len(result.images))]
-    paths = cli_output.write_images(result.images, plan, metadata, result.seed)
+    metadata = [png.png_metadata(settings.metadata(i, version())) for i in range(len(result.images))]
+    paths = png.write_images(result.images, plan, metadata, result.seed)
     timings = {"load": load_seconds, **result.timings, "write": time.perf_counter() - write_started}
     _report(pipe, settings, paths, timings, time.perf_counter() - started)
     return 0
 
 
-def _model(request: cli_args.GenerateRequest) -> str | None:
+def _model(request: flags.GenerateRequest) -> str | None:
     """The seed's usage asks for klein-9B with use_kv=True and means the klein-9b-kv checkpoint."""
-    from klein.variants import kv_checkpoint_for
+    from klein.request.variants import kv_checkpoint_for
 
     model = request.model
     if request.generation.use_kv and model is not None and kv_checkpoint_for(model) != model:
@@ -194,27 +186,27 @@ def _model(request: cli_args.GenerateRequest) -> str | None:
     return model
 
 
-def _load(request: cli_args.GenerateRequest):
+def _load(request: flags.GenerateRequest):
     """(pipeline, reference images, seconds): references first, so a bad path fails before the model loads."""
     started = time.perf_counter()
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
     from klein import sharding
     from klein.images import load_image
-    from klein.pipeline import load_pipeline
+    from klein.pipeline.flux2_klein import load_pipeline
 
     if request.coordinator is not None:
         coordinator = None if request.coordinator == "auto" else request.coordinator
         sharding.start_processes(coordinator, request.num_processes, request.process_id)
 
     paths = request.generation.image
-    with cli_output.loading_bar(len(paths) + 1) as bar:
+    with output.loading_bar(len(paths) + 1) as bar:
         references = []
         for path in paths:
             bar.set_postfix_str(str(path))
             references.append(load_image(path))
             bar.update()
         bar.set_postfix_str(request.transformer or request.model or "demo")
-        pipe = load_pipeline(source=_model(request), **cli_args.model_arguments(request))
+        pipe = load_pipeline(source=_model(request), **flags.model_arguments(request))
         bar.update()
     return pipe, tuple(references), time.perf_counter() - started
 
@@ -230,7 +222,7 @@ def _report(pipe, settings, paths, timings, total_seconds) -> None:
     print(f"model: {pipe.name}", file=sys.stderr)
     print(f"residency: {pipe.residency} ({pipe.dtype.name})", file=sys.stderr)
     print(f"settings: {settings.describe()}", file=sys.stderr)
-    print(cli_output.timing_report(timings, total_seconds), file=sys.stderr)
+    print(output.timing_report(timings, total_seconds), file=sys.stderr)
     for path in paths:
         print(path)
 

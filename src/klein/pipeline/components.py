@@ -14,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from klein import checkpoints, dtypes, sharding, text, variants
+from klein import dtypes, sharding
 from klein.errors import CheckpointError, InputError
+from klein.io import sources
 from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_checkpoint import load_text_encoder
 from klein.io.text_encoder_checkpoint import read_config as read_text_encoder_config
 from klein.io.transformer_checkpoint import load_transformer
+from klein.io.transformer_checkpoint import read_config as read_transformer_config
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.io.vae_checkpoint import load_vae, load_vae_file
 from klein.io.vae_checkpoint import read_config as read_vae_config
@@ -28,6 +30,9 @@ from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
+from klein.pipeline import checkpoints
+from klein.pipeline import prompts as text
+from klein.request import variants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +124,7 @@ def _check_fits(mesh, config: TransformerConfig, text_config: Qwen3Config) -> No
 
 
 def _folder_config(path: Path) -> TransformerConfig:
-    return TransformerConfig.from_file(_transformer_folder(path) / "config.json")
+    return read_transformer_config(_transformer_folder(path))
 
 
 def _stored(path: Path) -> dict:
@@ -143,9 +148,9 @@ _STORED = {"bfloat16": ("BF16", "F16", "F8_E4M3", "F8_E5M2"), "float32": ("F32",
 def _checkpoint(source, parts: Parts) -> tuple[Path | None, str | None]:
     """The checkpoint the unnamed parts come from: `source`, or the demo when nothing at all is named."""
     if source is None and parts == Parts():
-        source = checkpoints.DEMO
+        source = sources.DEMO
     if source is not None:
-        return checkpoints.resolve(source)
+        return sources.resolve(source)
     missing = [part for part in ("transformer", "text_encoder", "vae") if getattr(parts, part) is None]
     if missing:
         raise InputError(
@@ -161,7 +166,7 @@ def _locate(spec) -> Path:
         return path
     if path.suffix.lower() in (".safetensors", ".sft", ".gguf"):
         raise CheckpointError(f"{path}: no such file")
-    return checkpoints.resolve(str(spec))[0]  # a repo id (or the error naming what is accepted)
+    return sources.resolve(str(spec))[0]  # a repo id (or the error naming what is accepted)
 
 
 def _part(spec, subfolder: str) -> Path:
@@ -183,10 +188,10 @@ def _transformer_folder(path: Path) -> Path:
 
 def _variant(path: Path, config: TransformerConfig, variant: str | None) -> variants.Variant:
     if path.is_file():
-        return variants.from_file(path, config, variant)
+        return checkpoints.variant_of_file(path, config, variant)
     if (path / "model_index.json").is_file() and variant is None:  # a pipeline's index says which
-        return variants.detect(path, config)
-    return variants.from_file(path, config, variant)
+        return checkpoints.detect(path, config)
+    return checkpoints.variant_of_file(path, config, variant)
 
 
 def _text_encoder_folder(path: Path) -> Path:

@@ -22,11 +22,11 @@ from typing import Any
 
 import PIL.Image
 
-from klein import setting_kinds as kinds
 from klein.errors import InputError
 from klein.lora.files import LoraInfo
-from klein.modes import Mode
-from klein.references import References
+from klein.request import kinds
+from klein.request.modes import Mode
+from klein.request.references import References
 
 MIN_SIDE = 16
 MAX_STEPS = 1000
@@ -214,7 +214,7 @@ class Settings:
     loras: tuple[LoraInfo, ...] = ()
     """The LoRAs merged into the transformer: name, scale, sha256 of the file."""
     residency: str = "all"
-    """The residency policy the pipeline ran under (`klein.residency`); it changes no pixel."""
+    """The residency policy the pipeline ran under (`klein.memory.residency`); it changes no pixel."""
 
     @property
     def images(self) -> int:

@@ -30,12 +30,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from klein import dtypes
 from klein.io.loading import expected_shapes
+from klein.io.paths import klein_home
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder
 from klein.io.transformer_checkpoint import expected_transformer_keys
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
-from klein.paths import klein_home
 
 # v2: uniform instead of normal weights, drawn ~10x faster (the benchmarks write billions).
 VERSION = "demo-v2"

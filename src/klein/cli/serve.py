@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 import sys
 
-from klein import cli_args
+from klein import version
+from klein.cli import flags as cli_flags
 from klein.serve.options import ServeOptions, parse_size
 
 DESCRIPTION = """\
@@ -31,14 +32,14 @@ SIGTERM (or Ctrl+C) stops gracefully: nothing new is accepted, the running job f
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    parser = cli_args.Parser(
+    parser = cli_flags.Parser(
         prog="klein serve",
         description=DESCRIPTION,
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    cli_args.add_model_flags(add)
+    cli_flags.add_model_flags(add)
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     add("--port", type=int, default=8000, help="port (default: 8000)")
     add("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /healthz")
@@ -72,13 +73,12 @@ _LIMITS = {
 
 
 def serve_command(flags: argparse.Namespace) -> int:
-    from klein.cli import _version
-    from klein.pipeline import load_pipeline
+    from klein.pipeline.flux2_klein import load_pipeline
     from klein.serve.server import serve
 
     names = {field.name for field in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in vars(flags).items() if k in names})
     print(f"klein serve: loading {flags.transformer or flags.model or 'demo'}", file=sys.stderr)
-    pipe = load_pipeline(source=flags.model, **cli_args.model_arguments(flags))
+    pipe = load_pipeline(source=flags.model, **cli_flags.model_arguments(flags))
     pipe.memory_limit = flags.memory_limit
-    return serve(pipe, options, flags.host, flags.port, _version())
+    return serve(pipe, options, flags.host, flags.port, version())

@@ -1,10 +1,10 @@
 """Generation end to end: prompt (+ reference images) -> images, for every klein variant.
 
 `generate` runs a `GenerationRequest` as numbered stages, each through one helper that times it, waits
-for the device and counts the work (`klein.timing.Stages`): references prepared on the host, the request
+for the device and counts the work (`klein.pipeline.timing.Stages`): references prepared on the host, the request
 resolved once (mode, size, steps, guidance, seed), admission against the device's memory, reference
 encoding (VAE, and the prefill for cached references), text encoding, the denoising steps of that mode
-(`klein.denoise`), decoding. Each stage is jitted once per input shape. The call mirrors diffusers'
+(`klein.pipeline.denoise`), decoding. Each stage is jitted once per input shape. The call mirrors diffusers'
 Flux2Klein pipelines so that users feel at home and tests can compare call for call. LoRAs are merged
 into the transformer's weights (`set_loras`, `klein.lora`); `weights_id` names the weights in use.
 """
@@ -26,24 +26,28 @@ import PIL.Image
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from klein import admission, components, denoise, dtypes, images, modes, plan, sampling, sharding, text
-from klein import residency as residency_policy
-from klein.cache import ByteBudgetCache
-from klein.device_weights import Weights
+from klein import dtypes, images, sampling, sharding
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
+from klein.io.paths import klein_home
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
+from klein.memory import admission, plan
+from klein.memory import residency as residency_policy
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.models.rope import rope_tables
-from klein.modes import Conditioning, Mode
-from klein.paths import klein_home
-from klein.references import References
-from klein.request import GenerationRequest, Settings, as_images
-from klein.timing import Stages
+from klein.pipeline import components, denoise
+from klein.pipeline import prompts as text
+from klein.pipeline.cache import ByteBudgetCache
+from klein.pipeline.device_weights import Weights
+from klein.pipeline.timing import Stages
+from klein.request.modes import Conditioning, Mode
+from klein.request.references import References
+from klein.request.request import GenerationRequest, Settings, as_images
+from klein.request.resolve import Resolved, caches_references, resolve
 
 
 class Compiled:
@@ -78,7 +82,7 @@ class GenerationOutput:
     seed: int
     timings: dict[str, float]
     settings: Settings
-    """What ran (`klein.request.Settings`): the PNG metadata is written from it."""
+    """What ran (`klein.request.request.Settings`): the PNG metadata is written from it."""
 
 
 PROMPT_CACHE_BYTES = 256 * 2**20
@@ -90,8 +94,8 @@ class Flux2KleinPipeline:
     def __init__(
         self, located: components.Located, models: dict, tokenizer, dtype, mesh, policy: str, sizes: dict
     ):
-        """`models`: the text encoder, transformer and VAE weights (`klein.device_weights.Weights`) by name;
-        `policy`: the residency policy that moves them (`klein.residency`); `sizes`: each model's weight
+        """`models`: the text encoder, transformer and VAE weights (`klein.pipeline.device_weights.Weights`) by name;
+        `policy`: the residency policy that moves them (`klein.memory.residency`); `sizes`: each model's weight
         bytes per device."""
         self.name, self.variant, self.dtype, self.tokenizer = located.name, located.variant, dtype, tokenizer
         self.config, self.text_config, self.vae_config = (
@@ -184,7 +188,7 @@ class Flux2KleinPipeline:
         images = as_images(image)
         if not images:
             raise InputError("encode_references needs at least one image")
-        cached = modes.conditioning(self.variant, self.name, use_kv, True) is Conditioning.CACHED
+        cached = caches_references(self.variant, self.name, use_kv)
         return self._encode_references(_prepare(images), cached, Stages(self.counters, {}))
 
     def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput:
@@ -238,48 +242,17 @@ class Flux2KleinPipeline:
         prepared reference the request will come with (a server checks a job before queueing it)."""
         self._admit(self._resolve(request, tuple(reference_sizes)))
 
-    def _resolve(self, request: GenerationRequest, sizes) -> _Run:
+    def _resolve(self, request: GenerationRequest, sizes) -> Resolved:
         """`sizes`: (height, width) px of each prepared reference, none without references."""
-        conditioning = modes.conditioning(self.variant, self.name, request.use_kv, bool(sizes))
-        if request.references is not None:
-            encoded = Conditioning.CACHED if request.references.cached else Conditioning.REFERENCES
-            if request.use_kv is not None and encoded is not conditioning:
-                raise InputError("use_kv disagrees with how these references were encoded; encode them again")
-            conditioning = encoded
-        guidance = modes.guidance(self.variant, request.guidance_scale)
-        h, w, rounded = images.output_size(request.height, request.width, sizes)
-        if rounded:
+        run = resolve(request, self.variant, self.name, sizes, _fresh_seed)
+        if run.rounded:
+            h, w = run.request.height, run.request.width
             warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=4)
-        batch = len(request.prompts) * request.num_images_per_prompt
-        steps = self.variant.steps if request.num_inference_steps is None else request.num_inference_steps
-        seed = request.seed
-        if request.latents is None and seed is None:
-            seed = _fresh_seed()
-        resolved = dataclasses.replace(
-            request,
-            height=h,
-            width=w,
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            seed=seed,
-            use_kv=conditioning is Conditioning.CACHED,
-            latents=None,
-            references=None,
-        )
-        ref_tokens = sum((rh // 16) * (rw // 16) for rh, rw in sizes)
-        return _Run(resolved, Mode(conditioning, guidance is not None), batch, ref_tokens)
+        return run
 
-    def _admit(self, run: _Run) -> bool:
+    def _admit(self, run: Resolved) -> bool:
         """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit."""
-        work = plan.Workload(
-            images=run.images,
-            prompts=len(run.request.prompts) + run.mode.guided,
-            height=run.request.height,
-            width=run.request.width,
-            reference_tokens=run.reference_tokens,
-            cached=run.mode.conditioning is Conditioning.CACHED,
-            guided=run.mode.guided,
-        )
+        work = plan.Workload.of(run)
         if self.memory_limit is None:
             free, where = admission.available_bytes(_local_devices(self.mesh))
             # Free memory counts the weights held now; the policy may hold more (or less) while this runs.
@@ -321,7 +294,7 @@ class Flux2KleinPipeline:
         ids = np.ascontiguousarray(ids, np.int64)
         return _rope_cached(ids.tobytes(), self.config.axes_dims_rope, self.config.rope_theta)
 
-    def _prompt_batch(self, prompts, per_prompt, run: _Run):
+    def _prompt_batch(self, prompts, per_prompt, run: Resolved):
         embeds = jnp.repeat(self.encode_prompt(prompts), per_prompt, axis=0)
         if not run.mode.guided:
             return embeds
@@ -343,7 +316,7 @@ class Flux2KleinPipeline:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
         return jnp.asarray(sampling.pack(latents), self.dtype)
 
-    def _denoise(self, x, txt, references, run: _Run, progress):
+    def _denoise(self, x, txt, references, run: Resolved, progress):
         h, w = run.request.height // 16, run.request.width // 16
         steps = run.request.num_inference_steps
         schedule = sampling.sigmas(steps, h * w)
@@ -379,16 +352,6 @@ class Flux2KleinPipeline:
         return pad(x), jnp.concatenate([pad(t) for t in texts])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """A request resolved for running: the settings record's request, its mode, and its batch."""
-
-    request: GenerationRequest
-    mode: Mode
-    images: int
-    reference_tokens: int
-
-
 def _prepare(images) -> list[np.ndarray]:
     """Reference images -> float32[H, W, 3] arrays, on the host."""
     return [images_prepare(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(images)]
@@ -400,7 +363,7 @@ def _local_devices(mesh) -> list:
 
 def _estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
     """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
-    located checkpoint it loads) on `mesh` (`klein.plan.request_memory`)."""
+    located checkpoint it loads) on `mesh` (`klein.memory.plan.request_memory`)."""
     # XLA:CPU computes bf16 products in float32, widening each layer's weights as it runs them.
     widens = _local_devices(mesh)[0].platform == "cpu"
     return tuple(
@@ -468,7 +431,7 @@ def load_pipeline(
 ):
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
-    `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.components`).
+    `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.pipeline.components`).
     `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8 weights
     to `dtype` at load instead of keeping them FP8. `loras` are merged into the transformer (see
     `Flux2KleinPipeline.set_loras`: each a path or repo id, `"path:scale"` or `(path, scale)`).
@@ -479,7 +442,7 @@ def load_pipeline(
 
     residency: "all" keeps every model on the device, "sequential" lets the text encoder and the
     transformer take turns, "auto" (the default) picks the first that fits the memory there is, before any
-    weight is read (`klein.residency`); a load that fits under no policy is refused then, with the estimate.
+    weight is read (`klein.memory.residency`); a load that fits under no policy is refused then, with the estimate.
 
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).

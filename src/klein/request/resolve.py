@@ -1,0 +1,159 @@
+"""Every decision about a request, in one place: `resolve(request, variant, ...) -> Resolved`.
+
+Given the request and what is known before any device work (the checkpoint's variant, the references'
+prepared sizes), it decides and checks:
+- the mode (`klein.request.modes`): how references enter (none, appended, cached keys and values) and
+  whether classifier-free guidance runs;
+- the output size (each unset side from the first reference, else 1024; rounded down to multiples of 16);
+- the steps (the variant's default unless given), the guidance scale that runs (None where none does),
+  the seed (drawn when neither a seed nor the noise is given), the batch and the reference tokens.
+
+Pure: no device, no file. The pipeline, `klein serve`, `klein plan` and `klein bench` call it and read
+its result; none of them decides any of these again (docs/design.md, "The request").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Callable, Sequence
+
+from klein.errors import InputError
+from klein.request.modes import Conditioning, Mode
+from klein.request.request import GenerationRequest
+from klein.request.variants import KV_CHECKPOINT, Variant
+
+MULTIPLE = 16
+"""Output sides are multiples of this many px (one transformer token is a 16 x 16 px patch)."""
+MIN_SIDE = 16
+DEFAULT_SIZE = 1024
+"""Output side when neither the request nor a reference gives one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A request with every decision made."""
+
+    request: GenerationRequest
+    """The request with its defaults filled in (height, width, steps, guidance, seed, use_kv) and its
+    arrays (latents, encoded references) left out: what `Settings` records."""
+    mode: Mode
+    images: int
+    """Images generated: prompts x images per prompt."""
+    reference_sizes: tuple[tuple[int, int], ...]
+    """(height, width) px of each prepared reference."""
+    rounded: bool
+    """Whether the requested size was rounded down to multiples of 16 (worth a warning)."""
+
+    @property
+    def reference_tokens(self) -> int:
+        return sum((h // 16) * (w // 16) for h, w in self.reference_sizes)
+
+    @property
+    def prompts(self) -> int:
+        """Distinct prompts the text encoder runs over, the negative prompt of CFG included."""
+        return len(self.request.prompts) + self.mode.guided
+
+
+def resolve(
+    request: GenerationRequest,
+    variant: Variant,
+    model_name: str,
+    reference_sizes: Sequence[tuple[int, int]] = (),
+    draw_seed: Callable[[], int] | None = None,
+) -> Resolved:
+    """Decide everything about `request` for a checkpoint of `variant` (named `model_name` in messages).
+
+    `reference_sizes`: (height, width) px of each prepared reference (of `request.image`, or of its
+    encoded `references`). `draw_seed`: where a seed comes from when the request has neither a seed nor
+    noise (default: a random one)."""
+    sizes = tuple(tuple(size) for size in reference_sizes)
+    conditioning = _conditioning(request, variant, model_name, bool(sizes))
+    scale = guidance(variant, request.guidance_scale)
+    height, width, rounded = output_size(request.height, request.width, sizes)
+    steps = variant.steps if request.num_inference_steps is None else request.num_inference_steps
+    seed = request.seed
+    if request.latents is None and seed is None:
+        seed = (draw_seed or _random_seed)()
+    filled = dataclasses.replace(
+        request,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        seed=seed,
+        use_kv=conditioning is Conditioning.CACHED,
+        latents=None,
+        references=None,
+    )
+    images = len(request.prompts) * request.num_images_per_prompt
+    return Resolved(filled, Mode(conditioning, scale is not None), images, sizes, rounded)
+
+
+def typical(variant: Variant) -> Resolved:
+    """What a pipeline is planned for before it knows its requests: one 1024x1024 image from one prompt,
+    no references, with CFG where the variant runs it."""
+    return resolve(GenerationRequest(prompt=""), variant, variant.name, (), lambda: 0)
+
+
+def conditioning(
+    variant: Variant, model_name: str, use_kv: bool | None, has_references: bool
+) -> Conditioning:
+    """How references (if any) enter: cached on KV checkpoints unless `use_kv` says otherwise."""
+    if use_kv and not variant.kv:
+        raise InputError(
+            f"use_kv=True needs a KV checkpoint such as {KV_CHECKPOINT.name} ({KV_CHECKPOINT.repo_id}); "
+            f"{model_name} is {variant.name}. Drop use_kv or load the KV checkpoint."
+        )
+    if not has_references:
+        return Conditioning.TEXT
+    cached = variant.kv if use_kv is None else use_kv
+    return Conditioning.CACHED if cached else Conditioning.REFERENCES
+
+
+def caches_references(variant: Variant, model_name: str, use_kv: bool | None = None) -> bool:
+    """Whether references encoded now for this checkpoint get their keys and values cached (prefilled)."""
+    return conditioning(variant, model_name, use_kv, True) is Conditioning.CACHED
+
+
+def guidance(variant: Variant, scale: float | None) -> float | None:
+    """The guidance scale that runs, or None when none does (distilled variants; a scale of 1 or less)."""
+    if variant.distilled:
+        return None
+    scale = variant.guidance if scale is None else float(scale)
+    return scale if scale > 1.0 else None
+
+
+def output_size(
+    height: int | None, width: int | None, reference_sizes: Sequence[tuple[int, int]] = ()
+) -> tuple[int, int, bool]:
+    """(height, width, rounded): the size diffusers generates at for a requested size and the prepared
+    references' (height, width) sizes.
+
+    Each unset side independently takes the first reference's prepared size, else 1024 (so a height given
+    alone pairs with the reference's width). Both sides are then rounded down to multiples of 16; `rounded`
+    says whether that changed anything, so a caller can warn.
+    """
+    default_height, default_width = reference_sizes[0] if reference_sizes else (DEFAULT_SIZE, DEFAULT_SIZE)
+    requested = (default_height if height is None else height, default_width if width is None else width)
+    if min(requested) < MIN_SIDE:
+        raise InputError(
+            f"output size {requested[1]}x{requested[0]} px (width x height) is too small; "
+            f"both sides must be at least {MIN_SIDE} px"
+        )
+    rounded_height, rounded_width = (side // MULTIPLE * MULTIPLE for side in requested)
+    return rounded_height, rounded_width, (rounded_height, rounded_width) != requested
+
+
+def _conditioning(request: GenerationRequest, variant: Variant, model_name: str, has_references: bool):
+    chosen = conditioning(variant, model_name, request.use_kv, has_references)
+    if request.references is None:
+        return chosen
+    encoded = Conditioning.CACHED if request.references.cached else Conditioning.REFERENCES
+    if request.use_kv is not None and encoded is not chosen:
+        raise InputError("use_kv disagrees with how these references were encoded; encode them again")
+    return encoded
+
+
+def _random_seed() -> int:
+    return secrets.randbelow(2**31)
