@@ -93,7 +93,7 @@ def test_generate_flags_for_meshes_and_processes():
     def request(*args):
         return cli_args.build_request(parser.parse_args(["--prompt", "x", *args]))
 
-    assert request("--mesh", "fsdp=2").mesh == request("mesh=fsdp=2").mesh == "fsdp=2"
+    assert request("--mesh", "fsdp=2").loading.mesh == request("mesh=fsdp=2").loading.mesh == "fsdp=2"
     flags = ["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "1"]
     assert request(*flags).process_id == 1
     assert request("--coordinator", "auto").coordinator == "auto"

@@ -10,11 +10,11 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from klein.dtypes import DTYPES
 from klein.errors import InputError
-from klein.memory.residency import AUTO, CHOICES
 from klein.request import kinds
-from klein.request.request import GenerationRequest, settings_of, short_name
+from klein.request.kinds import settings_of, short_name
+from klein.request.loading import LoadOptions
+from klein.request.request import GenerationRequest
 
 
 class Parser(argparse.ArgumentParser):
@@ -26,137 +26,75 @@ class Parser(argparse.ArgumentParser):
 
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
-    """Everything `klein generate` was asked to do: the generation itself, and where the model comes
-    from and the images go; None means "the default"."""
+    """Everything `klein generate` was asked to do: the generation itself, the model to load, where the
+    images go and the processes of a multi-host run; None means "the default"."""
 
     generation: GenerationRequest
-    model: str | None = None
+    loading: LoadOptions = LoadOptions()
     out: str | None = None
     overwrite: bool = False
-    dtype: str | None = None
-    residency: str | None = None
-    transformer: str | None = None
-    text_encoder: str | None = None
-    vae: str | None = None
-    tokenizer: str | None = None
-    variant: str | None = None
-    dequantize: bool | None = None
-    loras: tuple[str, ...] = ()
-    """LoRA files (or repo ids), each optionally with `:SCALE`."""
-    mesh: str | None = None
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
 
 
-# The generation settings, derived from the request type: (field, setting) of every text-valued field.
+# The generation settings and the loading options, derived from their types: (field, setting) of every
+# text-valued field.
 GENERATION = [(field, spec) for field, spec in settings_of(GenerationRequest) if spec.kind is not None]
+LOADING = settings_of(LoadOptions)
 _FLAG_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float, kinds.TEXT.name: str}
 
 
-def add_generation_flags(add) -> None:
-    """One flag per generation setting: --<short name>, documented by the request type itself."""
-    for field, spec in GENERATION:
+def _add_flags(add, declared) -> None:
+    """One flag per setting: --<short name>, documented by the declaring type itself."""
+    for field, spec in declared:
         flag = "--" + short_name(field, spec).replace("_", "-")
         if spec.kind is kinds.PATHS:
             add(flag, dest=field.name, action="append", metavar=spec.metavar, help=spec.doc)
         elif spec.kind is kinds.OPTIONAL_BOOL:
             add(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=spec.doc)
+        elif spec.kind is kinds.BOOL:
+            add(flag, dest=field.name, action="store_true", default=None, help=spec.doc)
         else:
-            metavar = spec.metavar or short_name(field, spec).upper()
-            add(flag, dest=field.name, type=_FLAG_TYPES[spec.kind.name], metavar=metavar, help=spec.doc)
+            metavar = spec.metavar or (None if spec.choices else short_name(field, spec).upper())
+            kind = _FLAG_TYPES[spec.kind.name]
+            add(
+                flag, dest=field.name, type=kind, metavar=metavar, choices=spec.choices or None, help=spec.doc
+            )
+
+
+def add_generation_flags(add) -> None:
+    _add_flags(add, GENERATION)
 
 
 def add_model_flags(add) -> None:
     """Where the model comes from (--model, or parts kept apart from a diffusers-layout model, as
-    single-file downloads are: each overrides --model's), its dtype and its mesh."""
-    add(
-        "--model",
-        help='checkpoint folder or Hugging Face repo id (default: "demo", the offline demo checkpoint)',
-    )
-    add(
-        "--transformer",
-        metavar="FILE|FOLDER",
-        help="transformer: a BFL single file (.safetensors, FP8 too), a GGUF file, a folder or repo id",
-    )
-    add("--text-encoder", metavar="FOLDER", help="Qwen3 text encoder folder or repo id")
-    add(
-        "--vae",
-        metavar="FILE|FOLDER",
-        help="VAE: ae.safetensors (BFL or diffusers names), a folder or repo id",
-    )
-    add("--tokenizer", metavar="FOLDER", help="tokenizer folder or repo id (default: the text encoder's)")
-    add(
-        "--lora",
-        dest="loras",
-        action="append",
-        metavar="FILE[:SCALE]",
-        help="merge a LoRA into the transformer, at SCALE (default 1); repeat for several. Any trainer's "
-        "layout: diffusers/PEFT, BFL/ai-toolkit, fal, kohya/musubi. A folder or repo id holding one file works too",
-    )
-    add("--variant", help="variant of a --transformer file whose name does not say, e.g. klein-9b-kv")
-    add(
-        "--dequantize",
-        action="store_true",
-        default=None,
-        help="FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
-    )
-    add(
-        "--dtype",
-        choices=tuple(DTYPES),
-        help="compute dtype (default: the checkpoint's own, bfloat16 for every published klein file)",
-    )
-    add(
-        "--residency",
-        choices=CHOICES,
-        help="which models stay on the device: all (fastest), sequential (text encoder and transformer "
-        "take turns: the largest model alone must fit), auto (default: the first that fits, chosen before "
-        "any weight is read)",
-    )
-    add("--mesh", help='shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single')
+    single-file downloads are: each overrides --model's), its dtype, residency and mesh: one flag per
+    `LoadOptions` field."""
+    _add_flags(add, LOADING)
 
 
-def model_arguments(flags) -> dict:
-    """`klein.load_pipeline`'s keyword arguments (all but the source) from the flags `add_model_flags`
-    declares, as either command parsed them."""
-    return dict(
-        dtype=flags.dtype,
-        residency=flags.residency or AUTO,
-        transformer=flags.transformer,
-        text_encoder=flags.text_encoder,
-        vae=flags.vae,
-        tokenizer=flags.tokenizer,
-        variant=flags.variant,
-        dequantize=bool(flags.dequantize),
-        mesh=flags.mesh,
-        loras=tuple(flags.loras or ()),
-    )
+def load_options(parsed: argparse.Namespace) -> LoadOptions:
+    """The loading options of parsed flags (`add_model_flags`'s)."""
+    values = {field.name: getattr(parsed, field.name, None) for field, _ in LOADING}
+    return LoadOptions(**{name: value for name, value in values.items() if value is not None})
 
 
-def _generation_keys() -> dict[str, tuple[str, Callable[[str, str], object]]]:
+def _keys(declared) -> dict[str, tuple[str, Callable[[str, str], object]]]:
     keys = {}
-    for field, spec in GENERATION:
+    for field, spec in declared:
         for key in dict.fromkeys((short_name(field, spec), field.name, *spec.aliases)):
             keys[key] = (field.name, spec.kind.read)
     return keys
 
 
 # key=value name -> (field, reader of the value text): the generation settings under their short names,
-# field names (diffusers' argument names) and aliases, then where the model comes from and the images go.
+# field names (diffusers' argument names) and aliases, the loading options, then where the images go.
 KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
-    **_generation_keys(),
-    "model": ("model", kinds.read_text),
+    **_keys(GENERATION),
+    **_keys(LOADING),
     "out": ("out", kinds.read_text),
     "overwrite": ("overwrite", kinds.read_bool),
-    "dtype": ("dtype", kinds.read_text),
-    "residency": ("residency", kinds.read_text),
-    "transformer": ("transformer", kinds.read_text),
-    "text_encoder": ("text_encoder", kinds.read_text),
-    "vae": ("vae", kinds.read_text),
-    "tokenizer": ("tokenizer", kinds.read_text),
-    "variant": ("variant", kinds.read_text),
-    "dequantize": ("dequantize", kinds.read_bool),
-    "mesh": ("mesh", kinds.read_text),
 }
 
 
@@ -186,14 +124,18 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
             continue
         if field in values:
             raise InputError(f"{field} is given twice: once as a flag and once as a key=value setting")
-        values[field] = tuple(value) if field in ("image", "loras") else value
+        values[field] = tuple(value) if isinstance(value, list) else value
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
-    names = {field.name for field, _ in GENERATION}
-    generation = GenerationRequest.create(**{k: v for k, v in values.items() if k in names})
-    request = GenerateRequest(generation, **{k: v for k, v in values.items() if k not in names})
+    generation = GenerationRequest.create(**_take(values, GENERATION))
+    request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
     _check(request)
     return request
+
+
+def _take(values: dict, declared) -> dict:
+    """Remove from `values` and return those of the `declared` fields."""
+    return {field.name: values.pop(field.name) for field, _ in declared if field.name in values}
 
 
 def _check(request: GenerateRequest) -> None:

@@ -17,6 +17,7 @@ from klein import version
 from klein.cli import flags, output, tools
 from klein.errors import KleinError
 from klein.io import png
+from klein.request.loading import LoadOptions
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -175,15 +176,15 @@ def generate(request: flags.GenerateRequest) -> int:
     return 0
 
 
-def _model(request: flags.GenerateRequest) -> str | None:
+def _loading(request: flags.GenerateRequest) -> LoadOptions:
     """The seed's usage asks for klein-9B with use_kv=True and means the klein-9b-kv checkpoint."""
     from klein.request.variants import kv_checkpoint_for
 
-    model = request.model
+    model = request.loading.model
     if request.generation.use_kv and model is not None and kv_checkpoint_for(model) != model:
         warnings.warn(f"use_kv=True: switching from {model} to {kv_checkpoint_for(model)}", stacklevel=2)
-        return kv_checkpoint_for(model)
-    return model
+        return dataclasses.replace(request.loading, model=kv_checkpoint_for(model))
+    return request.loading
 
 
 def _load(request: flags.GenerateRequest):
@@ -192,7 +193,7 @@ def _load(request: flags.GenerateRequest):
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
     from klein import sharding
     from klein.images import load_image
-    from klein.pipeline.flux2_klein import load_pipeline
+    from klein.pipeline.flux2_klein import load
 
     if request.coordinator is not None:
         coordinator = None if request.coordinator == "auto" else request.coordinator
@@ -205,8 +206,8 @@ def _load(request: flags.GenerateRequest):
             bar.set_postfix_str(str(path))
             references.append(load_image(path))
             bar.update()
-        bar.set_postfix_str(request.transformer or request.model or "demo")
-        pipe = load_pipeline(source=_model(request), **flags.model_arguments(request))
+        bar.set_postfix_str(request.loading.transformer or request.loading.model or "demo")
+        pipe = load(_loading(request))
         bar.update()
     return pipe, tuple(references), time.perf_counter() - started
 

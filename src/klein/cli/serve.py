@@ -73,12 +73,13 @@ _LIMITS = {
 
 
 def serve_command(flags: argparse.Namespace) -> int:
-    from klein.pipeline.flux2_klein import load_pipeline
+    from klein.pipeline.flux2_klein import load
     from klein.serve.server import serve
 
     names = {field.name for field in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in vars(flags).items() if k in names})
-    print(f"klein serve: loading {flags.transformer or flags.model or 'demo'}", file=sys.stderr)
-    pipe = load_pipeline(source=flags.model, **cli_flags.model_arguments(flags))
+    loading = cli_flags.load_options(flags)
+    print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)
+    pipe = load(loading)
     pipe.memory_limit = flags.memory_limit
     return serve(pipe, options, flags.host, flags.port, version())

@@ -15,7 +15,8 @@ Off the device a model's weights live in host memory, or nowhere (`klein.pipelin
 
 from __future__ import annotations
 
-from klein.errors import CannotFitError, InputError
+from klein.errors import CannotFitError
+from klein.request.loading import AUTO
 
 TEXT_ENCODER, TRANSFORMER, VAE = "text_encoder", "transformer", "vae"
 MODELS = (TEXT_ENCODER, TRANSFORMER, VAE)
@@ -25,14 +26,6 @@ POLICIES: dict[str, tuple[frozenset[str], ...]] = {
     "all": (frozenset(MODELS),),
     "sequential": (frozenset({TEXT_ENCODER, VAE}), frozenset({TRANSFORMER, VAE})),
 }
-AUTO = "auto"
-CHOICES = (AUTO, *POLICIES)
-
-
-def check_policy(name: str) -> str:
-    if name not in CHOICES:
-        raise InputError(f"residency must be one of {', '.join(CHOICES)}, got {name!r}")
-    return name
 
 
 def resident_weights(policy: str, sizes: dict[str, int]) -> int:

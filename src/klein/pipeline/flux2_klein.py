@@ -44,6 +44,7 @@ from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.device_weights import Weights
 from klein.pipeline.timing import Stages
+from klein.request.loading import AUTO, LoadOptions
 from klein.request.modes import Conditioning, Mode
 from klein.request.references import References
 from klein.request.request import GenerationRequest, Settings, as_images
@@ -427,8 +428,8 @@ def load_pipeline(
     variant: str | None = None,
     dequantize: bool = False,
     loras: Sequence = (),
-    residency: str = residency_policy.AUTO,
-):
+    residency: str = AUTO,
+) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
     `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.pipeline.components`).
@@ -448,14 +449,31 @@ def load_pipeline(
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
     Each weight is placed on its shards as it is read.
     """
-    residency_policy.check_policy(residency)
-    read = [read_lora(spec) for spec in loras]  # a bad LoRA file fails before the model loads
-    device_mesh = sharding.make_mesh(mesh)
-    _enable_compilation_cache()
-    located = components.locate(
-        source, components.Parts(transformer, text_encoder, vae, tokenizer), variant, device_mesh
+    options = LoadOptions(
+        model=None if source is None else str(source),
+        transformer=transformer,
+        text_encoder=text_encoder,
+        vae=vae,
+        tokenizer=tokenizer,
+        lora=tuple(loras),
+        variant=variant,
+        dequantize=dequantize,
+        dtype=dtype,
+        residency=residency,
+        mesh=mesh,
     )
-    jdtype = located.stored_dtype if dtype is None else dtypes.dtype(dtype)
+    return load(options)
+
+
+def load(options: LoadOptions) -> Flux2KleinPipeline:
+    """The pipeline `options` describe (`klein.request.loading.LoadOptions`; `load_pipeline` names them)."""
+    read = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
+    device_mesh = sharding.make_mesh(options.mesh)
+    _enable_compilation_cache()
+    parts = components.Parts(options.transformer, options.text_encoder, options.vae, options.tokenizer)
+    located = components.locate(options.model, parts, options.variant, device_mesh)
+    jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
+    dequantize = options.dequantize
     sizes = plan.model_bytes(
         located.config,
         located.text_config,
@@ -468,7 +486,7 @@ def load_pipeline(
     typical = plan.typical_request(located.variant)
     # The decode runs tiled where only that fits (`_admit`).
     request = min(memory.peak for memory in _estimates(located, device_mesh, typical, jdtype.itemsize))
-    policy = residency_policy.choose(residency, sizes, request, limit, where)
+    policy = residency_policy.choose(options.residency, sizes, request, limit, where)
     models = {
         residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
             located, jdtype, dequantize, device_mesh

@@ -1,4 +1,5 @@
-"""Settings as text: how each kind of setting is read from and written to a string.
+"""Settings as text: how each kind of setting is read from and written to a string, and how a setting is
+declared (`setting`: its documentation, kind and spellings, on a dataclass field).
 
 One table for every place a setting travels as text: `klein generate`'s `key=value` words, PNG metadata
 read back into a request, and (later) form fields. Values are read with `ast.literal_eval` (never
@@ -12,6 +13,7 @@ import ast
 import dataclasses
 import json
 from collections.abc import Callable
+from typing import Any
 
 from klein.errors import InputError
 
@@ -113,3 +115,32 @@ INT = Kind("int", read_int)
 FLOAT = Kind("float", read_float)
 BOOL = Kind("bool", read_bool)
 OPTIONAL_BOOL = Kind("optional bool", read_optional_bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """How a request field is documented, spelled on the command line and written as text."""
+
+    doc: str
+    kind: Kind | None
+    """How the value travels as text; None for values only Python can pass (arrays, encoded references)."""
+    name: str | None = None
+    """Short name: the flag (--name), the first key=value word and the PNG metadata key (default: the field's)."""
+    aliases: tuple[str, ...] = ()
+    """Further key=value words (the field name is always one)."""
+    metavar: str | None = None
+    choices: tuple[str, ...] = ()
+    """The values a text setting may take; empty: any."""
+
+
+def setting(doc: str, kind: Kind | None, default: Any = None, **spelling) -> Any:
+    return dataclasses.field(default=default, metadata={"setting": Setting(doc, kind, **spelling)})
+
+
+def settings_of(cls) -> list[tuple[dataclasses.Field, Setting]]:
+    """(field, setting) of every field of a dataclass declared with `setting`."""
+    return [(f, f.metadata["setting"]) for f in dataclasses.fields(cls) if "setting" in f.metadata]
+
+
+def short_name(field: dataclasses.Field, spec: Setting) -> str:
+    return spec.name or field.name

@@ -25,6 +25,7 @@ import PIL.Image
 from klein.errors import InputError
 from klein.lora.files import LoraInfo
 from klein.request import kinds
+from klein.request.kinds import setting, settings_of, short_name
 from klein.request.modes import Mode
 from klein.request.references import References
 
@@ -32,33 +33,6 @@ MIN_SIDE = 16
 MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
 OUTPUT_TYPES = ("pil", "np")
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """How a request field is documented, spelled on the command line and written as text."""
-
-    doc: str
-    kind: kinds.Kind | None
-    """How the value travels as text; None for values only Python can pass (arrays, encoded references)."""
-    name: str | None = None
-    """Short name: the flag (--name), the first key=value word and the PNG metadata key (default: the field's)."""
-    aliases: tuple[str, ...] = ()
-    """Further key=value words (the field name is always one)."""
-    metavar: str | None = None
-
-
-def setting(doc: str, kind: kinds.Kind | None, default: Any = None, **spelling) -> Any:
-    return dataclasses.field(default=default, metadata={"setting": Setting(doc, kind, **spelling)})
-
-
-def settings_of(cls) -> list[tuple[dataclasses.Field, Setting]]:
-    """(field, setting) of every field of a dataclass declared with `setting`."""
-    return [(f, f.metadata["setting"]) for f in dataclasses.fields(cls) if "setting" in f.metadata]
-
-
-def short_name(field: dataclasses.Field, spec: Setting) -> str:
-    return spec.name or field.name
 
 
 ImageLike = str | os.PathLike | PIL.Image.Image

@@ -1,0 +1,81 @@
+"""Where a pipeline's model comes from and how it is held: `LoadOptions`, the one declaration of the
+loading options.
+
+`klein.load_pipeline` takes them as keyword arguments; `klein generate` and `klein serve` derive their
+flags and `key=value` words from these fields, as the generation settings derive from
+`GenerationRequest`'s. Adding a loading option is one field here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from klein.dtypes import DTYPES
+from klein.errors import InputError
+from klein.request import kinds
+from klein.request.kinds import setting, settings_of
+
+AUTO = "auto"
+RESIDENCY = (AUTO, "all", "sequential")
+"""Residency policies (`klein.memory.residency`): auto picks the first of the others that fits."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """Everything about loading a pipeline; None means the default."""
+
+    model: str | None = setting(
+        'checkpoint folder or Hugging Face repo id (default: "demo", the offline demo checkpoint)', kinds.TEXT
+    )
+    transformer: str | None = setting(
+        "transformer: a BFL single file (.safetensors, FP8 too), a GGUF file, a folder or repo id",
+        kinds.TEXT,
+        metavar="FILE|FOLDER",
+    )
+    text_encoder: str | None = setting("Qwen3 text encoder folder or repo id", kinds.TEXT, metavar="FOLDER")
+    vae: str | None = setting(
+        "VAE: ae.safetensors (BFL or diffusers names), a folder or repo id", kinds.TEXT, metavar="FILE|FOLDER"
+    )
+    tokenizer: str | None = setting(
+        "tokenizer folder or repo id (default: the text encoder's)", kinds.TEXT, metavar="FOLDER"
+    )
+    lora: tuple = setting(
+        "merge a LoRA into the transformer, at SCALE (default 1); repeat for several. Any trainer's layout: "
+        "diffusers/PEFT, BFL/ai-toolkit, fal, kohya/musubi. A folder or repo id holding one file works too",
+        kinds.PATHS,
+        default=(),
+        aliases=("loras",),
+        metavar="FILE[:SCALE]",
+    )
+    """Each a path or repo id, `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`."""
+    variant: str | None = setting(
+        "variant of a --transformer file whose name does not say, e.g. klein-9b-kv", kinds.TEXT
+    )
+    dequantize: bool = setting(
+        "FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
+        kinds.BOOL,
+        default=False,
+    )
+    dtype: str | None = setting(
+        "compute dtype (default: the checkpoint's own, bfloat16 for every published klein file)",
+        kinds.TEXT,
+        choices=tuple(DTYPES),
+    )
+    residency: str = setting(
+        "which models stay on the device: all (fastest), sequential (text encoder and transformer take "
+        "turns: the largest model alone must fit), auto (default: the first that fits, chosen before any "
+        "weight is read)",
+        kinds.TEXT,
+        default=AUTO,
+        choices=RESIDENCY,
+    )
+    mesh: str | None = setting(
+        'shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single', kinds.TEXT
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora", tuple(self.lora or ()))
+        for field, spec in settings_of(type(self)):
+            value = getattr(self, field.name)
+            if spec.choices and value is not None and value not in spec.choices:
+                raise InputError(f"{field.name} must be one of {', '.join(spec.choices)}, got {value!r}")
