@@ -131,6 +131,9 @@ class Setting:
     metavar: str | None = None
     choices: tuple[str, ...] = ()
     """The values a text setting may take; empty: any."""
+    bounds: tuple[int, int | None] | None = None
+    """(lowest, highest or None) of an integer setting, checked by the request and stated by every front end."""
+    unit: str = ""
 
 
 def setting(doc: str, kind: Kind | None, default: Any = None, **spelling) -> Any:

@@ -59,16 +59,21 @@ class GenerationRequest:
         f"output height in px, at least {MIN_SIDE}, rounded down to a multiple of 16 "
         "(default: the first reference's, else 1024)",
         kinds.INT,
+        bounds=(MIN_SIDE, None),
+        unit="px",
     )
     width: int | None = setting(
         f"output width in px, at least {MIN_SIDE}, rounded down to a multiple of 16 "
         "(default: the first reference's, else 1024)",
         kinds.INT,
+        bounds=(MIN_SIDE, None),
+        unit="px",
     )
     num_inference_steps: int | None = setting(
         f"denoising steps, 1 to {MAX_STEPS} (default: the model's, 4 distilled / 50 base)",
         kinds.INT,
         name="steps",
+        bounds=(1, MAX_STEPS),
     )
     guidance_scale: float | None = setting(
         "classifier-free guidance scale, base models only (default 4.0 there; 1 or less turns it off)",
@@ -76,10 +81,12 @@ class GenerationRequest:
         name="guidance",
     )
     num_images_per_prompt: int = setting(
-        "images per prompt (default: 1)", kinds.INT, default=1, name="num_images"
+        "images per prompt (default: 1)", kinds.INT, default=1, name="num_images", bounds=(1, None)
     )
     seed: int | None = setting(
-        "random seed, 0 to 2**63-1 (default: a random one, recorded in the result)", kinds.INT
+        "random seed, 0 to 2**63-1 (default: a random one, recorded in the result)",
+        kinds.INT,
+        bounds=(0, MAX_SEED),
     )
     latents: Any = setting("initial noise float[B, 128, H/16, W/16] instead of the seed's", None)
     use_kv: bool | None = setting(
@@ -99,11 +106,9 @@ class GenerationRequest:
             raise InputError(
                 f"references must come from pipe.encode_references, got {type(self.references).__name__}"
             )
-        for name in ("height", "width"):
-            _check_int(name, getattr(self, name), MIN_SIDE, None, "px", optional=True)
-        _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS, "", optional=True)
-        _check_int("num_images_per_prompt", self.num_images_per_prompt, 1, None, "")
-        _check_int("seed", self.seed, 0, MAX_SEED, "", optional=True)
+        for field, spec in settings_of(GenerationRequest):
+            if spec.bounds is not None:
+                _check_int(field, spec, getattr(self, field.name))
         scale = self.guidance_scale
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
@@ -161,10 +166,10 @@ def as_images(image) -> tuple[ImageLike, ...]:
     return images
 
 
-def _check_int(name: str, value, low: int, high: int | None, unit: str, optional: bool = False) -> None:
-    if value is None and optional:
+def _check_int(field: dataclasses.Field, spec: kinds.Setting, value) -> None:
+    if value is None and field.default is None:
         return
-    spec = dict((field.name, spec) for field, spec in settings_of(GenerationRequest))[name]
+    name, (low, high), unit = field.name, spec.bounds, spec.unit
     flag = f" (--{spec.name.replace('_', '-')})" if spec.name else ""
     limits = f"at least {low}" if high is None else f"{low} to {high}"
     ok = isinstance(value, int) and not isinstance(value, bool)

@@ -1,7 +1,8 @@
 """Request bodies of the images API -> `klein.GenerationRequest` (the one request type; no copy of it).
 
 `ImageBody` is what OpenAI's images API sends (prompt, n, size "WxH" or "auto", response_format) plus
-klein's own settings (seed, num_inference_steps, guidance_scale, references: a reference set id), as
+klein's own settings (seed, num_inference_steps, guidance_scale: fields derived from the request type's
+declarations) and a reference set id (references), as
 JSON (`/v1/images/generations`, `/v1/jobs`) or as multipart form fields (`/v1/images/edits`, read by
 `from_form`). Types are strict: "3" is not a number in JSON. OpenAI fields klein has no use for
 (model, quality, style, user, ...) are accepted and ignored: one server runs one model.
@@ -17,14 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from klein.errors import InputError
 from klein.request import kinds
-from klein.request.request import MAX_SEED, GenerationRequest
+from klein.request.kinds import settings_of
+from klein.request.request import GenerationRequest
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 
 MULTIPLE = 16
 
 
-class ImageBody(BaseModel):
+class _OpenAIBody(BaseModel):
+    """The fields of OpenAI's images API, and the server's reference set id."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     prompt: str = Field(min_length=1, description="what to generate, or how to edit the references")
@@ -33,15 +37,36 @@ class ImageBody(BaseModel):
         None, description='"WxH" in px (multiples of 16), or "auto": the first reference\'s'
     )
     response_format: Literal["b64_json"] | None = Field("b64_json", description="only b64_json (PNG bytes)")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="random seed (default: a random one)")
-    num_inference_steps: int | None = Field(None, ge=1, description="denoising steps (default: the model's)")
-    guidance_scale: float | None = Field(None, description="CFG scale, base models only")
     references: str | None = Field(None, description="a reference set id from POST /v1/references")
 
 
+SETTINGS = ("seed", "num_inference_steps", "guidance_scale")
+"""klein's own settings a body may carry, named, typed, bounded and documented as `GenerationRequest`
+declares them."""
+_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float}
+
+
+def _body_field(spec: kinds.Setting):
+    low, high = spec.bounds or (None, None)
+    return _TYPES[spec.kind.name] | None, Field(None, ge=low, le=high, description=spec.doc)
+
+
+ImageBody = pydantic.create_model(
+    "ImageBody",
+    __base__=_OpenAIBody,
+    **{
+        field.name: _body_field(spec)
+        for field, spec in settings_of(GenerationRequest)
+        if field.name in SETTINGS
+    },
+)
+
+
 # Form fields are text: how each typed one reads (klein's setting kinds, the same as key=value words).
-_FORM_READERS = {"n": kinds.read_int, "seed": kinds.read_int, "num_inference_steps": kinds.read_int}
-_FORM_READERS |= {"guidance_scale": kinds.read_float}
+_FORM_READERS = {"n": kinds.read_int}
+_FORM_READERS |= {
+    field.name: spec.kind.read for field, spec in settings_of(GenerationRequest) if field.name in SETTINGS
+}
 
 
 def from_form(fields: dict[str, str]) -> ImageBody:
@@ -93,9 +118,7 @@ def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
             num_images_per_prompt=body.n,
             height=height,
             width=width,
-            num_inference_steps=steps,
-            guidance_scale=body.guidance_scale,
-            seed=body.seed,
+            **{name: getattr(body, name) for name in SETTINGS},
         )
     except InputError as error:
         raise ApiError(400, str(error), "invalid_value") from None

@@ -1,0 +1,108 @@
+"""`klein.request.resolve`: the decision table of every request, written out (not recomputed)."""
+
+import pytest
+
+from klein.errors import InputError
+from klein.request.modes import Conditioning
+from klein.request.request import GenerationRequest
+from klein.request.resolve import resolve, typical
+from klein.request.variants import VARIANTS
+
+TEXT, REFS, CACHED = Conditioning.TEXT, Conditioning.REFERENCES, Conditioning.CACHED
+REJECTED = "rejected"
+
+# variant, references, use_kv -> conditioning (or rejected)
+CONDITIONING = [
+    ("klein-4b", 0, None, TEXT),
+    ("klein-4b", 0, False, TEXT),
+    ("klein-4b", 0, True, REJECTED),
+    ("klein-4b", 2, None, REFS),
+    ("klein-4b", 2, False, REFS),
+    ("klein-4b", 2, True, REJECTED),
+    ("klein-9b-kv", 0, None, TEXT),
+    ("klein-9b-kv", 0, False, TEXT),
+    ("klein-9b-kv", 0, True, TEXT),
+    ("klein-9b-kv", 2, None, CACHED),
+    ("klein-9b-kv", 2, False, REFS),
+    ("klein-9b-kv", 2, True, CACHED),
+    ("klein-base-9b", 0, None, TEXT),
+    ("klein-base-9b", 2, None, REFS),
+    ("klein-base-9b", 2, True, REJECTED),
+]
+
+# variant, guidance_scale -> (guidance that runs, steps by default)
+GUIDANCE = [
+    ("klein-4b", None, None, 4),
+    ("klein-4b", 3.5, None, 4),
+    ("klein-9b-kv", 5.0, None, 4),
+    ("klein-base-4b", None, 4.0, 50),
+    ("klein-base-4b", 1.0, None, 50),
+    ("klein-base-4b", 0.5, None, 50),
+    ("klein-base-9b", 3.5, 3.5, 50),
+]
+
+
+@pytest.mark.parametrize("variant,references,use_kv,expected", CONDITIONING)
+def test_how_references_enter(variant, references, use_kv, expected):
+    request = GenerationRequest(prompt="x", use_kv=use_kv)
+    sizes = [(64, 96)] * references
+    if expected == REJECTED:
+        with pytest.raises(InputError, match="use_kv=True needs a KV checkpoint"):
+            resolve(request, VARIANTS[variant], "the model", sizes)
+        return
+    run = resolve(request, VARIANTS[variant], "the model", sizes)
+    assert run.mode.conditioning is expected
+    assert run.request.use_kv == (expected is CACHED)
+    assert run.reference_tokens == references * 4 * 6
+
+
+@pytest.mark.parametrize("variant,scale,guidance,steps", GUIDANCE)
+def test_guidance_and_steps(variant, scale, guidance, steps):
+    run = resolve(GenerationRequest(prompt=["a", "b"], guidance_scale=scale), VARIANTS[variant], "m")
+    assert run.request.guidance_scale == guidance
+    assert run.mode.guided is (guidance is not None)
+    assert run.request.num_inference_steps == steps
+    assert run.prompts == 2 + run.mode.guided  # the negative prompt with CFG
+
+
+def test_size_seed_and_batch():
+    variant = VARIANTS["klein-4b"]
+    run = resolve(
+        GenerationRequest(prompt=["a", "b"], num_images_per_prompt=3), variant, "m", [(200, 300)], lambda: 11
+    )
+    assert (run.request.height, run.request.width, run.rounded) == (
+        192,
+        288,
+        True,
+    )  # the reference's, rounded
+    assert (run.images, run.request.seed) == (6, 11)
+    run = resolve(GenerationRequest(prompt="a", height=512, seed=3), variant, "m", [(200, 300)])
+    assert (run.request.height, run.request.width, run.rounded) == (
+        512,
+        288,
+        True,
+    )  # width from the reference
+    assert run.request.seed == 3
+    run = resolve(GenerationRequest(prompt="a"), variant, "m")
+    assert (run.request.height, run.request.width, run.rounded) == (1024, 1024, False)
+    assert (
+        resolve(GenerationRequest(prompt="a", latents=0), variant, "m", (), lambda: 1 / 0).request.seed
+        is None
+    )
+
+
+def test_encoded_references_decide_their_mode_and_must_agree_with_use_kv():
+    from klein.request.references import References
+
+    kv = VARIANTS["klein-9b-kv"]
+    plain = References(tokens=None, ids=None, pixel_sizes=((64, 64),), kv=None)
+    run = resolve(GenerationRequest(prompt="a", references=plain), kv, "m", [(64, 64)])
+    assert run.mode.conditioning is REFS  # encoded without the cache: used as encoded
+    with pytest.raises(InputError, match="use_kv disagrees"):
+        resolve(GenerationRequest(prompt="a", references=plain, use_kv=True), kv, "m", [(64, 64)])
+
+
+def test_a_pipeline_is_planned_for_one_1024_image_with_cfg_where_it_runs():
+    assert typical(VARIANTS["klein-base-9b"]).prompts == 2
+    run = typical(VARIANTS["klein-9b-kv"])
+    assert (run.prompts, run.images, run.request.height, run.reference_tokens) == (1, 1, 1024, 0)
