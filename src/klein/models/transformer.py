@@ -1,8 +1,10 @@
 """The FLUX.2 [klein] transformer and the ways to run it.
 
 Axes: B batch, N image tokens, R reference tokens (all references of a request, concatenated),
-T text tokens, C token channels (128), J text-embedding width, D model width, L layers,
-H heads, Dh head dim. Rope tables are (cos, sin) float32[tokens, Dh] from `rope.rope_tables`.
+T text tokens, S joint tokens ([txt, img] and whatever rides with the image stream), C token channels
+(128), J text-embedding width, D model width, L layers, H heads, Dh head dim; inside the model a
+count includes its stream's padding (see below). Rope tables are (cos, sin) float32[tokens, Dh] from
+`rope.rope_tables`.
 
 Ways to run (explicit functions, no mode strings):
 - `forward`: text-to-image, or standard editing with `refs` appended after the image tokens,
@@ -15,6 +17,13 @@ Ways to run (explicit functions, no mode strings):
   modulation, the reference tokens attending only to themselves (how the reference implementation runs
   step 0); a check on the cache.
 
+Each reads top to bottom like BFL's flux2 model: modulations, input embeddings, the double blocks, the
+single blocks over [txt, img], the final layer. Two steps differ. The last single block is a step of its
+own (`_last_single_block`): it computes queries, MLP and output projection for the image rows the
+velocity reads alone (a prefill's, its keys and values alone). And what a layer's queries see is data
+(`_Keys`: key ranks, an isolated span, cached reference keys and values) that one attention function
+(`_attend`) reads.
+
 Layers are stacked and run one at a time (`klein.models.stacks`): compile time does not grow with depth,
 and the stacks are sliced inside the loop, never copied.
 
@@ -26,6 +35,7 @@ are dropped, so the result is that of one device.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -90,9 +100,181 @@ class Flux2Transformer(nnx.Module):
         self.proj_out = linear(d, cfg.in_channels, rngs, dtype)
 
 
+def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None):
+    """Velocity float[B, N, C] for image tokens img float[B, N, C], text txt float[B, T, J], t float[B].
+
+    refs: optional (tokens float[B or 1, R, C], rope) appended after the image tokens (standard editing).
+    """
+    n_img = img.shape[1]
+    if refs is not None:
+        img, img_rope = _append(img, img_rope, refs)
+    temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
+    text, image = _pad_stream(txt, txt_rope), _pad_stream(img, img_rope)
+    rope, keys = concat_tables(text.rope, image.rope), _Keys(_key_rank(text, image))
+
+    img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
+    img, txt = _double_blocks(model, img, txt, (img_mod, txt_mod), rope, keys)
+    x = _single_blocks(model, jnp.concatenate([txt, img], axis=1), single_mod, rope, keys)
+    x = _last_single_block(model, x, single_mod, rope, keys, (txt.shape[1], n_img))
+    return _final_layer(model, x, temb)
+
+
+def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV):
+    """Velocity float[B, N, C] with the references' cached keys/values (from `prefill`): every layer
+    attends over the keys [txt, cached ref, img]."""
+    n_img = img.shape[1]
+    temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
+    text, image = _pad_stream(txt, txt_rope), _pad_stream(img, img_rope)
+    rope = concat_tables(text.rope, image.rope)
+    keys = _Keys(_cached_key_rank(text, image, kv), cached_at=text.tokens.shape[1])
+
+    img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
+    img, txt = _double_blocks(model, img, txt, (img_mod, txt_mod), rope, keys, (kv.double_k, kv.double_v))
+    x = jnp.concatenate([txt, img], axis=1)
+    x = _single_blocks(model, x, single_mod, rope, keys, (kv.single_k, kv.single_v))
+    last = stacks.layer((kv.single_k, kv.single_v), model.cfg.num_single_layers - 1)
+    x = _last_single_block(model, x, single_mod, rope, keys._replace(cached=last), (txt.shape[1], n_img))
+    return _final_layer(model, x, temb)
+
+
+def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
+    """Reference keys/values for ref tokens float[R, C] (all references concatenated)."""
+    _, (img_mod, _, single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
+    refs = _pad_stream(ref[None], ref_rope)
+    keys = _Keys(_key_rank(refs))
+
+    x = model.x_embedder(refs.tokens.astype(model.x_embedder.dtype))
+    x, double_kv = _prefill_double_blocks(model, x, img_mod, refs.rope, keys)
+    x, single_kv = _prefill_single_blocks(model, x, single_mod, refs.rope, keys)
+    single_kv = _prefill_last_single_block(model, x, single_mod, refs.rope, single_kv)
+    # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
+    return ReferenceKV(*(constrain(a, REFERENCE_KV) for a in (*double_kv, *single_kv)), keys.rank)
+
+
+def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, ref, ref_rope):
+    """KV semantics in one pass over [txt, ref, img]: reference tokens modulated at t = 0 and
+    attending only to themselves. Returns the velocity of the image tokens float[B, N, C]."""
+    b, n_ref, n_img = img.shape[0], ref.shape[0], img.shape[1]
+    temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
+    _, (ref_img_mod, _, ref_single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
+    tokens = jnp.concatenate([jnp.broadcast_to(ref[None], (b, *ref.shape)), img], axis=1)
+    text, image = _pad_stream(txt, txt_rope), _pad_stream(tokens, concat_tables(ref_rope, img_rope))
+    n_txt, n_rest = text.tokens.shape[1], image.tokens.shape[1] - n_ref  # n_rest: image and padding
+    img_mod = _per_token(b, (ref_img_mod, n_ref), (img_mod, n_rest))
+    single_mod = _per_token(b, (single_mod, n_txt), (ref_single_mod, n_ref), (single_mod, n_rest))
+    rope, rank = concat_tables(text.rope, image.rope), _key_rank(text, image)
+    # Reference queries see only reference keys; text and image queries see everything.
+    keys = _Keys(rank, isolated=(n_txt, n_txt + n_ref))
+
+    img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
+    img, txt = _double_blocks(model, img, txt, (img_mod, txt_mod), rope, keys)
+    x = _single_blocks(model, jnp.concatenate([txt, img], axis=1), single_mod, rope, keys)
+    # The last block's queries are image tokens only, which see every key.
+    x = _last_single_block(model, x, single_mod, rope, _Keys(rank), (n_txt + n_ref, n_img))
+    return _final_layer(model, x, temb)
+
+
+def _modulations(model, t):
+    """The timestep embedding float[B, D] and the model-wide modulations it gives: the double blocks'
+    image and text streams, the single blocks."""
+    temb = model.time_guidance_embed(t)
+    return temb, (
+        model.double_stream_modulation_img(temb),
+        model.double_stream_modulation_txt(temb),
+        model.single_stream_modulation(temb),
+    )
+
+
+def _double_blocks(model, img, txt, mods, rope, keys, cached=None):
+    """The double blocks over the image stream img float[B, N, D] (references ride in it) and the text
+    stream txt float[B, T, D], mods = (img_mod, txt_mod); `cached`: the references' (k, v) stacks
+    [L_double, R, H, Dh], a layer each, or None."""
+    img_mod, txt_mod = mods
+
+    def body(block, streams, layer_kv):
+        attend = partial(_attend, keys=keys._replace(cached=layer_kv))
+        img, txt, _ = block(*streams, img_mod, txt_mod, rope, attend)
+        return (img, txt), None
+
+    (img, txt), _ = _scan(model.transformer_blocks, body, (img, txt), model.cfg.num_layers, cached)
+    return img, txt
+
+
+def _single_blocks(model, x, mod, rope, keys, cached=None):
+    """Every single block but the last (`_last_single_block`) over x float[B, S, D]; `cached`: the
+    references' (k, v) stacks [L_single, R, H, Dh], a layer each, or None."""
+
+    def body(block, x, layer_kv):
+        attend = partial(_attend, keys=keys._replace(cached=layer_kv))
+        return block(x, mod, rope, attend)[0], None
+
+    x, _ = _scan(model.single_transformer_blocks, body, x, model.cfg.num_single_layers - 1, cached)
+    return x
+
+
+def _last_single_block(model, x, mod, rope, keys, rows: tuple[int, int]):
+    """The last single block's output float[B, count, D] for the joint rows `rows` = (first, count) only,
+    the image tokens the velocity is read from: queries, MLP and output projection run over those rows
+    (widened to a multiple of the context size), keys and values over every token (`SingleBlock.rows`)."""
+    first, count = rows
+    start, stop = _covering(first, count, x.shape[1], _context_ways())
+    block = _block(model.single_transformer_blocks, model.cfg.num_single_layers - 1)
+    h = block.rows(constrain(x, TOKENS), mod, rope, partial(_attend, keys=keys), start, stop)
+    return h[:, first - start : first - start + count]
+
+
+def _covering(first: int, count: int, total: int, multiple: int) -> tuple[int, int]:
+    """Joint rows [start, stop) holding [first, first + count), as many as a multiple of `multiple`
+    (context parallelism splits the queries evenly) and within the `total` rows of the sequence."""
+    size = min(-(-count // multiple) * multiple, total)
+    start = min(first, total - size)
+    return start, start + size
+
+
+def _final_layer(model, x, temb):
+    """The velocity float[B, N, C] of the image tokens' hidden states x float[B, N, D]."""
+    return model.proj_out(model.norm_out(x, temb))
+
+
+def _prefill_double_blocks(model, x, mod, rope, keys):
+    """The double blocks over the references alone (no text stream): x and every layer's (k, v),
+    stacked in their stored form [L_double, R, H, Dh]."""
+
+    def body(block, x, _):
+        x, _, (k, v) = block(x, None, mod, None, rope, partial(_attend, keys=keys))
+        return x, (stacks.as_bits(k[0]), stacks.as_bits(v[0]))
+
+    return _scan(model.transformer_blocks, body, x, model.cfg.num_layers)
+
+
+def _prefill_single_blocks(model, x, mod, rope, keys):
+    """Every single block but the last over the references: x and the (k, v) stacks [L_single, R, H, Dh]
+    their keys and values were written straight into, the last layer still empty."""
+    cfg, count = model.cfg, model.cfg.num_single_layers - 1
+    shape = (cfg.num_single_layers, x.shape[1], cfg.num_attention_heads, cfg.attention_head_dim)
+    empty = jnp.zeros(shape, stacks.as_bits(x[:0]).dtype)
+
+    def body(block, carry, index):
+        x, ks, vs = carry
+        x, (k, v) = block(x, mod, rope, partial(_attend, keys=keys))
+        return (x, _into(ks, k, index), _into(vs, v, index)), None
+
+    blocks = model.single_transformer_blocks
+    (x, ks, vs), _ = _scan(blocks, body, (x, empty, empty), count, jnp.arange(count))
+    return x, (ks, vs)
+
+
+def _prefill_last_single_block(model, x, mod, rope, kv):
+    """The (k, v) stacks `kv` with the last single block's written in: it computes its keys and values
+    alone (nothing reads its output); joining them to the others would copy the stacks."""
+    last = model.cfg.num_single_layers - 1
+    k, v = _block(model.single_transformer_blocks, last).keys_values(constrain(x, TOKENS), mod, rope)
+    return _into(kv[0], k, last), _into(kv[1], v, last)
+
+
 def _scan(blocks, body, carry, count: int, xs=None):
     """Run `body(block, carry, layer_xs) -> (carry, ys)` over the first `count` blocks of a stack; `xs`
-    are per-layer stacks (reference keys and values) or None.
+    are per-layer stacks (reference keys and values, layer indices) or None.
 
     The carry holds token streams float[B, S, D] (and, in the prefill, the key / value stacks it fills);
     pinning the streams' layout at every layer keeps batch and tokens split (data / context parallelism)
@@ -108,32 +290,48 @@ def _scan(blocks, body, carry, count: int, xs=None):
     return stacks.scan(step, carry, (params, xs), count)
 
 
-def _into(stack, kv, index):
-    """`stack` with layer `index` set to one block's keys or values float[1, R, H, Dh], as bits."""
-    return jax.lax.dynamic_update_index_in_dim(stack, stacks.as_bits(kv[0]), index, 0)
-
-
 def _block(blocks, index: int):
     """Block `index` of a stack, as a module of its own."""
     graphdef, params = nnx.split(blocks)
     return nnx.merge(graphdef, stacks.layer(params, index))
 
 
-def _modulations(model, t):
-    temb = model.time_guidance_embed(t)
-    return temb, (
-        model.double_stream_modulation_img(temb),
-        model.double_stream_modulation_txt(temb),
-        model.single_stream_modulation(temb),
-    )
+def _into(stack, kv, index):
+    """`stack` with layer `index` set to one block's keys or values float[1, R, H, Dh], as bits."""
+    return jax.lax.dynamic_update_index_in_dim(stack, stacks.as_bits(kv[0]), index, 0)
 
 
-def _full(q, k, v):
-    return attention(q, k, v)
+class _Keys(NamedTuple):
+    """What a layer's queries see, as data for `_attend`.
+
+    rank: int32[1, keys], 0 for a key and `MASKED` for padding; None when nothing is padded (the
+    unmasked kernel). isolated: joint tokens [start, stop) that see only each other (the references of
+    `forward_kv_uncached`), or None. cached: one layer's reference (k, v) float[R, H, Dh], spliced into
+    the keys and values after the first `cached_at` joint tokens (the text), or None."""
+
+    rank: jnp.ndarray | None = None
+    isolated: tuple[int, int] | None = None
+    cached: tuple[jnp.ndarray, jnp.ndarray] | None = None
+    cached_at: int = 0
 
 
-def _always_full(_layer_kv):
-    return _full
+def _attend(q, k, v, keys: _Keys):
+    """Attention of queries q float[B, Sq, H, Dh] over the joint keys and values k, v float[B, S, H, Dh]
+    (and the cached ones) as `keys` says."""
+    if keys.cached is not None:
+        k, v = (_splice(x, cached, keys.cached_at) for x, cached in zip((k, v), keys.cached, strict=True))
+    if keys.isolated is not None:
+        return isolated_span_attention(q, k, v, *keys.isolated, keys.rank)
+    if keys.rank is None:
+        return attention(q, k, v)
+    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), keys.rank)
+
+
+def _splice(x, cached, at: int):
+    """x float[B, S, H, Dh] with cached float[R, H, Dh] (the same for every image) after its first `at`
+    tokens."""
+    cached = jnp.broadcast_to(cached, (x.shape[0], *cached.shape))
+    return jnp.concatenate([x[:, :at], cached, x[:, at:]], axis=1)
 
 
 def _context_ways() -> int:
@@ -151,9 +349,9 @@ class _Padded(NamedTuple):
     real: int
 
 
-def _pad_stream(tokens, rope, multiple: int) -> _Padded:
+def _pad_stream(tokens, rope) -> _Padded:
     real = tokens.shape[1]
-    extra = -real % multiple
+    extra = -real % _context_ways()
     rank = jnp.concatenate([jnp.zeros(real, jnp.int32), jnp.full(extra, MASKED, jnp.int32)])
     return _Padded(_pad_tokens(tokens, extra), tuple(_pad_tokens(t, extra, 0) for t in rope), rank, real)
 
@@ -171,189 +369,21 @@ def _key_rank(*streams: _Padded):
     return jnp.concatenate([s.rank for s in streams])[None]
 
 
-def _masking(k_rank):
-    """`attend` for a layer: full attention, except to the padded keys `k_rank` marks."""
-    if k_rank is None:
-        return _always_full
-
-    def attend(q, k, v):
-        return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
-
-    return lambda _layer_kv: attend
-
-
-def _run(model, img, txt, mods, rope, rows, attend=_always_full, kv=None, last_attend=None):
-    """Double then single blocks over [txt, img]; returns the hidden states float[B, count, D] of the
-    image-stream tokens `rows` = (first, count), the only ones the caller reads.
-
-    `mods` may be per token (see `forward_kv_uncached`). `attend(layer_kv)` gives each layer's
-    attention; `kv` is the per-layer input it gets ((double, single) stacks, or None). The last single
-    block computes queries, MLP and output projection for the kept rows alone (`SingleBlock.rows`);
-    `last_attend` is its attention where `attend` assumes queries over the whole sequence.
-    """
-    img_mod, txt_mod, single_mod = mods
-    kv_double, kv_single = kv if kv is not None else (None, None)
-
-    def double(block, carry, layer_kv):
-        img, txt = carry
-        img, txt, _ = block(img, txt, img_mod, txt_mod, rope, attend(layer_kv))
-        return (img, txt), None
-
-    doubles, last = model.cfg.num_layers, model.cfg.num_single_layers - 1
-    (img, txt), _ = _scan(model.transformer_blocks, double, (img, txt), doubles, kv_double)
-
-    def single(block, x, layer_kv):
-        return block(x, single_mod, rope, attend(layer_kv))[0], None
-
-    blocks = model.single_transformer_blocks
-    x, _ = _scan(blocks, single, jnp.concatenate([txt, img], 1), last, kv_single)
-    first = txt.shape[1] + rows[0]
-    start, stop = _covering(first, rows[1], x.shape[1], _context_ways())
-    last_attend = last_attend or attend(None if kv_single is None else stacks.layer(kv_single, last))
-    h = _block(blocks, last).rows(constrain(x, TOKENS), single_mod, rope, last_attend, start, stop)
-    return h[:, first - start : first - start + rows[1]]
-
-
-def _covering(first: int, count: int, total: int, multiple: int) -> tuple[int, int]:
-    """Joint rows [start, stop) holding [first, first + count), as many as a multiple of `multiple`
-    (context parallelism splits the queries evenly) and within the `total` rows of the sequence."""
-    size = min(-(-count // multiple) * multiple, total)
-    start = min(first, total - size)
-    return start, start + size
-
-
-def _velocity(model, h, temb):
-    return model.proj_out(model.norm_out(h, temb))
-
-
-def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None):
-    """Velocity float[B, N, C] for image tokens img float[B, N, C], text txt float[B, T, J], t float[B].
-
-    refs: optional (tokens float[B or 1, R, C], rope) appended after the image tokens (standard editing).
-    """
-    n_img = img.shape[1]
-    if refs is not None:
-        ref_tokens, ref_rope = refs
-        ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:]))
-        img = jnp.concatenate([img, ref_tokens.astype(img.dtype)], axis=1)
-        img_rope = concat_tables(img_rope, ref_rope)
-    context = _context_ways()
-    text, image = _pad_stream(txt, txt_rope, context), _pad_stream(img, img_rope, context)
-    temb, mods = _modulations(model, t)
-    h = _run(
-        model,
-        model.x_embedder(image.tokens),
-        model.context_embedder(text.tokens),
-        mods,
-        concat_tables(text.rope, image.rope),
-        (0, n_img),
-        attend=_masking(_key_rank(text, image)),
-    )
-    return _velocity(model, h, temb)
-
-
-def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
-    """Reference keys/values for ref tokens float[R, C] (all references concatenated)."""
-    _, (img_mod, _, single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
-    refs = _pad_stream(ref[None], ref_rope, _context_ways())
-    h = model.x_embedder(refs.tokens.astype(model.x_embedder.dtype))
-    attend = _masking(_key_rank(refs))(None)
-
-    def double(block, x, _):
-        x, _, (k, v) = block(x, None, img_mod, None, refs.rope, attend)
-        return x, (stacks.as_bits(k[0]), stacks.as_bits(v[0]))
-
-    h, (double_k, double_v) = _scan(model.transformer_blocks, double, h, model.cfg.num_layers)
-
-    # The single blocks' keys and values go straight into their stacks, the last block's too: it computes
-    # its keys and values alone (its output is never read), and joining it to the others would copy them.
-    blocks, last = model.single_transformer_blocks, model.cfg.num_single_layers - 1
-    cfg = model.cfg
-    shape = (last + 1, h.shape[1], cfg.num_attention_heads, cfg.attention_head_dim)
-    empty = jnp.zeros(shape, stacks.as_bits(h[:0]).dtype)
-
-    def single(block, carry, index):
-        x, ks, vs = carry
-        x, (k, v) = block(x, single_mod, refs.rope, attend)
-        return (x, _into(ks, k, index), _into(vs, v, index)), None
-
-    (h, single_k, single_v), _ = _scan(blocks, single, (h, empty, empty), last, jnp.arange(last))
-    last_k, last_v = _block(blocks, last).keys_values(constrain(h, TOKENS), single_mod, refs.rope)
-    single_k, single_v = _into(single_k, last_k, last), _into(single_v, last_v, last)
-    # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
-    arrays = (constrain(a, REFERENCE_KV) for a in (double_k, double_v, single_k, single_v))
-    return ReferenceKV(*arrays, _key_rank(refs))
-
-
-def _with_cached(text: _Padded, image: _Padded, kv: ReferenceKV):
-    """Attend over keys [txt, cached ref, img] for a joint sequence [txt, img]."""
-    n_txt = text.tokens.shape[1]
+def _cached_key_rank(text: _Padded, image: _Padded, kv: ReferenceKV):
+    """int32[1, T + R + N] over the keys [txt, cached ref, img], or None when none is padded."""
+    if kv.key_rank is None and _key_rank(text, image) is None:
+        return None
     ref_rank = kv.key_rank if kv.key_rank is not None else jnp.zeros((1, kv.num_tokens), jnp.int32)
-    k_rank = None
-    if kv.key_rank is not None or _key_rank(text, image) is not None:
-        k_rank = jnp.concatenate([text.rank[None], ref_rank, image.rank[None]], axis=1)
-
-    def make(layer_kv):
-        k_ref, v_ref = layer_kv
-
-        def attend(q, k, v):
-            shape = (q.shape[0], *k_ref.shape)
-            k = jnp.concatenate([k[:, :n_txt], jnp.broadcast_to(k_ref, shape), k[:, n_txt:]], axis=1)
-            v = jnp.concatenate([v[:, :n_txt], jnp.broadcast_to(v_ref, shape), v[:, n_txt:]], axis=1)
-            if k_rank is None:
-                return attention(q, k, v)
-            return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
-
-        return attend
-
-    return make
+    return jnp.concatenate([text.rank[None], ref_rank, image.rank[None]], axis=1)
 
 
-def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV):
-    """Velocity float[B, N, C] with the references' cached keys/values (from `prefill`)."""
-    context = _context_ways()
-    text, image = _pad_stream(txt, txt_rope, context), _pad_stream(img, img_rope, context)
-    temb, mods = _modulations(model, t)
-    h = _run(
-        model,
-        model.x_embedder(image.tokens),
-        model.context_embedder(text.tokens),
-        mods,
-        concat_tables(text.rope, image.rope),
-        (0, img.shape[1]),
-        attend=_with_cached(text, image, kv),
-        kv=((kv.double_k, kv.double_v), (kv.single_k, kv.single_v)),
-    )
-    return _velocity(model, h, temb)
+def _append(img, img_rope, refs):
+    """The image tokens and rope with the references' appended (standard editing)."""
+    ref_tokens, ref_rope = refs
+    ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:]))
+    return jnp.concatenate([img, ref_tokens.astype(img.dtype)], axis=1), concat_tables(img_rope, ref_rope)
 
 
-def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, ref, ref_rope):
-    """KV semantics in one pass over [txt, ref, img]: reference tokens modulated at t = 0 and
-    attending only to themselves. Returns the velocity of the image tokens float[B, N, C]."""
-    b, n_ref, n_img = img.shape[0], ref.shape[0], img.shape[1]
-    temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
-    _, (ref_img_mod, _, ref_single_mod) = _modulations(model, jnp.zeros((1,), jnp.float32))
-    context = _context_ways()
-    tokens = jnp.concatenate([jnp.broadcast_to(ref[None], (b, *ref.shape)), img], axis=1)
-    text = _pad_stream(txt, txt_rope, context)
-    image = _pad_stream(tokens, concat_tables(ref_rope, img_rope), context)
-    n_txt, pad = text.tokens.shape[1], image.tokens.shape[1] - image.real
-
-    def per_token(*parts):
-        return jnp.concatenate([jnp.broadcast_to(m, (b, n, m.shape[-1])) for m, n in parts], axis=1)
-
-    img_mod = per_token((ref_img_mod, n_ref), (img_mod, n_img + pad))
-    single_mod = per_token((single_mod, n_txt), (ref_single_mod, n_ref), (single_mod, n_img + pad))
-    k_rank = _key_rank(text, image)
-
-    def attend(_layer_kv):
-        # Reference queries see only reference keys; text and image queries see everything.
-        return lambda q, k, v: isolated_span_attention(q, k, v, n_txt, n_txt + n_ref, k_rank)
-
-    rope = concat_tables(text.rope, image.rope)
-    mods = (img_mod, txt_mod, single_mod)
-    img_h, txt_h = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
-    # The last block's queries are image tokens only, which see every key.
-    image_attend = _masking(k_rank)(None)
-    h = _run(model, img_h, txt_h, mods, rope, (n_ref, n_img), attend, last_attend=image_attend)
-    return _velocity(model, h, temb)
+def _per_token(batch: int, *parts):
+    """Per-token modulation float[B, S, M] from (modulation float[B or 1, 1, M], count) parts, in order."""
+    return jnp.concatenate([jnp.broadcast_to(m, (batch, n, m.shape[-1])) for m, n in parts], axis=1)
