@@ -300,11 +300,11 @@ def test_cli_generate_on_a_mesh(pipelines, tmp_path, monkeypatch):
     single, sharded = pipelines
     asked = []
 
-    def loaded(**kwargs):  # the pipeline of the tests above, already compiled for these shapes
-        asked.append(kwargs["mesh"])
+    def loaded(options):  # the pipeline of the tests above, already compiled for these shapes
+        asked.append(options.mesh)
         return sharded
 
-    monkeypatch.setattr("klein.pipeline.flux2_klein.load_pipeline", loaded)
+    monkeypatch.setattr("klein.pipeline.flux2_klein.load", loaded)
     args = ["--prompt", "a cat", "--steps", "2", "--height", "64", "--width", "64", "--num-images", "2"]
     assert (
         cli.main(

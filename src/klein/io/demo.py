@@ -37,7 +37,7 @@ from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 
-# v2: uniform instead of normal weights, drawn ~10x faster (the benchmarks write billions).
+# v2: uniform instead of normal weights, much faster to draw (the benchmarks write billions).
 VERSION = "demo-v2"
 SHARD_BYTES = 2 * 2**30
 """Tensor bytes per shard at most (a tensor larger than that gets a shard of its own)."""

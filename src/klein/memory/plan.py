@@ -342,9 +342,9 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
 
 
 # XLA:CPU's float32 copies of a layer's bf16 weights, as multiples of one layer in float32: its scheduler
-# converts the next layer's kernels while the current ones are still live. Read off `memory_analysis()` of
-# the real programs at the published sizes (`klein plan --compiled` prints them): a klein-4b step 1.36 GiB
-# and a klein-9b one 2.40 GiB of temporaries at 64x64 px, the Qwen3-8B embedding 0.73 GiB.
+# converts the next layer's kernels while the current ones are still live. Fitted to `memory_analysis()` of
+# the real programs at the published sizes (`klein plan --compiled` prints them; the figures are in
+# docs/design.md, "Residency and memory").
 WIDENED_DOUBLE_BLOCKS = 1.42
 WIDENED_DECODER_LAYERS = 0.9
 

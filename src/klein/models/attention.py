@@ -13,11 +13,10 @@ Attention runs in tiles of `QUERY_BLOCK` queries by at most `KEY_BLOCK` keys, he
 online softmax over the key blocks (running max and sum, float32 whatever the input dtype): memory is
 linear in tokens. The keys are cut into even blocks (the last one shorter) once, before the loop over
 query blocks, and the loop body folds them in one after another: no key is padded, so attention without
-ranks never evaluates a mask, and no key block is copied again per query block (both cost 10-25% at
-2.5k-5.6k tokens on two CPU cores, `benchmarks/attention_speed.py`). XLA holds the cut blocks beside
-the keys and values: memory stays linear in tokens (`klein.memory.plan` counts them). One key block
-reproduces the query-blocked path (2.5x faster than XLA's dense attention at 5.6k tokens), so
-text-to-image at 1024^2 pays no rescaling.
+ranks never evaluates a mask, and no key block is copied again per query block (both were measurable
+costs, `benchmarks/attention_speed.py`; docs/design.md, "Measured reasons"). XLA holds the cut blocks
+beside the keys and values: memory stays linear in tokens (`klein.memory.plan` counts them). One key
+block reproduces the query-blocked path, so text-to-image at 1024^2 pays no rescaling.
 
 On a device mesh the same kernel runs per device inside `shard_map` (context parallelism): queries keep
 their split along tokens (context), batch (data) and heads (tensor) while keys and values are gathered

@@ -1,12 +1,13 @@
 """Qwen3 text encoder: the prompt embedding of FLUX.2 [klein] (docs/design.md, "Architecture").
 
-Axes: B batch, L text tokens (512 in the pipeline), D hidden size, N query heads, K key/value heads,
-H head dim (128), S selected hidden states (3), T decoder layers that run (27 of 36).
+Axes (the `klein.models` legend): B batch, T text tokens (512 in the pipeline), D hidden size, H query
+heads, K key/value heads, Dh head dim (128), E selected hidden states (3), L decoder layers that run
+(27 of 36).
 
 The embedding is Hugging Face's `hidden_states[k]` for k in (9, 18, 27) - the raw residual stream after
-k decoder layers, before any final norm - concatenated on the feature axis: float[B, L, S * D].
+k decoder layers, before any final norm - concatenated on the feature axis: float[B, T, E * D].
 Parameter paths follow the `Qwen3ForCausalLM` checkpoint keys (`model.embed_tokens`,
-`model.layers.N.self_attn.q_proj`, ...); the decoder layers are stacked on a leading T axis and run
+`model.layers.N.self_attn.q_proj`, ...); the decoder layers are stacked on a leading L axis and run
 one at a time (`klein.models.stacks`), so compile time does not grow with depth. The final norm and `lm_head` are not
 part of the module: the embedding never reaches them.
 """
@@ -55,7 +56,7 @@ class Attention(nnx.Module):
         self.head_dim = h
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ranks: tuple) -> jax.Array:
-        """x: float[B, L, D]; rope: (cos, sin) float[L, H]; ranks: `_attention_ranks` -> float[B, L, D].
+        """x: float[B, T, D]; rope: (cos, sin) float[T, Dh]; ranks: `_attention_ranks` -> float[B, T, D].
 
         A query that may attend to no key (a left-padded row) gets 0, as from torch's SDPA, which
         transformers uses."""
@@ -95,7 +96,7 @@ class DecoderLayer(nnx.Module):
 
 
 class Qwen3Model(nnx.Module):
-    """Token embedding and the first `num_layers` decoder layers, stacked on a leading T axis."""
+    """Token embedding and the first `num_layers` decoder layers, stacked on a leading L axis."""
 
     def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
@@ -125,10 +126,10 @@ def hidden_states(
     attention_mask: jax.Array,
     layers: Sequence[int] = PROMPT_LAYERS,
 ) -> jax.Array:
-    """Hugging Face `hidden_states[k]` for each k in `layers`: float[S, B, L, D].
+    """Hugging Face `hidden_states[k]` for each k in `layers`: float[E, B, T, D].
 
-    input_ids: int[B, L]; attention_mask: int or bool[B, L], 1 for real tokens. Only max(layers)
-    decoder layers run. Positions are 0..L-1 whatever the padding, as in transformers.
+    input_ids: int[B, T]; attention_mask: int or bool[B, T], 1 for real tokens. Only max(layers)
+    decoder layers run. Positions are 0..T-1 whatever the padding, as in transformers.
     """
     slots = _slots(encoder, layers)
     model = encoder.model
@@ -155,7 +156,7 @@ def prompt_embeddings(
     attention_mask: jax.Array,
     layers: Sequence[int] = PROMPT_LAYERS,
 ) -> jax.Array:
-    """The FLUX.2 [klein] prompt embedding: float[B, L, S * D], hidden states of `layers` side by side."""
+    """The FLUX.2 [klein] prompt embedding: float[B, T, E * D], hidden states of `layers` side by side."""
     states = hidden_states(encoder, input_ids, attention_mask, layers)
     s, b, length, d = states.shape
     # Feature index s * D + d holds hidden_states[layers[s]][..., d], as in diffusers' stack/permute.
@@ -176,14 +177,14 @@ def _slots(encoder: Qwen3TextEncoder, layers: Sequence[int]) -> np.ndarray:
 
 
 def _attention_ranks(attention_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The causal and key-padding mask as `klein.models.attention` ranks: queries int32[1, L] and keys
-    int32[B, L] ranked by position, padded keys `MASKED`, so query i sees the real keys j <= i."""
+    """The causal and key-padding mask as `klein.models.attention` ranks: queries int32[1, T] and keys
+    int32[B, T] ranked by position, padded keys `MASKED`, so query i sees the real keys j <= i."""
     positions = jnp.arange(attention_mask.shape[1], dtype=jnp.int32)[None]
     return positions, jnp.where(attention_mask.astype(bool), positions, MASKED)
 
 
 def _rope_tables(length: int, config: Qwen3Config, dtype) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) float[L, H] for positions 0..L-1, computed in fp32 like transformers."""
+    """(cos, sin) float[T, Dh] for positions 0..T-1, computed in fp32 like transformers."""
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
     inv_freq = np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)
     angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
@@ -192,7 +193,7 @@ def _rope_tables(length: int, config: Qwen3Config, dtype) -> tuple[jax.Array, ja
 
 
 def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: float[B, L, heads, H]; rotate-half RoPE (pairs are (i, i + H/2), not interleaved)."""
+    """x: float[B, T, heads, Dh]; rotate-half RoPE (pairs are (i, i + Dh/2), not interleaved)."""
     first, second = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-second, first], axis=-1)
     return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]

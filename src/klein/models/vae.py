@@ -1,23 +1,19 @@
 """The FLUX.2 VAE (diffusers' AutoencoderKLFlux2) in Flax NNX, channels-last.
 
-Axes: B batch; H, W image height and width in pixels (multiples of 16); h = H/8, w = W/8 the VAE's
-latent grid; H/16, W/16 the transformer's token grid (one token = a 2x2 patch of VAE latents).
+Axes: B batch; Y, X image height and width in pixels (multiples of 16); y = Y/8, x = X/8 the VAE's
+latent grid; Y/16, X/16 the transformer's token grid (one token = a 2x2 patch of VAE latents).
 
-- images: float[B, H, W, 3] in [-1, 1] (decoded images are not clipped);
-- VAE latents: float[B, h, w, 32], the mean of the encoder's Gaussian (FLUX.2 never samples it);
-- normalised latents: float[B, H/16, W/16, 128], what the transformer consumes before flattening:
+- images: float[B, Y, X, 3] in [-1, 1] (decoded images are not clipped);
+- VAE latents: float[B, y, x, 32], the mean of the encoder's Gaussian (FLUX.2 never samples it);
+- normalised latents: float[B, Y/16, X/16, 128], what the transformer consumes before flattening:
   2x2 patches of VAE latents, channel `4 * c + 2 * dy + dx`, normalised with the BatchNorm running
   statistics as `(z - mean) / sqrt(var + eps)`.
 
-Memory (one image, real widths, fp32, as XLA's buffer assignment for CPU counts it; weights add
-0.3 GiB): plain `decode_latents` needs ~3.5 GiB of temporaries per megapixel, dominated by the 256-
-and 128-channel full-resolution activations: 3.5 GiB at 1024^2 px, 14 GiB at 2048^2, 22 GiB at
-2560^2, 26.5 GiB at 2816^2. So on a 24 GiB accelerator plain decoding stops fitting at about
-2600 x 2600 px (~6.7 megapixels per batch), and below ~2 megapixels if klein-9b's 18 GB of bf16
-weights stay resident; above that use `decode_latents_tiled` (~3.6-3.9 GiB at any size). The
-mid-block attention is the models' one tiled kernel (`klein.models.attention`, one head): the whole
-(H/8 * W/8)^2 score matrix would more than double the 2048^2 figure (32 GiB). (XLA on CPU computes
-bf16 convolutions in fp32, so bf16 could not be measured here.)
+Memory: plain `decode_latents` holds temporaries that grow with the pixel count (the 256- and
+128-channel full-resolution activations dominate); `decode_latents_tiled` holds a bounded amount at any
+size, for outputs whose plain decode does not fit (the planner chooses, `klein.memory.plan`; measured
+figures in docs/design.md, "Decoding memory"). The mid-block attention is the models' one tiled kernel
+(`klein.models.attention`, one head) rather than a whole (Y/8 * X/8)^2 score matrix.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ class VAEConfig:
     out_channels: int = 3
     """Channels of the images the decoder writes."""
     block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
-    """Encoder width per resolution level, full resolution first; each level but the last halves H, W."""
+    """Encoder width per resolution level, full resolution first; each level but the last halves Y, X."""
     decoder_block_out_channels: tuple[int, ...] | None = None
     """Decoder width per level (full resolution first); None means `block_out_channels`."""
     layers_per_block: int = 2
@@ -128,7 +124,7 @@ class GroupNorm(nnx.GroupNorm):
     """
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """float[B, H, W, C] -> float[B, H, W, C], statistics per image and group of C / groups channels."""
+        """float[B, Y, X, C] -> float[B, Y, X, C], statistics per image and group of C / groups channels."""
         b, c, g = x.shape[0], x.shape[-1], self.num_groups
         dtype = jnp.result_type(x, self.scale[...])
         pixels = x.reshape(b, -1, c).astype(jnp.float32)
@@ -193,7 +189,7 @@ class Upsample(nnx.Module):
         self.conv = _conv(channels, channels, 3, rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """float[B, h, w, C] -> float[B, 2h, 2w, C]."""
+        """float[B, y, x, C] -> float[B, 2y, 2x, C]."""
         b, h, w, c = x.shape
         weights = self.conv.kernel[...]
         dtype = jnp.result_type(x, weights)
@@ -216,7 +212,7 @@ class Upsample(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Single-head self-attention over all H x W positions, GroupNorm first, residual added."""
+    """Single-head self-attention over every position of its input, GroupNorm first, residual added."""
 
     def __init__(self, channels: int, groups: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
@@ -290,7 +286,7 @@ class UpDecoderBlock(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    """float[B, H, W, 3] images -> float[B, h, w, 2 * latent] (Gaussian mean, then log-variance)."""
+    """float[B, Y, X, 3] images -> float[B, y, x, 2 * latent] (Gaussian mean, then log-variance)."""
 
     def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
@@ -317,7 +313,7 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """float[B, h, w, latent] -> float[B, H, W, 3] images."""
+    """float[B, y, x, latent] -> float[B, Y, X, 3] images."""
 
     def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
@@ -365,28 +361,28 @@ class AutoencoderKLFlux2(nnx.Module):
         self.bn = LatentNorm(_PATCH * _PATCH * latent, cfg.batch_norm_eps)
 
     def encode_mean(self, images: jax.Array) -> jax.Array:
-        """float[B, H, W, 3] -> float[B, h, w, latent], the mode of the latent distribution."""
+        """float[B, Y, X, 3] -> float[B, y, x, latent], the mode of the latent distribution."""
         moments = self.encoder(images)
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
         return moments[..., : self.config.latent_channels]
 
     def decode(self, z: jax.Array) -> jax.Array:
-        """float[B, h, w, latent] -> float[B, H, W, 3]."""
+        """float[B, y, x, latent] -> float[B, Y, X, 3]."""
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
         return self.decoder(z)
 
 
 def patchify(z: jax.Array) -> jax.Array:
-    """float[B, h, w, C] -> float[B, h/2, w/2, 4C], channel `4 * c + 2 * dy + dx` (diffusers' order)."""
+    """float[B, y, x, C] -> float[B, y/2, x/2, 4C], channel `4 * c + 2 * dy + dx` (diffusers' order)."""
     b, h, w, c = z.shape
     z = z.reshape(b, h // _PATCH, _PATCH, w // _PATCH, _PATCH, c)
     return z.transpose(0, 1, 3, 5, 2, 4).reshape(b, h // _PATCH, w // _PATCH, c * _PATCH * _PATCH)
 
 
 def unpatchify(x: jax.Array) -> jax.Array:
-    """Inverse of `patchify`: float[B, h/2, w/2, 4C] -> float[B, h, w, C]."""
+    """Inverse of `patchify`: float[B, y/2, x/2, 4C] -> float[B, y, x, C]."""
     b, h, w, c4 = x.shape
     c = c4 // (_PATCH * _PATCH)
     x = x.reshape(b, h, w, c, _PATCH, _PATCH).transpose(0, 1, 4, 2, 5, 3)
@@ -394,14 +390,14 @@ def unpatchify(x: jax.Array) -> jax.Array:
 
 
 def encode_latents(vae: AutoencoderKLFlux2, images: jax.Array) -> jax.Array:
-    """float[B, H, W, 3] images in [-1, 1] -> float[B, H/16, W/16, 128] normalised latents."""
+    """float[B, Y, X, 3] images in [-1, 1] -> float[B, Y/16, X/16, 128] normalised latents."""
     tokens = patchify(vae.encode_mean(images))
     mean = vae.bn.running_mean[...].astype(jnp.float32)
     return ((tokens - mean) / vae.bn.std()).astype(tokens.dtype)
 
 
 def decode_latents(vae: AutoencoderKLFlux2, latents: jax.Array) -> jax.Array:
-    """float[B, H/16, W/16, 128] normalised latents -> float[B, H, W, 3] images (about [-1, 1])."""
+    """float[B, Y/16, X/16, 128] normalised latents -> float[B, Y, X, 3] images (about [-1, 1])."""
     return vae.decode(_vae_latents(vae, latents))
 
 

@@ -409,11 +409,8 @@ def _rope_cached(ids: bytes, axes, theta):
 
 
 def _as_pil(image) -> PIL.Image.Image:
-    if isinstance(image, str | Path):
-        return images.load_image(image)
-    if not isinstance(image, PIL.Image.Image):
-        raise InputError(f"reference images must be PIL images or paths, got {type(image).__name__}")
-    return image
+    """A reference as `GenerationRequest` holds it (a PIL image or a path) as a PIL image."""
+    return image if isinstance(image, PIL.Image.Image) else images.load_image(image)
 
 
 def load_pipeline(

@@ -10,7 +10,7 @@ import functools
 
 from klein.errors import InputError
 from klein.pipeline.cache import ByteBudgetCache
-from klein.request.resolve import caches_references
+from klein.request.resolve import caches_references, typical
 from klein.serve import batching, errors, generation
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
@@ -69,6 +69,7 @@ class Service:
     def config(self) -> dict:
         """GET /v1/config: the limits and defaults a client (the web page) needs."""
         variant, options = self.pipe.variant, self.options
+        defaults = typical(variant)  # what a request that names no steps or guidance gets
         return {
             "model": self.pipe.name,
             "variant": variant.name,
@@ -77,9 +78,9 @@ class Service:
             "max_steps": options.max_steps,
             "max_upload_bytes": options.max_upload_bytes,
             "max_images": options.max_images,
-            "default_steps": variant.steps,
-            "default_guidance_scale": variant.guidance,
-            "guided": not variant.distilled,
+            "default_steps": defaults.request.num_inference_steps,
+            "default_guidance_scale": defaults.request.guidance_scale,
+            "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
         }
 

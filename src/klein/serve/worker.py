@@ -76,7 +76,6 @@ class Worker:
         self.max_batch, self.run_batch = max_batch, run_batch
         """`run_batch(jobs)` -> one result per job, for jobs of equal `batch_key`."""
         self.accepting = True
-        self.running: Job | None = None
         self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
         self._queue: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
@@ -147,7 +146,7 @@ class Worker:
                     self._wake.wait()
                 if not self._queue:
                     return
-                job = self.running = self._queue.popleft()
+                job = self._queue.popleft()
                 batch = [job, *self._companions(job)]
                 for each in batch:
                     each.status = "running"
@@ -155,7 +154,6 @@ class Worker:
                 self._run(job)
             else:
                 self._run_batch(batch)
-            self.running = None
 
     def _companions(self, first: Job) -> list[Job]:
         """Queued jobs that may run in one batch with `first` (taken off the queue)."""
