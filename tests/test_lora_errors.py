@@ -96,7 +96,7 @@ def test_keys_that_match_nothing_are_listed(tmp_path):
     file = lf.write_bfl(tmp_path / "more.safetensors", lora)
     refused(
         file,
-        "2 LoRA key(s) match no layer",
+        "2 LoRA keys match no layer",
         "BFL / ai-toolkit layout",
         "diffusion_model.double_blocks.7.img_attn.proj",
         "diffusion_model.img_attn.unknown",
@@ -110,7 +110,7 @@ def test_text_encoder_loras_are_named(tmp_path):
     tensors["text_encoder.layers.0.q_proj.lora_A.weight"] = np.ones((4, 32), np.float32)
     tensors["text_encoder.layers.0.q_proj.lora_B.weight"] = np.ones((32, 4), np.float32)
     save_file(tensors, str(file))
-    refused(file, "1 LoRA key(s) match no layer", "text_encoder.layers.0.q_proj", "not text encoder ones")
+    refused(file, "1 LoRA key matches no layer", "text_encoder.layers.0.q_proj", "not text encoder ones")
 
 
 def test_not_a_lora(tmp_path, tiny_transformer):

@@ -17,6 +17,7 @@ import openai
 import PIL.Image
 import pytest
 
+from klein.request.request import GenerationRequest
 from tests.serve_process import metrics, png
 
 BUDGET = 160 * 1024  # one set of two 64x64 references: 48 KiB encoded + 2 x 8 KiB latents
@@ -76,6 +77,9 @@ def test_edit_with_two_images_then_the_same_images_hit_the_cache_exactly(client,
     image = decode(cold.data[0].b64_json)
     assert image.size == (64, 64)  # "auto": the first reference's size (else 1024x1024)
     assert image.text["prompt"] == "the fox wears a hat" and image.text["reference_sizes"] == "64x64,64x64"
+    recorded = GenerationRequest.from_metadata(image.text).image  # the references, by content hash
+    assert len(recorded) == 2 and all(name.startswith("prepared-sha256:") for name in recorded)
+    assert len(set(recorded)) == 2 and image.text["reference_id"] == klein(cold)["references"]["id"]
     assert klein(cold)["references"]["cache"] == "miss"
     before = metrics(url)
     warm = client.images.edit(

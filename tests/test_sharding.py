@@ -45,7 +45,7 @@ def test_parse_mesh_specs():
 
 
 def test_mesh_must_use_every_device():
-    with pytest.raises(InputError, match=r"needs 8 devices, but 1 are available \(1 process"):
+    with pytest.raises(InputError, match=r"needs 8 devices, but 1 is available \(1 process\)"):
         sharding.make_mesh("fsdp=4,context=2")
     assert dict(sharding.make_mesh("tensor").shape) == {"tensor": 1}
 

@@ -15,3 +15,8 @@ class InputError(KleinError):
 
 class CannotFitError(InputError):
     """A request that cannot fit in the device memory it may use (admission; the message has the estimate)."""
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """ "1 device", "2 devices": a count and its noun in the right number, for messages."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"

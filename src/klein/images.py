@@ -129,6 +129,11 @@ def to_uint8(images: np.ndarray) -> np.ndarray:
     return np.round(to_float01(images) * 255).astype(np.uint8)
 
 
+def from_float01(images: np.ndarray) -> list[PIL.Image.Image]:
+    """float[B, H, W, 3] in [0, 1] (`output_type="np"`) -> B RGB images, rounded as `to_pil` rounds."""
+    return to_pil(np.asarray(images, np.float32) * 2 - 1)
+
+
 def to_pil(images: np.ndarray) -> list[PIL.Image.Image]:
     """float[B, H, W, 3] in [-1, 1] -> B RGB images, as diffusers' `postprocess(output_type="pil")`."""
     pixels = to_uint8(images)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from klein.errors import InputError
+from klein.errors import InputError, counted
 
 # Preset (= mesh axis name) -> the logical axes it shards. "single" is the empty mesh.
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -97,8 +97,9 @@ def make_mesh(spec: str | None) -> Mesh | None:
     count = jax.device_count()
     if math.prod(sizes.values()) != count:
         raise InputError(
-            f"mesh {spec!r} needs {math.prod(sizes.values())} devices, but {count} are available "
-            f"({jax.process_count()} process(es)); the axis sizes must multiply to the device count"
+            f"mesh {spec!r} needs {counted(math.prod(sizes.values()), 'device')}, but "
+            f"{counted(count, 'is', 'are')} available ({counted(jax.process_count(), 'process', 'processes')}); "
+            "the axis sizes must multiply to the device count"
         )
     # Auto axes: the compiler partitions from the constraints (GSPMD), rather than sharding-in-types.
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))

@@ -8,6 +8,8 @@ appears here by itself. A setting given both ways is an error rather than a sile
 
 import argparse
 import dataclasses
+import difflib
+import re
 from collections.abc import Callable, Sequence
 
 from klein.errors import InputError
@@ -18,10 +20,19 @@ from klein.request.request import GenerationRequest
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error."""
+    """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error,
+    with the nearest known flag for a misspelt one."""
 
     def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            message += _did_you_mean(unknown.group(1).split("=")[0], self._option_string_actions)
         raise InputError(f"{message} (see {self.prog} --help)")
+
+
+def _did_you_mean(word: str, known) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +119,8 @@ def parse_assignments(tokens: Sequence[str]) -> dict[str, object]:
                 f'unexpected argument {token!r}: settings look like prompt="a cat" or --prompt "a cat"'
             )
         if key.strip() not in KEYS:
-            raise InputError(f"unknown setting {key!r}; known settings: {', '.join(KEYS)}")
+            hint = _did_you_mean(key.strip(), KEYS)
+            raise InputError(f"unknown setting {key!r}{hint or '; known settings: ' + ', '.join(KEYS)}")
         field, read = KEYS[key.strip()]
         if field in values:
             raise InputError(f"{key} is given twice")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from klein.errors import CheckpointError
+from klein.errors import CheckpointError, counted
 from klein.io.safetensors import TensorSource
 from klein.models.stacks import as_bits
 
@@ -144,9 +144,9 @@ def _check_keys(plan, source: TensorSource, skip) -> None:
     files = sorted({str(source.file_of(k)) for k in have}) or ["(no files)"]
     lines = [f"checkpoint {', '.join(files[:3])}{' ...' if len(files) > 3 else ''} does not match the model:"]
     if missing:
-        lines.append(f"  {len(missing)} missing key(s): {_listing(missing)}")
+        lines.append(f"  {counted(len(missing), 'missing key')}: {_listing(missing)}")
     if unexpected:
-        lines.append(f"  {len(unexpected)} unexpected key(s): {_listing(unexpected)}")
+        lines.append(f"  {counted(len(unexpected), 'unexpected key')}: {_listing(unexpected)}")
     lines.append("  Is this the right checkpoint for this model variant?")
     raise CheckpointError("\n".join(lines))
 

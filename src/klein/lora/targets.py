@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from flax import nnx
 
-from klein.errors import CheckpointError
+from klein.errors import CheckpointError, counted
 from klein.io import bfl_transformer_keys as bfl
 from klein.io.loading import checkpoint_keys
 from klein.io.transformer_checkpoint import STACKED, abstract_transformer, key_map
@@ -78,7 +78,8 @@ def updates(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> list[
         more = f" ... and {len(unmatched) - _LISTED} more" if len(unmatched) > _LISTED else ""
         encoder = any(key.startswith(_TEXT_ENCODER) for key in unmatched)
         raise CheckpointError(
-            f"{where}: {len(unmatched)} LoRA key(s) match no layer of the FLUX.2 [klein] transformer "
+            f"{where}: {counted(len(unmatched), 'LoRA key')} {'matches' if len(unmatched) == 1 else 'match'} no "
+            "layer of the FLUX.2 [klein] transformer "
             f"({parsed.layout} layout): {', '.join(unmatched[:_LISTED])}{more}"
             + ("; klein merges transformer LoRAs only, not text encoder ones" if encoder else "")
         )

@@ -26,9 +26,10 @@ import PIL.Image
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from klein import dtypes, images, sampling, sharding
+from klein import dtypes, images, sampling, sharding, version
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
+from klein.io import png
 from klein.io.paths import klein_home
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
@@ -84,6 +85,16 @@ class GenerationOutput:
     timings: dict[str, float]
     settings: Settings
     """What ran (`klein.request.request.Settings`): the PNG metadata is written from it."""
+
+    def save(self, path: str | Path = ".", overwrite: bool = False) -> list[Path]:
+        """Write the images as PNGs carrying their settings (`GenerationRequest.from_metadata` reads them
+        back), as `klein generate` writes them: `path` a file name ending in .png (numbered -0, -1, ... for
+        several images) or a folder (fresh names `klein-<time>-<seed>.png`). Nothing existing is replaced
+        unless `overwrite`; returns the paths written."""
+        pictures = self.images if isinstance(self.images, list) else images.from_float01(self.images)
+        plan = png.plan_outputs(str(path), len(pictures), overwrite)
+        metadata = [png.png_metadata(self.settings.metadata(i, version())) for i in range(len(pictures))]
+        return png.write_images(pictures, plan, metadata, self.seed)
 
 
 PROMPT_CACHE_BYTES = 256 * 2**20
@@ -233,7 +244,14 @@ class Flux2KleinPipeline:
         # 9. Output, with the record of what ran.
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
         settings = Settings(
-            run.request, run.mode, self.name, self.variant.name, tuple(sizes), self.loras, self.residency
+            run.request,
+            run.mode,
+            self.name,
+            self.variant.name,
+            tuple(sizes),
+            self.loras,
+            self.residency,
+            run.notes,
         )
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
@@ -246,9 +264,8 @@ class Flux2KleinPipeline:
     def _resolve(self, request: GenerationRequest, sizes) -> Resolved:
         """`sizes`: (height, width) px of each prepared reference, none without references."""
         run = resolve(request, self.variant, self.name, sizes, _fresh_seed)
-        if run.rounded:
-            h, w = run.request.height, run.request.width
-            warnings.warn(f"height/width rounded down to multiples of 16: {h}x{w}", stacklevel=4)
+        for note in run.notes:
+            warnings.warn(note, stacklevel=4)
         return run
 
     def _admit(self, run: Resolved) -> bool:

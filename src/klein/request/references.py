@@ -34,3 +34,9 @@ class References:
     @property
     def cached(self) -> bool:
         return self.kv is not None
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{w}x{h}" for h, w in self.pixel_sizes)
+        count = len(self.pixel_sizes)
+        kind = "keys and values cached" if self.cached else "tokens only"
+        return f"References({count} image{'' if count == 1 else 's'}: {sizes} px; {kind})"

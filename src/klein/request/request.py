@@ -194,6 +194,8 @@ class Settings:
     """The LoRAs merged into the transformer: name, scale, sha256 of the file."""
     residency: str = "all"
     """The residency policy the pipeline ran under (`klein.memory.residency`); it changes no pixel."""
+    notes: tuple[str, ...] = ()
+    """What was given but changed or ignored (`klein.request.resolve.Resolved.notes`)."""
 
     @property
     def images(self) -> int:

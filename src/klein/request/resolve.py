@@ -43,7 +43,10 @@ class Resolved:
     reference_sizes: tuple[tuple[int, int], ...]
     """(height, width) px of each prepared reference."""
     rounded: bool
-    """Whether the requested size was rounded down to multiples of 16 (worth a warning)."""
+    """Whether the requested size was rounded down to multiples of 16."""
+    notes: tuple[str, ...] = ()
+    """What was given but changed or ignored, in words for the user: every front end shows them (a
+    warning on the command line and in Python, a `warnings` list in the server's responses)."""
 
     @property
     def reference_tokens(self) -> int:
@@ -87,7 +90,8 @@ def resolve(
         references=None,
     )
     images = len(request.prompts) * request.num_images_per_prompt
-    return Resolved(filled, Mode(conditioning, scale is not None), images, sizes, rounded)
+    notes = _notes(request, variant, model_name, filled, rounded)
+    return Resolved(filled, Mode(conditioning, scale is not None), images, sizes, rounded, notes)
 
 
 def typical(variant: Variant) -> Resolved:
@@ -153,6 +157,18 @@ def _conditioning(request: GenerationRequest, variant: Variant, model_name: str,
     if request.use_kv is not None and encoded is not chosen:
         raise InputError("use_kv disagrees with how these references were encoded; encode them again")
     return encoded
+
+
+def _notes(request, variant: Variant, model_name: str, filled: GenerationRequest, rounded: bool):
+    notes = []
+    if rounded:
+        notes.append(f"height/width rounded down to multiples of 16: {filled.height}x{filled.width}")
+    if variant.distilled and request.guidance_scale is not None:
+        notes.append(
+            f"guidance_scale {request.guidance_scale:g} is ignored: {model_name} is step-distilled and runs "
+            "without guidance (the base variants take it)"
+        )
+    return tuple(notes)
 
 
 def _random_seed() -> int:

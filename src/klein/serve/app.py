@@ -84,7 +84,8 @@ def _routes(app: FastAPI, service: Service) -> None:
 
     @app.post("/v1/images/generations")
     async def generations(body: schema.ImageBody, request: Request):
-        work = Generation(schema.to_request(body, options), reference_id=body.references)
+        notes = schema.ignored(body, service.pipe.name)
+        work = Generation(schema.to_request(body, options), reference_id=body.references, notes=notes)
         return await _wait(service.worker, service.submit_generation(work), request)
 
     @app.post("/v1/images/edits", openapi_extra=_MULTIPART)
@@ -97,7 +98,8 @@ def _routes(app: FastAPI, service: Service) -> None:
                 400, "give image files or references (an id), not both", "invalid_value", "references"
             )
         images = () if body.references is not None else tuple(await uploads.prepare(files, options))
-        work = Generation(schema.to_request(body, options), images, body.references)
+        notes = schema.ignored(body, service.pipe.name)
+        work = Generation(schema.to_request(body, options), images, body.references, notes)
         return await _wait(service.worker, service.submit_generation(work), request)
 
 
@@ -126,7 +128,8 @@ def _references(app: FastAPI, service: Service) -> None:
 def _jobs(app: FastAPI, service: Service) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def create_job(body: schema.ImageBody):
-        work = Generation(schema.to_request(body, service.options), reference_id=body.references)
+        notes = schema.ignored(body, service.pipe.name)
+        work = Generation(schema.to_request(body, service.options), reference_id=body.references, notes=notes)
         job = service.submit_generation(work)
         return {"id": job.id, "status": job.status}
 

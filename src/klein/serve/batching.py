@@ -41,7 +41,9 @@ def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, ve
             out.settings.request, prompt=work.request.prompt, num_images_per_prompt=n, seed=seed
         )
         settings = dataclasses.replace(out.settings, request=ran)
-        bodies.append(respond(out.images[start : start + n], settings, encoded, out.timings, version))
+        bodies.append(
+            respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes)
+        )
         start += n
     return bodies
 

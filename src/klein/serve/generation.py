@@ -24,6 +24,8 @@ class Generation:
     request: GenerationRequest
     images: tuple[PreparedImage, ...] = ()
     reference_id: str | None = None
+    notes: tuple[str, ...] = ()
+    """Fields of the body the server accepted but ignored, for the response's `warnings`."""
 
     @property
     def batch_key(self) -> tuple:
@@ -55,11 +57,17 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
     if encoded is not None:
         request = dataclasses.replace(request, references=encoded.references)
     out = pipe.generate(request, progress)
-    return respond(out.images, out.settings, encoded, out.timings, version)
+    return respond(out.images, out.settings, encoded, out.timings, version, generation.notes)
 
 
-def respond(images, settings: Settings, encoded: Encoded | None, timings: dict, version: str) -> dict:
-    """The response body for the images of one request and the settings they ran with."""
+def respond(
+    images, settings: Settings, encoded: Encoded | None, timings: dict, version: str, notes=()
+) -> dict:
+    """The response body for the images of one request and the settings they ran with; `warnings` lists
+    what the request gave but was changed or ignored (the pipeline's notes, then the server's)."""
+    if encoded:  # the references by the hash of their prepared pixels, as the reference cache keys them
+        hashed = tuple(f"prepared-sha256:{digest}" for digest in encoded.digests)
+        settings = dataclasses.replace(settings, request=dataclasses.replace(settings.request, image=hashed))
     extra = {"reference_id": encoded.id} if encoded else {}
     pngs = [_png(image, {**settings.metadata(i, version), **extra}) for i, image in enumerate(images)]
     return {
@@ -70,6 +78,7 @@ def respond(images, settings: Settings, encoded: Encoded | None, timings: dict, 
             "settings": _settings(settings),
             "timings": _add(encoded.timings if encoded else {}, timings),
             "references": _references(encoded),
+            "warnings": [*settings.notes, *notes],
         },
     }
 

@@ -56,6 +56,8 @@ class Encoded:
     """Compute time the cache saved (whole set, or the latents of some images)."""
     bytes: int
     timings: dict[str, float]
+    digests: tuple[str, ...] = ()
+    """Each image's content hash, in order (what a served PNG records as its references)."""
 
 
 def set_id(digests: tuple[str, ...]) -> str:
@@ -151,7 +153,7 @@ class ReferenceSets:
         entry = self.cache.lookup(self._set_key(digests))
         if entry is None:
             return None
-        return Encoded(set_id(digests), entry.value, True, entry.seconds, entry.size, {})
+        return Encoded(set_id(digests), entry.value, True, entry.seconds, entry.size, {}, digests)
 
     def _compute(self, digests, pixels: dict[str, np.ndarray]) -> Encoded:
         # Compilation is booked apart (klein.pipeline.timing): an entry's cost is what a hit saves next time.
@@ -173,7 +175,7 @@ class ReferenceSets:
             jax.block_until_ready(arrays(references))
         cost = saved + timings["references"] + timings["prefill"]
         entry = self.cache.put(self._set_key(digests), references, cost)
-        return Encoded(set_id(digests), references, False, saved, entry.size, timings)
+        return Encoded(set_id(digests), references, False, saved, entry.size, timings, digests)
 
 
 def describe(reference_id: str, sizes, size_bytes: int, cached: bool) -> dict:

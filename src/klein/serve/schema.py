@@ -4,8 +4,9 @@
 klein's own settings (seed, num_inference_steps, guidance_scale: fields derived from the request type's
 declarations) and a reference set id (references), as
 JSON (`/v1/images/generations`, `/v1/jobs`) or as multipart form fields (`/v1/images/edits`, read by
-`from_form`). Types are strict: "3" is not a number in JSON. OpenAI fields klein has no use for
-(model, quality, style, user, ...) are accepted and ignored: one server runs one model.
+`from_form`). Types are strict: "3" is not a number in JSON. OpenAI's `model`, `quality` and `style` are
+accepted and, where they ask for something klein does not do, named in the response's `warnings`; other
+unknown fields (user, ...) are dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ class _OpenAIBody(BaseModel):
     )
     response_format: Literal["b64_json"] | None = Field("b64_json", description="only b64_json (PNG bytes)")
     references: str | None = Field(None, description="a reference set id from POST /v1/references")
+    model: str | None = Field(
+        None, description="accepted as OpenAI's clients send it; the server runs its model"
+    )
+    quality: str | None = Field(
+        None, description="OpenAI's; klein has no such setting (ignored, with a warning)"
+    )
+    style: str | None = Field(
+        None, description="OpenAI's; klein has no such setting (ignored, with a warning)"
+    )
 
 
 SETTINGS = ("seed", "num_inference_steps", "guidance_scale")
@@ -122,6 +132,19 @@ def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
         )
     except InputError as error:
         raise ApiError(400, str(error), "invalid_value") from None
+
+
+def ignored(body: ImageBody, model_name: str) -> tuple[str, ...]:
+    """OpenAI's fields that a body gives and klein does not use, in words for the response's `warnings`."""
+    notes = []
+    if body.model is not None and body.model != model_name:
+        notes.append(f"model {body.model!r:.80} is ignored: this server runs {model_name}")
+    notes += [
+        f"{name} is ignored: klein has no such setting"
+        for name in ("quality", "style")
+        if getattr(body, name)
+    ]
+    return tuple(notes)
 
 
 def parse_size(size: str | None, max_pixels: int) -> tuple[int | None, int | None]:

@@ -17,7 +17,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from klein import images
-from klein.errors import InputError
+from klein.errors import InputError, counted
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage
@@ -96,7 +96,7 @@ def _check_count(count: int, most: int) -> None:
     if count > most:
         raise ApiError(
             400,
-            f"{count} images sent; at most {most} references are allowed (--max-references)",
+            f"{counted(count, 'image')} sent; at most {counted(most, 'reference')} allowed (--max-references)",
             "too_many_references",
             "image",
         )

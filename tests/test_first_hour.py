@@ -1,0 +1,58 @@
+"""A newcomer's first hour (issue 25): nothing given is ignored silently, misspelt words get a suggestion,
+encoded references print as a summary."""
+
+import httpx
+import pytest
+
+from klein.cli import main as cli
+from klein.pipeline.flux2_klein import load_pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe(klein_home):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KLEIN_HOME", str(klein_home))
+        yield load_pipeline("demo")
+
+
+def test_guidance_on_a_distilled_model_is_a_warning_and_recorded(pipe):
+    with pytest.warns(UserWarning, match="guidance_scale 3 is ignored: .* is step-distilled"):
+        out = pipe(prompt="a fox", guidance_scale=3.0, height=32, width=48, num_inference_steps=1)
+    assert out.settings.request.guidance_scale is None
+    assert any("guidance_scale 3 is ignored" in note for note in out.settings.notes)
+
+
+def test_encoded_references_print_as_a_summary(pipe):
+    import PIL.Image
+
+    refs = pipe.encode_references([PIL.Image.new("RGB", (96, 64)), PIL.Image.new("RGB", (64, 64))])
+    assert repr(refs) == "References(2 images: 96x64, 64x64 px; keys and values cached)"
+
+
+@pytest.mark.parametrize(
+    "argv,hint",
+    [
+        (["generate", "--prompt", "x", "--stpes", "2"], "did you mean --steps?"),
+        (["generate", "prompt=x", "guidence=2"], "did you mean guidance?"),
+        (["generate", "prompt=x", "residensy=all"], "did you mean residency?"),
+    ],
+)
+def test_misspelt_words_get_the_nearest_known_one(argv, hint, capsys):
+    assert cli.main(argv) == 2
+    assert hint in capsys.readouterr().err
+
+
+def test_the_server_names_what_it_ignored(serve_url):
+    body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "guidance_scale": 2.5}
+    body |= {"model": "dall-e-3", "quality": "hd", "style": "vivid"}
+    answer = httpx.post(serve_url + "/v1/images/generations", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    warnings = answer.json()["klein"]["warnings"]
+    assert any(w.startswith("guidance_scale 2.5 is ignored") for w in warnings)
+    assert "model 'dall-e-3' is ignored" in " ".join(warnings)
+    assert any(w.startswith("quality is ignored") for w in warnings)
+    assert any(w.startswith("style is ignored") for w in warnings)
+    plain = httpx.post(
+        serve_url + "/v1/images/generations", json={"prompt": "a fox", "size": "64x64"}, timeout=120
+    )
+    assert plain.json()["klein"]["warnings"] == []
