@@ -1,6 +1,8 @@
 """A newcomer's first hour (issue 25): nothing given is ignored silently, misspelt words get a suggestion,
 encoded references print as a summary."""
 
+import json
+
 import httpx
 import pytest
 
@@ -56,3 +58,22 @@ def test_the_server_names_what_it_ignored(serve_url):
         serve_url + "/v1/images/generations", json={"prompt": "a fox", "size": "64x64"}, timeout=120
     )
     assert plain.json()["klein"]["warnings"] == []
+
+
+def test_plan_takes_what_generate_takes(capsys, klein_home, monkeypatch):
+    """A published repo id plans as its variant, with nothing to download; a transformer file is read
+    from its header (here one of no published size, refused with what to do)."""
+    assert cli.main(["plan", "--model", "black-forest-labs/FLUX.2-klein-9b-kv", "--json"]) == 0
+    by_repo = json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", "--model", "klein-9b-kv", "--json"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    assert by_repo["variant"] == "klein-9b-kv" and by_repo["policies"] == by_name["policies"]
+    from klein.io import demo
+
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    folder = demo.ensure_demo()
+    assert (
+        cli.main(["plan", "--model", str(folder / "transformer" / "diffusion_pytorch_model.safetensors")])
+        == 2
+    )
+    assert "pass the diffusers transformer folder" in capsys.readouterr().err

@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`klein plan --json | head`): nothing left to say
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's final flush is silent
+        return 0
     except Exception as error:
         if os.environ.get("KLEIN_DEBUG"):
             raise

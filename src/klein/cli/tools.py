@@ -51,7 +51,8 @@ def plan_parser() -> argparse.ArgumentParser:
         "--model",
         required=True,
         help="a published variant (klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b), or what "
-        "klein generate --model takes: a diffusers-layout folder or repo id",
+        "klein generate takes: a diffusers-layout folder, a repo id (published ones need no download), or a "
+        "transformer file (BFL, FP8, GGUF) of a published size",
     )
     add("--mesh", default="single", help='axis sizes, e.g. "fsdp=4,context=2" (default: single)')
     add("--refs", type=int, default=0, help="reference images (default: 0)")
@@ -127,14 +128,30 @@ def plan_command(flags: argparse.Namespace) -> int:
 
 
 def _plan_model(model: str, dtype: str | None):
-    """(name, `klein.memory.plan.Models` or None for a published variant, dtype) of --model."""
+    """(name, `klein.memory.plan.Models` or None for a published variant, dtype) of --model: what
+    `klein generate --model` takes (a variant name, a published repo id, a folder) or a transformer file."""
     from klein.request.variants import VARIANTS
 
-    if model in VARIANTS:
-        return model, None, dtype or "bfloat16"
+    published = {v.repo_id.lower(): name for name, v in VARIANTS.items() if v.repo_id}
+    path = Path(model).expanduser()
+    if model in VARIANTS or (model.lower() in published and not path.exists()):
+        # A published repo's configs are the variant's: nothing to download to plan it.
+        return (
+            VARIANTS[model].name if model in VARIANTS else published[model.lower()],
+            None,
+            dtype or "bfloat16",
+        )
     from klein.memory import plan
     from klein.pipeline import components
 
+    if path.is_file():
+        config, variant, stored, fp8 = components.locate_transformer_file(path)
+        if variant.size is None:
+            raise InputError(
+                f"{path}: a transformer of no published size; plan its diffusers-layout folder instead"
+            )
+        models = plan.Models(config, variant.size.text_encoder, plan.FLUX2_VAE, variant, fp8)
+        return variant.name, models, dtype or stored.name
     located = components.locate(model, components.Parts())
     models = plan.Models(
         located.config, located.text_config, located.vae_config, located.variant, located.fp8

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from klein import dtypes, sharding
-from klein.errors import InputError
+from klein.errors import InputError, counted
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.memory import residency
@@ -215,7 +215,8 @@ def plan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
         devices=math.prod(abstract.shape.values()),
-        request=f"{batch} x {size[0]}x{size[1]} px, {refs} reference(s) of {ref_size[0]}x{ref_size[1]} px, {dtype}",
+        request=f"{batch} x {size[0]}x{size[1]} px, {counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px, "
+        f"{dtype}",
         transformer_params=_weights(_abstract_models(cfg, text_config)[0], (), abstract, 1)[1],
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],

@@ -92,6 +92,13 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
     )
 
 
+def locate_transformer_file(path: Path, variant: str | None = None) -> tuple:
+    """(config, variant, stored dtype, fp8) of a single transformer file, read from its header alone."""
+    config = file_config(path)
+    stored = _stored(path)
+    return config, _variant(path, config, variant), stored["stored_dtype"], stored["fp8"]
+
+
 def load_transformer_part(located: Located, dtype, dequantize=False, mesh=None) -> Flux2Transformer:
     place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS)
     path = located.transformer
