@@ -77,3 +77,18 @@ def test_plan_takes_what_generate_takes(capsys, klein_home, monkeypatch):
         == 2
     )
     assert "pass the diffusers transformer folder" in capsys.readouterr().err
+
+
+def test_one_size_rule_everywhere(serve_url, pipe, capsys):
+    """At least 16 px a side, rounded down to multiples of 16 with a warning: in Python, on the command
+    line and over HTTP alike (the server used to refuse what the others round)."""
+    answer = httpx.post(
+        serve_url + "/v1/images/generations",
+        json={"prompt": "a fox", "size": "72x40", "num_inference_steps": 1},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["klein"]["settings"]["width"] == 64
+    assert "rounded down to multiples of 16: 32x64" in answer.json()["klein"]["warnings"][0]
+    with pytest.warns(UserWarning, match="rounded down to multiples of 16: 32x64"):
+        pipe(prompt="a fox", width=72, height=40, num_inference_steps=1)

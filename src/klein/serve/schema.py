@@ -21,10 +21,9 @@ from klein.errors import InputError
 from klein.request import kinds
 from klein.request.kinds import settings_of
 from klein.request.request import GenerationRequest
+from klein.request.resolve import MIN_SIDE, MULTIPLE
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
-
-MULTIPLE = 16
 
 
 class _OpenAIBody(BaseModel):
@@ -35,7 +34,9 @@ class _OpenAIBody(BaseModel):
     prompt: str = Field(min_length=1, description="what to generate, or how to edit the references")
     n: int = Field(1, ge=1, description="images to generate (one batch)")
     size: str | None = Field(
-        None, description='"WxH" in px (multiples of 16), or "auto": the first reference\'s'
+        None,
+        description=f'"WxH" in px, each side at least {MIN_SIDE} and rounded down to a multiple of {MULTIPLE} '
+        '(the response says so), or "auto": the first reference\'s',
     )
     response_format: Literal["b64_json"] | None = Field("b64_json", description="only b64_json (PNG bytes)")
     references: str | None = Field(None, description="a reference set id from POST /v1/references")
@@ -160,10 +161,11 @@ def parse_size(size: str | None, max_pixels: int) -> tuple[int | None, int | Non
             "size",
         )
     width, height = int(match.group(1)), int(match.group(2))
-    if width % MULTIPLE or height % MULTIPLE or min(width, height) < 64:
+    if min(width, height) < MIN_SIDE:
         raise ApiError(
             400,
-            f"size {size}: width and height must be multiples of {MULTIPLE}, at least 64 px",
+            f"size {size}: width and height must be at least {MIN_SIDE} px (they are rounded down to "
+            f"multiples of {MULTIPLE})",
             "invalid_size",
             "size",
         )
