@@ -92,3 +92,16 @@ def test_one_size_rule_everywhere(serve_url, pipe, capsys):
     assert "rounded down to multiples of 16: 32x64" in answer.json()["klein"]["warnings"][0]
     with pytest.warns(UserWarning, match="rounded down to multiples of 16: 32x64"):
         pipe(prompt="a fox", width=72, height=40, num_inference_steps=1)
+
+
+@pytest.mark.parametrize("bad", [["--image", "no-such-picture.png"], ["--mesh", "fsdp=two"]])
+def test_argument_errors_come_before_any_loading_bar(bad, klein_home, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KLEIN_HOME=str(klein_home))
+    command = [sys.executable, "-m", "klein.cli.main", "generate", "--prompt", "x", *bad]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith("error: "), done.stderr
+    assert "loading" not in done.stderr

@@ -191,7 +191,8 @@ def _loading(request: flags.GenerateRequest) -> LoadOptions:
 
 
 def _load(request: flags.GenerateRequest):
-    """(pipeline, reference images, seconds): references first, so a bad path fails before the model loads."""
+    """(pipeline, reference images, seconds): references first, so a bad path fails before the model loads
+    (and before a loading bar shows)."""
     started = time.perf_counter()
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
     from klein import sharding
@@ -202,13 +203,11 @@ def _load(request: flags.GenerateRequest):
         coordinator = None if request.coordinator == "auto" else request.coordinator
         sharding.start_processes(coordinator, request.num_processes, request.process_id)
 
-    paths = request.generation.image
-    with output.loading_bar(len(paths) + 1) as bar:
-        references = []
-        for path in paths:
-            bar.set_postfix_str(str(path))
-            references.append(load_image(path))
-            bar.update()
+    # Everything that can be wrong with the arguments is found before the loading bar starts.
+    references = [load_image(path) for path in request.generation.image]
+    if request.loading.mesh is not None:
+        sharding.parse(request.loading.mesh)
+    with output.loading_bar(1) as bar:
         bar.set_postfix_str(request.loading.transformer or request.loading.model or "demo")
         pipe = load(_loading(request))
         bar.update()
