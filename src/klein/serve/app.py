@@ -2,8 +2,8 @@
 
 Handlers parse and validate, submit a job to the worker and await it without blocking the event loop;
 a synchronous request whose client goes away while its job still waits drops the job. Every error is
-OpenAI's JSON error shape (`klein.serve.errors`). With an API key, every route but /healthz and the web
-page needs `Authorization: Bearer KEY`.
+OpenAI's JSON error shape (`klein.serve.errors`). With an API key, every route but /healthz, the web
+page and the files under /static/ needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from klein.serve import errors, page, schema, uploads
+from klein.serve import api_docs, errors, page, schema, uploads
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.service import Service
@@ -26,12 +26,18 @@ from klein.serve.worker import Job
 DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still there
 EVENT_POLL = 0.05  # seconds between looks at a job's events for its event stream
 PUBLIC = ("/healthz", "/")
-PUBLIC_PREFIX = "/static/"  # the web page's assets: no data, so no key needed
+PUBLIC_PREFIX = "/static/"  # the web page's and the docs' files: no data, so no key needed
 _MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
 
 
 def create_app(service: Service) -> FastAPI:
-    app = FastAPI(title="klein serve", version=service.version, description="FLUX.2 [klein] images API")
+    app = FastAPI(
+        title="klein serve",
+        version=service.version,
+        description="FLUX.2 [klein] images API",
+        docs_url=None,  # api_docs serves /docs without a CDN
+        redoc_url=None,  # ReDoc would need one
+    )
     app.state.service = service
     app.add_middleware(_Guard, service=service)
     _errors(app)
@@ -40,6 +46,8 @@ def create_app(service: Service) -> FastAPI:
     _jobs(app, service)
     # The web page: GET / and its assets under /static/.
     app.include_router(page.router)
+    # The OpenAPI docs: GET /docs, and Swagger UI's files under /static/docs/.
+    app.include_router(api_docs.router)
     return app
 
 

@@ -1,0 +1,77 @@
+"""The OpenAPI docs at /docs work offline: headless Chromium, every request to another host refused, still
+lists the endpoints (Swagger UI's files come from the package, not a CDN); /redoc, which needs one, is
+gone. The API key guards /docs and /openapi.json as it guards the API; Swagger UI's files need none."""
+
+import types
+from urllib.parse import urlsplit
+
+import pytest
+from fastapi.testclient import TestClient
+from playwright.sync_api import expect, sync_playwright
+
+from klein.serve.app import create_app
+from klein.serve.metrics import Metrics
+from klein.serve.options import ServeOptions
+
+ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/references", "/v1/jobs")
+KEY = "docs-key"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def test_docs_list_the_endpoints_with_no_network_but_the_server(serve_url, browser, tmp_path):
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    blocked = []
+
+    def only_the_server(route):
+        url = route.request.url
+        if urlsplit(url).netloc == urlsplit(serve_url).netloc:
+            route.continue_()
+        else:
+            blocked.append(url)
+            route.abort("internetdisconnected")
+
+    context.route("**/*", only_the_server)
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{serve_url}/docs")
+    for path in ENDPOINTS:
+        expect(page.get_by_text(path, exact=True)).to_be_visible(timeout=30_000)  # a loaded machine
+    expect(page.locator(".info .title")).to_contain_text("klein serve")
+    page.screenshot(path=tmp_path / "docs.png", full_page=True)
+    context.close()
+    assert not blocked, f"the docs asked another host: {blocked}"
+    assert not errors, errors
+
+
+def fake_service(api_key):
+    """What the routes read of a Service before any request reaches the pipeline."""
+    return types.SimpleNamespace(version="test", options=ServeOptions(api_key=api_key), metrics=Metrics())
+
+
+def test_the_key_guards_docs_and_schema_but_not_swagger_files():
+    client = TestClient(create_app(fake_service(KEY)))
+    page = client.get("/docs", headers={"Authorization": f"Bearer {KEY}"})
+    assert page.status_code == 200 and "'openapi.json'" in page.text
+    assets = [part.split('"')[0] for part in page.text.split('="static/docs/')[1:]]
+    assert len(assets) == 3, page.text  # script, style sheet, icon
+    for name in assets:
+        assert client.get(f"/static/docs/{name}").status_code == 200, name
+    for path in ("/docs", "/openapi.json"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert client.get("/static/docs/LICENSE").status_code == 404
+    assert client.get("/redoc", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
+def test_without_a_key_docs_and_schema_are_open():
+    client = TestClient(create_app(fake_service(None)))
+    assert client.get("/docs").status_code == 200
+    assert "/v1/images/edits" in client.get("/openapi.json").json()["paths"]
