@@ -1,18 +1,16 @@
 """klein: FLUX.2 [klein] inference in JAX."""
 
-from klein.errors import CheckpointError, InputError, KleinError
+from klein.errors import CannotFitError, CheckpointError, InputError, KleinError
 
-__all__ = ["CheckpointError", "GenerationRequest", "InputError", "KleinError", "load_pipeline"]
-
-
-def version() -> str:
-    """klein's installed version ("unknown" when run from a source tree that was never installed)."""
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("klein")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+__all__ = [
+    "CannotFitError",
+    "CheckpointError",
+    "GenerationRequest",
+    "InputError",
+    "KleinError",
+    "References",
+    "load_pipeline",
+]
 
 
 def __getattr__(name: str):
@@ -21,6 +19,10 @@ def __getattr__(name: str):
         from klein.pipeline.flux2_klein import load_pipeline
 
         return load_pipeline
+    if name == "References":
+        from klein.request.references import References
+
+        return References
     if name == "GenerationRequest":
         from klein.request.request import GenerationRequest
 

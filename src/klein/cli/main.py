@@ -13,11 +13,11 @@ import textwrap
 import time
 import warnings
 
-from klein import version
 from klein.cli import flags, output, tools
 from klein.errors import KleinError
 from klein.io import png
 from klein.request.loading import LoadOptions
+from klein.version import version
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1

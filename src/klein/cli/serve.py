@@ -9,9 +9,9 @@ import argparse
 import dataclasses
 import sys
 
-from klein import version
 from klein.cli import flags as cli_flags
 from klein.serve.options import ServeOptions, parse_size
+from klein.version import version
 
 DESCRIPTION = """\
 Serve an OpenAI-compatible images API (POST /v1/images/generations, /v1/images/edits), reference

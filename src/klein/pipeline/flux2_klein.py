@@ -26,7 +26,7 @@ import PIL.Image
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from klein import dtypes, images, sampling, sharding, version
+from klein import dtypes, images, sampling, sharding
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
 from klein.io import png
@@ -50,6 +50,7 @@ from klein.request.modes import Conditioning, Mode
 from klein.request.references import References
 from klein.request.request import GenerationRequest, Settings, as_images
 from klein.request.resolve import Resolved, caches_references, resolve
+from klein.version import version
 
 
 class Compiled:
