@@ -129,13 +129,13 @@ def rewrite(folder, edit):
 
 def test_missing_key_is_named(broken):
     rewrite(broken, lambda t: t.pop("proj_out.weight"))
-    with pytest.raises(CheckpointError, match=r"1 missing key\(s\): proj_out.weight"):
+    with pytest.raises(CheckpointError, match="1 missing key: proj_out.weight"):
         load_transformer(broken)
 
 
 def test_unexpected_key_is_named(broken):
     rewrite(broken, lambda t: t.update({"proj_out.bias": np.zeros(128, np.float32)}))
-    with pytest.raises(CheckpointError, match=r"1 unexpected key\(s\): proj_out.bias"):
+    with pytest.raises(CheckpointError, match="1 unexpected key: proj_out.bias"):
         load_transformer(broken)
 
 
