@@ -16,10 +16,10 @@ from klein.io.transformer_checkpoint import expected_transformer_keys
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
 from klein.request.variants import VARIANTS, from_file
-from tests.fixtures.bfl_files import to_bfl, write_safetensors
-from tests.fixtures.tiny_transformer import TINY_TRANSFORMER
-from tests.fixtures.tiny_vae import build_vae
-from tests.single_file_cases import both_outputs, rel_err
+from tests.support.bfl_files import to_bfl, write_safetensors
+from tests.support.single_file_cases import both_outputs, rel_err
+from tests.support.tiny_transformer import TINY_TRANSFORMER
+from tests.support.tiny_vae import build_vae
 from tests.test_transformer_loading import COMMON, REAL_CONFIGS
 
 TOL = 1e-5  # fp32 on both sides, the same weights: only summation order differs

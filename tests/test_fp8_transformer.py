@@ -14,9 +14,9 @@ from flax import nnx
 from klein.errors import CheckpointError
 from klein.io.transformer_file import load_transformer_file
 from klein.models.stacks import as_float
-from tests.fixtures.bfl_files import dequantize_fp8, quantize_fp8, to_bfl, write_safetensors
-from tests.single_file_cases import both_outputs, rel_err
-from tests.transformer_inputs import make_case, torch_call
+from tests.support.bfl_files import dequantize_fp8, quantize_fp8, to_bfl, write_safetensors
+from tests.support.single_file_cases import both_outputs, rel_err
+from tests.support.transformer_inputs import make_case, torch_call
 
 # Both sides compute in float32 with the same weight values (float8 values are exact in float32; only where
 # the per-tensor scale is applied differs: to the output here, to the weight in the reference), so the only

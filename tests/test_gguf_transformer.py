@@ -13,9 +13,9 @@ from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkp
 from klein.errors import CheckpointError
 from klein.io.transformer_file import load_transformer_file
 from klein.request.variants import from_file
-from tests.fixtures.bfl_files import random_k_quant, to_bfl, write_gguf
-from tests.fixtures.tiny_transformer import build_transformer
-from tests.single_file_cases import both_outputs, rel_err
+from tests.support.bfl_files import random_k_quant, to_bfl, write_gguf
+from tests.support.single_file_cases import both_outputs, rel_err
+from tests.support.tiny_transformer import build_transformer
 
 Q = gguf.GGMLQuantizationType
 # Weights are dequantised to float32 at load, by the same gguf code the reference uses: only float

@@ -12,8 +12,8 @@ from flax import nnx
 from klein.io.transformer_file import load_transformer_file
 from klein.models.stacks import as_float
 from klein.pipeline.flux2_klein import load_pipeline
-from tests.fixtures import lora_files as lf
-from tests.fixtures.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
+from tests.support import lora_files as lf
+from tests.support.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
 from tests.test_pipeline import MAX_ABS, compare, picture
 
 STRENGTHS = (0.7, 0.4)

@@ -103,7 +103,7 @@ def test_klein_plan_command(capsys):
 @pytest.mark.parametrize("tokens", [1024, 5000])
 def test_prefill_estimate_follows_xla_on_one_device(tokens):
     """The tiled-attention estimate against `compiled.memory_analysis()` of the demo's prefill, below
-    and above one key block (2,048 keys); the same on context=2 is in tests/on_eight_devices.py."""
+    and above one key block (2,048 keys); the same on context=2 is in tests/support/on_eight_devices.py."""
     cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: T.Flux2Transformer(cfg, rngs=nnx.Rngs(0))))
     ref = jax.ShapeDtypeStruct((tokens, cfg.in_channels), jnp.float32)

@@ -17,7 +17,7 @@ from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, loa
 from klein.models.qwen3 import hidden_states, prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
 from klein.pipeline.prompts import load_tokenizer, tokenize_prompts
-from tests.fixtures.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
+from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
 
 LAYERS = (9, 18, 27)
 TOL = dict(rtol=1e-4, atol=1e-4)

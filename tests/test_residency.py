@@ -83,7 +83,7 @@ def test_sequential_moves_a_model_only_when_the_other_is_needed(klein_home, monk
 
 
 def test_a_lora_set_survives_the_transformer_being_read_again(klein_home, monkeypatch, tmp_path):
-    from tests.fixtures import lora_files as lf
+    from tests.support import lora_files as lf
 
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     every = load_pipeline("demo", residency="all")

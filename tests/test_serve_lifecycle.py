@@ -14,7 +14,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from tests.serve_process import log_of, metrics, start, stop
+from tests.support.serve_process import log_of, metrics, start, stop
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

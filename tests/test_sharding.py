@@ -1,5 +1,5 @@
 """Sharding rules, mesh parsing and errors (in this one-device process), plus the runs that need more
-devices: tests/on_eight_devices.py in a child pytest on 8 simulated devices, and one generation as two
+devices: tests/support/on_eight_devices.py in a child pytest on 8 simulated devices, and one generation as two
 processes over loopback against the same generation in one process.
 
 Children compile with LLVM optimisation off: their programs run for milliseconds and would compile for
@@ -120,7 +120,15 @@ def child_env(klein_home, devices: int) -> dict:
 
 
 def test_on_eight_simulated_devices(klein_home):
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/on_eight_devices.py"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/support/on_eight_devices.py",
+    ]
     result = subprocess.run(
         command, cwd=ROOT, env=child_env(klein_home, 8), capture_output=True, text=True, timeout=CHILD_SECONDS
     )
@@ -129,12 +137,12 @@ def test_on_eight_simulated_devices(klein_home):
 
 
 def run_workers(klein_home, out: Path, devices: int, processes: int) -> np.ndarray:
-    """tests/distributed_worker.py as `processes` processes of `devices` devices each; always reaped."""
+    """tests/support/distributed_worker.py as `processes` processes of `devices` devices each; always reaped."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = child_env(klein_home, devices)
-    command = [sys.executable, "-m", "tests.distributed_worker", "context=2,fsdp=2", str(out)]
+    command = [sys.executable, "-m", "tests.support.distributed_worker", "context=2,fsdp=2", str(out)]
     distributed = (
         [[f"127.0.0.1:{port}", str(processes), str(i)] for i in range(processes)] if processes > 1 else [[]]
     )

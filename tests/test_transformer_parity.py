@@ -16,7 +16,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 from klein.io.transformer_checkpoint import load_transformer
 from klein.models import transformer as T
 from klein.models.attention import MASKED, attention
-from tests.transformer_inputs import jx, make_case, ropes, torch_call
+from tests.support.transformer_inputs import jx, make_case, ropes, torch_call
 
 TOL = 1e-4  # max abs error relative to the output's scale (fp32 on both sides)
 

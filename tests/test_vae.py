@@ -16,7 +16,7 @@ from klein.errors import CheckpointError
 from klein.io.loading import expected_shapes
 from klein.io.vae_checkpoint import SKIPPED_KEYS, load_vae
 from klein.models import vae as flax_vae
-from tests.fixtures.tiny_vae import build_vae
+from tests.support.tiny_vae import build_vae
 
 # Max abs error relative to the output's max: torch vs JAX fp32 rounding is ~1e-6 here.
 TOL = 1e-4

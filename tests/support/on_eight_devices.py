@@ -26,7 +26,7 @@ from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.flux2_klein import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
-from tests.fixtures import lora_files
+from tests.support import lora_files
 
 if jax.device_count() != 8:
     pytest.skip("needs 8 devices: run through tests/test_sharding.py", allow_module_level=True)

@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from klein.models import transformer as T
-from tests.transformer_inputs import jx, make_case, ropes, torch_call
+from tests.support.transformer_inputs import jx, make_case, ropes, torch_call
 
 
 def rel_err(ours, ref) -> float:
