@@ -15,7 +15,8 @@ from klein.io.bfl_transformer_keys import bfl_key, bfl_layout, config_from_bfl
 from klein.io.transformer_checkpoint import expected_transformer_keys
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
-from klein.request.variants import VARIANTS, from_file
+from klein.pipeline.checkpoints import variant_of_file
+from klein.request.variants import VARIANTS
 from tests.support.bfl_files import to_bfl, write_safetensors
 from tests.support.single_file_cases import both_outputs, rel_err
 from tests.support.tiny_transformer import TINY_TRANSFORMER
@@ -56,7 +57,7 @@ def test_map_agrees_with_diffusers_converter(tiny_transformer, bfl_state):
 def test_bfl_file_equals_diffusers(tiny_transformer, bfl_state, tmp_path, prefix):
     path = write_safetensors(tmp_path / "tiny.safetensors", {prefix + k: v for k, v in bfl_state.items()})
     ours = load_transformer_file(path)
-    variant = from_file(path, ours.cfg)
+    variant = variant_of_file(path, ours.cfg)
     assert variant.name == "custom (tiny.safetensors)" and not variant.kv
     got, want = both_outputs(ours, tiny_transformer[1])
     assert rel_err(got, want) < TOL
@@ -77,20 +78,22 @@ def test_real_layouts_are_recognised(name, registered):
         (f"flux-2-klein-base-{size}-fp8.safetensors", f"klein-base-{size}"),
         (f"flux-2-klein-{size}-Q4_K_M.gguf", f"klein-{size}"),
     ]:
-        assert from_file(Path(file), registered) == VARIANTS[variant]
+        assert variant_of_file(Path(file), registered) == VARIANTS[variant]
     if size == "9b":
-        assert from_file(Path("flux-2-klein-9b-kv-fp8.safetensors"), registered) == VARIANTS["klein-9b-kv"]
-        assert from_file(Path("renamed.safetensors"), registered, "klein-9b-kv").kv
+        assert (
+            variant_of_file(Path("flux-2-klein-9b-kv-fp8.safetensors"), registered) == VARIANTS["klein-9b-kv"]
+        )
+        assert variant_of_file(Path("renamed.safetensors"), registered, "klein-9b-kv").kv
     else:
         with pytest.raises(CheckpointError, match=r"holds a klein-4b transformer .* not klein-9b"):
-            from_file(Path("renamed.safetensors"), registered, "klein-9b")
+            variant_of_file(Path("renamed.safetensors"), registered, "klein-9b")
 
 
 def test_tiny_file_forced_as_9b_is_refused(bfl_state, tmp_path):
     path = write_safetensors(tmp_path / "flux-2-klein-9b.safetensors", bfl_state)
-    assert from_file(Path("tiny-kv.gguf"), TransformerConfig.from_diffusers(TINY_TRANSFORMER)).kv
+    assert variant_of_file(Path("tiny-kv.gguf"), TransformerConfig.from_diffusers(TINY_TRANSFORMER)).kv
     with pytest.raises(CheckpointError, match="holds a non-standard transformer .* not klein-9b"):
-        from_file(path, file_config(path), "klein-9b")
+        variant_of_file(path, file_config(path), "klein-9b")
 
 
 def test_vae_passed_as_transformer(tmp_path):

@@ -12,7 +12,7 @@ from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkp
 
 from klein.errors import CheckpointError
 from klein.io.transformer_file import load_transformer_file
-from klein.request.variants import from_file
+from klein.pipeline.checkpoints import variant_of_file
 from tests.support.bfl_files import random_k_quant, to_bfl, write_gguf
 from tests.support.single_file_cases import both_outputs, rel_err
 from tests.support.tiny_transformer import build_transformer
@@ -71,7 +71,7 @@ def test_gguf_equals_dequantised_reference(tiny_transformer, wide, tmp_path, wei
     assert weight_type in types.values()
     path = write_gguf(tmp_path / f"flux-2-klein-tiny-{weight_type.name}.gguf", tensors, types)
     ours = load_transformer_file(path)
-    variant = from_file(path, ours.cfg)
+    variant = variant_of_file(path, ours.cfg)
     assert variant.name.startswith("custom")
     got, want = both_outputs(ours, dequantized_reference(model, tensors, types), width=width)
     assert rel_err(got, want) < TOL
