@@ -18,7 +18,8 @@ from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfi
 from klein.pipeline.checkpoints import variant_of_file
 from klein.request.variants import VARIANTS
 from tests.support.bfl_files import to_bfl, write_safetensors
-from tests.support.single_file_cases import both_outputs, rel_err
+from tests.support.compare import assert_close
+from tests.support.single_file_cases import both_outputs
 from tests.support.tiny_transformer import TINY_TRANSFORMER
 from tests.support.tiny_vae import build_vae
 from tests.test_transformer_loading import COMMON, REAL_CONFIGS
@@ -60,7 +61,7 @@ def test_bfl_file_equals_diffusers(tiny_transformer, bfl_state, tmp_path, prefix
     variant = variant_of_file(path, ours.cfg)
     assert variant.name == "custom (tiny.safetensors)" and not variant.kv
     got, want = both_outputs(ours, tiny_transformer[1])
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
 
 
 @pytest.mark.parametrize("name,registered", [("klein-4b", KLEIN_4B), ("klein-9b", KLEIN_9B)])

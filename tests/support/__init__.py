@@ -9,6 +9,9 @@ Tiny checkpoints, built from random weights (nothing is downloaded):
     bfl_files          single-file checkpoints from a diffusers model: BFL naming, BFL FP8, GGUF
     lora_files         random LoRA files in each layout FLUX.2 trainers use
 
+Comparing:
+    compare            max_abs, rel_err (max abs error over the reference's max) and assert_close
+
 Inputs and calls:
     transformer_inputs tokens and position ids, and one call made on diffusers' model and on ours
     single_file_cases  one forward pass of ours and of diffusers on a single-file checkpoint
