@@ -197,12 +197,13 @@ def test_real_configs_write_what_diffusers_builds(name, size):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     spec = CONFIGS[name].checkpoint
-    text_config = {"vocab_size": 151936, **spec.text_encoder}
+    text_config = demo.text_encoder_config_of(spec, 151936)
+    shapes = demo.tensor_shapes(spec, 151936)
     with init_empty_weights():
         models = (
-            (Flux2Transformer2DModel.from_config(spec.transformer), demo._transformer_shapes(spec)),
-            (AutoencoderKLFlux2.from_config(spec.vae), demo._vae_shapes(spec)),
-            (Qwen3ForCausalLM(Qwen3Config(**text_config)), demo._text_encoder_shapes(text_config)),
+            (Flux2Transformer2DModel.from_config(spec.transformer), shapes["transformer"]),
+            (AutoencoderKLFlux2.from_config(spec.vae), shapes["vae"]),
+            (Qwen3ForCausalLM(Qwen3Config(**text_config)), shapes["text_encoder"]),
         )
     # Not stored: the tied lm_head (it is the embedding) and BatchNorm's batch counter.
     unstored = {"lm_head.weight", "bn.num_batches_tracked"}

@@ -12,14 +12,22 @@ from diffusers.models.transformers.transformer_flux2 import (
     Flux2KVAttnProcessor,
     Flux2KVParallelSelfAttnProcessor,
 )
+from flax import nnx
 
 from klein.io.transformer_checkpoint import load_transformer
+from klein.models import stacks
 from klein.models import transformer as T
 from klein.models.attention import MASKED, attention
 from tests.support.compare import assert_close, rel_err
 from tests.support.transformer_inputs import jx, make_case, ropes, torch_call
 
 TOL = 1e-4  # max abs error relative to the output's scale (fp32 on both sides)
+
+
+def last_single_block(model):
+    """The last single block of `model`'s stack, as a module of its own."""
+    graphdef, params = nnx.split(model.single_transformer_blocks)
+    return nnx.merge(graphdef, stacks.layer(params, model.cfg.num_single_layers - 1))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +155,7 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
     """The last single block over the kept rows only == the block over every token, rows kept after;
     with one-per-image or per-token modulation and a masked (padded) key. Keys come from every token:
     changing a token outside the rows moves the result."""
-    block = T._block(models[0].single_transformer_blocks, models[0].cfg.num_single_layers - 1)
+    block = last_single_block(models[0])
     rng = np.random.default_rng(10)
     d, tokens = block.width, 11
     x = jnp.asarray(rng.standard_normal((2, tokens, d)), jnp.float32)
@@ -170,7 +178,7 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_last_block_keys_values_equal_the_whole_block(models, per_token):
     """A prefill's last single block computes only its keys and values: the same as the whole block's."""
-    block = T._block(models[0].single_transformer_blocks, models[0].cfg.num_single_layers - 1)
+    block = last_single_block(models[0])
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.standard_normal((1, 9, block.width)), jnp.float32)
     mod = jnp.asarray(rng.standard_normal((1, 9 if per_token else 1, 3 * block.width)) * 0.3, jnp.float32)

@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 from klein import InputError, sharding
 from klein.cli import main as cli
 from klein.io import demo
-from klein.memory import plan
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
@@ -28,6 +27,7 @@ from klein.pipeline.flux2_klein import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
 from tests.support import lora_files
 from tests.support.compare import max_abs
+from tests.test_plan import prefill_estimate
 
 if jax.device_count() != 8:
     pytest.skip("needs 8 devices: run through tests/test_sharding.py", allow_module_level=True)
@@ -199,7 +199,7 @@ def test_long_prefill_on_context_2_has_linear_temporaries(model):
     with sharding.use(mesh):
         prefill = jax.jit(lambda s, r, p: T.prefill(nnx.merge(graphdef, s), r, p))
         temporaries = prefill.lower(state, ref, rope).compile().memory_analysis().temp_size_in_bytes
-    linear = plan._activations(DEMO, mesh.abstract_mesh, 1, tokens, tokens, 4)
+    linear = prefill_estimate(DEMO, mesh.abstract_mesh, tokens)
     quadratic = DEMO.num_attention_heads * (tokens // 2) * tokens * 4 * 2
     print(
         f"prefill of {tokens} tokens on {sharding.describe(mesh)}: {temporaries / 2**20:.1f} MiB temporaries, "
