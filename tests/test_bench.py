@@ -102,6 +102,7 @@ class _Capture:
         pass
 
 
+@pytest.mark.slow
 def test_report_covers_every_case_and_engine(tiny_report):
     report, printed, _ = tiny_report
     config = CONFIGS["tiny"]
@@ -129,6 +130,7 @@ def test_report_covers_every_case_and_engine(tiny_report):
     assert report["machine"]["cpu"] and f"Machine: {report['machine']['cpu']}," in printed
 
 
+@pytest.mark.slow
 def test_report_fractions_of_peak_follow_the_flop_model(tiny_report):
     """Per case and engine: FLOPs from the model (diffusers' warm KV is a cold KV call), over the best
     transformer time, over the best matmul FLOP/s measured in the same run."""
@@ -161,6 +163,7 @@ def test_report_fractions_of_peak_follow_the_flop_model(tiny_report):
             assert case[f"{name}_fraction_of_peak"] == pytest.approx(rate / peak["flops_per_second"])
 
 
+@pytest.mark.slow
 def test_report_ceilings_follow_the_flop_model(tiny_report):
     report, _, _ = tiny_report
     cfg = CONFIGS["tiny"].transformer
@@ -181,6 +184,7 @@ def test_report_ceilings_follow_the_flop_model(tiny_report):
     assert one_ref["kv"]["ceiling"] == pytest.approx(400065 / 389041)
 
 
+@pytest.mark.slow
 def test_files_are_written(tiny_report):
     _, _, out = tiny_report
     assert "| case | engine |" in (out / "tiny.md").read_text()

@@ -75,6 +75,7 @@ def finished(url: str, job: str) -> dict:
     return httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["result"]
 
 
+@pytest.mark.slow
 def test_queued_requests_of_one_shape_run_as_one_batch(server):
     _, url = server
     long = submit(url, LONG).json()["id"]
@@ -99,6 +100,7 @@ def test_queued_requests_of_one_shape_run_as_one_batch(server):
     assert max_abs(cat, dog) > 20  # each request kept its own prompt and noise
 
 
+@pytest.mark.slow
 def test_full_queue_dropped_client_and_graceful_sigterm(server):
     process, url = server
     running = submit(url, LONG).json()["id"]

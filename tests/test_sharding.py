@@ -120,6 +120,7 @@ def child_env(klein_home, devices: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_on_eight_simulated_devices(klein_home):
     command = [
         sys.executable,
@@ -164,6 +165,7 @@ def run_workers(klein_home, out: Path, devices: int, processes: int) -> np.ndarr
     return np.load(f"{out}.npy")
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_image_of_one(klein_home, tmp_path):
     one = run_workers(klein_home, tmp_path / "one", devices=4, processes=1)
     two = run_workers(klein_home, tmp_path / "two", devices=2, processes=2)
