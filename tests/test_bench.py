@@ -161,6 +161,20 @@ def test_report_fractions_of_peak_follow_the_flop_model(tiny_report):
             rate = work / engine["transformer"]
             assert engine["transformer_flops_per_second"] == pytest.approx(rate)
             assert case[f"{name}_fraction_of_peak"] == pytest.approx(rate / peak["flops_per_second"])
+    # Independently of `flops`: the 48 px cases by hand (test_ceiling_by_hand_tiny_config), 4 blocks x 4
+    # steps over 521 tokens (text-to-image) or 537 (one 64 px reference); the KV prefill is 1,835,008.
+    by_hand = {
+        (CaseKind.TEXT_TO_IMAGE.value, 0): (777_848_832, 777_848_832),
+        (CaseKind.STANDARD.value, 1): (819_333_120, 819_333_120),
+        (CaseKind.KV.value, 1): (796_755_968, 796_755_968),
+        (CaseKind.KV_WARM.value, 1): (794_920_960, 796_755_968),  # diffusers' warm KV is a cold call
+    }
+    for case in report["cases"]:
+        if case["size"] == 48 and (case["mode"], case["references"]) in by_hand:
+            want = by_hand.pop((case["mode"], case["references"]))
+            got = tuple(case["engines"][name]["transformer_flops"] for name in ("klein", "diffusers"))
+            assert got == pytest.approx(want)
+    assert not by_hand
 
 
 @pytest.mark.slow
