@@ -27,8 +27,8 @@ from klein.models.layers import Linear, store_fp8
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B
 from klein.sampling import image_ids, text_ids
-from tests.fixtures.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
-from tests.fixtures.tiny_transformer import build_transformer
+from tests.support.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
+from tests.support.tiny_transformer import build_transformer
 
 
 def nbytes(model) -> int:

@@ -20,8 +20,8 @@ from klein.lora.merge import merge_kernel
 from klein.lora.targets import Update
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B
 from klein.pipeline.flux2_klein import load_pipeline
-from tests.fixtures import lora_files
-from tests.fixtures.tiny_pipeline import build_pipeline
+from tests.support import lora_files
+from tests.support.tiny_pipeline import build_pipeline
 
 GB = 1e9
 

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_transformer(tmp_path_factory):
     """(folder, diffusers model) for a strengthened tiny transformer saved in the diffusers layout."""
-    from tests.fixtures.tiny_transformer import build_transformer
+    from tests.support.tiny_transformer import build_transformer
 
     folder = tmp_path_factory.mktemp("tiny-transformer")
     return folder, build_transformer(folder)
@@ -30,7 +30,7 @@ def tiny_transformer(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_pipelines(tmp_path_factory):
     """Build-once factory: (folder, diffusers pipeline) for kind "kv", "distilled" or "base"."""
-    from tests.fixtures.tiny_pipeline import build_pipeline
+    from tests.support.tiny_pipeline import build_pipeline
 
     built = {}
 
@@ -59,7 +59,7 @@ def klein_home(tmp_path_factory):
 def serve_url(klein_home):
     """Base URL of one `klein serve` (demo checkpoint) shared by the serving tests, with small limits: a
     160 KiB reference cache, 8 queued requests, 3 references, 1 MP images, 1 MiB uploads, 64 MiB per request."""
-    from tests.serve_process import running
+    from tests.support.serve_process import running
 
     flags = "--cache-bytes 160KiB --max-queue 8 --max-references 3 --max-pixels 1000000"
     flags += " --max-upload-bytes 1MiB --memory-limit 64MiB"

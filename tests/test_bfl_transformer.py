@@ -17,10 +17,11 @@ from klein.io.transformer_file import file_config, load_transformer_file
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
 from klein.pipeline.checkpoints import variant_of_file
 from klein.request.variants import VARIANTS
-from tests.fixtures.bfl_files import to_bfl, write_safetensors
-from tests.fixtures.tiny_transformer import TINY_TRANSFORMER
-from tests.fixtures.tiny_vae import build_vae
-from tests.single_file_cases import both_outputs, rel_err
+from tests.support.bfl_files import to_bfl, write_safetensors
+from tests.support.compare import assert_close
+from tests.support.single_file_cases import both_outputs
+from tests.support.tiny_transformer import TINY_TRANSFORMER
+from tests.support.tiny_vae import build_vae
 from tests.test_transformer_loading import COMMON, REAL_CONFIGS
 
 TOL = 1e-5  # fp32 on both sides, the same weights: only summation order differs
@@ -60,7 +61,7 @@ def test_bfl_file_equals_diffusers(tiny_transformer, bfl_state, tmp_path, prefix
     variant = variant_of_file(path, ours.cfg)
     assert variant.name == "custom (tiny.safetensors)" and not variant.kv
     got, want = both_outputs(ours, tiny_transformer[1])
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
 
 
 @pytest.mark.parametrize("name,registered", [("klein-4b", KLEIN_4B), ("klein-9b", KLEIN_9B)])

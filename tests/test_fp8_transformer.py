@@ -14,9 +14,10 @@ from flax import nnx
 from klein.errors import CheckpointError
 from klein.io.transformer_file import load_transformer_file
 from klein.models.stacks import as_float
-from tests.fixtures.bfl_files import dequantize_fp8, quantize_fp8, to_bfl, write_safetensors
-from tests.single_file_cases import both_outputs, rel_err
-from tests.transformer_inputs import make_case, torch_call
+from tests.support.bfl_files import dequantize_fp8, quantize_fp8, to_bfl, write_safetensors
+from tests.support.compare import assert_close, rel_err
+from tests.support.single_file_cases import both_outputs
+from tests.support.transformer_inputs import make_case, torch_call
 
 # Both sides compute in float32 with the same weight values (float8 values are exact in float32; only where
 # the per-tensor scale is applied differs: to the output here, to the weight in the reference), so the only
@@ -51,7 +52,7 @@ def test_weights_stay_float8_and_equal_the_dequantised_reference(fp8, tiny_trans
     for p, value in kernels(ours).items():
         assert value.dtype == (jnp.float8_e4m3fn if p[-1] == "kernel" else jnp.float32), p
     got, want = both_outputs(ours, reference)
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
     # Not vacuous: FP8 rounding moves the output far more than the tolerance.
     assert rel_err(want, torch_call(tiny_transformer[1], make_case(0, 2))[0].numpy()) > 100 * TOL
 
@@ -63,8 +64,8 @@ def test_dequantised_at_load_equals_it_too(fp8):
     assert all(v.dtype == jnp.float32 for v in kernels(widened).values())
     assert not any(p[-1] == "weight_scale" for p in kernels(widened))
     got, want = both_outputs(widened, reference)
-    assert rel_err(got, want) < TOL
-    assert rel_err(got, both_outputs(kept, reference)[0]) < TOL
+    assert_close(got, want, TOL)
+    assert_close(got, both_outputs(kept, reference)[0], TOL)
 
 
 def test_bfloat16_compute(fp8):
@@ -77,7 +78,7 @@ def test_bfloat16_compute(fp8):
     assert widened.x_embedder.kernel[...].dtype == jnp.bfloat16
     for model in (kept, widened):
         got, want = both_outputs(model, reference)
-        assert rel_err(got, want) < 1.5e-2
+        assert_close(got, want, 1.5e-2)
 
 
 def test_comfy_quant_markers_instead_of_the_header(fp8, tmp_path):
@@ -92,7 +93,7 @@ def test_comfy_quant_markers_instead_of_the_header(fp8, tmp_path):
     ours = load_transformer_file(marked)
     assert ours.proj_out.kernel[...].dtype == jnp.float8_e4m3fn
     got, want = both_outputs(ours, reference)
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
 
 
 def test_a_stack_quantised_in_some_layers_only_is_dequantised(tiny_transformer, tmp_path):
@@ -106,7 +107,7 @@ def test_a_stack_quantised_in_some_layers_only_is_dequantised(tiny_transformer, 
     assert as_float(ours.transformer_blocks.attn.to_out.kernel[...]).dtype == jnp.float32
     assert as_float(ours.transformer_blocks.attn.add_q_proj.kernel[...]).dtype == jnp.float8_e4m3fn
     got, want = both_outputs(ours, reference)
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
 
 
 def test_missing_scale(fp8, tmp_path):

@@ -13,9 +13,10 @@ from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkp
 from klein.errors import CheckpointError
 from klein.io.transformer_file import load_transformer_file
 from klein.pipeline.checkpoints import variant_of_file
-from tests.fixtures.bfl_files import random_k_quant, to_bfl, write_gguf
-from tests.fixtures.tiny_transformer import build_transformer
-from tests.single_file_cases import both_outputs, rel_err
+from tests.support.bfl_files import random_k_quant, to_bfl, write_gguf
+from tests.support.compare import assert_close
+from tests.support.single_file_cases import both_outputs
+from tests.support.tiny_transformer import build_transformer
 
 Q = gguf.GGMLQuantizationType
 # Weights are dequantised to float32 at load, by the same gguf code the reference uses: only float
@@ -74,7 +75,7 @@ def test_gguf_equals_dequantised_reference(tiny_transformer, wide, tmp_path, wei
     variant = variant_of_file(path, ours.cfg)
     assert variant.name.startswith("custom")
     got, want = both_outputs(ours, dequantized_reference(model, tensors, types), width=width)
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
 
 
 def test_unsupported_tensor_type(tiny_transformer, tmp_path):

@@ -12,8 +12,9 @@ from flax import nnx
 from klein.io.transformer_file import load_transformer_file
 from klein.models.stacks import as_float
 from klein.pipeline.flux2_klein import load_pipeline
-from tests.fixtures import lora_files as lf
-from tests.fixtures.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
+from tests.support import lora_files as lf
+from tests.support.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
+from tests.support.compare import max_abs
 from tests.test_pipeline import MAX_ABS, compare, picture
 
 STRENGTHS = (0.7, 0.4)
@@ -107,7 +108,7 @@ def test_each_lora_moves_the_image(pipes, loras, layout):
 
     both = image((a, 0.7), (b, 0.4))
     for other in (image((b, 0.4)), image((a, 0.7)), image((a, 0.7), (b, 0.8))):
-        assert np.abs(both - other).max() > 10 * MAX_ABS
+        assert max_abs(both, other) > 10 * MAX_ABS
     ours.set_loras([])
 
 
@@ -141,7 +142,7 @@ def test_bfl_names_equal_weights_merged_by_hand(pipes, tmp_path, names):
     adaln = ("norm_out", "linear", "kernel")
     half = want[adaln].shape[1] // 2
     unswapped = np.concatenate([want[adaln][:, half:], want[adaln][:, :half]], axis=1)
-    assert np.abs(got[adaln] - unswapped).max() > 0.1  # the swap matters
+    assert max_abs(got[adaln], unswapped) > 0.1  # the swap matters
 
 
 def test_switching_equals_a_fresh_load_and_empty_restores(pipes, loras):
@@ -174,7 +175,7 @@ def test_cached_references_follow_a_switch(pipes, loras):
         with_lora = ours("a cat", references=refs, **run).images
         assert ours.counters["prefill"] == prefills + 1  # the stale cache was computed again
         np.testing.assert_allclose(with_lora, ours("a cat", image=image, **run).images, atol=1e-5)
-        assert np.abs(with_lora - plain).max() > 10 * MAX_ABS
+        assert max_abs(with_lora, plain) > 10 * MAX_ABS
     finally:
         ours.set_loras([])
     prefills = ours.counters["prefill"]
@@ -238,4 +239,4 @@ def test_gguf_base_merges_after_dequantisation(pipes, tmp_path):
         want[path][1] += 0.5 * (up[rows * block : rows * (block + 1)] @ down).T
     for path in plain:
         np.testing.assert_allclose(merged[path], want[path], atol=1e-6, err_msg=str(path))
-    assert np.abs(merged[("x_embedder", "kernel")] - plain[("x_embedder", "kernel")]).max() > 0.05
+    assert max_abs(merged[("x_embedder", "kernel")], plain[("x_embedder", "kernel")]) > 0.05

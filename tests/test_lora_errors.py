@@ -17,7 +17,7 @@ from klein.lora.files import LoraInfo, parse_spec
 from klein.lora.layouts import parse
 from klein.lora.loading import Lora, lora_updates, read_lora
 from klein.models.transformer_config import TransformerConfig
-from tests.fixtures import lora_files as lf
+from tests.support import lora_files as lf
 from tests.test_cli import run_klein
 
 CFG = TransformerConfig.from_diffusers(demo.TRANSFORMER)  # the tiny fixture shape

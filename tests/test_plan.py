@@ -8,8 +8,9 @@ from flax import nnx
 from klein import InputError, sharding
 from klein.cli import main as cli
 from klein.io import demo
-from klein.memory.plan import _activations, plan
+from klein.memory.plan import FLUX2_VAE, Workload, plan, request_memory
 from klein.models import transformer as T
+from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 
 GiB = 2**30
@@ -100,15 +101,23 @@ def test_klein_plan_command(capsys):
     assert "expected WIDTHxHEIGHT" in capsys.readouterr().err
 
 
+def prefill_estimate(cfg: TransformerConfig, mesh, tokens: int) -> int:
+    """The planner's bytes for the prefill of `tokens` reference tokens, weights in fp32."""
+    work = Workload(
+        images=1, prompts=1, height=16, width=16, reference_tokens=tokens, cached=True, guided=False
+    )
+    return request_memory(cfg, Qwen3Config.qwen3_4b(), FLUX2_VAE, mesh, work, 4).prefill
+
+
 @pytest.mark.parametrize("tokens", [1024, 5000])
 def test_prefill_estimate_follows_xla_on_one_device(tokens):
     """The tiled-attention estimate against `compiled.memory_analysis()` of the demo's prefill, below
-    and above one key block (2,048 keys); the same on context=2 is in tests/on_eight_devices.py."""
+    and above one key block (2,048 keys); the same on context=2 is in tests/support/on_eight_devices.py."""
     cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: T.Flux2Transformer(cfg, rngs=nnx.Rngs(0))))
     ref = jax.ShapeDtypeStruct((tokens, cfg.in_channels), jnp.float32)
     rope = (jax.ShapeDtypeStruct((tokens, cfg.attention_head_dim), jnp.float32),) * 2
     prefill = jax.jit(lambda s, r, p: T.prefill(nnx.merge(graphdef, s), r, p))
     temporaries = prefill.lower(state, ref, rope).compile().memory_analysis().temp_size_in_bytes
-    estimate = _activations(cfg, sharding.abstract_mesh("single"), 1, tokens, tokens, 4)
+    estimate = prefill_estimate(cfg, sharding.abstract_mesh("single"), tokens)
     assert estimate / 2 < temporaries < 2 * estimate

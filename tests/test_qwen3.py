@@ -17,7 +17,8 @@ from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, loa
 from klein.models.qwen3 import hidden_states, prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
 from klein.pipeline.prompts import load_tokenizer, tokenize_prompts
-from tests.fixtures.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
+from tests.support.compare import max_abs
+from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
 
 LAYERS = (9, 18, 27)
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -121,7 +122,7 @@ def test_embedding_is_sensitive_to_prompt_and_weights(tiny, encoder):
     with torch.no_grad():
         perturbed.model.layers[4].self_attn.k_norm.weight.mul_(1.02)
     ref = reference_hidden_states(perturbed, ids, mask)
-    assert np.abs(np.asarray(_hidden_states(encoder, ids, mask, LAYERS)) - ref).max() > 100 * TOL["atol"]
+    assert max_abs(_hidden_states(encoder, ids, mask, LAYERS), ref) > 100 * TOL["atol"]
 
 
 # The real text encoders, as config.json files on the hub write them (transformers 4.51).

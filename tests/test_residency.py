@@ -19,6 +19,7 @@ from klein.memory import admission, plan, residency
 from klein.models import transformer as T
 from klein.models.stacks import as_float
 from klein.pipeline.flux2_klein import load_pipeline
+from tests.support.compare import max_abs
 from tests.test_cli import run_klein
 
 REF = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 80, 3), np.uint8))
@@ -47,11 +48,11 @@ def test_sequential_gives_the_images_of_all(demo_pipes, mode):
     every, sequential = demo_pipes
     want = every("a red fox", **MODES[mode], **RUN).images
     got = sequential("a red fox", **MODES[mode], **RUN).images
-    assert float(np.abs(got - want).max()) <= 1e-6
+    assert max_abs(got, want) <= 1e-6
     assert sequential("a red fox", **MODES[mode], **RUN).settings.residency == "sequential"
     # Sensitive: another seed moves the images far more than the tolerance.
     other = sequential("a red fox", **MODES[mode], **{**RUN, "seed": 4}).images
-    assert float(np.abs(other - want).max()) > 1e-2
+    assert max_abs(other, want) > 1e-2
 
 
 @pytest.mark.parametrize("refs", [0, 1])
@@ -61,7 +62,7 @@ def test_sequential_gives_the_images_of_all_with_guidance(tiny_pipelines, refs):
     want = load_pipeline(folder, residency="all")("a red fox", **kwargs)
     got = load_pipeline(folder, residency="sequential")("a red fox", **kwargs)
     assert str(got.settings.mode).endswith("CFG")
-    assert float(np.abs(got.images - want.images).max()) <= 1e-6
+    assert max_abs(got.images, want.images) <= 1e-6
 
 
 def test_sequential_moves_a_model_only_when_the_other_is_needed(klein_home, monkeypatch):
@@ -83,7 +84,7 @@ def test_sequential_moves_a_model_only_when_the_other_is_needed(klein_home, monk
 
 
 def test_a_lora_set_survives_the_transformer_being_read_again(klein_home, monkeypatch, tmp_path):
-    from tests.fixtures import lora_files as lf
+    from tests.support import lora_files as lf
 
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     every = load_pipeline("demo", residency="all")
@@ -98,7 +99,7 @@ def test_a_lora_set_survives_the_transformer_being_read_again(klein_home, monkey
     # Read by set_loras, then dropped for each new prompt's text encoder and read again after it.
     assert sequential._models["transformer"].reads == 3
     want = every("a red fox", **RUN).images
-    assert float(np.abs(sequential("a red fox", **RUN).images - want).max()) <= 1e-6
+    assert max_abs(sequential("a red fox", **RUN).images, want) <= 1e-6
 
 
 def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_home, monkeypatch):

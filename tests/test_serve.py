@@ -18,7 +18,7 @@ import PIL.Image
 import pytest
 
 from klein.request.request import GenerationRequest
-from tests.serve_process import metrics, png
+from tests.support.serve_process import metrics, png
 
 BUDGET = 160 * 1024  # one set of two 64x64 references: 48 KiB encoded + 2 x 8 KiB latents
 STEPS = {"num_inference_steps": 2}

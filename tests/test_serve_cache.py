@@ -27,7 +27,7 @@ def test_least_recently_used_leave_first_and_the_budget_holds():
     assert "b" not in cache and all(k in cache for k in "acd")
     assert cache.bytes == 900 and cache.stats.evictions == 1
     cache.put("e", block(200), seconds=1.0)  # 800 bytes: c, a and d leave
-    assert list(cache._entries) == ["e"] and cache.bytes == 800 and cache.stats.evictions == 4
+    assert len(cache) == 1 and "e" in cache and cache.bytes == 800 and cache.stats.evictions == 4
     assert cache.lookup("zz") is None
     assert (cache.stats.hits, cache.stats.misses) == (1, 1)
 

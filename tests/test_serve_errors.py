@@ -10,7 +10,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from tests.serve_process import png
+from tests.support.serve_process import png
 
 GOOD = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 2}
 

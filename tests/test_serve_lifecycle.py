@@ -14,7 +14,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from tests.serve_process import log_of, metrics, start, stop
+from tests.support.compare import max_abs
+from tests.support.serve_process import log_of, metrics, start, stop
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -74,6 +75,7 @@ def finished(url: str, job: str) -> dict:
     return httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["result"]
 
 
+@pytest.mark.slow
 def test_queued_requests_of_one_shape_run_as_one_batch(server):
     _, url = server
     long = submit(url, LONG).json()["id"]
@@ -93,11 +95,12 @@ def test_queued_requests_of_one_shape_run_as_one_batch(server):
             got, text = pixels(together, index)
             want, _ = pixels(single, index)
             assert text["prompt"] == body["prompt"] and text["seed"] == str(body["seed"])
-            assert np.abs(got - want).max() <= 2  # float rounding of a batched product, no more
+            assert max_abs(got, want) <= 2  # float rounding of a batched product, no more
     cat, dog = pixels(batched[0])[0], pixels(batched[1])[0]
-    assert np.abs(cat - dog).max() > 20  # each request kept its own prompt and noise
+    assert max_abs(cat, dog) > 20  # each request kept its own prompt and noise
 
 
+@pytest.mark.slow
 def test_full_queue_dropped_client_and_graceful_sigterm(server):
     process, url = server
     running = submit(url, LONG).json()["id"]

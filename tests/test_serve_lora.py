@@ -11,8 +11,8 @@ import PIL.Image
 
 from klein.io import demo
 from klein.models.transformer_config import TransformerConfig
-from tests import serve_process
-from tests.fixtures import lora_files as lf
+from tests.support import lora_files as lf
+from tests.support import serve_process
 from tests.test_cli import run_klein
 
 BODY = {"prompt": "a fox", "size": "64x64", "seed": 3, "num_inference_steps": 2}

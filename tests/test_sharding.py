@@ -1,5 +1,5 @@
 """Sharding rules, mesh parsing and errors (in this one-device process), plus the runs that need more
-devices: tests/on_eight_devices.py in a child pytest on 8 simulated devices, and one generation as two
+devices: tests/support/on_eight_devices.py in a child pytest on 8 simulated devices, and one generation as two
 processes over loopback against the same generation in one process.
 
 Children compile with LLVM optimisation off: their programs run for milliseconds and would compile for
@@ -23,6 +23,7 @@ from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import KLEIN_9B
+from tests.support.compare import max_abs
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_COMPILE = "--xla_backend_optimization_level=0"
@@ -119,8 +120,17 @@ def child_env(klein_home, devices: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_on_eight_simulated_devices(klein_home):
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/on_eight_devices.py"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/support/on_eight_devices.py",
+    ]
     result = subprocess.run(
         command, cwd=ROOT, env=child_env(klein_home, 8), capture_output=True, text=True, timeout=CHILD_SECONDS
     )
@@ -129,12 +139,12 @@ def test_on_eight_simulated_devices(klein_home):
 
 
 def run_workers(klein_home, out: Path, devices: int, processes: int) -> np.ndarray:
-    """tests/distributed_worker.py as `processes` processes of `devices` devices each; always reaped."""
+    """tests/support/distributed_worker.py as `processes` processes of `devices` devices each; always reaped."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = child_env(klein_home, devices)
-    command = [sys.executable, "-m", "tests.distributed_worker", "context=2,fsdp=2", str(out)]
+    command = [sys.executable, "-m", "tests.support.distributed_worker", "context=2,fsdp=2", str(out)]
     distributed = (
         [[f"127.0.0.1:{port}", str(processes), str(i)] for i in range(processes)] if processes > 1 else [[]]
     )
@@ -155,11 +165,12 @@ def run_workers(klein_home, out: Path, devices: int, processes: int) -> np.ndarr
     return np.load(f"{out}.npy")
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_image_of_one(klein_home, tmp_path):
     one = run_workers(klein_home, tmp_path / "one", devices=4, processes=1)
     two = run_workers(klein_home, tmp_path / "two", devices=2, processes=2)
     assert one.shape == two.shape == (1, 64, 64, 3)
-    assert float(np.abs(one - two).max()) <= 1e-5
+    assert max_abs(one, two) <= 1e-5
     # Without a seed, both processes still draw the same noise (process 0's seed).
     unseeded = [np.load(tmp_path / f"two-unseeded-{i}.npy") for i in range(2)]
     assert np.array_equal(*unseeded) and not np.allclose(unseeded[0], two, atol=1e-3)

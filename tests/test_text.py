@@ -11,7 +11,7 @@ from diffusers import Flux2KleinPipeline
 from klein.errors import CheckpointError, InputError
 from klein.pipeline.prompts import load_tokenizer, render_prompt, tokenize_prompts
 from klein.sampling import text_ids
-from tests.fixtures.tiny_text_encoder import build_tokenizer, hf_chat_tokens
+from tests.support.tiny_text_encoder import build_tokenizer, hf_chat_tokens
 
 PROMPTS = [
     "",

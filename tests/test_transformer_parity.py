@@ -12,17 +12,22 @@ from diffusers.models.transformers.transformer_flux2 import (
     Flux2KVAttnProcessor,
     Flux2KVParallelSelfAttnProcessor,
 )
+from flax import nnx
 
 from klein.io.transformer_checkpoint import load_transformer
+from klein.models import stacks
 from klein.models import transformer as T
 from klein.models.attention import MASKED, attention
-from tests.transformer_inputs import jx, make_case, ropes, torch_call
+from tests.support.compare import assert_close, rel_err
+from tests.support.transformer_inputs import jx, make_case, ropes, torch_call
 
 TOL = 1e-4  # max abs error relative to the output's scale (fp32 on both sides)
 
 
-def rel_err(ours, ref) -> float:
-    return float(np.abs(np.asarray(ours) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max())
+def last_single_block(model):
+    """The last single block of `model`'s stack, as a module of its own."""
+    graphdef, params = nnx.split(model.single_transformer_blocks)
+    return nnx.merge(graphdef, stacks.layer(params, model.cfg.num_single_layers - 1))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def ours_plain(model, case, refs=None):
 def test_text_to_image(models, batch):
     ours, ref = models
     case = make_case(0, batch)
-    assert rel_err(ours_plain(ours, case), torch_call(ref, case)[0].numpy()) < TOL
+    assert_close(ours_plain(ours, case), torch_call(ref, case)[0].numpy(), TOL)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -58,7 +63,7 @@ def test_standard_references(models, batch, ref_sizes):
     joint = np.concatenate([case.img, np.broadcast_to(case.ref, (batch, *case.ref.shape))], axis=1)
     ids = np.concatenate([case.img_ids, case.ref_ids])
     want = torch_call(ref, case, img=joint, img_ids=ids)[0].numpy()[:, : case.img.shape[1]]
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
 
 
 def diffusers_extract(ref, case):
@@ -85,14 +90,14 @@ def test_kv_step0_and_prefill_equal_diffusers_extract(models, batch, ref_sizes):
     case = make_case(2, batch, ref_sizes=ref_sizes)
     want, cache = diffusers_extract(ref, case)
     got, kv = ours_kv(ours, case)
-    assert rel_err(got, want) < TOL
+    assert_close(got, want, TOL)
     stacks = [(kv.double_k, kv.double_v, cache.get_double), (kv.single_k, kv.single_v, cache.get_single)]
     for k_stack, v_stack, layer_cache in stacks:
         for i in range(k_stack.shape[0]):
             k_ref, v_ref = (x.numpy() for x in layer_cache(i).get())
             for b in range(batch):  # diffusers stores one copy per image; ours has no batch axis
-                assert rel_err(k_stack[i], k_ref[b]) < TOL
-                assert rel_err(v_stack[i], v_ref[b]) < TOL
+                assert_close(k_stack[i], k_ref[b], TOL)
+                assert_close(v_stack[i], v_ref[b], TOL)
 
 
 def test_kv_later_steps_equal_diffusers_cached(models):
@@ -105,7 +110,7 @@ def test_kv_later_steps_equal_diffusers_cached(models):
         case = make_case(seed, 2, t=t)
         want = torch_call(ref, case, kv_cache=cache, kv_cache_mode="cached")[0].numpy()
         got = T.forward_cached(ours, *jx(case.img, case.txt, case.t), img_rope, txt_rope, kv)
-        assert rel_err(got, want) < TOL
+        assert_close(got, want, TOL)
 
 
 def test_cached_equals_uncached(models):
@@ -115,7 +120,7 @@ def test_cached_equals_uncached(models):
     got, _ = ours_kv(ours, case)
     args = (*jx(case.img, case.txt, case.t), img_rope, txt_rope)
     uncached = T.forward_kv_uncached(ours, *args, jx(case.ref)[0], ref_rope)
-    assert rel_err(got, uncached) < 1e-5
+    assert_close(got, uncached, 1e-5)
 
 
 def test_inputs_move_the_output(models):
@@ -141,7 +146,7 @@ def test_parity_detects_a_perturbed_weight(models, tiny_transformer):
     kernel[...] = kernel[...].at[1].multiply(1.01)
     case = make_case(8, 1)
     want = torch_call(ref, case)[0].numpy()
-    assert rel_err(ours_plain(models[0], case), want) < TOL
+    assert_close(ours_plain(models[0], case), want, TOL)
     assert rel_err(ours_plain(perturbed, case), want) > 10 * TOL
 
 
@@ -150,7 +155,7 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
     """The last single block over the kept rows only == the block over every token, rows kept after;
     with one-per-image or per-token modulation and a masked (padded) key. Keys come from every token:
     changing a token outside the rows moves the result."""
-    block = T._block(models[0].single_transformer_blocks, models[0].cfg.num_single_layers - 1)
+    block = last_single_block(models[0])
     rng = np.random.default_rng(10)
     d, tokens = block.width, 11
     x = jnp.asarray(rng.standard_normal((2, tokens, d)), jnp.float32)
@@ -164,7 +169,7 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
 
     got = block.rows(x, mod, rope, attend, 3, 8)
     assert got.shape == (2, 5, d)
-    assert rel_err(got, block(x, mod, rope, attend)[0][:, 3:8]) < 1e-6
+    assert_close(got, block(x, mod, rope, attend)[0][:, 3:8], 1e-6)
     other = jnp.asarray(rng.standard_normal((2, d)), jnp.float32)
     outside = block.rows(x.at[:, 1].set(other), mod, rope, attend, 3, 8)
     assert rel_err(outside, got) > 1e-3
@@ -173,14 +178,14 @@ def test_last_block_rows_equal_the_whole_block(models, per_token):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_last_block_keys_values_equal_the_whole_block(models, per_token):
     """A prefill's last single block computes only its keys and values: the same as the whole block's."""
-    block = T._block(models[0].single_transformer_blocks, models[0].cfg.num_single_layers - 1)
+    block = last_single_block(models[0])
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.standard_normal((1, 9, block.width)), jnp.float32)
     mod = jnp.asarray(rng.standard_normal((1, 9 if per_token else 1, 3 * block.width)) * 0.3, jnp.float32)
     angles = rng.uniform(0, 6, (9, block.head_dim))
     rope = (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
     for got, want in zip(block.keys_values(x, mod, rope), block(x, mod, rope, attention)[1], strict=True):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-6
+        assert_close(got, want, 1e-6)  # of one shape, too
 
 
 def test_batch_shares_one_prefill(models):
@@ -194,7 +199,7 @@ def test_batch_shares_one_prefill(models):
         alone = T.forward_cached(
             ours, *jx(case.img[b : b + 1], case.txt[b : b + 1], case.t[b : b + 1]), img_rope, txt_rope, kv
         )
-        assert rel_err(together[b : b + 1], alone) < 1e-5
+        assert_close(together[b : b + 1], alone, 1e-5)
 
 
 torch.set_grad_enabled(False)

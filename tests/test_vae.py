@@ -16,7 +16,8 @@ from klein.errors import CheckpointError
 from klein.io.loading import expected_shapes
 from klein.io.vae_checkpoint import SKIPPED_KEYS, load_vae
 from klein.models import vae as flax_vae
-from tests.fixtures.tiny_vae import build_vae
+from tests.support.compare import assert_close, rel_err
+from tests.support.tiny_vae import build_vae
 
 # Max abs error relative to the output's max: torch vs JAX fp32 rounding is ~1e-6 here.
 TOL = 1e-4
@@ -57,12 +58,6 @@ def nhwc(x: torch.Tensor) -> np.ndarray:
     return x.detach().numpy().transpose(0, 2, 3, 1)
 
 
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
 def images(height: int, width: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-1, 1, (2, height, width, 3)).astype(np.float32)
 
@@ -85,10 +80,10 @@ def test_encode_and_decode_match_diffusers(tiny_vae, height, width):
     _, reference, ours = tiny_vae
     x = images(height, width)
     ref_mean = nhwc(reference.encode(nchw(x)).latent_dist.mode())
-    assert rel_err(encode_mean(ours, jnp.asarray(x)), ref_mean) < TOL
+    assert_close(encode_mean(ours, jnp.asarray(x)), ref_mean, TOL)
 
     z = normal(2, height // 8, width // 8, 32)
-    assert rel_err(decode(ours, jnp.asarray(z)), nhwc(reference.decode(nchw(z)).sample)) < TOL
+    assert_close(decode(ours, jnp.asarray(z)), nhwc(reference.decode(nchw(z)).sample), TOL)
 
 
 @torch.no_grad()
@@ -97,7 +92,7 @@ def test_latents_match_pipeline_encode(tiny_vae, pipeline):
     ref = nhwc(pipeline._encode_vae_image(nchw(x), generator=None))
     ours = encode_latents(tiny_vae[2], jnp.asarray(x))
     assert ours.shape == (2, 3, 6, 128)
-    assert rel_err(ours, ref) < TOL
+    assert_close(ours, ref, TOL)
 
 
 @torch.no_grad()
@@ -106,7 +101,7 @@ def test_decode_latents_matches_pipeline_decode(tiny_vae, pipeline):
     ref = nhwc(pipeline.vae.decode(pipeline_vae_latents(pipeline, latents), return_dict=False)[0])
     ours = decode_latents(tiny_vae[2], jnp.asarray(latents))
     assert ours.shape == (2, 48, 96, 3)
-    assert rel_err(ours, ref) < TOL
+    assert_close(ours, ref, TOL)
 
 
 def _scaled(vae, path: str, index, factor: float):
@@ -150,7 +145,7 @@ def test_tiled_decode_is_as_close_to_plain_as_diffusers_tiling(tiny_vae, pipelin
     latents = normal(1, 16, 24, 128)
     plain = np.asarray(decode_latents(ours, jnp.asarray(latents)))
     one_tile = decode_latents_tiled(ours, jnp.asarray(latents), tile=24, overlap=4)
-    assert rel_err(one_tile, plain) < 1e-6
+    assert_close(one_tile, plain, 1e-6)
 
     tiled = np.asarray(decode_latents_tiled(ours, jnp.asarray(latents), tile=8, overlap=2))
     monkeypatch.setattr(reference, "tile_sample_min_size", 128)
@@ -206,7 +201,7 @@ def test_subpixel_upsample_equals_repeat_then_conv(dtype, tol):
     x = jnp.asarray(normal(2, 5, 7, 6, seed=2), dtype)
     ours = np.asarray(upsample(x), np.float32)
     assert ours.shape == (2, 10, 14, 6) and upsample(x).dtype == dtype
-    assert rel_err(ours, np.asarray(_upsample_by_repeat(upsample, x), np.float32)) < tol
+    assert_close(ours, np.asarray(_upsample_by_repeat(upsample, x), np.float32), tol)
     edited = _scaled(upsample, "conv.kernel", (0, 2), 1.01 if dtype == jnp.float32 else 2.0)
     assert rel_err(ours, np.asarray(_upsample_by_repeat(edited, x), np.float32)) > 10 * tol
 
@@ -232,7 +227,7 @@ def test_one_pass_group_norm_equals_two_pass(offset):
     exact = _group_norm_float64(norm, x)
     ours, two_pass = norm(x), nnx.GroupNorm.__call__(norm, x)
     assert rel_err(ours, exact) <= 2 * rel_err(two_pass, exact) + 1e-6
-    assert rel_err(ours, two_pass) < 3e-5
+    assert_close(ours, two_pass, 3e-5)
     naive = nnx.GroupNorm(12, 4, epsilon=1e-6, use_fast_variance=True, rngs=nnx.Rngs(0))
     naive.scale[...], naive.bias[...] = norm.scale[...], norm.bias[...]
     assert rel_err(naive(x), exact) > (1e-3 if offset else 0.0)

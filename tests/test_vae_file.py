@@ -10,8 +10,8 @@ from flax import nnx
 from klein.errors import CheckpointError
 from klein.io.bfl_vae_keys import bfl_vae_key
 from klein.io.vae_checkpoint import load_vae, load_vae_file, read_config
-from tests.fixtures.bfl_files import write_safetensors
-from tests.fixtures.tiny_vae import build_vae
+from tests.support.bfl_files import write_safetensors
+from tests.support.tiny_vae import build_vae
 
 # FLUX.2's additions to the latent-diffusion names, as diffusers' convert_flux2_to_diffusers.py maps them.
 FLUX2_ONLY = {

@@ -1,6 +1,6 @@
 """One process of a (possibly multi-process) sharded generation, run by tests/test_sharding.py.
 
-`python -m tests.distributed_worker MESH OUT [COORDINATOR NUM_PROCESSES PROCESS_ID]`: KV editing with
+`python -m tests.support.distributed_worker MESH OUT [COORDINATOR NUM_PROCESSES PROCESS_ID]`: KV editing with
 three references on the demo checkpoint ($KLEIN_HOME). Process 0 saves the images of seed 5 as
 OUT.npy; every process i saves those of a seed it was not given as OUT-unseeded-i.npy.
 """

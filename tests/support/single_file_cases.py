@@ -1,15 +1,11 @@
-"""What the single-file tests share: one forward pass of ours and of diffusers, and the relative error."""
+"""What the single-file tests share: one forward pass of ours and of diffusers."""
 
 import jax
 import numpy as np
 from flax import nnx
 
 from klein.models import transformer as T
-from tests.transformer_inputs import jx, make_case, ropes, torch_call
-
-
-def rel_err(ours, ref) -> float:
-    return float(np.abs(np.asarray(ours) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max())
+from tests.support.transformer_inputs import jx, make_case, ropes, torch_call
 
 
 def both_outputs(ours, reference, seed=0, batch=2, width=96):

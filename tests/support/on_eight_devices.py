@@ -20,13 +20,14 @@ from jax.sharding import PartitionSpec as P
 from klein import InputError, sharding
 from klein.cli import main as cli
 from klein.io import demo
-from klein.memory import plan
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.flux2_klein import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
-from tests.fixtures import lora_files
+from tests.support import lora_files
+from tests.support.compare import max_abs
+from tests.test_plan import prefill_estimate
 
 if jax.device_count() != 8:
     pytest.skip("needs 8 devices: run through tests/test_sharding.py", allow_module_level=True)
@@ -147,14 +148,10 @@ def odd_sharded(request, model, odd_inputs):
     )
 
 
-def max_error(out, want, mode) -> float:
-    return float(np.abs(np.asarray(out[mode]) - np.asarray(want[mode])).max())
-
-
 @pytest.mark.parametrize("mode", ["t2i", "edit", "kv"])
 def test_transformer_sharded_equals_single_device(sharded, single, mode):
     spec, out = sharded
-    err = max_error(out, single, mode)
+    err = max_abs(out[mode], single[mode])
     print(f"{spec} {mode}: max abs error {err:.2e}")
     assert err < TOL
 
@@ -162,7 +159,7 @@ def test_transformer_sharded_equals_single_device(sharded, single, mode):
 @pytest.mark.parametrize("mode", ["t2i", "edit", "kv", "kv_uncached"])
 def test_indivisible_requests_are_padded_and_equal_single_device(odd_sharded, odd_single, mode):
     spec, out = odd_sharded
-    err = max_error(out, odd_single, mode)
+    err = max_abs(out[mode], odd_single[mode])
     print(f"{spec} odd {mode}: max abs error {err:.2e}")
     assert err < TOL
     assert out[mode].shape == odd_single[mode].shape
@@ -189,7 +186,7 @@ def test_padded_reference_kv_is_split_and_its_padding_masked(model, odd_sharded,
         moved = jax.jit(lambda s, kv: T.forward_cached(nnx.merge(graphdef, s), *args, kv))(
             state, kv._replace(key_rank=None)
         )
-    assert float(np.abs(np.asarray(moved) - np.asarray(odd_single["kv"])).max()) > 1e-3
+    assert max_abs(moved, odd_single["kv"]) > 1e-3
 
 
 def test_long_prefill_on_context_2_has_linear_temporaries(model):
@@ -202,7 +199,7 @@ def test_long_prefill_on_context_2_has_linear_temporaries(model):
     with sharding.use(mesh):
         prefill = jax.jit(lambda s, r, p: T.prefill(nnx.merge(graphdef, s), r, p))
         temporaries = prefill.lower(state, ref, rope).compile().memory_analysis().temp_size_in_bytes
-    linear = plan._activations(DEMO, mesh.abstract_mesh, 1, tokens, tokens, 4)
+    linear = prefill_estimate(DEMO, mesh.abstract_mesh, tokens)
     quadratic = DEMO.num_attention_heads * (tokens // 2) * tokens * 4 * 2
     print(
         f"prefill of {tokens} tokens on {sharding.describe(mesh)}: {temporaries / 2**20:.1f} MiB temporaries, "
@@ -240,7 +237,7 @@ def test_pipeline_sharded_equals_single_device(pipelines, mode):
     compiled = sum(step._jit._cache_size() for step in sharded._steps.values())
     kwargs = dict(num_inference_steps=2, num_images_per_prompt=2, seed=1, output_type="np", **MODES[mode])
     want, got = (p("a cat on a sofa", **kwargs).images for p in pipelines)
-    err = float(np.abs(got - want).max())
+    err = max_abs(got, want)
     print(f"pipeline {PIPELINE_MESH} {mode}: max abs error {err:.2e}")
     assert err < TOL
     assert sum(step._jit._cache_size() for step in sharded._steps.values()) == compiled + 1  # one program
@@ -291,7 +288,7 @@ def test_pipeline_takes_requests_no_axis_divides(pipelines):
     for mode, settings in ODD_MODES.items():
         kwargs = dict(num_inference_steps=1, num_images_per_prompt=1, seed=2, output_type="np", **settings)
         want, got = (p("a cat on a sofa", **kwargs).images for p in (single, sharded))
-        err = float(np.abs(got - want).max())
+        err = max_abs(got, want)
         print(f"pipeline {ODD_PIPELINE_MESH} odd {mode}: max abs error {err:.2e}")
         assert got.shape == want.shape == (1, 48, 48, 3) and err < TOL
 
@@ -316,7 +313,7 @@ def test_cli_generate_on_a_mesh(pipelines, tmp_path, monkeypatch):
     want = single("a cat", height=64, width=64, num_inference_steps=2, num_images_per_prompt=2, seed=3).images
     for index, image in enumerate(want):
         got = np.asarray(PIL.Image.open(tmp_path / f"cat-{index}.png"), np.int16)
-        assert np.abs(got - np.asarray(image, np.int16)).max() <= 1  # PNG rounding of values equal to 1e-5
+        assert max_abs(got, np.asarray(image, np.int16)) <= 1  # PNG rounding of values equal to 1e-5
 
 
 def test_pipeline_lora_sharded_equals_single_device(pipelines, tmp_path):
@@ -330,7 +327,7 @@ def test_pipeline_lora_sharded_equals_single_device(pipelines, tmp_path):
         pipe.set_loras([(file, 0.7)])
     try:
         want, got = (p("a cat on a sofa", **kwargs).images for p in pipelines)
-        assert np.abs(got - want).max() < TOL and np.abs(got - plain).max() > 100 * TOL
+        assert max_abs(got, want) < TOL and max_abs(got, plain) > 100 * TOL
         kernel = sharded._prefill.state["transformer_blocks"]["attn"]["to_q"]["kernel"].get_value()
         assert kernel.sharding.spec == P(None, "fsdp")
     finally:
