@@ -105,7 +105,7 @@ def test_flags_write_numbered_pngs_with_metadata_and_round_sizes(klein_home, inp
         assert text["index"] == f"{index + 1} of 2" and text["mode"] == "cached references"
         assert json.loads(text["image"]) == [str(inputs / "ref.png")]
         # The metadata reads back into the request that ran: the one asked for, with its defaults resolved.
-        parsed = cli._generate_parser().parse_intermixed_args([str(arg) for arg in args[1:]])
+        parsed = cli.generate_parser().parse_intermixed_args([str(arg) for arg in args[1:]])
         asked = cli_args.build_request(parsed).generation
         resolved = dataclasses.replace(asked, height=64, width=64, guidance_scale=None)
         assert GenerationRequest.from_metadata(text) == resolved

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from klein.cli import flags
-from klein.cli.main import _generate_parser
+from klein.cli.main import generate_parser
 from klein.cli.serve import serve_parser
 from klein.errors import InputError
 from klein.request.kinds import settings_of
@@ -19,7 +19,7 @@ def _options(parser) -> dict[str, str]:
     return {action.dest: action.help for action in parser._actions}
 
 
-@pytest.mark.parametrize("parser", [_generate_parser, serve_parser])
+@pytest.mark.parametrize("parser", [generate_parser, serve_parser])
 def test_every_loading_option_is_a_flag_of_both_commands_with_its_declared_help(parser):
     declared = {field.name: spec.doc for field, spec in settings_of(LoadOptions)}
     helps = _options(parser())
@@ -27,7 +27,7 @@ def test_every_loading_option_is_a_flag_of_both_commands_with_its_declared_help(
 
 
 def test_loading_options_as_key_value_words_and_flags_fill_the_same_options():
-    parser = _generate_parser()
+    parser = generate_parser()
 
     def loading(*args):
         return flags.build_request(parser.parse_intermixed_args(["--prompt", "x", *args])).loading

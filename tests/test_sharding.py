@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from klein import InputError, sharding
 from klein.cli import flags as cli_args
+from klein.cli.main import generate_parser
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.models.qwen3_config import Qwen3Config
@@ -89,7 +90,7 @@ def test_divisibility_errors_name_dimension_and_sizes():
 
 
 def test_generate_flags_for_meshes_and_processes():
-    parser = _generate_parser()
+    parser = generate_parser()
 
     def request(*args):
         return cli_args.build_request(parser.parse_args(["--prompt", "x", *args]))
@@ -100,12 +101,6 @@ def test_generate_flags_for_meshes_and_processes():
     assert request("--coordinator", "auto").coordinator == "auto"
     with pytest.raises(InputError, match="go together"):
         request(*flags[:2])
-
-
-def _generate_parser():
-    from klein.cli.main import _generate_parser
-
-    return _generate_parser()
 
 
 def child_env(klein_home, devices: int) -> dict:

@@ -87,7 +87,7 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _generate_parser() -> argparse.ArgumentParser:
+def generate_parser() -> argparse.ArgumentParser:
     parser = flags.Parser(
         prog="klein generate",
         description=GENERATE_DESCRIPTION.format(
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
-        parsed = _generate_parser().parse_intermixed_args(argv[1:])
+        parsed = generate_parser().parse_intermixed_args(argv[1:])
         return generate(flags.build_request(parsed))
     if argv[:1] == ["serve"]:
         from klein.cli import serve as cli_serve
