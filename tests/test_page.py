@@ -2,29 +2,31 @@
 
 One edit loop as a person would do it: upload a reference, prompt, Generate, watch the steps, see the
 image; a second prompt on the same reference shows the cache hit; the result becomes the reference of the
-next edit; a download keeps klein's PNG metadata. Then what the server refuses is shown inline with the
-prompt kept. Throughout: no console errors and no request that leaves the server's origin.
+next edit; a download keeps klein's PNG metadata. Then: what the page refuses when a file is picked and
+what the server refuses, shown inline with the prompt kept; limits only from /v1/config. Throughout: no
+request that leaves the server's origin and, where nothing is refused on purpose, no console errors.
 """
 
+import contextlib
+import dataclasses
 import io
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from importlib import resources
 from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
 import PIL.Image
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from tests.support.serve_process import running
+
 MAX_REFERENCES = 3
 MAX_UPLOAD_BYTES = 64 * 1024
+MAX_PIXELS = 1_000_000  # 1024 x 1024 is over it, 1280 x 720 under
 SERVE_FLAGS = ["--max-steps", "2", "--max-references", MAX_REFERENCES, "--max-upload-bytes", MAX_UPLOAD_BYTES]
+SERVE_FLAGS += ["--max-pixels", MAX_PIXELS]
 GENERATION_TIMEOUT_MS = 120_000  # the first one compiles the demo model on a loaded 2-core machine
 
 # Every status line the page shows, recorded as it is written (steps pass faster than a poll could see).
@@ -41,7 +43,7 @@ document.addEventListener("DOMContentLoaded", () => {
 
 def png_bytes(width: int, height: int, noise: bool = False) -> bytes:
     rng = np.random.default_rng(width)
-    if noise:  # incompressible: a PNG far over the upload limit
+    if noise:  # incompressible: width x height x 3 bytes and a little more
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
     else:
         y, x = np.mgrid[0:height, 0:width]
@@ -55,44 +57,11 @@ def png_file(name: str, width: int, height: int, noise: bool = False) -> dict:
     return {"name": name, "mimeType": "image/png", "buffer": png_bytes(width, height, noise)}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_healthy(url: str, process: subprocess.Popen, log_path, seconds: float = 180) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"klein serve exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.25)
-    raise AssertionError(f"klein serve was not healthy within {seconds} s:\n{log_path.read_text()}")
-
-
 @pytest.fixture(scope="module")
-def server(klein_home, tmp_path_factory):
+def server(klein_home):
     """The URL of a `klein serve` subprocess on the demo checkpoint, small limits, loopback only."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "KLEIN_HOME": str(klein_home), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "klein.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [*command, *map(str, SERVE_FLAGS)], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, process, log_path)
+    with running(klein_home, *map(str, SERVE_FLAGS)) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -103,22 +72,43 @@ def browser():
         chromium.close()
 
 
-@pytest.fixture
-def visit(server, browser):
-    """Opens the page; yields (page, console errors, requested URLs) and checks every request's origin."""
+@dataclasses.dataclass
+class Tab:
+    page: object
+    errors: list  # console errors and uncaught exceptions
+    requests: list  # every URL the page asked for
+    url: str  # the server's
+
+    def open(self) -> None:
+        """Loads the page and waits until it has read /v1/config."""
+        self.page.goto(f"{self.url}/")
+        expect(self.page.locator("#model")).to_contain_text("demo")
+        expect(self.page.locator("#generate")).to_be_enabled()
+
+
+@contextlib.contextmanager
+def new_tab(browser, url: str):
+    """A page in a fresh browser context (its own storage), not yet opened; at the end, checks that
+    every request went to the server's origin."""
     context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
     page = context.new_page()
-    errors, requests = [], []
-    page.on("console", lambda message: message.type == "error" and errors.append(message.text))
-    page.on("pageerror", lambda error: errors.append(f"uncaught: {error}"))
-    page.on("request", lambda request: requests.append(request.url))
+    tab = Tab(page, [], [], url)
+    page.on("console", lambda message: message.type == "error" and tab.errors.append(message.text))
+    page.on("pageerror", lambda error: tab.errors.append(f"uncaught: {error}"))
+    page.on("request", lambda request: tab.requests.append(request.url))
     page.add_init_script(RECORD_STATUS)
-    page.goto(f"{server}/")
-    expect(page.locator("#model")).to_contain_text("demo")
-    yield page, errors, requests
-    context.close()
-    foreign = [url for url in requests if not url.startswith("data:") and origin(url) != server]
+    try:
+        yield tab
+    finally:
+        context.close()
+    foreign = [each for each in tab.requests if not each.startswith("data:") and origin(each) != url]
     assert not foreign, f"requests left the server's origin: {foreign}"
+
+
+@pytest.fixture
+def tab(server, browser):
+    with new_tab(browser, server) as opened:
+        yield opened
 
 
 def origin(url: str) -> str:
@@ -151,8 +141,9 @@ def test_every_page_file_is_served_and_names_no_other_host():
     assert client.get("/static/index.js").status_code == 404
 
 
-def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
-    page, errors, requests = visit
+def test_edit_loop_with_cache_hit_and_result_as_reference(tab, tmp_path):
+    page, errors, requests = tab.page, tab.errors, tab.requests
+    tab.open()
     page.set_input_files("#ref-input", [png_file("portrait.png", 96, 96)])
     expect(page.locator("#refs li")).to_have_count(1)
 
@@ -197,16 +188,37 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
     assert not errors, errors
 
 
-def test_refusals_are_inline_and_keep_what_was_entered(visit):
-    page, errors, _ = visit
+def test_refusals_are_inline_and_keep_what_was_entered(tab):
+    page, errors = tab.page, tab.errors
+    tab.open()
     page.fill("#prompt", "a lighthouse at dusk")
-    page.set_input_files("#ref-input", [png_file("large.png", 256, 256, noise=True)])
-    page.click("#generate")
     error = page.locator("#error")
+
+    # Refused when picked, not at Generate: a file that is not an image, one that only says it is, and
+    # one larger than the server takes in an upload (the limit read from /v1/config).
+    fake = {"name": "notes.png", "mimeType": "image/png", "buffer": b"not a png"}
+    page.set_input_files("#ref-input", [fake])
+    expect(error).to_contain_text("notes.png is not an image")
+    page.set_input_files("#ref-input", [png_file("large.png", 256, 256, noise=True)])
+    expect(error).to_contain_text("--max-upload-bytes")
+    drop_text_file = """() => {
+      const files = new DataTransfer();
+      files.items.add(new File(["a shopping list"], "list.txt", {type: "text/plain"}));
+      document.getElementById("drop").dispatchEvent(new DragEvent("drop", {dataTransfer: files, bubbles: true}));
+    }"""
+    page.evaluate(drop_text_file)
+    expect(error).to_contain_text("list.txt is not an image")
+    expect(page.locator("#refs li")).to_have_count(0)
+
+    # What only the server can refuse: two images, each within the upload limit, over it together.
+    halves = [png_file(f"half{i}.png", 128 + 16 * i, 128, noise=True) for i in range(2)]
+    page.set_input_files("#ref-input", halves)
+    expect(page.locator("#refs li")).to_have_count(2)
+    page.click("#generate")
     expect(error).to_be_visible()
     expect(error).to_contain_text("--max-upload-bytes")
     expect(page.locator("#prompt")).to_have_value("a lighthouse at dusk")
-    expect(page.locator("#refs li")).to_have_count(1)
+    expect(page.locator("#refs li")).to_have_count(2)
     expect(page.locator("#generate")).to_be_enabled()
     # The browser itself logs the refused response; nothing else may have gone wrong.
     assert len(errors) == 1 and "413" in errors[0], errors
@@ -218,13 +230,53 @@ def test_refusals_are_inline_and_keep_what_was_entered(visit):
     expect(error).to_contain_text(f"at most {MAX_REFERENCES} references")
     expect(page.locator("#ref-input")).to_be_disabled()
 
-    # Keyboard reordering: the second reference moves first and keeps the focus on its controls.
-    page.focus("#refs li:nth-child(2) .up")
+    # Keyboard reordering: the third reference moves up and keeps the focus on its controls.
+    page.focus("#refs li:nth-child(3) .up")
     page.keyboard.press("Enter")
-    expect(page.locator("#refs li:nth-child(1) .ref-name")).to_have_text("ref0.png")
-    expect(page.locator("#refs li:nth-child(1) .down")).to_be_focused()
+    expect(page.locator("#refs li:nth-child(2) .ref-name")).to_have_text("ref0.png")
+    expect(page.locator("#refs li:nth-child(2) .up")).to_be_focused()
+    page.keyboard.press("Tab")
     page.keyboard.press("Tab")
     page.keyboard.press("Enter")  # its remove button
     expect(page.locator("#refs li")).to_have_count(MAX_REFERENCES - 1)
     assert "ref0.png" not in page.locator("#refs .ref-name").all_inner_texts()
     assert len(errors) == 1, errors
+
+
+def test_limits_and_defaults_come_from_the_server(tab):
+    page = tab.page
+    config = httpx.get(f"{tab.url}/v1/config").json()
+    held = []
+    page.route("**/v1/config", lambda route: held.append(route))
+    page.goto(f"{tab.url}/")
+    # Until the server has said, the page assumes no limit and cannot generate.
+    expect(page.locator("#model")).to_have_text("connecting…")
+    expect(page.locator("#generate")).to_be_disabled()
+    expect(page.locator("#ref-count")).to_have_text("")
+    expect(page.locator("#ref-input")).to_be_disabled()
+    for field in ("#steps", "#count", "#width"):
+        assert page.eval_on_selector(field, "input => input.max + input.step") == "", field
+    held.pop().continue_()
+    expect(page.locator("#generate")).to_be_enabled()
+
+    expect(page.locator("#ref-count")).to_have_text(f"0 of {MAX_REFERENCES}")
+    expect(page.locator("#steps")).to_have_attribute("max", "2")
+    expect(page.locator("#steps")).to_have_value(str(min(config["default_steps"], 2)))
+    expect(page.locator("#count")).to_have_attribute("max", str(config["max_images"]))
+    expect(page.locator("#width")).to_have_attribute("step", str(config["size_multiple"]))
+    expect(page.locator("#size option", has_text="1024 × 1024")).to_be_disabled()
+    expect(page.locator("#size option", has_text="1280 × 720")).to_be_enabled()
+
+    # A custom size is checked against the same limits before anything is sent.
+    page.fill("#prompt", "a wide field")
+    page.select_option("#size", "custom")
+    page.fill("#width", "1008")
+    page.fill("#height", "1008")
+    page.click("#generate")
+    expect(page.locator("#error")).to_contain_text(f"more than the {MAX_PIXELS} px")
+    page.fill("#width", "8")
+    page.click("#generate")
+    expect(page.locator("#error")).to_contain_text(f"must be a whole number from {config['min_side']}")
+    expect(page.locator("#width")).to_be_focused()
+    assert not any(request.endswith("/v1/jobs") for request in tab.requests)
+    assert not tab.errors, tab.errors

@@ -10,6 +10,7 @@ import * as results from "./results.js";
 import * as settings from "./settings.js";
 
 const EMPTY = $("empty").textContent;
+let connected = false;
 let running = false;
 
 async function loadConfig() {
@@ -17,7 +18,9 @@ async function loadConfig() {
     const config = await getJSON("v1/config");
     $("model").textContent = [config.model, config.variant].filter(Boolean).join(" · ");
     settings.applyLimits(config);
-    references.setLimit(config.max_references);
+    references.setLimits(config);
+    connected = true;
+    showButton();
   } catch (error) {
     $("model").textContent = error instanceof ServerError && error.status === 401 ? "API key needed" : "not connected";
     showFailure(error, loadConfig);
@@ -25,7 +28,7 @@ async function loadConfig() {
 }
 
 async function generate() {
-  if (running) return;
+  if (!connected || running) return;
   clearError();
   let body;
   try {
@@ -91,9 +94,7 @@ function setStatus(text, fraction) {
 
 function setRunning(now) {
   running = now;
-  const button = $("generate");
-  button.disabled = now;
-  button.textContent = now ? "Generating…" : "Generate";
+  showButton();
   $("progress").hidden = !now;
   $("current").closest(".results").classList.toggle("busy", now);
   if (!results.hasShown()) {
@@ -101,10 +102,16 @@ function setRunning(now) {
   }
 }
 
-function useAsReference(image) {
+function showButton() {
+  const button = $("generate");
+  button.disabled = !connected || running;
+  button.textContent = running ? "Generating…" : "Generate";
+}
+
+async function useAsReference(image) {
   clearError();
   try {
-    const position = references.addReference(image.blob, image.name);
+    const position = await references.addReference(image.blob, image.name);
     setStatus(`Added ${image.name} as reference ${position}`, null);
     $("prompt").focus();
   } catch (problem) {
