@@ -1,12 +1,14 @@
 """The editing page in real headless Chromium, against a real `klein serve` (demo checkpoint) on loopback.
 
-One edit loop as a person would do it: upload a reference, prompt, Generate, watch the steps, see the
-image; a second prompt on the same reference shows the cache hit; the result becomes the reference of the
-next edit; a download keeps klein's PNG metadata. Then: what the page refuses when a file is picked and
-what the server refuses, shown inline with the prompt kept; limits only from /v1/config. Throughout: no
-request that leaves the server's origin and, where nothing is refused on purpose, no console errors.
+One edit loop as a person would do it: upload a reference, prompt, Generate, watch the upload and the
+steps, see the image; a second prompt on the same reference shows the cache hit; the result becomes the
+reference of the next edit; a download keeps klein's PNG metadata. Then: what the page refuses when a file
+is picked and what the server refuses, shown inline with the prompt kept; limits only from /v1/config;
+one retry policy for every request; the notice that a fresh server's first request compiles. Throughout:
+no request that leaves the server's origin and, where nothing is refused on purpose, no console errors.
 """
 
+import collections
 import contextlib
 import dataclasses
 import io
@@ -29,14 +31,20 @@ SERVE_FLAGS = ["--max-steps", "2", "--max-references", MAX_REFERENCES, "--max-up
 SERVE_FLAGS += ["--max-pixels", MAX_PIXELS]
 GENERATION_TIMEOUT_MS = 120_000  # the first one compiles the demo model on a loaded 2-core machine
 
-# Every status line the page shows, recorded as it is written (steps pass faster than a poll could see).
-RECORD_STATUS = """
+# Every status line the page shows and every value of its progress bar, recorded as they are written
+# (steps pass faster than a poll could see).
+RECORD_PROGRESS = """
 window.statusLines = [];
+window.barValues = [];
 document.addEventListener("DOMContentLoaded", () => {
   const status = document.getElementById("status");
   new MutationObserver((records) => {
     for (const record of records) for (const node of record.addedNodes) window.statusLines.push(node.textContent);
   }).observe(status, {childList: true});
+  const bar = document.getElementById("progress");
+  new MutationObserver(() => {
+    window.barValues.push([status.textContent, bar.hasAttribute("value") ? bar.value : null]);
+  }).observe(bar, {attributes: true, attributeFilter: ["value"]});
 });
 """
 
@@ -96,7 +104,7 @@ def new_tab(browser, url: str):
     page.on("console", lambda message: message.type == "error" and tab.errors.append(message.text))
     page.on("pageerror", lambda error: tab.errors.append(f"uncaught: {error}"))
     page.on("request", lambda request: tab.requests.append(request.url))
-    page.add_init_script(RECORD_STATUS)
+    page.add_init_script(RECORD_PROGRESS)
     try:
         yield tab
     finally:
@@ -121,6 +129,12 @@ def generate(page, prompt: str, results: int) -> None:
     page.click("#generate")
     expect(page.locator("#history li")).to_have_count(results, timeout=GENERATION_TIMEOUT_MS)
     expect(page.locator("#generate")).to_be_enabled()
+
+
+def seconds(text: str) -> float:
+    """The seconds in a text the page wrote with formatSeconds ("0.42 s", "12.3 s", "7 ms")."""
+    number, unit = re.search(r"([\d.]+) (s|ms)\b", text).groups()
+    return float(number) / (1000 if unit == "ms" else 1)
 
 
 def test_every_page_file_is_served_and_names_no_other_host():
@@ -155,6 +169,14 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(tab, tmp_path):
     expect(page.locator("#current .cache")).to_contain_text("Encoded")
     assert page.locator("#current .timings .timing").count() >= 3  # stages and the total
 
+    # "Done in" counts from the click: the upload and encoding, then the server's stages, and the wait.
+    done = seconds(page.locator("#status").inner_text())
+    upload = seconds(page.locator("#current .cache").inner_text())
+    rows = page.locator("#current .timing:not(.total)").all_inner_texts()
+    server_stages = sum(seconds(row) for row in rows if not row.startswith("upload"))
+    assert done == seconds(page.locator("#current .timing.total .seconds").inner_text())
+    assert done >= upload + server_stages - 0.03, (done, upload, rows)
+
     # Ctrl+Enter with a fixed seed and another prompt: the same reference comes from the cache.
     page.get_by_text("Fixed", exact=True).click()
     expect(page.locator("#seed-fixed")).to_be_checked()
@@ -186,6 +208,27 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(tab, tmp_path):
     assert len(uploads) == 2, requests
     page.screenshot(path=tmp_path / "page.png")
     assert not errors, errors
+
+
+def test_the_bar_follows_the_upload_then_the_encoding(tab):
+    page = tab.page
+    tab.open()
+    # A throttled upload (about a second for this file) reports its progress on the way.
+    page.set_input_files("#ref-input", [png_file("slow.png", 128, 128, noise=True)])
+    expect(page.locator("#refs li")).to_have_count(1)
+    devtools = page.context.new_cdp_session(page)
+    devtools.send("Network.enable")
+    conditions = {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": 40 * 1024}
+    devtools.send("Network.emulateNetworkConditions", conditions)
+    generate(page, "a slow upload", results=1)
+    lines = page.evaluate("window.statusLines")
+    shares = [int(share) for share in re.findall(r"^Uploading 1 reference: (\d+)%$", "\n".join(lines), re.M)]
+    assert shares and shares[-1] == 100 and any(0 < share < 100 for share in shares), lines
+    encoding = lines.index("Encoding 1 reference…")
+    assert lines.index(f"Uploading 1 reference: {shares[0]}%") < encoding < lines.index("Queued"), lines
+    bar = [value for text, value in page.evaluate("window.barValues") if text.startswith("Uploading")]
+    assert any(0 < value < 1 for value in bar), bar
+    assert not tab.errors, tab.errors
 
 
 def test_refusals_are_inline_and_keep_what_was_entered(tab):
@@ -280,3 +323,74 @@ def test_limits_and_defaults_come_from_the_server(tab):
     expect(page.locator("#width")).to_be_focused()
     assert not any(request.endswith("/v1/jobs") for request in tab.requests)
     assert not tab.errors, tab.errors
+
+
+def test_one_retry_policy_for_every_request(tab):
+    """No answer (the config, the event stream), a full queue (the job) and an unavailable server (the
+    upload), each once: the page waits as told and asks again; a wait longer than it would sit through
+    is shown instead."""
+    page = tab.page
+    calls = collections.Counter()
+
+    def once(kind, status=None, retry_after="1"):
+        def handle(route):
+            calls[kind] += 1
+            if calls[kind] > 1:
+                return route.fallback()
+            if status is None:
+                return route.abort("connectionreset")
+            error = {"error": {"message": f"{kind} refused on purpose", "code": "test"}}
+            route.fulfill(status=status, headers={"Retry-After": retry_after}, json=error)
+
+        return handle
+
+    page.route("**/v1/config", once("config"))
+    page.route("**/v1/references", once("references", 503))
+    page.route("**/v1/jobs", once("jobs", 429))
+    page.route("**/events", once("events"))
+    tab.open()
+    page.set_input_files("#ref-input", [png_file("retried.png", 64, 64)])
+    generate(page, "asked twice", results=1)
+    assert calls == {"config": 2, "references": 2, "jobs": 2, "events": 2}, calls
+    lines = page.evaluate("window.statusLines")
+    for line in (
+        "No answer from the server: trying again in 1 s (1 of 3)",
+        "The server is unavailable: trying again in 1 s (1 of 3)",
+        "The server is busy: trying again in 1 s (1 of 3)",
+    ):
+        assert line in lines, lines
+
+    page.unroute("**/v1/jobs")
+    page.route("**/v1/jobs", once("long wait", 429, retry_after="120"))
+    page.click("#generate")
+    expect(page.locator("#error")).to_contain_text("Try again in 120 s")
+    assert calls["long wait"] == 1
+
+
+def test_a_fresh_server_says_once_that_its_first_request_compiles(klein_home, browser):
+    with running(klein_home, "--max-steps", "2") as url, new_tab(browser, url) as tab:
+        page = tab.page
+        notice = page.locator("#notice")
+        held = []
+        # The job waits here, as long as a compilation would take.
+        page.route("**/v1/jobs", lambda route: held.append(route))
+        tab.open()
+        page.fill("#prompt", "the first one")
+        page.click("#generate")
+        expect(notice).to_be_visible(timeout=10_000)
+        expect(notice).to_contain_text("compiles")
+        held.pop().continue_()
+        expect(page.locator("#history li")).to_have_count(1, timeout=GENERATION_TIMEOUT_MS)
+        expect(notice).to_be_hidden()
+
+        # Said once: a later slow request on this server, here or after a reload, goes without it.
+        assert httpx.get(f"{url}/v1/config").json()["jobs_done"] == 1
+        page.reload()
+        expect(page.locator("#generate")).to_be_enabled()
+        page.fill("#prompt", "the second one")
+        page.click("#generate")
+        page.wait_for_timeout(4000)
+        expect(notice).to_be_hidden()
+        held.pop().continue_()
+        expect(page.locator("#status")).to_contain_text("Done in", timeout=GENERATION_TIMEOUT_MS)
+        assert not tab.errors, tab.errors

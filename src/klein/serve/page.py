@@ -20,6 +20,7 @@ ASSETS = {
     "api.js": JS,
     "dom.js": JS,
     "errors.js": JS,
+    "progress.js": JS,
     "references.js": JS,
     "results.js": JS,
     "settings.js": JS,

@@ -138,14 +138,15 @@ export function forgetUpload() {
 }
 
 // The list's id on the server. The server encodes a new list when it is uploaded, so the answer also
-// says whether this upload paid for the encoding (`encoded`) and how long that took, seen from here.
-export async function upload() {
+// says whether this upload paid for the encoding (`encoded`) and how long the upload and the encoding
+// took, seen from here. progress: postForm's {onProgress, onSent}.
+export async function upload(progress) {
   const keys = listKeys();
   if (uploaded && uploaded.keys === keys) return { id: uploaded.id, encoded: false, seconds: 0 };
   const form = new FormData();
   for (const ref of refs) form.append("image", ref.blob, ref.name);
   const started = performance.now();
-  const answer = await postForm("v1/references", form);
+  const answer = await postForm("v1/references", form, progress);
   uploaded = { keys, id: answer.id };
   return { id: answer.id, encoded: !answer.cached, seconds: (performance.now() - started) / 1000 };
 }

@@ -14,8 +14,9 @@ export function onResultActions(callbacks) {
 export const hasShown = () => shown !== null;
 
 // A finished job as a history entry: what was asked (request), what ran (the response's `klein`),
-// the references it used (refs: {url, name}) and what their upload did (upload, or null).
-export function addResult(request, result, refs, upload) {
+// the references it used (refs: {url, name}), what their upload did (upload, or null) and the seconds
+// from Generate to the result (upload, queue and transfer included).
+export function addResult(request, result, refs, upload, seconds) {
   const klein = result.klein || {};
   const seed = klein.seed ?? request.seed;
   const entry = {
@@ -23,6 +24,7 @@ export function addResult(request, result, refs, upload) {
     request,
     refs,
     upload,
+    seconds,
     seed,
     settings: klein.settings || {},
     timings: klein.timings || {},
@@ -75,7 +77,7 @@ function details(entry) {
   const reuse = element("button", "link", "Reuse these settings");
   reuse.type = "button";
   reuse.addEventListener("click", () => actions.reuse(entry));
-  box.append(element("p", "prompt-shown", entry.request.prompt), facts(entry), cacheLine(entry), timingChart(entry.timings), reuse);
+  box.append(element("p", "prompt-shown", entry.request.prompt), facts(entry), cacheLine(entry), timingChart(entry), reuse);
   return box;
 }
 
@@ -119,29 +121,28 @@ function cacheLine(entry) {
   return line;
 }
 
-function timingChart(timings) {
-  const stages = Object.entries(timings).filter(([name, value]) => name !== "total" && typeof value === "number");
-  const total = totalSeconds(timings);
+// The server's stages, after the upload when this edit uploaded its references; the total is the time
+// from Generate to the result, as "Done in" says.
+function timingChart(entry) {
+  const stages = Object.entries(entry.timings).filter(([name, value]) => name !== "total" && typeof value === "number");
+  if (entry.upload && entry.upload.seconds) stages.unshift(["upload", entry.upload.seconds]);
+  const total = entry.seconds;
   const chart = element("dl", "timings");
   chart.setAttribute("aria-label", "Time per stage");
   for (const [name, seconds] of stages) {
     const row = element("div", "timing");
     const bar = element("span", "bar");
-    bar.style.width = `${total > 0 ? Math.max(1, (100 * seconds) / total) : 0}%`;
+    bar.style.width = `${total > 0 ? Math.min(100, Math.max(1, (100 * seconds) / total)) : 0}%`;
     const value = element("dd");
     value.append(bar, element("span", "seconds", formatSeconds(seconds)));
     row.append(element("dt", null, name.replaceAll("_", " ")), value);
     chart.append(row);
   }
   const sum = element("div", "timing total");
+  sum.title = "From Generate to the image: upload, queue and transfer included";
   sum.append(element("dt", null, "total"), element("dd", "seconds", formatSeconds(total)));
   chart.append(sum);
   return chart;
-}
-
-export function totalSeconds(timings) {
-  if (typeof timings.total === "number") return timings.total;
-  return Object.values(timings).reduce((sum, value) => sum + (typeof value === "number" ? value : 0), 0);
 }
 
 function renderHistory() {
