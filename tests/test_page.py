@@ -4,8 +4,9 @@ One edit loop as a person would do it: upload a reference, prompt, Generate, wat
 steps, see the image; a second prompt on the same reference shows the cache hit; the result becomes the
 reference of the next edit; a download keeps klein's PNG metadata. Then: what the page refuses when a file
 is picked and what the server refuses, shown inline with the prompt kept; limits only from /v1/config;
-one retry policy for every request; the notice that a fresh server's first request compiles. Throughout:
-no request that leaves the server's origin and, where nothing is refused on purpose, no console errors.
+results and references kept across a reload, their object URLs revoked when they go; one retry policy for
+every request; the notice that a fresh server's first request compiles. Throughout: no request that
+leaves the server's origin and, where nothing is refused on purpose, no console errors.
 """
 
 import collections
@@ -46,6 +47,14 @@ document.addEventListener("DOMContentLoaded", () => {
     window.barValues.push([status.textContent, bar.hasAttribute("value") ? bar.value : null]);
   }).observe(bar, {attributes: true, attributeFilter: ["value"]});
 });
+"""
+
+# The object URLs the page holds: made and not yet revoked.
+RECORD_OBJECT_URLS = """
+window.liveURLs = new Set();
+const create = URL.createObjectURL, revoke = URL.revokeObjectURL;
+URL.createObjectURL = (blob) => { const url = create(blob); window.liveURLs.add(url); return url; };
+URL.revokeObjectURL = (url) => { window.liveURLs.delete(url); revoke(url); };
 """
 
 
@@ -105,6 +114,7 @@ def new_tab(browser, url: str):
     page.on("pageerror", lambda error: tab.errors.append(f"uncaught: {error}"))
     page.on("request", lambda request: tab.requests.append(request.url))
     page.add_init_script(RECORD_PROGRESS)
+    page.add_init_script(RECORD_OBJECT_URLS)
     try:
         yield tab
     finally:
@@ -129,6 +139,12 @@ def generate(page, prompt: str, results: int) -> None:
     page.click("#generate")
     expect(page.locator("#history li")).to_have_count(results, timeout=GENERATION_TIMEOUT_MS)
     expect(page.locator("#generate")).to_be_enabled()
+
+
+def widths(page, selector: str) -> list[int]:
+    """The natural widths of the images `selector` finds, once decoded (0: one that cannot be)."""
+    decoded = "imgs => Promise.all(imgs.map((img) => img.decode().then(() => img.naturalWidth, () => 0)))"
+    return page.eval_on_selector_all(selector, decoded)
 
 
 def seconds(text: str) -> float:
@@ -322,6 +338,74 @@ def test_limits_and_defaults_come_from_the_server(tab):
     expect(page.locator("#error")).to_contain_text(f"must be a whole number from {config['min_side']}")
     expect(page.locator("#width")).to_be_focused()
     assert not any(request.endswith("/v1/jobs") for request in tab.requests)
+    assert not tab.errors, tab.errors
+
+
+def test_results_and_references_are_kept_across_a_reload(tab):
+    page = tab.page
+    tab.open()
+    page.set_input_files("#ref-input", [png_file("kept.png", 80, 64)])
+    generate(page, "a kept fox", results=1)
+    page.select_option("#size", "256x256")
+    generate(page, "a kept owl", results=2)
+
+    page.reload()
+    expect(page.locator("#model")).to_contain_text("demo")
+    expect(page.locator("#refs .ref-name")).to_have_text(["kept.png"])
+    expect(page.locator("#refs .ref-size")).to_have_text(["80 × 64"])
+    expect(page.locator("#size option").first).to_have_text("From first reference (80 × 64)")
+    expect(page.locator("#history .history-prompt")).to_have_text(["a kept owl", "a kept fox"])
+    expect(page.locator("#current .prompt-shown")).to_have_text("a kept owl")
+    assert widths(page, "#current .result img") == [256]
+    assert widths(page, "#current .fact-refs img") == [80]
+
+    # The restored results go on as before: shown, reused, removed (and then gone after a reload too);
+    # numbering continues after them.
+    page.get_by_role("button", name="Show result 1: a kept fox").click()
+    expect(page.locator("#current .prompt-shown")).to_have_text("a kept fox")
+    page.get_by_role("button", name="Remove result 2").click()
+    expect(page.locator("#history li")).to_have_count(1)
+    page.click("#current .use")
+    expect(page.locator("#refs li")).to_have_count(2)
+    generate(page, "a third", results=2)
+    expect(page.locator("#history .muted").first).to_contain_text("#3")
+    page.reload()
+    expect(page.locator("#history .history-prompt")).to_have_text(["a third", "a kept fox"])
+    expect(page.locator("#refs li")).to_have_count(2)
+
+    # The byte budget drops the oldest results first, never the newest.
+    drops = page.evaluate("""async () => {
+      const {oldestOver} = await import("./static/storage.js");
+      const entry = (number, bytes) => ({number, images: [{blob: new Blob([new Uint8Array(bytes)])}], refs: []});
+      const entries = [entry(1, 400), entry(2, 300), entry(3, 200), entry(4, 500)];
+      return [oldestOver(entries, 1400), oldestOver(entries, 1000), oldestOver(entries, 100)];
+    }""")
+    assert drops == [[], [1], [1, 2, 3]]
+    assert not tab.errors, tab.errors
+
+
+def test_object_urls_are_revoked_when_their_image_goes(tab):
+    page = tab.page
+    tab.open()
+    live = "() => window.liveURLs.size"
+    page.set_input_files("#ref-input", [png_file("first.png", 64, 64), png_file("second.png", 80, 64)])
+    expect(page.locator("#refs li")).to_have_count(2)
+    generate(page, "two references", results=1)
+
+    # Each image has its own URL: a reference removed from the list still shows with its result.
+    page.get_by_role("button", name="Remove reference 1").click()
+    page.get_by_role("button", name="Show result 1: two references").click()
+    assert widths(page, "#current .fact-refs img") == [64, 80]
+
+    # Gone from the page, gone from memory: removed references and results leave no URL behind.
+    page.click("#current .use")
+    page.get_by_role("button", name="Remove result 1").click()
+    expect(page.locator("#history li")).to_have_count(0)
+    assert page.evaluate(live) == 2  # the two references left
+    for _ in range(2):
+        page.get_by_role("button", name="Remove reference 1").click()
+    expect(page.locator("#refs li")).to_have_count(0)
+    assert page.evaluate(live) == 0
     assert not tab.errors, tab.errors
 
 

@@ -24,6 +24,7 @@ ASSETS = {
     "references.js": JS,
     "results.js": JS,
     "settings.js": JS,
+    "storage.js": JS,
 }
 # The files change with the installed version only; revalidating keeps an upgraded server's page fresh.
 HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}

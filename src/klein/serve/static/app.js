@@ -1,7 +1,8 @@
-// klein's editing page: references, prompt and settings on the left; live progress, results and the
-// session's history on the right. It speaks only to the server that served it, through the HTTP API
-// (/v1/config, /v1/references, /v1/jobs and the job's events). This module runs one edit end to end
-// and wires the page together; each part lives in its own module.
+// klein's editing page: references, prompt and settings on the left; live progress, results and their
+// history on the right. It speaks only to the server that served it, through the HTTP API
+// (/v1/config, /v1/references, /v1/jobs and the job's events), and keeps its results and references
+// in the browser across a reload. This module runs one edit end to end and wires the page together;
+// each part lives in its own module.
 import { $, formatSeconds } from "./dom.js";
 import { ServerError, followJob, getJSON, onRetry, postJSON } from "./api.js";
 import { clearError, showFailure } from "./errors.js";
@@ -9,6 +10,7 @@ import * as progress from "./progress.js";
 import * as references from "./references.js";
 import * as results from "./results.js";
 import * as settings from "./settings.js";
+import * as storage from "./storage.js";
 
 const EMPTY = $("empty").textContent;
 let connected = false;
@@ -43,7 +45,7 @@ async function generate() {
   }
   const started = performance.now();
   setRunning(true);
-  const used = references.current().map((ref) => ({ url: ref.url, name: ref.name }));
+  const used = references.current();
   let ok = false;
   try {
     const { job, upload } = await submit(body);
@@ -55,6 +57,7 @@ async function generate() {
     results.showEntry(entry);
     progress.setStatus(`Done in ${formatSeconds(seconds)}`);
     ok = true;
+    keep(entry);
   } catch (error) {
     progress.setStatus("");
     showFailure(error, generate);
@@ -92,6 +95,11 @@ async function uploadReferences() {
   });
 }
 
+// The result and, once the browser has stored it, the older results dropped to stay within its budget.
+async function keep(entry) {
+  for (const number of await storage.saveResult(entry)) results.remove(number);
+}
+
 function setRunning(now, ok = false) {
   running = now;
   showButton();
@@ -120,6 +128,12 @@ async function useAsReference(image) {
   }
 }
 
+function removeResult(entry) {
+  results.remove(entry.number);
+  storage.deleteResult(entry.number);
+  (document.querySelector("#history .history-item") || $("prompt")).focus();
+}
+
 function wire() {
   $("form").addEventListener("submit", (event) => {
     event.preventDefault();
@@ -132,11 +146,25 @@ function wire() {
     }
   });
   settings.wireSettings();
-  references.onChange(settings.showFirstReference);
+  references.onChange((list) => {
+    settings.showFirstReference(list[0] || null);
+    storage.saveReferences(list);
+  });
   references.wireReferences();
-  results.onResultActions({ useAsReference, reuse: (entry) => settings.restoreSettings(entry.request, entry.seed) });
+  results.onResultActions({
+    useAsReference,
+    reuse: (entry) => settings.restoreSettings(entry.request, entry.seed),
+    remove: removeResult,
+  });
   onRetry(progress.retrying);
 }
 
-wire();
-loadConfig();
+async function start() {
+  wire();
+  const saved = await storage.load();
+  references.restore(saved.references);
+  results.restore(saved.results);
+  await loadConfig();
+}
+
+start();

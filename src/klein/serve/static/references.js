@@ -7,20 +7,21 @@ import { $, element, formatBytes, iconButton } from "./dom.js";
 import { postForm } from "./api.js";
 import { InputProblem, clearError, showFailure } from "./errors.js";
 
-const refs = []; // {key, blob, name, url, width, height}
+const refs = []; // {key, blob, name, url, width, height}; url: the list's own, revoked on removal
 let nextKey = 1;
 let limits = null; // /v1/config's max_references, max_upload_bytes and max_pixels, once it has said
 let uploaded = null; // {keys, id}: the server's id for the list as it was last uploaded
 let changed = () => {};
 
-export const current = () => refs.slice();
+// The list as plain data (the images as blobs), to send, show with a result or keep.
+export const current = () => refs.map(({ blob, name, width, height }) => ({ blob, name, width, height }));
 
 export function setLimits(config) {
   limits = config;
   render();
 }
 
-// callback(the first reference, or null) after every change of the list.
+// callback(list) after every change of the list.
 export function onChange(callback) {
   changed = callback;
 }
@@ -31,6 +32,14 @@ export async function addReference(blob, name) {
   refs.push({ key: nextKey++, blob, name, url: URL.createObjectURL(blob), width, height });
   update();
   return refs.length;
+}
+
+// The list a previous visit left (`current()`'s items), checked when it was added.
+export function restore(list) {
+  for (const { blob, name, width, height } of list) {
+    refs.push({ key: nextKey++, blob, name, url: URL.createObjectURL(blob), width, height });
+  }
+  update();
 }
 
 // {width, height} of an image the server will take; an InputProblem naming what is wrong.
@@ -92,7 +101,7 @@ function remove(index) {
 
 function update() {
   render();
-  changed(refs[0] || null);
+  changed(current());
 }
 
 function render() {

@@ -1,12 +1,17 @@
 // Results: the shown one (images with "Use as reference" and "Download PNG", its settings, whether
-// the references came from the cache, the time of each stage) and the session's history of them.
-import { $, counted, element, formatSeconds, thumbnail } from "./dom.js";
+// the references came from the cache, the time of each stage) and the history of them. An entry is
+// plain data, its images and references as blobs, so that it can be kept across a reload; the object
+// URLs that show them are made here when first shown and revoked when the entry is removed.
+import { $, counted, element, formatSeconds, iconButton, thumbnail } from "./dom.js";
 
+const EMPTY = $("empty"); // the note shown while there is no result
 const history = []; // oldest first
+const urls = new WeakMap(); // an image of an entry ({blob, name}) -> its object URL
+let nextNumber = 1;
 let shown = null;
-let actions = { useAsReference: () => {}, reuse: () => {} };
+let actions = { useAsReference: () => {}, reuse: () => {}, remove: () => {} };
 
-// useAsReference(image {blob, url, name}) and reuse(entry) are what the result's buttons do.
+// useAsReference(image {blob, name}), reuse(entry) and remove(entry) are what the buttons do.
 export function onResultActions(callbacks) {
   actions = callbacks;
 }
@@ -14,13 +19,13 @@ export function onResultActions(callbacks) {
 export const hasShown = () => shown !== null;
 
 // A finished job as a history entry: what was asked (request), what ran (the response's `klein`),
-// the references it used (refs: {url, name}), what their upload did (upload, or null) and the seconds
-// from Generate to the result (upload, queue and transfer included).
+// the references it used (refs: {blob, name, width, height}), what their upload did (upload, or null)
+// and the seconds from Generate to the result (upload, queue and transfer included).
 export function addResult(request, result, refs, upload, seconds) {
   const klein = result.klein || {};
   const seed = klein.seed ?? request.seed;
   const entry = {
-    number: history.length + 1,
+    number: nextNumber++,
     request,
     refs,
     upload,
@@ -39,15 +44,43 @@ export function addResult(request, result, refs, upload, seconds) {
 function pngImage(b64, suffix, seed) {
   // The server's PNG bytes exactly as sent, so a download keeps klein's metadata.
   const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
-  const blob = new Blob([bytes], { type: "image/png" });
-  return { blob, url: URL.createObjectURL(blob), name: `klein-${seed}${suffix}.png` };
+  return { blob: new Blob([bytes], { type: "image/png" }), name: `klein-${seed}${suffix}.png` };
+}
+
+// The entries a previous visit left, oldest first; the newest is shown.
+export function restore(entries) {
+  history.push(...entries);
+  nextNumber = Math.max(nextNumber, ...entries.map((entry) => entry.number + 1));
+  renderHistory();
+  if (entries.length) showEntry(history.at(-1));
+}
+
+export function remove(number) {
+  const index = history.findIndex((entry) => entry.number === number);
+  if (index < 0) return;
+  const [entry] = history.splice(index, 1);
+  if (shown === entry) showNothing();
+  renderHistory();
+  for (const image of [...entry.images, ...entry.refs]) {
+    if (urls.has(image)) URL.revokeObjectURL(urls.get(image));
+  }
+}
+
+function showNothing() {
+  shown = null;
+  $("current").replaceChildren(EMPTY);
+}
+
+function urlOf(image) {
+  if (!urls.has(image)) urls.set(image, URL.createObjectURL(image.blob));
+  return urls.get(image);
 }
 
 export function showEntry(entry) {
   shown = entry;
   $("current").replaceChildren(imageGrid(entry), details(entry));
   for (const item of $("history").children) {
-    item.querySelector("button").setAttribute("aria-current", String(Number(item.dataset.number) === entry.number));
+    item.querySelector(".history-item").setAttribute("aria-current", String(Number(item.dataset.number) === entry.number));
   }
 }
 
@@ -56,14 +89,14 @@ function imageGrid(entry) {
   const grid = element("div", `images count-${Math.min(entry.images.length, 4)}`);
   entry.images.forEach((image, index) => {
     const figure = element("figure", "result");
-    const img = thumbnail(image.url, `Result ${index + 1} of ${entry.images.length} for “${entry.request.prompt}”`, "");
+    const img = thumbnail(urlOf(image), `Result ${index + 1} of ${entry.images.length} for “${entry.request.prompt}”`, "");
     const buttons = element("figcaption", "result-actions");
     const use = element("button", "use", "Use as reference");
     use.type = "button";
     use.addEventListener("click", () => actions.useAsReference(image));
     const download = element("a", "button download", several ? "Download" : "Download PNG");
     download.title = "The PNG as the server made it, with klein's settings in its metadata";
-    download.href = image.url;
+    download.href = urlOf(image);
     download.download = image.name;
     buttons.append(use, download);
     figure.append(img, buttons);
@@ -85,7 +118,7 @@ function facts(entry) {
   const { settings, request } = entry;
   const size = settings.width && settings.height ? `${settings.width} × ${settings.height}` : request.size;
   const refs = element("span", "fact-refs");
-  refs.append(...entry.refs.map((ref, index) => thumbnail(ref.url, `Reference ${index + 1}: ${ref.name}`)));
+  refs.append(...entry.refs.map((ref, index) => thumbnail(urlOf(ref), `Reference ${index + 1}: ${ref.name}`)));
   if (!entry.refs.length) refs.textContent = "none";
   const list = element("dl", "facts");
   const rows = [["Size", size], ["Steps", settings.num_inference_steps ?? request.num_inference_steps], ["Seed", entry.seed], ["References", refs]];
@@ -160,7 +193,7 @@ function historyItem(entry) {
   const text = element("span", "history-text");
   const refs = entry.refs.length ? ` · ${counted(entry.refs.length, "ref")}` : "";
   text.append(element("span", "history-prompt", entry.request.prompt), element("span", "muted", `#${entry.number} · seed ${entry.seed}${refs}`));
-  button.append(thumbnail(entry.images[0].url, "", ""), text);
-  item.append(button);
+  button.append(thumbnail(urlOf(entry.images[0]), "", ""), text);
+  item.append(button, iconButton("remove", `Remove result ${entry.number}`, false, () => actions.remove(entry)));
   return item;
 }
