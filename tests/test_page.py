@@ -1,47 +1,66 @@
 """The editing page in real headless Chromium, against a real `klein serve` (demo checkpoint) on loopback.
 
-One edit loop as a person would do it: upload a reference, prompt, Generate, watch the steps, see the
-image; a second prompt on the same reference shows the cache hit; the result becomes the reference of the
-next edit; a download keeps klein's PNG metadata. Then what the server refuses is shown inline with the
-prompt kept. Throughout: no console errors and no request that leaves the server's origin.
+One edit loop as a person would do it: upload a reference, prompt, Generate, watch the upload and the
+steps, see the image; a second prompt on the same reference shows the cache hit; the result becomes the
+reference of the next edit; a download keeps klein's PNG metadata. Then: what the page refuses when a file
+is picked and what the server refuses, shown inline with the prompt kept; limits only from /v1/config;
+results and references kept across a reload, their object URLs revoked when they go; one retry policy for
+every request; the notice that a fresh server's first request compiles. Throughout: no request that
+leaves the server's origin and, where nothing is refused on purpose, no console errors.
 """
 
+import collections
+import contextlib
+import dataclasses
 import io
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from importlib import resources
 from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
 import PIL.Image
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from tests.support.serve_process import running
+
 MAX_REFERENCES = 3
 MAX_UPLOAD_BYTES = 64 * 1024
+MAX_PIXELS = 1_000_000  # 1024 x 1024 is over it, 1280 x 720 under
 SERVE_FLAGS = ["--max-steps", "2", "--max-references", MAX_REFERENCES, "--max-upload-bytes", MAX_UPLOAD_BYTES]
+SERVE_FLAGS += ["--max-pixels", MAX_PIXELS]
 GENERATION_TIMEOUT_MS = 120_000  # the first one compiles the demo model on a loaded 2-core machine
 
-# Every status line the page shows, recorded as it is written (steps pass faster than a poll could see).
-RECORD_STATUS = """
+# Every status line the page shows and every value of its progress bar, recorded as they are written
+# (steps pass faster than a poll could see).
+RECORD_PROGRESS = """
 window.statusLines = [];
+window.barValues = [];
 document.addEventListener("DOMContentLoaded", () => {
   const status = document.getElementById("status");
   new MutationObserver((records) => {
     for (const record of records) for (const node of record.addedNodes) window.statusLines.push(node.textContent);
   }).observe(status, {childList: true});
+  const bar = document.getElementById("progress");
+  new MutationObserver(() => {
+    window.barValues.push([status.textContent, bar.hasAttribute("value") ? bar.value : null]);
+  }).observe(bar, {attributes: true, attributeFilter: ["value"]});
 });
+"""
+
+# The object URLs the page holds: made and not yet revoked.
+RECORD_OBJECT_URLS = """
+window.liveURLs = new Set();
+const create = URL.createObjectURL, revoke = URL.revokeObjectURL;
+URL.createObjectURL = (blob) => { const url = create(blob); window.liveURLs.add(url); return url; };
+URL.revokeObjectURL = (url) => { window.liveURLs.delete(url); revoke(url); };
 """
 
 
 def png_bytes(width: int, height: int, noise: bool = False) -> bytes:
     rng = np.random.default_rng(width)
-    if noise:  # incompressible: a PNG far over the upload limit
+    if noise:  # incompressible: width x height x 3 bytes and a little more
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
     else:
         y, x = np.mgrid[0:height, 0:width]
@@ -55,44 +74,11 @@ def png_file(name: str, width: int, height: int, noise: bool = False) -> dict:
     return {"name": name, "mimeType": "image/png", "buffer": png_bytes(width, height, noise)}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_healthy(url: str, process: subprocess.Popen, log_path, seconds: float = 180) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"klein serve exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.25)
-    raise AssertionError(f"klein serve was not healthy within {seconds} s:\n{log_path.read_text()}")
-
-
 @pytest.fixture(scope="module")
-def server(klein_home, tmp_path_factory):
+def server(klein_home):
     """The URL of a `klein serve` subprocess on the demo checkpoint, small limits, loopback only."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "KLEIN_HOME": str(klein_home), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "klein.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [*command, *map(str, SERVE_FLAGS)], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, process, log_path)
+    with running(klein_home, *map(str, SERVE_FLAGS)) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -103,22 +89,44 @@ def browser():
         chromium.close()
 
 
-@pytest.fixture
-def visit(server, browser):
-    """Opens the page; yields (page, console errors, requested URLs) and checks every request's origin."""
+@dataclasses.dataclass
+class Tab:
+    page: object
+    errors: list  # console errors and uncaught exceptions
+    requests: list  # every URL the page asked for
+    url: str  # the server's
+
+    def open(self) -> None:
+        """Loads the page and waits until it has read /v1/config."""
+        self.page.goto(f"{self.url}/")
+        expect(self.page.locator("#model")).to_contain_text("demo")
+        expect(self.page.locator("#generate")).to_be_enabled()
+
+
+@contextlib.contextmanager
+def new_tab(browser, url: str):
+    """A page in a fresh browser context (its own storage), not yet opened; at the end, checks that
+    every request went to the server's origin."""
     context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
     page = context.new_page()
-    errors, requests = [], []
-    page.on("console", lambda message: message.type == "error" and errors.append(message.text))
-    page.on("pageerror", lambda error: errors.append(f"uncaught: {error}"))
-    page.on("request", lambda request: requests.append(request.url))
-    page.add_init_script(RECORD_STATUS)
-    page.goto(f"{server}/")
-    expect(page.locator("#model")).to_contain_text("demo")
-    yield page, errors, requests
-    context.close()
-    foreign = [url for url in requests if not url.startswith("data:") and origin(url) != server]
+    tab = Tab(page, [], [], url)
+    page.on("console", lambda message: message.type == "error" and tab.errors.append(message.text))
+    page.on("pageerror", lambda error: tab.errors.append(f"uncaught: {error}"))
+    page.on("request", lambda request: tab.requests.append(request.url))
+    page.add_init_script(RECORD_PROGRESS)
+    page.add_init_script(RECORD_OBJECT_URLS)
+    try:
+        yield tab
+    finally:
+        context.close()
+    foreign = [each for each in tab.requests if not each.startswith("data:") and origin(each) != url]
     assert not foreign, f"requests left the server's origin: {foreign}"
+
+
+@pytest.fixture
+def tab(server, browser):
+    with new_tab(browser, server) as opened:
+        yield opened
 
 
 def origin(url: str) -> str:
@@ -131,6 +139,18 @@ def generate(page, prompt: str, results: int) -> None:
     page.click("#generate")
     expect(page.locator("#history li")).to_have_count(results, timeout=GENERATION_TIMEOUT_MS)
     expect(page.locator("#generate")).to_be_enabled()
+
+
+def widths(page, selector: str) -> list[int]:
+    """The natural widths of the images `selector` finds, once decoded (0: one that cannot be)."""
+    decoded = "imgs => Promise.all(imgs.map((img) => img.decode().then(() => img.naturalWidth, () => 0)))"
+    return page.eval_on_selector_all(selector, decoded)
+
+
+def seconds(text: str) -> float:
+    """The seconds in a text the page wrote with formatSeconds ("0.42 s", "12.3 s", "7 ms")."""
+    number, unit = re.search(r"([\d.]+) (s|ms)\b", text).groups()
+    return float(number) / (1000 if unit == "ms" else 1)
 
 
 def test_every_page_file_is_served_and_names_no_other_host():
@@ -151,8 +171,9 @@ def test_every_page_file_is_served_and_names_no_other_host():
     assert client.get("/static/index.js").status_code == 404
 
 
-def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
-    page, errors, requests = visit
+def test_edit_loop_with_cache_hit_and_result_as_reference(tab, tmp_path):
+    page, errors, requests = tab.page, tab.errors, tab.requests
+    tab.open()
     page.set_input_files("#ref-input", [png_file("portrait.png", 96, 96)])
     expect(page.locator("#refs li")).to_have_count(1)
 
@@ -163,6 +184,14 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
     assert "Step 1 of 2" in lines and any(line.startswith("Step 2 of 2") for line in lines), lines
     expect(page.locator("#current .cache")).to_contain_text("Encoded")
     assert page.locator("#current .timings .timing").count() >= 3  # stages and the total
+
+    # "Done in" counts from the click: the upload and encoding, then the server's stages, and the wait.
+    done = seconds(page.locator("#status").inner_text())
+    upload = seconds(page.locator("#current .cache").inner_text())
+    rows = page.locator("#current .timing:not(.total)").all_inner_texts()
+    server_stages = sum(seconds(row) for row in rows if not row.startswith("upload"))
+    assert done == seconds(page.locator("#current .timing.total .seconds").inner_text())
+    assert done >= upload + server_stages - 0.03, (done, upload, rows)
 
     # Ctrl+Enter with a fixed seed and another prompt: the same reference comes from the cache.
     page.get_by_text("Fixed", exact=True).click()
@@ -197,16 +226,58 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(visit, tmp_path):
     assert not errors, errors
 
 
-def test_refusals_are_inline_and_keep_what_was_entered(visit):
-    page, errors, _ = visit
+def test_the_bar_follows_the_upload_then_the_encoding(tab):
+    page = tab.page
+    tab.open()
+    # A throttled upload (about a second for this file) reports its progress on the way.
+    page.set_input_files("#ref-input", [png_file("slow.png", 128, 128, noise=True)])
+    expect(page.locator("#refs li")).to_have_count(1)
+    devtools = page.context.new_cdp_session(page)
+    devtools.send("Network.enable")
+    conditions = {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": 40 * 1024}
+    devtools.send("Network.emulateNetworkConditions", conditions)
+    generate(page, "a slow upload", results=1)
+    lines = page.evaluate("window.statusLines")
+    shares = [int(share) for share in re.findall(r"^Uploading 1 reference: (\d+)%$", "\n".join(lines), re.M)]
+    assert shares and shares[-1] == 100 and any(0 < share < 100 for share in shares), lines
+    encoding = lines.index("Encoding 1 reference…")
+    assert lines.index(f"Uploading 1 reference: {shares[0]}%") < encoding < lines.index("Queued"), lines
+    bar = [value for text, value in page.evaluate("window.barValues") if text.startswith("Uploading")]
+    assert any(0 < value < 1 for value in bar), bar
+    assert not tab.errors, tab.errors
+
+
+def test_refusals_are_inline_and_keep_what_was_entered(tab):
+    page, errors = tab.page, tab.errors
+    tab.open()
     page.fill("#prompt", "a lighthouse at dusk")
-    page.set_input_files("#ref-input", [png_file("large.png", 256, 256, noise=True)])
-    page.click("#generate")
     error = page.locator("#error")
+
+    # Refused when picked, not at Generate: a file that is not an image, one that only says it is, and
+    # one larger than the server takes in an upload (the limit read from /v1/config).
+    fake = {"name": "notes.png", "mimeType": "image/png", "buffer": b"not a png"}
+    page.set_input_files("#ref-input", [fake])
+    expect(error).to_contain_text("notes.png is not an image")
+    page.set_input_files("#ref-input", [png_file("large.png", 256, 256, noise=True)])
+    expect(error).to_contain_text("--max-upload-bytes")
+    drop_text_file = """() => {
+      const files = new DataTransfer();
+      files.items.add(new File(["a shopping list"], "list.txt", {type: "text/plain"}));
+      document.getElementById("drop").dispatchEvent(new DragEvent("drop", {dataTransfer: files, bubbles: true}));
+    }"""
+    page.evaluate(drop_text_file)
+    expect(error).to_contain_text("list.txt is not an image")
+    expect(page.locator("#refs li")).to_have_count(0)
+
+    # What only the server can refuse: two images, each within the upload limit, over it together.
+    halves = [png_file(f"half{i}.png", 128 + 16 * i, 128, noise=True) for i in range(2)]
+    page.set_input_files("#ref-input", halves)
+    expect(page.locator("#refs li")).to_have_count(2)
+    page.click("#generate")
     expect(error).to_be_visible()
     expect(error).to_contain_text("--max-upload-bytes")
     expect(page.locator("#prompt")).to_have_value("a lighthouse at dusk")
-    expect(page.locator("#refs li")).to_have_count(1)
+    expect(page.locator("#refs li")).to_have_count(2)
     expect(page.locator("#generate")).to_be_enabled()
     # The browser itself logs the refused response; nothing else may have gone wrong.
     assert len(errors) == 1 and "413" in errors[0], errors
@@ -218,13 +289,192 @@ def test_refusals_are_inline_and_keep_what_was_entered(visit):
     expect(error).to_contain_text(f"at most {MAX_REFERENCES} references")
     expect(page.locator("#ref-input")).to_be_disabled()
 
-    # Keyboard reordering: the second reference moves first and keeps the focus on its controls.
-    page.focus("#refs li:nth-child(2) .up")
+    # Keyboard reordering: the third reference moves up and keeps the focus on its controls.
+    page.focus("#refs li:nth-child(3) .up")
     page.keyboard.press("Enter")
-    expect(page.locator("#refs li:nth-child(1) .ref-name")).to_have_text("ref0.png")
-    expect(page.locator("#refs li:nth-child(1) .down")).to_be_focused()
+    expect(page.locator("#refs li:nth-child(2) .ref-name")).to_have_text("ref0.png")
+    expect(page.locator("#refs li:nth-child(2) .up")).to_be_focused()
+    page.keyboard.press("Tab")
     page.keyboard.press("Tab")
     page.keyboard.press("Enter")  # its remove button
     expect(page.locator("#refs li")).to_have_count(MAX_REFERENCES - 1)
     assert "ref0.png" not in page.locator("#refs .ref-name").all_inner_texts()
     assert len(errors) == 1, errors
+
+
+def test_limits_and_defaults_come_from_the_server(tab):
+    page = tab.page
+    config = httpx.get(f"{tab.url}/v1/config").json()
+    held = []
+    page.route("**/v1/config", lambda route: held.append(route))
+    page.goto(f"{tab.url}/")
+    # Until the server has said, the page assumes no limit and cannot generate.
+    expect(page.locator("#model")).to_have_text("connecting…")
+    expect(page.locator("#generate")).to_be_disabled()
+    expect(page.locator("#ref-count")).to_have_text("")
+    expect(page.locator("#ref-input")).to_be_disabled()
+    for field in ("#steps", "#count", "#width"):
+        assert page.eval_on_selector(field, "input => input.max + input.step") == "", field
+    held.pop().continue_()
+    expect(page.locator("#generate")).to_be_enabled()
+
+    expect(page.locator("#ref-count")).to_have_text(f"0 of {MAX_REFERENCES}")
+    expect(page.locator("#steps")).to_have_attribute("max", "2")
+    expect(page.locator("#steps")).to_have_value(str(min(config["default_steps"], 2)))
+    expect(page.locator("#count")).to_have_attribute("max", str(config["max_images"]))
+    expect(page.locator("#width")).to_have_attribute("step", str(config["size_multiple"]))
+    expect(page.locator("#size option", has_text="1024 × 1024")).to_be_disabled()
+    expect(page.locator("#size option", has_text="1280 × 720")).to_be_enabled()
+
+    # A custom size is checked against the same limits before anything is sent.
+    page.fill("#prompt", "a wide field")
+    page.select_option("#size", "custom")
+    page.fill("#width", "1008")
+    page.fill("#height", "1008")
+    page.click("#generate")
+    expect(page.locator("#error")).to_contain_text(f"more than the {MAX_PIXELS} px")
+    page.fill("#width", "8")
+    page.click("#generate")
+    expect(page.locator("#error")).to_contain_text(f"must be a whole number from {config['min_side']}")
+    expect(page.locator("#width")).to_be_focused()
+    assert not any(request.endswith("/v1/jobs") for request in tab.requests)
+    assert not tab.errors, tab.errors
+
+
+def test_results_and_references_are_kept_across_a_reload(tab):
+    page = tab.page
+    tab.open()
+    page.set_input_files("#ref-input", [png_file("kept.png", 80, 64)])
+    generate(page, "a kept fox", results=1)
+    page.select_option("#size", "256x256")
+    generate(page, "a kept owl", results=2)
+
+    page.reload()
+    expect(page.locator("#model")).to_contain_text("demo")
+    expect(page.locator("#refs .ref-name")).to_have_text(["kept.png"])
+    expect(page.locator("#refs .ref-size")).to_have_text(["80 × 64"])
+    expect(page.locator("#size option").first).to_have_text("From first reference (80 × 64)")
+    expect(page.locator("#history .history-prompt")).to_have_text(["a kept owl", "a kept fox"])
+    expect(page.locator("#current .prompt-shown")).to_have_text("a kept owl")
+    assert widths(page, "#current .result img") == [256]
+    assert widths(page, "#current .fact-refs img") == [80]
+
+    # The restored results go on as before: shown, reused, removed (and then gone after a reload too);
+    # numbering continues after them.
+    page.get_by_role("button", name="Show result 1: a kept fox").click()
+    expect(page.locator("#current .prompt-shown")).to_have_text("a kept fox")
+    page.get_by_role("button", name="Remove result 2").click()
+    expect(page.locator("#history li")).to_have_count(1)
+    page.click("#current .use")
+    expect(page.locator("#refs li")).to_have_count(2)
+    generate(page, "a third", results=2)
+    expect(page.locator("#history .muted").first).to_contain_text("#3")
+    page.reload()
+    expect(page.locator("#history .history-prompt")).to_have_text(["a third", "a kept fox"])
+    expect(page.locator("#refs li")).to_have_count(2)
+
+    # The byte budget drops the oldest results first, never the newest.
+    drops = page.evaluate("""async () => {
+      const {oldestOver} = await import("./static/storage.js");
+      const entry = (number, bytes) => ({number, images: [{blob: new Blob([new Uint8Array(bytes)])}], refs: []});
+      const entries = [entry(1, 400), entry(2, 300), entry(3, 200), entry(4, 500)];
+      return [oldestOver(entries, 1400), oldestOver(entries, 1000), oldestOver(entries, 100)];
+    }""")
+    assert drops == [[], [1], [1, 2, 3]]
+    assert not tab.errors, tab.errors
+
+
+def test_object_urls_are_revoked_when_their_image_goes(tab):
+    page = tab.page
+    tab.open()
+    live = "() => window.liveURLs.size"
+    page.set_input_files("#ref-input", [png_file("first.png", 64, 64), png_file("second.png", 80, 64)])
+    expect(page.locator("#refs li")).to_have_count(2)
+    generate(page, "two references", results=1)
+
+    # Each image has its own URL: a reference removed from the list still shows with its result.
+    page.get_by_role("button", name="Remove reference 1").click()
+    page.get_by_role("button", name="Show result 1: two references").click()
+    assert widths(page, "#current .fact-refs img") == [64, 80]
+
+    # Gone from the page, gone from memory: removed references and results leave no URL behind.
+    page.click("#current .use")
+    page.get_by_role("button", name="Remove result 1").click()
+    expect(page.locator("#history li")).to_have_count(0)
+    assert page.evaluate(live) == 2  # the two references left
+    for _ in range(2):
+        page.get_by_role("button", name="Remove reference 1").click()
+    expect(page.locator("#refs li")).to_have_count(0)
+    assert page.evaluate(live) == 0
+    assert not tab.errors, tab.errors
+
+
+def test_one_retry_policy_for_every_request(tab):
+    """No answer (the config, the event stream), a full queue (the job) and an unavailable server (the
+    upload), each once: the page waits as told and asks again; a wait longer than it would sit through
+    is shown instead."""
+    page = tab.page
+    calls = collections.Counter()
+
+    def once(kind, status=None, retry_after="1"):
+        def handle(route):
+            calls[kind] += 1
+            if calls[kind] > 1:
+                return route.fallback()
+            if status is None:
+                return route.abort("connectionreset")
+            error = {"error": {"message": f"{kind} refused on purpose", "code": "test"}}
+            route.fulfill(status=status, headers={"Retry-After": retry_after}, json=error)
+
+        return handle
+
+    page.route("**/v1/config", once("config"))
+    page.route("**/v1/references", once("references", 503))
+    page.route("**/v1/jobs", once("jobs", 429))
+    page.route("**/events", once("events"))
+    tab.open()
+    page.set_input_files("#ref-input", [png_file("retried.png", 64, 64)])
+    generate(page, "asked twice", results=1)
+    assert calls == {"config": 2, "references": 2, "jobs": 2, "events": 2}, calls
+    lines = page.evaluate("window.statusLines")
+    for line in (
+        "No answer from the server: trying again in 1 s (1 of 3)",
+        "The server is unavailable: trying again in 1 s (1 of 3)",
+        "The server is busy: trying again in 1 s (1 of 3)",
+    ):
+        assert line in lines, lines
+
+    page.unroute("**/v1/jobs")
+    page.route("**/v1/jobs", once("long wait", 429, retry_after="120"))
+    page.click("#generate")
+    expect(page.locator("#error")).to_contain_text("Try again in 120 s")
+    assert calls["long wait"] == 1
+
+
+def test_a_fresh_server_says_once_that_its_first_request_compiles(klein_home, browser):
+    with running(klein_home, "--max-steps", "2") as url, new_tab(browser, url) as tab:
+        page = tab.page
+        notice = page.locator("#notice")
+        held = []
+        # The job waits here, as long as a compilation would take.
+        page.route("**/v1/jobs", lambda route: held.append(route))
+        tab.open()
+        page.fill("#prompt", "the first one")
+        page.click("#generate")
+        expect(notice).to_be_visible(timeout=10_000)
+        expect(notice).to_contain_text("compiles")
+        held.pop().continue_()
+        expect(page.locator("#history li")).to_have_count(1, timeout=GENERATION_TIMEOUT_MS)
+        expect(notice).to_be_hidden()
+
+        # Said once: a later slow request on this server, here or after a reload, goes without it.
+        assert httpx.get(f"{url}/v1/config").json()["jobs_done"] == 1
+        page.reload()
+        expect(page.locator("#generate")).to_be_enabled()
+        page.fill("#prompt", "the second one")
+        page.click("#generate")
+        page.wait_for_timeout(4000)
+        expect(notice).to_be_hidden()
+        held.pop().continue_()
+        expect(page.locator("#status")).to_contain_text("Done in", timeout=GENERATION_TIMEOUT_MS)
+        assert not tab.errors, tab.errors

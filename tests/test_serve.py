@@ -132,6 +132,7 @@ def test_a_reference_id_gives_the_image_of_the_edit_that_uploaded_the_images(cli
 
 def test_job_events_arrive_in_order_one_per_step_then_done(url):
     body = {"prompt": "a lighthouse", "size": "64x64", "n": 2, "seed": 1, "num_inference_steps": 3}
+    jobs_done = httpx.get(url + "/v1/config").json()["jobs_done"]
     created = httpx.post(url + "/v1/jobs", json=body)
     assert created.status_code == 202 and created.json()["status"] == "queued"
     job = created.json()["id"]
@@ -148,6 +149,7 @@ def test_job_events_arrive_in_order_one_per_step_then_done(url):
     done = httpx.get(f"{url}/v1/jobs/{job}").json()
     assert done["status"] == "done" and done["progress"] == {"step": 3, "steps": 3} and done["error"] is None
     assert done["result"] == events[-1][1]
+    assert httpx.get(url + "/v1/config").json()["jobs_done"] == jobs_done + 1  # the page's "fresh server?"
     assert decode(done["result"]["data"][0]["b64_json"]).text["prompt"] == "a lighthouse"
 
 

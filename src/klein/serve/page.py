@@ -20,9 +20,11 @@ ASSETS = {
     "api.js": JS,
     "dom.js": JS,
     "errors.js": JS,
+    "progress.js": JS,
     "references.js": JS,
     "results.js": JS,
     "settings.js": JS,
+    "storage.js": JS,
 }
 # The files change with the installed version only; revalidating keeps an upgraded server's page fresh.
 HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}

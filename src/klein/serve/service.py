@@ -10,7 +10,7 @@ import functools
 
 from klein.errors import InputError
 from klein.pipeline.cache import ByteBudgetCache
-from klein.request.resolve import caches_references, typical
+from klein.request.resolve import MIN_SIDE, MULTIPLE, caches_references, typical
 from klein.serve import batching, errors, generation
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
@@ -67,7 +67,8 @@ class Service:
         }
 
     def config(self) -> dict:
-        """GET /v1/config: the limits and defaults a client (the web page) needs."""
+        """GET /v1/config: the limits and defaults a client (the web page) needs, and how many jobs have
+        finished (0 on a fresh server, whose first request compiles the model's programs)."""
         variant, options = self.pipe.variant, self.options
         defaults = typical(variant)  # what a request that names no steps or guidance gets
         return {
@@ -75,6 +76,8 @@ class Service:
             "variant": variant.name,
             "max_references": options.max_references,
             "max_pixels": options.max_pixels,
+            "min_side": MIN_SIDE,
+            "size_multiple": MULTIPLE,
             "max_steps": options.max_steps,
             "max_upload_bytes": options.max_upload_bytes,
             "max_images": options.max_images,
@@ -82,6 +85,7 @@ class Service:
             "default_guidance_scale": defaults.request.guidance_scale,
             "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
+            "jobs_done": self.metrics.jobs["done"],
         }
 
     def metrics_text(self) -> str:

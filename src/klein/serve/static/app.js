@@ -1,15 +1,19 @@
-// klein's editing page: references, prompt and settings on the left; live progress, results and the
-// session's history on the right. It speaks only to the server that served it, through the HTTP API
-// (/v1/config, /v1/references, /v1/jobs and the job's events). This module runs one edit end to end
-// and wires the page together; each part lives in its own module.
-import { $, counted, formatSeconds } from "./dom.js";
-import { ServerError, followJob, getJSON, postJSON } from "./api.js";
+// klein's editing page: references, prompt and settings on the left; live progress, results and their
+// history on the right. It speaks only to the server that served it, through the HTTP API
+// (/v1/config, /v1/references, /v1/jobs and the job's events), and keeps its results and references
+// in the browser across a reload. This module runs one edit end to end and wires the page together;
+// each part lives in its own module.
+import { $, formatSeconds } from "./dom.js";
+import { ServerError, followJob, getJSON, onRetry, postJSON } from "./api.js";
 import { clearError, showFailure } from "./errors.js";
+import * as progress from "./progress.js";
 import * as references from "./references.js";
 import * as results from "./results.js";
 import * as settings from "./settings.js";
+import * as storage from "./storage.js";
 
 const EMPTY = $("empty").textContent;
+let connected = false;
 let running = false;
 
 async function loadConfig() {
@@ -17,15 +21,20 @@ async function loadConfig() {
     const config = await getJSON("v1/config");
     $("model").textContent = [config.model, config.variant].filter(Boolean).join(" · ");
     settings.applyLimits(config);
-    references.setLimit(config.max_references);
+    references.setLimits(config);
+    progress.knowServer(config);
+    progress.setStatus("");
+    connected = true;
+    showButton();
   } catch (error) {
     $("model").textContent = error instanceof ServerError && error.status === 401 ? "API key needed" : "not connected";
+    progress.setStatus("");
     showFailure(error, loadConfig);
   }
 }
 
 async function generate() {
-  if (running) return;
+  if (!connected || running) return;
   clearError();
   let body;
   try {
@@ -34,30 +43,34 @@ async function generate() {
     showFailure(problem);
     return;
   }
+  const started = performance.now();
   setRunning(true);
-  const used = references.current().map((ref) => ({ url: ref.url, name: ref.name }));
+  const used = references.current();
+  let ok = false;
   try {
     const { job, upload } = await submit(body);
-    setStatus("Queued", null);
-    const entry = results.addResult(body, await followJob(job.id, showProgress), used, upload);
+    progress.setStatus("Queued");
+    const result = await followJob(job.id, progress.jobEvent);
+    const seconds = (performance.now() - started) / 1000;
+    const entry = results.addResult(body, result, used, upload, seconds);
     settings.showSeedUsed(entry.seed);
     results.showEntry(entry);
-    setStatus(`Done in ${formatSeconds(results.totalSeconds(entry.timings))}`, null);
+    progress.setStatus(`Done in ${formatSeconds(seconds)}`);
+    ok = true;
+    keep(entry);
   } catch (error) {
-    setStatus("", null);
+    progress.setStatus("");
     showFailure(error, generate);
   } finally {
-    setRunning(false);
+    setRunning(false, ok);
   }
 }
 
 // POST /v1/jobs, after uploading the references if their list changed; {job, upload}.
 async function submit(body) {
-  const count = references.current().length;
   let upload = null;
-  if (count) {
-    setStatus(references.needsUpload() ? `Uploading and encoding ${counted(count, "reference")}…` : "Sending…", null);
-    upload = await references.upload();
+  if (references.current().length) {
+    upload = await uploadReferences();
     body.references = upload.id;
   }
   try {
@@ -66,50 +79,59 @@ async function submit(body) {
     // The server may have dropped the list (a restart, or evicted from its cache): upload it again, once.
     if (!(error instanceof ServerError && error.code === "unknown_reference")) throw error;
     references.forgetUpload();
-    upload = await references.upload();
+    upload = await uploadReferences();
     body.references = upload.id;
     return { job: await postJSON("v1/jobs", body), upload };
   }
 }
 
-function showProgress(event) {
-  if (event.name === "queued") {
-    const ahead = event.data.position;
-    setStatus(ahead > 0 ? `Queued: ${ahead} ahead` : "Queued: next", null);
-  } else if (event.name === "step") {
-    const { step, steps } = event.data;
-    setStatus(step >= steps ? `Step ${step} of ${steps}, decoding…` : `Step ${step} of ${steps}`, step / steps);
-  }
+// references.upload(), with the bar following the upload's bytes, then the encoding.
+async function uploadReferences() {
+  const count = references.current().length;
+  if (!references.needsUpload()) progress.setStatus("Sending…");
+  return references.upload({
+    onProgress: (fraction) => progress.uploading(count, fraction),
+    onSent: () => progress.encoding(count),
+  });
 }
 
-function setStatus(text, fraction) {
-  $("status").textContent = text;
-  const bar = $("progress");
-  if (fraction === null) bar.removeAttribute("value");
-  else bar.value = fraction;
+// The result and, once the browser has stored it, the older results dropped to stay within its budget.
+async function keep(entry) {
+  for (const number of await storage.saveResult(entry)) results.remove(number);
 }
 
-function setRunning(now) {
+function setRunning(now, ok = false) {
   running = now;
-  const button = $("generate");
-  button.disabled = now;
-  button.textContent = now ? "Generating…" : "Generate";
-  $("progress").hidden = !now;
+  showButton();
+  if (now) progress.begin();
+  else progress.end(ok);
   $("current").closest(".results").classList.toggle("busy", now);
   if (!results.hasShown()) {
     $("empty").textContent = now ? "Working on it: the image appears here as soon as it is decoded." : EMPTY;
   }
 }
 
-function useAsReference(image) {
+function showButton() {
+  const button = $("generate");
+  button.disabled = !connected || running;
+  button.textContent = running ? "Generating…" : "Generate";
+}
+
+async function useAsReference(image) {
   clearError();
   try {
-    const position = references.addReference(image.blob, image.name);
-    setStatus(`Added ${image.name} as reference ${position}`, null);
+    const position = await references.addReference(image.blob, image.name);
+    progress.setStatus(`Added ${image.name} as reference ${position}`);
     $("prompt").focus();
   } catch (problem) {
     showFailure(problem);
   }
+}
+
+function removeResult(entry) {
+  results.remove(entry.number);
+  storage.deleteResult(entry.number);
+  (document.querySelector("#history .history-item") || $("prompt")).focus();
 }
 
 function wire() {
@@ -124,10 +146,25 @@ function wire() {
     }
   });
   settings.wireSettings();
-  references.onChange(settings.showFirstReference);
+  references.onChange((list) => {
+    settings.showFirstReference(list[0] || null);
+    storage.saveReferences(list);
+  });
   references.wireReferences();
-  results.onResultActions({ useAsReference, reuse: (entry) => settings.restoreSettings(entry.request, entry.seed) });
+  results.onResultActions({
+    useAsReference,
+    reuse: (entry) => settings.restoreSettings(entry.request, entry.seed),
+    remove: removeResult,
+  });
+  onRetry(progress.retrying);
 }
 
-wire();
-loadConfig();
+async function start() {
+  wire();
+  const saved = await storage.load();
+  references.restore(saved.references);
+  results.restore(saved.results);
+  await loadConfig();
+}
+
+start();

@@ -42,3 +42,8 @@ export function formatSeconds(seconds) {
   if (seconds >= 10) return `${seconds.toFixed(1)} s`;
   return seconds >= 0.01 ? `${seconds.toFixed(2)} s` : `${Math.round(seconds * 1000)} ms`;
 }
+
+export function formatBytes(bytes) {
+  if (bytes < 2 ** 10) return `${bytes} bytes`;
+  return bytes < 2 ** 20 ? `${Math.round(bytes / 2 ** 10)} KiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+}

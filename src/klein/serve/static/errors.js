@@ -1,7 +1,7 @@
 // What went wrong, said in the page: one message box (role=alert) above the results, the field at
 // fault marked and focused, and the API key asked for on a 401. Nothing the person entered is reset.
 import { $ } from "./dom.js";
-import { ServerError, setApiKey } from "./api.js";
+import { NetworkError, ServerError, setApiKey } from "./api.js";
 
 // A problem the page finds itself, before asking the server; `field` is the id of the input at fault.
 export class InputProblem extends Error {
@@ -25,9 +25,10 @@ const ADVICE = {
 export function showFailure(error, retry) {
   if (error instanceof InputProblem) return showError(error.message, error.field);
   if (error instanceof ServerError && error.status === 401) return askForKey(retry);
-  if (!(error instanceof ServerError)) {
+  if (error instanceof NetworkError) {
     return showError(`Could not reach the server (${error.message}). Is klein serve still running?`, null);
   }
+  if (!(error instanceof ServerError)) return showError(`Something went wrong in the page: ${error.message}`, null);
   let text = sentence(error.message);
   if (ADVICE[error.code]) text += ` ${ADVICE[error.code]}`;
   if (error.retryAfter && !/retry/i.test(text)) text += ` Try again in ${error.retryAfter} s.`;

@@ -1,54 +1,77 @@
 // The reference images of the next edit, in the order the model sees them: thumbnails, reordering
-// (buttons, or dragging), removal, adding by file choice, drop or paste. The list travels to the
-// server as one upload (POST /v1/references), whose id is reused for as long as the list is unchanged.
-import { $, counted, element, iconButton } from "./dom.js";
+// (buttons, or dragging), removal, adding by file choice, drop or paste. Each image is checked as it is
+// added (one the browser can decode, within the server's limits), so a wrong file is refused at once.
+// The list travels to the server as one upload (POST /v1/references), whose id is reused for as long
+// as the list is unchanged.
+import { $, element, formatBytes, iconButton } from "./dom.js";
 import { postForm } from "./api.js";
 import { InputProblem, clearError, showFailure } from "./errors.js";
 
-const refs = []; // {key, blob, name, url, width, height}
+const refs = []; // {key, blob, name, url, width, height}; url: the list's own, revoked on removal
 let nextKey = 1;
-let limit = 4; // the server's --max-references, once /v1/config has said
+let limits = null; // /v1/config's max_references, max_upload_bytes and max_pixels, once it has said
 let uploaded = null; // {keys, id}: the server's id for the list as it was last uploaded
 let changed = () => {};
 
-export const current = () => refs.slice();
+// The list as plain data (the images as blobs), to send, show with a result or keep.
+export const current = () => refs.map(({ blob, name, width, height }) => ({ blob, name, width, height }));
 
-export function setLimit(max) {
-  limit = max;
+export function setLimits(config) {
+  limits = config;
   render();
 }
 
+// callback(list) after every change of the list.
 export function onChange(callback) {
   changed = callback;
 }
 
-// Adds an image (a File, or a result's PNG blob); an InputProblem when the list is full.
-export function addReference(blob, name) {
-  if (refs.length >= limit) {
-    throw new InputProblem(`This server takes at most ${limit} references: remove one first.`, "ref-input");
-  }
-  const ref = { key: nextKey++, blob, name, url: URL.createObjectURL(blob), width: 0, height: 0 };
-  refs.push(ref);
-  const probe = new Image();
-  probe.onload = () => {
-    ref.width = probe.naturalWidth;
-    ref.height = probe.naturalHeight;
-    render();
-  };
-  probe.src = ref.url;
-  render();
+// Adds an image (a File, or a result's PNG blob) once it passes the checks; an InputProblem if not.
+export async function addReference(blob, name) {
+  const { width, height } = await check(blob, name);
+  refs.push({ key: nextKey++, blob, name, url: URL.createObjectURL(blob), width, height });
+  update();
   return refs.length;
 }
 
-function addFiles(files) {
+// The list a previous visit left (`current()`'s items), checked when it was added.
+export function restore(list) {
+  for (const { blob, name, width, height } of list) {
+    refs.push({ key: nextKey++, blob, name, url: URL.createObjectURL(blob), width, height });
+  }
+  update();
+}
+
+// {width, height} of an image the server will take; an InputProblem naming what is wrong.
+async function check(blob, name) {
+  const refuse = (message) => new InputProblem(message, "ref-input");
+  if (!limits) throw refuse("The server's limits are not known yet: wait until the page is connected.");
+  if (blob.size > limits.max_upload_bytes) {
+    const most = formatBytes(limits.max_upload_bytes);
+    throw refuse(`${name} is ${formatBytes(blob.size)}, more than the ${most} this server takes in one upload (--max-upload-bytes).`);
+  }
+  let bitmap;
+  try {
+    bitmap = await createImageBitmap(blob);
+  } catch {
+    throw refuse(`${name} is not an image this browser can read: choose PNG, JPEG or WebP files.`);
+  }
+  const { width, height } = bitmap;
+  bitmap.close();
+  if (width * height > limits.max_pixels) {
+    throw refuse(`${name} is ${width} × ${height} px, more than the ${limits.max_pixels} px this server takes (--max-pixels).`);
+  }
+  // Counted last, after the wait for the decoding, when the list is as it will be added to.
+  if (refs.length >= limits.max_references) {
+    throw refuse(`This server takes at most ${limits.max_references} references: remove one first.`);
+  }
+  return { width, height };
+}
+
+async function addFiles(files) {
   clearError();
   try {
-    for (const file of files) {
-      if (!file.type.startsWith("image/")) {
-        throw new InputProblem(`${file.name} is not an image: choose PNG, JPEG or WebP files.`, "ref-input");
-      }
-      addReference(file, file.name);
-    }
+    for (const file of files) await addReference(file, file.name);
   } catch (problem) {
     showFailure(problem);
   }
@@ -57,7 +80,7 @@ function addFiles(files) {
 function move(from, to) {
   const [ref] = refs.splice(from, 1);
   refs.splice(to, 0, ref);
-  render();
+  update();
 }
 
 // Keyboard moves keep the focus on the moved item's controls, so the next press moves it again.
@@ -71,19 +94,23 @@ function moveByButton(index, by, kind) {
 function remove(index) {
   const [ref] = refs.splice(index, 1);
   URL.revokeObjectURL(ref.url);
-  render();
+  update();
   const items = $("refs").children;
   (items.length ? items[Math.min(index, items.length - 1)].querySelector(".remove") : $("ref-input")).focus();
 }
 
+function update() {
+  render();
+  changed(current());
+}
+
 function render() {
   $("refs").replaceChildren(...refs.map(item));
-  const full = refs.length >= limit;
-  $("ref-count").textContent = `${refs.length} of ${limit}`;
-  $("ref-input").disabled = full;
-  $("drop").classList.toggle("full", full);
+  const full = Boolean(limits) && refs.length >= limits.max_references;
+  $("ref-count").textContent = limits ? `${refs.length} of ${limits.max_references}` : "";
+  $("ref-input").disabled = !limits || full;
+  $("drop").classList.toggle("full", !limits || full);
   $("drop-text").textContent = full ? "Reference limit reached" : "Add reference images";
-  changed(refs[0] || null);
 }
 
 function item(ref, index) {
@@ -95,7 +122,7 @@ function item(ref, index) {
   img.alt = `Reference ${index + 1}: ${ref.name}`;
   const label = element("div", "ref-label");
   label.append(element("span", "ref-index", String(index + 1)), element("span", "ref-name", ref.name));
-  if (ref.width) label.append(element("span", "ref-size", `${ref.width} × ${ref.height}`));
+  label.append(element("span", "ref-size", `${ref.width} × ${ref.height}`));
   const tools = element("div", "ref-tools");
   const last = index === refs.length - 1;
   tools.append(
@@ -120,14 +147,15 @@ export function forgetUpload() {
 }
 
 // The list's id on the server. The server encodes a new list when it is uploaded, so the answer also
-// says whether this upload paid for the encoding (`encoded`) and how long that took, seen from here.
-export async function upload() {
+// says whether this upload paid for the encoding (`encoded`) and how long the upload and the encoding
+// took, seen from here. progress: postForm's {onProgress, onSent}.
+export async function upload(progress) {
   const keys = listKeys();
   if (uploaded && uploaded.keys === keys) return { id: uploaded.id, encoded: false, seconds: 0 };
   const form = new FormData();
   for (const ref of refs) form.append("image", ref.blob, ref.name);
   const started = performance.now();
-  const answer = await postForm("v1/references", form);
+  const answer = await postForm("v1/references", form, progress);
   uploaded = { keys, id: answer.id };
   return { id: answer.id, encoded: !answer.cached, seconds: (performance.now() - started) / 1000 };
 }
@@ -152,7 +180,7 @@ export function wireReferences() {
     addFiles([...event.dataTransfer.files]);
   });
   document.addEventListener("paste", (event) => {
-    const files = [...event.clipboardData.files].filter((file) => file.type.startsWith("image/"));
+    const files = [...event.clipboardData.files];
     if (files.length) addFiles(files);
   });
   wireReorder($("refs"));

@@ -1,12 +1,17 @@
 // Results: the shown one (images with "Use as reference" and "Download PNG", its settings, whether
-// the references came from the cache, the time of each stage) and the session's history of them.
-import { $, counted, element, formatSeconds, thumbnail } from "./dom.js";
+// the references came from the cache, the time of each stage) and the history of them. An entry is
+// plain data, its images and references as blobs, so that it can be kept across a reload; the object
+// URLs that show them are made here when first shown and revoked when the entry is removed.
+import { $, counted, element, formatSeconds, iconButton, thumbnail } from "./dom.js";
 
+const EMPTY = $("empty"); // the note shown while there is no result
 const history = []; // oldest first
+const urls = new WeakMap(); // an image of an entry ({blob, name}) -> its object URL
+let nextNumber = 1;
 let shown = null;
-let actions = { useAsReference: () => {}, reuse: () => {} };
+let actions = { useAsReference: () => {}, reuse: () => {}, remove: () => {} };
 
-// useAsReference(image {blob, url, name}) and reuse(entry) are what the result's buttons do.
+// useAsReference(image {blob, name}), reuse(entry) and remove(entry) are what the buttons do.
 export function onResultActions(callbacks) {
   actions = callbacks;
 }
@@ -14,15 +19,17 @@ export function onResultActions(callbacks) {
 export const hasShown = () => shown !== null;
 
 // A finished job as a history entry: what was asked (request), what ran (the response's `klein`),
-// the references it used (refs: {url, name}) and what their upload did (upload, or null).
-export function addResult(request, result, refs, upload) {
+// the references it used (refs: {blob, name, width, height}), what their upload did (upload, or null)
+// and the seconds from Generate to the result (upload, queue and transfer included).
+export function addResult(request, result, refs, upload, seconds) {
   const klein = result.klein || {};
   const seed = klein.seed ?? request.seed;
   const entry = {
-    number: history.length + 1,
+    number: nextNumber++,
     request,
     refs,
     upload,
+    seconds,
     seed,
     settings: klein.settings || {},
     timings: klein.timings || {},
@@ -37,15 +44,43 @@ export function addResult(request, result, refs, upload) {
 function pngImage(b64, suffix, seed) {
   // The server's PNG bytes exactly as sent, so a download keeps klein's metadata.
   const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
-  const blob = new Blob([bytes], { type: "image/png" });
-  return { blob, url: URL.createObjectURL(blob), name: `klein-${seed}${suffix}.png` };
+  return { blob: new Blob([bytes], { type: "image/png" }), name: `klein-${seed}${suffix}.png` };
+}
+
+// The entries a previous visit left, oldest first; the newest is shown.
+export function restore(entries) {
+  history.push(...entries);
+  nextNumber = Math.max(nextNumber, ...entries.map((entry) => entry.number + 1));
+  renderHistory();
+  if (entries.length) showEntry(history.at(-1));
+}
+
+export function remove(number) {
+  const index = history.findIndex((entry) => entry.number === number);
+  if (index < 0) return;
+  const [entry] = history.splice(index, 1);
+  if (shown === entry) showNothing();
+  renderHistory();
+  for (const image of [...entry.images, ...entry.refs]) {
+    if (urls.has(image)) URL.revokeObjectURL(urls.get(image));
+  }
+}
+
+function showNothing() {
+  shown = null;
+  $("current").replaceChildren(EMPTY);
+}
+
+function urlOf(image) {
+  if (!urls.has(image)) urls.set(image, URL.createObjectURL(image.blob));
+  return urls.get(image);
 }
 
 export function showEntry(entry) {
   shown = entry;
   $("current").replaceChildren(imageGrid(entry), details(entry));
   for (const item of $("history").children) {
-    item.querySelector("button").setAttribute("aria-current", String(Number(item.dataset.number) === entry.number));
+    item.querySelector(".history-item").setAttribute("aria-current", String(Number(item.dataset.number) === entry.number));
   }
 }
 
@@ -54,14 +89,14 @@ function imageGrid(entry) {
   const grid = element("div", `images count-${Math.min(entry.images.length, 4)}`);
   entry.images.forEach((image, index) => {
     const figure = element("figure", "result");
-    const img = thumbnail(image.url, `Result ${index + 1} of ${entry.images.length} for “${entry.request.prompt}”`, "");
+    const img = thumbnail(urlOf(image), `Result ${index + 1} of ${entry.images.length} for “${entry.request.prompt}”`, "");
     const buttons = element("figcaption", "result-actions");
     const use = element("button", "use", "Use as reference");
     use.type = "button";
     use.addEventListener("click", () => actions.useAsReference(image));
     const download = element("a", "button download", several ? "Download" : "Download PNG");
     download.title = "The PNG as the server made it, with klein's settings in its metadata";
-    download.href = image.url;
+    download.href = urlOf(image);
     download.download = image.name;
     buttons.append(use, download);
     figure.append(img, buttons);
@@ -75,7 +110,7 @@ function details(entry) {
   const reuse = element("button", "link", "Reuse these settings");
   reuse.type = "button";
   reuse.addEventListener("click", () => actions.reuse(entry));
-  box.append(element("p", "prompt-shown", entry.request.prompt), facts(entry), cacheLine(entry), timingChart(entry.timings), reuse);
+  box.append(element("p", "prompt-shown", entry.request.prompt), facts(entry), cacheLine(entry), timingChart(entry), reuse);
   return box;
 }
 
@@ -83,7 +118,7 @@ function facts(entry) {
   const { settings, request } = entry;
   const size = settings.width && settings.height ? `${settings.width} × ${settings.height}` : request.size;
   const refs = element("span", "fact-refs");
-  refs.append(...entry.refs.map((ref, index) => thumbnail(ref.url, `Reference ${index + 1}: ${ref.name}`)));
+  refs.append(...entry.refs.map((ref, index) => thumbnail(urlOf(ref), `Reference ${index + 1}: ${ref.name}`)));
   if (!entry.refs.length) refs.textContent = "none";
   const list = element("dl", "facts");
   const rows = [["Size", size], ["Steps", settings.num_inference_steps ?? request.num_inference_steps], ["Seed", entry.seed], ["References", refs]];
@@ -119,29 +154,28 @@ function cacheLine(entry) {
   return line;
 }
 
-function timingChart(timings) {
-  const stages = Object.entries(timings).filter(([name, value]) => name !== "total" && typeof value === "number");
-  const total = totalSeconds(timings);
+// The server's stages, after the upload when this edit uploaded its references; the total is the time
+// from Generate to the result, as "Done in" says.
+function timingChart(entry) {
+  const stages = Object.entries(entry.timings).filter(([name, value]) => name !== "total" && typeof value === "number");
+  if (entry.upload && entry.upload.seconds) stages.unshift(["upload", entry.upload.seconds]);
+  const total = entry.seconds;
   const chart = element("dl", "timings");
   chart.setAttribute("aria-label", "Time per stage");
   for (const [name, seconds] of stages) {
     const row = element("div", "timing");
     const bar = element("span", "bar");
-    bar.style.width = `${total > 0 ? Math.max(1, (100 * seconds) / total) : 0}%`;
+    bar.style.width = `${total > 0 ? Math.min(100, Math.max(1, (100 * seconds) / total)) : 0}%`;
     const value = element("dd");
     value.append(bar, element("span", "seconds", formatSeconds(seconds)));
     row.append(element("dt", null, name.replaceAll("_", " ")), value);
     chart.append(row);
   }
   const sum = element("div", "timing total");
+  sum.title = "From Generate to the image: upload, queue and transfer included";
   sum.append(element("dt", null, "total"), element("dd", "seconds", formatSeconds(total)));
   chart.append(sum);
   return chart;
-}
-
-export function totalSeconds(timings) {
-  if (typeof timings.total === "number") return timings.total;
-  return Object.values(timings).reduce((sum, value) => sum + (typeof value === "number" ? value : 0), 0);
 }
 
 function renderHistory() {
@@ -159,7 +193,7 @@ function historyItem(entry) {
   const text = element("span", "history-text");
   const refs = entry.refs.length ? ` · ${counted(entry.refs.length, "ref")}` : "";
   text.append(element("span", "history-prompt", entry.request.prompt), element("span", "muted", `#${entry.number} · seed ${entry.seed}${refs}`));
-  button.append(thumbnail(entry.images[0].url, "", ""), text);
-  item.append(button);
+  button.append(thumbnail(urlOf(entry.images[0]), "", ""), text);
+  item.append(button, iconButton("remove", `Remove result ${entry.number}`, false, () => actions.remove(entry)));
   return item;
 }

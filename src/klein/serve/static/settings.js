@@ -1,41 +1,52 @@
 // The settings of the next edit: prompt, size (the first reference's, a preset or custom), steps,
-// number of images, seed (random or fixed) and, on base models, guidance. Limits come from /v1/config.
+// number of images, seed (random or fixed) and, on base models, guidance. Limits and defaults come from
+// /v1/config; the size presets are choices, those larger than the server makes disabled.
 import { $ } from "./dom.js";
 import { InputProblem } from "./errors.js";
 
 const SIZE_PRESETS = [
   [256, 256], [512, 512], [768, 768], [1024, 1024], [1024, 768], [768, 1024], [1280, 720], [720, 1280],
 ];
-let limits = { max_steps: 1000, max_images: 8, guided: false };
+let limits = null; // /v1/config, once it has said
+let first = null; // the first reference ({width, height}), whose size "auto" means
 
 export function applyLimits(config) {
-  limits = { ...limits, ...config };
+  limits = config;
   const steps = $("steps");
-  steps.max = limits.max_steps;
-  steps.value = Math.min(config.default_steps || steps.value, steps.max);
-  $("count").max = limits.max_images;
+  steps.max = config.max_steps;
+  steps.value = Math.min(config.default_steps, config.max_steps);
+  $("count").max = config.max_images;
   $("guidance-field").hidden = !config.guided;
-  if (config.default_guidance_scale) $("guidance").value = config.default_guidance_scale;
+  if (config.guided) $("guidance").value = config.default_guidance_scale;
+  for (const side of [$("width"), $("height")]) {
+    side.min = config.min_side;
+    side.step = config.size_multiple;
+  }
   fillSizes(config.max_pixels);
 }
 
 function fillSizes(maxPixels) {
   const select = $("size");
-  select.replaceChildren(new Option("From first reference", "auto"));
+  const choice = select.value;
+  select.replaceChildren(new Option("", "auto"));
   for (const [w, h] of SIZE_PRESETS) {
     const option = new Option(`${w} × ${h}`, `${w}x${h}`);
-    option.disabled = Boolean(maxPixels) && w * h > maxPixels;
+    option.disabled = w * h > maxPixels;
     select.add(option);
   }
   select.add(new Option("Custom…", "custom"));
+  if (choice && !select.querySelector(`option[value="${choice}"]`).disabled) select.value = choice;
+  nameAuto();
 }
 
 // The "auto" size names what it will be: the first reference's size, or the model's default.
-export function showFirstReference(first) {
-  const auto = $("size").options[0];
-  if (!auto) return;
-  const size = first && first.width ? ` (${first.width} × ${first.height})` : "";
-  auto.text = first ? `From first reference${size}` : "Model default";
+export function showFirstReference(reference) {
+  first = reference;
+  nameAuto();
+}
+
+function nameAuto() {
+  $("size").options[0].text = first ? `From first reference (${first.width} × ${first.height})` : "Model default";
 }
 
 // The body of POST /v1/jobs; an InputProblem naming the field when one is out of range.
@@ -64,7 +75,17 @@ function wholeNumber(id, name, low, high) {
 function readSize() {
   const choice = $("size").value;
   if (choice !== "custom") return choice;
-  return `${wholeNumber("width", "The width", 16, 16384)}x${wholeNumber("height", "The height", 16, 16384)}`;
+  const most = limits.max_pixels;
+  const [width, height] = [side("width", "The width"), side("height", "The height")];
+  if (width * height > most) {
+    throw new InputProblem(`${width} × ${height} is ${width * height} px, more than the ${most} px this server makes.`, "width");
+  }
+  return `${width}x${height}`;
+}
+
+// A custom width or height; the server rounds it down to a multiple of its size step.
+function side(id, name) {
+  return wholeNumber(id, name, limits.min_side, Math.floor(limits.max_pixels / limits.min_side));
 }
 
 // After a random-seed run the seed field shows the seed used, ready for "Fixed".
@@ -97,5 +118,5 @@ function syncSize() {
 export function wireSettings() {
   for (const radio of document.querySelectorAll("input[name=seed-mode]")) radio.addEventListener("change", syncSeed);
   $("size").addEventListener("change", syncSize);
-  fillSizes(0);
+  fillSizes(Infinity); // until the server says how large it goes
 }

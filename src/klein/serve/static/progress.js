@@ -1,0 +1,63 @@
+// How the running edit is going, above the results: a status line; the progress bar, which follows the
+// bytes of a reference upload, then the denoising steps; and, once, a notice that a fresh server's
+// first request compiles the model's programs and so takes much longer than the ones after it.
+import { $, counted } from "./dom.js";
+
+const NOTICE_AFTER_MS = 3000; // a request this slow on a fresh server is compiling
+let compileAhead = false; // the server had finished no job yet, and the notice has not been shown
+let noticeTimer = null;
+
+// From /v1/config: whether the server has finished a job since it started.
+export function knowServer(config) {
+  compileAhead = config.jobs_done === 0;
+}
+
+// fraction: 0 to 1 fills the bar; null leaves it moving without a value (waiting, encoding).
+export function setStatus(text, fraction = null) {
+  $("status").textContent = text;
+  const bar = $("progress");
+  if (fraction === null) bar.removeAttribute("value");
+  else bar.value = fraction;
+}
+
+export function begin() {
+  $("progress").hidden = false;
+  if (compileAhead) noticeTimer = setTimeout(showNotice, NOTICE_AFTER_MS);
+}
+
+function showNotice() {
+  compileAhead = false;
+  $("notice").hidden = false;
+}
+
+// ok: the request got its result, so the server's programs are compiled.
+export function end(ok) {
+  clearTimeout(noticeTimer);
+  if (ok) compileAhead = false;
+  $("notice").hidden = true;
+  $("progress").hidden = true;
+}
+
+export function uploading(count, fraction) {
+  setStatus(`Uploading ${counted(count, "reference")}: ${Math.round(100 * fraction)}%`, fraction);
+}
+
+export function encoding(count) {
+  setStatus(`Encoding ${counted(count, "reference")}…`);
+}
+
+export function jobEvent(event) {
+  if (event.name === "queued") {
+    const ahead = event.data.position;
+    setStatus(ahead > 0 ? `Queued: ${ahead} ahead` : "Queued: next");
+  } else if (event.name === "step") {
+    const { step, steps } = event.data;
+    setStatus(step >= steps ? `Step ${step} of ${steps}, decoding…` : `Step ${step} of ${steps}`, step / steps);
+  }
+}
+
+// The API's retry policy is waiting before it asks again.
+export function retrying({ error, seconds, attempt, of }) {
+  const why = error.status === 429 ? "The server is busy" : error.status ? "The server is unavailable" : "No answer from the server";
+  setStatus(`${why}: trying again in ${Math.ceil(seconds)} s (${attempt} of ${of})`);
+}
