@@ -478,3 +478,18 @@ def test_a_fresh_server_says_once_that_its_first_request_compiles(klein_home, br
         held.pop().continue_()
         expect(page.locator("#status")).to_contain_text("Done in", timeout=GENERATION_TIMEOUT_MS)
         assert not tab.errors, tab.errors
+
+
+def test_the_servers_warnings_are_shown_with_the_result(tab):
+    """What the server changed of the request (here a custom size rounded down) is said with the result."""
+    page = tab.page
+    page.goto(f"{tab.url}/")
+    expect(page.locator("#generate")).to_be_enabled()
+    page.select_option("#size", "custom")
+    page.fill("#width", "72")
+    page.fill("#height", "64")
+    generate(page, "a rounded fox", 1)
+    expect(page.locator(".details .warning")).to_have_text(
+        ["height/width rounded down to multiples of 16: 64x64"]
+    )
+    assert not tab.errors, tab.errors

@@ -34,6 +34,7 @@ export function addResult(request, result, refs, upload, seconds) {
     settings: klein.settings || {},
     timings: klein.timings || {},
     references: klein.references || null,
+    warnings: klein.warnings || [],
     images: result.data.map((item, index) => pngImage(item.b64_json, request.n > 1 ? `-${index + 1}` : "", seed)),
   };
   history.push(entry);
@@ -110,8 +111,13 @@ function details(entry) {
   const reuse = element("button", "link", "Reuse these settings");
   reuse.type = "button";
   reuse.addEventListener("click", () => actions.reuse(entry));
-  box.append(element("p", "prompt-shown", entry.request.prompt), facts(entry), cacheLine(entry), timingChart(entry), reuse);
+  box.append(element("p", "prompt-shown", entry.request.prompt), facts(entry), ...warningLines(entry), cacheLine(entry), timingChart(entry), reuse);
   return box;
+}
+
+// What the server changed or ignored of the request (a size rounded down, guidance on a distilled model).
+function warningLines(entry) {
+  return (entry.warnings || []).map((text) => element("p", "warning", text));
 }
 
 function facts(entry) {
