@@ -10,16 +10,10 @@ from skimage.metrics import structural_similarity
 from klein import InputError
 from klein.pipeline.flux2_klein import load_pipeline
 from tests.support.compare import max_abs
+from tests.support.pictures import picture
 
 MAX_ABS = 2e-3
 MIN_SSIM = 0.999
-
-
-def picture(width, height, seed):
-    """A smooth random picture (plain noise would make SSIM meaningless)."""
-    rng = np.random.default_rng(seed)
-    small = rng.uniform(0, 255, (max(2, height // 16), max(2, width // 16), 3)).astype(np.uint8)
-    return PIL.Image.fromarray(small).resize((width, height), PIL.Image.BILINEAR)
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> 
     """
     _check_reference(image, name)
     if image.width * image.height > MAX_AREA:
-        image = _resize_to_area(image, MAX_AREA)
+        image = resize_to_area(image, MAX_AREA)
     image = image.crop(_centre_crop_box(image.width, image.height))
     try:
         # diffusers converts only after resizing and cropping, so those ran in the image's own mode.
@@ -99,7 +99,7 @@ def _check_reference(image: PIL.Image.Image, name: str) -> None:
         )
 
 
-def _resize_to_area(image: PIL.Image.Image, area: int) -> PIL.Image.Image:
+def resize_to_area(image: PIL.Image.Image, area: int) -> PIL.Image.Image:
     # Truncating with int() (not rounding) and resizing in the source mode both follow diffusers: a palette
     # image therefore resamples NEAREST (PIL's rule for "P") and RGBA resamples with premultiplied alpha.
     scale = math.sqrt(area / (image.width * image.height))

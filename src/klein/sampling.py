@@ -38,6 +38,11 @@ def euler_step(x: jnp.ndarray, velocity: jnp.ndarray, sigma, sigma_next) -> jnp.
     return (x.astype(jnp.float32) + (sigma_next - sigma) * velocity.astype(jnp.float32)).astype(x.dtype)
 
 
+def noised(source: jnp.ndarray, noise: jnp.ndarray, sigma) -> jnp.ndarray:
+    """The source's tokens noised to `sigma` (the flow's straight path; diffusers' `scale_noise`), float32."""
+    return sigma * noise.astype(jnp.float32) + (1.0 - sigma) * source.astype(jnp.float32)
+
+
 def guided(cond: jnp.ndarray, uncond: jnp.ndarray, scale: float) -> jnp.ndarray:
     """Classifier-free guidance (base variants, negative prompt "")."""
     return uncond + scale * (cond - uncond)

@@ -53,7 +53,7 @@ class GenerateRequest:
 # text-valued field.
 GENERATION = [(field, spec) for field, spec in settings_of(GenerationRequest) if spec.kind is not None]
 LOADING = settings_of(LoadOptions)
-_FLAG_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float, kinds.TEXT.name: str}
+_FLAG_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float, kinds.TEXT.name: str, kinds.PATH.name: str}
 
 
 def _add_flags(add, declared) -> None:

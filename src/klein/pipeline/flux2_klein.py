@@ -26,7 +26,7 @@ import PIL.Image
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from klein import dtypes, images, sampling, sharding
+from klein import dtypes, images, masks, sampling, sharding
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
 from klein.io import png
@@ -196,13 +196,20 @@ class Flux2KleinPipeline:
         ids, mask = text.tokenize_prompts(self.tokenizer, prompts)
         return self._text(jnp.asarray(ids), jnp.asarray(mask))
 
-    def encode_references(self, image, use_kv: bool | None = None) -> References:
-        """Preprocess, VAE-encode and (cached-reference mode) prefill reference images once."""
+    def encode_references(self, image, use_kv: bool | None = None, *, source: bool = False) -> References:
+        """Preprocess, VAE-encode and (cached-reference mode) prefill reference images once.
+
+        `source=True`: the first image is the source of later inpainting or image-to-image requests
+        (`mask_image`, `strength`), prepared as those prepare it (resized to multiples of 16, where a
+        reference is cropped): the same pixels as passing it by `image=` to each request."""
         images = as_images(image)
         if not images:
             raise InputError("encode_references needs at least one image")
         cached = caches_references(self.variant, self.name, use_kv)
-        return self._encode_references(_prepare(images), cached, Stages(self.counters, {}))
+        prepared = _prepare(images[1:] if source else images, first=2 if source else 1)
+        if source:
+            prepared.insert(0, masks.prepare_source(_as_pil(images[0])).pixels)
+        return self._encode_references(prepared, cached, Stages(self.counters, {}))
 
     def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput:
         """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields, by
@@ -216,8 +223,12 @@ class Flux2KleinPipeline:
 
     def generate(self, request: GenerationRequest, progress=None) -> GenerationOutput:
         stages = Stages(self.counters, {})
-        # 1. References, prepared on the host: their sizes decide the output size.
-        prepared = _prepare(request.image)
+        # 1. References, prepared on the host: their sizes decide the output size. A source to repaint
+        #    (inpainting, image-to-image) is the first, prepared as diffusers prepares it (`klein.masks`).
+        mask = None if request.mask_image is None else masks.as_mask(request.mask_image)
+        source = self._source(request, mask)
+        prepared = _prepare(request.image[1:] if source else request.image, first=2 if source else 1)
+        prepared = ([source.pixels] if source else []) + prepared
         sizes = request.references.pixel_sizes if request.references else tuple(a.shape[:2] for a in prepared)
         # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
         run = self._resolve(request, sizes)
@@ -236,7 +247,11 @@ class Flux2KleinPipeline:
         # 6. Noise, 7. denoising, 8. decoding.
         h, w = run.request.height, run.request.width
         x = self._initial_noise(request.latents, run.request.seed, run.images, h // 16, w // 16)
-        x = stages.run("denoise", self._denoise, x, txt, references, run, progress)
+        repaint = None
+        if request.repaints:
+            latent_mask = None if mask is None else masks.latent_mask(mask, sizes[0], source and source.crop)
+            repaint = self._repaint(references, x, latent_mask, noised_start=request.latents is None)
+        x = stages.run("denoise", self._denoise, x, txt, references, run, progress, repaint)
         latents = sampling.unpack(x, h // 16, w // 16)
         decoded = stages.run(
             "decode_tiled" if tiled else "decode", self._decode_tiled if tiled else self._decode, latents
@@ -244,6 +259,8 @@ class Flux2KleinPipeline:
         decoded = np.asarray(decoded)
         # 9. Output, with the record of what ran.
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
+        if request.padding_mask_crop is not None:
+            out = [masks.overlay(picture, source, mask) for picture in out]
         settings = Settings(
             run.request,
             run.mode,
@@ -255,6 +272,19 @@ class Flux2KleinPipeline:
             run.notes,
         )
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
+
+    @staticmethod
+    def _source(request: GenerationRequest, mask) -> masks.Source | None:
+        """The prepared image to repaint, when the request repaints one given as an image."""
+        if not (request.repaints and request.image):
+            return None
+        return masks.prepare_source(_as_pil(request.image[0]), mask, request.padding_mask_crop)
+
+    def _repaint(self, references: References, noise, latent_mask, noised_start: bool) -> denoise.Repaint:
+        """The source's tokens (the first reference's), the noise and the mask, on the device."""
+        source = references.tokens[: noise.shape[1]][None]
+        mask = None if latent_mask is None else jnp.asarray(latent_mask[None])
+        return denoise.Repaint(source, noise, mask, noised_start)
 
     def check(self, request: GenerationRequest, reference_sizes=()) -> None:
         """Refuse now what `generate` would refuse before any device work: settings that do not apply,
@@ -335,10 +365,12 @@ class Flux2KleinPipeline:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
         return jnp.asarray(sampling.pack(latents), self.dtype)
 
-    def _denoise(self, x, txt, references, run: Resolved, progress):
+    def _denoise(self, x, txt, references, run: Resolved, progress, repaint: denoise.Repaint | None = None):
         h, w = run.request.height // 16, run.request.width // 16
-        steps = run.request.num_inference_steps
+        steps, first = run.request.num_inference_steps, run.first_step
         schedule = sampling.sigmas(steps, h * w)
+        if repaint is not None and repaint.noised_start:
+            x = repaint.start(schedule[first])
         ropes = (self._rope(sampling.image_ids(h, w)), self._rope(sampling.text_ids(txt.shape[1])))
         cond = {
             Conditioning.TEXT: lambda: (),
@@ -349,11 +381,15 @@ class Flux2KleinPipeline:
         scale = jnp.float32(run.request.guidance_scale or 1.0)
         x, txt = self._batch_for_mesh(x, txt, run.mode.guided)
         x = sharding.put(x, sharding.TOKENS, self.mesh)
-        for i in range(steps):
+        if repaint is not None:
+            repaint = repaint.padded(x.shape[0])
+        for i in range(first, steps):
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
+            if repaint is not None:
+                x = repaint.after_step(x, schedule[i + 1])
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
-                progress("denoise", i + 1, steps)
+                progress("denoise", i + 1 - first, steps - first)
         return x[: run.images]
 
     def _batch_for_mesh(self, x, txt, guided: bool):
@@ -371,9 +407,9 @@ class Flux2KleinPipeline:
         return pad(x), jnp.concatenate([pad(t) for t in texts])
 
 
-def _prepare(images) -> list[np.ndarray]:
-    """Reference images -> float32[H, W, 3] arrays, on the host."""
-    return [images_prepare(_as_pil(p), f"reference image {i + 1}") for i, p in enumerate(images)]
+def _prepare(images, first: int = 1) -> list[np.ndarray]:
+    """Reference images -> float32[H, W, 3] arrays, on the host; messages number them from `first`."""
+    return [images_prepare(_as_pil(p), f"reference image {i + first}") for i, p in enumerate(images)]
 
 
 def _local_devices(mesh) -> list:

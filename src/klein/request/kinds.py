@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,17 @@ def _write(value: object) -> str:
     return "none" if value is None else str(value)
 
 
+def _write_path(value: object) -> str:
+    """A path as itself; an image or array given in memory as a placeholder (it has no path to record)."""
+    if value is None:
+        return "none"
+    return str(value) if isinstance(value, str | os.PathLike) else "<in memory>"
+
+
+def read_path(key: str, text: str) -> str | None:
+    return None if _none(text) else read_text(key, text)
+
+
 def _write_paths(value: tuple) -> str:
     return json.dumps([str(path) for path in value], ensure_ascii=False)
 
@@ -111,6 +123,7 @@ class Kind:
 
 TEXT = Kind("text", read_text)
 PATHS = Kind("paths", read_paths, _write_paths)
+PATH = Kind("path", read_path, _write_path)
 INT = Kind("int", read_int)
 FLOAT = Kind("float", read_float)
 BOOL = Kind("bool", read_bool)

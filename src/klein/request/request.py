@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import PIL.Image
 
 from klein.errors import InputError
@@ -36,6 +37,7 @@ OUTPUT_TYPES = ("pil", "np")
 
 
 ImageLike = str | os.PathLike | PIL.Image.Image
+MaskLike = str | os.PathLike | PIL.Image.Image | np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +97,25 @@ class GenerationRequest:
         name="kv",
     )
     output_type: str = setting("'pil' (PIL images) or 'np' (float32[B, H, W, 3] in [0, 1])", None, "pil")
+    mask_image: MaskLike | None = setting(
+        "inpainting: where to repaint the first image (white repaints, black keeps; resized to the image); "
+        "the first image is then the source and the others references",
+        kinds.PATH,
+        name="mask",
+        metavar="PATH",
+    )
+    strength: float | None = setting(
+        "how far to repaint the source (the first image), 0 to 1: the share of the steps that run on it "
+        "(default 0.8 with a mask; without one, a strength makes image-to-image)",
+        kinds.FLOAT,
+    )
+    padding_mask_crop: int | None = setting(
+        "inpainting: repaint only the region around the mask grown by this margin, at full size, "
+        "and paste it back (PIL output only)",
+        kinds.INT,
+        bounds=(0, None),
+        unit="px",
+    )
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalise the accepted spellings once, here
@@ -118,6 +139,33 @@ class GenerationRequest:
             raise InputError(f"use_kv (--kv) must be True, False or None, got {self.use_kv!r}")
         if self.output_type not in OUTPUT_TYPES:
             raise InputError(f"output_type must be 'pil' or 'np', got {self.output_type!r}")
+        self._check_repaint()
+
+    def _check_repaint(self) -> None:
+        """Inpainting and image-to-image settings that cannot go together, whatever the model."""
+        mask, strength = self.mask_image, self.strength
+        if mask is not None and not isinstance(mask, MaskLike):
+            raise InputError(f"mask_image must be a PIL image, an array or a path, got {type(mask).__name__}")
+        if strength is not None:
+            ok = isinstance(strength, int | float) and not isinstance(strength, bool)
+            if not ok or not 0.0 <= strength <= 1.0:
+                raise InputError(f"strength (--strength) must be a number from 0 to 1, got {strength!r}")
+            object.__setattr__(self, "strength", float(strength))
+        if self.padding_mask_crop is not None:
+            if mask is None:
+                raise InputError("padding_mask_crop needs mask_image: it crops around the masked area")
+            if self.references is not None:
+                raise InputError(
+                    "padding_mask_crop changes the source image for each mask, so it needs image=[source, ...], "
+                    "not encoded references"
+                )
+            if self.output_type != "pil":
+                raise InputError("padding_mask_crop pastes the result into the source: use output_type='pil'")
+
+    @property
+    def repaints(self) -> bool:
+        """Inpainting or image-to-image: the first image is a source to repaint, not only a reference."""
+        return self.mask_image is not None or self.strength is not None
 
     @property
     def prompts(self) -> tuple[str, ...]:

@@ -28,6 +28,8 @@ MULTIPLE = 16
 MIN_SIDE = 16
 DEFAULT_SIZE = 1024
 """Output side when neither the request nor a reference gives one."""
+DEFAULT_STRENGTH = 0.8
+"""How far a masked source is repainted when the request does not say (diffusers' default)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,9 @@ class Resolved:
     notes: tuple[str, ...] = ()
     """What was given but changed or ignored, in words for the user: every front end shows them (a
     warning on the command line and in Python, a `warnings` list in the server's responses)."""
+    first_step: int = 0
+    """The step the schedule starts at: 0, or later when a strength below 1 repaints a source (the
+    steps before it are skipped, and the source noised to that step is where the steps start)."""
 
     @property
     def reference_tokens(self) -> int:
@@ -73,8 +78,17 @@ def resolve(
     sizes = tuple(tuple(size) for size in reference_sizes)
     conditioning = _conditioning(request, variant, model_name, bool(sizes))
     scale = guidance(variant, request.guidance_scale)
-    height, width, rounded = output_size(request.height, request.width, sizes)
     steps = variant.steps if request.num_inference_steps is None else request.num_inference_steps
+    strength, first_step, kept = None, 0, ()
+    if request.repaints:
+        if not sizes:
+            field = "mask_image" if request.mask_image is not None else "strength"
+            raise InputError(f"{field} needs the image to repaint: pass image=[source, *references]")
+        strength = DEFAULT_STRENGTH if request.strength is None else request.strength
+        first_step = start_step(steps, strength)
+        kept = _source_size_kept(request, sizes[0])
+        request = dataclasses.replace(request, height=None, width=None)
+    height, width, rounded = output_size(request.height, request.width, sizes)
     seed = request.seed
     if request.latents is None and seed is None:
         seed = (draw_seed or _random_seed)()
@@ -86,12 +100,37 @@ def resolve(
         guidance_scale=scale,
         seed=seed,
         use_kv=conditioning is Conditioning.CACHED,
+        strength=strength,
         latents=None,
         references=None,
     )
     images = len(request.prompts) * request.num_images_per_prompt
-    notes = _notes(request, variant, model_name, filled, rounded)
-    return Resolved(filled, Mode(conditioning, scale is not None), images, sizes, rounded, notes)
+    notes = kept + _notes(request, variant, model_name, filled, rounded)
+    mode = Mode(conditioning, scale is not None)
+    return Resolved(filled, mode, images, sizes, rounded, notes, first_step)
+
+
+def start_step(steps: int, strength: float) -> int:
+    """The first of `steps` steps that runs at `strength` (diffusers' `get_timesteps`: the last
+    steps x strength steps run, the count truncated); an `InputError` when none would."""
+    first = int(max(steps - min(steps * strength, steps), 0))
+    if first >= steps:
+        raise InputError(
+            f"strength {strength:g} leaves no denoising step of {steps}: use a strength above 0 "
+            "(strength 0 would return the source unchanged)"
+        )
+    return first
+
+
+def _source_size_kept(request: GenerationRequest, source: tuple[int, int]) -> tuple[str, ...]:
+    """A note when the request asked for another size: a repainted image keeps its source's size."""
+    asked = (request.height or source[0], request.width or source[1])
+    if asked == tuple(source):
+        return ()
+    return (
+        f"height/width {asked[1]}x{asked[0]} ignored: a repainted image keeps its source's size, "
+        f"{source[1]}x{source[0]} px (resize the source to change it)",
+    )
 
 
 def typical(variant: Variant) -> Resolved:
