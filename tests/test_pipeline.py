@@ -2,7 +2,6 @@
 reusable references, and pipeline-level input errors."""
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 from skimage.metrics import structural_similarity
