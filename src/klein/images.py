@@ -34,13 +34,16 @@ def load_image(path: str | os.PathLike) -> PIL.Image.Image:
     return _read(path, str(path))
 
 
-def read_image(data: bytes, name: str, max_pixels: int | None = None) -> PIL.Image.Image:
+def read_image(
+    data: bytes, name: str, max_pixels: int | None = None, mode: str | None = "RGB"
+) -> PIL.Image.Image:
     """`load_image` for bytes in memory (an upload, called `name` in errors); an image of more than
-    `max_pixels` pixels is refused from its header, before its pixels are decoded (decompression bombs)."""
-    return _read(io.BytesIO(data), name, max_pixels)
+    `max_pixels` pixels is refused from its header, before its pixels are decoded (decompression bombs).
+    `mode=None` keeps the file's own pixel mode (a mask's alpha channel)."""
+    return _read(io.BytesIO(data), name, max_pixels, mode)
 
 
-def _read(source, name: str, max_pixels: int | None = None) -> PIL.Image.Image:
+def _read(source, name: str, max_pixels: int | None = None, mode: str | None = "RGB") -> PIL.Image.Image:
     try:
         with PIL.Image.open(source) as image:
             if max_pixels is not None and image.width * image.height > max_pixels:
@@ -50,7 +53,8 @@ def _read(source, name: str, max_pixels: int | None = None) -> PIL.Image.Image:
                 )
             # open() parses only the header; load() decodes every pixel so a truncated file fails here.
             image.load()
-            return PIL.ImageOps.exif_transpose(image).convert("RGB")
+            upright = PIL.ImageOps.exif_transpose(image)
+            return upright.convert(mode) if mode else upright
     except FileNotFoundError as error:
         raise InputError(f"image not found: {name}") from error
     except IsADirectoryError as error:

@@ -50,6 +50,16 @@ def as_mask(mask: MaskLike) -> PIL.Image.Image:
     return images.load_image(mask)
 
 
+def from_alpha(picture: PIL.Image.Image) -> PIL.Image.Image:
+    """OpenAI's mask convention -> klein's: where a picture with transparency is fully transparent is the
+    area to repaint (white), everything else black; a picture without transparency is read as a mask
+    already (white repaints)."""
+    if picture.mode == "P" and "transparency" in picture.info or picture.mode in ("PA", "LA", "RGBA"):
+        alpha = np.asarray(picture.convert("RGBA"))[..., 3]
+        return PIL.Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), "L")
+    return picture.convert("L")
+
+
 def _array_mask(mask: np.ndarray) -> PIL.Image.Image:
     values = mask[..., 0] if mask.ndim == 3 and mask.shape[-1] == 1 else mask
     if values.ndim != 2:

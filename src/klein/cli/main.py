@@ -159,19 +159,19 @@ def generate(request: flags.GenerateRequest) -> int:
     """Run one `klein generate` request: load, generate, write, report."""
     started = time.perf_counter()
     plan = png.plan_outputs(request.out, request.generation.num_images_per_prompt, bool(request.overwrite))
-    pipe, references, load_seconds = _load(request)
+    pipe, pictures, load_seconds = _load(request)
     progress = output.Progress()
     try:
-        result = pipe(dataclasses.replace(request.generation, image=references), progress=progress)
+        result = pipe(pictures, progress=progress)
     finally:
         progress.close()
     if not _lead_process():
         return 0  # every process of a multi-process run holds the same images; process 0 writes them
     write_started = time.perf_counter()
-    # The metadata names the references as they were given (paths), not as the loaded pictures.
-    settings = dataclasses.replace(
-        result.settings, request=dataclasses.replace(result.settings.request, image=request.generation.image)
-    )
+    # The metadata names the references and the mask as they were given (paths), not as loaded pictures.
+    given = request.generation
+    ran = dataclasses.replace(result.settings.request, image=given.image, mask_image=given.mask_image)
+    settings = dataclasses.replace(result.settings, request=ran)
     metadata = [png.png_metadata(settings.metadata(i, version())) for i in range(len(result.images))]
     paths = png.write_images(result.images, plan, metadata, result.seed)
     timings = {"load": load_seconds, **result.timings, "write": time.perf_counter() - write_started}
@@ -191,12 +191,13 @@ def _loading(request: flags.GenerateRequest) -> LoadOptions:
 
 
 def _load(request: flags.GenerateRequest):
-    """(pipeline, reference images, seconds): references first, so a bad path fails before the model loads
-    (and before a loading bar shows)."""
+    """(pipeline, the generation with its images and mask read, seconds): the images first, so that a bad
+    path fails before the model loads (and before a loading bar shows)."""
     started = time.perf_counter()
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
     from klein import sharding
     from klein.images import load_image
+    from klein.masks import as_mask
     from klein.pipeline.flux2_klein import load
 
     if request.coordinator is not None:
@@ -204,14 +205,17 @@ def _load(request: flags.GenerateRequest):
         sharding.start_processes(coordinator, request.num_processes, request.process_id)
 
     # Everything that can be wrong with the arguments is found before the loading bar starts.
-    references = [load_image(path) for path in request.generation.image]
+    generation = request.generation
+    references = tuple(load_image(path) for path in generation.image)
+    mask = None if generation.mask_image is None else as_mask(generation.mask_image)
     if request.loading.mesh is not None:
         sharding.parse(request.loading.mesh)
     with output.loading_bar(1) as bar:
         bar.set_postfix_str(request.loading.transformer or request.loading.model or "demo")
         pipe = load(_loading(request))
         bar.update()
-    return pipe, tuple(references), time.perf_counter() - started
+    pictures = dataclasses.replace(generation, image=references, mask_image=mask)
+    return pipe, pictures, time.perf_counter() - started
 
 
 def _lead_process() -> bool:

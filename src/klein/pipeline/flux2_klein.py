@@ -290,7 +290,10 @@ class Flux2KleinPipeline:
         """Refuse now what `generate` would refuse before any device work: settings that do not apply,
         or a request that cannot fit (`InputError`s). `reference_sizes`: (height, width) px of each
         prepared reference the request will come with (a server checks a job before queueing it)."""
-        self._admit(self._resolve(request, tuple(reference_sizes)))
+        run = self._resolve(request, tuple(reference_sizes))
+        self._admit(run)
+        if request.mask_image is not None:  # an all-black mask: nothing to repaint
+            masks.latent_mask(masks.as_mask(request.mask_image), run.reference_sizes[0])
 
     def _resolve(self, request: GenerationRequest, sizes) -> Resolved:
         """`sizes`: (height, width) px of each prepared reference, none without references."""

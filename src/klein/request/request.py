@@ -110,11 +110,12 @@ class GenerationRequest:
         kinds.FLOAT,
     )
     padding_mask_crop: int | None = setting(
-        "inpainting: repaint only the region around the mask grown by this margin, at full size, "
-        "and paste it back (PIL output only)",
+        "inpainting: repaint only the region around the mask, grown by this margin, at full size, "
+        "and paste it back into the source",
         kinds.INT,
         bounds=(0, None),
         unit="px",
+        metavar="PX",
     )
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ page and the files under /static/ needs `Authorization: Bearer KEY`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 
@@ -98,16 +99,23 @@ def _routes(app: FastAPI, service: Service) -> None:
 
     @app.post("/v1/images/edits", openapi_extra=_MULTIPART)
     async def edits(request: Request):
-        """Multipart: image / image[] files and the fields of /v1/images/generations as form fields."""
-        fields, files = await uploads.read_form(request, options)
-        body = schema.from_form(fields)
-        if body.references is not None and files:
+        """Multipart: image / image[] files, an optional mask file (inpainting: its fully transparent
+        pixels are repainted in the first image) and the fields of /v1/images/generations as form fields."""
+        form = await uploads.read_form(request, options, mask=True)
+        body = schema.from_form(form.fields)
+        if body.references is not None and form.images:
             raise ApiError(
                 400, "give image files or references (an id), not both", "invalid_value", "references"
             )
-        images = () if body.references is not None else tuple(await uploads.prepare(files, options))
+        generation_request = schema.to_request(body, options)
+        if form.mask is not None:
+            mask = await uploads.read_mask(form.mask, options)
+            generation_request = dataclasses.replace(generation_request, mask_image=mask)
+        images = ()
+        if body.references is None:
+            images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
         notes = schema.ignored(body, service.pipe.name)
-        work = Generation(schema.to_request(body, options), images, body.references, notes)
+        work = Generation(generation_request, images, body.references, notes)
         return await _wait(service.worker, service.submit_generation(work), request)
 
 
@@ -115,8 +123,8 @@ def _references(app: FastAPI, service: Service) -> None:
     @app.post("/v1/references", openapi_extra=_MULTIPART)
     async def create_references(request: Request):
         """Multipart: image / image[] files, encoded once and kept in the reference cache."""
-        _, files = await uploads.read_form(request, service.options)
-        images = tuple(await uploads.prepare(files, service.options))
+        form = await uploads.read_form(request, service.options)
+        images = tuple(await uploads.prepare(form.images, service.options))
         return await _wait(service.worker, service.submit_references(images), request)
 
     @app.get("/v1/references/{reference_id}")

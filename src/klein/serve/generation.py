@@ -29,8 +29,11 @@ class Generation:
 
     @property
     def batch_key(self) -> tuple:
-        """Generations with equal keys can run as one batch: same size, steps, guidance and references."""
+        """Generations with equal keys can run as one batch: same size, steps, guidance and references.
+        A repaint runs alone: its mask and strength are its own, and its noise is also its start."""
         r = self.request
+        if r.repaints:
+            return (id(self),)
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs)
 
@@ -100,6 +103,7 @@ def _settings(settings) -> dict:
         "height": r.height,
         "num_inference_steps": r.num_inference_steps,
         "guidance_scale": r.guidance_scale,
+        "strength": r.strength,
         "seed": r.seed,
         "mode": str(settings.mode),
         "model": settings.model,

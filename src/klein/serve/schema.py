@@ -1,8 +1,8 @@
 """Request bodies of the images API -> `klein.GenerationRequest` (the one request type; no copy of it).
 
 `ImageBody` is what OpenAI's images API sends (prompt, n, size "WxH" or "auto", response_format) plus
-klein's own settings (seed, num_inference_steps, guidance_scale: fields derived from the request type's
-declarations) and a reference set id (references), as
+klein's own settings (seed, num_inference_steps, guidance_scale, strength: fields derived from the
+request type's declarations) and a reference set id (references), as
 JSON (`/v1/images/generations`, `/v1/jobs`) or as multipart form fields (`/v1/images/edits`, read by
 `from_form`). Types are strict: "3" is not a number in JSON. OpenAI's `model`, `quality` and `style` are
 accepted and, where they ask for something klein does not do, named in the response's `warnings`; other
@@ -51,7 +51,7 @@ class _OpenAIBody(BaseModel):
     )
 
 
-SETTINGS = ("seed", "num_inference_steps", "guidance_scale")
+SETTINGS = ("seed", "num_inference_steps", "guidance_scale", "strength")
 """klein's own settings a body may carry, named, typed, bounded and documented as `GenerationRequest`
 declares them."""
 _TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float}

@@ -3,26 +3,32 @@
 - A body larger than `--max-upload-bytes` is refused (413) from its Content-Length, or as soon as the
   bytes read exceed it when the client streams without one: never read whole first.
 - Files come under "image" or "image[]" (what the openai client sends for one or several); at most
-  `--max-references` of them. Their bytes stay in memory (Starlette spools large parts to anonymous
+  `--max-references` of them; on an edit, one more under "mask": OpenAI's mask, whose fully
+  transparent pixels mark the area to repaint (`klein.masks.from_alpha`). Their bytes stay in memory (Starlette spools large parts to anonymous
   temporary files); nothing a client sends (file names included) becomes a path.
 - Decoding refuses an image over `--max-pixels` from its header, before decoding (decompression bombs),
-  then prepares it as the pipeline does (`klein.images.prepare_reference`) in a thread, not on the loop.
+  then prepares it as the pipeline does (`klein.images.prepare_reference`, or `klein.masks.prepare_source`
+  for the image an edit with a mask or a strength repaints) in a thread, not on the loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import PIL.Image
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
-from klein import images
+from klein import images, masks
 from klein.errors import InputError, counted
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage
 
 IMAGE_FIELDS = ("image", "image[]")
+MASK_FIELD = "mask"
 MAX_FIELD_BYTES = 64 * 2**10  # one text field (a prompt is far shorter)
 
 
@@ -53,8 +59,18 @@ def _capped(receive, limit: int):
     return capped
 
 
-async def read_form(request: Request, options: ServeOptions) -> tuple[dict[str, str], list[bytes]]:
-    """(text fields, image file bytes in order) of a multipart request."""
+@dataclasses.dataclass(frozen=True)
+class Form:
+    fields: dict[str, str]
+    """The text fields."""
+    images: list[bytes]
+    """The image files' bytes, in order."""
+    mask: bytes | None = None
+    """The mask file's bytes, where the request may carry one and does."""
+
+
+async def read_form(request: Request, options: ServeOptions, mask: bool = False) -> Form:
+    """The fields and files of a multipart request; `mask`: whether it may carry a mask file."""
     limit = options.max_upload_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -62,13 +78,13 @@ async def read_form(request: Request, options: ServeOptions) -> tuple[dict[str, 
     capped = Request(request.scope, _capped(request.receive, limit))
     try:
         form = await capped.form(
-            max_files=options.max_references + 1, max_fields=64, max_part_size=MAX_FIELD_BYTES
+            max_files=options.max_references + 1 + mask, max_fields=64, max_part_size=MAX_FIELD_BYTES
         )
-        fields, files = {}, []
+        fields, files, masks_sent = {}, [], []
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
-                files.append(await _file(key, value))
-            elif key in IMAGE_FIELDS:
+                (masks_sent if mask and key == MASK_FIELD else files).append(await _file(key, value))
+            elif key in IMAGE_FIELDS or (mask and key == MASK_FIELD):
                 raise ApiError(
                     400, f"{key} must be an image file, not a text field", "invalid_image", "image"
                 )
@@ -81,11 +97,13 @@ async def read_form(request: Request, options: ServeOptions) -> tuple[dict[str, 
         code = "too_many_references" if "files" in str(error).lower() else "invalid_multipart"
         raise ApiError(400, f"malformed or over-limit multipart body: {error}", code, None) from None
     _check_count(len(files), options.max_references)
-    return fields, files
+    if len(masks_sent) > 1:
+        raise ApiError(400, f"{len(masks_sent)} masks sent; send one", "invalid_value", MASK_FIELD)
+    return Form(fields, files, masks_sent[0] if masks_sent else None)
 
 
 async def _file(key: str, upload: UploadFile) -> bytes:
-    if key not in IMAGE_FIELDS:
+    if key not in (*IMAGE_FIELDS, MASK_FIELD):
         raise ApiError(
             400, f"unexpected file field {key!r}; send images as 'image' or 'image[]'", "invalid_value", key
         )
@@ -102,23 +120,40 @@ def _check_count(count: int, most: int) -> None:
         )
 
 
-async def prepare(files: list[bytes], options: ServeOptions) -> list[PreparedImage]:
-    """Decode and prepare uploaded images in a worker thread of the loop's pool (host work only)."""
+async def prepare(files: list[bytes], options: ServeOptions, source: bool = False) -> list[PreparedImage]:
+    """Decode and prepare uploaded images in a worker thread of the loop's pool (host work only);
+    `source`: the first is the image an edit repaints."""
     if not files:
         raise ApiError(
             400, "no image: send one or more image files as 'image' (or 'image[]')", "missing_image", "image"
         )
     _check_count(len(files), options.max_references)
-    return await run_in_threadpool(_prepare_all, files, options.max_pixels)
+    return await run_in_threadpool(_prepare_all, files, options.max_pixels, source)
 
 
-def _prepare_all(files: list[bytes], max_pixels: int) -> list[PreparedImage]:
+def _prepare_all(files: list[bytes], max_pixels: int, source: bool) -> list[PreparedImage]:
     prepared = []
     for index, data in enumerate(files):
         name = f"image {index + 1}"
         try:
             picture = images.read_image(data, name, max_pixels)
-            prepared.append(PreparedImage.of(images.prepare_reference(picture, name)))
+            if source and index == 0:
+                pixels = masks.prepare_source(picture).pixels
+            else:
+                pixels = images.prepare_reference(picture, name)
+            prepared.append(PreparedImage.of(pixels))
         except InputError as error:
             raise ApiError(400, str(error), "invalid_image", "image") from None
     return prepared
+
+
+async def read_mask(data: bytes, options: ServeOptions) -> PIL.Image.Image:
+    """The uploaded mask as klein's (white repaints), decoded off the loop."""
+    return await run_in_threadpool(_read_mask, data, options.max_pixels)
+
+
+def _read_mask(data: bytes, max_pixels: int) -> PIL.Image.Image:
+    try:
+        return masks.from_alpha(images.read_image(data, MASK_FIELD, max_pixels, mode=None))
+    except InputError as error:
+        raise ApiError(400, str(error), "invalid_image", MASK_FIELD) from None
