@@ -42,6 +42,10 @@ def inputs(tmp_path_factory):
     pixels = np.random.default_rng(0).integers(0, 256, (80, 96, 3), dtype=np.uint8)
     PIL.Image.fromarray(pixels).save(folder / "ref.png")
     (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
+    PIL.Image.new("L", (96, 80), 0).save(folder / "black.png")
+    mask = PIL.Image.new("L", (96, 80), 0)
+    mask.paste(255, (16, 16, 64, 64))
+    mask.save(folder / "mask.png")
     return folder
 
 
@@ -190,6 +194,26 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
         pytest.param(["prompt=x", "colour=red"], ["unknown setting 'colour'"], id="unknown key"),
         pytest.param(["prompt=x", "image_paths=[a.png,b.png]"], ["quote each path"], id="unquoted list"),
         pytest.param(["--steps", "2"], ["no prompt"], id="no prompt"),
+        pytest.param(
+            ["--prompt", "x", "--image", "{inputs}/ref.png", "--mask", "{inputs}/missing.png"],
+            ["image not found", "missing.png"],
+            id="missing mask",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--image", "{inputs}/ref.png", "--strength", "1.5"],
+            ["strength (--strength) must be a number from 0 to 1"],
+            id="strength too high",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--mask", "{inputs}/ref.png"],
+            ["mask_image needs the image to repaint"],
+            id="mask without image",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--image", "{inputs}/ref.png", "--mask", "{inputs}/black.png"],
+            ["all black"],
+            id="black mask",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(klein_home, inputs, tmp_path, args, fragments):
@@ -267,3 +291,26 @@ def test_an_internal_error_is_short_unless_klein_debug(monkeypatch, capsys):
     monkeypatch.setenv("KLEIN_DEBUG", "1")
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["generate", "--prompt", "x"])
+
+
+def test_inpainting_writes_the_source_size_and_records_mask_and_strength(klein_home, inputs, tmp_path):
+    out = tmp_path / "inpainted.png"
+    args = ["--prompt", "a hat", "--image", inputs / "ref.png", "--mask", inputs / "mask.png"]
+    result = run_klein(
+        klein_home,
+        "generate",
+        *args,
+        "--strength",
+        "0.6",
+        "--steps",
+        "2",
+        "--seed",
+        "3",
+        "--out",
+        out,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    with PIL.Image.open(out) as image:
+        assert image.size == (96, 80)
+        assert image.text["mask"] == str(inputs / "mask.png") and image.text["strength"] == "0.6"
