@@ -9,7 +9,15 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
 FRONT_ENDS = ("klein.cli", "klein.serve", "klein.bench")
-SHARED = ("klein.images", "klein.sampling", "klein.sharding", "klein.dtypes", "klein.errors", "klein.version")
+SHARED = (
+    "klein.images",
+    "klein.masks",
+    "klein.sampling",
+    "klein.sharding",
+    "klein.dtypes",
+    "klein.errors",
+    "klein.version",
+)
 
 # Package -> what its modules must not import (prefixes of module names).
 FORBIDDEN = {

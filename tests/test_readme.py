@@ -19,5 +19,9 @@ def test_the_readme_examples_run_and_their_settings_round_trip(klein_home, tmp_p
         exec(compile(block, str(README), "exec"), scope)
     assert sorted(p.name for p in tmp_path.glob("cat-*.png")) == [f"cat-{i}.png" for i in (0, 1, 2, 3, 7)]
     assert scope["again"] == scope["out"].settings.request and scope["again"].seed == 7
-    for block in blocks[2:]:  # the rest need checkpoints, files or a server: they at least parse
+    exec(compile(blocks[2], str(README), "exec"), scope)  # inpainting
+    inpainted = sorted(p.name for p in tmp_path.glob("inpainted-*.png"))
+    assert inpainted == ["inpainted-green.png", "inpainted-straw.png"]
+    assert scope["out"].settings.request.strength == 0.8
+    for block in blocks[3:]:  # the rest need checkpoints, files or a server: they at least parse
         compile(block, str(README), "exec")
