@@ -223,6 +223,13 @@ MODES = {
     "t2i": dict(height=64, width=64),
     "edit": dict(image=REFERENCE_IMAGES, use_kv=False),
     "kv": dict(image=REFERENCE_IMAGES, use_kv=True),
+    # Inpainting: the source (80x64 px, 20 tokens) is also the first of the cached references.
+    "inpaint": dict(
+        image=[picture(80, 64, 5), *REFERENCE_IMAGES[:2]],
+        mask_image=PIL.Image.fromarray(np.repeat([[255] * 48 + [0] * 32], 64, axis=0).astype(np.uint8)),
+        strength=0.75,
+        use_kv=True,
+    ),
 }
 
 
