@@ -31,10 +31,14 @@ MODES = {
 }
 
 
+POLICIES = ("sequential", "stream")
+
+
 @pytest.fixture(scope="module")
 def demo_pipes(klein_home, monkeypatch_module):
+    """policy -> a demo pipeline under it."""
     monkeypatch_module.setenv("KLEIN_HOME", str(klein_home))
-    return load_pipeline("demo", residency="all"), load_pipeline("demo", residency="sequential")
+    return {policy: load_pipeline("demo", residency=policy) for policy in ("all", *POLICIES)}
 
 
 @pytest.fixture(scope="module")
@@ -44,25 +48,45 @@ def monkeypatch_module():
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_sequential_gives_the_images_of_all(demo_pipes, mode):
-    every, sequential = demo_pipes
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_gives_the_images_of_all(demo_pipes, policy, mode):
+    every, pipe = demo_pipes["all"], demo_pipes[policy]
     want = every("a red fox", **MODES[mode], **RUN).images
-    got = sequential("a red fox", **MODES[mode], **RUN).images
-    assert max_abs(got, want) <= 1e-6
-    assert sequential("a red fox", **MODES[mode], **RUN).settings.residency == "sequential"
+    got = pipe("a red fox", **MODES[mode], **RUN)
+    assert max_abs(got.images, want) <= 1e-6
+    assert got.settings.residency == policy
     # Sensitive: another seed moves the images far more than the tolerance.
-    other = sequential("a red fox", **MODES[mode], **{**RUN, "seed": 4}).images
+    other = pipe("a red fox", **MODES[mode], **{**RUN, "seed": 4}).images
     assert max_abs(other, want) > 1e-2
 
 
 @pytest.mark.parametrize("refs", [0, 1])
-def test_sequential_gives_the_images_of_all_with_guidance(tiny_pipelines, refs):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_gives_the_images_of_all_with_guidance(tiny_pipelines, policy, refs):
     folder, _ = tiny_pipelines("base")
     kwargs = dict(RUN, image=[REF] * refs, guidance_scale=3.0)
     want = load_pipeline(folder, residency="all")("a red fox", **kwargs)
-    got = load_pipeline(folder, residency="sequential")("a red fox", **kwargs)
+    got = load_pipeline(folder, residency=policy)("a red fox", **kwargs)
     assert str(got.settings.mode).endswith("CFG")
     assert max_abs(got.images, want.images) <= 1e-6
+
+
+def test_stream_keeps_the_stacked_layers_in_host_memory(demo_pipes):
+    pipe = demo_pipes["stream"]
+    pipe("a red fox", **RUN)
+    kinds = {}
+    for name in ("transformer", "text_encoder"):
+        _, state = pipe._models[name].get()
+        for path, value in nnx.to_flat_state(state):
+            dotted = ".".join(map(str, path))
+            streamed = any(dotted.startswith(prefix + ".") for prefix in residency.STACKS[name])
+            kinds.setdefault(streamed, set()).add(value.get_value().sharding.memory_kind)
+    assert kinds == {True: {"pinned_host"}, False: {"device"}}
+    planned = plan.model_bytes(
+        pipe.config, pipe.text_config, pipe.vae_config, sharding.abstract_mesh("single"), 4
+    )
+    assert 0 < planned["transformer_streamed"] < planned["transformer"]
+    assert residency.resident_weights("stream", planned) < residency.resident_weights("sequential", planned)
 
 
 def test_sequential_moves_a_model_only_when_the_other_is_needed(klein_home, monkeypatch):
@@ -128,7 +152,10 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
     assert load_pipeline("demo").residency == "sequential"
     with pytest.raises(CannotFitError, match=r"residency all does not fit.*use --residency sequential"):
         load_pipeline("demo", residency="all")
+    stream = residency.resident_weights("stream", sizes) + request
     limit["value"] = sequential - 1
+    assert load_pipeline("demo").residency == "stream"
+    limit["value"] = stream - 1
     with pytest.raises(CannotFitError, match="no residency policy fits.*FP8"):
         load_pipeline("demo")
     with pytest.raises(InputError, match="residency must be one of auto, all, sequential"):
@@ -136,8 +163,8 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
 
 
 def test_choose_names_estimates_limit_and_what_fits():
-    sizes = dict(text_encoder=10, transformer=17, vae=1)
-    assert residency.peaks(sizes, 2) == {"all": 30, "sequential": 20}
+    sizes = dict(text_encoder=10, transformer=17, vae=1, transformer_streamed=12, text_encoder_streamed=7)
+    assert residency.peaks(sizes, 2) == {"all": 30, "sequential": 20, "stream": 8}
     assert residency.choose("auto", sizes, 2, 30, "free") == "all"
     assert residency.choose("auto", sizes, 2, 29, "free") == "sequential"
     assert residency.choose("sequential", sizes, 2, 100, "free") == "sequential"
@@ -220,7 +247,7 @@ def test_plan_json_lists_every_policy_and_autos_choice(klein_home, tmp_path):
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     policies = {p["name"]: p for p in plan["policies"]}
-    assert set(policies) == {"all", "sequential"}
+    assert set(policies) == {"all", "sequential", "stream"}
     assert policies["all"]["peak_bytes"] > policies["sequential"]["peak_bytes"]
     assert not policies["all"]["fits"] and policies["sequential"]["fits"]
     assert plan["auto"] == "sequential"

@@ -26,7 +26,7 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from klein.errors import InputError, counted
 
@@ -155,16 +155,22 @@ def param_axes(path: tuple, table) -> tuple:
     return ()
 
 
-def placer(mesh: Mesh | None, table=()):
-    """The loader's `place(path, host_array)`: each weight goes straight to its own shards."""
-    if mesh is None:
+def placer(mesh: Mesh | None, table=(), host: tuple[str, ...] = ()):
+    """The loader's `place(path, host_array)`: each weight goes straight to its own shards; those under
+    the dotted path prefixes `host` to host memory (`pinned_host`: the residency policy `stream`)."""
+    if mesh is None and not host:
         return None
 
     def place(path, array: np.ndarray) -> jax.Array:
-        axes = param_axes(path, table)
+        dotted = ".".join(str(p) for p in path)
+        in_host = any(dotted == prefix or dotted.startswith(prefix + ".") for prefix in host)
+        if mesh is None:
+            host_memory = SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
+            return jax.device_put(array, host_memory) if in_host else jax.device_put(array)
+        target = NamedSharding(mesh, partition_spec(param_axes(path, table), mesh))
         # device_put sends each device only its slice; in multi-process runs every process holds the
         # same host array and transfers just its own devices' slices.
-        return jax.device_put(array, NamedSharding(mesh, partition_spec(axes, mesh)))
+        return jax.device_put(array, target.with_memory_kind("pinned_host") if in_host else target)
 
     return place
 

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import math
 
+import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -162,6 +163,8 @@ class MemoryPlan:
     vae: int
     memory: RequestMemory
     workload: Workload
+    streamed: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Of each model's bytes, those the `stream` policy keeps in host memory."""
 
     @property
     def reference_kv(self) -> int:
@@ -183,7 +186,8 @@ class MemoryPlan:
     def policies(self) -> dict[str, int]:
         """Peak bytes per device under each residency policy (`klein.memory.residency`), `all` = `total`."""
         sizes = dict(transformer=self.transformer, text_encoder=self.text_encoder, vae=self.vae)
-        return residency.peaks(sizes, self.memory.peak)
+        streamed = {residency.streamed(name): size for name, size in self.streamed.items()}
+        return residency.peaks({**sizes, **streamed}, self.memory.peak)
 
 
 def plan(
@@ -218,6 +222,7 @@ def plan(
         request=f"{batch} x {size[0]}x{size[1]} px, {counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px, "
         f"{dtype}",
         transformer_params=_weights(_abstract_models(cfg, text_config)[0], (), abstract, 1)[1],
+        streamed={name: sizes[residency.streamed(name)] for name in residency.STACKS},
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
@@ -269,14 +274,38 @@ def model_bytes(
     fp8: bool = False,
 ) -> dict[str, int]:
     """Weight bytes per device of each model ("text_encoder", "transformer", "vae") in `itemsize`-byte
-    floats; `fp8`: the transformer's Linear kernels are kept in one byte each (FP8 files)."""
+    floats, and the transformer's bytes the `stream` policy keeps in host memory ("streamed": its block
+    stacks less the largest two layers); `fp8`: the transformer's Linear kernels are kept in one byte
+    each (FP8 files)."""
     transformer, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
     kernel = 1 if fp8 else itemsize
-    return dict(
-        text_encoder=_weights(text_encoder, sharding.TEXT_ENCODER_PARAMS, mesh, itemsize)[0],
-        transformer=_weights(transformer, sharding.TRANSFORMER_PARAMS, mesh, itemsize, kernel)[0],
-        vae=_weights(vae, (), mesh, itemsize)[0],
-    )
+    models = {
+        residency.TEXT_ENCODER: (text_encoder, sharding.TEXT_ENCODER_PARAMS, None),
+        residency.TRANSFORMER: (transformer, sharding.TRANSFORMER_PARAMS, kernel),
+        residency.VAE: (vae, (), None),
+    }
+    sizes = {}
+    for name, (module, table, kernels) in models.items():
+        sizes[name] = _weights(module, table, mesh, itemsize, kernels)[0]
+        stacks = [
+            _stack(module, prefix, table, mesh, itemsize, kernels)
+            for prefix in residency.STACKS.get(name, ())
+        ]
+        if stacks:
+            sizes[residency.streamed(name)] = sum(size for size, _ in stacks) - 2 * max(
+                layer for _, layer in stacks
+            )
+    return sizes
+
+
+def _stack(module, prefix: str, table, mesh, itemsize: int, kernel) -> tuple[int, int]:
+    """(bytes per device, bytes of its largest layer) of the stacked layers at dotted `prefix`."""
+    stacked = module
+    for part in prefix.split("."):
+        stacked = getattr(stacked, part)
+    size = _weights(stacked, table, mesh, itemsize, kernel, tuple(prefix.split(".")))[0]
+    layers = jax.tree.leaves(nnx.state(stacked))[0].shape[0]
+    return size, size // layers
 
 
 def typical_request(variant) -> Workload:
@@ -295,11 +324,15 @@ def _shard_bytes(shape: tuple, axes: tuple, mesh, itemsize: int) -> int:
     return math.prod(shard) * itemsize
 
 
-def _weights(abstract: nnx.Module, table, mesh, itemsize: int, kernel: int | None = None) -> tuple[int, int]:
+def _weights(
+    abstract: nnx.Module, table, mesh, itemsize: int, kernel: int | None = None, prefix: tuple = ()
+) -> tuple[int, int]:
     """(bytes per device, parameter count) of a module whose weights are cast to `itemsize` bytes (its
-    Linear kernels to `kernel` bytes, when given)."""
+    Linear kernels to `kernel` bytes, when given); `prefix`: the module's path in the model `table`
+    describes."""
     per_device = count = 0
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
+        path = prefix + tuple(path)
         value = variable.get_value()
         # Only Params are cast on loading; the VAE's BatchNorm statistics keep their float32.
         size = itemsize if isinstance(variable, nnx.Param) else np.dtype(value.dtype).itemsize
@@ -441,10 +474,10 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
     lines = [head, "per device:"]
     lines += [f"  {name:<27}{_gib(value):>10}  {note}".rstrip() for name, value, note in rows]
     lines.append("peak per device under each residency policy:")
-    notes = {"all": "every model resident", "sequential": "text encoder and transformer take turns"}
     for policy, peak in p.policies.items():
         fits = "" if limit is None else ("fits" if peak <= limit else "does not fit")
-        lines.append(f"  {policy:<27}{_gib(peak):>10}  {notes[policy]}{'; ' + fits if fits else ''}")
+        summary = residency.SUMMARIES[policy]
+        lines.append(f"  {policy:<27}{_gib(peak):>10}  {summary}{'; ' + fits if fits else ''}")
     if limit is not None:
         chosen = next((name for name, peak in p.policies.items() if peak <= limit), None)
         lines.append(f"auto on {_gib(limit)} ({where}): {chosen or 'nothing fits'}")

@@ -7,6 +7,10 @@ the sets of them that may be on the device together:
 - `sequential`: the text encoder and the transformer take turns; the VAE stays (it is 1% of the
   weights). A model is moved off only when the other one is needed, so a request whose prompt is cached
   (`Flux2KleinPipeline.prompt_cache`) and whose references are encoded moves nothing.
+- `stream`: as `sequential`, and the stacked layers (the transformer's blocks, the text encoder's
+  decoder layers) stay in host memory: each layer comes to the device as the loop reaches it
+  (`klein.models.stacks`), so the device holds a model's small parts and about two of its layers; for a
+  device smaller than the transformer itself.
 - `auto` (the default) is the first of these whose planned peak fits the memory there is, chosen before
   any weight is read.
 
@@ -20,17 +24,38 @@ from klein.request.loading import AUTO
 
 TEXT_ENCODER, TRANSFORMER, VAE = "text_encoder", "transformer", "vae"
 MODELS = (TEXT_ENCODER, TRANSFORMER, VAE)
+STACKS = {TRANSFORMER: ("transformer_blocks", "single_transformer_blocks"), TEXT_ENCODER: ("model.layers",)}
+"""Each model's stacked layers (dotted paths in its weights): what `stream` keeps in host memory."""
+
+
+def streamed(model: str) -> str:
+    """Key of the weight sizes: the bytes of `model` that `stream` keeps in host memory (its stacks less
+    the two layers on the device at a time)."""
+    return f"{model}_streamed"
+
 
 # The sets of models each policy may hold at once, in `auto`'s order of preference.
 POLICIES: dict[str, tuple[frozenset[str], ...]] = {
     "all": (frozenset(MODELS),),
     "sequential": (frozenset({TEXT_ENCODER, VAE}), frozenset({TRANSFORMER, VAE})),
+    "stream": (frozenset({TEXT_ENCODER, VAE}), frozenset({TRANSFORMER, VAE})),
 }
+SUMMARIES = {
+    "all": "every model resident",
+    "sequential": "text encoder and transformer take turns",
+    "stream": "as sequential, each model's layers streamed from host memory",
+}
+STREAMS = frozenset({"stream"})
+"""The policies that keep the transformer's blocks in host memory."""
 
 
 def resident_weights(policy: str, sizes: dict[str, int]) -> int:
-    """The most weight bytes `policy` holds at once, given each model's bytes."""
-    return max(sum(sizes[model] for model in together) for together in POLICIES[policy])
+    """The most weight bytes `policy` holds on the device at once, given each model's bytes (and those
+    it streams, under `streamed(model)`)."""
+    held = dict(sizes)
+    if policy in STREAMS:
+        held = {model: size - sizes.get(streamed(model), 0) for model, size in sizes.items()}
+    return max(sum(held[model] for model in together) for together in POLICIES[policy])
 
 
 def peaks(sizes: dict[str, int], request: int) -> dict[str, int]:

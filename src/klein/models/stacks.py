@@ -7,6 +7,10 @@ XLA:CPU has no bfloat16 or float8 slicing: it widens the whole stack to float32 
 it and hoists that conversion out of the loop, so a bf16 transformer would hold its weights twice more
 (docs/design.md, "Memory"). Slicing integers is native on every backend and a bit cast is free, so the
 bit form costs nothing elsewhere. Arrays of 32 bits or more are kept as they are.
+
+A stack may live in host memory (the residency policy `stream`: a device smaller than the transformer).
+`layer` then moves each layer to the device as the loop reaches it, so the device holds a layer or two
+of the stack at a time; XLA overlaps the copy of the next layer with the current one's compute.
 """
 
 from __future__ import annotations
@@ -45,8 +49,15 @@ def as_float(array):
 
 
 def layer(stack, index):
-    """Layer `index` (static or traced) of every array of the pytree `stack`, as floats."""
-    return jax.tree.map(lambda a: as_float(jax.lax.dynamic_index_in_dim(a, index, keepdims=False)), stack)
+    """Layer `index` (static or traced) of every array of the pytree `stack`, as floats, on the device."""
+
+    def one(a):
+        sliced = jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
+        if jax.typeof(a).memory_space == jax.memory.Space.Host:
+            sliced = jax.device_put(sliced, jax.memory.Space.Device)
+        return as_float(sliced)
+
+    return jax.tree.map(one, stack)
 
 
 def scan(body, carry, stacks, count: int):

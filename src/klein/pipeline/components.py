@@ -99,17 +99,22 @@ def locate_transformer_file(path: Path, variant: str | None = None) -> tuple:
     return config, _variant(path, config, variant), stored["stored_dtype"], stored["fp8"]
 
 
-def load_transformer_part(located: Located, dtype, dequantize=False, mesh=None) -> Flux2Transformer:
-    place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS)
+def load_transformer_part(
+    located: Located, dtype, dequantize=False, mesh=None, host: tuple[str, ...] = ()
+) -> Flux2Transformer:
+    """`host`: dotted prefixes of the weights that go to host memory (`klein.sharding.placer`)."""
+    place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS, host)
     path = located.transformer
     if path.is_file():
         return load_transformer_file(path, dtype, place=place, dequantize=dequantize)
     return load_transformer(_transformer_folder(path), dtype, place=place)
 
 
-def load_text_encoder_part(located: Located, dtype, mesh=None) -> Qwen3TextEncoder:
+def load_text_encoder_part(
+    located: Located, dtype, mesh=None, host: tuple[str, ...] = ()
+) -> Qwen3TextEncoder:
     return load_text_encoder(
-        located.text_encoder, dtype, place=sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS)
+        located.text_encoder, dtype, place=sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS, host)
     )
 
 

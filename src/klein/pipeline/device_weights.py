@@ -51,7 +51,8 @@ class Weights:
         if _host_memory(self._state) is not None:
             self._host = _to_host(self._state)
         for leaf in jax.tree.leaves(self._state):
-            leaf.delete()
+            if leaf.sharding.memory_kind != "pinned_host":  # streamed layers stay where they are
+                leaf.delete()
         self._state = None
 
 
@@ -66,8 +67,12 @@ def _host_memory(state) -> str | None:
 
 
 def _to_host(state):
-    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("pinned_host")), state)
+    """(weights in host memory, each one's sharding to come back to: layers streamed from host memory
+    stay there)."""
+    back = jax.tree.map(lambda a: a.sharding, state)
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("pinned_host")), state), back
 
 
-def _to_device(state):
-    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")), state)
+def _to_device(held):
+    state, back = held
+    return jax.tree.map(jax.device_put, state, back)

@@ -174,6 +174,9 @@ class Flux2KleinPipeline:
         `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked
         before any weight changes. Cached references encoded under other weights are prefilled again when
         a request uses them (`weights_id`)."""
+        if loras and self.residency in residency_policy.STREAMS:
+            # A merge would bring the streamed layers back to the device whole.
+            raise InputError(f"LoRAs under residency {self.residency} are not supported yet; use sequential")
         if loras and jax.process_count() > 1:
             # The originals are kept on the host, and no process can read another's shards.
             raise InputError("LoRAs on a multi-process run are not supported yet; run on one host")
@@ -308,7 +311,7 @@ class Flux2KleinPipeline:
         if self.memory_limit is None:
             free, where = admission.available_bytes(_local_devices(self.mesh))
             # Free memory counts the weights held now; the policy may hold more (or less) while this runs.
-            held = sum(size for name, size in self.weight_bytes.items() if self._models[name].resident)
+            held = sum(self.weight_bytes[name] for name, model in self._models.items() if model.resident)
             limit = free + held - residency_policy.resident_weights(self.residency, self.weight_bytes)
         else:
             limit, where = self.memory_limit, "allowed (memory_limit)"
@@ -541,13 +544,15 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     # The decode runs tiled where only that fits (`_admit`).
     request = min(memory.peak for memory in _estimates(located, device_mesh, typical, jdtype.itemsize))
     policy = residency_policy.choose(options.residency, sizes, request, limit, where)
+    # Under `stream` the stacked layers are read straight into host memory.
+    host = residency_policy.STACKS if policy in residency_policy.STREAMS else {}
     models = {
         residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
-            located, jdtype, dequantize, device_mesh
+            located, jdtype, dequantize, device_mesh, host.get(residency_policy.TRANSFORMER, ())
         ),
         residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
         residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
-            located, jdtype, device_mesh
+            located, jdtype, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
         ),
     }
     first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now

@@ -16,7 +16,7 @@ from klein.request import kinds
 from klein.request.kinds import setting, settings_of
 
 AUTO = "auto"
-RESIDENCY = (AUTO, "all", "sequential")
+RESIDENCY = (AUTO, "all", "sequential", "stream")
 """Residency policies (`klein.memory.residency`): auto picks the first of the others that fits."""
 
 
