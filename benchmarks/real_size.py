@@ -62,7 +62,7 @@ from klein.io.paths import klein_home  # noqa: E402
 from klein.models.qwen3_config import Qwen3Config  # noqa: E402
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B  # noqa: E402
 
-POLICIES = ("auto", "all", "sequential")
+POLICIES = ("auto", "all", "sequential", "stream")
 PROMPT = "put a hat on it"
 SIDE = 64  # px of the output and of the reference
 GiB = 2**30
@@ -122,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         choices=POLICIES,
         default=list(POLICIES),
-        help="residency policies to run each model with (auto: no --residency flag; default: all three)",
+        help="residency policies to run each model with (auto: no --residency flag; default: every one)",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("real-size.json"), help="JSON results (default: %(default)s)"
@@ -296,7 +296,10 @@ def stage_times(lines: list[str]) -> dict[str, float]:
 def chosen_policy(lines: list[str]) -> str | None:
     """The residency policy the CLI says it used ("residency: sequential (bfloat16)"), if it says."""
     mentions = [line for line in lines if "residency" in line.lower()]
-    for pattern in (r"residency:\s*(all|sequential)\b", r"\bcho(?:se|sen|ice)\W+(all|sequential)\b"):
+    for pattern in (
+        r"residency:\s*(all|sequential|stream)\b",
+        r"\bcho(?:se|sen|ice)\W+(all|sequential|stream)\b",
+    ):
         for line in mentions:
             if match := re.search(pattern, line, re.IGNORECASE):
                 return match[1].lower()

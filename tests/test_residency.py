@@ -86,7 +86,10 @@ def test_stream_keeps_the_stacked_layers_in_host_memory(demo_pipes):
         pipe.config, pipe.text_config, pipe.vae_config, sharding.abstract_mesh("single"), 4
     )
     assert 0 < planned["transformer_streamed"] < planned["transformer"]
-    assert residency.resident_weights("stream", planned) < residency.resident_weights("sequential", planned)
+    assert 0 < planned["text_encoder_streamed"] < planned["text_encoder"]
+    on_gpu, on_cpu = residency.on("gpu", planned), residency.on("cpu", planned)
+    assert residency.resident_weights("stream", on_gpu) < residency.resident_weights("sequential", on_gpu)
+    assert residency.resident_weights("stream", on_cpu) == residency.resident_weights("sequential", on_cpu)
 
 
 def test_sequential_moves_a_model_only_when_the_other_is_needed(klein_home, monkeypatch):
@@ -152,10 +155,9 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
     assert load_pipeline("demo").residency == "sequential"
     with pytest.raises(CannotFitError, match=r"residency all does not fit.*use --residency sequential"):
         load_pipeline("demo", residency="all")
-    stream = residency.resident_weights("stream", sizes) + request
+    # On CPU the streamed layers stay in the one memory there is: stream plans what sequential plans.
+    assert residency.resident_weights("stream", sizes) == residency.resident_weights("sequential", sizes)
     limit["value"] = sequential - 1
-    assert load_pipeline("demo").residency == "stream"
-    limit["value"] = stream - 1
     with pytest.raises(CannotFitError, match="no residency policy fits.*FP8"):
         load_pipeline("demo")
     with pytest.raises(InputError, match="residency must be one of auto, all, sequential"):

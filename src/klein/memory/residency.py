@@ -49,6 +49,16 @@ STREAMS = frozenset({"stream"})
 """The policies that keep the transformer's blocks in host memory."""
 
 
+def on(platform: str, sizes: dict[str, int]) -> dict[str, int]:
+    """`sizes` as they weigh on a device of `platform`: where the device's memory is the host's (CPU),
+    layers streamed from host memory stay in the same memory, so `stream` saves nothing there."""
+    if platform != "cpu":
+        return sizes
+    return {
+        name: 0 if name in {streamed(model) for model in MODELS} else size for name, size in sizes.items()
+    }
+
+
 def resident_weights(policy: str, sizes: dict[str, int]) -> int:
     """The most weight bytes `policy` holds on the device at once, given each model's bytes (and those
     it streams, under `streamed(model)`)."""

@@ -539,6 +539,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         jdtype.itemsize,
         fp8=located.fp8 and not dequantize,
     )
+    sizes = residency_policy.on(_local_devices(device_mesh)[0].platform, sizes)
     limit, where = admission.available_bytes(_local_devices(device_mesh))
     typical = plan.typical_request(located.variant)
     # The decode runs tiled where only that fits (`_admit`).
