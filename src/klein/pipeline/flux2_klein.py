@@ -234,7 +234,7 @@ class Flux2KleinPipeline:
         prepared = ([source.pixels] if source else []) + prepared
         sizes = request.references.pixel_sizes if request.references else tuple(a.shape[:2] for a in prepared)
         # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
-        run = self._resolve(request, sizes)
+        run = self._resolve(request, sizes, mask)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
         tiled = self._admit(run)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
@@ -293,14 +293,17 @@ class Flux2KleinPipeline:
         """Refuse now what `generate` would refuse before any device work: settings that do not apply,
         or a request that cannot fit (`InputError`s). `reference_sizes`: (height, width) px of each
         prepared reference the request will come with (a server checks a job before queueing it)."""
-        run = self._resolve(request, tuple(reference_sizes))
+        mask = None if request.mask_image is None else masks.as_mask(request.mask_image)
+        run = self._resolve(request, tuple(reference_sizes), mask)
         self._admit(run)
-        if request.mask_image is not None:  # an all-black mask: nothing to repaint
-            masks.latent_mask(masks.as_mask(request.mask_image), run.reference_sizes[0])
+        if mask is not None:  # an all-black mask: nothing to repaint
+            masks.latent_mask(mask, run.reference_sizes[0])
 
-    def _resolve(self, request: GenerationRequest, sizes) -> Resolved:
-        """`sizes`: (height, width) px of each prepared reference, none without references."""
-        run = resolve(request, self.variant, self.name, sizes, _fresh_seed)
+    def _resolve(self, request: GenerationRequest, sizes, mask=None) -> Resolved:
+        """`sizes`: (height, width) px of each prepared reference, none without references; `mask`: the
+        request's mask as a picture."""
+        mask_size = None if mask is None else (mask.height, mask.width)
+        run = resolve(request, self.variant, self.name, sizes, _fresh_seed, mask_size)
         for note in run.notes:
             warnings.warn(note, stacklevel=4)
         return run

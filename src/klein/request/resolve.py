@@ -69,12 +69,13 @@ def resolve(
     model_name: str,
     reference_sizes: Sequence[tuple[int, int]] = (),
     draw_seed: Callable[[], int] | None = None,
+    mask_size: tuple[int, int] | None = None,
 ) -> Resolved:
     """Decide everything about `request` for a checkpoint of `variant` (named `model_name` in messages).
 
     `reference_sizes`: (height, width) px of each prepared reference (of `request.image`, or of its
     encoded `references`). `draw_seed`: where a seed comes from when the request has neither a seed nor
-    noise (default: a random one)."""
+    noise (default: a random one). `mask_size`: (height, width) px of the request's mask, when it has one."""
     sizes = tuple(tuple(size) for size in reference_sizes)
     conditioning = _conditioning(request, variant, model_name, bool(sizes))
     scale = guidance(variant, request.guidance_scale)
@@ -86,7 +87,7 @@ def resolve(
             raise InputError(f"{field} needs the image to repaint: pass image=[source, *references]")
         strength = DEFAULT_STRENGTH if request.strength is None else request.strength
         first_step = start_step(steps, strength)
-        kept = _source_size_kept(request, sizes[0])
+        kept = _source_size_kept(request, sizes[0]) + _mask_resized(mask_size, sizes[0])
         request = dataclasses.replace(request, height=None, width=None)
     height, width, rounded = output_size(request.height, request.width, sizes)
     seed = request.seed
@@ -120,6 +121,15 @@ def start_step(steps: int, strength: float) -> int:
             "(strength 0 would return the source unchanged)"
         )
     return first
+
+
+def _mask_resized(mask_size, source: tuple[int, int]) -> tuple[str, ...]:
+    """A note when the mask is resized to the source's prepared size, as diffusers resizes it."""
+    if mask_size is None or tuple(mask_size) == tuple(source):
+        return ()
+    return (
+        f"mask_image {mask_size[1]}x{mask_size[0]} px resized to the source's {source[1]}x{source[0]} px",
+    )
 
 
 def _source_size_kept(request: GenerationRequest, source: tuple[int, int]) -> tuple[str, ...]:
