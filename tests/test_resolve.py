@@ -106,3 +106,40 @@ def test_a_pipeline_is_planned_for_one_1024_image_with_cfg_where_it_runs():
     assert typical(VARIANTS["klein-base-9b"]).prompts == 2
     run = typical(VARIANTS["klein-9b-kv"])
     assert (run.prompts, run.images, run.request.height, run.reference_tokens) == (1, 1, 1024, 0)
+
+
+# steps, strength -> the first step that runs (diffusers' get_timesteps: int(steps - steps * strength)),
+# or rejected when none would run.
+REPAINT = [
+    (4, 1.0, 0),
+    (4, 0.8, 0),
+    (4, 0.6, 1),
+    (4, 0.25, 3),
+    (4, 0.1, 3),
+    (4, 0.0, REJECTED),
+    (50, 0.5, 25),
+    (50, 0.33, 33),
+]
+
+
+@pytest.mark.parametrize("steps,strength,first", REPAINT)
+def test_strength_cuts_the_schedule(steps, strength, first):
+    request = GenerationRequest(prompt="x", strength=strength, num_inference_steps=steps)
+    variant = VARIANTS["klein-4b"]
+    if first == REJECTED:
+        with pytest.raises(InputError, match="no denoising step"):
+            resolve(request, variant, "m", [(64, 96)])
+        return
+    run = resolve(request, variant, "m", [(64, 96)], lambda: 0)
+    assert run.first_step == first and run.request.strength == strength
+    assert (run.request.height, run.request.width) == (64, 96)  # the source's size
+
+
+def test_a_mask_defaults_to_diffusers_strength_and_text_to_image_has_no_first_step():
+    variant = VARIANTS["klein-4b"]
+    masked = resolve(GenerationRequest(prompt="x", mask_image="m.png"), variant, "m", [(64, 64)], lambda: 0)
+    assert masked.request.strength == 0.8 and masked.first_step == 0
+    plain = resolve(GenerationRequest(prompt="x"), variant, "m", [], lambda: 0)
+    assert plain.request.strength is None and plain.first_step == 0
+    with pytest.raises(InputError, match="mask_image needs the image to repaint"):
+        resolve(GenerationRequest(prompt="x", mask_image="m.png"), variant, "m", [], lambda: 0)
