@@ -74,9 +74,9 @@ def tab(server, browser):
         yield opened
 
 
-def source_file(seed: int = 3) -> dict:
+def source_file(seed: int = 3, size: tuple[int, int] = SOURCE) -> dict:
     buffer = io.BytesIO()
-    picture(*SOURCE, seed).save(buffer, "PNG")
+    picture(*size, seed).save(buffer, "PNG")
     return {"name": "source.png", "mimeType": "image/png", "buffer": buffer.getvalue()}
 
 
@@ -132,11 +132,11 @@ def edits_sent(page) -> list[dict]:
     return forms
 
 
-def alpha(png: bytes) -> np.ndarray:
+def alpha(png: bytes, size: tuple[int, int] = SOURCE) -> np.ndarray:
     """The alpha channel of a mask PNG, checked to be OpenAI's kind: RGBA at the source's size, each
     pixel either fully transparent (repaint) or opaque (keep)."""
     image = PIL.Image.open(io.BytesIO(png))
-    assert image.size == SOURCE and image.mode == "RGBA", (image.size, image.mode)
+    assert image.size == size and image.mode == "RGBA", (image.size, image.mode)
     values = np.asarray(image)[..., 3]
     assert set(np.unique(values)) <= {0, 255}
     return values
@@ -285,6 +285,26 @@ def test_use_as_source_keeps_the_mask_as_a_reload_does(tab):
     expect(page.locator("#mask-empty")).to_be_visible()
     page.set_input_files("#ref-input", [source_file(4)])
     expect(page.locator("#mask-count")).to_have_text("none")
+    assert not tab.errors, tab.errors
+
+
+def test_a_result_of_another_size_keeps_the_mask_resized(tab):
+    """A source whose sides are not multiples of 16 is repainted at a size rounded down to them: the mask
+    follows the result, resized."""
+    page = tab.page
+    tab.open()
+    page.set_input_files("#ref-input", [source_file(5, (136, 100))])
+    page.locator("#brush-size").fill(str(BRUSH))
+    stroke(page, (0.2, 0.3), (0.5, 0.6))
+    generate(page, "a kite", results=1)
+    before = alpha(edits_sent(page)[-1]["mask"][0], (136, 100))
+    page.click("#current .use-source")
+    expect(page.locator("#refs .ref-size")).to_have_text(["128 × 96"])
+    expect(page.locator("#mask-count")).to_contain_text("% painted")
+    generate(page, "a red kite", results=2)
+    after = alpha(edits_sent(page)[-1]["mask"][0], (128, 96))
+    resized = np.asarray(PIL.Image.fromarray(before).resize((128, 96), PIL.Image.Resampling.NEAREST))
+    assert np.mean(after != resized) < 0.02
     assert not tab.errors, tab.errors
 
 

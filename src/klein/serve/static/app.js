@@ -156,12 +156,14 @@ function showButton() {
 async function useAsSource(image) {
   clearError();
   try {
-    mask.keepForNextSource();
+    mask.keepForNextSource(true);
     await references.replaceFirst(image.blob, image.name);
     progress.setStatus(`${image.name} is the source now, reference 1`);
     $("prompt").focus();
   } catch (problem) {
     showFailure(problem);
+  } finally {
+    mask.keepForNextSource(false);
   }
 }
 

@@ -51,8 +51,10 @@ export function setSource(reference) {
   update();
 }
 
-export function keepForNextSource() {
-  carry = true;
+// keep: whether the next source keeps this mask (true just before a result replaces the source, false
+// once that is done or refused).
+export function keepForNextSource(keep) {
+  carry = keep;
 }
 
 function copy(from) {
@@ -208,6 +210,7 @@ function wireBrush(surface) {
   };
   surface.addEventListener("pointerup", end);
   surface.addEventListener("pointercancel", end);
+  surface.addEventListener("lostpointercapture", end);
   surface.addEventListener("pointerleave", () => {
     $("brush-ring").hidden = true;
   });
