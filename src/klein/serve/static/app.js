@@ -1,11 +1,12 @@
 // klein's editing page: references, prompt and settings on the left; live progress, results and their
 // history on the right. It speaks only to the server that served it, through the HTTP API
-// (/v1/config, /v1/references, /v1/jobs and the job's events), and keeps its results and references
-// in the browser across a reload. This module runs one edit end to end and wires the page together;
-// each part lives in its own module.
+// (/v1/config, /v1/references, /v1/jobs and the job's events; /v1/images/edits for a repaint), and
+// keeps its results, references and mask in the browser across a reload. This module runs one edit end
+// to end and wires the page together; each part lives in its own module.
 import { $, formatSeconds } from "./dom.js";
-import { ServerError, followJob, getJSON, onRetry, postJSON } from "./api.js";
-import { clearError, showFailure } from "./errors.js";
+import { ServerError, followJob, getJSON, onRetry, postForm, postJSON } from "./api.js";
+import { InputProblem, clearError, showFailure } from "./errors.js";
+import * as mask from "./mask.js";
 import * as progress from "./progress.js";
 import * as references from "./references.js";
 import * as results from "./results.js";
@@ -48,11 +49,15 @@ async function generate() {
   const used = references.current();
   let ok = false;
   try {
-    const { job, upload } = await submit(body);
-    progress.setStatus("Queued");
-    const result = await followJob(job.id, progress.jobEvent);
+    // A painted mask or a strength repaints the source: one multipart edit with the images and the mask.
+    const painted = await mask.file();
+    const repaint = painted !== null || body.strength !== undefined;
+    if (repaint && !used.length) {
+      throw new InputProblem("A strength repaints the source, the first reference: add one, or empty Strength.", "strength");
+    }
+    const { result, upload } = repaint ? await submitRepaint(body, painted) : await submitJob(body);
     const seconds = (performance.now() - started) / 1000;
-    const entry = results.addResult(body, result, used, upload, seconds);
+    const entry = results.addResult(body, result, used, upload, seconds, painted);
     settings.showSeedUsed(entry.seed);
     results.showEntry(entry);
     progress.setStatus(`Done in ${formatSeconds(seconds)}`);
@@ -64,6 +69,34 @@ async function generate() {
   } finally {
     setRunning(false, ok);
   }
+}
+
+// A job's {result, upload}: its references uploaded as a set if the list changed, then the job followed
+// through its events.
+async function submitJob(body) {
+  const { job, upload } = await submit(body);
+  progress.setStatus("Queued");
+  return { result: await followJob(job.id, progress.jobEvent), upload };
+}
+
+// A repaint's {result, upload}: POST /v1/images/edits with the references as image files (the first is
+// the source) and the mask, if one is painted, as OpenAI's mask file; the settings as form fields.
+async function submitRepaint(body, painted) {
+  const refs = references.current();
+  const form = new FormData();
+  for (const [name, value] of Object.entries(body)) form.append(name, String(value));
+  for (const ref of refs) form.append("image", ref.blob, ref.name);
+  if (painted) form.append("mask", painted, "mask.png");
+  const started = performance.now();
+  let sent = started;
+  const result = await postForm("v1/images/edits", form, {
+    onProgress: (fraction) => progress.uploading(refs.length, fraction),
+    onSent: () => {
+      sent = performance.now();
+      progress.repainting(painted !== null);
+    },
+  });
+  return { result, upload: { id: null, encoded: false, seconds: (sent - started) / 1000 } };
 }
 
 // POST /v1/jobs, after uploading the references if their list changed; {job, upload}.
@@ -117,6 +150,23 @@ function showButton() {
   button.textContent = running ? "Generating…" : "Generate";
 }
 
+// The result in place of the source, the first reference: the next edit repaints it. The mask is kept
+// (resized if the source's sides were not multiples of 16), to repaint the same area again; Clear
+// starts a new one.
+async function useAsSource(image) {
+  clearError();
+  try {
+    mask.keepForNextSource(true);
+    await references.replaceFirst(image.blob, image.name);
+    progress.setStatus(`${image.name} is the source now, reference 1`);
+    $("prompt").focus();
+  } catch (problem) {
+    showFailure(problem);
+  } finally {
+    mask.keepForNextSource(false);
+  }
+}
+
 async function useAsReference(image) {
   clearError();
   try {
@@ -146,12 +196,15 @@ function wire() {
     }
   });
   settings.wireSettings();
+  mask.wireMask();
   references.onChange((list) => {
     settings.showFirstReference(list[0] || null);
+    mask.setSource(references.first());
     storage.saveReferences(list);
   });
   references.wireReferences();
   results.onResultActions({
+    useAsSource,
     useAsReference,
     reuse: (entry) => settings.restoreSettings(entry.request, entry.seed),
     remove: removeResult,
@@ -159,10 +212,20 @@ function wire() {
   onRetry(progress.retrying);
 }
 
+// The mask as it is now, kept for a reload; only the latest of overlapping saves is written.
+let maskSaves = 0;
+async function keepMask() {
+  const save = ++maskSaves;
+  const painted = await mask.file();
+  if (save === maskSaves) storage.saveMask(painted);
+}
+
 async function start() {
   wire();
   const saved = await storage.load();
   references.restore(saved.references);
+  await mask.restore(saved.mask);
+  mask.onChange(keepMask); // from here on: what the last visit kept is read by now
   results.restore(saved.results);
   await loadConfig();
 }

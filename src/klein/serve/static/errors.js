@@ -14,7 +14,7 @@ export class InputProblem extends Error {
 // The server's `param` names a request field; these are the inputs that set them.
 const FIELDS = {
   prompt: "prompt", num_inference_steps: "steps", n: "count", seed: "seed", size: "size",
-  guidance_scale: "guidance", image: "ref-input", references: "ref-input",
+  guidance_scale: "guidance", image: "ref-input", references: "ref-input", strength: "strength", mask: "mask-canvas",
 };
 
 // What to do, where the server's own sentence may leave it out.

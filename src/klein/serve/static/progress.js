@@ -1,5 +1,5 @@
 // How the running edit is going, above the results: a status line; the progress bar, which follows the
-// bytes of a reference upload, then the denoising steps; and, once, a notice that a fresh server's
+// bytes of a reference upload, then the denoising steps (a repaint, one request, shows no steps); and, once, a notice that a fresh server's
 // first request compiles the model's programs and so takes much longer than the ones after it.
 import { $, counted } from "./dom.js";
 
@@ -44,6 +44,11 @@ export function uploading(count, fraction) {
 
 export function encoding(count) {
   setStatus(`Encoding ${counted(count, "reference")}…`);
+}
+
+// A repaint's files are all sent; the server prepares them, encodes and denoises in one request.
+export function repainting(masked) {
+  setStatus(masked ? "Repainting the masked area…" : "Repainting the source…");
 }
 
 export function jobEvent(event) {

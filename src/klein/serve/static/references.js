@@ -16,6 +16,14 @@ let changed = () => {};
 // The list as plain data (the images as blobs), to send, show with a result or keep.
 export const current = () => refs.map(({ blob, name, width, height }) => ({ blob, name, width, height }));
 
+// The first reference, the source an edit repaints: {key, url, width, height}, or null. The key names
+// this entry of the list for as long as it is in it.
+export function first() {
+  if (!refs.length) return null;
+  const { key, url, width, height } = refs[0];
+  return { key, url, width, height };
+}
+
 export function setLimits(config) {
   limits = config;
   render();
@@ -34,6 +42,17 @@ export async function addReference(blob, name) {
   return refs.length;
 }
 
+// Puts an image (a result's PNG blob) first in the list, in place of the first reference: the source of
+// the next edit. Its position (1) once it passes the checks; an InputProblem if not.
+export async function replaceFirst(blob, name) {
+  const { width, height } = await check(blob, name, refs.length ? 1 : 0);
+  const added = { key: nextKey++, blob, name, url: URL.createObjectURL(blob), width, height };
+  const [replaced] = refs.splice(0, 1, added);
+  if (replaced) URL.revokeObjectURL(replaced.url);
+  update();
+  return 1;
+}
+
 // The list a previous visit left (`current()`'s items), checked when it was added.
 export function restore(list) {
   for (const { blob, name, width, height } of list) {
@@ -42,8 +61,9 @@ export function restore(list) {
   update();
 }
 
-// {width, height} of an image the server will take; an InputProblem naming what is wrong.
-async function check(blob, name) {
+// {width, height} of an image the server will take; an InputProblem naming what is wrong. `replacing`:
+// how many references it takes the place of.
+async function check(blob, name, replacing = 0) {
   const refuse = (message) => new InputProblem(message, "ref-input");
   if (!limits) throw refuse("The server's limits are not known yet: wait until the page is connected.");
   if (blob.size > limits.max_upload_bytes) {
@@ -62,7 +82,7 @@ async function check(blob, name) {
     throw refuse(`${name} is ${width} × ${height} px, more than the ${limits.max_pixels} px this server takes (--max-pixels).`);
   }
   // Counted last, after the wait for the decoding, when the list is as it will be added to.
-  if (refs.length >= limits.max_references) {
+  if (refs.length - replacing >= limits.max_references) {
     throw refuse(`This server takes at most ${limits.max_references} references: remove one first.`);
   }
   return { width, height };

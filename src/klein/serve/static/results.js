@@ -1,4 +1,5 @@
-// Results: the shown one (images with "Use as reference" and "Download PNG", its settings, whether
+// Results: the shown one (images with "Use as source", "Use as reference" and "Download PNG", its
+// settings and, for a repaint, its strength and mask, whether
 // the references came from the cache, the time of each stage) and the history of them. An entry is
 // plain data, its images and references as blobs, so that it can be kept across a reload; the object
 // URLs that show them are made here when first shown and revoked when the entry is removed.
@@ -9,9 +10,10 @@ const history = []; // oldest first
 const urls = new WeakMap(); // an image of an entry ({blob, name}) -> its object URL
 let nextNumber = 1;
 let shown = null;
-let actions = { useAsReference: () => {}, reuse: () => {}, remove: () => {} };
+let actions = { useAsSource: () => {}, useAsReference: () => {}, reuse: () => {}, remove: () => {} };
 
-// useAsReference(image {blob, name}), reuse(entry) and remove(entry) are what the buttons do.
+// useAsSource(image {blob, name}), useAsReference(image), reuse(entry) and remove(entry) are what the
+// buttons do.
 export function onResultActions(callbacks) {
   actions = callbacks;
 }
@@ -20,14 +22,16 @@ export const hasShown = () => shown !== null;
 
 // A finished job as a history entry: what was asked (request), what ran (the response's `klein`),
 // the references it used (refs: {blob, name, width, height}), what their upload did (upload, or null)
-// and the seconds from Generate to the result (upload, queue and transfer included).
-export function addResult(request, result, refs, upload, seconds) {
+// the seconds from Generate to the result (upload, queue and transfer included) and, for a repaint with
+// a mask, the mask sent (a PNG blob).
+export function addResult(request, result, refs, upload, seconds, mask = null) {
   const klein = result.klein || {};
   const seed = klein.seed ?? request.seed;
   const entry = {
     number: nextNumber++,
     request,
     refs,
+    mask: mask && { blob: mask, name: "mask.png" },
     upload,
     seconds,
     seed,
@@ -62,7 +66,7 @@ export function remove(number) {
   const [entry] = history.splice(index, 1);
   if (shown === entry) showNothing();
   renderHistory();
-  for (const image of [...entry.images, ...entry.refs]) {
+  for (const image of [...entry.images, ...entry.refs, ...(entry.mask ? [entry.mask] : [])]) {
     if (urls.has(image)) URL.revokeObjectURL(urls.get(image));
   }
 }
@@ -92,14 +96,19 @@ function imageGrid(entry) {
     const figure = element("figure", "result");
     const img = thumbnail(urlOf(image), `Result ${index + 1} of ${entry.images.length} for “${entry.request.prompt}”`, "");
     const buttons = element("figcaption", "result-actions");
+    const source = element("button", "use-source", "Use as source");
+    source.type = "button";
+    source.title = "Put this image first in the references, in place of the source: the next edit repaints it";
+    source.addEventListener("click", () => actions.useAsSource(image));
     const use = element("button", "use", "Use as reference");
     use.type = "button";
+    use.title = "Add this image at the end of the references";
     use.addEventListener("click", () => actions.useAsReference(image));
     const download = element("a", "button download", several ? "Download" : "Download PNG");
     download.title = "The PNG as the server made it, with klein's settings in its metadata";
     download.href = urlOf(image);
     download.download = image.name;
-    buttons.append(use, download);
+    buttons.append(source, use, download);
     figure.append(img, buttons);
     grid.append(figure);
   });
@@ -128,6 +137,7 @@ function facts(entry) {
   if (!entry.refs.length) refs.textContent = "none";
   const list = element("dl", "facts");
   const rows = [["Size", size], ["Steps", settings.num_inference_steps ?? request.num_inference_steps], ["Seed", entry.seed], ["References", refs]];
+  if (settings.strength !== undefined && settings.strength !== null) rows.push(["Strength", String(settings.strength)], ["Mask", maskFact(entry)]);
   for (const [name, value] of rows) {
     const row = element("div");
     const dd = element("dd");
@@ -136,6 +146,14 @@ function facts(entry) {
     list.append(row);
   }
   return list;
+}
+
+// A repaint's mask as sent (transparent: repainted), or what ran without one.
+function maskFact(entry) {
+  if (!entry.mask) return "none: image to image";
+  const fact = element("span", "fact-mask");
+  fact.append(thumbnail(urlOf(entry.mask), "The mask sent: its transparent pixels were repainted"));
+  return fact;
 }
 
 // The server reports a hit whenever the job found its references encoded; the page adds what it saw:

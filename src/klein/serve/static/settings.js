@@ -1,5 +1,6 @@
 // The settings of the next edit: prompt, size (the first reference's, a preset or custom), steps,
-// number of images, seed (random or fixed) and, on base models, guidance. Limits and defaults come from
+// strength (empty: the server's default), number of images, seed (random or fixed) and, on base
+// models, guidance. Limits and defaults come from
 // /v1/config; the size presets are choices, those larger than the server makes disabled.
 import { $ } from "./dom.js";
 import { InputProblem } from "./errors.js";
@@ -55,6 +56,8 @@ export function readSettings() {
   if (!prompt) throw new InputProblem("Write a prompt first: what to generate, or how to change the references.", "prompt");
   const body = { prompt, response_format: "b64_json" };
   body.num_inference_steps = wholeNumber("steps", "Steps", 1, limits.max_steps);
+  const strength = readStrength();
+  if (strength !== null) body.strength = strength;
   body.n = wholeNumber("count", "Images", 1, limits.max_images);
   // A random seed is drawn here, within JavaScript's exact integers, so the page can show and reuse it.
   const random = crypto.getRandomValues(new Uint32Array(1))[0];
@@ -62,6 +65,17 @@ export function readSettings() {
   body.size = readSize();
   if (limits.guided) body.guidance_scale = Number($("guidance").value);
   return body;
+}
+
+// How far the source (the first reference) is repainted; null: not given, the server decides.
+function readStrength() {
+  const input = $("strength");
+  if (input.value.trim() === "" && !input.validity.badInput) return null;
+  const value = Number(input.value);
+  if (input.validity.badInput || !Number.isFinite(value) || value < 0 || value > 1) {
+    throw new InputProblem("Strength must be a number from 0 to 1, or empty for the server's default.", "strength");
+  }
+  return value;
 }
 
 function wholeNumber(id, name, low, high) {
@@ -96,6 +110,7 @@ export function showSeedUsed(seed) {
 export function restoreSettings(request, seed) {
   $("prompt").value = request.prompt;
   $("steps").value = request.num_inference_steps;
+  $("strength").value = request.strength ?? "";
   $("count").value = request.n;
   $("seed").value = seed;
   $("seed-fixed").checked = true;

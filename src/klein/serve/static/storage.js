@@ -5,7 +5,7 @@
 
 const DATABASE = "klein";
 const RESULTS = "results"; // history entries by number
-const STATE = "state"; // "references": the reference list
+const STATE = "state"; // "references": the reference list; "mask": the mask painted on its first
 const BUDGET_BYTES = 64 * 2 ** 20;
 let opened = null;
 
@@ -53,8 +53,9 @@ export async function load() {
   return safely(async () => {
     const results = await read(RESULTS, (store) => store.getAll());
     const references = await read(STATE, (store) => store.get("references"));
-    return { results, references: references || [] };
-  }, { results: [], references: [] });
+    const mask = await read(STATE, (store) => store.get("mask"));
+    return { results, references: references || [], mask: mask || null };
+  }, { results: [], references: [], mask: null });
 }
 
 // Keeps a result; the numbers of the results dropped to stay within the budget.
@@ -82,6 +83,13 @@ export async function saveReferences(list) {
   }), undefined);
 }
 
+// The mask as mask.js's file() gives it (a PNG blob), or null for none.
+export async function saveMask(blob) {
+  return safely(() => transaction(STATE, "readwrite", (store) => {
+    store.put(blob, "mask");
+  }), undefined);
+}
+
 // The numbers of the oldest entries (of `entries`, oldest first) to drop so that the rest take at most
 // `budget` bytes; the newest is kept whatever its size.
 export function oldestOver(entries, budget) {
@@ -95,4 +103,4 @@ export function oldestOver(entries, budget) {
   return dropped;
 }
 
-const entryBytes = (entry) => [...entry.images, ...entry.refs].reduce((sum, item) => sum + item.blob.size, 0);
+const entryBytes = (entry) => [...entry.images, ...entry.refs, ...(entry.mask ? [entry.mask] : [])].reduce((sum, item) => sum + item.blob.size, 0);
