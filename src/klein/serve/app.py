@@ -11,15 +11,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from klein.serve import api_docs, errors, page, schema, uploads
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
+from klein.serve.metrics import CONTENT_TYPE
 from klein.serve.service import Service
 from klein.serve.worker import Job
 
@@ -88,7 +90,7 @@ def _routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/images/generations")
     async def generations(body: schema.ImageBody, request: Request):
@@ -193,7 +195,8 @@ async def _events(job: Job):
 
 
 class _Guard:
-    """Pure ASGI middleware: the API key check, and HTTP responses counted by status for /metrics."""
+    """Pure ASGI middleware: the API key check, and HTTP responses counted and timed by status for
+    /metrics (the time until the response's last byte: a job's event stream counts as long as it runs)."""
 
     def __init__(self, app, service: Service):
         self.app, self.service = app, service
@@ -201,12 +204,14 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        metrics = self.service.metrics
+        metrics, started, status = self.service.metrics, time.perf_counter(), []
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                metrics.count_request(str(message["status"]))
+                status.append(str(message["status"]))
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                metrics.count_request(status[0], time.perf_counter() - started)
 
         if not self._allowed(scope):
             error = ApiError(

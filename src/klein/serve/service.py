@@ -28,6 +28,8 @@ class Service:
         cached = caches_references(pipe.variant, pipe.name)
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         self.worker = Worker(options.max_queue, self.metrics, options.max_batch, self._generate_batch)
+        caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
+        self.metrics.watch(lambda: self.worker.depth, caches)
 
     def check(self, work: generation.Generation) -> None:
         """Refuse (an `ApiError`) before queueing what the worker would refuse: unknown or evicted
@@ -85,9 +87,5 @@ class Service:
             "default_guidance_scale": defaults.request.guidance_scale,
             "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
-            "jobs_done": self.metrics.jobs["done"],
+            "jobs_done": self.metrics.jobs_done,
         }
-
-    def metrics_text(self) -> str:
-        caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
-        return self.metrics.render(self.worker.depth, caches)
