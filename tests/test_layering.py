@@ -37,6 +37,7 @@ FORBIDDEN = {
 ALLOWED = {
     ("klein.cli.serve", "klein.serve.options"),
     ("klein.cli.serve", "klein.serve.server"),
+    ("klein.cli.serve", "klein.serve.replicas.cluster"),
     ("klein.cli.batch", "klein.batch.job"),
     ("klein.cli.batch", "klein.batch.local"),
 }

@@ -33,6 +33,8 @@ _MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"ty
 
 
 def create_app(service: Service) -> FastAPI:
+    """The routes over `service`: one pipeline's (`Service`), or N replicas' (`klein.serve.replicas.front`),
+    which offer the same methods."""
     app = FastAPI(
         title="klein serve",
         version=service.version,
@@ -94,9 +96,9 @@ def _routes(app: FastAPI, service: Service) -> None:
 
     @app.post("/v1/images/generations")
     async def generations(body: schema.ImageBody, request: Request):
-        notes = schema.ignored(body, service.pipe.name)
+        notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, options), reference_id=body.references, notes=notes)
-        return await _wait(service.worker, service.submit_generation(work), request)
+        return await _wait(service.worker, await service.submit_generation(work), request)
 
     @app.post("/v1/images/edits", openapi_extra=_MULTIPART)
     async def edits(request: Request):
@@ -108,9 +110,9 @@ def _routes(app: FastAPI, service: Service) -> None:
                 400, "give image files or references (an id), not both", "invalid_value", "references"
             )
         images = () if body.references is not None else tuple(await uploads.prepare(files, options))
-        notes = schema.ignored(body, service.pipe.name)
+        notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, options), images, body.references, notes)
-        return await _wait(service.worker, service.submit_generation(work), request)
+        return await _wait(service.worker, await service.submit_generation(work), request)
 
 
 def _references(app: FastAPI, service: Service) -> None:
@@ -119,7 +121,7 @@ def _references(app: FastAPI, service: Service) -> None:
         """Multipart: image / image[] files, encoded once and kept in the reference cache."""
         _, files = await uploads.read_form(request, service.options)
         images = tuple(await uploads.prepare(files, service.options))
-        return await _wait(service.worker, service.submit_references(images), request)
+        return await _wait(service.worker, await service.submit_references(images), request)
 
     @app.get("/v1/references/{reference_id}")
     async def get_references(reference_id: str):
@@ -138,9 +140,9 @@ def _references(app: FastAPI, service: Service) -> None:
 def _jobs(app: FastAPI, service: Service) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def create_job(body: schema.ImageBody):
-        notes = schema.ignored(body, service.pipe.name)
+        notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, service.options), reference_id=body.references, notes=notes)
-        job = service.submit_generation(work)
+        job = await service.submit_generation(work)
         return {"id": job.id, "status": job.status}
 
     @app.get("/v1/jobs/{job_id}")

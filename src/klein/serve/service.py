@@ -39,12 +39,18 @@ class Service:
         except InputError as error:
             raise errors.from_input_error(error) from None
 
-    def submit_generation(self, work: generation.Generation) -> Job:
+    @property
+    def model_name(self) -> str:
+        return self.pipe.name
+
+    async def submit_generation(self, work: generation.Generation) -> Job:
+        """Queue a generation (refused now, as an `ApiError`, if the worker would refuse it); async as
+        the same method of N replicas' front (`klein.serve.replicas.front`) is."""
         self.check(work)
         images = work.request.num_images_per_prompt
         return self.worker.submit(functools.partial(self._generate, work), work.batch_key, images, work)
 
-    def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
+    async def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
         return self.worker.submit(lambda job: generation.encode_references(self.sets, images))
 
     def _generate(self, work: generation.Generation, job: Job) -> dict:
