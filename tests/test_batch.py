@@ -4,6 +4,7 @@ and resumed, bad lines, and the refusals of bad arguments.
 Outputs are named by line, so "each once" is a count of files; reference encodings are the pipeline's own
 count of the work (`pipe.counters`), printed by the command in its summary."""
 
+import importlib.util
 import json
 import os
 import re
@@ -58,30 +59,48 @@ def pngs(out: Path) -> list[Path]:
     return sorted(out.glob("*.png"))
 
 
+def settled(out: Path) -> None:
+    """Wait until no PNG has appeared in `out` for 2 s."""
+    count, still = len(pngs(out)), time.monotonic()
+    while time.monotonic() - still < 2:
+        time.sleep(0.1)
+        if len(pngs(out)) != count:
+            count, still = len(pngs(out)), time.monotonic()
+
+
 def encodings(stderr: str) -> int:
     return int(re.search(r"(\d+) reference encodings", stderr).group(1))
 
 
-def test_killed_halfway_and_resumed_writes_every_output_once(klein_home, requests, tmp_path):
+RAY = pytest.param(["--ray"], marks=pytest.mark.skipif(not importlib.util.find_spec("ray"), reason="no Ray"))
+
+
+@pytest.mark.parametrize("where", [[], RAY], ids=["local", "ray"])
+def test_killed_halfway_and_resumed_writes_every_output_once(klein_home, requests, tmp_path, where):
     out = tmp_path / "out"
-    argv, env = command(klein_home, requests, "--out", out)
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    argv, env = command(klein_home, requests, "--out", out, *where)
+    # A session of its own, so that the kill takes the local Ray it started with it.
+    process = subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 240
     while process.poll() is None and len(pngs(out)) < 15 and time.monotonic() < deadline:
         time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
+    os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    settled(out)  # Ray's workers outlive their driver by a moment, and may finish a line meanwhile
     finished = {int(p.name.split("-")[1]) - 1 for p in pngs(out)}  # 0-based request numbers
     before = len(finished)
     assert 0 < before < LINES, "the first run was not killed halfway"
 
-    resumed = run_batch(klein_home, requests, "--out", out, "--resume")
+    resumed = run_batch(klein_home, requests, "--out", out, "--resume", *where)
     assert resumed.returncode == 0, resumed.stderr
     written = pngs(out)
     assert len(written) == LINES and len({p.name for p in written}) == LINES
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
     assert f"{LINES - before} done, {before} already done, 0 failed" in resumed.stderr
-    # Sets are run one group at a time: only the sets with lines left are encoded again, once each.
+    # Sets are run one group at a time: only the sets with lines left are encoded again, once each (one
+    # worker here, locally and on Ray).
     left = {n % SETS for n in range(LINES) if n not in finished}
     assert encodings(resumed.stderr) == len(left) <= SETS
 

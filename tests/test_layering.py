@@ -9,7 +9,15 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
 FRONT_ENDS = ("klein.cli", "klein.serve", "klein.batch", "klein.bench")
-SHARED = ("klein.images", "klein.sampling", "klein.sharding", "klein.dtypes", "klein.errors", "klein.version")
+SHARED = (
+    "klein.images",
+    "klein.sampling",
+    "klein.sharding",
+    "klein.dtypes",
+    "klein.errors",
+    "klein.version",
+    "klein.ray_runtime",
+)
 
 # Package -> what its modules must not import (prefixes of module names).
 FORBIDDEN = {
@@ -40,6 +48,7 @@ ALLOWED = {
     ("klein.cli.serve", "klein.serve.replicas.cluster"),
     ("klein.cli.batch", "klein.batch.job"),
     ("klein.cli.batch", "klein.batch.local"),
+    ("klein.cli.batch", "klein.batch.ray_data"),
 }
 # Models may read nothing and know no request: only these of klein.
 MODELS_MAY_IMPORT = ("klein.models", "klein.sharding", "klein.errors")

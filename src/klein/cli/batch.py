@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from klein.cli import extras
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
 from klein.version import version
@@ -48,6 +49,14 @@ def batch_parser() -> argparse.ArgumentParser:
     add("--out", required=True, type=Path, metavar="DIR", help="folder for the PNGs and results.jsonl")
     add("--resume", action="store_true", help="continue a run in DIR: skip the lines already written")
     add("--fail-fast", action="store_true", help="stop at the first bad line or failed request")
+    add(
+        "--ray",
+        action="store_true",
+        help="run on Ray Data: a pool of actors, one per device, each with its own pipeline (needs pip "
+        "install 'klein[ray]'); default: in this process",
+    )
+    add("--ray-address", metavar="ADDRESS", help="with --ray: join this Ray cluster (default: a local Ray)")
+    add("--workers", type=int, metavar="N", help="with --ray: actors (default: one per GPU, else one)")
     cli_flags.add_model_flags(add)
     return parser
 
@@ -57,9 +66,23 @@ def batch_command(flags: argparse.Namespace) -> int:
 
     if not flags.requests.is_file():
         raise InputError(f"{flags.requests}: no such file")
-    summary = job.run(flags.requests, flags.out, _local(flags), flags.resume, flags.fail_fast)
+    summary = job.run(flags.requests, flags.out, _executor(flags), flags.resume, flags.fail_fast)
     print(summary.describe(flags.out), file=sys.stderr)
     return EXIT_FAILED_LINES if summary.failed else 0
+
+
+def _executor(flags: argparse.Namespace):
+    """Where the groups run: this process, or Ray Data (--ray)."""
+    if not flags.ray:
+        if flags.ray_address is not None or flags.workers is not None:
+            raise InputError("--ray-address and --workers go with --ray")
+        return _local(flags)
+    if flags.workers is not None and flags.workers < 1:
+        raise InputError(f"--workers must be a positive number, got {flags.workers}")
+    extras.require("ray", "ray", "--ray")
+    from klein.batch.ray_data import RayData
+
+    return RayData(cli_flags.load_options(flags), flags.out, version(), flags.ray_address, flags.workers)
 
 
 def _local(flags: argparse.Namespace):
