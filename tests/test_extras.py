@@ -32,3 +32,15 @@ def test_ray_flags_go_with_replicas_and_ray(capsys, tmp_path):
         cli.main(["batch", str(tmp_path / "requests.jsonl"), "--out", str(tmp_path), "--workers", "2"]) == 2
     )
     assert "--ray" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["serve", "--replicas", "2"], ["batch", "{requests}", "--out", "{out}", "--ray"]]
+)
+def test_a_wrong_model_is_refused_before_ray_starts(argv, capsys, tmp_path):
+    pytest.importorskip("ray")
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "x"}\n')
+    argv = [word.format(requests=tmp_path / "requests.jsonl", out=tmp_path / "out") for word in argv]
+    assert cli.main([*argv, "--model", str(tmp_path / "missing")]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -81,8 +81,11 @@ def _executor(flags: argparse.Namespace):
         raise InputError(f"--workers must be a positive number, got {flags.workers}")
     extras.require("ray", "ray", "--ray")
     from klein.batch.ray_data import RayData
+    from klein.pipeline.flux2_klein import locate
 
-    return RayData(cli_flags.load_options(flags), flags.out, version(), flags.ray_address, flags.workers)
+    loading = cli_flags.load_options(flags)
+    locate(loading)  # a wrong --model is refused here, not by each actor in turn
+    return RayData(loading, flags.out, version(), flags.ray_address, flags.workers)
 
 
 def _local(flags: argparse.Namespace):

@@ -28,7 +28,7 @@ and one whose set's replicas are all full goes to another after Serve's short ma
 def serve_replicas(
     loading,
     options: ServeOptions,
-    memory_limit,
+    memory_limit: int | None,
     host: str,
     port: int,
     version: str,
