@@ -103,7 +103,8 @@ def test_b_a_replica_killed_under_load_costs_503s_with_retry_after_only(url):
         thread.join(timeout=180)
     assert len(answers) == 4 * REPEATS, "a request went unanswered"
     codes = collections.Counter(status for status, _, _ in answers)
-    assert set(codes) <= {200, 503}, codes
+    # The killed replica ran one job at a time: that one gets 503, those it had queued are sent again.
+    assert set(codes) <= {200, 503} and codes[503] <= 1, codes
     for status, retry_after, body in answers:
         if status == 503:
             assert int(retry_after) > 0 and body["error"]["code"] == "replica_lost"

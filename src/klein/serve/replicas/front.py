@@ -8,9 +8,9 @@ the front's `ReferenceStore`, so a set id works on any replica.
 
 Jobs live here: a replica streams each generation's events (accepted or refused, running, steps, the
 result) and the front keeps them for `/v1/jobs` and for the synchronous routes, as a single server's
-worker does. Faults: a replica that dies is restarted by Serve's controller; a request that was running
-or waiting on it ends in 503 with Retry-After (`lost`), never a hang or a 500, and its client's retry
-goes to a live replica, which encodes the set again from the store.
+worker does. Faults: a replica that dies is restarted by Serve's controller; a job that was queued on it
+is sent again (to a live replica, which encodes the set again from the store); one it was running ends
+in 503 with Retry-After (`lost`), never a hang or a 500.
 """
 
 from __future__ import annotations
@@ -125,25 +125,39 @@ class Front:
         key = self.sets.put(work.images) if work.images else work.reference_id
         images = (self.sets.images(key),) if key is not None else ()
         sent = dataclasses.replace(work, images=(), reference_id=key)
-        call = self._to(key).options(stream=True).generate.remote(sent, images)
-        name, data = await _first(call)
+
+        def send():
+            return self._to(key).options(stream=True).generate.remote(sent, images)
+
+        call, (name, data) = await _accepted(send)
         if name == "error":
             raise refused(data)
         job = Job(None, spec=sent)
         job.events.append(("queued", {"position": self.worker.depth}))
         self.worker.add(job, call)
-        asyncio.get_running_loop().create_task(self._follow(job, call))
+        asyncio.get_running_loop().create_task(self._follow(job, call, send))
         return job
 
-    async def _follow(self, job: Job, call) -> None:
+    async def _follow(self, job: Job, call, send) -> None:
+        """Record the job's events until its end; a job its lost replica had not started is sent once
+        more (the router no longer offers the dead replica), one it had started ends in 503."""
         try:
-            async for name, data in call:
-                self._event(job, name, data)
+            try:
+                await self._record(job, call)
+            except LOST:
+                if job.status != "queued":
+                    raise
+                log.warning("job %s: its replica was lost before it started; sending it again", job.id)
+                call = send()
+                self.worker.add(job, call)
+                await self._record(job, call)
         except LOST:
-            log.warning("job %s: its replica was lost", job.id)
+            log.warning("job %s: its replica was lost while running it", job.id)
         except (RequestCancelledError, asyncio.CancelledError):
             self.metrics.count_job("dropped")
             job.finish(error=ApiError(499, "the client went away", "client_closed"))
+        except BackPressureError:
+            job.finish(error=busy())
         except Exception as error:  # a bug: log it, answer 500
             log.exception("job %s failed", job.id)
             job.finish(error=errors.internal(error))
@@ -152,6 +166,10 @@ class Front:
             if not job.finished:
                 self.metrics.count_job("lost")
                 job.finish(error=lost())
+
+    async def _record(self, job: Job, call) -> None:
+        async for name, data in call:
+            self._event(job, name, data)
 
     def _event(self, job: Job, name: str, data: dict) -> None:
         if name == "running":
@@ -189,12 +207,22 @@ class Front:
         job.finish(result=answer)
 
 
-async def _first(call) -> tuple[str, dict]:
-    """A replica's first event: accepted, or its refusal; 503 if it is lost, 429 if all are full."""
+async def _accepted(send) -> tuple[object, tuple[str, dict]]:
+    """A call (`send()`) and its replica's first event: accepted, or its refusal. A replica lost before it
+    answered is replaced once; then 503."""
     try:
-        return await call.__anext__()
-    except LOST:
-        raise lost() from None
+        return await _opened(send())
+    except LOST:  # the router no longer offers the dead replica: the second call goes to another
+        try:
+            return await _opened(send())
+        except LOST:
+            raise lost() from None
+
+
+async def _opened(call) -> tuple[object, tuple[str, dict]]:
+    """The call and its first event; 429 when every replica and the router's queue are full."""
+    try:
+        return call, await call.__anext__()
     except BackPressureError:
         raise busy() from None
 
