@@ -3,8 +3,8 @@
 For each routing (`references`: Serve's model multiplexing keyed by set id; `load`: its default router,
 power of two choices over queue lengths), starts `klein serve --replicas N --routing R` on a local Ray
 (demo checkpoint), uploads --sets reference sets (POST /v1/references, which encodes each on one
-replica), then sends --repeats generations per set by id, interleaved over the sets, from --clients
-concurrent clients. Prints, per routing: cache hits of those generations, and reference encodings in
+replica), each followed at once by a generation with it, then sends the other --repeats - 1 generations
+per set, by id, interleaved over the sets, from --clients concurrent clients. Prints, per routing: cache hits of those generations, and reference encodings in
 all (uploads + misses; one per set is the least possible).
 
     python benchmarks/replica_routing.py --replicas 2 --sets 4 --repeats 10 --clients 1
@@ -62,31 +62,30 @@ def server(replicas: int, routing: str):
 
 
 def run(url: str, sets: int, repeats: int, clients: int) -> tuple[collections.Counter, int]:
-    """(hits and misses of the generations, encodings done by the uploads)."""
-    uploads = [
-        httpx.post(
+    """(hits and misses of the generations, encodings done by the uploads). Each set is uploaded and
+    used at once (its home must be known the moment it is chosen), then used `repeats - 1` more times,
+    interleaved with the other sets, from `clients` concurrent clients."""
+    encoded, ids = 0, []
+    cache = collections.Counter()
+    for s in range(sets):
+        upload = httpx.post(
             url + "/v1/references", files=[("image", (f"{s}.png", picture(s), "image/png"))], timeout=120
         )
-        for s in range(sets)
-    ]
-    ids = [upload.json()["id"] for upload in uploads]
-    encoded = sum(not upload.json()["cached"] for upload in uploads)
-    order = [ids[i % sets] for i in range(sets * repeats)]
-
-    def one(i: int) -> str:
-        body = {
-            "prompt": f"p{i}",
-            "size": "64x64",
-            "references": order[i],
-            "seed": i,
-            "num_inference_steps": 2,
-        }
-        response = httpx.post(url + "/v1/images/generations", json=body, timeout=300)
-        response.raise_for_status()
-        return response.json()["klein"]["references"]["cache"]
-
+        ids.append(upload.json()["id"])
+        encoded += not upload.json()["cached"]
+        cache[generate(url, ids[s], s)] += 1
+    order = [ids[i % sets] for i in range(sets * (repeats - 1))]
     with ThreadPoolExecutor(clients) as pool:
-        return collections.Counter(pool.map(one, range(len(order)))), encoded
+        cache.update(pool.map(lambda i: generate(url, order[i], sets + i), range(len(order))))
+    return cache, encoded
+
+
+def generate(url: str, key: str, seed: int) -> str:
+    """One generation with the set `key`: "hit" or "miss" in the replica's reference cache."""
+    body = {"prompt": f"p{seed}", "size": "64x64", "references": key, "seed": seed, "num_inference_steps": 2}
+    response = httpx.post(url + "/v1/images/generations", json=body, timeout=300)
+    response.raise_for_status()
+    return response.json()["klein"]["references"]["cache"]
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ replica back). One server for the module: Ray's start-up is most of the time."""
 
 import collections
 import io
+import json
 import os
 import signal
 import threading
@@ -75,6 +76,29 @@ def test_a_sets_requests_stay_on_the_replica_that_holds_it(url):
     assert httpx.get(url + "/v1/references/" + created["id"]).json()["id"] == created["id"]
     health = httpx.get(url + "/healthz").json()
     assert (health["replicas"], health["routing"]) == (2, "references")
+
+
+def test_a_job_streams_its_steps_through_the_front_as_on_one_server(url):
+    """The page's path: POST /v1/jobs, then the job's events, relayed from the replica that runs it; a
+    refusal comes back at submission."""
+    jobs_done = httpx.get(url + "/v1/config").json()["jobs_done"]
+    created = httpx.post(
+        url + "/v1/jobs", json={"prompt": "a lighthouse", "size": "64x64", "seed": 1, **STEPS}
+    )
+    assert created.status_code == 202
+    events, name = [], None
+    with httpx.stream("GET", f"{url}/v1/jobs/{created.json()['id']}/events", timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line.removeprefix("data: "))))
+    assert [name for name, _ in events] == ["queued", "step", "step", "done"]
+    assert httpx.get(url + "/v1/config").json()["jobs_done"] == jobs_done + 1
+    unknown = httpx.post(url + "/v1/jobs", json={"prompt": "x", "references": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_reference"
+    too_many = httpx.post(url + "/v1/jobs", json={"prompt": "x", "num_inference_steps": 51})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "num_inference_steps"
 
 
 def test_b_a_replica_killed_under_load_costs_503s_with_retry_after_only(url):

@@ -14,15 +14,17 @@ import threading
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from klein import ray_runtime
 from klein.serve.options import ServeOptions
 from klein.serve.replicas.front import APP, REPLICA, FrontDeployment
 from klein.serve.replicas.replica import Replica
+from klein.serve.replicas.router import ReferenceRouter
 
 REPLICA_CONCURRENCY = 4
-"""Requests a replica holds at once (one running, three queued on its worker); more wait at the router,
-and one whose set's replicas are all full goes to another after Serve's short matching wait."""
+"""Requests a replica holds at once (one running, three queued on its worker); a request whose set's
+replica holds as many goes to another (`router`), and with every replica full it waits at the router."""
 
 
 def serve_replicas(
@@ -49,6 +51,7 @@ def serve_replicas(
             max_ongoing_requests=REPLICA_CONCURRENCY,
             max_queued_requests=options.max_queue * replicas,
             ray_actor_options=ray_runtime.share(replicas),
+            **_router(routing),
         )
         front = serve.deployment(FrontDeployment, name="Front").options(ray_actor_options={"num_cpus": 0})
         app = front.bind(
@@ -64,3 +67,10 @@ def serve_replicas(
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _router(routing: str) -> dict:
+    """By reference set (`router.ReferenceRouter`), or Serve's default router (`load`)."""
+    if routing == "load":
+        return {}
+    return {"request_router_config": RequestRouterConfig(request_router_class=ReferenceRouter)}

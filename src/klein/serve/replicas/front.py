@@ -1,9 +1,10 @@
 """What the HTTP app (`klein.serve.app`) serves in front of N replicas: the methods of
 `klein.serve.service.Service`, each a call through Serve's handle to a `replica.Replica`.
 
-Routing: a request with references goes out with `multiplexed_model_id` = its set id (`--routing
-references`, the default; see `replica`), one without through Serve's default router (power of two
-choices over queue lengths), as every request does under `--routing load`. Uploaded images are kept in
+Routing: a request with references goes out with its set id as `multiplexed_model_id`, the key the
+replicas' router (`router.ReferenceRouter`, `--routing references`, the default) homes sets by; under
+`--routing load` no key goes out and Serve's default router (power of two choices over queue lengths)
+decides alone. Uploaded images are kept in
 the front's `ReferenceStore`, so a set id works on any replica.
 
 Jobs live here: a replica streams each generation's events (accepted or refused, running, steps, the

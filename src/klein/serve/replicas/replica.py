@@ -1,13 +1,9 @@
 """One model replica of `klein serve --replicas N`: a Ray Serve deployment holding its own `Service`
 (pipeline, prompt cache, reference cache, worker thread), as a single `klein serve` holds one.
 
-Reference affinity is Serve's model multiplexing, keyed by reference set id: the front sends each
-request for a set with `multiplexed_model_id=<set id>`, and `_reference_set` is the multiplexed loader.
-Serve's router sends a request to a replica that reports the id loaded; for an id no replica has, to the
-replica with the fewest; when the replicas holding it are full (`max_ongoing_requests`), to another
-after a short wait, which then encodes the set too. The loader itself holds nothing: the set's
-encodings live in the replica's byte-bounded reference cache, and a set the cache has dropped is
-encoded again from the images the front keeps (`klein.serve.replicas.store`).
+Which replica serves a set is the router's choice (`klein.serve.replicas.router`); a replica only
+keeps what it encodes in its byte-bounded reference cache, and a set it does not hold (a first request
+here, a restart, an eviction) is encoded from the images the front keeps (`klein.serve.replicas.store`).
 """
 
 from __future__ import annotations
@@ -15,17 +11,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from ray import serve
-
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
 from klein.serve.worker import Job
 
-MAX_SETS = 64
-"""Reference set ids a replica advertises to the router (least recently used beyond); what it really
-keeps is its reference cache's choice (--cache-bytes)."""
 EVENT_POLL = 0.05  # seconds between looks at a job's progress
 
 
@@ -37,24 +28,11 @@ class Replica:
         pipe.memory_limit = memory_limit
         self.service = Service(pipe, options, version)
 
-    @serve.multiplexed(max_num_models_per_replica=MAX_SETS)
-    async def _reference_set(self, set_id: str) -> str:
-        """Serve's loader for a multiplexed "model": here only the mark that this replica serves the set
-        (the reference cache holds the encodings)."""
-        return set_id
-
-    async def _mark(self) -> None:
-        """Tell the router this replica serves the request's set (none under `--routing load`)."""
-        key = serve.get_multiplexed_model_id()
-        if key:
-            await self._reference_set(key)
-
     async def generate(self, work: Generation, images: tuple):
         """One generation as events: ("accepted", {}) or ("error", fields) at once, then ("running", {}),
         ("step", progress) per denoising step, and ("done", body) or ("error", fields).
         `images`: (ObjectRef of the set's prepared images,) when the request has references."""
         if work.reference_id is not None:
-            await self._mark()
             work = await self._with_references(work, images[0])
         try:
             job = await self.service.submit_generation(work)
@@ -77,7 +55,6 @@ class Replica:
     async def references(self, images: tuple) -> dict:
         """POST /v1/references on the replica that will serve the set: encoded now, as `klein serve`
         does, so that the first edit finds it; the reference object, or ("error", fields)."""
-        await self._mark()
         try:
             job = await self.service.submit_references(tuple(await images[0]))
             return await asyncio.wrap_future(job.future)
