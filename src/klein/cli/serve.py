@@ -18,7 +18,9 @@ from klein.version import version
 DESCRIPTION = """\
 Serve an OpenAI-compatible images API (POST /v1/images/generations, /v1/images/edits), reference
 sets kept encoded across requests (POST /v1/references), jobs with progress events (/v1/jobs), /healthz,
-/metrics (Prometheus) and OpenAPI docs at /docs. One worker owns the device; requests queue.
+/metrics (Prometheus) and OpenAPI docs at /docs. One worker owns the device; requests queue. With
+--replicas N, N replicas on Ray Serve, each with its own pipeline and caches, a reference set's requests
+sent to the replica that holds it.
 
 Without --model it serves the offline demo checkpoint (tiny random weights: images are noise-like).
 SIZE is bytes or KiB/MiB/GiB (e.g. 512MiB). It binds 127.0.0.1 unless --host says otherwise."""
@@ -27,6 +29,7 @@ EXAMPLES = """\
 examples:
   klein serve                                                    # demo checkpoint, port 8000
   klein serve --model black-forest-labs/FLUX.2-klein-9b-kv --cache-bytes 8GiB --api-key secret
+  klein serve --replicas 2 --model black-forest-labs/FLUX.2-klein-9b-kv  # 2 replicas on a local Ray
   curl -s localhost:8000/v1/images/generations -H 'Content-Type: application/json' \\
       -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'
 
