@@ -76,6 +76,12 @@ def test_a_sets_requests_stay_on_the_replica_that_holds_it(url):
     assert httpx.get(url + "/v1/references/" + created["id"]).json()["id"] == created["id"]
     health = httpx.get(url + "/healthz").json()
     assert (health["replicas"], health["routing"]) == (2, "references")
+    # The front's own figures: its HTTP responses and jobs, and the stage times each result reports.
+    text = httpx.get(url + "/metrics").text
+    assert (
+        'klein_jobs_total{status="done"}' in text
+        and 'klein_stage_seconds_bucket{le="0.01",stage="denoise"}' in text
+    )
 
 
 def test_a_job_streams_its_steps_through_the_front_as_on_one_server(url):
