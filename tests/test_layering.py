@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
-FRONT_ENDS = ("klein.cli", "klein.serve", "klein.bench")
+FRONT_ENDS = ("klein.cli", "klein.serve", "klein.batch", "klein.bench")
 SHARED = (
     "klein.images",
     "klein.masks",
@@ -17,6 +17,7 @@ SHARED = (
     "klein.dtypes",
     "klein.errors",
     "klein.version",
+    "klein.ray_runtime",
 )
 
 # Package -> what its modules must not import (prefixes of module names).
@@ -34,14 +35,22 @@ FORBIDDEN = {
     "klein.lora": ("klein.memory", "klein.pipeline", *FRONT_ENDS),
     "klein.memory": ("klein.pipeline", *FRONT_ENDS),
     "klein.pipeline": FRONT_ENDS,
-    "klein.serve": ("klein.cli", "klein.bench"),
-    "klein.bench": ("klein.cli", "klein.serve"),
-    "klein.cli": ("klein.serve",),
+    "klein.serve": ("klein.cli", "klein.batch", "klein.bench"),
+    "klein.batch": ("klein.cli", "klein.serve", "klein.bench"),
+    "klein.bench": ("klein.cli", "klein.serve", "klein.batch"),
+    "klein.cli": ("klein.serve", "klein.batch"),
     **{shared: ("klein.memory", "klein.pipeline", *FRONT_ENDS) for shared in SHARED},
 }
-# `klein serve` is a command of the command line: its module maps the flags onto the server's options and
-# starts it; nothing else of the command line touches the server.
-ALLOWED = {("klein.cli.serve", "klein.serve.options"), ("klein.cli.serve", "klein.serve.server")}
+# `klein serve` and `klein batch` are commands of the command line: each one's module maps the flags onto
+# its front end's options and starts it; nothing else of the command line touches them.
+ALLOWED = {
+    ("klein.cli.serve", "klein.serve.options"),
+    ("klein.cli.serve", "klein.serve.server"),
+    ("klein.cli.serve", "klein.serve.replicas.cluster"),
+    ("klein.cli.batch", "klein.batch.job"),
+    ("klein.cli.batch", "klein.batch.local"),
+    ("klein.cli.batch", "klein.batch.ray_data"),
+}
 # Models may read nothing and know no request: only these of klein.
 MODELS_MAY_IMPORT = ("klein.models", "klein.sharding", "klein.errors")
 

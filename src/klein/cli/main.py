@@ -79,6 +79,9 @@ def _top_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
     commands.add_parser("serve", help="an HTTP images API with references kept warm (klein serve --help)")
+    commands.add_parser(
+        "batch", help="a file of requests, one JSON object a line, run to PNGs (klein batch --help)"
+    )
     commands.add_parser("plan", help="per-device memory of a model on a mesh (klein plan --help)")
     commands.add_parser(
         "bench", help="time klein against diffusers, KV speedup vs ceiling (klein bench --help)"
@@ -144,6 +147,10 @@ def _dispatch(argv: list[str]) -> int:
         from klein.cli import serve as cli_serve
 
         return cli_serve.serve_command(cli_serve.serve_parser().parse_args(argv[1:]))
+    if argv[:1] == ["batch"]:
+        from klein.cli import batch as cli_batch
+
+        return cli_batch.batch_command(cli_batch.batch_parser().parse_args(argv[1:]))
     if argv[:1] == ["plan"]:
         return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:

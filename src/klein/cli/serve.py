@@ -9,14 +9,18 @@ import argparse
 import dataclasses
 import sys
 
+from klein.cli import extras
 from klein.cli import flags as cli_flags
+from klein.errors import InputError
 from klein.serve.options import ServeOptions, parse_size
 from klein.version import version
 
 DESCRIPTION = """\
 Serve an OpenAI-compatible images API (POST /v1/images/generations, /v1/images/edits), reference
 sets kept encoded across requests (POST /v1/references), jobs with progress events (/v1/jobs), /healthz,
-/metrics (Prometheus) and OpenAPI docs at /docs. One worker owns the device; requests queue.
+/metrics (Prometheus) and OpenAPI docs at /docs. One worker owns the device; requests queue. With
+--replicas N, N replicas on Ray Serve, each with its own pipeline and caches, a reference set's requests
+sent to the replica that holds it.
 
 Without --model it serves the offline demo checkpoint (tiny random weights: images are noise-like).
 SIZE is bytes or KiB/MiB/GiB (e.g. 512MiB). It binds 127.0.0.1 unless --host says otherwise."""
@@ -25,6 +29,7 @@ EXAMPLES = """\
 examples:
   klein serve                                                    # demo checkpoint, port 8000
   klein serve --model black-forest-labs/FLUX.2-klein-9b-kv --cache-bytes 8GiB --api-key secret
+  klein serve --replicas 2 --model black-forest-labs/FLUX.2-klein-9b-kv  # 2 replicas on a local Ray
   curl -s localhost:8000/v1/images/generations -H 'Content-Type: application/json' \\
       -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'
 
@@ -44,6 +49,25 @@ def serve_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=8000, help="port (default: 8000)")
     add("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /healthz")
     add("--memory-limit", type=parse_size, metavar="SIZE", help="bytes a request may use beyond the weights")
+    add(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="serve N model replicas on Ray Serve, each with its own pipeline and caches, requests routed "
+        "by reference set (needs pip install 'klein[ray]'); default: one pipeline in this process",
+    )
+    add(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="with --replicas: join this Ray cluster (e.g. ray://head:10001 or auto); default: a local Ray "
+        "started and stopped with the command",
+    )
+    add(
+        "--routing",
+        choices=("references", "load"),
+        help="with --replicas: references (default) sends a set's requests to the replica that holds it; "
+        "load is Serve's default router (queue lengths only), for comparison",
+    )
     defaults = ServeOptions()
     for name, help_ in _LIMITS.items():
         field = name.replace("-", "_")
@@ -73,12 +97,39 @@ _LIMITS = {
 
 
 def serve_command(flags: argparse.Namespace) -> int:
-    from klein.pipeline.flux2_klein import load
-    from klein.serve.server import serve
-
     names = {field.name for field in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in vars(flags).items() if k in names})
     loading = cli_flags.load_options(flags)
+    if flags.replicas is None:
+        if flags.ray_address is not None or flags.routing is not None:
+            raise InputError("--ray-address and --routing go with --replicas N")
+        return _serve_here(flags, options, loading)
+    if flags.replicas < 1:
+        raise InputError(f"--replicas must be a positive number, got {flags.replicas}")
+    extras.require("ray", "ray", "--replicas")
+    from klein.pipeline.flux2_klein import locate
+    from klein.serve.replicas.cluster import serve_replicas
+
+    locate(loading)  # a wrong --model is refused here, not by each replica in turn
+
+    return serve_replicas(
+        loading,
+        options,
+        flags.memory_limit,
+        flags.host,
+        flags.port,
+        version(),
+        replicas=flags.replicas,
+        address=flags.ray_address,
+        routing=flags.routing or "references",
+    )
+
+
+def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> int:
+    """One pipeline in this process (`klein.serve.server`)."""
+    from klein.pipeline.flux2_klein import load
+    from klein.serve.server import serve
+
     print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)
     pipe = load(loading)
     pipe.memory_limit = flags.memory_limit

@@ -530,8 +530,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     read = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
     device_mesh = sharding.make_mesh(options.mesh)
     _enable_compilation_cache()
-    parts = components.Parts(options.transformer, options.text_encoder, options.vae, options.tokenizer)
-    located = components.locate(options.model, parts, options.variant, device_mesh)
+    located = locate(options, device_mesh)
     jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
     sizes = plan.model_bytes(
@@ -566,6 +565,13 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     if read:
         pipe.set_loras(read)
     return pipe
+
+
+def locate(options: LoadOptions, mesh=None) -> components.Located:
+    """Every part `options` name, found and its config read, no weight touched: what `load` does first,
+    and what a front end that loads elsewhere (Ray replicas) checks before it starts them."""
+    parts = components.Parts(options.transformer, options.text_encoder, options.vae, options.tokenizer)
+    return components.locate(options.model, parts, options.variant, mesh)
 
 
 def _enable_compilation_cache() -> None:

@@ -12,15 +12,17 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from klein.serve import api_docs, errors, page, schema, uploads
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
+from klein.serve.metrics import CONTENT_TYPE
 from klein.serve.service import Service
 from klein.serve.worker import Job
 
@@ -32,6 +34,8 @@ _MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"ty
 
 
 def create_app(service: Service) -> FastAPI:
+    """The routes over `service`: one pipeline's (`Service`), or N replicas' (`klein.serve.replicas.front`),
+    which offer the same methods."""
     app = FastAPI(
         title="klein serve",
         version=service.version,
@@ -89,13 +93,13 @@ def _routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/images/generations")
     async def generations(body: schema.ImageBody, request: Request):
-        notes = schema.ignored(body, service.pipe.name)
+        notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, options), reference_id=body.references, notes=notes)
-        return await _wait(service.worker, service.submit_generation(work), request)
+        return await _wait(service.worker, await service.submit_generation(work), request)
 
     @app.post("/v1/images/edits", openapi_extra=_MULTIPART)
     async def edits(request: Request):
@@ -114,9 +118,9 @@ def _routes(app: FastAPI, service: Service) -> None:
         images = ()
         if body.references is None:
             images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
-        notes = schema.ignored(body, service.pipe.name)
+        notes = schema.ignored(body, service.model_name)
         work = Generation(generation_request, images, body.references, notes)
-        return await _wait(service.worker, service.submit_generation(work), request)
+        return await _wait(service.worker, await service.submit_generation(work), request)
 
 
 def _references(app: FastAPI, service: Service) -> None:
@@ -125,7 +129,7 @@ def _references(app: FastAPI, service: Service) -> None:
         """Multipart: image / image[] files, encoded once and kept in the reference cache."""
         form = await uploads.read_form(request, service.options)
         images = tuple(await uploads.prepare(form.images, service.options))
-        return await _wait(service.worker, service.submit_references(images), request)
+        return await _wait(service.worker, await service.submit_references(images), request)
 
     @app.get("/v1/references/{reference_id}")
     async def get_references(reference_id: str):
@@ -144,9 +148,9 @@ def _references(app: FastAPI, service: Service) -> None:
 def _jobs(app: FastAPI, service: Service) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def create_job(body: schema.ImageBody):
-        notes = schema.ignored(body, service.pipe.name)
+        notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, service.options), reference_id=body.references, notes=notes)
-        job = service.submit_generation(work)
+        job = await service.submit_generation(work)
         return {"id": job.id, "status": job.status}
 
     @app.get("/v1/jobs/{job_id}")
@@ -201,7 +205,8 @@ async def _events(job: Job):
 
 
 class _Guard:
-    """Pure ASGI middleware: the API key check, and HTTP responses counted by status for /metrics."""
+    """Pure ASGI middleware: the API key check, and HTTP responses counted and timed by status for
+    /metrics (the time until the response's last byte: a job's event stream counts as long as it runs)."""
 
     def __init__(self, app, service: Service):
         self.app, self.service = app, service
@@ -209,12 +214,14 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        metrics = self.service.metrics
+        metrics, started, status = self.service.metrics, time.perf_counter(), []
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                metrics.count_request(str(message["status"]))
+                status.append(str(message["status"]))
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                metrics.count_request(status[0], time.perf_counter() - started)
 
         if not self._allowed(scope):
             error = ApiError(

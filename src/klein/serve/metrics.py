@@ -1,88 +1,102 @@
-"""Counters and gauges for `GET /metrics`, written in the Prometheus text format (version 0.0.4).
+"""`GET /metrics` through `prometheus_client`, so that klein's figures are scraped as Ray's and any other
+Python service's are (each `Metrics` has its own registry: several services in one process stay apart).
 
 Names: klein_queue_depth, klein_requests_total{status} (HTTP responses by status code),
+klein_request_seconds{status} (a histogram: HTTP request latency, until the response's last byte),
 klein_jobs_total{status} (done, error, dropped: client gone before it started, shutdown),
 klein_batches_total and klein_batched_jobs_total (--max-batch),
-klein_reference_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evictions_total},
-klein_prompt_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evictions_total}, and
-klein_stage_seconds{stage} (a summary: _sum and _count) for queue_wait, each pipeline stage and request.
-Counters are bumped from the worker thread and the event loop; CPython's GIL makes each `+=` on a
-Counter key safe enough for monitoring figures.
+klein_reference_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evictions_total,too_large_total},
+the same for klein_prompt_cache_, and klein_stage_seconds{stage} (a histogram) for queue_wait and each
+pipeline stage. The queue depth and the caches' figures are read when scraped (`watch`), not copied.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
+"""Histogram buckets: a demo step on a CPU (milliseconds) to a 9b request on a CPU (minutes)."""
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
     def __init__(self):
-        self.requests: Counter[str] = Counter()
-        self.jobs: Counter[str] = Counter()
-        self.stage_sum: Counter[str] = Counter()
-        self.stage_count: Counter[str] = Counter()
-        self.batches: Counter[str] = Counter()
+        self.registry = CollectorRegistry()
+        add = {"registry": self.registry}
+        self._requests = Counter("klein_requests", "HTTP responses by status code", ["status"], **add)
+        self._latency = Histogram(
+            "klein_request_seconds",
+            "HTTP request latency, until the last byte",
+            ["status"],
+            buckets=SECONDS,
+            **add,
+        )
+        self._jobs = Counter("klein_jobs", "jobs by outcome", ["status"], **add)
+        self._batches = Counter("klein_batches", "batches of several jobs run", **add)
+        self._batched = Counter("klein_batched_jobs", "jobs run in those batches", **add)
+        self._stages = Histogram(
+            "klein_stage_seconds",
+            "seconds per stage (pipeline stages, queue wait)",
+            ["stage"],
+            buckets=SECONDS,
+            **add,
+        )
+        self._live = _Live()
+        self.registry.register(self._live)
 
-    def count_request(self, status: str) -> None:
-        self.requests[status] += 1
+    def watch(self, queue_depth: Callable[[], int], caches: dict) -> None:
+        """Read these when scraped: the queue's depth, and each `ByteBudgetCache` under its metric prefix
+        ("reference_cache")."""
+        self._live.queue_depth, self._live.caches = queue_depth, caches
+
+    def count_request(self, status: str, seconds: float) -> None:
+        self._requests.labels(status).inc()
+        self._latency.labels(status).observe(seconds)
 
     def count_job(self, status: str) -> None:
-        self.jobs[status] += 1
+        self._jobs.labels(status).inc()
 
     def count_batch(self, jobs: int) -> None:
-        self.batches["batches"] += 1
-        self.batches["jobs"] += jobs
+        self._batches.inc()
+        self._batched.inc(jobs)
 
     def observe(self, stage: str, seconds: float) -> None:
-        self.stage_sum[stage] += seconds
-        self.stage_count[stage] += 1
+        self._stages.labels(stage).observe(seconds)
 
-    def render(self, queue_depth: int, caches: dict) -> str:
-        """The exposition text; `caches` maps a metric prefix ("reference_cache") to a `ByteBudgetCache`."""
-        lines = _metric("queue_depth", "gauge", "requests waiting for the worker", [("", queue_depth)])
-        lines += _metric(
-            "requests_total", "counter", "HTTP responses by status code", _labelled("status", self.requests)
-        )
-        lines += _metric("jobs_total", "counter", "jobs by outcome", _labelled("status", self.jobs))
-        lines += _metric(
-            "batches_total", "counter", "batches of several jobs run", [("", self.batches["batches"])]
-        )
-        lines += _metric(
-            "batched_jobs_total", "counter", "jobs run in those batches", [("", self.batches["jobs"])]
-        )
-        for prefix, cache in caches.items():
+    @property
+    def jobs_done(self) -> int:
+        return int(self.registry.get_sample_value("klein_jobs_total", {"status": "done"}) or 0)
+
+    def render(self) -> bytes:
+        """The exposition text (`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+
+class _Live(Collector):
+    """The figures that live elsewhere, read at each scrape."""
+
+    def __init__(self):
+        self.queue_depth: Callable[[], int] = lambda: 0
+        self.caches: dict = {}
+
+    def collect(self):
+        yield GaugeMetricFamily("klein_queue_depth", "requests waiting for the worker", self.queue_depth())
+        for prefix, cache in self.caches.items():
             stats = cache.stats
-            for name, kind, help_, value in (
-                ("bytes", "gauge", "device bytes held", cache.bytes),
-                ("budget_bytes", "gauge", "device bytes allowed", cache.budget),
-                ("entries", "gauge", "entries held", len(cache)),
-                ("hits_total", "counter", "lookups that found an entry", stats.hits),
-                ("misses_total", "counter", "lookups that found none", stats.misses),
-                ("evictions_total", "counter", "entries evicted for room", stats.evictions),
-                (
-                    "too_large_total",
-                    "counter",
-                    "entries larger than the budget, used and not kept",
-                    stats.too_large,
-                ),
+            for name, help_, value in (
+                ("bytes", "device bytes held", cache.bytes),
+                ("budget_bytes", "device bytes allowed", cache.budget),
+                ("entries", "entries held", len(cache)),
             ):
-                lines += _metric(f"{prefix}_{name}", kind, help_, [("", value)])
-        lines += _summary("stage_seconds", "seconds per stage (pipeline stages, queue wait, request)", self)
-        return "\n".join(lines) + "\n"
-
-
-def _labelled(label: str, counts: Counter) -> list[tuple[str, float]]:
-    return [(f'{{{label}="{key}"}}', value) for key, value in sorted(counts.items())]
-
-
-def _metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
-    lines = [f"# HELP klein_{name} {help_}", f"# TYPE klein_{name} {kind}"]
-    return lines + [f"klein_{name}{labels} {value}" for labels, value in samples]
-
-
-def _summary(name: str, help_: str, metrics: Metrics) -> list[str]:
-    lines = [f"# HELP klein_{name} {help_}", f"# TYPE klein_{name} summary"]
-    for stage in sorted(metrics.stage_count):
-        lines.append(f'klein_{name}_sum{{stage="{stage}"}} {metrics.stage_sum[stage]:.6f}')
-        lines.append(f'klein_{name}_count{{stage="{stage}"}} {metrics.stage_count[stage]}')
-    return lines
+                yield GaugeMetricFamily(f"klein_{prefix}_{name}", help_, value)
+            for name, help_, value in (
+                ("hits", "lookups that found an entry", stats.hits),
+                ("misses", "lookups that found none", stats.misses),
+                ("evictions", "entries evicted for room", stats.evictions),
+                ("too_large", "entries larger than the budget, used and not kept", stats.too_large),
+            ):
+                yield CounterMetricFamily(f"klein_{prefix}_{name}", help_, value)

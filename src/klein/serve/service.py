@@ -28,6 +28,8 @@ class Service:
         cached = caches_references(pipe.variant, pipe.name)
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         self.worker = Worker(options.max_queue, self.metrics, options.max_batch, self._generate_batch)
+        caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
+        self.metrics.watch(lambda: self.worker.depth, caches)
 
     def check(self, work: generation.Generation) -> None:
         """Refuse (an `ApiError`) before queueing what the worker would refuse: unknown or evicted
@@ -37,12 +39,18 @@ class Service:
         except InputError as error:
             raise errors.from_input_error(error) from None
 
-    def submit_generation(self, work: generation.Generation) -> Job:
+    @property
+    def model_name(self) -> str:
+        return self.pipe.name
+
+    async def submit_generation(self, work: generation.Generation) -> Job:
+        """Queue a generation (refused now, as an `ApiError`, if the worker would refuse it); async as
+        the same method of N replicas' front (`klein.serve.replicas.front`) is."""
         self.check(work)
         images = work.request.num_images_per_prompt
         return self.worker.submit(functools.partial(self._generate, work), work.batch_key, images, work)
 
-    def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
+    async def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
         return self.worker.submit(lambda job: generation.encode_references(self.sets, images))
 
     def _generate(self, work: generation.Generation, job: Job) -> dict:
@@ -85,9 +93,5 @@ class Service:
             "default_guidance_scale": defaults.request.guidance_scale,
             "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
-            "jobs_done": self.metrics.jobs["done"],
+            "jobs_done": self.metrics.jobs_done,
         }
-
-    def metrics_text(self) -> str:
-        caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
-        return self.metrics.render(self.worker.depth, caches)

@@ -59,6 +59,16 @@ class Job:
     def finished(self) -> bool:
         return self.status in ("done", "error")
 
+    def finish(self, result: dict | None = None, error: errors.ApiError | None = None) -> None:
+        """Done with `result`, or failed with `error`: the status, the last event, the future."""
+        self.result, self.error = result, error
+        self.status = "error" if error else "done"
+        self.events.append(("error", error.body()["error"]) if error else ("done", result))
+        if error:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
     def view(self) -> dict:
         error = self.error.body()["error"] if self.error else None
         return {
@@ -116,7 +126,7 @@ class Worker:
             if job in self._queue:
                 self._queue.remove(job)
                 self.metrics.count_job("dropped")
-                self._finish(job, error=errors.ApiError(499, "the client went away", "client_closed"))
+                job.finish(error=errors.ApiError(499, "the client went away", "client_closed"))
 
     def stop(self) -> None:
         """Accept nothing more and fail the queued jobs; the running one finishes, then the thread ends."""
@@ -125,7 +135,7 @@ class Worker:
             while self._queue:
                 job = self._queue.popleft()
                 self.metrics.count_job("shutdown")
-                self._finish(job, error=errors.ApiError(503, "the server is shutting down", "shutting_down"))
+                job.finish(error=errors.ApiError(503, "the server is shutting down", "shutting_down"))
             self._wake.notify()
 
     def join(self, timeout: float | None = None) -> None:
@@ -180,7 +190,7 @@ class Worker:
         for job, result in zip(jobs, results, strict=True):
             self.metrics.observe("queue_wait", started - job.submitted)
             self.metrics.count_job("done")
-            self._finish(job, result=result)
+            job.finish(result=result)
 
     def _run(self, job: Job) -> None:
         started = time.perf_counter()
@@ -196,19 +206,10 @@ class Worker:
             self._failed(job, errors.internal(error))
         else:
             self.metrics.count_job("done")
-            self._finish(job, result=result)
+            job.finish(result=result)
         elapsed = time.perf_counter() - started
         self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * elapsed
 
     def _failed(self, job: Job, error: errors.ApiError) -> None:
         self.metrics.count_job("error")
-        self._finish(job, error=error)
-
-    def _finish(self, job: Job, result: dict | None = None, error: errors.ApiError | None = None) -> None:
-        job.result, job.error = result, error
-        job.status = "error" if error else "done"
-        job.events.append(("error", error.body()["error"]) if error else ("done", result))
-        if error:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
+        job.finish(error=error)

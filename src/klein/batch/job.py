@@ -1,0 +1,89 @@
+"""One `klein batch` run, whatever runs the groups: read the lines, report the bad ones, skip what is
+finished, hand the groups to an executor (`local.Local`, `ray_data.RayData`) and record every entry.
+
+Bad lines are reported with their numbers and recorded in the manifest; the job goes on unless
+`fail_fast`, which stops at the first bad line (before the model loads when the file itself is bad) or
+failed request. The manifest is compacted at the end however the run ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from klein.batch import manifest, plan
+from klein.batch.lines import BadLine, Line, read_lines
+from klein.batch.manifest import Manifest
+from klein.errors import InputError
+
+
+@dataclasses.dataclass
+class Summary:
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    encodings: int = 0
+    """Reference sets encoded in this run, over all workers."""
+
+    def describe(self, out: Path) -> str:
+        return (
+            f"batch: {self.done} done, {self.skipped} already done, {self.failed} failed; "
+            f"{self.encodings} reference encodings; results in {out / manifest.NAME}"
+        )
+
+
+def prepare_out(out: Path, resume: bool) -> Manifest:
+    """The output folder (created if need be) and its manifest; a folder holding a batch's results is
+    continued only with `resume`, so that nothing is mixed up or replaced by accident."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file; give a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    held = (out / manifest.NAME).exists() or any(out.glob("line-*.png"))
+    if held and not resume:
+        raise InputError(
+            f"{out} already holds a batch's results; pass --resume to continue it, or choose another --out"
+        )
+    record = Manifest(out)
+    record.path.touch()
+    return record
+
+
+def run(requests: Path, out: Path, executor, resume: bool, fail_fast: bool) -> Summary:
+    """Run every line of `requests` not finished in `out`; the counts."""
+    read = read_lines(requests)
+    bad = [line for line in read if isinstance(line, BadLine)]
+    if bad and fail_fast:
+        raise InputError(f"{bad[0]} (--fail-fast)")
+    record = prepare_out(out, resume)
+    summary = Summary(failed=len(bad))
+    try:
+        for line in bad:
+            tqdm.write(f"error: {line}", file=sys.stderr)
+            record.add(manifest.failed(line.number, line.message))
+        lines = [line for line in read if isinstance(line, Line)]
+        todo, summary.skipped = plan.remaining(lines, out, record)
+        if todo:
+            _execute(todo, executor, record, summary, fail_fast)
+    finally:
+        record.compact()
+    return summary
+
+
+def _execute(todo: list[Line], executor, record: Manifest, summary: Summary, fail_fast: bool) -> None:
+    total = summary.skipped + len(todo)
+    with tqdm(total=total, initial=summary.skipped, desc="batch", unit="line", file=sys.stderr) as bar:
+        for entry in executor.run(plan.groups(todo)):
+            record.add(entry)
+            bar.update()
+            if entry["status"] == "done":
+                summary.done += 1
+                continue
+            summary.failed += 1
+            message = f"line {entry['line']}: {entry['error']}"
+            if fail_fast:
+                raise InputError(f"{message} (--fail-fast)")
+            tqdm.write(f"error: {message}", file=sys.stderr)
+    summary.encodings = executor.encodings

@@ -1,0 +1,59 @@
+"""`results.jsonl`: one JSON object per line of the requests file, saying what became of it.
+
+Entries are appended as lines finish (a killed job keeps what it wrote), and the file is rewritten at
+the end of a run, atomically, with one entry per line in line order (a resumed line's new entry replaces
+its old one). A tail torn by a kill (no final newline) is cut off when the file is read again.
+
+    {"line": 7, "status": "done", "outputs": ["line-00007-ab12cd34.png"], "seed": 123}
+    {"line": 9, "status": "error", "error": "image 'cat.png' not found (...)"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+NAME = "results.jsonl"
+
+
+class Manifest:
+    def __init__(self, folder: Path):
+        self.path = folder / NAME
+        self.entries: dict[int, dict] = {}
+        """Line number -> its latest entry."""
+        if self.path.exists():
+            self._read()
+
+    def _read(self) -> None:
+        data = self.path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        if len(whole) != len(data):
+            with open(self.path, "r+b") as stream:
+                stream.truncate(len(whole))
+        for raw in whole.decode("utf-8").splitlines():
+            entry = json.loads(raw)
+            self.entries[entry["line"]] = entry
+
+    def add(self, entry: dict) -> None:
+        """Record an entry now: one append of one whole line."""
+        self.entries[entry["line"]] = entry
+        with open(self.path, "a", encoding="utf-8") as stream:
+            stream.write(json.dumps(entry) + "\n")
+
+    def compact(self) -> None:
+        """Rewrite the file with each line's latest entry once, in line order (temporary file + rename)."""
+        temporary = self.path.with_name(f".{NAME}.tmp")
+        with open(temporary, "w", encoding="utf-8") as stream:
+            for number in sorted(self.entries):
+                stream.write(json.dumps(self.entries[number]) + "\n")
+        os.replace(temporary, self.path)
+
+
+def done(line: int, paths: list[Path], seed: int, warnings=()) -> dict:
+    entry = {"line": line, "status": "done", "outputs": [path.name for path in paths], "seed": seed}
+    return entry | ({"warnings": list(warnings)} if warnings else {})
+
+
+def failed(line: int, message: str) -> dict:
+    return {"line": line, "status": "error", "error": message}

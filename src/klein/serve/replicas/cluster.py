@@ -1,0 +1,76 @@
+"""Starting `klein serve --replicas N`: Ray (a local instance started and stopped with the command, or
+the cluster at --ray-address), Serve's HTTP proxy on host:port, the front and N replicas; then waiting
+for SIGTERM or Ctrl+C, and taking the application down.
+
+Each replica gets a device of its own where the cluster has accelerators, else a share of the CPUs
+(`klein.ray_runtime`, which also forwards klein's variables to the replicas).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from klein import ray_runtime
+from klein.serve.options import ServeOptions
+from klein.serve.replicas.front import APP, REPLICA, FrontDeployment
+from klein.serve.replicas.replica import Replica
+from klein.serve.replicas.router import ReferenceRouter
+
+REPLICA_CONCURRENCY = 4
+"""Requests a replica holds at once (one running, three queued on its worker); a request whose set's
+replica holds as many goes to another (`router`), and with every replica full it waits at the router."""
+
+
+def serve_replicas(
+    loading,
+    options: ServeOptions,
+    memory_limit: int | None,
+    host: str,
+    port: int,
+    version: str,
+    *,
+    replicas: int,
+    address: str | None,
+    routing: str,
+) -> int:
+    """Serve until SIGTERM / SIGINT; the exit code."""
+    ray_runtime.start(address)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        replica = serve.deployment(Replica, name=REPLICA).options(
+            num_replicas=replicas,
+            max_ongoing_requests=REPLICA_CONCURRENCY,
+            max_queued_requests=options.max_queue * replicas,
+            ray_actor_options=ray_runtime.share(replicas),
+            **_router(routing),
+        )
+        front = serve.deployment(FrontDeployment, name="Front").options(ray_actor_options={"num_cpus": 0})
+        app = front.bind(
+            replica.bind(loading, options, memory_limit, version), options, version, routing, replicas
+        )
+        serve.run(app, name=APP, route_prefix="/", blocking=False)
+        print(f"klein serve: {replicas} replicas on http://{host}:{port} (Ray Serve)", file=sys.stderr)
+        stop.wait()
+        print("klein serve: stopping", file=sys.stderr)
+        serve.delete(APP)
+    finally:
+        if address is None:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _router(routing: str) -> dict:
+    """By reference set (`router.ReferenceRouter`), or Serve's default router (`load`)."""
+    if routing == "load":
+        return {}
+    return {"request_router_config": RequestRouterConfig(request_router_class=ReferenceRouter)}

@@ -1,0 +1,244 @@
+"""What the HTTP app (`klein.serve.app`) serves in front of N replicas: the methods of
+`klein.serve.service.Service`, each a call through Serve's handle to a `replica.Replica`.
+
+Routing: a request with references goes out with its set id as `multiplexed_model_id`, the key the
+replicas' router (`router.ReferenceRouter`, `--routing references`, the default) homes sets by; under
+`--routing load` no key goes out and Serve's default router (power of two choices over queue lengths)
+decides alone. Uploaded images are kept in
+the front's `ReferenceStore`, so a set id works on any replica.
+
+Jobs live here: a replica streams each generation's events (accepted or refused, running, steps, the
+result) and the front keeps them for `/v1/jobs` and for the synchronous routes, as a single server's
+worker does. Faults: a replica that dies is restarted by Serve's controller; a job that was queued on it
+is sent again (to a live replica, which encodes the set again from the store); one it was running ends
+in 503 with Retry-After (`lost`), never a hang or a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+
+import ray
+from ray import serve
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError, RequestCancelledError
+
+from klein.serve import errors
+from klein.serve.app import create_app
+from klein.serve.errors import ApiError
+from klein.serve.generation import Generation
+from klein.serve.metrics import Metrics
+from klein.serve.options import ServeOptions
+from klein.serve.replicas.store import ReferenceStore
+from klein.serve.worker import HISTORY, Job
+
+log = logging.getLogger("klein.serve")
+RETRY_AFTER = 5
+"""Seconds a client is asked to wait after losing a replica: Serve notices the death and routes around
+it at once; the replacement takes longer (a pipeline load)."""
+LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)
+"""A replica died, or cannot be reached, while it held the request."""
+APP, REPLICA = "klein", "Replica"
+ROUTINGS = ("references", "load")
+
+
+def lost() -> ApiError:
+    return ApiError(
+        503,
+        f"the replica serving this request stopped (Serve restarts it); retry in {RETRY_AFTER} s",
+        "replica_lost",
+        headers={"Retry-After": str(RETRY_AFTER)},
+    )
+
+
+def busy() -> ApiError:
+    return ApiError(
+        429,
+        f"every replica is busy and the queue is full; retry in {RETRY_AFTER} s",
+        "queue_full",
+        headers={"Retry-After": str(RETRY_AFTER)},
+    )
+
+
+def refused(data: dict) -> ApiError:
+    """A replica's refusal (`replica.fields`) as the `ApiError` it was there."""
+    return ApiError(data["status"], data["message"], data["code"], data["param"], data["headers"])
+
+
+class Jobs:
+    """The front's jobs, by id (for /v1/jobs), and what the app asks of a worker (`abandon`, `depth`)."""
+
+    def __init__(self):
+        self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self._calls: dict[str, object] = {}
+
+    @property
+    def depth(self) -> int:
+        return sum(job.status == "queued" for job in self.jobs.values())
+
+    def add(self, job: Job, call) -> None:
+        self.jobs[job.id], self._calls[job.id] = job, call
+        while len(self.jobs) > HISTORY and next(iter(self.jobs.values())).finished:
+            old, _ = self.jobs.popitem(last=False)
+            self._calls.pop(old, None)
+
+    def abandon(self, job: Job) -> None:
+        """Cancel a job whose client went away: Serve cancels the call, the replica drops it if queued."""
+        call = self._calls.pop(job.id, None)
+        if call is not None:
+            call.cancel()
+
+    def done(self, job: Job) -> None:
+        self._calls.pop(job.id, None)
+
+
+class Front:
+    def __init__(self, handle, options: ServeOptions, version: str, routing: str, about: dict):
+        """`about`: a replica's `config()` and `health()`, and the replica count."""
+        self.handle, self.options, self.version, self.routing = handle, options, version, routing
+        self.metrics = Metrics()
+        self.sets = ReferenceStore(options.cache_bytes)
+        self.worker = Jobs()
+        self.metrics.watch(lambda: self.worker.depth, {})
+        self._config, self._health, self.replicas = about["config"], about["health"], about["replicas"]
+
+    @property
+    def model_name(self) -> str:
+        return self._health["model"]
+
+    def health(self) -> dict:
+        return {**self._health, "replicas": self.replicas, "routing": self.routing}
+
+    def config(self) -> dict:
+        return {**self._config, "jobs_done": self.metrics.jobs_done, "replicas": self.replicas}
+
+    def _to(self, key: str | None):
+        """The handle for a request of reference set `key` (None: no references)."""
+        if key is None or self.routing == "load":
+            return self.handle
+        return self.handle.options(multiplexed_model_id=key)
+
+    async def submit_generation(self, work: Generation) -> Job:
+        """Send a generation to a replica; its job once the replica has accepted it (what it refuses is
+        raised here, as a single server refuses before queueing)."""
+        key = self.sets.put(work.images) if work.images else work.reference_id
+        images = (self.sets.images(key),) if key is not None else ()
+        sent = dataclasses.replace(work, images=(), reference_id=key)
+
+        def send():
+            return self._to(key).options(stream=True).generate.remote(sent, images)
+
+        call, (name, data) = await _accepted(send)
+        if name == "error":
+            raise refused(data)
+        job = Job(None, spec=sent)
+        job.events.append(("queued", {"position": self.worker.depth}))
+        self.worker.add(job, call)
+        asyncio.get_running_loop().create_task(self._follow(job, call, send))
+        return job
+
+    async def _follow(self, job: Job, call, send) -> None:
+        """Record the job's events until its end; a job its lost replica had not started is sent once
+        more (the router no longer offers the dead replica), one it had started ends in 503."""
+        try:
+            try:
+                await self._record(job, call)
+            except LOST:
+                if job.status != "queued":
+                    raise
+                log.warning("job %s: its replica was lost before it started; sending it again", job.id)
+                call = send()
+                self.worker.add(job, call)
+                await self._record(job, call)
+        except LOST:
+            log.warning("job %s: its replica was lost while running it", job.id)
+        except (RequestCancelledError, asyncio.CancelledError):
+            self.metrics.count_job("dropped")
+            job.finish(error=ApiError(499, "the client went away", "client_closed"))
+        except BackPressureError:
+            job.finish(error=busy())
+        except Exception as error:  # a bug: log it, answer 500
+            log.exception("job %s failed", job.id)
+            job.finish(error=errors.internal(error))
+        finally:
+            self.worker.done(job)
+            if not job.finished:
+                self.metrics.count_job("lost")
+                job.finish(error=lost())
+
+    async def _record(self, job: Job, call) -> None:
+        async for name, data in call:
+            self._event(job, name, data)
+
+    def _event(self, job: Job, name: str, data: dict) -> None:
+        if name == "running":
+            job.status = "running"
+        elif name == "step":
+            job.progress = data
+            job.events.append(("step", data))
+        elif name == "done":
+            for stage, seconds in data["klein"]["timings"].items():
+                self.metrics.observe(stage, seconds)
+            self.metrics.count_job("done")
+            job.finish(result=data)
+        elif name == "error":
+            self.metrics.count_job("error")
+            job.finish(error=refused(data))
+
+    async def submit_references(self, images) -> Job:
+        """Keep the images and have the replica that will serve the set encode it now."""
+        key = self.sets.put(images)
+        job = Job(None)
+        call = self._to(key).references.remote((self.sets.images(key),))
+        asyncio.get_running_loop().create_task(self._encoded(job, key, call))
+        return job
+
+    async def _encoded(self, job: Job, key: str, call) -> None:
+        try:
+            answer = await call
+        except LOST:
+            return job.finish(error=lost())
+        except BackPressureError:
+            return job.finish(error=busy())
+        if "error" in answer:
+            return job.finish(error=refused(answer["error"]))
+        self.sets.described(key, answer)
+        job.finish(result=answer)
+
+
+async def _accepted(send) -> tuple[object, tuple[str, dict]]:
+    """A call (`send()`) and its replica's first event: accepted, or its refusal. A replica lost before it
+    answered is replaced once; then 503."""
+    try:
+        return await _opened(send())
+    except LOST:  # the router no longer offers the dead replica: the second call goes to another
+        try:
+            return await _opened(send())
+        except LOST:
+            raise lost() from None
+
+
+async def _opened(call) -> tuple[object, tuple[str, dict]]:
+    """The call and its first event; 429 when every replica and the router's queue are full."""
+    try:
+        return call, await call.__anext__()
+    except BackPressureError:
+        raise busy() from None
+
+
+@serve.ingress()
+class FrontDeployment:
+    """The ingress deployment: the HTTP app over a `Front`, built once the replicas answer."""
+
+    async def __init__(self, replicas, options: ServeOptions, version: str, routing: str, count: int):
+        about = {
+            "config": await replicas.config.remote(),
+            "health": await replicas.health.remote(),
+            "replicas": count,
+        }
+        self.front = Front(replicas, options, version, routing, about)
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.front)

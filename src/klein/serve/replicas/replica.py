@@ -1,0 +1,98 @@
+"""One model replica of `klein serve --replicas N`: a Ray Serve deployment holding its own `Service`
+(pipeline, prompt cache, reference cache, worker thread), as a single `klein serve` holds one.
+
+Which replica serves a set is the router's choice (`klein.serve.replicas.router`); a replica only
+keeps what it encodes in its byte-bounded reference cache, and a set it does not hold (a first request
+here, a restart, an eviction) is encoded from the images the front keeps (`klein.serve.replicas.store`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from klein.serve.errors import ApiError
+from klein.serve.generation import Generation
+from klein.serve.options import ServeOptions
+from klein.serve.service import Service
+from klein.serve.worker import Job
+
+EVENT_POLL = 0.05  # seconds between looks at a job's progress
+
+
+class Replica:
+    def __init__(self, loading, options: ServeOptions, memory_limit: int | None, version: str):
+        from klein.pipeline.flux2_klein import load
+
+        pipe = load(loading)
+        pipe.memory_limit = memory_limit
+        self.service = Service(pipe, options, version)
+
+    async def generate(self, work: Generation, images: tuple):
+        """One generation as events: ("accepted", {}) or ("error", fields) at once, then ("running", {}),
+        ("step", progress) per denoising step, and ("done", body) or ("error", fields).
+        `images`: (ObjectRef of the set's prepared images,) when the request has references."""
+        if work.reference_id is not None:
+            work = await self._with_references(work, images[0])
+        try:
+            job = await self.service.submit_generation(work)
+        except ApiError as error:
+            yield "error", fields(error)
+            return
+        yield "accepted", {}
+        try:
+            async for event in _follow(job):
+                yield event
+        finally:  # the front cancelled the request (its client left): drop the job if it has not started
+            self.service.worker.abandon(job)
+
+    async def _with_references(self, work: Generation, images) -> Generation:
+        """The work with its set by id where this replica still holds it, else with its images."""
+        if self.service.sets.describe(work.reference_id) is not None:
+            return work
+        return dataclasses.replace(work, images=tuple(await images), reference_id=None)
+
+    async def references(self, images: tuple) -> dict:
+        """POST /v1/references on the replica that will serve the set: encoded now, as `klein serve`
+        does, so that the first edit finds it; the reference object, or ("error", fields)."""
+        try:
+            job = await self.service.submit_references(tuple(await images[0]))
+            return await asyncio.wrap_future(job.future)
+        except ApiError as error:
+            return {"error": fields(error)}
+
+    def config(self) -> dict:
+        return self.service.config()
+
+    def health(self) -> dict:
+        return self.service.health()
+
+
+async def _follow(job: Job):
+    """The job's progress as events, until its end (the last one: its result or its error)."""
+    sent, running = 0, False
+    while True:
+        finished = job.finished  # read first: every event before the end is then among those below
+        if not running and job.status != "queued":
+            running = True
+            yield "running", {}
+        new = job.events[sent:]
+        sent += len(new)
+        for name, data in new:
+            if name == "step":
+                yield "step", data
+        if finished:
+            break
+        await asyncio.sleep(EVENT_POLL)
+    yield ("error", fields(job.error)) if job.error else ("done", job.result)
+
+
+def fields(error: ApiError) -> dict:
+    """An `ApiError` as plain data, to cross to the front."""
+    return {
+        "status": error.status,
+        "message": error.message,
+        "code": error.code,
+        "param": error.param,
+        "headers": error.headers,
+    }

@@ -1,0 +1,211 @@
+"""`klein batch` on the demo checkpoint: 40 requests over 4 reference sets, a run killed halfway (SIGKILL)
+and resumed, bad lines, and the refusals of bad arguments.
+
+Outputs are named by line, so "each once" is a count of files; reference encodings are the pipeline's own
+count of the work (`pipe.counters`), printed by the command in its summary."""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from klein.batch import job, lines
+from klein.batch.local import Local
+from klein.request.request import GenerationRequest
+
+SETS = 4
+LINES = 40
+
+
+@pytest.fixture
+def requests(tmp_path) -> Path:
+    """40 lines cycling over 4 reference sets (one or two 64x64 pictures each, by relative path)."""
+    folder = tmp_path / "job"
+    (folder / "refs").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(SETS + 1):
+        pixels = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        PIL.Image.fromarray(pixels).save(folder / "refs" / f"{i}.png")
+    sets = [["refs/0.png"], ["refs/1.png"], ["refs/2.png", "refs/4.png"], ["refs/3.png"]]
+    rows = [
+        {"prompt": f"edit {n}", "image": sets[n % SETS], "height": 64, "width": 64, "steps": 2, "seed": n}
+        for n in range(LINES)
+    ]
+    path = folder / "requests.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def command(klein_home, *args) -> tuple[list[str], dict]:
+    env = {**os.environ, "KLEIN_HOME": str(klein_home), "JAX_PLATFORMS": "cpu"}
+    return [sys.executable, "-m", "klein.cli.main", "batch", *map(str, args)], env
+
+
+def run_batch(klein_home, *args) -> subprocess.CompletedProcess:
+    argv, env = command(klein_home, *args)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+
+def pngs(out: Path) -> list[Path]:
+    return sorted(out.glob("*.png"))
+
+
+def settled(out: Path) -> None:
+    """Wait until no PNG has appeared in `out` for 2 s."""
+    count, still = len(pngs(out)), time.monotonic()
+    while time.monotonic() - still < 2:
+        time.sleep(0.1)
+        if len(pngs(out)) != count:
+            count, still = len(pngs(out)), time.monotonic()
+
+
+def encodings(stderr: str) -> int:
+    return int(re.search(r"(\d+) reference encodings", stderr).group(1))
+
+
+RAY = pytest.param(["--ray"], marks=pytest.mark.skipif(not importlib.util.find_spec("ray"), reason="no Ray"))
+
+
+@pytest.mark.parametrize("where", [[], RAY], ids=["local", "ray"])
+def test_killed_halfway_and_resumed_writes_every_output_once(klein_home, requests, tmp_path, where):
+    out = tmp_path / "out"
+    argv, env = command(klein_home, requests, "--out", out, *where)
+    # A session of its own, so that the kill takes the local Ray it started with it.
+    process = subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 240
+    while process.poll() is None and len(pngs(out)) < 15 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    settled(out)  # Ray's workers outlive their driver by a moment, and may finish a line meanwhile
+    finished = {int(p.name.split("-")[1]) - 1 for p in pngs(out)}  # 0-based request numbers
+    before = len(finished)
+    assert 0 < before < LINES, "the first run was not killed halfway"
+
+    resumed = run_batch(klein_home, requests, "--out", out, "--resume", *where)
+    assert resumed.returncode == 0, resumed.stderr
+    written = pngs(out)
+    assert len(written) == LINES and len({p.name for p in written}) == LINES
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+    assert f"{LINES - before} done, {before} already done, 0 failed" in resumed.stderr
+    # Sets are run one group at a time: only the sets with lines left are encoded again, once each (one
+    # worker here, locally and on Ray).
+    left = {n % SETS for n in range(LINES) if n not in finished}
+    assert encodings(resumed.stderr) == len(left) <= SETS
+
+    entries = [json.loads(row) for row in (out / "results.jsonl").read_text().splitlines()]
+    assert [entry["line"] for entry in entries] == list(range(1, LINES + 1))
+    assert all(entry["status"] == "done" and len(entry["outputs"]) == 1 for entry in entries)
+    with PIL.Image.open(out / entries[6]["outputs"][0]) as image:
+        recorded = GenerationRequest.from_metadata(image.text)
+    assert (recorded.prompt, recorded.seed, recorded.image) == ("edit 6", 6, ("refs/2.png", "refs/4.png"))
+
+
+@pytest.fixture(scope="module")
+def pipe(klein_home):
+    import klein
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KLEIN_HOME", str(klein_home))
+        return klein.load_pipeline("demo")
+
+
+def test_each_reference_set_is_encoded_once_per_worker(pipe, requests, tmp_path):
+    out = tmp_path / "out"
+    before = pipe.counters["references"]
+    local = Local(lambda: pipe, out, "test")
+    summary = job.run(requests, out, local, resume=False, fail_fast=False)
+    assert (summary.done, summary.failed, summary.skipped) == (LINES, 0, 0)
+    assert pipe.counters["references"] - before == SETS
+    again = job.run(requests, out, Local(lambda: pipe, out, "test"), resume=True, fail_fast=False)
+    assert (again.done, again.skipped, again.encodings) == (0, LINES, 0)
+
+
+def test_bad_lines_are_reported_by_number_and_the_rest_runs(pipe, requests, tmp_path):
+    good = requests.read_text().splitlines()[:2]
+    bad = [
+        "not json",
+        '{"prompt": "x", "steps": 2.5}',
+        '{"prompt": "x", "colour": 3}',
+        '{"image": "refs/0.png"}',
+    ]
+    bad.append('{"prompt": "x", "image": "refs/missing.png"}')
+    path = requests.with_name("mixed.jsonl")
+    path.write_text("\n".join([good[0], *bad, "", good[1]]) + "\n")
+    out = tmp_path / "out"
+    summary = job.run(path, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False)
+    assert (summary.done, summary.failed) == (2, 5)
+    entries = {e["line"]: e for e in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert sorted(entries) == [1, 2, 3, 4, 5, 6, 8]
+    assert "not JSON" in entries[2]["error"] and "num_inference_steps" in entries[3]["error"]
+    assert "unknown key 'colour'" in entries[4]["error"] and "no prompt" in entries[5]["error"]
+    assert "refs/missing.png" in entries[6]["error"] and entries[8]["status"] == "done"
+    read = lines.read_lines(path)
+    assert [line.number for line in read] == [1, 2, 3, 4, 5, 6, 8]
+
+
+def test_fail_fast_bad_arguments_and_a_used_folder_exit_2(klein_home, requests, tmp_path):
+    path = requests.with_name("bad.jsonl")
+    path.write_text(requests.read_text().splitlines()[0] + "\n{oops\n")
+    results = [
+        (run_batch(klein_home, path, "--out", tmp_path / "a", "--fail-fast"), "line 2: not JSON"),
+        (run_batch(klein_home, requests), "--out"),
+        (run_batch(klein_home, tmp_path / "none.jsonl", "--out", tmp_path / "b"), "no such file"),
+    ]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "results.jsonl").write_text("")
+    results.append((run_batch(klein_home, requests, "--out", tmp_path / "c"), "--resume"))
+    for result, fragment in results:
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and fragment in result.stderr
+    assert not pngs(tmp_path / "a")
+
+
+def test_inpainting_lines_share_their_source_encoding_and_equal_the_python_call(pipe, requests, tmp_path):
+    folder = requests.parent
+    mask = PIL.Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    mask.save(folder / "mask.png")
+    rows = [
+        {
+            "prompt": f"a hat {n}",
+            "image": ["refs/0.png", "refs/1.png"],
+            "mask": "mask.png",
+            "strength": 0.75,
+            "steps": 2,
+            "seed": n,
+        }
+        for n in range(2)
+    ]
+    path = folder / "inpaint.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    before = pipe.counters["references"]
+    summary = job.run(path, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False)
+    assert (summary.done, summary.failed) == (2, 0)
+    assert pipe.counters["references"] - before == 1  # one source + reference encoding for both lines
+    written = pngs(out)
+    assert written[0].name.startswith("line-00001")
+    with PIL.Image.open(written[0]) as image:
+        got = np.asarray(image.convert("RGB"))
+        assert image.text["strength"] == "0.75" and image.text["mask"].endswith("mask.png")
+    want = pipe(
+        "a hat 0",
+        image=[folder / "refs/0.png", folder / "refs/1.png"],
+        mask_image=folder / "mask.png",
+        strength=0.75,
+        num_inference_steps=2,
+        seed=0,
+    ).images[0]
+    assert np.array_equal(got, np.asarray(want))

@@ -1,0 +1,148 @@
+"""`klein serve --replicas 2` on a local Ray (started and stopped by the command), demo checkpoint, over
+loopback with the openai client: reference affinity (every repeat of a set is a hit on the replica that
+holds it) and a replica killed under load (every request answered 200 or 503 with Retry-After, the
+replica back). One server for the module: Ray's start-up is most of the time."""
+
+import collections
+import io
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("ray")
+
+from tests.support.serve_process import png, start, stop  # noqa: E402
+
+SETS, REPEATS = 4, 10
+STEPS = {"num_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def url(klein_home):
+    process, url = start(klein_home, "--replicas", "2", "--max-queue", "32")
+    try:
+        yield url
+    finally:
+        assert stop(process) == 0
+        assert not replica_pids(), "replicas outlived klein serve"
+
+
+def replica_pids() -> list[int]:
+    """Processes of this test's replicas, by the title Ray gives them."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as stream:
+                if stream.read().startswith(b"ray::ServeReplica:klein:Replica"):
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def picture(seed: int) -> tuple[str, io.BytesIO, str]:
+    return (f"{seed}.png", io.BytesIO(png(seed)), "image/png")
+
+
+def test_a_sets_requests_stay_on_the_replica_that_holds_it(url):
+    client = client_of(url)
+    cache, ids = collections.Counter(), {}
+    for i in range(SETS * REPEATS):  # interleaved: set 0, 1, 2, 3, 0, 1, ...
+        s = i % SETS
+        if s not in ids:  # the first of a set sends its image; the rest name it by id
+            out = client.images.edit(
+                image=picture(s), prompt=f"p{i}", size="64x64", extra_body={"seed": i, **STEPS}
+            )
+            ids[s] = out.klein["references"]["id"]
+        else:
+            extra = {"references": ids[s], "seed": i, **STEPS}
+            out = client.images.generate(prompt=f"p{i}", size="64x64", extra_body=extra)
+        cache[out.klein["references"]["cache"]] += 1
+    assert cache == {"miss": SETS, "hit": SETS * (REPEATS - 1)}
+    # An uploaded set's id works on whichever replica the router picks.
+    created = httpx.post(url + "/v1/references", files=[("image", picture(99))], timeout=60).json()
+    out = client.images.generate(prompt="x", size="64x64", extra_body={"references": created["id"], **STEPS})
+    assert (out.klein["references"]["id"], out.klein["references"]["cache"]) == (created["id"], "hit")
+    assert httpx.get(url + "/v1/references/" + created["id"]).json()["id"] == created["id"]
+    health = httpx.get(url + "/healthz").json()
+    assert (health["replicas"], health["routing"]) == (2, "references")
+    # The front's own figures: its HTTP responses and jobs, and the stage times each result reports.
+    text = httpx.get(url + "/metrics").text
+    assert (
+        'klein_jobs_total{status="done"}' in text
+        and 'klein_stage_seconds_bucket{le="0.01",stage="denoise"}' in text
+    )
+
+
+def test_a_job_streams_its_steps_through_the_front_as_on_one_server(url):
+    """The page's path: POST /v1/jobs, then the job's events, relayed from the replica that runs it; a
+    refusal comes back at submission."""
+    jobs_done = httpx.get(url + "/v1/config").json()["jobs_done"]
+    created = httpx.post(
+        url + "/v1/jobs", json={"prompt": "a lighthouse", "size": "64x64", "seed": 1, **STEPS}
+    )
+    assert created.status_code == 202
+    events, name = [], None
+    with httpx.stream("GET", f"{url}/v1/jobs/{created.json()['id']}/events", timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line.removeprefix("data: "))))
+    assert [name for name, _ in events] == ["queued", "step", "step", "done"]
+    assert httpx.get(url + "/v1/config").json()["jobs_done"] == jobs_done + 1
+    unknown = httpx.post(url + "/v1/jobs", json={"prompt": "x", "references": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_reference"
+    too_many = httpx.post(url + "/v1/jobs", json={"prompt": "x", "num_inference_steps": 51})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "num_inference_steps"
+
+
+def test_b_a_replica_killed_under_load_costs_503s_with_retry_after_only(url):
+    ids = [
+        httpx.post(url + "/v1/references", files=[("image", picture(200 + s))], timeout=60).json()["id"]
+        for s in range(SETS)
+    ]
+    answers = []
+
+    def one_client(c: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            for r in range(REPEATS):
+                body = {"prompt": f"c{c} r{r}", "size": "64x64", "references": ids[(c + r) % SETS], "seed": r}
+                response = http.post(url + "/v1/images/generations", json={**body, **STEPS})
+                answers.append((response.status_code, response.headers.get("retry-after"), response.json()))
+
+    before = replica_pids()
+    assert len(before) == 2
+    clients = [threading.Thread(target=one_client, args=(c,)) for c in range(4)]
+    for thread in clients:
+        thread.start()
+    while len(answers) < 5:
+        time.sleep(0.01)
+    os.kill(before[0], signal.SIGKILL)
+    for thread in clients:
+        thread.join(timeout=180)
+    assert len(answers) == 4 * REPEATS, "a request went unanswered"
+    codes = collections.Counter(status for status, _, _ in answers)
+    # The killed replica ran one job at a time: that one gets 503, those it had queued are sent again.
+    assert set(codes) <= {200, 503} and codes[503] <= 1, codes
+    for status, retry_after, body in answers:
+        if status == 503:
+            assert int(retry_after) > 0 and body["error"]["code"] == "replica_lost"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (len(replica_pids()) < 2 or before[0] in replica_pids()):
+        time.sleep(0.5)
+    assert len(replica_pids()) == 2 and before[0] not in replica_pids(), "Serve did not restart the replica"
+    # The restarted replica serves: a set it never saw is encoded there from the front's images.
+    client = client_of(url)
+    for s in range(SETS):
+        client.images.generate(prompt="after", size="64x64", extra_body={"references": ids[s], **STEPS})
