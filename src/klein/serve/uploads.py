@@ -83,7 +83,7 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
         fields, files, masks_sent = {}, [], []
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
-                (masks_sent if mask and key == MASK_FIELD else files).append(await _file(key, value))
+                (masks_sent if mask and key == MASK_FIELD else files).append(await _file(key, value, mask))
             elif key in IMAGE_FIELDS or (mask and key == MASK_FIELD):
                 raise ApiError(
                     400, f"{key} must be an image file, not a text field", "invalid_image", "image"
@@ -102,8 +102,8 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
     return Form(fields, files, masks_sent[0] if masks_sent else None)
 
 
-async def _file(key: str, upload: UploadFile) -> bytes:
-    if key not in (*IMAGE_FIELDS, MASK_FIELD):
+async def _file(key: str, upload: UploadFile, mask: bool) -> bytes:
+    if key not in IMAGE_FIELDS and not (mask and key == MASK_FIELD):
         raise ApiError(
             400, f"unexpected file field {key!r}; send images as 'image' or 'image[]'", "invalid_value", key
         )
