@@ -26,9 +26,9 @@ def small_blocks(monkeypatch):
 
 
 @pytest.fixture
-def on_tpu(monkeypatch):
-    """The seam believes the program is for a TPU; splash then runs interpreted on the CPU."""
-    monkeypatch.setattr(A, "_platform", lambda: "tpu")
+def splash_on_cpu(monkeypatch):
+    """The seam attends with splash in CPU programs too, interpreted."""
+    monkeypatch.setattr(A, "SPLASH_PLATFORMS", ("tpu", "cpu"))
 
 
 def qkv(n_q, n_k, heads=4, kv_heads=2, head_dim=128, dtype=jnp.float32, batch=2, seed=0):
@@ -90,7 +90,7 @@ def test_causal_and_padding(dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_isolated_span_through_the_seam(on_tpu, dtype, padded):
+def test_isolated_span_through_the_seam(splash_on_cpu, dtype, padded):
     """KV editing's uncached pass: [txt, ref, img] with the references seeing only themselves."""
     n, start, stop = 230, 40, 170
     q, k, v = qkv(n, n, dtype=dtype)
@@ -103,7 +103,7 @@ def test_isolated_span_through_the_seam(on_tpu, dtype, padded):
     close(got, A._blocked(q, k, v, jnp.asarray(span), jnp.asarray(k_span)), dtype)
 
 
-def test_the_seam_picks_splash_for_tpu_programs(on_tpu, monkeypatch):
+def test_the_seam_picks_splash_for_tpu_programs(splash_on_cpu, monkeypatch):
     calls = []
     kernel = splash.attention
     monkeypatch.setattr(splash, "attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
@@ -116,7 +116,7 @@ def test_the_seam_picks_splash_for_tpu_programs(on_tpu, monkeypatch):
     assert len(calls) == 1
 
 
-def test_on_a_mesh(on_tpu):
+def test_on_a_mesh(splash_on_cpu):
     """Inside shard_map (a one-device mesh here): key padding split along tokens, causal kept whole."""
     mesh = jax.make_mesh((1,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     q, k, v = qkv(140, 140)

@@ -110,14 +110,17 @@ def _platform() -> str:
     return jax.default_backend() if device is None else device.platform
 
 
+SPLASH_PLATFORMS = ("tpu",)
+"""Platforms whose programs attend with splash (tests add "cpu", where Pallas interprets it)."""
+
+
 def _splash(q, platform: str) -> bool:
-    return platform == "tpu" and splash.supports(q)
+    return platform in SPLASH_PLATFORMS and splash.supports(q)
 
 
 def _local(q, k, v, q_rank, k_rank, causal: bool = False, platform: str = "cpu"):
     if _splash(q, platform):
-        # Interpreted off a TPU: how tests run the TPU path on a CPU.
-        return splash.attention(q, k, v, q_rank, k_rank, causal, interpret=jax.default_backend() != "tpu")
+        return splash.attention(q, k, v, q_rank, k_rank, causal, interpret=platform != "tpu")
     if q_rank is None and _cudnn(q):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
     return _blocked(q, k, v, q_rank, k_rank)
