@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from klein.models import splash
 from klein.sharding import mesh_axis
 
 QUERY_BLOCK = 256
@@ -115,11 +114,18 @@ SPLASH_PLATFORMS = ("tpu",)
 
 
 def _splash(q, platform: str) -> bool:
-    return platform in SPLASH_PLATFORMS and splash.supports(q)
+    if platform not in SPLASH_PLATFORMS:
+        return False
+    # Imported only for programs that use it: Pallas adds a fifth of a second to an import of the models.
+    from klein.models import splash
+
+    return splash.supports(q)
 
 
 def _local(q, k, v, q_rank, k_rank, causal: bool = False, platform: str = "cpu"):
     if _splash(q, platform):
+        from klein.models import splash
+
         return splash.attention(q, k, v, q_rank, k_rank, causal, interpret=platform != "tpu")
     if q_rank is None and _cudnn(q):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
