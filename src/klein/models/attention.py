@@ -28,7 +28,7 @@ On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead. O
 klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the same
 `shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
 (`klein plan --target`) gets the TPU kernel. `causal=True` says the ranks are token positions (the text
-encoder's), which splash expresses as its static causal mask; under it queries are not split along tokens.
+encoder's), which splash expresses as its static causal mask; its queries are then not split along tokens.
 Any other ranks must rank every query the same (key padding) on a TPU; KV editing's isolated span is two
 such calls there (`isolated_span_attention`).
 """
@@ -49,13 +49,15 @@ _LOW = -1e30  # running max before any key: finite, so that exp(_LOW - _LOW) is 
 
 
 def attention(q, k, v, q_rank=None, k_rank=None, *, causal: bool = False) -> jnp.ndarray:
-    mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(_local, causal=causal, platform=_platform())
+    mesh, platform = jax.sharding.get_abstract_mesh(), _platform()
+    local = functools.partial(_local, causal=causal, platform=platform)
     if mesh.empty:
         return local(q, k, v, q_rank, k_rank)
     if q_rank is None:
         q_rank, k_rank = jnp.zeros((1, q.shape[1]), jnp.int32), jnp.zeros((1, k.shape[1]), jnp.int32)
-    return _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens=not causal)
+    # Splash's static causal mask knows no offset: its queries stay whole along their tokens.
+    split_tokens = not (causal and _splash(q, platform))
+    return _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens)
 
 
 def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.ndarray:
@@ -133,8 +135,8 @@ def _local(q, k, v, q_rank, k_rank, causal: bool = False, platform: str = "cpu")
 
 
 def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
-    """`local` per device: queries split along batch, tokens (unless causal) and heads; keys whole along
-    tokens."""
+    """`local` per device: queries split along batch, tokens (if `split_tokens`) and heads; keys whole
+    along tokens."""
     b, sq, h, _ = q.shape
 
     def axis(logical, *sizes):
