@@ -6,14 +6,19 @@ Assumptions (they reproduce docs/design.md, "FLOP model"): every block, double o
 processes 26 D^2 FLOPs in its Linears (13 D^2 multiply-adds: double = q, k, v, out 4 D^2 + SwiGLU in
 6 D^2 + out 3 D^2; single = fused in 9 D^2 + out 4 D^2), and its attention costs 4 Sq Sk D FLOPs
 (Q K^T and A V over Sq queries and Sk keys). Embedders, modulation, norms, RoPE and softmax are
-left out (under 0.1% at 9b); so are the text encoder and the VAE, which the KV cache does not touch.
+left out (under 0.1% at 9b). The text encoder and the VAE decoder, which the KV cache does not touch, have
+counts of their own (`text_encoder_flops`, `decode_flops`) for the roofline of every stage
+(`klein.bench.roofline`), in the same plain formulation.
 The model counts the work of the plain formulation (every block over every token it is given), so
 both engines are credited the same FLOPs for the same case: FLOP/s divided by it compare like for like.
 """
 
 from __future__ import annotations
 
+from klein.models.qwen3 import PROMPT_LAYERS
+from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
+from klein.models.vae import VAEConfig
 
 
 def layer_flops(width: int, queries: int, keys: int) -> float:
@@ -49,3 +54,41 @@ def kv_flops(cfg: TransformerConfig, n_txt: int, n_img: int, n_ref: int, steps: 
 def kv_ceiling(cfg: TransformerConfig, n_txt: int, n_img: int, n_ref: int, steps: int, warm: bool) -> float:
     """Standard-editing FLOPs over KV-editing FLOPs: with the cache built in the run, or already warm."""
     return standard_flops(cfg, n_txt, n_img, n_ref, steps) / kv_flops(cfg, n_txt, n_img, n_ref, steps, warm)
+
+
+def text_encoder_flops(config: Qwen3Config, prompts: int, tokens: int) -> float:
+    """The decoder layers the prompt embedding runs (up to the deepest of `PROMPT_LAYERS`) over `prompts`
+    x `tokens`: q, k, v, o and the SwiGLU MLP, and attention over every token (causality not subtracted)."""
+    c = config
+    projections = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    per_token = 2.0 * (projections + 3 * c.hidden_size * c.intermediate_size)
+    per_token += 4.0 * tokens * c.num_attention_heads * c.head_dim
+    return max(PROMPT_LAYERS) * prompts * tokens * per_token
+
+
+def decode_flops(vae: VAEConfig, images: int, height: int, width: int) -> float:
+    """The VAE decoder over `images` latents of `height` x `width` px: its 3x3 and 1x1 convolutions (each
+    upsampler as a 3x3 convolution at the output resolution) and the mid block's single-head attention."""
+    widths = tuple(reversed(vae.decoder_channels))  # lowest resolution first, as the decoder runs
+    pixels = (height // vae.downscale) * (width // vae.downscale)
+
+    def conv(cin: int, cout: int, size: int, at: int) -> float:
+        return 2.0 * size * size * cin * cout * at
+
+    def resnet(cin: int, cout: int, at: int) -> float:
+        return (
+            conv(cin, cout, 3, at) + conv(cout, cout, 3, at) + (conv(cin, cout, 1, at) if cin != cout else 0)
+        )
+
+    total = conv(vae.latent_channels, widths[0], 3, pixels) + 2 * resnet(widths[0], widths[0], pixels)
+    if vae.mid_block_add_attention:  # q, k, v, out projections and Q K^T, A V over every position
+        total += 4 * conv(widths[0], widths[0], 1, pixels) + 4.0 * pixels * pixels * widths[0]
+    channels = widths[0]
+    for level, width in enumerate(widths):
+        for _ in range(vae.layers_per_block + 1):
+            total += resnet(channels, width, pixels)
+            channels = width
+        if level < len(widths) - 1:
+            pixels *= 4
+            total += conv(width, width, 3, pixels)
+    return images * (total + conv(channels, vae.out_channels, 3, pixels))

@@ -20,6 +20,11 @@ peak under each residency policy (all: every model resident; sequential: the tex
 transformer take turns) and which one `auto` picks on a device of --device-memory bytes or a named
 --device (default: what this machine's first device has free now).
 
+--target names a TPU slice (e.g. {targets}) to plan for from this machine, without a TPU: the mesh
+goes over its devices (default: all of them on tensor), the limit is a device's HBM, and with --compiled
+each stage is compiled for that slice and printed with a roofline time per stage (the chip's peak bf16
+FLOP/s and HBM bandwidth; compiled and estimated, not run). Needs libtpu: pip install klein[tpu]
+
 devices: {devices}"""
 
 # Nominal memory of common devices, less about 1 GiB that the driver and runtime keep for themselves.
@@ -38,12 +43,14 @@ DEVICES = {
     "tpu-v5p": 95,
 }
 RESERVED_GIB = 1
+# The slices `klein plan --target` is tested with (`klein.pipeline.topology.TARGETS`), named without importing jax.
+TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
 
 
 def plan_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="klein plan",
-        description=PLAN_DESCRIPTION.format(devices=", ".join(DEVICES)),
+        description=PLAN_DESCRIPTION.format(devices=", ".join(DEVICES), targets=", ".join(TARGETS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
@@ -54,7 +61,11 @@ def plan_parser() -> argparse.ArgumentParser:
         "klein generate takes: a diffusers-layout folder, a repo id (published ones need no download), or a "
         "transformer file (BFL, FP8, GGUF) of a published size",
     )
-    add("--mesh", default="single", help='axis sizes, e.g. "fsdp=4,context=2" (default: single)')
+    add(
+        "--mesh",
+        help='axis sizes, e.g. "fsdp=4,context=2" (default: single; with --target, every device on tensor)',
+    )
+    add("--target", metavar="SLICE", help=f"a TPU slice to plan and compile for, e.g. {', '.join(TARGETS)}")
     add("--refs", type=int, default=0, help="reference images (default: 0)")
     add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
     add("--ref-size", type=_pixels, metavar="WxH", help="size of each reference (default: --size)")
@@ -75,9 +86,9 @@ def plan_parser() -> argparse.ArgumentParser:
     add(
         "--compiled",
         action="store_true",
-        help="also lower and compile each stage's real program at these dimensions on this machine's backend "
-        "(abstract arrays: no weights, nothing allocated; seconds to minutes) and print XLA's memory analysis "
-        "beside each estimate",
+        help="also lower and compile each stage's real program at these dimensions on this machine's backend, "
+        "or for --target (abstract arrays: no weights, nothing allocated; seconds to minutes) and print XLA's "
+        "memory analysis beside each estimate",
     )
     return parser
 
@@ -108,21 +119,64 @@ def plan_command(flags: argparse.Namespace) -> int:
 
     from klein.memory import plan
 
+    if flags.target is not None:
+        return _target_command(flags)
+    mesh = flags.mesh or "single"
     variant, models, dtype = _plan_model(flags.model, flags.dtype)
     limit, where = _device_memory(flags)
     # Planned for this machine's own device when no other is named: XLA:CPU widens bf16 weights as it runs.
     local_cpu = flags.device is None and flags.device_memory is None and _local_platform() == "cpu"
     memory = plan.plan(
-        variant, flags.mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, local_cpu
+        variant, mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, local_cpu
     )
     report = plan.as_json(memory, limit, where)
     text = plan.describe(memory, limit, where)
     if flags.compiled:
-        if flags.mesh not in (None, "single"):
-            raise InputError("--compiled compiles for this machine's one device; drop --mesh")
+        if mesh != "single":
+            raise InputError(
+                "--compiled compiles for this machine's one device; drop --mesh (or name a --target)"
+            )
         stages = _compiled(memory, models or plan.published(flags.model, dtype), dtype)
         report["compiled"] = stages
         text += "\n" + plan.describe_compiled(memory, stages)
+    print(json.dumps(report, indent=2) if flags.json else text)
+    return 0
+
+
+def _target_command(flags: argparse.Namespace) -> int:
+    """`klein plan --target SLICE [--compiled]`: the plan on the slice's mesh against a device's HBM, and
+    each stage compiled for the slice with its roofline time."""
+    import json
+
+    from klein.bench import roofline
+    from klein.memory import plan
+    from klein.pipeline import compiled, topology
+
+    if flags.device is not None:
+        raise InputError("--target names the device already; drop --device")
+    mesh, spec = topology.mesh(flags.target, flags.mesh)
+    on = roofline.chip(mesh.devices.flat[0].device_kind)
+    variant, models, dtype = _plan_model(flags.model, flags.dtype)
+    models = models or plan.published(variant, dtype)
+    memory = plan.plan(variant, spec, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models)
+    limit, where = flags.device_memory, "given"
+    if limit is None:
+        limit, where = on.device_memory, f"{on.name}, HBM per device"
+    used = f"{mesh.devices.size} of {len(topology.devices(flags.target))}"
+    heading = f"{flags.target}: {on.name}, mesh {spec} on {used} devices"
+    report = dict(plan.as_json(memory, limit, where), target=flags.target, chip=dataclasses.asdict(on))
+    text = heading + "\n" + plan.describe(memory, limit, where)
+    if flags.compiled:
+        analyses = compiled.analyse(models, memory.workload, dtype, mesh)
+        stages = {name: dataclasses.asdict(analysis) for name, analysis in analyses.items()}
+        times = roofline.times(models, memory.workload, models.variant.steps, mesh, stages, on)
+        report["compiled"] = stages
+        report["roofline"] = dict(
+            stages={name: dict(dataclasses.asdict(t), seconds=t.seconds) for name, t in times.items()},
+            seconds_per_image=roofline.per_image(times, memory.workload.images),
+        )
+        text += "\n" + plan.describe_compiled(memory, stages, f"for {flags.target}")
+        text += "\n" + roofline.describe(times, on, memory.workload.images)
     print(json.dumps(report, indent=2) if flags.json else text)
     return 0
 

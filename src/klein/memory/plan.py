@@ -484,10 +484,13 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
     return "\n".join(lines)
 
 
-def describe_compiled(p: MemoryPlan, stages: dict[str, dict[str, int]]) -> str:
-    """Each compiled stage's memory (`klein.pipeline.compiled`: XLA's analysis) beside the planner's estimate."""
+def describe_compiled(
+    p: MemoryPlan, stages: dict[str, dict[str, int]], where: str = "on this machine"
+) -> str:
+    """Each compiled stage's memory (`klein.pipeline.compiled`: XLA's analysis, per device) beside the
+    planner's estimate; `where`: what it was compiled for."""
     estimates = dict(text=p.memory.text, prefill=p.memory.prefill, step=p.memory.step, decode=p.memory.decode)
-    lines = ["compiled on this machine (XLA memory analysis) against the estimate, beyond the weights:"]
+    lines = [f"compiled {where} (XLA memory analysis per device) against the estimate, beyond the weights:"]
     lines.append(f"  {'stage':<9}{'estimate':>12}{'compiled':>12}{'ratio':>8}{'arguments':>14}")
     for name, analysis in stages.items():
         # The prefill's outputs are the reference KV, planned apart (`reference_kv`).

@@ -24,8 +24,16 @@ whole along their tokens before the call, so each device computes complete softm
 queries. A dimension its mesh axis does not divide stays whole (correct, only not split); the models pad
 their token streams so that it does.
 
-On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead.
+On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead. On a TPU every mask
+klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the same
+`shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
+(`klein plan --target`) gets the TPU kernel. `causal=True` says the ranks are token positions (the text
+encoder's), which splash expresses as its static causal mask; its queries are then not split along tokens.
+Any other ranks must rank every query the same (key padding) on a TPU; KV editing's isolated span is two
+such calls there (`isolated_span_attention`).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +48,25 @@ MASKED = 2**30
 _LOW = -1e30  # running max before any key: finite, so that exp(_LOW - _LOW) is 1 and not NaN
 
 
-def attention(q, k, v, q_rank=None, k_rank=None) -> jnp.ndarray:
-    mesh = jax.sharding.get_abstract_mesh()
+def attention(q, k, v, q_rank=None, k_rank=None, *, causal: bool = False) -> jnp.ndarray:
+    mesh, platform = jax.sharding.get_abstract_mesh(), _platform()
+    local = functools.partial(_local, causal=causal, platform=platform)
     if mesh.empty:
-        return _local(q, k, v, q_rank, k_rank)
+        return local(q, k, v, q_rank, k_rank)
     if q_rank is None:
         q_rank, k_rank = jnp.zeros((1, q.shape[1]), jnp.int32), jnp.zeros((1, k.shape[1]), jnp.int32)
-    return _sharded(mesh, q, k, v, q_rank, k_rank)
+    # Splash's static causal mask knows no offset: its queries stay whole along their tokens.
+    split_tokens = not (causal and _splash(q, platform))
+    return _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens)
 
 
 def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.ndarray:
     """Attention over one joint sequence in which tokens [start, stop) see only each other and every
     other token sees all (KV editing's reference tokens). `k_rank`: None, or 0 for keys and `MASKED`
-    for padding. On cuDNN (one device): two unmasked calls; elsewhere the span's ranks."""
+    for padding. On cuDNN (one device) and on a TPU: two calls (the span over its own keys, the rest over
+    all keys); elsewhere the span's ranks."""
+    if _splash(q, _platform()):
+        return _two_calls(q, k, v, start, stop, k_rank)
     if k_rank is None and _cudnn(q) and jax.sharding.get_abstract_mesh().empty:
         inside = jax.nn.dot_product_attention(
             q[:, start:stop], k[:, start:stop], v[:, start:stop], implementation="cudnn"
@@ -76,14 +90,53 @@ def _cudnn(q) -> bool:
     return fits and q.dtype == jnp.bfloat16 and jax.default_backend() == "gpu"
 
 
-def _local(q, k, v, q_rank, k_rank):
+def _two_calls(q, k, v, start: int, stop: int, k_rank):
+    """The isolated span as two attentions whose queries each rank the same (key padding at most)."""
+    span_rank = None if k_rank is None else k_rank[:, start:stop]
+    inside = _padded_keys(q[:, start:stop], k[:, start:stop], v[:, start:stop], span_rank)
+    outside = _padded_keys(q, k, v, k_rank)
+    return jnp.concatenate([outside[:, :start], inside, outside[:, stop:]], axis=1)
+
+
+def _padded_keys(q, k, v, k_rank):
+    if k_rank is None:
+        return attention(q, k, v)
+    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
+
+
+def _platform() -> str:
+    """The platform of the program being traced: the devices of the mesh in JAX's context (a TPU slice
+    compiled from this machine is a TPU program), else the default backend."""
+    device = jax.sharding.get_abstract_mesh().abstract_device  # None without a mesh of devices
+    return jax.default_backend() if device is None else device.platform
+
+
+SPLASH_PLATFORMS = ("tpu",)
+"""Platforms whose programs attend with splash (tests add "cpu", where Pallas interprets it)."""
+
+
+def _splash(q, platform: str) -> bool:
+    if platform not in SPLASH_PLATFORMS:
+        return False
+    # Imported only for programs that use it: Pallas adds a fifth of a second to an import of the models.
+    from klein.models import splash
+
+    return splash.supports(q)
+
+
+def _local(q, k, v, q_rank, k_rank, causal: bool = False, platform: str = "cpu"):
+    if _splash(q, platform):
+        from klein.models import splash
+
+        return splash.attention(q, k, v, q_rank, k_rank, causal, interpret=platform != "tpu")
     if q_rank is None and _cudnn(q):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
     return _blocked(q, k, v, q_rank, k_rank)
 
 
-def _sharded(mesh, q, k, v, q_rank, k_rank):
-    """`_local` per device: queries split along batch, tokens and heads; keys whole along tokens."""
+def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
+    """`local` per device: queries split along batch, tokens (if `split_tokens`) and heads; keys whole
+    along tokens."""
     b, sq, h, _ = q.shape
 
     def axis(logical, *sizes):
@@ -91,7 +144,7 @@ def _sharded(mesh, q, k, v, q_rank, k_rank):
         return name if name is not None and all(n % mesh.shape[name] == 0 for n in sizes) else None
 
     batch, heads = axis("batch", b), axis("heads", h, k.shape[2])
-    tokens = axis("seq", sq)
+    tokens = axis("seq", sq) if split_tokens else None
 
     def rank_batch(rank):
         return batch if rank.shape[0] == b else None
@@ -103,7 +156,7 @@ def _sharded(mesh, q, k, v, q_rank, k_rank):
         PartitionSpec(rank_batch(q_rank), tokens),
         PartitionSpec(rank_batch(k_rank), None),
     )
-    run = jax.shard_map(_local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+    run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
     return run(q, k, v, q_rank, k_rank)
 
 

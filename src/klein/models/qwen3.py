@@ -65,7 +65,7 @@ class Attention(nnx.Module):
         q = _apply_rope(self.q_norm(self.q_proj(x).reshape(heads)), *rope)
         k = _apply_rope(self.k_norm(self.k_proj(x).reshape(heads)), *rope)
         v = self.v_proj(x).reshape(heads)
-        return self.o_proj(attention(q, k, v, *ranks).reshape(b, length, -1))
+        return self.o_proj(attention(q, k, v, *ranks, causal=True).reshape(b, length, -1))
 
 
 class MLP(nnx.Module):

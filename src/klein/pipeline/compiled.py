@@ -3,7 +3,9 @@ arrays at the requested dimensions (`jax.ShapeDtypeStruct`: no weights, nothing 
 memory analysis of it (arguments, outputs, temporaries), for `klein plan --compiled`.
 
 The programs are the pipeline's own (`klein.models`, `klein.pipeline.denoise`), over weights shaped and stored as
-the loader stores them (`klein.io.loading.stored_state`), on the local backend.
+the loader stores them (`klein.io.loading.stored_state`), on the local backend; or, given a device mesh (a TPU
+slice's, `klein.pipeline.topology`), for that mesh's devices, with weights and inputs sharded as the loader
+and the pipeline place them, so that XLA's analysis is per device.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from klein import sharding
 from klein.io.loading import stored_state
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
@@ -27,6 +31,8 @@ from klein.models import vae as vae_model
 from klein.pipeline import denoise
 from klein.request.modes import Conditioning
 
+STAGES = ("text", "prefill", "step", "decode")
+
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
@@ -37,66 +43,113 @@ class Analysis:
     temporaries: int
 
 
-def analyse(models: plan.Models, work: plan.Workload, dtype) -> dict[str, Analysis]:
-    """Compile every stage `work` runs ("text", "prefill" for cached references, "step", "decode"), for the
-    checkpoint `models` describes with weights in `dtype`, and analyse each program's memory."""
+def analyse(
+    models: plan.Models, work: plan.Workload, dtype, mesh=None, only: tuple[str, ...] = STAGES
+) -> dict[str, Analysis]:
+    """Compile every stage `work` runs ("text", "prefill" for cached references, "step", "decode"; those of
+    them in `only`), for the checkpoint `models` describes with weights in `dtype`, and analyse each
+    program's memory; on `mesh` (a `jax.sharding.Mesh`), per device of it."""
     dtype = np.dtype(dtype)
+    place = _Placer(mesh, only)
     _, text_model, vae = plan._abstract_models(models.transformer, models.text_encoder, models.vae)
     # The transformer's layers compute in the dtype they are built with: built as the loader builds them.
-    transformer = stored_state(abstract_transformer(models.transformer, dtype), dtype, TRANSFORMER_STACKED)
-    text = stored_state(text_model, dtype, TEXT_STACKED)
-    decoder = stored_state(vae, dtype, ())
+    transformer = place.weights(
+        stored_state(abstract_transformer(models.transformer, dtype), dtype, TRANSFORMER_STACKED),
+        sharding.TRANSFORMER_PARAMS,
+    )
+    text = place.weights(stored_state(text_model, dtype, TEXT_STACKED), sharding.TEXT_ENCODER_PARAMS)
+    decoder = place.weights(stored_state(vae, dtype, ()), ())
     cfg = models.transformer
     h, w = work.height // 16, work.width // 16
     batch = work.images * (2 if work.guided else 1)
-    stages = {
-        "text": _compile(
-            qwen3.prompt_embeddings,
-            text,
-            _array((work.prompts, plan.TEXT_TOKENS), jnp.int32),
-            _array((work.prompts, plan.TEXT_TOKENS), jnp.int32),
-        )
-    }
+    ids = place.whole(_array((work.prompts, plan.TEXT_TOKENS), jnp.int32))
+    place.compile("text", qwen3.prompt_embeddings, text, ids, ids)
     refs = work.reference_tokens
     conditioning = Conditioning.TEXT
     cond = ()
     if refs:
-        reference = (_array((refs, cfg.in_channels), dtype), _rope(cfg, refs))
+        reference = place.whole((_array((refs, cfg.in_channels), dtype), _rope(cfg, refs)))
         if work.cached:
             conditioning = Conditioning.CACHED
-            stages["prefill"] = _compile(T.prefill, transformer, *reference)
-            cond = _shapes(T.prefill, transformer, *reference)
+            place.compile("prefill", T.prefill, transformer, *reference)
+            cond = place.reference_kv(place.shapes(T.prefill, transformer, *reference))
         else:
             conditioning, cond = Conditioning.REFERENCES, reference
     step = denoise.step_cfg if work.guided else denoise.step
-    stages["step"] = _compile(
+    place.compile(
+        "step",
         functools.partial(step, denoise.VELOCITY[conditioning]),
         transformer,
-        _array((work.images, h * w, cfg.in_channels), dtype),
-        _array((batch, plan.TEXT_TOKENS, cfg.joint_attention_dim), dtype),
-        _array((), jnp.float32),
-        _array((), jnp.float32),
-        (_rope(cfg, h * w), _rope(cfg, plan.TEXT_TOKENS)),
+        place.tokens(_array((work.images, h * w, cfg.in_channels), dtype)),
+        *place.whole(
+            (
+                _array((batch, plan.TEXT_TOKENS, cfg.joint_attention_dim), dtype),
+                _array((), jnp.float32),
+                _array((), jnp.float32),
+                (_rope(cfg, h * w), _rope(cfg, plan.TEXT_TOKENS)),
+            )
+        ),
         cond,
-        _array((), jnp.float32),
+        place.whole(_array((), jnp.float32)),
     )
-    stages["decode"] = _compile(
-        vae_model.decode_latents, decoder, _array((work.images, h, w, cfg.in_channels), dtype)
-    )
-    return stages
+    latents = place.whole(_array((work.images, h, w, cfg.in_channels), dtype))
+    place.compile("decode", vae_model.decode_latents, decoder, latents)
+    return place.analyses
 
 
-def _compile(fn, stored, *args) -> Analysis:
-    graphdef, state = stored
-    # The weights are the program's arguments, as in the pipeline (`klein.pipeline.flux2_klein.Compiled`).
-    program = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
-    memory = program.lower(state, *args).compile().memory_analysis()
-    return Analysis(memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.temp_size_in_bytes)
+class _Placer:
+    """Abstract arrays laid out on `mesh` as the loader and the pipeline place the real ones (weights by
+    the sharding tables, image tokens along `TOKENS`, the reference KV along `REFERENCE_KV`, the rest
+    whole), and the programs of the stages in `only` compiled for it (their analyses, in `analyses`); without
+    a mesh, for the local device, unplaced."""
 
+    def __init__(self, mesh, only: tuple[str, ...]):
+        self.mesh, self.only = mesh, only
+        self.analyses: dict[str, Analysis] = {}
 
-def _shapes(fn, stored, *args):
-    graphdef, state = stored
-    return jax.eval_shape(lambda state, *args: fn(nnx.merge(graphdef, state), *args), state, *args)
+    def weights(self, stored, table):
+        graphdef, state = stored
+        if self.mesh is None:
+            return stored
+        flat = [
+            (path, v.replace(self._put(v.get_value(), sharding.param_axes(path, table))))
+            for path, v in nnx.to_flat_state(state)
+        ]
+        return graphdef, nnx.from_flat_state(flat)
+
+    def tokens(self, array):
+        return self._put(array, sharding.TOKENS)
+
+    def reference_kv(self, kv):
+        # The stacks [L, R, H, Dh] split along their tokens and heads; the key ranks stay whole.
+        return jax.tree.map(lambda a: self._put(a, sharding.REFERENCE_KV if a.ndim == 4 else ()), kv)
+
+    def whole(self, tree):
+        return jax.tree.map(lambda a: self._put(a, ()), tree)
+
+    def _put(self, array, axes):
+        if self.mesh is None:
+            return array
+        spec = sharding.partition_spec(axes, self.mesh, array.shape) if axes else PartitionSpec()
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=NamedSharding(self.mesh, spec))
+
+    def shapes(self, fn, stored, *args):
+        """The shapes `fn` returns, traced on the mesh (the prefill pads its references to it)."""
+        graphdef, state = stored
+        with sharding.use(self.mesh):
+            return jax.eval_shape(lambda state, *args: fn(nnx.merge(graphdef, state), *args), state, *args)
+
+    def compile(self, stage: str, fn, stored, *args) -> None:
+        if stage not in self.only:
+            return
+        graphdef, state = stored
+        # The weights are the program's arguments, as in the pipeline (`klein.pipeline.flux2_klein.Compiled`).
+        program = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
+        with sharding.use(self.mesh):
+            memory = program.lower(state, *args).compile().memory_analysis()
+        self.analyses[stage] = Analysis(
+            memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.temp_size_in_bytes
+        )
 
 
 def _array(shape, dtype) -> jax.ShapeDtypeStruct:

@@ -1,0 +1,157 @@
+"""Roofline times of a request's stages on a chip: what the hardware allows, not what it measures.
+
+Each stage takes the longer of its work over the chip's peak bf16 FLOP/s (klein's FLOP model,
+`klein.bench.flops`, split over the devices that share it) and its bytes over the HBM bandwidth (XLA's
+arguments and outputs of the compiled program per device, `klein.pipeline.compiled`: every weight and input
+read once, every output written once). Collectives, the vector units and the kernels' efficiency are left
+out, so a real run is slower; the figures compare stages, meshes and modes with each other.
+
+The chip figures are per chip from Google's and NVIDIA's published specifications (`CHIPS`, with the page
+each comes from; docs/design.md, "TPU attention", repeats the table); a device is one TensorCore where JAX
+shows each of a chip's cores as a device (TPU7x: two per chip), else the chip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from klein import sharding
+from klein.bench import flops
+from klein.memory import plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    device_kind: str
+    """`jax.Device.device_kind` of its devices."""
+    bf16_flops: float
+    """Peak dense bf16 FLOP/s per chip."""
+    hbm_bytes: float
+    hbm_bandwidth: float
+    """Bytes per second per chip."""
+    devices_per_chip: int
+    source: str
+
+    @property
+    def device_flops(self) -> float:
+        return self.bf16_flops / self.devices_per_chip
+
+    @property
+    def device_bandwidth(self) -> float:
+        return self.hbm_bandwidth / self.devices_per_chip
+
+    @property
+    def device_memory(self) -> int:
+        return int(self.hbm_bytes / self.devices_per_chip)
+
+
+GIB, GB, TB = 2**30, 1e9, 1e12
+CHIPS = (
+    Chip("TPU7x (Ironwood)", "TPU7x", 2307 * TB, 192 * GIB, 7.37 * TB, 2, "cloud.google.com/tpu/docs/tpu7x"),
+    Chip(
+        "TPU v6e (Trillium)", "TPU v6 lite", 918 * TB, 32 * GB, 1640 * GB, 1, "cloud.google.com/tpu/docs/v6e"
+    ),
+    Chip("TPU v5p", "TPU v5", 459 * TB, 95 * GIB, 2765 * GB, 1, "cloud.google.com/tpu/docs/v5p"),
+    Chip("TPU v5e", "TPU v5 lite", 197 * TB, 16 * GB, 819 * GB, 1, "cloud.google.com/tpu/docs/v5e"),
+)
+
+
+def chip(device_kind: str) -> Chip:
+    for known in CHIPS:
+        if known.device_kind == device_kind:
+            return known
+    raise KeyError(f"no figures for {device_kind!r}; known: {', '.join(c.device_kind for c in CHIPS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTime:
+    flops: float
+    """The stage's work per device (one run of it)."""
+    bytes: int
+    """Bytes read and written per device (one run)."""
+    compute: float
+    memory: float
+    runs: int
+    """Times it runs per request (the denoising steps; 1 otherwise)."""
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute, self.memory)
+
+
+def stage_flops(models: plan.Models, work: plan.Workload) -> dict[str, float]:
+    """The work of one run of each stage `work` has, for the whole request (every image, every device)."""
+    cfg, text = models.transformer, plan.TEXT_TOKENS
+    image = (work.height // 16) * (work.width // 16)
+    batch = work.images * (2 if work.guided else 1)
+    refs = work.reference_tokens
+    if work.cached:
+        step = flops.cached_flops(cfg, text, image, refs, 1)
+    else:
+        step = flops.standard_flops(cfg, text, image, refs, 1)
+    stages = {"text": flops.text_encoder_flops(models.text_encoder, work.prompts, text)}
+    if work.cached and refs:
+        stages["prefill"] = flops.prefill_flops(cfg, refs)
+    stages["step"] = batch * step
+    stages["decode"] = flops.decode_flops(models.vae, work.images, work.height, work.width)
+    return stages
+
+
+def sharers(mesh, stage: str, images: int) -> int:
+    """Devices a stage's work splits over on `mesh`: heads and MLP widths (tensor) for the transformer and
+    the text encoder, tokens (context) and images (data, where they divide) for the transformer. The decode
+    runs whole on every device."""
+    if stage == "decode":
+        return 1
+    tensor = sharding.ways(mesh, "heads")
+    if stage == "text":
+        return tensor
+    data = sharding.ways(mesh, "batch")
+    return tensor * sharding.ways(mesh, "seq") * (data if stage == "step" and images % data == 0 else 1)
+
+
+def times(
+    models, work, steps: int, mesh, analyses: dict[str, dict[str, int]], on: Chip
+) -> dict[str, StageTime]:
+    """Each compiled stage's roofline time on `on`'s devices of `mesh`; `analyses`: per stage, XLA's
+    per-device "arguments" and "outputs" in bytes."""
+    work_flops = stage_flops(models, work)
+    out = {}
+    for stage, analysis in analyses.items():
+        per_device = work_flops[stage] / sharers(mesh, stage, work.images)
+        moved = analysis["arguments"] + analysis["outputs"]
+        out[stage] = StageTime(
+            flops=per_device,
+            bytes=moved,
+            compute=per_device / on.device_flops,
+            memory=moved / on.device_bandwidth,
+            runs=steps if stage == "step" else 1,
+        )
+    return out
+
+
+def per_image(stage_times: dict[str, StageTime], images: int) -> float:
+    """Seconds per image of a request: every stage, the step as many times as it runs."""
+    return sum(t.seconds * t.runs for t in stage_times.values()) / images
+
+
+def describe(stage_times: dict[str, StageTime], on: Chip, images: int) -> str:
+    """The roofline table of `klein plan --target --compiled`, with the chip figures it used."""
+    lines = [
+        f"roofline per device ({on.name}: {on.device_flops / TB:.0f} TFLOP/s bf16, "
+        f"{on.device_bandwidth / GB:.0f} GB/s HBM per device; {on.source}); estimated, not run:",
+        f"  {'stage':<9}{'TFLOP':>9}{'GiB moved':>11}{'compute':>10}{'memory':>10}{'runs':>6}",
+    ]
+    for name, t in stage_times.items():
+        lines.append(
+            f"  {name:<9}{t.flops / TB:>9.2f}{t.bytes / GIB:>11.2f}{_ms(t.compute):>10}{_ms(t.memory):>10}{t.runs:>6}"
+        )
+    lines.append(
+        f"  per image: {_ms(per_image(stage_times, images))} (the longer of compute and memory per stage)"
+    )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"

@@ -1,0 +1,89 @@
+"""Attention on one TPU device: Pallas' splash attention kernel, with klein's masks as segment ids.
+
+The same contract as the blocked XLA kernel of `klein.models.attention` (shapes, ranks, zeros for a query
+that sees no key), for the masks klein's models use: none; key padding (every query ranks the same, padded
+keys rank above it); and causal (`causal=True`: queries and keys ranked by position, padded keys `MASKED`,
+the text encoder's). Splash attends where the query's and the key's segment ids are equal (and the static
+causal mask allows), so a key is given segment 1 where its rank hides it and 0 where it does not, with every
+query in segment 0. KV editing's isolated span is two such calls (`klein.models.attention`).
+
+The kernel needs token counts in multiples of its blocks: queries and keys are padded (padded keys in
+segment 1, padded queries dropped), so any count runs. Grouped queries are native to the kernel. Off a TPU
+(`interpret=True`) Pallas interprets the same kernel with XLA, which is how CPU tests check its numerics.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+BLOCK = 512
+"""Queries and keys per tile (both): fewer grid steps than the kernel's default 128, well inside a TPU
+core's VMEM at head dims up to 512 (the VAE's)."""
+LANES = 128
+"""A TPU vector register's lanes: token counts are padded to whole blocks of at least this."""
+
+
+def supports(q) -> bool:
+    """Whether the kernel takes these queries: head dims in whole vector registers (128, 256, 512)."""
+    return q.shape[-1] % LANES == 0
+
+
+def attention(q, k, v, q_rank=None, k_rank=None, causal: bool = False, interpret: bool = False):
+    """q float[B, Sq, H, Dh]; k, v float[B, Sk, K, Dh]; ranks int32[B or 1, S] or None -> float[B, Sq, H, Dh]."""
+    b, sq, _, dh = q.shape
+    sk = k.shape[1]
+    block_q, block_kv = _block(sq), _block(sk)
+    sq_pad, sk_pad = _round_up(sq, block_q), _round_up(sk, block_kv)
+    q_seg, kv_seg = _segments(q_rank, k_rank, sq, sk, causal)
+    kv_seg = jnp.pad(kv_seg, ((0, 0), (0, sk_pad - sk)), constant_values=1)
+    q_seg = jnp.pad(q_seg, ((0, 0), (0, sq_pad - sq)))
+    kernel = _kernel(sq_pad, sk_pad, q.shape[2], block_q, block_kv, causal, interpret)
+    # Splash does not scale the scores; heads lead and the head dim is minor inside it.
+    q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), sq_pad).transpose(0, 2, 1, 3)
+    k, v = (_pad(x, sk_pad).transpose(0, 2, 1, 3) for x in (k, v))
+    segments = splash.SegmentIds(jnp.broadcast_to(q_seg, (b, sq_pad)), jnp.broadcast_to(kv_seg, (b, sk_pad)))
+    out = jax.vmap(kernel)(q, k, v, segments).transpose(0, 2, 1, 3)[:, :sq]
+    return jnp.where(_sees_a_key(q_rank, k_rank)[..., None, None], out, 0).astype(q.dtype)
+
+
+def _segments(q_rank, k_rank, sq: int, sk: int, causal: bool):
+    """Segment ids int32[B or 1, Sq], int32[B or 1, Sk]: queries 0, keys 1 where their rank hides them."""
+    q_seg = jnp.zeros((1, sq), jnp.int32)
+    if k_rank is None:
+        return q_seg, jnp.zeros((1, sk), jnp.int32)
+    # Causal: ranks are positions (the static mask compares those), so only a key off its position hides.
+    # Otherwise every query ranks the same, the first one's.
+    hidden = k_rank != jnp.arange(sk, dtype=k_rank.dtype) if causal else k_rank > q_rank[:, :1]
+    return q_seg, hidden.astype(jnp.int32)
+
+
+def _sees_a_key(q_rank, k_rank):
+    """bool[B or 1, Sq]: the query ranks at least one key's rank (else klein's contract gives zeros)."""
+    if k_rank is None:
+        return jnp.ones((1, 1), bool)
+    return k_rank.min(axis=1, keepdims=True) <= q_rank
+
+
+def _kernel(sq: int, sk: int, heads: int, block_q: int, block_kv: int, causal: bool, interpret: bool):
+    """The forward-only kernel for one image's [H, Sq, Dh] queries over [K, Sk, Dh] keys (K divides H)."""
+    one = splash.CausalMask((sq, sk)) if causal else splash.FullMask((sq, sk))
+    return splash.make_splash_mha_single_device(
+        splash.MultiHeadMask([one] * heads),
+        block_sizes=splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv),
+        interpret=interpret,
+    )
+
+
+def _block(tokens: int) -> int:
+    return min(BLOCK, _round_up(tokens, LANES))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pad(x, size: int):
+    """Pad the token axis (1) of x with zeros to `size`."""
+    return jnp.pad(x, [(0, 0), (0, size - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
