@@ -199,11 +199,12 @@ def plan(
     batch: int = 1,
     dtype: str = "bfloat16",
     models: Models | None = None,
-    widens: bool = False,
+    on_cpu: bool = False,
 ) -> MemoryPlan:
     """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
     published `variant`, or for the checkpoint `models` describes (its configs, read from its files);
-    `widens`: on a backend that computes bf16 products in float32 (`request_memory`)."""
+    `on_cpu`: for a CPU, which computes bf16 products in float32 (`request_memory`) and whose one memory
+    holds streamed layers too (`residency.on`)."""
     models = models or published(variant, dtype)
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
@@ -214,7 +215,9 @@ def plan(
     request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
     run = resolve.resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
     work, e = Workload.of(run), dtypes.itemsize(dtype)
-    sizes = model_bytes(cfg, text_config, models.vae, abstract, e, models.fp8)
+    sizes = residency.on(
+        "cpu" if on_cpu else "accelerator", model_bytes(cfg, text_config, models.vae, abstract, e, models.fp8)
+    )
     return MemoryPlan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
@@ -226,7 +229,7 @@ def plan(
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
-        memory=request_memory(cfg, text_config, models.vae, abstract, work, e, widens=widens),
+        memory=request_memory(cfg, text_config, models.vae, abstract, work, e, widens=on_cpu),
         workload=work,
     )
 
