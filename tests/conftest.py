@@ -65,3 +65,14 @@ def serve_url(klein_home):
     flags += " --max-upload-bytes 1MiB --memory-limit 64MiB"
     with running(klein_home, *flags.split()) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's headless Chromium through Playwright, for the page and docs tests."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        yield chromium
+        chromium.close()

@@ -5,9 +5,8 @@ gone. The API key guards /docs and /openapi.json as it guards the API; Swagger U
 import types
 from urllib.parse import urlsplit
 
-import pytest
 from fastapi.testclient import TestClient
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from klein.serve.app import create_app
 from klein.serve.metrics import Metrics
@@ -15,14 +14,6 @@ from klein.serve.options import ServeOptions
 
 ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/references", "/v1/jobs")
 KEY = "docs-key"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        yield chromium
-        chromium.close()
 
 
 def test_docs_list_the_endpoints_with_no_network_but_the_server(serve_url, browser, tmp_path):

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import PIL.Image
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from tests.support.serve_process import running
 
@@ -79,14 +79,6 @@ def server(klein_home):
     """The URL of a `klein serve` subprocess on the demo checkpoint, small limits, loopback only."""
     with running(klein_home, *map(str, SERVE_FLAGS)) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        yield chromium
-        chromium.close()
 
 
 @dataclasses.dataclass

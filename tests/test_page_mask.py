@@ -19,7 +19,7 @@ import numpy as np
 import PIL.Image
 import PIL.ImageFilter
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from tests.support.pictures import picture
 from tests.support.serve_process import running
@@ -57,14 +57,6 @@ XMLHttpRequest.prototype.send = function (body) {
 def server(klein_home):
     with running(klein_home, *map(str, SERVE_FLAGS)) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture
