@@ -124,7 +124,7 @@ def plan_command(flags: argparse.Namespace) -> int:
     mesh = flags.mesh or "single"
     variant, models, dtype = _plan_model(flags.model, flags.dtype)
     limit, where = _device_memory(flags)
-    # Planned for this machine's own device when no other is named: XLA:CPU widens bf16 weights as it runs.
+    # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
     local_cpu = flags.device is None and flags.device_memory is None and _local_platform() == "cpu"
     memory = plan.plan(
         variant, mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, local_cpu

@@ -42,6 +42,7 @@ from klein.errors import InputError, counted
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.memory import residency
+from klein.models import products
 from klein.models.attention import KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
@@ -126,21 +127,21 @@ def request_memory(
     work: Workload,
     itemsize: int,
     tiled_decode: bool = False,
-    widens: bool = False,
+    copies: int | None = None,
 ) -> RequestMemory:
     """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes.
-    `widens`: the backend computes bf16 products in float32 (XLA:CPU), converting each layer's weights
-    as it runs them (`widened_layer`)."""
+    `copies`: bytes per weight of the copies a CPU makes of the layers it runs (`layer_copies`, `copies_on`);
+    None where layers are read where they are."""
     image = (work.height // 16) * (work.width // 16)
     refs = work.reference_tokens
     batch = work.images * (2 if work.guided else 1)
     queries = TEXT_TOKENS + image + (0 if work.cached else refs)
     keys = TEXT_TOKENS + image + refs
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
-    layer, text_layer = widened_layer(cfg, text_config, mesh) if widens and itemsize < 4 else (0, 0)
+    layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
-        # The prefill runs the double blocks' image stream alone: half their weights are widened.
+        # The prefill runs the double blocks' image stream alone: half their weights are copied.
         prefill=layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
         text=text_layer + _text_activations(text_config, work.prompts, itemsize),
         step=layer + embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize),
@@ -203,7 +204,7 @@ def plan(
 ) -> MemoryPlan:
     """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
     published `variant`, or for the checkpoint `models` describes (its configs, read from its files);
-    `on_cpu`: for a CPU, which computes bf16 products in float32 (`request_memory`) and whose one memory
+    `on_cpu`: for this machine's CPU, which copies the layers it runs (`copies_on`) and whose one memory
     holds streamed layers too (`residency.on`)."""
     models = models or published(variant, dtype)
     cfg, text_config = models.transformer, models.text_encoder
@@ -229,7 +230,9 @@ def plan(
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
-        memory=request_memory(cfg, text_config, models.vae, abstract, work, e, widens=on_cpu),
+        memory=request_memory(
+            cfg, text_config, models.vae, abstract, work, e, copies=copies_on("cpu", e) if on_cpu else None
+        ),
         workload=work,
     )
 
@@ -378,25 +381,35 @@ def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: i
     return sum(live)
 
 
-# XLA:CPU's float32 copies of a layer's bf16 weights, as multiples of one layer in float32: its scheduler
-# converts the next layer's kernels while the current ones are still live. Fitted to `memory_analysis()` of
-# the real programs at the published sizes (`klein plan --compiled` prints them; the figures are in
-# docs/design.md, "Residency and memory").
-WIDENED_DOUBLE_BLOCKS = 1.42
-WIDENED_DECODER_LAYERS = 0.9
+# XLA:CPU cuts each layer it runs out of its stack into buffers of its own (a bf16 stack is stored as its
+# bits, `klein.models.stacks`, and viewed as bf16 by a copy), widened to float32 where it cannot multiply
+# bf16 as it is (`klein.models.products`), and its scheduler cuts the next layer's kernels while the
+# current ones are still live: as multiples of one layer. Fitted to `memory_analysis()` of the real
+# programs at the published sizes (`klein plan --compiled` prints them; the figures are in docs/design.md,
+# "Residency and memory").
+COPIED_DOUBLE_BLOCKS = {2: 1.15, 4: 1.42}
+COPIED_DECODER_LAYERS = {2: 0.9, 4: 0.9}
 
 
-def widened_layer(cfg: TransformerConfig, text_config: Qwen3Config, mesh) -> tuple[int, int]:
-    """Bytes of the float32 weight copies a backend without bf16 products (XLA:CPU) holds while it runs the
-    transformer, and the text encoder: about one layer's weights in float32 (module constants)."""
+def copies_on(platform: str, itemsize: int) -> int | None:
+    """Bytes per weight of the layer copies a `platform` device holds while it runs bf16 layers: a CPU's
+    are bf16 where it multiplies bf16 as it is, else float32; None for an accelerator or float32 weights."""
+    if platform != "cpu" or itemsize >= 4:
+        return None
+    return itemsize if products.in_place(platform) else 4
+
+
+def layer_copies(cfg: TransformerConfig, text_config: Qwen3Config, mesh, itemsize: int) -> tuple[int, int]:
+    """Bytes of the copies of the running layer's weights, of `itemsize` bytes each, that a CPU holds while
+    it runs the transformer, and the text encoder (`COPIED_DOUBLE_BLOCKS`)."""
     d, mlp = cfg.hidden, cfg.mlp_hidden
     double = 8 * d * d + 6 * d * mlp  # q, k, v, out of both streams; both streams' SwiGLU
     t = text_config
     decoder = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)
     decoder += 3 * t.hidden_size * t.intermediate_size
     tensor = sharding.ways(mesh, "heads")
-    return int(WIDENED_DOUBLE_BLOCKS * 4 * double) // tensor, int(
-        WIDENED_DECODER_LAYERS * 4 * decoder
+    return int(COPIED_DOUBLE_BLOCKS[itemsize] * itemsize * double) // tensor, int(
+        COPIED_DECODER_LAYERS[itemsize] * itemsize * decoder
     ) // tensor
 
 

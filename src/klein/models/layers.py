@@ -14,15 +14,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from klein.models import products
+
 
 class Linear(nnx.Module):
     """`x @ kernel` without bias (FLUX.2 has none anywhere), computed in `dtype`.
 
     The kernel float[in, out] is stored in `dtype`, or - for FP8 checkpoints, see `store_fp8` - as
     float8_e4m3fn with a float32 per-tensor `weight_scale`: weight-only quantisation, the kernel is
-    widened inside the jitted matmul, so device memory holds one byte per weight. bf16 products are
-    left to XLA as they are: asking for float32 accumulation (`preferred_element_type`) made them slower
-    on a CPU without native bf16 (docs/design.md, "Measured reasons").
+    widened inside the jitted matmul, so device memory holds one byte per weight. Products accumulate in
+    float32 (`klein.models.products`).
     """
 
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
@@ -39,7 +40,7 @@ class Linear(nnx.Module):
 
     def _product(self, x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
         kernel = kernel.astype(self.dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        y = products.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if self.weight_scale is not None:
             # float8 values are exact in bf16 and fp32; scaling the output (in fp32, like an FP8 GEMM's
             # epilogue) keeps them so, where scaling the kernel would round every weight x scale to bf16.

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from klein.models import stacks
+from klein.models import products, stacks
 from klein.models.attention import MASKED, attention
 from klein.models.qwen3_config import Qwen3Config
 
@@ -41,16 +41,20 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * normed.astype(x.dtype)
 
 
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, dot_general=products.dot_general, rngs=rngs)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with per-head QK RMSNorm and rotate-half RoPE."""
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
         d, h = config.hidden_size, config.head_dim
         n, k = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nnx.Linear(d, n * h, use_bias=False, rngs=rngs)
-        self.k_proj = nnx.Linear(d, k * h, use_bias=False, rngs=rngs)
-        self.v_proj = nnx.Linear(d, k * h, use_bias=False, rngs=rngs)
-        self.o_proj = nnx.Linear(n * h, d, use_bias=False, rngs=rngs)
+        self.q_proj = _linear(d, n * h, rngs)
+        self.k_proj = _linear(d, k * h, rngs)
+        self.v_proj = _linear(d, k * h, rngs)
+        self.o_proj = _linear(n * h, d, rngs)
         self.q_norm = RMSNorm(h, config.rms_norm_eps)
         self.k_norm = RMSNorm(h, config.rms_norm_eps)
         self.head_dim = h
@@ -73,9 +77,9 @@ class MLP(nnx.Module):
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nnx.Linear(d, f, use_bias=False, rngs=rngs)
-        self.up_proj = nnx.Linear(d, f, use_bias=False, rngs=rngs)
-        self.down_proj = nnx.Linear(f, d, use_bias=False, rngs=rngs)
+        self.gate_proj = _linear(d, f, rngs)
+        self.up_proj = _linear(d, f, rngs)
+        self.down_proj = _linear(f, d, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -133,7 +137,7 @@ def hidden_states(
     """
     slots = _slots(encoder, layers)
     model = encoder.model
-    x = model.embed_tokens(input_ids)
+    x = stacks.rows(model.embed_tokens.embedding[...], input_ids)
     rope = _rope_tables(x.shape[1], encoder.config, x.dtype)
     ranks = _attention_ranks(attention_mask)
     graphdef, state = nnx.split(model.layers)

@@ -428,8 +428,7 @@ def _local_devices(mesh) -> list:
 def _estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
     """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
     located checkpoint it loads) on `mesh` (`klein.memory.plan.request_memory`)."""
-    # XLA:CPU computes bf16 products in float32, widening each layer's weights as it runs them.
-    widens = _local_devices(mesh)[0].platform == "cpu"
+    copies = plan.copies_on(_local_devices(mesh)[0].platform, itemsize)
     return tuple(
         plan.request_memory(
             models.config,
@@ -439,7 +438,7 @@ def _estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.R
             work,
             itemsize,
             tiled_decode=tiled,
-            widens=widens,
+            copies=copies,
         )
         for tiled in (False, True)
     )
