@@ -20,6 +20,7 @@ from klein.lora import merge
 from klein.memory import admission, plan, residency
 from klein.models import transformer as T
 from klein.models.stacks import as_float
+from klein.pipeline import device_weights
 from klein.pipeline.flux2_klein import load_pipeline
 from tests.support.compare import max_abs
 from tests.test_cli import run_klein
@@ -208,6 +209,37 @@ def test_a_lora_set_survives_the_transformer_being_read_again(klein_home, monkey
     assert moving._models["transformer"].reads == 3
     want = every("a red fox", **RUN).images
     assert max_abs(moving("a red fox", **RUN).images, want) <= 1e-6
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_lora_set_survives_the_transformer_waiting_in_host_memory(
+    demo_pipes, demo_loras, monkeypatch, policy
+):
+    """Where the device has a host memory of its own (GPU, TPU) the transformer waits there while the text
+    encoder runs, and comes back as it left, LoRAs merged: they must not be merged again. CPU's
+    `pinned_host` memory stands in for it here."""
+    back = []
+
+    def to_device(held, move=device_weights._to_device):
+        back.append(held)
+        return move(held)
+
+    monkeypatch.setattr(device_weights, "_host_memory", lambda state: "pinned_host")
+    monkeypatch.setattr(device_weights, "_to_device", to_device)
+    every, moving = demo_pipes["all"], demo_pipes[policy]
+    transformer = moving._models["transformer"]
+    for pipe in (every, moving):
+        pipe.set_loras([(demo_loras[0], 0.8)])
+    reads = transformer.reads
+    try:
+        for prompt in ("a prompt of its own", "another prompt of its own", "a red fox"):
+            moving(prompt, **RUN)  # each prompt new: the text encoder comes, the transformer waits
+        assert back and transformer.reads == reads  # back from host memory, never read again
+        want = every("a red fox", **RUN).images
+        assert max_abs(moving("a red fox", **RUN).images, want) <= 1e-6
+    finally:
+        for pipe in (every, moving):
+            pipe.set_loras([])
 
 
 def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_home, monkeypatch):
