@@ -123,7 +123,7 @@ def demo_loras(demo_pipes, tmp_path_factory):
     return [lf.write_peft(folder / f"{seed}.safetensors", lf.random_lora(shapes, 4, seed)) for seed in (0, 1)]
 
 
-def _placed(pipe) -> dict:
+def placed_weights(pipe) -> dict:
     """path -> (the transformer's weight as stored, its memory kind)."""
     return {
         path: (np.asarray(v.get_value()), v.get_value().sharding.memory_kind)
@@ -139,7 +139,7 @@ def test_loras_under_stream_merge_in_host_memory_to_the_images_of_all(
     their stored form (bf16 as bits); an empty set restores every weight bit for bit, where it was."""
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     every, stream = (load_pipeline("demo", dtype=dtype, residency=policy) for policy in ("all", "stream"))
-    original = _placed(stream)
+    original = placed_weights(stream)
     stacks = {p for p in original if p[0] in residency.STACKS["transformer"]}
     assert stacks and all(original[p][1] == ("pinned_host" if p in stacks else "device") for p in original)
     plain = stream("a red fox", **RUN).images
@@ -151,7 +151,7 @@ def test_loras_under_stream_merge_in_host_memory_to_the_images_of_all(
         got = stream("a red fox", **RUN).images
         assert max_abs(got, every("a red fox", **RUN).images) <= 1e-6
         assert max_abs(got, plain) > 1e-2  # sensitive: the LoRAs move the image far more than that
-        merged = _placed(stream)
+        merged = placed_weights(stream)
         assert {p: (v.dtype, kind) for p, (v, kind) in merged.items()} == {
             p: (v.dtype, kind) for p, (v, kind) in original.items()
         }
@@ -159,7 +159,7 @@ def test_loras_under_stream_merge_in_host_memory_to_the_images_of_all(
     stream.set_loras([(a, 0.0)])  # scale 0 merges nothing: the plain image, exactly
     assert max_abs(stream("a red fox", **RUN).images, plain) == 0
     stream.set_loras([])
-    restored = _placed(stream)
+    restored = placed_weights(stream)
     for path, (value, kind) in original.items():
         assert restored[path][1] == kind and restored[path][0].dtype == value.dtype
         np.testing.assert_array_equal(restored[path][0], value, err_msg=str(path))

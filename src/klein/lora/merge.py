@@ -149,9 +149,11 @@ def _scale_path(kernel_path: tuple) -> tuple:
 
 def _set(flat, path: tuple, kernel, scale) -> None:
     """Replace a kernel (and its FP8 scale) in place, on the devices and shards the old value had, and
-    in its stored form (stacks keep their bits, `klein.models.stacks`)."""
+    in its stored form: a stack (a kernel with a layer axis) as its bits, `klein.models.stacks`. The
+    form is the value's own, not the old one's: an FP8 stack widened to float32 is stored as floats, and
+    its original comes back as bits."""
     for key, value in ((path, kernel), (_scale_path(path), scale)):
         if value is not None:
             old = flat[key].get_value()
-            stored = as_bits(value) if as_float(old).dtype != old.dtype else value
+            stored = as_bits(value) if value.ndim == 3 else value
             flat[key].set_value(jax.device_put(stored, old.sharding))
