@@ -35,15 +35,14 @@ def from_shapes(cfg, rank: int) -> dict[str, float]:
     for key, (o, i) in diffusers.items():
         stack = key.split(".")[0] + "." + ".".join(key.split(".")[2:]) if "blocks." in key else key
         stacks[stack] = stacks.get(stack, 0) + o * i
+    layers = 2 * max(o * i for o, i in diffusers.values()) * 4  # the largest layer twice, in float32
     return {
         "LoRA file (bf16), MB": sum(rank * (o + i) for o, i in bfl.values()) * 2 / 1e6,
         "merge GFLOP (up @ down)": sum(2 * rank * o * i for o, i in diffusers.values()) / 1e9,
         "weights merged, G elements": weights / 1e9,
         "host copy of the base (bf16), GB": weights * 2 / GB,
-        "device peak extra (largest stack bf16 + 2 layers f32), GB": (
-            max(stacks.values()) * 2 + 2 * max(o * i for o, i in diffusers.values()) * 4
-        )
-        / GB,
+        "device peak extra (largest stack bf16 + 2 layers f32), GB": (max(stacks.values()) * 2 + layers) / GB,
+        "device peak extra under stream (2 layers f32), GB": layers / GB,
         "FP8 base widened to bf16, extra device GB": weights * (2 - 1) / GB,
     }
 

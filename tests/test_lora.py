@@ -1,7 +1,7 @@
 """LoRAs merged into the transformer: parity with diffusers' `load_lora_weights` + `set_adapters` (two LoRAs
 at different strengths) in every layout diffusers reads correctly, exact hand-merged checks where it does not
 (the final adaLN's swapped halves, `diffusion_model.` names with `lora_down` tensors), switching sets on a
-live pipeline, cached references following the switch, FP8 bases."""
+live pipeline, cached references following the switch, FP8 bases (under residency `stream` too)."""
 
 import gguf
 import numpy as np
@@ -16,6 +16,7 @@ from tests.support import lora_files as lf
 from tests.support.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
 from tests.support.compare import max_abs
 from tests.test_pipeline import MAX_ABS, compare, picture
+from tests.test_residency import placed_weights
 
 STRENGTHS = (0.7, 0.4)
 LATENTS = np.random.default_rng(0).standard_normal((1, 128, 3, 4)).astype(np.float32)
@@ -183,13 +184,18 @@ def test_cached_references_follow_a_switch(pipes, loras):
     assert ours.counters["prefill"] == prefills  # back under the weights it was made with: reused
 
 
-def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
-    """An FP8 kernel a LoRA touches becomes the compute dtype, equal to dequantising at load and merging;
-    the others stay FP8; an empty set restores the FP8 weights exactly."""
+def _fp8_parts(pipes, tmp_path) -> dict:
+    """`load_pipeline`'s parts for the distilled tiny pipeline with its transformer as an FP8 file."""
     _, reference, folder = pipes("distilled")
     tensors, metadata = quantize_fp8(to_bfl(reference.transformer.state_dict()))
     file = write_safetensors(tmp_path / "flux-2-klein-tiny-fp8.safetensors", tensors, metadata)
-    parts = dict(transformer=file, text_encoder=folder, vae=folder / "vae")
+    return dict(transformer=file, text_encoder=folder, vae=folder / "vae")
+
+
+def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
+    """An FP8 kernel a LoRA touches becomes the compute dtype, equal to dequantising at load and merging;
+    the others stay FP8; an empty set restores the FP8 weights exactly."""
+    parts = _fp8_parts(pipes, tmp_path)
     fp8 = load_pipeline(**parts)
     original = {p: _stored(v) for p, v in nnx.to_flat_state(fp8._weights.state)}
     qkv = "double_blocks.0.img_attn.qkv"
@@ -214,6 +220,34 @@ def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
     for path, value in nnx.to_flat_state(fp8._weights.state):
         assert _stored(value).dtype == original[path].dtype
         np.testing.assert_array_equal(_stored(value), original[path])
+
+
+def test_fp8_base_under_stream_is_widened_in_host_memory_as_under_all(pipes, loras, tmp_path):
+    """Under residency `stream` the FP8 stacks a LoRA widens are formed and kept in host memory, equal to
+    those `all` merges, image and all; an empty set puts the FP8 stacks back where they were under both,
+    bit for bit and as bits (the widened stacks are float32 here: their originals are not)."""
+    parts = _fp8_parts(pipes, tmp_path)
+    by_policy = {policy: load_pipeline(**parts, residency=policy) for policy in ("all", "stream")}
+    every, stream = by_policy.values()
+    before = {policy: placed_weights(pipe) for policy, pipe in by_policy.items()}
+    original = before["stream"]
+    assert "pinned_host" in {kind for _, kind in original.values()}
+    plain = stream("a red fox", latents=LATENTS, output_type="np", **T2I).images
+    for pipe in (every, stream):
+        pipe.set_loras([(loras["bfl"][0], 0.7)])
+    merged, want = placed_weights(stream), placed_weights(every)
+    assert any(merged[p][0].dtype != original[p][0].dtype for p in original)  # widened
+    for path, (value, kind) in merged.items():
+        assert kind == original[path][1]
+        np.testing.assert_array_equal(value, want[path][0], err_msg=str(path))
+    image = stream("a red fox", latents=LATENTS, output_type="np", **T2I).images
+    assert max_abs(image, every("a red fox", latents=LATENTS, output_type="np", **T2I).images) <= 1e-6
+    assert max_abs(image, plain) > 10 * MAX_ABS
+    for policy, pipe in by_policy.items():
+        pipe.set_loras([])
+        for path, (value, kind) in placed_weights(pipe).items():
+            assert kind == before[policy][path][1] and value.dtype == original[path][0].dtype
+            np.testing.assert_array_equal(value, original[path][0], err_msg=str(path))
 
 
 def test_gguf_base_merges_after_dequantisation(pipes, tmp_path):

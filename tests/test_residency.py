@@ -1,6 +1,7 @@
-"""Residency: every policy gives the images of `all`; `sequential` moves models only when the other one is
-needed; `auto` chooses before any weight is read and a load that fits under no policy is refused; weights
-load in the checkpoint's dtype, and running the transformer adds no copy of its weights."""
+"""Residency: every policy gives the images of `all`, LoRAs merged or not (under `stream` into the stacks in
+host memory, one layer at a time); `sequential` moves models only when the other one is needed; `auto`
+chooses before any weight is read and a load that fits under no policy is refused; weights load in the
+checkpoint's dtype, and running the transformer adds no copy of its weights."""
 
 import json
 
@@ -15,9 +16,11 @@ from klein import InputError, sharding
 from klein.errors import CannotFitError
 from klein.io import demo
 from klein.io.transformer_checkpoint import load_transformer
+from klein.lora import merge
 from klein.memory import admission, plan, residency
 from klein.models import transformer as T
 from klein.models.stacks import as_float
+from klein.pipeline import device_weights
 from klein.pipeline.flux2_klein import load_pipeline
 from tests.support.compare import max_abs
 from tests.test_cli import run_klein
@@ -110,23 +113,133 @@ def test_sequential_moves_a_model_only_when_the_other_is_needed(klein_home, monk
     assert state() == {"text_encoder": (False, 2), "transformer": (True, 2), "vae": (True, 1)}
 
 
-def test_a_lora_set_survives_the_transformer_being_read_again(klein_home, monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def demo_loras(demo_pipes, tmp_path_factory):
+    """Two LoRA files adapting every Linear of the demo transformer (diffusers names)."""
+    from tests.support import lora_files as lf
+
+    shapes = lf.linear_shapes(demo_pipes["all"].config, "peft")
+    folder = tmp_path_factory.mktemp("loras")
+    return [lf.write_peft(folder / f"{seed}.safetensors", lf.random_lora(shapes, 4, seed)) for seed in (0, 1)]
+
+
+def placed_weights(pipe) -> dict:
+    """path -> (the transformer's weight as stored, its memory kind)."""
+    return {
+        path: (np.asarray(v.get_value()), v.get_value().sharding.memory_kind)
+        for path, v in nnx.to_flat_state(pipe._weights.state)
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loras_under_stream_merge_in_host_memory_to_the_images_of_all(
+    klein_home, monkeypatch, demo_loras, dtype
+):
+    """A set, then another in its place: the images of `all`; the merged stacks stay in host memory in
+    their stored form (bf16 as bits); an empty set restores every weight bit for bit, where it was."""
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    every, stream = (load_pipeline("demo", dtype=dtype, residency=policy) for policy in ("all", "stream"))
+    original = placed_weights(stream)
+    stacks = {p for p in original if p[0] in residency.STACKS["transformer"]}
+    assert stacks and all(original[p][1] == ("pinned_host" if p in stacks else "device") for p in original)
+    plain = stream("a red fox", **RUN).images
+    a, b = demo_loras
+    for spec in ([(a, 1.0)], [(a, 0.7), (b, 0.4)]):
+        for pipe in (every, stream):
+            pipe.set_loras(spec)
+        assert stream.weights_id == every.weights_id
+        got = stream("a red fox", **RUN).images
+        assert max_abs(got, every("a red fox", **RUN).images) <= 1e-6
+        assert max_abs(got, plain) > 1e-2  # sensitive: the LoRAs move the image far more than that
+        merged = placed_weights(stream)
+        assert {p: (v.dtype, kind) for p, (v, kind) in merged.items()} == {
+            p: (v.dtype, kind) for p, (v, kind) in original.items()
+        }
+        assert all(not np.array_equal(merged[p][0], original[p][0]) for p in stacks if p[-1] == "kernel")
+    stream.set_loras([(a, 0.0)])  # scale 0 merges nothing: the plain image, exactly
+    assert max_abs(stream("a red fox", **RUN).images, plain) == 0
+    stream.set_loras([])
+    restored = placed_weights(stream)
+    for path, (value, kind) in original.items():
+        assert restored[path][1] == kind and restored[path][0].dtype == value.dtype
+        np.testing.assert_array_equal(restored[path][0], value, err_msg=str(path))
+    assert stream._weights.base_bytes == 0
+
+
+def test_a_merge_under_stream_never_runs_a_program_on_a_whole_stack(demo_pipes, demo_loras, monkeypatch):
+    """Every program of the merge takes one layer at a time, never a stack nor anything in host memory: on
+    a GPU such a program would bring the stack to the device whole."""
+    pipe = demo_pipes["stream"]
+    whole = {v.get_value().shape for p, v in nnx.to_flat_state(pipe._weights.state) if p[-1] == "kernel"}
+    whole = {shape for shape in whole if len(shape) == 3}
+    seen = []
+
+    def spy(program):
+        def run(*args, **kwargs):
+            seen.extend((np.shape(a), getattr(a, "sharding", None)) for a in args)
+            return program(*args, **kwargs)
+
+        return run
+
+    programs = {name: f for name, f in vars(merge).items() if isinstance(f, jax.stages.Wrapped)}
+    for name, program in programs.items():
+        monkeypatch.setattr(merge, name, spy(program))
+    pipe.set_loras([(demo_loras[0], 1.0)])
+    pipe.set_loras([])
+    assert programs and whole and seen
+    assert all(shape not in whole for shape, _ in seen)
+    assert all(where is None or where.memory_kind == "device" for _, where in seen)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_lora_set_survives_the_transformer_being_read_again(klein_home, monkeypatch, tmp_path, policy):
     from tests.support import lora_files as lf
 
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     every = load_pipeline("demo", residency="all")
-    sequential = load_pipeline("demo", residency="sequential")
+    moving = load_pipeline("demo", residency=policy)
     target = "transformer_blocks.0.attn.to_q"
     lora = lf.random_lora({target: lf.linear_shapes(every.config, "peft")[target]}, 2, 0)
     spec = [(lf.write_peft(tmp_path / "lora.safetensors", lora), 0.8)]
-    for pipe in (every, sequential):
+    for pipe in (every, moving):
         pipe.set_loras(spec)
-    sequential("one prompt", **RUN)
-    sequential("another prompt", **RUN)
+    moving("one prompt", **RUN)
+    moving("another prompt", **RUN)
     # Read by set_loras, then dropped for each new prompt's text encoder and read again after it.
-    assert sequential._models["transformer"].reads == 3
+    assert moving._models["transformer"].reads == 3
     want = every("a red fox", **RUN).images
-    assert max_abs(sequential("a red fox", **RUN).images, want) <= 1e-6
+    assert max_abs(moving("a red fox", **RUN).images, want) <= 1e-6
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_lora_set_survives_the_transformer_waiting_in_host_memory(
+    demo_pipes, demo_loras, monkeypatch, policy
+):
+    """Where the device has a host memory of its own (GPU, TPU) the transformer waits there while the text
+    encoder runs, and comes back as it left, LoRAs merged: they must not be merged again. CPU's
+    `pinned_host` memory stands in for it here."""
+    back = []
+
+    def to_device(held, move=device_weights._to_device):
+        back.append(held)
+        return move(held)
+
+    monkeypatch.setattr(device_weights, "_host_memory", lambda state: "pinned_host")
+    monkeypatch.setattr(device_weights, "_to_device", to_device)
+    every, moving = demo_pipes["all"], demo_pipes[policy]
+    transformer = moving._models["transformer"]
+    for pipe in (every, moving):
+        pipe.set_loras([(demo_loras[0], 0.8)])
+    reads = transformer.reads
+    try:
+        for prompt in ("a prompt of its own", "another prompt of its own", "a red fox"):
+            moving(prompt, **RUN)  # each prompt new: the text encoder comes, the transformer waits
+        assert back and transformer.reads == reads  # back from host memory, never read again
+        want = every("a red fox", **RUN).images
+        assert max_abs(moving("a red fox", **RUN).images, want) <= 1e-6
+    finally:
+        for pipe in (every, moving):
+            pipe.set_loras([])
 
 
 def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_home, monkeypatch):

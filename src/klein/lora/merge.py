@@ -5,6 +5,8 @@ or float[I, O]; an update adds `strength * scale * (up @ down).T` (down float[r,
 layer. The sum is formed in float32 and cast to the kernel's compute dtype once, so several LoRAs cost one
 rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
 touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
+A merged kernel lives where the original did: a stack the residency policy `stream` keeps in host memory
+is merged there, one layer at a time through the device, and never comes to the device whole.
 
 `MergedWeights` keeps a host copy of the original value of every kernel a LoRA set has changed (only
 those), so that another set is merged from the originals and an empty set restores them exactly, without
@@ -32,22 +34,37 @@ def merge_kernel(
     kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype, sharding=None
 ) -> jax.Array:
     """kernel float[L?, I, O] (FP8 with weight_scale float32[L?], else weight_scale None) plus the updates,
-    in `dtype`, placed with `sharding`. A stack is merged layer by layer into one new array, so the device
-    holds at most one layer in float32 besides the stack."""
+    in `dtype`, placed with `sharding`; a stack in its stored form (`klein.models.stacks.as_bits`).
+
+    A stack is merged layer by layer: each layer the updates touch is formed on the device by one program
+    (`_merged`), wherever its stack lives, so the device holds at most one layer in float32 besides the
+    stack, and a stack in host memory (the residency policy `stream`) merges to the very values a stack on
+    the device does. A device stack is updated in place; a host-memory stack is assembled on the host from
+    those layers and placed once, so no more than one of its layers is ever on the device."""
     scales = np.ones(kernel.shape[:-2], np.float32) if weight_scale is None else weight_scale
     if kernel.ndim == 2:
         return jax.device_put(
             _merged(kernel, scales, *_low_rank(updates, kernel.shape), dtype=dtype), sharding
         )
-    touched = sorted({update.layer for update, _ in updates})
-    if weight_scale is None:
-        out = jax.device_put(kernel, sharding)
+    if weight_scale is None:  # the layers no update touches stay as they are
+        start, touched = kernel, sorted({update.layer for update, _ in updates})
     else:  # FP8: every layer of the stack is widened
-        out, touched = jax.device_put(np.zeros(kernel.shape, dtype), sharding), range(len(kernel))
+        start, touched = np.zeros(kernel.shape, dtype), range(len(kernel))
+    if sharding is not None and sharding.memory_kind == "pinned_host":
+        out = np.array(start)  # a copy: `start` may be the kept original
+        for layer in touched:
+            out[layer] = jax.device_get(_merged_layer(kernel, scales, updates, layer, dtype))
+        return jax.device_put(as_bits(out), sharding)
+    out = jax.device_put(as_bits(start), sharding)
     for layer in touched:
-        down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], kernel.shape[1:])
-        out = _merged_into(out, layer, kernel[layer], scales[layer], down, up)
+        out = _set_layer(out, layer, _merged_layer(kernel, scales, updates, layer, dtype))
     return out
+
+
+def _merged_layer(stack: np.ndarray, scales, updates: list[Weighted], layer: int, dtype) -> jax.Array:
+    """Layer `layer` of `stack` with the updates to it merged, in `dtype`, on the device."""
+    down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], stack.shape[1:])
+    return _merged(stack[layer], scales[layer], down, up, dtype=dtype)
 
 
 def _low_rank(updates: list[Weighted], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -65,15 +82,17 @@ def _merged(kernel, scale, down, up, dtype):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _merged_into(stack, layer, kernel, scale, down, up):
+def _set_layer(stack, layer, merged):
     # Donated: the stack is updated in place instead of copied once per layer.
-    return stack.at[layer].set(_merged(kernel, scale, down, up, stack.dtype))
+    return stack.at[layer].set(as_bits(merged))
 
 
 class MergedWeights:
     """The transformer's weights (an `nnx.State`, shared by everything that runs the transformer, from
     `weights()`) with one set of LoRA updates merged in. Values are replaced in place, one kernel at a time,
-    so the device holds at most one stack twice while merging."""
+    so the device holds at most one stack twice while merging. A stack in host memory (`stream`) is held
+    there up to three times while it is merged (the value it replaces, the merged one formed in NumPy, its
+    placed copy), and one layer of it on the device."""
 
     def __init__(self, weights, dtype):
         self._weights = weights
@@ -130,9 +149,11 @@ def _scale_path(kernel_path: tuple) -> tuple:
 
 def _set(flat, path: tuple, kernel, scale) -> None:
     """Replace a kernel (and its FP8 scale) in place, on the devices and shards the old value had, and
-    in its stored form (stacks keep their bits, `klein.models.stacks`)."""
+    in its stored form: a stack (a kernel with a layer axis) as its bits, `klein.models.stacks`. The
+    form is the value's own, not the old one's: an FP8 stack widened to float32 is stored as floats, and
+    its original comes back as bits."""
     for key, value in ((path, kernel), (_scale_path(path), scale)):
         if value is not None:
             old = flat[key].get_value()
-            stored = as_bits(value) if as_float(old).dtype != old.dtype else value
+            stored = as_bits(value) if value.ndim == 3 else value
             flat[key].set_value(jax.device_put(stored, old.sharding))

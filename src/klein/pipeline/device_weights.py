@@ -17,8 +17,9 @@ from flax import nnx
 class Weights:
     """One model's weights: on the device while held, else in host memory or nowhere (read again).
 
-    `read()` reads the model from its checkpoint onto the device; `loaded(state)` hears of every time
-    the weights come back (a LoRA set is merged again after a read)."""
+    `read()` reads the model from its checkpoint onto the device; `loaded(state)` hears of every read
+    `get` makes (a LoRA set is merged again into the weights read). Weights back from host memory are
+    those that left, LoRAs merged: nobody hears of them, or a LoRA set would be merged twice."""
 
     def __init__(self, name: str, read: Callable[[], nnx.Module], module: nnx.Module | None = None):
         self.name = name
@@ -41,7 +42,7 @@ class Weights:
             else:
                 self._graphdef, self._state = nnx.split(self._read())
                 self.reads += 1
-            self.loaded(self._state)
+                self.loaded(self._state)
         return self._graphdef, self._state
 
     def release(self) -> None:

@@ -174,9 +174,6 @@ class Flux2KleinPipeline:
         `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked
         before any weight changes. Cached references encoded under other weights are prefilled again when
         a request uses them (`weights_id`)."""
-        if loras and self.residency in residency_policy.STREAMS:
-            # A merge would bring the streamed layers back to the device whole.
-            raise InputError(f"LoRAs under residency {self.residency} are not supported yet; use sequential")
         if loras and jax.process_count() > 1:
             # The originals are kept on the host, and no process can read another's shards.
             raise InputError("LoRAs on a multi-process run are not supported yet; run on one host")
