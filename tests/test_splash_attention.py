@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from klein import sharding
 from klein.models import attention as A
 from klein.models import splash
 from klein.models.attention import MASKED, attention, isolated_span_attention
@@ -133,7 +134,7 @@ def test_on_a_mesh(splash_on_cpu):
 def test_platform_is_the_meshes():
     """A mesh of TPU devices makes a TPU program even on a CPU host (`klein plan --target`)."""
     seen = []
-    trace = jax.jit(lambda x: seen.append(A._platform()) or x)
+    trace = jax.jit(lambda x: seen.append(sharding.platform()) or x)
     trace(1.0)
     with use(jax.make_mesh((1,), ("data",))):
         trace(2.0)

@@ -195,6 +195,13 @@ def constrain(x: jax.Array, axes: tuple) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, partition_spec(axes, mesh, x.shape))
 
 
+def platform() -> str:
+    """The platform of the program being traced: the devices of the mesh in JAX's context (a TPU slice
+    compiled from this machine is a TPU program), else the default backend."""
+    device = jax.sharding.get_abstract_mesh().abstract_device  # None without a mesh of devices
+    return jax.default_backend() if device is None else device.platform
+
+
 def use(mesh: Mesh | None):
     """Context in which jitted code traces against `mesh` (JAX keys its compilation cache on it)."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()

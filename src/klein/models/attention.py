@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from klein import sharding
 from klein.sharding import mesh_axis
 
 QUERY_BLOCK = 256
@@ -49,7 +50,7 @@ _LOW = -1e30  # running max before any key: finite, so that exp(_LOW - _LOW) is 
 
 
 def attention(q, k, v, q_rank=None, k_rank=None, *, causal: bool = False) -> jnp.ndarray:
-    mesh, platform = jax.sharding.get_abstract_mesh(), _platform()
+    mesh, platform = jax.sharding.get_abstract_mesh(), sharding.platform()
     local = functools.partial(_local, causal=causal, platform=platform)
     if mesh.empty:
         return local(q, k, v, q_rank, k_rank)
@@ -65,7 +66,7 @@ def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.
     other token sees all (KV editing's reference tokens). `k_rank`: None, or 0 for keys and `MASKED`
     for padding. On cuDNN (one device) and on a TPU: two calls (the span over its own keys, the rest over
     all keys); elsewhere the span's ranks."""
-    if _splash(q, _platform()):
+    if _splash(q, sharding.platform()):
         return _two_calls(q, k, v, start, stop, k_rank)
     if k_rank is None and _cudnn(q) and jax.sharding.get_abstract_mesh().empty:
         inside = jax.nn.dot_product_attention(
@@ -102,13 +103,6 @@ def _padded_keys(q, k, v, k_rank):
     if k_rank is None:
         return attention(q, k, v)
     return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
-
-
-def _platform() -> str:
-    """The platform of the program being traced: the devices of the mesh in JAX's context (a TPU slice
-    compiled from this machine is a TPU program), else the default backend."""
-    device = jax.sharding.get_abstract_mesh().abstract_device  # None without a mesh of devices
-    return jax.default_backend() if device is None else device.platform
 
 
 SPLASH_PLATFORMS = ("tpu",)
