@@ -23,19 +23,17 @@ def _temporaries(fn, *args) -> int:
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("rows", [1, 2, 33, 2 * products.ROWS + 300])
+@pytest.mark.parametrize("rows", [1, 2, 33])
 def test_a_bf16_linear_is_the_float32_product_rounded_once(rows):
     layer = linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(rows), (1, rows, D_IN), jnp.bfloat16)
     got = layer(x)
     assert got.dtype == jnp.bfloat16 and got.shape == (1, rows, D_OUT)
-    xs, ks = np.asarray(x, np.float64), np.asarray(layer.kernel[...], np.float64)
-    exact = xs @ ks
-    rounded = np.asarray(exact.astype(jnp.bfloat16), np.float64)
-    got = np.asarray(got, np.float64)
-    # Float32 sums in another order may round to the neighbouring bf16 value, rarely; never further
-    # (where terms cancel, the float32 sum's own error is relative to the terms' magnitudes).
-    assert (np.abs(got - rounded) <= np.abs(rounded) * 2.0**-7 + 2.0**-20 * (np.abs(xs) @ np.abs(ks))).all()
+    exact = np.asarray(x, np.float32) @ np.asarray(layer.kernel[...], np.float32)
+    rounded = np.asarray(exact.astype(jnp.bfloat16), np.float32)
+    got = np.asarray(got, np.float32)
+    # Sums in another order may round to the neighbouring bf16 value, rarely; never further.
+    assert (np.abs(got - rounded) <= np.abs(rounded) * 2.0**-7 + 1e-30).all()
     assert (got == rounded).mean() > 0.98
 
 

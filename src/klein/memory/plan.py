@@ -10,7 +10,7 @@ is the reference KV plus its largest stage:
                     hidden states the embedding keeps
   denoise step      the prompt embeddings, and a single-stream block's attention:
     residual stream          b * s_q * D
-    fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
+    fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input; float32 on a CPU)
     gathered keys, values    4 * b * S_k * D / tensor          (all-gathered under context parallelism;
                                                                XLA also holds them cut into the
                                                                attention's key blocks)
@@ -139,12 +139,16 @@ def request_memory(
     keys = TEXT_TOKENS + image + refs
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
     layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
+    # A CPU's products come out in float32 before their rounding (`klein.models.products`).
+    product = 4 if copies else itemsize
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
         # The prefill runs the double blocks' image stream alone: half their weights are copied.
-        prefill=layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize) if work.cached and refs else 0,
+        prefill=layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize, product)
+        if work.cached and refs
+        else 0,
         text=text_layer + _text_activations(text_config, work.prompts, itemsize),
-        step=layer + embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize),
+        step=layer + embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize, product),
         decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
         tiled_decode=tiled_decode,
     )
@@ -359,15 +363,18 @@ def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> i
     return 2 * _shard_bytes(shape, sharding.REFERENCE_KV, mesh, itemsize)
 
 
-def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int) -> int:
-    """The module docstring's estimate of the live tensors around a single-stream block's attention."""
+def _activations(
+    cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int, product: int
+) -> int:
+    """The module docstring's estimate of the live tensors around a single-stream block's attention;
+    `product`: bytes of each value of the fused projection as its product leaves it."""
 
     b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
     tensor, d, mlp = sharding.ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
     fused = 3 * d + 2 * mlp
     live = [
         b * s_q * d * itemsize,  # residual stream
-        b * s_q * fused // tensor * itemsize,  # fused projection
+        b * s_q * fused // tensor * product,  # fused projection
         b
         * s_q
         * (d + mlp)
