@@ -10,7 +10,7 @@ is the reference KV plus its largest stage:
                     hidden states the embedding keeps
   denoise step      the prompt embeddings, and a single-stream block's attention:
     residual stream          b * s_q * D
-    fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input; float32 on a CPU)
+    fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
     gathered keys, values    4 * b * S_k * D / tensor          (all-gathered under context parallelism;
                                                                XLA also holds them cut into the
                                                                attention's key blocks)
@@ -139,16 +139,20 @@ def request_memory(
     keys = TEXT_TOKENS + image + refs
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
     layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
-    # A CPU's products come out in float32 before their rounding (`klein.models.products`).
-    product = 4 if copies else itemsize
+    rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
+    prefill = 0
+    if work.cached and refs:
+        # The prefill runs the double blocks' image stream alone: half their weights are copied.
+        prefill = layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize)
+        prefill += _rounding(cfg, mesh, 1, refs, itemsize, rounded)
+    step = _activations(cfg, mesh, batch, queries, keys, itemsize) + _rounding(
+        cfg, mesh, batch, queries, itemsize, rounded
+    )
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
-        # The prefill runs the double blocks' image stream alone: half their weights are copied.
-        prefill=layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize, product)
-        if work.cached and refs
-        else 0,
+        prefill=prefill,
         text=text_layer + _text_activations(text_config, work.prompts, itemsize),
-        step=layer + embeddings + _activations(cfg, mesh, batch, queries, keys, itemsize, product),
+        step=layer + embeddings + step,
         decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
         tiled_decode=tiled_decode,
     )
@@ -363,18 +367,15 @@ def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> i
     return 2 * _shard_bytes(shape, sharding.REFERENCE_KV, mesh, itemsize)
 
 
-def _activations(
-    cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int, product: int
-) -> int:
-    """The module docstring's estimate of the live tensors around a single-stream block's attention;
-    `product`: bytes of each value of the fused projection as its product leaves it."""
+def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int) -> int:
+    """The module docstring's estimate of the live tensors around a single-stream block's attention."""
 
     b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
     tensor, d, mlp = sharding.ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
     fused = 3 * d + 2 * mlp
     live = [
         b * s_q * d * itemsize,  # residual stream
-        b * s_q * fused // tensor * product,  # fused projection
+        b * s_q * fused // tensor * itemsize,  # fused projection
         b
         * s_q
         * (d + mlp)
@@ -386,6 +387,19 @@ def _activations(
     if sharding.ways(mesh, "embed") > 1:
         live.append((d * fused + (d + mlp) * d) // tensor * itemsize)  # one gathered single block
     return sum(live)
+
+
+def _rounding(cfg: TransformerConfig, mesh, batch: int, queries: int, itemsize: int, rounded: bool) -> int:
+    """Where a CPU multiplies bf16 in place (`klein.models.products`), the fused projection's product
+    lives in float32 before its rounding: its bytes beyond the rounded copy, less what XLA fits into the
+    single block's own weight copies, dead by then (fitted to `memory_analysis()` from 4,600 to 21,000
+    tokens: nothing below ~5,000 tokens, about 1 GiB at 16,000-21,000)."""
+    if not rounded:
+        return 0
+    b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
+    d, mlp, tensor = cfg.hidden, cfg.mlp_hidden, sharding.ways(mesh, "heads")
+    single = (d * (3 * d + 2 * mlp) + (d + mlp) * d) // tensor * itemsize
+    return max(0, b * s_q * (3 * d + 2 * mlp) // tensor * (4 - itemsize) - single)
 
 
 # XLA:CPU cuts each layer it runs out of its stack into buffers of its own (a bf16 stack is stored as its
