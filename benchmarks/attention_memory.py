@@ -39,7 +39,7 @@ def temporaries(cfg, mesh) -> int:
 
 
 def estimate(cfg, spec: str) -> int:
-    return plan._activations(cfg, sharding.abstract_mesh(spec), 1, TOKENS, TOKENS, 4, 4)
+    return plan._activations(cfg, sharding.abstract_mesh(spec), 1, TOKENS, TOKENS, 4)
 
 
 def main() -> None:

@@ -137,6 +137,7 @@ def hidden_states(
     """
     slots = _slots(encoder, layers)
     model = encoder.model
+    # Rows in the table's own dtype: nnx.Embed's call gives float32 rows, running every layer in float32.
     x = stacks.rows(model.embed_tokens.embedding[...], input_ids)
     rope = _rope_tables(x.shape[1], encoder.config, x.dtype)
     ranks = _attention_ranks(attention_mask)
