@@ -141,18 +141,20 @@ def test_bad_lines_are_reported_by_number_and_the_rest_runs(pipe, requests, tmp_
         '{"image": "refs/0.png"}',
     ]
     bad.append('{"prompt": "x", "image": "refs/missing.png"}')
+    bad.append('{"prompt": "x", "image": "refs/0.png", "mask": "no-mask.png"}')
     path = requests.with_name("mixed.jsonl")
     path.write_text("\n".join([good[0], *bad, "", good[1]]) + "\n")
     out = tmp_path / "out"
     summary = job.run(path, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False)
-    assert (summary.done, summary.failed) == (2, 5)
+    assert (summary.done, summary.failed) == (2, 6)
     entries = {e["line"]: e for e in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
-    assert sorted(entries) == [1, 2, 3, 4, 5, 6, 8]
+    assert sorted(entries) == [1, 2, 3, 4, 5, 6, 7, 9]
     assert "not JSON" in entries[2]["error"] and "num_inference_steps" in entries[3]["error"]
     assert "unknown key 'colour'" in entries[4]["error"] and "no prompt" in entries[5]["error"]
-    assert "refs/missing.png" in entries[6]["error"] and entries[8]["status"] == "done"
+    assert "image 'refs/missing.png' not found" in entries[6]["error"]
+    assert "mask 'no-mask.png' not found" in entries[7]["error"] and entries[9]["status"] == "done"
     read = lines.read_lines(path)
-    assert [line.number for line in read] == [1, 2, 3, 4, 5, 6, 8]
+    assert [line.number for line in read] == [1, 2, 3, 4, 5, 6, 7, 9]
 
 
 def test_fail_fast_bad_arguments_and_a_used_folder_exit_2(klein_home, requests, tmp_path):

@@ -89,9 +89,9 @@ def parse_line(number: int, raw: str, folder: Path) -> Line | BadLine:
     try:
         fields = _fields(values)
         named = tuple(fields.pop("image", ()))
-        images = tuple(_local_file(item, folder) for item in named)
+        images = tuple(_local_file(item, folder, "image") for item in named)
         if isinstance(fields.get("mask_image"), str):
-            fields["mask_image"] = _local_file(fields["mask_image"], folder)
+            fields["mask_image"] = _local_file(fields["mask_image"], folder, "mask")
         request = GenerationRequest.create(**fields, image=images)
     except InputError as error:
         return BadLine(number, str(error))
@@ -115,14 +115,15 @@ def _fields(values: dict) -> dict:
     return fields
 
 
-def _local_file(item: str, folder: Path) -> Path:
-    """A reference's absolute path: a path or file:// URL, relative to the requests file's folder."""
+def _local_file(item: str, folder: Path, what: str) -> Path:
+    """The absolute path of a line's `what` ("image", "mask"): a path or file:// URL, relative to the
+    requests file's folder."""
     parsed = urllib.parse.urlparse(item)
     if parsed.scheme == "file":
         item = urllib.parse.unquote(parsed.path)
     elif parsed.scheme and len(parsed.scheme) > 1:  # (a one-letter scheme is a Windows drive)
-        raise InputError(f"image {item!r:.100}: only local files (paths or file:// URLs) are read")
+        raise InputError(f"{what} {item!r:.100}: only local files (paths or file:// URLs) are read")
     path = folder / Path(item).expanduser()
     if not path.is_file():
-        raise InputError(f"image {item!r:.100} not found (looked for {path})")
+        raise InputError(f"{what} {item!r:.100} not found (looked for {path})")
     return path
