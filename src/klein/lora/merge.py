@@ -51,7 +51,7 @@ def merge_kernel(
     else:  # FP8: every layer of the stack is widened
         start, touched = np.zeros(kernel.shape, dtype), range(len(kernel))
     if sharding is not None and sharding.memory_kind == "pinned_host":
-        out = np.array(start)  # a copy: `start` may be the kept original
+        out = np.array(start) if start is kernel else start  # the kept original is not written to
         for layer in touched:
             out[layer] = jax.device_get(_merged_layer(kernel, scales, updates, layer, dtype))
         return jax.device_put(as_bits(out), sharding)

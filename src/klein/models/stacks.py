@@ -61,8 +61,8 @@ def layer(stack, index):
 
 
 def rows(table, ids):
-    """`table[ids]` in the table's own dtype, gathered from its stored form (a lookup compiled for TPU
-    converted a whole bf16 table to float32 first: 2.3 GiB for Qwen3-8B's 151,936 rows)."""
+    """`table[ids]` in the table's own dtype, gathered from its stored form (bits, as a layer is sliced): the
+    text encoder's token lookup, whose rows set the dtype every later layer computes in."""
     return as_float(jnp.take(as_bits(table), ids, axis=0))
 
 
