@@ -19,28 +19,40 @@ def block(n_floats: int):
 
 def test_least_recently_used_leave_first_and_the_budget_holds():
     cache = ByteBudgetCache(budget=1000)
-    for key in "abc":
+    a, b, c, d, e = range(5)  # keys that hold no text: the sizes are the arrays' alone
+    for key in (a, b, c):
         cache.put(key, block(75), seconds=1.0)  # 300 bytes each
     assert cache.bytes == 900 and len(cache) == 3
-    assert cache.lookup("a") is not None  # a is now the most recent; b the least
-    cache.put("d", block(75), seconds=1.0)
-    assert "b" not in cache and all(k in cache for k in "acd")
+    assert cache.lookup(a) is not None  # a is now the most recent; b the least
+    cache.put(d, block(75), seconds=1.0)
+    assert b not in cache and all(k in cache for k in (a, c, d))
     assert cache.bytes == 900 and cache.stats.evictions == 1
-    cache.put("e", block(200), seconds=1.0)  # 800 bytes: c, a and d leave
-    assert len(cache) == 1 and "e" in cache and cache.bytes == 800 and cache.stats.evictions == 4
-    assert cache.lookup("zz") is None
+    cache.put(e, block(200), seconds=1.0)  # 800 bytes: c, a and d leave
+    assert len(cache) == 1 and e in cache and cache.bytes == 800 and cache.stats.evictions == 4
+    assert cache.lookup(99) is None
     assert (cache.stats.hits, cache.stats.misses) == (1, 1)
 
 
 def test_an_entry_larger_than_the_budget_is_used_but_not_kept():
     cache = ByteBudgetCache(budget=1000)
-    cache.put("small", block(10), seconds=1.0)
+    cache.put(1, block(10), seconds=1.0)
     computed = []
-    value = cache.get("huge", lambda: computed.append(1) or block(300))  # 1200 bytes
+    value = cache.get(2, lambda: computed.append(1) or block(300))  # 1200 bytes
     assert value.shape == (300,) and computed == [1]
-    assert "huge" not in cache and "small" in cache
+    assert 2 not in cache and 1 in cache
     assert cache.stats.too_large == 1 and cache.stats.evictions == 0 and cache.bytes == 40
-    assert cache.remove("small") and cache.bytes == 0 and not cache.remove("small")
+    assert cache.remove(1) and cache.bytes == 0 and not cache.remove(1)
+
+
+def test_a_keys_text_counts_against_the_budget():
+    """A 2 MiB prompt is 2 MiB held, whatever its embeddings weigh."""
+    cache = ByteBudgetCache(budget=1000)
+    cache.put(("weights", "a prompt"), block(10), seconds=1.0)
+    assert cache.bytes == 40 + len("weights") + len("a prompt")
+    cache.put(("weights", "x" * 2000), block(10), seconds=1.0)  # over the budget by its key alone
+    assert cache.stats.too_large == 1 and len(cache) == 1
+    cache.put(("weights", "é" * 300, b"\0" * 100), block(10), seconds=1.0)  # UTF-8 bytes, and bytes
+    assert cache.bytes == 2 * 40 + 2 * len("weights") + len("a prompt") + 600 + 100
 
 
 def test_device_bytes_count_every_array_of_a_reference_set(klein_home, monkeypatch):

@@ -73,11 +73,12 @@ def serve_parser() -> argparse.ArgumentParser:
         field = name.replace("-", "_")
         sized = field.endswith("bytes")
         default = getattr(defaults, field)
+        seconds = isinstance(default, float)
         add(
             f"--{name}",
-            type=parse_size if sized else int,
+            type=parse_size if sized else float if seconds else int,
             default=default,
-            metavar="SIZE" if sized else "N",
+            metavar="SIZE" if sized else "SECONDS" if seconds else "N",
             help=f"{help_} (default: {default})",
         )
     return parser
@@ -93,6 +94,12 @@ _LIMITS = {
     "max-steps": "most denoising steps a request may ask for",
     "max-batch": "queued requests of one size, steps and reference set run as one batch of up to N images "
     "(equal to each alone up to float rounding, not bit for bit); 1: off",
+    "max-result-bytes": "finished /v1/jobs results kept, in bytes of their images; the oldest leave first",
+    "result-ttl": "seconds a finished /v1/jobs result is kept; then GET /v1/jobs/ID says it expired",
+    "job-timeout": "seconds a job may run; past it, it stops at its next denoising step (504)",
+    "max-event-streams": "open /v1/jobs/ID/events streams; more get 429 with Retry-After",
+    "limit-concurrency": "connections uvicorn serves at once; more get 503",
+    "keep-alive-timeout": "seconds an idle HTTP connection stays open",
 }
 
 

@@ -3,8 +3,10 @@
 `klein serve` keeps two: the reference cache (per-image latents float[H/16, W/16, C] keyed by the hash
 of the prepared image, and encoded reference sets, `klein.request.references.References` with the prefill's
 keys/values, keyed by the ordered image hashes and the pipeline's `weights_id`) and the prompt cache
-(embeddings float[1, T, D] keyed by `weights_id` and the prompt). Sizes are device bytes: every
-addressable shard of every array, so a replicated array counts once per device that holds it.
+(embeddings float[1, T, D] keyed by `weights_id` and the prompt); the pipeline keeps its RoPE tables in
+a third (keyed by the position ids' bytes). An entry's size is its device bytes (every addressable shard
+of every array, so a replicated array counts once per device that holds it) plus its key's text and byte
+strings (a prompt, position ids), which are host memory but can be as large as the value.
 
 An entry larger than the whole budget is computed, used and not kept. The worker thread computes and
 stores; the event loop may look up or remove (GET / DELETE /v1/references), so the bookkeeping holds a
@@ -39,11 +41,22 @@ def device_bytes(value: Any) -> int:
     return total
 
 
+def key_bytes(key: Hashable) -> int:
+    """Bytes of the text and byte strings in a key (a tuple's, counted through)."""
+    if isinstance(key, str):
+        return len(key.encode())
+    if isinstance(key, bytes):
+        return len(key)
+    if isinstance(key, tuple):
+        return sum(key_bytes(part) for part in key)
+    return 0
+
+
 @dataclasses.dataclass
 class Entry:
     value: Any
     size: int
-    """Device bytes."""
+    """Device bytes, and the key's (`key_bytes`)."""
     seconds: float
     """What computing the value took (compilation aside, where the caller books it apart): what a hit saves."""
 
@@ -90,7 +103,7 @@ class ByteBudgetCache:
 
     def put(self, key: Hashable, value: Any, seconds: float) -> Entry:
         """Keep `value` (unless it alone exceeds the budget), evicting the least recently used first."""
-        entry = Entry(value, device_bytes(value), seconds)
+        entry = Entry(value, device_bytes(value) + key_bytes(key), seconds)
         with self._lock:
             self.remove(key)
             if entry.size > self.budget:

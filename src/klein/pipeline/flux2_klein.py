@@ -101,6 +101,9 @@ class GenerationOutput:
 PROMPT_CACHE_BYTES = 256 * 2**20
 """Default prompt-cache budget under a residency policy that moves the text encoder (about 20 klein-9b
 prompts)."""
+ROPE_CACHE_BYTES = 64 * 2**20
+"""RoPE tables kept by position ids (sizes repeat across requests): a 1024^2 image's tables and a
+prompt's, several times over; four 1024^2 references' alone may not fit, and are rebuilt (milliseconds)."""
 
 
 class Flux2KleinPipeline:
@@ -142,8 +145,12 @@ class Flux2KleinPipeline:
         `encode_prompt` reuses each prompt's embeddings under (`weights_id`, prompt). Under a policy that
         moves the text encoder off the device, a byte-bounded one by default: a new prompt alone brings it
         back."""
+        self.rope_cache = ByteBudgetCache(ROPE_CACHE_BYTES)
+        """RoPE tables by position ids, the only device arrays the pipeline keeps beyond the weights."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
+        self._budget: tuple[int, tuple, str] | None = None
+        """With `own_memory`: (bytes for requests and caches, the caches counted against them, whence)."""
 
     def _hold(self, name: str):
         """`() -> (graphdef, state)` of model `name`, on the device, after moving off the models the
@@ -305,16 +312,37 @@ class Flux2KleinPipeline:
             warnings.warn(note, stacklevel=4)
         return run
 
+    def own_memory(self, caches=()) -> None:
+        """Judge every later request against the memory free now (beyond the weights), less what the
+        pipeline's caches and `caches` (`ByteBudgetCache`s) come to hold, rather than a reading taken
+        when the request arrives: a server calls this before its first job, since a reading taken
+        beside a running job counts that job's activations against the next request. A `memory_limit`
+        still wins."""
+        counted = (self.prompt_cache, self.rope_cache, *caches)
+        counted = tuple({id(c): c for c in counted if c is not None}.values())
+        free, where = self._free()
+        held = sum(cache.bytes for cache in counted)
+        self._budget = (free + held, counted, f"{where} when the server started, less its caches")
+
+    def _free(self) -> tuple[int, str]:
+        """(bytes a request may use beside the weights the residency policy holds, where from), now."""
+        free, where = admission.available_bytes(_local_devices(self.mesh))
+        # Free memory counts the weights held now; the policy may hold more (or less) while this runs.
+        held = sum(self.weight_bytes[name] for name, model in self._models.items() if model.resident)
+        return free + held - residency_policy.resident_weights(self.residency, self.weight_bytes), where
+
+    def _limit(self) -> tuple[int, str]:
+        if self.memory_limit is not None:
+            return self.memory_limit, "allowed (memory_limit)"
+        if self._budget is not None:
+            budget, caches, where = self._budget
+            return budget - sum(cache.bytes for cache in caches), where
+        return self._free()
+
     def _admit(self, run: Resolved) -> bool:
         """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit."""
         work = plan.Workload.of(run)
-        if self.memory_limit is None:
-            free, where = admission.available_bytes(_local_devices(self.mesh))
-            # Free memory counts the weights held now; the policy may hold more (or less) while this runs.
-            held = sum(self.weight_bytes[name] for name, model in self._models.items() if model.resident)
-            limit = free + held - residency_policy.resident_weights(self.residency, self.weight_bytes)
-        else:
-            limit, where = self.memory_limit, "allowed (memory_limit)"
+        limit, where = self._limit()
         plain, tiled = _estimates(self, self.mesh, work, self.dtype.itemsize)
         if plain.peak <= limit:
             return False
@@ -347,7 +375,8 @@ class Flux2KleinPipeline:
 
     def _rope(self, ids: np.ndarray):
         ids = np.ascontiguousarray(ids, np.int64)
-        return _rope_cached(ids.tobytes(), self.config.axes_dims_rope, self.config.rope_theta)
+        axes, theta = self.config.axes_dims_rope, self.config.rope_theta
+        return self.rope_cache.get((ids.tobytes(), ids.shape[1]), lambda: _rope_tables(ids, axes, theta))
 
     def _prompt_batch(self, prompts, per_prompt, run: Resolved):
         embeds = jnp.repeat(self.encode_prompt(prompts), per_prompt, axis=0)
@@ -460,11 +489,8 @@ def _fresh_seed() -> int:
     return int(multihost_utils.broadcast_one_to_all(seed) if jax.process_count() > 1 else seed)
 
 
-@functools.lru_cache(maxsize=64)
-def _rope_cached(ids: bytes, axes, theta):
-    """Rope tables by position ids (their bytes): sizes repeat across calls, tables need not be rebuilt."""
-    table = np.frombuffer(ids, np.int64).reshape(-1, len(axes))
-    return tuple(jnp.asarray(t) for t in rope_tables(table, axes, theta))
+def _rope_tables(ids: np.ndarray, axes, theta) -> tuple:
+    return tuple(jnp.asarray(t) for t in rope_tables(ids, axes, theta))
 
 
 def _as_pil(image) -> PIL.Image.Image:

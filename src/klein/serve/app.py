@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import time
 
 from fastapi import FastAPI, Request
@@ -24,10 +23,10 @@ from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.metrics import CONTENT_TYPE
 from klein.serve.service import Service
+from klein.serve.streams import EventStreams
 from klein.serve.worker import Job
 
 DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still there
-EVENT_POLL = 0.05  # seconds between looks at a job's events for its event stream
 PUBLIC = ("/healthz", "/")
 PUBLIC_PREFIX = "/static/"  # the web page's and the docs' files: no data, so no key needed
 _MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
@@ -150,26 +149,34 @@ def _jobs(app: FastAPI, service: Service) -> None:
     async def create_job(body: schema.ImageBody):
         notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, service.options), reference_id=body.references, notes=notes)
-        job = await service.submit_generation(work)
+        job = await service.submit_generation(work, keep=True)
         return {"id": job.id, "status": job.status}
 
     @app.get("/v1/jobs/{job_id}")
     async def get_job(job_id: str):
-        return _job(service, job_id).view()
+        return service.worker.jobs.get(job_id).view()
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def delete_job(job_id: str):
+        """Cancel a queued job, stop a running one at its next step (202: GET it until "cancelled"), or
+        drop a finished one's result."""
+        job = service.worker.jobs.get(job_id)
+        if job.finished:
+            service.worker.jobs.remove(job_id, "was deleted (DELETE /v1/jobs/ID)")
+            return {"id": job_id, "status": job.status, "deleted": True}
+        service.worker.cancel(job)
+        if job.finished:
+            return {"id": job_id, "status": job.status}
+        return JSONResponse({"id": job_id, "status": "cancelling"}, 202)
+
+    streams = EventStreams(service.options.max_event_streams)
+    service.metrics.watch_streams(lambda: streams.open)
 
     @app.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str):
-        """Server-sent events: queued, one step per denoising step, then done or error."""
-        return StreamingResponse(_events(_job(service, job_id)), media_type="text/event-stream")
-
-
-def _job(service: Service, job_id: str) -> Job:
-    job = service.worker.jobs.get(job_id)
-    if job is None:
-        raise ApiError(
-            404, f"unknown job id {job_id!r:.80} (finished jobs are kept for a while)", "unknown_job", "id"
-        )
-    return job
+        """Server-sent events: queued, one step per denoising step, then done, error or cancelled."""
+        job = service.worker.jobs.get(job_id)
+        return StreamingResponse(streams.stream(job), media_type="text/event-stream")
 
 
 def _unknown_reference(reference_id: str) -> ApiError:
@@ -190,18 +197,6 @@ async def _wait(worker, job: Job, request: Request) -> dict:
             return future.result()
         if job.status == "queued" and await request.is_disconnected():
             worker.abandon(job)
-
-
-async def _events(job: Job):
-    sent = 0
-    while True:
-        events = job.events[sent:]
-        for name, data in events:
-            yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
-        sent += len(events)
-        if job.finished and sent == len(job.events):
-            return
-        await asyncio.sleep(EVENT_POLL)
 
 
 class _Guard:

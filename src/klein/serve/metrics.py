@@ -6,8 +6,10 @@ klein_request_seconds{status} (a histogram: HTTP request latency, until the resp
 klein_jobs_total{status} (done, error, dropped: client gone before it started, shutdown),
 klein_batches_total and klein_batched_jobs_total (--max-batch),
 klein_reference_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evictions_total,too_large_total},
-the same for klein_prompt_cache_, and klein_stage_seconds{stage} (a histogram) for queue_wait and each
-pipeline stage. The queue depth and the caches' figures are read when scraped (`watch`), not copied.
+the same for klein_prompt_cache_ and klein_rope_cache_ (the pipeline's RoPE tables),
+klein_result_store_{bytes,budget_bytes,entries,expired_total} (kept /v1/jobs results), klein_event_streams
+(open event streams), and klein_stage_seconds{stage} (a histogram) for queue_wait and each pipeline stage.
+The queue depth and the stores' figures are read when scraped (`watch`), not copied.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ class Metrics:
         self._live = _Live()
         self.registry.register(self._live)
 
-    def watch(self, queue_depth: Callable[[], int], caches: dict) -> None:
-        """Read these when scraped: the queue's depth, and each `ByteBudgetCache` under its metric prefix
-        ("reference_cache")."""
-        self._live.queue_depth, self._live.caches = queue_depth, caches
+    def watch(self, queue_depth: Callable[[], int], caches: dict, results=None) -> None:
+        """Read these when scraped: the queue's depth, each `ByteBudgetCache` under its metric prefix
+        ("reference_cache"), and the kept results (`klein.serve.jobs.JobTable`)."""
+        self._live.queue_depth, self._live.caches, self._live.results = queue_depth, caches, results
+
+    def watch_streams(self, open_streams: Callable[[], int]) -> None:
+        self._live.streams = open_streams
 
     def count_request(self, status: str, seconds: float) -> None:
         self._requests.labels(status).inc()
@@ -81,15 +86,20 @@ class _Live(Collector):
 
     def __init__(self):
         self.queue_depth: Callable[[], int] = lambda: 0
+        self.streams: Callable[[], int] = lambda: 0
         self.caches: dict = {}
+        self.results = None
 
     def collect(self):
         yield GaugeMetricFamily("klein_queue_depth", "requests waiting for the worker", self.queue_depth())
+        yield GaugeMetricFamily("klein_event_streams", "open job event streams", self.streams())
+        if self.results is not None:
+            yield from self._results(self.results)
         for prefix, cache in self.caches.items():
             stats = cache.stats
             for name, help_, value in (
-                ("bytes", "device bytes held", cache.bytes),
-                ("budget_bytes", "device bytes allowed", cache.budget),
+                ("bytes", "bytes held: device arrays and their keys", cache.bytes),
+                ("budget_bytes", "bytes allowed", cache.budget),
                 ("entries", "entries held", len(cache)),
             ):
                 yield GaugeMetricFamily(f"klein_{prefix}_{name}", help_, value)
@@ -100,3 +110,13 @@ class _Live(Collector):
                 ("too_large", "entries larger than the budget, used and not kept", stats.too_large),
             ):
                 yield CounterMetricFamily(f"klein_{prefix}_{name}", help_, value)
+
+    @staticmethod
+    def _results(results):
+        held = len(results)  # drops the expired first
+        yield GaugeMetricFamily("klein_result_store_bytes", "bytes of kept /v1/jobs results", results.bytes)
+        yield GaugeMetricFamily("klein_result_store_budget_bytes", "bytes allowed", results.budget)
+        yield GaugeMetricFamily("klein_result_store_entries", "jobs kept, running or finished", held)
+        yield CounterMetricFamily(
+            "klein_result_store_expired", "results dropped: expired, or for room", results.expired
+        )

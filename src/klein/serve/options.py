@@ -39,10 +39,22 @@ class ServeOptions:
     max_images: int = 10
     """Largest n (images per request), OpenAI's limit."""
     api_key: str | None = None
+    max_result_bytes: int = 256 * 2**20
+    """Finished /v1/jobs results kept (their PNGs' base64 text); the oldest leave first."""
+    result_ttl: float = 3600.0
+    """Seconds a finished /v1/jobs result is kept."""
+    job_timeout: float = 1800.0
+    """Seconds a job may run; past it, it stops at its next denoising step (504)."""
+    max_event_streams: int = 64
+    """Open GET /v1/jobs/{id}/events streams; one more gets 429 with Retry-After."""
+    limit_concurrency: int = 256
+    """Connections and tasks uvicorn serves at once; more get 503."""
+    keep_alive_timeout: float = 5.0
+    """Seconds uvicorn keeps an idle connection open."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name != "api_key" and (not isinstance(value, int) or value < 1):
+            if field.name != "api_key" and (not isinstance(value, int | float) or value <= 0):
                 flag = "--" + field.name.replace("_", "-")
                 raise InputError(f"{flag} must be a positive number, got {value!r}")

@@ -33,7 +33,17 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str) -> in
     # PIL's own guard as a second line behind the header check in klein.images.read_image.
     PIL.Image.MAX_IMAGE_PIXELS = options.max_pixels
     service = Service(pipe, options, version)
-    config = uvicorn.Config(create_app(service), host=host, port=port, lifespan="off", log_level="info")
+    config = uvicorn.Config(
+        create_app(service),
+        host=host,
+        port=port,
+        lifespan="off",
+        log_level="info",
+        # Past this many connections uvicorn answers 503 at once, rather than taking sockets and memory
+        # without bound; idle keep-alive connections are closed after the timeout.
+        limit_concurrency=options.limit_concurrency,
+        timeout_keep_alive=options.keep_alive_timeout,
+    )
     server = _Server(config, service)
     # uvicorn raises a caught SIGTERM again once it has shut down; by then the stop was graceful, so the
     # handler it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.

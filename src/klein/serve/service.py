@@ -2,6 +2,10 @@
 
 The HTTP layer (`klein.serve.app`) only parses, submits and awaits; everything that touches the device
 (reference encoding, the prompt cache, generation) runs as a job on the worker thread.
+
+Memory: the budget requests are admitted against is read once, here, before any job runs
+(`Flux2KleinPipeline.own_memory`), and the caches' bytes are counted against it; /v1/jobs results are
+kept under their own byte budget and expiry (`klein.serve.jobs`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from klein.errors import InputError
 from klein.pipeline.cache import ByteBudgetCache
 from klein.request.resolve import MIN_SIDE, MULTIPLE, caches_references, typical
 from klein.serve import batching, errors, generation
+from klein.serve.jobs import JobTable
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage, ReferenceSets
@@ -27,9 +32,18 @@ class Service:
         pipe.prompt_cache = self.prompt_cache
         cached = caches_references(pipe.variant, pipe.name)
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
-        self.worker = Worker(options.max_queue, self.metrics, options.max_batch, self._generate_batch)
+        jobs = JobTable(options.max_result_bytes, options.result_ttl)
+        self.worker = Worker(
+            options.max_queue,
+            self.metrics,
+            options.max_batch,
+            self._generate_batch,
+            jobs,
+            options.job_timeout,
+        )
+        pipe.own_memory((self.reference_cache,))
         caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
-        self.metrics.watch(lambda: self.worker.depth, caches)
+        self.metrics.watch(lambda: self.worker.depth, {**caches, "rope_cache": pipe.rope_cache}, jobs)
 
     def check(self, work: generation.Generation) -> None:
         """Refuse (an `ApiError`) before queueing what the worker would refuse: unknown or evicted
@@ -43,12 +57,14 @@ class Service:
     def model_name(self) -> str:
         return self.pipe.name
 
-    async def submit_generation(self, work: generation.Generation) -> Job:
-        """Queue a generation (refused now, as an `ApiError`, if the worker would refuse it); async as
-        the same method of N replicas' front (`klein.serve.replicas.front`) is."""
+    async def submit_generation(self, work: generation.Generation, keep: bool = False) -> Job:
+        """Queue a generation (refused now, as an `ApiError`, if the worker would refuse it); with `keep`
+        (POST /v1/jobs) its job stays findable by id once finished. Async as the same method of N
+        replicas' front (`klein.serve.replicas.front`) is."""
         self.check(work)
         images = work.request.num_images_per_prompt
-        return self.worker.submit(functools.partial(self._generate, work), work.batch_key, images, work)
+        run = functools.partial(self._generate, work)
+        return self.worker.submit(run, work.batch_key, images, work, keep)
 
     async def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
         return self.worker.submit(lambda job: generation.encode_references(self.sets, images))

@@ -6,6 +6,11 @@ loop. A job carries its status, progress and events (queued, step, done / error)
 
 - A full queue refuses at once (`QueueFull`, 429 with Retry-After), rather than letting latency grow.
 - `abandon(job)` drops a queued job whose client has gone away; a running job finishes.
+- `cancel(job)` (DELETE /v1/jobs/{id}) drops a queued job, or stops a running one at its next denoising
+  step, as `job_timeout` stops one that runs too long: `Job.step`, the pipeline's progress callback, raises,
+  and the pipeline holds nothing of a request between steps, so it is ready for the next job.
+- A job drops its inputs (`work`, `spec`: the request, its prepared references and mask) when it finishes;
+  only jobs submitted with `keep` (POST /v1/jobs) stay findable, in `jobs` (`klein.serve.jobs.JobTable`).
 - `stop()` (SIGTERM): accept nothing more, fail the queued jobs, let the running job finish; `join`.
 - With `max_batch` > 1, queued jobs whose `batch_key` equals the next job's join it, up to `max_batch`
   images, and run together through `run_batch` (`klein.serve.batching`); if the batch fails as a whole,
@@ -26,14 +31,14 @@ from typing import Any
 
 from klein.errors import InputError
 from klein.serve import errors
+from klein.serve.jobs import JobTable
 
 log = logging.getLogger("klein.serve")
-HISTORY = 1024  # finished jobs kept for GET /v1/jobs/{id}
 
 
 @dataclasses.dataclass
 class Job:
-    work: Callable[[Job], dict]
+    work: Callable[[Job], dict] | None
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     status: str = "queued"
     progress: dict | None = None
@@ -49,21 +54,42 @@ class Job:
     images: int = 1
     spec: Any = None
     """What the job does (a `Generation`), for `run_batch`."""
+    stopping: errors.ApiError | None = None
+    """Set to stop the job at its next step (cancelled, or past its time limit)."""
+    deadline: float | None = None
+    """`time.monotonic()` past which the running job stops (`--job-timeout`)."""
+    on_finish: Callable[[Job], None] | None = None
 
     def step(self, stage: str, done: int, total: int) -> None:
-        """The pipeline's progress callback."""
+        """The pipeline's progress callback; raises the job's `stopping` error when it must stop."""
+        if self.stopping is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.stopping = errors.ApiError(
+                504,
+                "the job ran past the server's --job-timeout and was stopped; ask for fewer steps or "
+                "smaller images, or raise --job-timeout",
+                "job_timeout",
+            )
+        if self.stopping is not None:
+            raise self.stopping
         self.progress = {"step": done, "steps": total}
         self.events.append(("step", dict(self.progress)))
 
     @property
     def finished(self) -> bool:
-        return self.status in ("done", "error")
+        return self.status in ("done", "error", "cancelled")
 
     def finish(self, result: dict | None = None, error: errors.ApiError | None = None) -> None:
-        """Done with `result`, or failed with `error`: the status, the last event, the future."""
+        """Done with `result`, or failed with `error`: the status, the last event, the future. The inputs
+        are dropped: a finished job holds its result only. A job finishes once: a cancelled job's late
+        result (a replica's) is not its end."""
+        if self.finished:
+            return
         self.result, self.error = result, error
-        self.status = "error" if error else "done"
-        self.events.append(("error", error.body()["error"]) if error else ("done", result))
+        self.work = self.spec = None
+        self.status = "done" if not error else "cancelled" if error.code == CANCELLED else "error"
+        self.events.append((self.status, error.body()["error"]) if error else ("done", result))
+        if self.on_finish is not None:
+            self.on_finish(self)
         if error:
             self.future.set_exception(error)
         else:
@@ -80,13 +106,30 @@ class Job:
         }
 
 
+CANCELLED = "cancelled"
+
+
+def cancelled(job_id: str) -> errors.ApiError:
+    return errors.ApiError(409, f"job {job_id} was cancelled (DELETE /v1/jobs/{job_id})", CANCELLED)
+
+
 class Worker:
-    def __init__(self, max_queue: int, metrics, max_batch: int = 1, run_batch=None):
+    def __init__(
+        self,
+        max_queue: int,
+        metrics,
+        max_batch=1,
+        run_batch=None,
+        jobs=None,
+        job_timeout: float | None = None,
+    ):
         self.max_queue, self.metrics = max_queue, metrics
         self.max_batch, self.run_batch = max_batch, run_batch
         """`run_batch(jobs)` -> one result per job, for jobs of equal `batch_key`."""
         self.accepting = True
-        self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self.jobs = jobs if jobs is not None else JobTable(2**30, 3600.0)
+        """The jobs submitted with `keep`, for GET /v1/jobs/{id}."""
+        self.job_timeout = job_timeout
         self._queue: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
         self._seconds_per_job = 1.0  # a running mean, for Retry-After
@@ -98,8 +141,14 @@ class Worker:
         return len(self._queue)
 
     def submit(
-        self, work: Callable[[Job], dict], batch_key: Hashable | None = None, images: int = 1, spec=None
+        self,
+        work: Callable[[Job], dict],
+        batch_key: Hashable | None = None,
+        images: int = 1,
+        spec=None,
+        keep: bool = False,
     ) -> Job:
+        """Queue `work`; with `keep`, the job stays findable in `jobs` after it finishes."""
         job = Job(work, batch_key=batch_key, images=images, spec=spec)
         with self._wake:
             if not self.accepting:
@@ -116,7 +165,8 @@ class Worker:
                 )
             job.events.append(("queued", {"position": len(self._queue)}))
             self._queue.append(job)
-            self._remember(job)
+            if keep:
+                self.jobs.add(job)
             self._wake.notify()
         return job
 
@@ -127,6 +177,17 @@ class Worker:
                 self._queue.remove(job)
                 self.metrics.count_job("dropped")
                 job.finish(error=errors.ApiError(499, "the client went away", "client_closed"))
+
+    def cancel(self, job: Job) -> None:
+        """Drop `job` if queued, or have it stop at its next step if running (DELETE /v1/jobs/{id})."""
+        with self._wake:
+            if job.finished:
+                return
+            job.stopping = cancelled(job.id)
+            if job in self._queue:
+                self._queue.remove(job)
+                self.metrics.count_job(CANCELLED)
+                job.finish(error=job.stopping)
 
     def stop(self) -> None:
         """Accept nothing more and fail the queued jobs; the running one finishes, then the thread ends."""
@@ -141,14 +202,6 @@ class Worker:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def _remember(self, job: Job) -> None:
-        self.jobs[job.id] = job
-        while len(self.jobs) > HISTORY:
-            oldest = next(iter(self.jobs.values()))
-            if not oldest.finished:
-                break
-            self.jobs.popitem(last=False)
-
     def _loop(self) -> None:
         while True:
             with self._wake:
@@ -160,6 +213,8 @@ class Worker:
                 batch = [job, *self._companions(job)]
                 for each in batch:
                     each.status = "running"
+                    if self.job_timeout is not None:
+                        each.deadline = time.monotonic() + self.job_timeout
             if len(batch) == 1:
                 self._run(job)
             else:
@@ -196,6 +251,8 @@ class Worker:
         started = time.perf_counter()
         self.metrics.observe("queue_wait", started - job.submitted)
         try:
+            if job.stopping is not None:  # cancelled while its batch ran
+                raise job.stopping
             result = job.work(job)
         except errors.ApiError as error:
             self._failed(job, error)
@@ -211,5 +268,5 @@ class Worker:
         self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * elapsed
 
     def _failed(self, job: Job, error: errors.ApiError) -> None:
-        self.metrics.count_job("error")
+        self.metrics.count_job(error.code if error.code in (CANCELLED, "job_timeout") else "error")
         job.finish(error=error)

@@ -17,7 +17,6 @@ in 503 with Retry-After (`lost`), never a hang or a 500.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 
@@ -29,10 +28,11 @@ from klein.serve import errors
 from klein.serve.app import create_app
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
+from klein.serve.jobs import JobTable
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
 from klein.serve.replicas.store import ReferenceStore
-from klein.serve.worker import HISTORY, Job
+from klein.serve.worker import Job, cancelled
 
 log = logging.getLogger("klein.serve")
 RETRY_AFTER = 5
@@ -68,21 +68,22 @@ def refused(data: dict) -> ApiError:
 
 
 class Jobs:
-    """The front's jobs, by id (for /v1/jobs), and what the app asks of a worker (`abandon`, `depth`)."""
+    """The front's jobs: those of /v1/jobs by id (`klein.serve.jobs.JobTable`), the calls of all, and
+    what the app asks of a worker (`abandon`, `cancel`, `depth`)."""
 
-    def __init__(self):
-        self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+    def __init__(self, options: ServeOptions):
+        self.jobs = JobTable(options.max_result_bytes, options.result_ttl)
         self._calls: dict[str, object] = {}
+        self._live: dict[str, Job] = {}
 
     @property
     def depth(self) -> int:
-        return sum(job.status == "queued" for job in self.jobs.values())
+        return sum(job.status == "queued" for job in self._live.values())
 
-    def add(self, job: Job, call) -> None:
-        self.jobs[job.id], self._calls[job.id] = job, call
-        while len(self.jobs) > HISTORY and next(iter(self.jobs.values())).finished:
-            old, _ = self.jobs.popitem(last=False)
-            self._calls.pop(old, None)
+    def add(self, job: Job, call, keep: bool = False) -> None:
+        self._calls[job.id], self._live[job.id] = call, job
+        if keep:
+            self.jobs.add(job)
 
     def abandon(self, job: Job) -> None:
         """Cancel a job whose client went away: Serve cancels the call, the replica drops it if queued."""
@@ -90,8 +91,16 @@ class Jobs:
         if call is not None:
             call.cancel()
 
+    def cancel(self, job: Job) -> None:
+        """DELETE /v1/jobs/{id}: the call cancelled (the replica drops the job if queued, else it runs to
+        its end unseen), the job cancelled here at once."""
+        self.abandon(job)
+        if not job.finished:
+            job.finish(error=cancelled(job.id))
+
     def done(self, job: Job) -> None:
         self._calls.pop(job.id, None)
+        self._live.pop(job.id, None)
 
 
 class Front:
@@ -100,8 +109,8 @@ class Front:
         self.handle, self.options, self.version, self.routing = handle, options, version, routing
         self.metrics = Metrics()
         self.sets = ReferenceStore(options.cache_bytes)
-        self.worker = Jobs()
-        self.metrics.watch(lambda: self.worker.depth, {})
+        self.worker = Jobs(options)
+        self.metrics.watch(lambda: self.worker.depth, {}, self.worker.jobs)
         self._config, self._health, self.replicas = about["config"], about["health"], about["replicas"]
 
     @property
@@ -120,9 +129,9 @@ class Front:
             return self.handle
         return self.handle.options(multiplexed_model_id=key)
 
-    async def submit_generation(self, work: Generation) -> Job:
+    async def submit_generation(self, work: Generation, keep: bool = False) -> Job:
         """Send a generation to a replica; its job once the replica has accepted it (what it refuses is
-        raised here, as a single server refuses before queueing)."""
+        raised here, as a single server refuses before queueing); with `keep`, findable by id."""
         key = self.sets.put(work.images) if work.images else work.reference_id
         images = (self.sets.images(key),) if key is not None else ()
         sent = dataclasses.replace(work, images=(), reference_id=key)
@@ -135,7 +144,7 @@ class Front:
             raise refused(data)
         job = Job(None, spec=sent)
         job.events.append(("queued", {"position": self.worker.depth}))
-        self.worker.add(job, call)
+        self.worker.add(job, call, keep)
         asyncio.get_running_loop().create_task(self._follow(job, call, send))
         return job
 

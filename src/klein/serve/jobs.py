@@ -1,0 +1,112 @@
+"""The jobs `GET /v1/jobs/{id}` finds: kept by bytes and by age, not by count.
+
+Only jobs submitted to `/v1/jobs` are kept (a synchronous request's job is answered and forgotten). A
+finished job's result is kept `ttl` seconds and, with every other kept result, under `budget` bytes: the
+oldest finished results leave first when a new one would pass it. A job that has not finished is never
+dropped (the queue bounds how many wait). What a result holds is counted as its PNGs' base64 text plus
+`EVENT_BYTES` for each event (the step events and the result's small fields).
+
+An id that is gone is remembered, with why, among the last `GONE` such ids (a few dozen bytes each), so
+that it is answered "expired" rather than "unknown". The worker thread finishes jobs while the event loop
+reads the table, so its bookkeeping holds a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from klein.serve.errors import ApiError
+
+GONE = 4096
+"""Ids of dropped jobs remembered, to say why they are gone."""
+EVENT_BYTES = 256
+"""Bytes counted for each event of a kept job beyond its images (a step's progress, a result's fields)."""
+
+
+def result_bytes(job) -> int:
+    """What a finished job's record holds, as counted against the budget."""
+    data = (job.result or {}).get("data", ())
+    return sum(len(item.get("b64_json") or "") for item in data) + EVENT_BYTES * (len(job.events) + 1)
+
+
+class JobTable:
+    def __init__(self, budget: int, ttl: float, clock=time.monotonic):
+        self.budget, self.ttl, self._clock = budget, ttl, clock
+        self.bytes = 0
+        self.expired = 0
+        """Results dropped, for their age or for room."""
+        self._jobs: dict[str, object] = {}
+        self._done: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
+        """Finished jobs, oldest first: (when it finished, its bytes)."""
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        self._sweep()
+        return len(self._jobs)
+
+    def add(self, job) -> None:
+        """Keep `job` until it finishes, then as its result's bytes and age allow."""
+        with self._lock:
+            self._jobs[job.id] = job
+        job.on_finish = self._finished
+        if job.finished:  # it finished before it was added
+            self._finished(job)
+
+    def get(self, job_id: str):
+        """The job, or a 404 `ApiError` saying whether it is unknown, expired or deleted."""
+        self._sweep()
+        with self._lock:
+            job = self._jobs.get(job_id)
+            why = self._gone.get(job_id)
+        if job is not None:
+            return job
+        if why is not None:
+            raise ApiError(404, f"job {job_id} {why}", "job_expired", "id")
+        raise ApiError(404, f"unknown job id {job_id!r:.80}", "unknown_job", "id")
+
+    def remove(self, job_id: str, why: str) -> None:
+        with self._lock:
+            self._drop(job_id, why)
+
+    def values(self) -> list:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def _finished(self, job) -> None:
+        size = result_bytes(job)
+        with self._lock:
+            if job.id not in self._jobs:
+                return
+            self._done[job.id] = (self._clock(), size)
+            self.bytes += size
+            while self.bytes > self.budget and self._done:
+                oldest = next(iter(self._done))
+                self._drop(
+                    oldest,
+                    "was dropped to keep finished results under --max-result-bytes; "
+                    "fetch results sooner, or raise it",
+                )
+                self.expired += 1
+
+    def _sweep(self) -> None:
+        """Drop the results older than `ttl`."""
+        now = self._clock()
+        with self._lock:
+            while self._done:
+                oldest, (finished, _) = next(iter(self._done.items()))
+                if now - finished < self.ttl:
+                    return
+                self._drop(oldest, f"expired: finished results are kept for --result-ttl {self.ttl:g} s")
+                self.expired += 1
+
+    def _drop(self, job_id: str, why: str) -> None:
+        """Forget a job (the lock held), remembering why."""
+        self._jobs.pop(job_id, None)
+        _, size = self._done.pop(job_id, (0.0, 0))
+        self.bytes -= size
+        self._gone[job_id] = why
+        while len(self._gone) > GONE:
+            self._gone.popitem(last=False)

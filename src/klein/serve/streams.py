@@ -1,0 +1,73 @@
+"""GET /v1/jobs/{id}/events: a job's events as server-sent events, with a cap on the streams open at once.
+
+Each stream holds a connection and polls its job on the event loop for as long as the job runs (a queued
+job's stream may stay open for minutes), so streams are counted, and one past `--max-event-streams` is
+refused at once with 429 and Retry-After. A stream's slot is given back however it ends: the job's last
+event sent, the client gone (the task reading it is cancelled), or the response dropped unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from klein.serve.errors import ApiError
+
+EVENT_POLL = 0.05  # seconds between looks at a job's events
+RETRY_AFTER = 5  # seconds: streams end when their jobs do, which takes a job's time
+
+
+class EventStreams:
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.open = 0
+
+    def stream(self, job) -> _Stream:
+        """The job's event stream, or 429 when `cap` streams are open."""
+        if self.open >= self.cap:
+            raise ApiError(
+                429,
+                f"{self.cap} event streams are open (--max-event-streams); retry in {RETRY_AFTER} s, or poll "
+                "GET /v1/jobs/ID",
+                "too_many_streams",
+                headers={"Retry-After": str(RETRY_AFTER)},
+            )
+        self.open += 1
+        return _Stream(self, job)
+
+
+class _Stream:
+    """An async iterator of the job's events as SSE text, holding one of `streams`' slots until it ends."""
+
+    def __init__(self, streams: EventStreams, job):
+        self._streams, self._events, self._held = streams, _events(job), True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._events.__anext__()
+        except BaseException:  # the end (StopAsyncIteration), or the client gone (CancelledError)
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self._streams.open -= 1
+
+    def __del__(self):  # a response dropped before it was read
+        self._release()
+
+
+async def _events(job):
+    sent = 0
+    while True:
+        events = job.events[sent:]
+        for name, data in events:
+            yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
+        sent += len(events)
+        if job.finished and sent == len(job.events):
+            return
+        await asyncio.sleep(EVENT_POLL)
