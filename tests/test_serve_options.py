@@ -31,6 +31,9 @@ def test_limits_must_be_positive():
     [
         (["--cache-bytes", "lots"], "'lots' is not a size"),
         (["--max-queue", "0"], "--max-queue must be a positive number"),
+        (["--job-timeout", "0"], "--job-timeout must be a positive number"),
+        (["--result-ttl", "soon"], "invalid float value"),
+        (["--max-result-bytes", "lots"], "'lots' is not a size"),
         (["--port", "http"], "invalid int value"),
     ],
 )

@@ -164,7 +164,8 @@ class Front:
         except LOST:
             log.warning("job %s: its replica was lost while running it", job.id)
         except (RequestCancelledError, asyncio.CancelledError):
-            self.metrics.count_job("dropped")
+            if not job.finished:  # not cancelled by DELETE /v1/jobs/{id}: its client went away
+                self.metrics.count_job("dropped")
             job.finish(error=ApiError(499, "the client went away", "client_closed"))
         except BackPressureError:
             job.finish(error=busy())
