@@ -76,7 +76,7 @@ def test_results_expire_after_their_ttl_and_expired_ids_are_bounded():
 
 
 def _worker(**kwargs) -> Worker:
-    return Worker(8, Metrics(), jobs=JobTable(2**30, 60), **kwargs)
+    return Worker(8, Metrics(), JobTable(2**30, 60), **kwargs)
 
 
 def test_a_finished_job_drops_its_inputs_and_only_kept_jobs_are_findable():

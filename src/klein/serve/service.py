@@ -36,9 +36,9 @@ class Service:
         self.worker = Worker(
             options.max_queue,
             self.metrics,
+            jobs,
             options.max_batch,
             self._generate_batch,
-            jobs,
             options.job_timeout,
         )
         pipe.own_memory((self.reference_cache,))

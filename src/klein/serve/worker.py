@@ -118,16 +118,16 @@ class Worker:
         self,
         max_queue: int,
         metrics,
+        jobs: JobTable,
         max_batch=1,
         run_batch=None,
-        jobs=None,
         job_timeout: float | None = None,
     ):
         self.max_queue, self.metrics = max_queue, metrics
         self.max_batch, self.run_batch = max_batch, run_batch
         """`run_batch(jobs)` -> one result per job, for jobs of equal `batch_key`."""
         self.accepting = True
-        self.jobs = jobs if jobs is not None else JobTable(2**30, 3600.0)
+        self.jobs = jobs
         """The jobs submitted with `keep`, for GET /v1/jobs/{id}."""
         self.job_timeout = job_timeout
         self._queue: collections.deque[Job] = collections.deque()
