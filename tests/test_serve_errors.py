@@ -48,7 +48,7 @@ def chunked_upload(url: str) -> tuple[int, bytes]:
     host, port = urlsplit(url).hostname, urlsplit(url).port
     with socket.create_connection((host, port), timeout=30) as sock:
         sock.sendall(
-            b"POST /v1/references HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"POST /v1/references HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
             b"Content-Type: multipart/form-data; boundary=B\r\n\r\n"
         )
         head = b'--B\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'

@@ -70,13 +70,20 @@ def refused(data: dict) -> ApiError:
 class Jobs:
     """The front's jobs, by id (for /v1/jobs), and what the app asks of a worker (`abandon`, `depth`)."""
 
-    def __init__(self):
+    def __init__(self, max_queue: int):
+        self.max_queue = max_queue
+        """Jobs that may wait, over every replica; more get 429 before their images are decoded."""
         self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
         self._calls: dict[str, object] = {}
 
     @property
     def depth(self) -> int:
         return sum(job.status == "queued" for job in self.jobs.values())
+
+    def check_room(self) -> None:
+        """A 429 when as many jobs wait as Serve's queues take (Serve refuses past that too)."""
+        if self.depth >= self.max_queue:
+            raise busy()
 
     def add(self, job: Job, call) -> None:
         self.jobs[job.id], self._calls[job.id] = job, call
@@ -100,9 +107,9 @@ class Front:
         self.handle, self.options, self.version, self.routing = handle, options, version, routing
         self.metrics = Metrics()
         self.sets = ReferenceStore(options.cache_bytes)
-        self.worker = Jobs()
-        self.metrics.watch(lambda: self.worker.depth, {})
         self._config, self._health, self.replicas = about["config"], about["health"], about["replicas"]
+        self.worker = Jobs(options.max_queue * self.replicas)
+        self.metrics.watch(lambda: self.worker.depth, {})
 
     @property
     def model_name(self) -> str:
