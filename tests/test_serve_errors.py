@@ -12,8 +12,11 @@ import pytest
 
 from klein.serve.schema import MAX_PROMPT_CHARS
 from tests.support.serve_process import png
-from tests.test_serve_security import EPS
 
+EPS = (  # a PostScript file: Pillow's EPS plugin hands it to Ghostscript to decode
+    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n%%EndComments\n"
+    b"newpath 0 0 moveto 64 64 lineto stroke\nshowpage\n%%EOF\n"
+)
 GOOD = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 2}
 
 

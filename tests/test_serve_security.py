@@ -20,15 +20,12 @@ from klein.serve.errors import ApiError
 from klein.serve.quotas import Quotas
 from klein.serve.security import Access, ApiKey, exposure_warning, parse_key_line, read_keys
 from tests.support.serve_process import free_port, log_of, start, stop
+from tests.test_serve_errors import EPS, chunked
 
 ENV_KEY = "env-secret-3f9a1c"
 KEY_FILE = "# the tests' keys\nalpha-key rpm=2\n\nbeta-key jobs=1\ngamma-key\n"
 SHORT = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "seed": 1}
 LONGER = {"prompt": "a slow fox", "size": "256x256", "num_inference_steps": 8, "seed": 2}
-EPS = (
-    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n%%EndComments\n"
-    b"newpath 0 0 moveto 64 64 lineto stroke\nshowpage\n%%EOF\n"
-)
 
 
 def bearer(key: str, scheme: str = "Bearer") -> dict:
@@ -201,6 +198,15 @@ def test_an_allowed_origin_gets_cors(keyless):
     )
     foreign = httpx.options(url + "/v1/jobs", headers={**asked, "Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in foreign.headers
+
+
+def test_a_json_body_is_capped_at_1_mib_below_a_larger_upload_cap(keyless):
+    _, url = keyless  # --max-upload-bytes: 50 MiB, the default
+    body = b'{"prompt": "' + b"a" * 2**20 + b'"}'
+    declared = httpx.post(url + "/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert declared.status_code == 413 and "1048576 bytes" in declared.json()["error"]["message"]
+    status, answer = chunked(url, "/v1/jobs", b"application/json", b'{"prompt": "', b"a")
+    assert status == 413 and b"1048576 bytes" in answer
 
 
 def test_no_cors_headers_unless_configured(serve_url):
