@@ -11,6 +11,7 @@ from playwright.sync_api import expect
 from klein.serve.app import create_app
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
+from klein.serve.security import Access, ApiKey
 
 ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/references", "/v1/jobs")
 KEY = "docs-key"
@@ -44,11 +45,12 @@ def test_docs_list_the_endpoints_with_no_network_but_the_server(serve_url, brows
 
 def fake_service(api_key):
     """What the routes read of a Service before any request reaches the pipeline."""
-    return types.SimpleNamespace(version="test", options=ServeOptions(api_key=api_key), metrics=Metrics())
+    access = Access(keys=(ApiKey(api_key, "test"),) if api_key else ())
+    return types.SimpleNamespace(version="test", options=ServeOptions(access=access), metrics=Metrics())
 
 
 def test_the_key_guards_docs_and_schema_but_not_swagger_files():
-    client = TestClient(create_app(fake_service(KEY)))
+    client = TestClient(create_app(fake_service(KEY)), base_url="http://localhost")
     page = client.get("/docs", headers={"Authorization": f"Bearer {KEY}"})
     assert page.status_code == 200 and "'openapi.json'" in page.text
     assets = [part.split('"')[0] for part in page.text.split('="static/docs/')[1:]]
@@ -63,6 +65,6 @@ def test_the_key_guards_docs_and_schema_but_not_swagger_files():
 
 
 def test_without_a_key_docs_and_schema_are_open():
-    client = TestClient(create_app(fake_service(None)))
+    client = TestClient(create_app(fake_service(None)), base_url="http://localhost")
     assert client.get("/docs").status_code == 200
     assert "/v1/images/edits" in client.get("/openapi.json").json()["paths"]

@@ -45,6 +45,7 @@ FORBIDDEN = {
 # its front end's options and starts it; nothing else of the command line touches them.
 ALLOWED = {
     ("klein.cli.serve", "klein.serve.options"),
+    ("klein.cli.serve", "klein.serve.security"),
     ("klein.cli.serve", "klein.serve.server"),
     ("klein.cli.serve", "klein.serve.replicas.cluster"),
     ("klein.cli.batch", "klein.batch.job"),

@@ -128,6 +128,12 @@ def test_full_queue_dropped_client_and_graceful_sigterm(server):
     assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
     assert full.json()["error"]["code"] == "queue_full"
     assert metrics_of(url)["klein_queue_depth"] == 2
+    # The queue is asked before any upload is decoded: an image that decoding would refuse (400) is not
+    # looked at.
+    undecoded = httpx.post(
+        url + "/v1/images/edits", data={"prompt": "x"}, files=[("image", b"BM not decoded")], headers=AUTH
+    )
+    assert undecoded.status_code == 429 and undecoded.json()["error"]["code"] == "queue_full"
 
     assert job_status(running) == "running"
     process.send_signal(signal.SIGTERM)

@@ -3,7 +3,8 @@
 Axes: B batch, H height, W width (pixels); arrays are channels-last RGB.
 
 - `load_image(path)`: a file -> upright RGB `PIL.Image` (what `diffusers.utils.load_image` returns);
-  `read_image(data, name)` the same for bytes in memory.
+  `read_image(data, name)` the same for bytes in memory; `formats=UPLOAD_FORMATS` limits it to the formats a
+  server takes from clients (the CLI and Python API read what Pillow reads: the files are the user's own).
 - `prepare_reference(image)`: any-mode `PIL.Image` -> float32[H, W, 3] in [-1, 1], H and W multiples of 16.
 - `to_float01` / `to_uint8` / `to_pil`: decoder output float[B, H, W, 3] in [-1, 1] -> float32[B, H, W, 3]
   in [0, 1] / uint8[B, H, W, 3] / B RGB images (diffusers' `postprocess` with `output_type` "np" / "pil").
@@ -24,6 +25,9 @@ MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
 # One transformer token covers 16x16 px: the VAE downsamples 8x and latents are packed in 2x2 patches.
 MULTIPLE = 16
+UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP")
+"""What `klein serve` decodes: Pillow tries no other plugin on a client's bytes (EPS's runs Ghostscript,
+a PostScript interpreter; the rarer ones are more attack surface than use)."""
 
 
 def load_image(path: str | os.PathLike) -> PIL.Image.Image:
@@ -35,17 +39,24 @@ def load_image(path: str | os.PathLike) -> PIL.Image.Image:
 
 
 def read_image(
-    data: bytes, name: str, max_pixels: int | None = None, mode: str | None = "RGB"
+    data: bytes,
+    name: str,
+    max_pixels: int | None = None,
+    mode: str | None = "RGB",
+    formats: tuple[str, ...] | None = None,
 ) -> PIL.Image.Image:
     """`load_image` for bytes in memory (an upload, called `name` in errors); an image of more than
     `max_pixels` pixels is refused from its header, before its pixels are decoded (decompression bombs).
-    `mode=None` keeps the file's own pixel mode (a mask's alpha channel)."""
-    return _read(io.BytesIO(data), name, max_pixels, mode)
+    `mode=None` keeps the file's own pixel mode (a mask's alpha channel); `formats`: the only Pillow
+    formats tried (None: every one)."""
+    return _read(io.BytesIO(data), name, max_pixels, mode, formats)
 
 
-def _read(source, name: str, max_pixels: int | None = None, mode: str | None = "RGB") -> PIL.Image.Image:
+def _read(
+    source, name: str, max_pixels: int | None = None, mode: str | None = "RGB", formats=None
+) -> PIL.Image.Image:
     try:
-        with PIL.Image.open(source) as image:
+        with PIL.Image.open(source, formats=formats) as image:
             if max_pixels is not None and image.width * image.height > max_pixels:
                 raise InputError(
                     f"{name} is {image.width}x{image.height} px, more than the {max_pixels} pixels allowed; "
@@ -62,6 +73,9 @@ def _read(source, name: str, max_pixels: int | None = None, mode: str | None = "
     except PermissionError as error:
         raise InputError(f"cannot read image {name}: permission denied") from error
     except PIL.UnidentifiedImageError as error:
+        if formats:
+            accepted = ", ".join(formats[:-1]) + f" or {formats[-1]}"
+            raise InputError(f"{name} is not a {accepted} image; send one of those formats") from error
         raise InputError(f"{name} is not an image file (or not a format PIL can read)") from error
     except PIL.Image.DecompressionBombError as error:
         raise InputError(f"{name} is too large to load safely ({error}); use a smaller image") from error

@@ -24,10 +24,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(klein_home, *flags: str) -> tuple[subprocess.Popen, str]:
-    """(process, base URL) of a `klein serve` with the demo checkpoint, once it answers /healthz."""
+def start(klein_home, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """(process, base URL) of a `klein serve` with the demo checkpoint, once it answers /healthz; `env`:
+    variables to add to the environment (a KLEIN_API_KEY of the tests' own is not passed on)."""
     port = free_port()
-    env = dict(os.environ, KLEIN_HOME=str(klein_home), JAX_PLATFORMS="cpu")
+    inherited = {name: value for name, value in os.environ.items() if name != "KLEIN_API_KEY"}
+    env = dict(inherited, KLEIN_HOME=str(klein_home), JAX_PLATFORMS="cpu", **(env or {}))
     command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), *flags]
     # The log goes to a file: a pipe nobody reads would fill up and stall the server.
     log = tempfile.TemporaryFile("w+")
@@ -66,8 +68,8 @@ def log_of(process: subprocess.Popen) -> str:
 
 
 @contextlib.contextmanager
-def running(klein_home, *flags: str):
-    process, url = start(klein_home, *flags)
+def running(klein_home, *flags: str, env: dict | None = None):
+    process, url = start(klein_home, *flags, env=env)
     try:
         yield url
     finally:

@@ -12,6 +12,7 @@ import sys
 from klein.cli import extras
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
+from klein.serve import security
 from klein.serve.options import ServeOptions, parse_size
 from klein.version import version
 
@@ -23,12 +24,16 @@ sets kept encoded across requests (POST /v1/references), jobs with progress even
 sent to the replica that holds it.
 
 Without --model it serves the offline demo checkpoint (tiny random weights: images are noise-like).
-SIZE is bytes or KiB/MiB/GiB (e.g. 512MiB). It binds 127.0.0.1 unless --host says otherwise."""
+SIZE is bytes or KiB/MiB/GiB (e.g. 512MiB). It binds 127.0.0.1 unless --host says otherwise; another
+--host needs an API key (--api-key-file, KLEIN_API_KEY or --api-key) or --insecure-no-key. Without a key,
+a request naming another Host than this server's is refused (403); with or without one, a POST or DELETE
+from a web page of another origin than --allowed-origins is refused (403)."""
 
 EXAMPLES = """\
 examples:
   klein serve                                                    # demo checkpoint, port 8000
-  klein serve --model black-forest-labs/FLUX.2-klein-9b-kv --cache-bytes 8GiB --api-key secret
+  KLEIN_API_KEY=$(cat key.txt) klein serve --host 0.0.0.0 --model black-forest-labs/FLUX.2-klein-9b-kv
+  klein serve --host 0.0.0.0 --api-key-file keys.txt          # a key a line: KEY [rpm=N] [jobs=N]
   klein serve --replicas 2 --model black-forest-labs/FLUX.2-klein-9b-kv  # 2 replicas on a local Ray
   curl -s localhost:8000/v1/images/generations -H 'Content-Type: application/json' \\
       -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'
@@ -47,7 +52,12 @@ def serve_parser() -> argparse.ArgumentParser:
     cli_flags.add_model_flags(add)
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     add("--port", type=int, default=8000, help="port (default: 8000)")
-    add("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /healthz")
+    add(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /healthz and the page (other local users "
+        "can read a flag in ps: prefer KLEIN_API_KEY or --api-key-file); 'KEY rpm=N jobs=N' adds limits",
+    )
     add("--memory-limit", type=parse_size, metavar="SIZE", help="bytes a request may use beyond the weights")
     add(
         "--replicas",
@@ -68,6 +78,7 @@ def serve_parser() -> argparse.ArgumentParser:
         help="with --replicas: references (default) sends a set's requests to the replica that holds it; "
         "load is Serve's default router (queue lengths only), for comparison",
     )
+    _add_access_flags(add)
     defaults = ServeOptions()
     for name, help_ in _LIMITS.items():
         field = name.replace("-", "_")
@@ -84,11 +95,37 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_access_flags(add) -> None:
+    add(
+        "--api-key-file",
+        metavar="FILE",
+        help="API keys, one a line: KEY, optionally followed by rpm=N (requests a minute) and jobs=N (jobs "
+        "at once), each exceeded one a 429 with Retry-After; # starts a comment",
+    )
+    add(
+        "--insecure-no-key",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (anyone who reaches it may use it; warned at start)",
+    )
+    add(
+        "--allowed-hosts",
+        metavar="NAMES",
+        help="comma-separated host names clients may reach a keyless server by, besides its address and "
+        "localhost (others get 403: DNS rebinding)",
+    )
+    add(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        help="comma-separated web origins (https://app.example.com) whose pages may call the API; they get CORS "
+        "headers (default: only the server's own page)",
+    )
+
+
 _LIMITS = {
     "cache-bytes": "reference cache budget: per-image latents and encoded sets, in device bytes",
     "prompt-cache-bytes": "prompt-embedding cache budget, in device bytes",
     "max-queue": "requests that may wait for the worker; more get 429 with Retry-After",
-    "max-upload-bytes": "largest request body (413 beyond, checked while it streams)",
+    "max-upload-bytes": "largest multipart body (413 beyond, checked while it streams; JSON bodies: 1 MiB at most)",
     "max-references": "most reference images in one request or set",
     "max-pixels": "largest image accepted or generated, width x height",
     "max-steps": "most denoising steps a request may ask for",
@@ -105,7 +142,7 @@ _LIMITS = {
 
 def serve_command(flags: argparse.Namespace) -> int:
     names = {field.name for field in dataclasses.fields(ServeOptions)}
-    options = ServeOptions(**{k: v for k, v in vars(flags).items() if k in names})
+    options = ServeOptions(**{k: v for k, v in vars(flags).items() if k in names}, access=_access(flags))
     loading = cli_flags.load_options(flags)
     if flags.replicas is None:
         if flags.ray_address is not None or flags.routing is not None:
@@ -129,6 +166,21 @@ def serve_command(flags: argparse.Namespace) -> int:
         replicas=flags.replicas,
         address=flags.ray_address,
         routing=flags.routing or "references",
+    )
+
+
+def _access(flags: argparse.Namespace) -> security.Access:
+    """Keys and the Host and Origin rules; refused (exit 2) before anything loads or binds when the host
+    is not loopback and there is no key, unless --insecure-no-key, which is warned of at every start."""
+    keys = security.read_keys(flags.api_key, flags.api_key_file)
+    warning = security.exposure_warning(flags.host, keys, flags.insecure_no_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    return security.Access(
+        keys,
+        flags.host.lower(),
+        security.read_list(flags.allowed_hosts, "hosts"),
+        security.read_list(flags.allowed_origins, "origins"),
     )
 
 

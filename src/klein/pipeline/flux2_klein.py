@@ -276,7 +276,7 @@ class Flux2KleinPipeline:
             tuple(sizes),
             self.loras,
             self.residency,
-            run.notes,
+            run.notes + self._cut_prompts(request.prompts),
         )
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
@@ -377,6 +377,21 @@ class Flux2KleinPipeline:
         ids = np.ascontiguousarray(ids, np.int64)
         axes, theta = self.config.axes_dims_rope, self.config.rope_theta
         return self.rope_cache.get((ids.tobytes(), ids.shape[1]), lambda: _rope_tables(ids, axes, theta))
+
+    def _cut_prompts(self, prompts: Sequence[str]) -> tuple[str, ...]:
+        """Notes (and warnings) for prompts longer than the text encoder reads, which it truncates to
+        `MAX_LENGTH` tokens as diffusers does."""
+        notes = []
+        for prompt in dict.fromkeys(prompts):
+            count = text.token_count(self.tokenizer, prompt)
+            if count > text.MAX_LENGTH:
+                notes.append(
+                    f"prompt {prompt[:30]!r}... is {count} tokens with its chat template; the text encoder "
+                    f"reads {text.MAX_LENGTH}, so {count - text.MAX_LENGTH} were cut ({self.tokenizer.truncation_side} end)"
+                )
+        for note in notes:
+            warnings.warn(note, stacklevel=3)
+        return tuple(notes)
 
     def _prompt_batch(self, prompts, per_prompt, run: Resolved):
         embeds = jnp.repeat(self.encode_prompt(prompts), per_prompt, axis=0)

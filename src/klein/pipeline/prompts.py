@@ -103,6 +103,15 @@ def tokenize_prompts(
     return ids, mask
 
 
+def token_count(tokenizer: PromptTokenizer, prompt: str) -> int:
+    """Tokens of `prompt` with its chat template, before truncation: past `MAX_LENGTH` the text encoder
+    reads none of them."""
+    backend = tokenizer.tokenizer
+    backend.no_truncation()
+    backend.no_padding()
+    return len(backend.encode(render_prompt(tokenizer, prompt)).ids)
+
+
 def _check_prompts(prompts) -> list[str]:
     if isinstance(prompts, str):
         return [prompts]

@@ -2,33 +2,32 @@
 
 Handlers parse and validate, submit a job to the worker and await it without blocking the event loop;
 a synchronous request whose client goes away while its job still waits drops the job. Every error is
-OpenAI's JSON error shape (`klein.serve.errors`). With an API key, every route but /healthz, the web
-page and the files under /static/ needs `Authorization: Bearer KEY`.
+OpenAI's JSON error shape (`klein.serve.errors`). What every request passes first (Host, Origin, the API
+key, its rate, the body cap) is `klein.serve.guard`'s; a route that makes a job takes one of its key's
+job slots (`klein.serve.quotas`), and one that uploads images checks the queue before decoding them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from klein.serve import api_docs, errors, page, schema, uploads
+from klein.serve import api_docs, body_cap, errors, page, schema, uploads
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
+from klein.serve.guard import Guard
 from klein.serve.metrics import CONTENT_TYPE
+from klein.serve.quotas import Quotas
 from klein.serve.service import Service
 from klein.serve.streams import EventStreams
 from klein.serve.worker import Job
 
 DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still there
-PUBLIC = ("/healthz", "/")
-PUBLIC_PREFIX = "/static/"  # the web page's and the docs' files: no data, so no key needed
 _MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
 
 
@@ -43,11 +42,12 @@ def create_app(service: Service) -> FastAPI:
         redoc_url=None,  # ReDoc would need one
     )
     app.state.service = service
-    app.add_middleware(_Guard, service=service)
+    quotas = Quotas()
+    app.add_middleware(Guard, service=service, quotas=quotas)
     _errors(app)
-    _routes(app, service)
-    _references(app, service)
-    _jobs(app, service)
+    _routes(app, service, quotas)
+    _references(app, service, quotas)
+    _jobs(app, service, quotas)
     # The web page: GET / and its assets under /static/.
     app.include_router(page.router)
     # The OpenAPI docs: GET /docs, and Swagger UI's files under /static/docs/.
@@ -59,6 +59,10 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
         return JSONResponse(error.body(), error.status, headers=error.headers)
+
+    @app.exception_handler(body_cap.TooLarge)
+    async def too_large(request, error: body_cap.TooLarge):
+        return JSONResponse(error.error.body(), 413)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
@@ -79,7 +83,7 @@ def _errors(app: FastAPI) -> None:
         return JSONResponse(body, error.status_code)
 
 
-def _routes(app: FastAPI, service: Service) -> None:
+def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
     options = service.options
 
     @app.get("/healthz")
@@ -98,7 +102,8 @@ def _routes(app: FastAPI, service: Service) -> None:
     async def generations(body: schema.ImageBody, request: Request):
         notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, options), reference_id=body.references, notes=notes)
-        return await _wait(service.worker, await service.submit_generation(work), request)
+        job = await _submitted(quotas, request, lambda: service.submit_generation(work))
+        return await _wait(service.worker, job, request)
 
     @app.post("/v1/images/edits", openapi_extra=_MULTIPART)
     async def edits(request: Request):
@@ -111,24 +116,35 @@ def _routes(app: FastAPI, service: Service) -> None:
                 400, "give image files or references (an id), not both", "invalid_value", "references"
             )
         generation_request = schema.to_request(body, options)
-        if form.mask is not None:
-            mask = await uploads.read_mask(form.mask, options)
-            generation_request = dataclasses.replace(generation_request, mask_image=mask)
-        images = ()
-        if body.references is None:
-            images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
-        notes = schema.ignored(body, service.model_name)
-        work = Generation(generation_request, images, body.references, notes)
-        return await _wait(service.worker, await service.submit_generation(work), request)
+
+        async def submit() -> Job:
+            nonlocal generation_request
+            service.worker.check_room()  # before any image is decoded
+            if form.mask is not None:
+                mask = await uploads.read_mask(form.mask, options)
+                generation_request = dataclasses.replace(generation_request, mask_image=mask)
+            images = ()
+            if body.references is None:
+                images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
+            notes = schema.ignored(body, service.model_name)
+            work = Generation(generation_request, images, body.references, notes)
+            return await service.submit_generation(work)
+
+        return await _wait(service.worker, await _submitted(quotas, request, submit), request)
 
 
-def _references(app: FastAPI, service: Service) -> None:
+def _references(app: FastAPI, service: Service, quotas: Quotas) -> None:
     @app.post("/v1/references", openapi_extra=_MULTIPART)
     async def create_references(request: Request):
         """Multipart: image / image[] files, encoded once and kept in the reference cache."""
         form = await uploads.read_form(request, service.options)
-        images = tuple(await uploads.prepare(form.images, service.options))
-        return await _wait(service.worker, await service.submit_references(images), request)
+
+        async def submit() -> Job:
+            service.worker.check_room()  # before any image is decoded
+            images = tuple(await uploads.prepare(form.images, service.options))
+            return await service.submit_references(images)
+
+        return await _wait(service.worker, await _submitted(quotas, request, submit), request)
 
     @app.get("/v1/references/{reference_id}")
     async def get_references(reference_id: str):
@@ -144,12 +160,12 @@ def _references(app: FastAPI, service: Service) -> None:
         return {"id": reference_id, "deleted": True}
 
 
-def _jobs(app: FastAPI, service: Service) -> None:
+def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
     @app.post("/v1/jobs", status_code=202)
-    async def create_job(body: schema.ImageBody):
+    async def create_job(body: schema.ImageBody, request: Request):
         notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, service.options), reference_id=body.references, notes=notes)
-        job = await service.submit_generation(work, keep=True)
+        job = await _submitted(quotas, request, lambda: service.submit_generation(work, keep=True))
         return {"id": job.id, "status": job.status}
 
     @app.get("/v1/jobs/{job_id}")
@@ -179,6 +195,19 @@ def _jobs(app: FastAPI, service: Service) -> None:
         return StreamingResponse(streams.stream(job), media_type="text/event-stream")
 
 
+async def _submitted(quotas: Quotas, request: Request, submit) -> Job:
+    """The job `submit()` makes, holding one of the request's API key's job slots from before `submit`
+    decodes anything until the job finishes (a 429 when the key has none free)."""
+    release = quotas.job(request.scope.get("state", {}).get("api_key"))
+    try:
+        job = await submit()
+    except BaseException:
+        release()
+        raise
+    job.future.add_done_callback(lambda _: release())
+    return job
+
+
 def _unknown_reference(reference_id: str) -> ApiError:
     return ApiError(
         404,
@@ -197,40 +226,3 @@ async def _wait(worker, job: Job, request: Request) -> dict:
             return future.result()
         if job.status == "queued" and await request.is_disconnected():
             worker.abandon(job)
-
-
-class _Guard:
-    """Pure ASGI middleware: the API key check, and HTTP responses counted and timed by status for
-    /metrics (the time until the response's last byte: a job's event stream counts as long as it runs)."""
-
-    def __init__(self, app, service: Service):
-        self.app, self.service = app, service
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        metrics, started, status = self.service.metrics, time.perf_counter(), []
-
-        async def counted(message):
-            if message["type"] == "http.response.start":
-                status.append(str(message["status"]))
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                metrics.count_request(status[0], time.perf_counter() - started)
-
-        if not self._allowed(scope):
-            error = ApiError(
-                401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "unauthorized"
-            )
-            response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
-            return await response(scope, receive, counted)
-        return await self.app(scope, receive, counted)
-
-    def _allowed(self, scope) -> bool:
-        key = self.service.options.api_key
-        path = scope["path"]
-        if key is None or path in PUBLIC or path.startswith(PUBLIC_PREFIX):
-            return True
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())

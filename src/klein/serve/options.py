@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from klein.errors import InputError
+from klein.serve.security import Access
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
 _UNITS |= {"g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -38,7 +39,6 @@ class ServeOptions:
     """Images that queued requests of one shape and reference set may share a batch for; 1: no batching."""
     max_images: int = 10
     """Largest n (images per request), OpenAI's limit."""
-    api_key: str | None = None
     max_result_bytes: int = 256 * 2**20
     """Finished /v1/jobs results kept (their PNGs' base64 text); the oldest leave first."""
     result_ttl: float = 3600.0
@@ -51,10 +51,13 @@ class ServeOptions:
     """Connections and tasks uvicorn serves at once; more get 503."""
     keep_alive_timeout: float = 5.0
     """Seconds uvicorn keeps an idle connection open."""
+    access: Access = Access()
+    """API keys and their limits, the bound host, the Host names and web origins allowed
+    (`klein.serve.security`)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name != "api_key" and (not isinstance(value, int | float) or value <= 0):
+            if field.name != "access" and (not isinstance(value, int | float) or value <= 0):
                 flag = "--" + field.name.replace("_", "-")
                 raise InputError(f"{flag} must be a positive number, got {value!r}")

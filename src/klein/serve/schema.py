@@ -4,13 +4,16 @@
 klein's own settings (seed, num_inference_steps, guidance_scale, strength: fields derived from the
 request type's declarations) and a reference set id (references), as
 JSON (`/v1/images/generations`, `/v1/jobs`) or as multipart form fields (`/v1/images/edits`, read by
-`from_form`). Types are strict: "3" is not a number in JSON. OpenAI's `model`, `quality` and `style` are
-accepted and, where they ask for something klein does not do, named in the response's `warnings`; other
-unknown fields (user, ...) are dropped.
+`from_form`). Types are strict: "3" is not a number in JSON. OpenAI's other fields (`model`, `quality`,
+`style`, `user`, ...) are accepted and, where they ask for something klein does not do, named in the
+response's `warnings`; any other field is refused (400 naming it, with the nearest known field: a typo
+must not run with a default). A prompt is at most `MAX_PROMPT_CHARS` characters; what the text encoder
+does not read of a shorter one is cut by the pipeline, which says so in `warnings`.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Literal
 
@@ -18,20 +21,31 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from klein.errors import InputError
+from klein.pipeline.prompts import MAX_LENGTH
 from klein.request import kinds
-from klein.request.kinds import settings_of
+from klein.request.kinds import settings_of, short_name
 from klein.request.request import GenerationRequest
 from klein.request.resolve import MIN_SIDE, MULTIPLE
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 
+MAX_PROMPT_CHARS = 16 * MAX_LENGTH
+"""The longest prompt taken: the text encoder reads at most `MAX_LENGTH` tokens (what the pipeline cuts
+past that, it says), so a prompt many times longer is a mistake or an attack on the caches and PNGs."""
+_UNUSED = "OpenAI's; klein has no such setting (ignored, with a warning)"
+
 
 class _OpenAIBody(BaseModel):
     """The fields of OpenAI's images API, and the server's reference set id."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str = Field(min_length=1, description="what to generate, or how to edit the references")
+    prompt: str = Field(
+        min_length=1,
+        max_length=MAX_PROMPT_CHARS,
+        description=f"what to generate, or how to edit the references; at most {MAX_PROMPT_CHARS} characters, "
+        f"of which the text encoder reads {MAX_LENGTH} tokens (the response warns when it cuts)",
+    )
     n: int = Field(1, ge=1, description="images to generate (one batch)")
     size: str | None = Field(
         None,
@@ -43,14 +57,20 @@ class _OpenAIBody(BaseModel):
     model: str | None = Field(
         None, description="accepted as OpenAI's clients send it; the server runs its model"
     )
-    quality: str | None = Field(
-        None, description="OpenAI's; klein has no such setting (ignored, with a warning)"
+    quality: str | None = Field(None, description=_UNUSED)
+    style: str | None = Field(None, description=_UNUSED)
+    user: str | None = Field(None, description="OpenAI's end-user id; ignored")
+    background: str | None = Field(None, description=_UNUSED)
+    moderation: str | None = Field(None, description=_UNUSED)
+    output_format: str | None = Field(
+        None, description="OpenAI's; klein answers PNG (other values: a warning)"
     )
-    style: str | None = Field(
-        None, description="OpenAI's; klein has no such setting (ignored, with a warning)"
-    )
+    output_compression: int | None = Field(None, description=_UNUSED)
+    input_fidelity: str | None = Field(None, description=_UNUSED)
 
 
+UNUSED = ("quality", "style", "background", "moderation", "output_compression", "input_fidelity")
+"""OpenAI's fields that ask for something klein does not do: a warning when given."""
 SETTINGS = ("seed", "num_inference_steps", "guidance_scale", "strength")
 """klein's own settings a body may carry, named, typed, bounded and documented as `GenerationRequest`
 declares them."""
@@ -106,8 +126,32 @@ def from_validation(problems) -> ApiError:
     problem = problems[0]
     names = [str(part) for part in problem.get("loc", ()) if part != "body" and not isinstance(part, int)]
     param = names[-1] if names else None
+    if problem.get("type") == "extra_forbidden" and param is not None:
+        return ApiError(400, unknown_field(param), "unknown_field", param)
     where = f"{param}: " if param else "request body: "
     return ApiError(400, where + problem.get("msg", "invalid value"), "invalid_value", param)
+
+
+# klein's other names of its fields (the CLI's key=value words: steps=4), and diffusers' that klein lacks.
+_ALIASES = {short_name(field, spec): field.name for field, spec in settings_of(GenerationRequest)}
+_ALIASES = {
+    name: field for name, field in _ALIASES.items() if field in ImageBody.model_fields and name != field
+}
+_ALIASES |= {"num_images_per_prompt": "n", "height": "size", "width": "size", "image": "references"}
+_NOT_HERE = {
+    "negative_prompt": "klein takes no negative prompt (the base model's guidance runs against an empty one)",
+}
+
+
+def unknown_field(name: str) -> str:
+    """What to say of a body field klein does not know: its nearest known one, or every known one."""
+    known = list(ImageBody.model_fields)
+    if name in _NOT_HERE:
+        return f"unknown field {name!r:.60}: {_NOT_HERE[name]}"
+    close = difflib.get_close_matches(name, known + list(_ALIASES), n=1, cutoff=0.6)
+    if close:
+        return f"unknown field {name!r:.60}; did you mean {_ALIASES.get(close[0], close[0])!r}?"
+    return f"unknown field {name!r:.60}; the fields are {', '.join(known)}"
 
 
 def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
@@ -140,10 +184,10 @@ def ignored(body: ImageBody, model_name: str) -> tuple[str, ...]:
     notes = []
     if body.model is not None and body.model != model_name:
         notes.append(f"model {body.model!r:.80} is ignored: this server runs {model_name}")
+    if body.output_format is not None and body.output_format.lower() != "png":
+        notes.append(f"output_format {body.output_format!r:.20} is ignored: klein answers PNG")
     notes += [
-        f"{name} is ignored: klein has no such setting"
-        for name in ("quality", "style")
-        if getattr(body, name)
+        f"{name} is ignored: klein has no such setting" for name in UNUSED if getattr(body, name) is not None
     ]
     return tuple(notes)
 

@@ -1,14 +1,17 @@
-"""Multipart uploads: the body capped while it streams, images decoded safely and prepared off the loop.
+"""Multipart uploads: the form read within its limits, images decoded safely and prepared off the loop.
 
-- A body larger than `--max-upload-bytes` is refused (413) from its Content-Length, or as soon as the
-  bytes read exceed it when the client streams without one: never read whole first.
+- The body is capped while it streams, as every body is (`klein.serve.body_cap`, 413); a body that is
+  not a form is refused (415) with what to send instead.
 - Files come under "image" or "image[]" (what the openai client sends for one or several); at most
   `--max-references` of them; on an edit, one more under "mask": OpenAI's mask, whose fully
-  transparent pixels mark the area to repaint (`klein.masks.from_alpha`). Their bytes stay in memory (Starlette spools large parts to anonymous
-  temporary files); nothing a client sends (file names included) becomes a path.
-- Decoding refuses an image over `--max-pixels` from its header, before decoding (decompression bombs),
-  then prepares it as the pipeline does (`klein.images.prepare_reference`, or `klein.masks.prepare_source`
-  for the image an edit with a mask or a strength repaints) in a thread, not on the loop.
+  transparent pixels mark the area to repaint (`klein.masks.from_alpha`). Their bytes stay in memory
+  (Starlette spools large parts to anonymous temporary files); nothing a client sends (file names
+  included) becomes a path.
+- Decoding accepts PNG, JPEG and WEBP only (`klein.images.UPLOAD_FORMATS`: no other Pillow plugin, such as
+  EPS's, which runs Ghostscript, ever sees the bytes), refuses an image over `--max-pixels` from its
+  header, before decoding (decompression bombs), then prepares it as the pipeline does
+  (`klein.images.prepare_reference`, or `klein.masks.prepare_source` for the image an edit with a mask or
+  a strength repaints) in a thread, not on the loop. Routes check the queue before they decode.
 """
 
 from __future__ import annotations
@@ -29,34 +32,8 @@ from klein.serve.reference_sets import PreparedImage
 
 IMAGE_FIELDS = ("image", "image[]")
 MASK_FIELD = "mask"
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")  # what a form is sent as
 MAX_FIELD_BYTES = 64 * 2**10  # one text field (a prompt is far shorter)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(
-        413,
-        f"the request body is larger than the {limit} bytes allowed (--max-upload-bytes)",
-        "upload_too_large",
-    )
-
-
-def _capped(receive, limit: int):
-    """`receive` that raises `_TooLarge` once the body read so far exceeds `limit` bytes."""
-    seen = 0
-
-    async def capped():
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > limit:
-            raise _TooLarge
-        return message
-
-    return capped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +48,15 @@ class Form:
 
 async def read_form(request: Request, options: ServeOptions, mask: bool = False) -> Form:
     """The fields and files of a multipart request; `mask`: whether it may carry a mask file."""
-    limit = options.max_upload_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise _too_large(limit)
-    capped = Request(request.scope, _capped(request.receive, limit))
+    if not request.headers.get("content-type", "").lower().startswith(FORM_TYPES):
+        raise ApiError(
+            415,
+            f"{request.url.path} takes multipart/form-data: image files as 'image' (or 'image[]') and the "
+            "settings as form fields (curl -F); JSON goes to /v1/images/generations or /v1/jobs",
+            "unsupported_media_type",
+        )
     try:
-        form = await capped.form(
+        form = await request.form(
             max_files=options.max_references + 1 + mask, max_fields=64, max_part_size=MAX_FIELD_BYTES
         )
         fields, files, masks_sent = {}, [], []
@@ -91,8 +70,6 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
             else:
                 fields[key] = value
         await form.close()
-    except _TooLarge:
-        raise _too_large(limit) from None
     except MultiPartException as error:
         code = "too_many_references" if "files" in str(error).lower() else "invalid_multipart"
         raise ApiError(400, f"malformed or over-limit multipart body: {error}", code, None) from None
@@ -136,7 +113,7 @@ def _prepare_all(files: list[bytes], max_pixels: int, source: bool) -> list[Prep
     for index, data in enumerate(files):
         name = f"image {index + 1}"
         try:
-            picture = images.read_image(data, name, max_pixels)
+            picture = images.read_image(data, name, max_pixels, formats=images.UPLOAD_FORMATS)
             if source and index == 0:
                 pixels = masks.prepare_source(picture).pixels
             else:
@@ -154,6 +131,7 @@ async def read_mask(data: bytes, options: ServeOptions) -> PIL.Image.Image:
 
 def _read_mask(data: bytes, max_pixels: int) -> PIL.Image.Image:
     try:
-        return masks.from_alpha(images.read_image(data, MASK_FIELD, max_pixels, mode=None))
+        picture = images.read_image(data, MASK_FIELD, max_pixels, mode=None, formats=images.UPLOAD_FORMATS)
+        return masks.from_alpha(picture)
     except InputError as error:
         raise ApiError(400, str(error), "invalid_image", MASK_FIELD) from None

@@ -155,20 +155,25 @@ class Worker:
                 raise errors.ApiError(
                     503, "the server is shutting down; retry on another replica", "shutting_down"
                 )
-            if len(self._queue) >= self.max_queue:
-                retry = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
-                raise errors.ApiError(
-                    429,
-                    f"the queue is full ({self.max_queue} requests waiting); retry in about {retry} s",
-                    "queue_full",
-                    headers={"Retry-After": str(retry)},
-                )
+            self.check_room()
             job.events.append(("queued", {"position": len(self._queue)}))
             self._queue.append(job)
             if keep:
                 self.jobs.add(job)
             self._wake.notify()
         return job
+
+    def check_room(self) -> None:
+        """A 429 with Retry-After when the queue is full: `submit` asks, and a route before it decodes
+        uploaded images."""
+        if len(self._queue) >= self.max_queue:
+            retry = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
+            raise errors.ApiError(
+                429,
+                f"the queue is full ({self.max_queue} requests waiting); retry in about {retry} s",
+                "queue_full",
+                headers={"Retry-After": str(retry)},
+            )
 
     def abandon(self, job: Job) -> None:
         """Drop `job` if it has not started: its client went away."""

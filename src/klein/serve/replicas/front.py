@@ -71,14 +71,21 @@ class Jobs:
     """The front's jobs: those of /v1/jobs by id (`klein.serve.jobs.JobTable`), the calls of all, and
     what the app asks of a worker (`abandon`, `cancel`, `depth`)."""
 
-    def __init__(self, options: ServeOptions):
+    def __init__(self, options: ServeOptions, max_queue: int):
         self.jobs = JobTable(options.max_result_bytes, options.result_ttl)
+        self.max_queue = max_queue
+        """Jobs that may wait, over every replica; more get 429 before their images are decoded."""
         self._calls: dict[str, object] = {}
         self._live: dict[str, Job] = {}
 
     @property
     def depth(self) -> int:
         return sum(job.status == "queued" for job in self._live.values())
+
+    def check_room(self) -> None:
+        """A 429 when as many jobs wait as Serve's queues take (Serve refuses past that too)."""
+        if self.depth >= self.max_queue:
+            raise busy()
 
     def add(self, job: Job, call, keep: bool = False) -> None:
         self._calls[job.id], self._live[job.id] = call, job
@@ -109,9 +116,9 @@ class Front:
         self.handle, self.options, self.version, self.routing = handle, options, version, routing
         self.metrics = Metrics()
         self.sets = ReferenceStore(options.cache_bytes)
-        self.worker = Jobs(options)
-        self.metrics.watch(lambda: self.worker.depth, {}, self.worker.jobs)
         self._config, self._health, self.replicas = about["config"], about["health"], about["replicas"]
+        self.worker = Jobs(options, options.max_queue * self.replicas)
+        self.metrics.watch(lambda: self.worker.depth, {}, self.worker.jobs)
 
     @property
     def model_name(self) -> str:

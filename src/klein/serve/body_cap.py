@@ -1,0 +1,57 @@
+"""Every request body of `klein serve` capped while it streams: 413 beyond the cap, on every route.
+
+A body larger than the cap is refused from its Content-Length before a byte is read, or, sent chunked
+without one, as soon as the bytes read pass the cap: never read whole first. Multipart bodies (image
+uploads) may reach `--max-upload-bytes`; any other body (JSON: a prompt and settings) at most
+`MAX_JSON_BYTES` as well, which is far more than the longest prompt allowed (`schema.MAX_PROMPT_CHARS`).
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+
+from klein.serve.errors import ApiError
+
+MAX_JSON_BYTES = 2**20
+
+
+class TooLarge(HTTPException):
+    """Raised by the capped `receive`: an `HTTPException`, so that FastAPI's body reading passes it on
+    instead of calling it a parse error; the app answers `error`."""
+
+    def __init__(self, limit: int, what: str):
+        super().__init__(413)
+        self.error = ApiError(
+            413, f"the request body is larger than the {limit} bytes allowed ({what})", "upload_too_large"
+        )
+
+
+def limit(headers: Headers, max_upload_bytes: int) -> tuple[int, str]:
+    """(bytes allowed, what allows them) for a request's body."""
+    if headers.get("content-type", "").lower().startswith("multipart/"):
+        return max_upload_bytes, "--max-upload-bytes"
+    if MAX_JSON_BYTES < max_upload_bytes:
+        return MAX_JSON_BYTES, "a body that is not multipart"
+    return max_upload_bytes, "--max-upload-bytes"
+
+
+def declared(headers: Headers, allowed: int) -> bool:
+    """Whether the Content-Length says more than `allowed` bytes."""
+    length = headers.get("content-length", "")
+    return length.isdigit() and int(length) > allowed
+
+
+def capped(receive, allowed: int, what: str):
+    """`receive` that raises `TooLarge` once the body read so far passes `allowed` bytes."""
+    seen = 0
+
+    async def read():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > allowed:
+            raise TooLarge(allowed, what)
+        return message
+
+    return read

@@ -1,0 +1,114 @@
+"""The door of `klein serve`: what every HTTP request passes before a route sees it, in one place.
+
+In order: the Host check (keyless servers: DNS rebinding), the Origin check (state-changing requests from
+another site), a CORS preflight answered for `--allowed-origins`, the API key (every route but /healthz,
+the page and its files under /static/), the key's requests a minute, then the body cap while the route
+reads it (`body_cap`). The key a request came with is left in `scope["state"]["api_key"]` for the job
+limit (`quotas`). Every response is counted and timed by status for /metrics (until its last byte: a
+job's event stream counts as long as it runs). Refusals are klein's JSON errors (`klein.serve.errors`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+
+from klein.serve import body_cap
+from klein.serve.errors import ApiError
+from klein.serve.quotas import Quotas
+from klein.serve.security import STATE_CHANGING, Access
+
+PUBLIC = ("/healthz", "/")
+PUBLIC_PREFIX = "/static/"  # the web page's and the docs' files: no data, so no key needed
+PREFLIGHT_SECONDS = 600
+
+
+class Guard:
+    """Pure ASGI middleware over the app; `service` gives the options and the metrics."""
+
+    def __init__(self, app, service, quotas: Quotas):
+        self.app, self.service, self.quotas = app, service, quotas
+        self.access: Access = service.options.access
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        metrics, started, status = self.service.metrics, time.perf_counter(), []
+        headers = Headers(scope=scope)
+        cors = self.access.cors(headers.get("origin"))
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status.append(str(message["status"]))
+                message["headers"] = [*message.get("headers", []), *_raw(cors)]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                metrics.count_request(status[0], time.perf_counter() - started)
+
+        try:
+            answer = self._admit(scope, headers)
+        except ApiError as error:
+            answer = JSONResponse(error.body(), error.status, headers=error.headers)
+        if answer is not None:
+            return await answer(scope, receive, counted)
+        allowed, what = body_cap.limit(headers, self.service.options.max_upload_bytes)
+        if body_cap.declared(headers, allowed):
+            error = body_cap.TooLarge(allowed, what).error
+            return await JSONResponse(error.body(), 413)(scope, receive, counted)
+        return await self.app(scope, body_cap.capped(receive, allowed, what), counted)
+
+    def _admit(self, scope, headers: Headers) -> Response | None:
+        """None to let the request through; a response (a preflight's), or an `ApiError`, to stop it."""
+        access, method, origin = self.access, scope["method"], headers.get("origin")
+        if not access.keys and not access.host_allowed(headers.get("host")):
+            raise ApiError(
+                403,
+                f"Host {headers.get('host')!r:.80} is not this server's name: to reach it by that name, "
+                "start it with --allowed-hosts NAME (or with an API key)",
+                "forbidden_host",
+            )
+        if (
+            origin is not None
+            and method in STATE_CHANGING
+            and not access.origin_allowed(origin, headers.get("host"))
+        ):
+            raise ApiError(
+                403,
+                f"requests from the web page at {origin!r:.80} are refused: start the server with "
+                "--allowed-origins ORIGIN to let that site call it",
+                "forbidden_origin",
+            )
+        if method == "OPTIONS" and access.cors(origin) and "access-control-request-method" in headers:
+            return _preflight()
+        path = scope["path"]
+        if not access.keys or path in PUBLIC or path.startswith(PUBLIC_PREFIX):
+            return None
+        key = access.match(headers.get("authorization", ""))
+        if key is None:
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                "unauthorized",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        self.quotas.request(key)
+        scope.setdefault("state", {})["api_key"] = key
+        return None
+
+
+def _preflight() -> Response:
+    """The answer to a CORS preflight from an allowed origin (its Allow-Origin added by the guard)."""
+    return Response(
+        status_code=204,
+        headers={
+            "Access-Control-Allow-Methods": "GET, POST, DELETE",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Max-Age": str(PREFLIGHT_SECONDS),
+        },
+    )
+
+
+def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]

@@ -1,0 +1,70 @@
+"""Per-key limits of `klein serve`: requests a minute and jobs at once (`KEY rpm=N jobs=N`), each
+exceeded one a 429 with Retry-After.
+
+Requests a minute are a token bucket per key: N tokens, refilled at N a minute, so a key may burst up to
+N requests and then goes at N a minute. Jobs at once count a key's jobs from their submission until they
+finish (a synchronous request's, and an asynchronous one's after its 202); the worker thread finishes
+jobs, hence the lock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from klein.errors import counted
+from klein.serve.errors import ApiError
+from klein.serve.security import ApiKey
+
+
+class Quotas:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._tokens: dict[str, tuple[float, float]] = {}
+        """Key label -> (tokens left, when they were counted)."""
+        self._jobs: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def request(self, key: ApiKey) -> None:
+        """Count one request of `key`; a 429 if it has none left this minute."""
+        if key.rpm is None:
+            return
+        now, rate = self._clock(), key.rpm / 60
+        with self._lock:
+            tokens, then = self._tokens.get(key.label, (float(key.rpm), now))
+            tokens = min(float(key.rpm), tokens + (now - then) * rate)
+            if tokens < 1:
+                self._tokens[key.label] = (tokens, now)
+                retry = math.ceil((1 - tokens) / rate)
+                raise _limited(f"{counted(key.rpm, 'request')} a minute", key, retry)
+            self._tokens[key.label] = (tokens - 1, now)
+
+    def job(self, key: ApiKey | None) -> Callable[[], None]:
+        """Take one of `key`'s job slots (a 429 if all are taken); the function that gives it back."""
+        if key is None or key.jobs is None:
+            return lambda: None
+        with self._lock:
+            running = self._jobs.get(key.label, 0)
+            if running >= key.jobs:
+                raise _limited(f"{counted(key.jobs, 'job')} at once", key, 1)
+            self._jobs[key.label] = running + 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if not released.is_set():
+                    released.set()
+                    self._jobs[key.label] -= 1
+
+        return release
+
+
+def _limited(limit: str, key: ApiKey, retry: int) -> ApiError:
+    return ApiError(
+        429,
+        f"this API key ({key.label}) may make {limit}; retry in {retry} s",
+        "rate_limited",
+        headers={"Retry-After": str(retry)},
+    )
