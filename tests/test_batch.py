@@ -20,10 +20,13 @@ import pytest
 
 from klein.batch import job, lines
 from klein.batch.local import Local
+from klein.errors import InputError
+from klein.request.loading import LoadOptions
 from klein.request.request import GenerationRequest
 
 SETS = 4
 LINES = 40
+DEMO = LoadOptions()  # the model flags of a run on the demo checkpoint
 
 
 @pytest.fixture
@@ -125,10 +128,12 @@ def test_each_reference_set_is_encoded_once_per_worker(pipe, requests, tmp_path)
     out = tmp_path / "out"
     before = pipe.counters["references"]
     local = Local(lambda: pipe, out, "test")
-    summary = job.run(requests, out, local, resume=False, fail_fast=False)
+    summary = job.run(requests, out, local, resume=False, fail_fast=False, loading=DEMO)
     assert (summary.done, summary.failed, summary.skipped) == (LINES, 0, 0)
     assert pipe.counters["references"] - before == SETS
-    again = job.run(requests, out, Local(lambda: pipe, out, "test"), resume=True, fail_fast=False)
+    again = job.run(
+        requests, out, Local(lambda: pipe, out, "test"), resume=True, fail_fast=False, loading=DEMO
+    )
     assert (again.done, again.skipped, again.encodings) == (0, LINES, 0)
 
 
@@ -145,7 +150,9 @@ def test_bad_lines_are_reported_by_number_and_the_rest_runs(pipe, requests, tmp_
     path = requests.with_name("mixed.jsonl")
     path.write_text("\n".join([good[0], *bad, "", good[1]]) + "\n")
     out = tmp_path / "out"
-    summary = job.run(path, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False)
+    summary = job.run(
+        path, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False, loading=DEMO
+    )
     assert (summary.done, summary.failed) == (2, 6)
     entries = {e["line"]: e for e in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     assert sorted(entries) == [1, 2, 3, 4, 5, 6, 7, 9]
@@ -194,7 +201,9 @@ def test_inpainting_lines_share_their_source_encoding_and_equal_the_python_call(
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "out"
     before = pipe.counters["references"]
-    summary = job.run(path, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False)
+    summary = job.run(
+        path, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False, loading=DEMO
+    )
     assert (summary.done, summary.failed) == (2, 0)
     assert pipe.counters["references"] - before == 1  # one source + reference encoding for both lines
     written = pngs(out)
@@ -211,3 +220,64 @@ def test_inpainting_lines_share_their_source_encoding_and_equal_the_python_call(
         seed=0,
     ).images[0]
     assert np.array_equal(got, np.asarray(want))
+
+
+def test_results_record_what_made_each_output_and_resume_refuses_other_model_flags(
+    klein_home, pipe, requests, tmp_path
+):
+    first_two = requests.with_name("two.jsonl")
+    first_two.write_text("".join(requests.read_text().splitlines(keepends=True)[:2]))
+    out = tmp_path / "out"
+    job.run(first_two, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False, loading=DEMO)
+    entries = [json.loads(row) for row in (out / "results.jsonl").read_text().splitlines()]
+    made_by = entries[0]["made_by"]
+    assert (made_by["model"], made_by["lora"], made_by["dtype"]) == ("demo", [], None)
+    settings = entries[1]["settings"]
+    assert (settings["prompt"], settings["seed"], settings["model"]) == ("edit 1", "1", pipe.name)
+
+    # Another dtype (or model, or LoRA set) on resume: exit 2 before any model loads, naming it.
+    refused = run_batch(klein_home, requests, "--out", out, "--resume", "--dtype", "bfloat16")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "dtype None there, 'bfloat16' now" in refused.stderr and "--force" in refused.stderr
+    assert len(pngs(out)) == 2
+    # --force mixes knowingly: the new line records its own maker, the old ones keep theirs.
+    other = LoadOptions(dtype="bfloat16")
+    with pytest.raises(InputError, match="made otherwise"):
+        job.run(requests, out, Local(lambda: pipe, out, "test"), True, False, loading=other)
+    three = requests.with_name("three.jsonl")
+    three.write_text("".join(requests.read_text().splitlines(keepends=True)[:3]))
+    job.run(three, out, Local(lambda: pipe, out, "test"), True, False, loading=other, force=True)
+    makers = [json.loads(row)["made_by"]["dtype"] for row in (out / "results.jsonl").read_text().splitlines()]
+    assert makers == [None, None, "bfloat16"]
+
+
+def test_outputs_and_results_reach_the_disk_before_they_are_renamed_into_place(pipe, requests, tmp_path):
+    from klein.io import durable, png
+
+    events = []
+    synced, replaced, linked = durable.os.fsync, png.os.replace, png.os.link
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(durable.os, "fsync", lambda fd: events.append(f"fsync {_name(fd)}") or synced(fd))
+        patch.setattr(
+            png.os, "replace", lambda a, b: events.append(f"rename {Path(b).name}") or replaced(a, b)
+        )
+        patch.setattr(png.os, "link", lambda a, b: events.append(f"link {Path(b).name}") or linked(a, b))
+        one = requests.with_name("one.jsonl")
+        one.write_text(requests.read_text().splitlines(keepends=True)[0])
+        out = tmp_path / "out"
+        job.run(one, out, Local(lambda: pipe, out, "test"), False, False, loading=DEMO)
+    renamed = next(i for i, event in enumerate(events) if event.startswith("rename line-"))
+    name = events[renamed].removeprefix("rename ")
+    assert events[renamed - 1].startswith(f"fsync .{name}.") and events[renamed - 1].endswith(".tmp"), events
+    assert events[renamed + 1] == "fsync out", "the folder holding the renamed PNG was not synced"
+    compacted = events.index("rename results.jsonl")
+    assert events[compacted - 1 : compacted + 2] == [
+        "fsync .results.jsonl.tmp",
+        "rename results.jsonl",
+        "fsync out",
+    ]
+
+
+def _name(fd: int) -> str:
+    """The name of the file or folder open as `fd`."""
+    return Path(os.readlink(f"/proc/self/fd/{fd}")).name

@@ -34,12 +34,16 @@ def url(klein_home):
 
 
 def replica_pids() -> list[int]:
-    """Processes of this test's replicas, by the title Ray gives them."""
+    return processes_titled(b"ray::ServeReplica:klein:Replica")
+
+
+def processes_titled(title: bytes) -> list[int]:
+    """Processes of this test's Serve application whose title (which Ray gives them) starts so."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as stream:
-                if stream.read().startswith(b"ray::ServeReplica:klein:Replica"):
+                if stream.read().startswith(title):
                     pids.append(int(pid))
         except OSError:
             continue
@@ -146,3 +150,38 @@ def test_b_a_replica_killed_under_load_costs_503s_with_retry_after_only(url):
     client = client_of(url)
     for s in range(SETS):
         client.images.generate(prompt="after", size="64x64", extra_body={"references": ids[s], **STEPS})
+
+
+def test_c_the_front_killed_mid_request_answers_klein_503_and_its_old_ids_say_it_restarted(url):
+    """The front's process dies while it holds a synchronous edit: the client gets klein's JSON 503 with
+    Retry-After, not the proxy's plain-text 500; once Serve has started a new front, a job id of the old
+    one answers 404 saying the front restarted, and new work is served."""
+    job = httpx.post(url + "/v1/jobs", json={"prompt": "before", "size": "64x64", "seed": 1, **STEPS}).json()
+    answer = {}
+
+    def slow_edit() -> None:  # the demo at 1024^2 x 50 steps: seconds, long enough to be cut
+        body = {"prompt": "long", "size": "1024x1024", "num_inference_steps": 50}
+        answer["r"] = httpx.post(url + "/v1/images/generations", json=body, timeout=180)
+
+    fronts = front_pids()
+    assert len(fronts) == 1
+    thread = threading.Thread(target=slow_edit)
+    thread.start()
+    time.sleep(3)  # the request is in the front, its job compiling or running for several seconds more
+    os.kill(fronts[0], signal.SIGKILL)
+    thread.join(timeout=180)
+    response = answer["r"]
+    assert response.status_code == 503, response.text[:200]
+    assert int(response.headers["retry-after"]) > 0 and response.json()["error"]["code"] == "front_lost"
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (front_pids() and front_pids() != fronts):
+        time.sleep(0.5)
+    old = httpx.get(f"{url}/v1/jobs/{job['id']}", timeout=60)
+    assert old.status_code == 404 and old.json()["error"]["code"] == "front_restarted", old.text
+    assert "restarted" in old.json()["error"]["message"]
+    client_of(url).images.generate(prompt="after", size="64x64", extra_body=STEPS)
+
+
+def front_pids() -> list[int]:
+    return processes_titled(b"ray::ServeReplica:klein:Front")

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from klein.batch import manifest, plan
+from klein.batch import manifest, plan, provenance
 from klein.batch.lines import BadLine, Line, read_lines
 from klein.batch.manifest import Manifest
 from klein.errors import InputError
+from klein.request.loading import LoadOptions
 
 
 @dataclasses.dataclass
@@ -35,9 +36,10 @@ class Summary:
         )
 
 
-def prepare_out(out: Path, resume: bool) -> Manifest:
+def prepare_out(out: Path, resume: bool, made_by: dict, force: bool) -> Manifest:
     """The output folder (created if need be) and its manifest; a folder holding a batch's results is
-    continued only with `resume`, so that nothing is mixed up or replaced by accident."""
+    continued only with `resume`, and only by the model that made them (`made_by`) unless `force`, so that
+    nothing is mixed up or replaced by accident."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -47,17 +49,30 @@ def prepare_out(out: Path, resume: bool) -> Manifest:
             f"{out} already holds a batch's results; pass --resume to continue it, or choose another --out"
         )
     record = Manifest(out)
+    if not force:
+        provenance.check_resume(record.makers(), made_by, out)
     record.path.touch()
     return record
 
 
-def run(requests: Path, out: Path, executor, resume: bool, fail_fast: bool) -> Summary:
-    """Run every line of `requests` not finished in `out`; the counts."""
+def run(
+    requests: Path,
+    out: Path,
+    executor,
+    resume: bool,
+    fail_fast: bool,
+    *,
+    loading: LoadOptions,
+    force: bool = False,
+) -> Summary:
+    """Run every line of `requests` not finished in `out` with the pipeline `loading` loads (`executor`
+    loads it); the counts. `force`: resume a folder whose outputs another model or LoRA set made."""
     read = read_lines(requests)
     bad = [line for line in read if isinstance(line, BadLine)]
     if bad and fail_fast:
         raise InputError(f"{bad[0]} (--fail-fast)")
-    record = prepare_out(out, resume)
+    made_by = provenance.made_by(loading)
+    record = prepare_out(out, resume, made_by, force)
     summary = Summary(failed=len(bad))
     try:
         for line in bad:
@@ -66,21 +81,24 @@ def run(requests: Path, out: Path, executor, resume: bool, fail_fast: bool) -> S
         lines = [line for line in read if isinstance(line, Line)]
         todo, summary.skipped = plan.remaining(lines, out, record)
         if todo:
-            _execute(todo, executor, record, summary, fail_fast)
+            _execute(todo, executor, record, summary, fail_fast, made_by)
     finally:
         record.compact()
     return summary
 
 
-def _execute(todo: list[Line], executor, record: Manifest, summary: Summary, fail_fast: bool) -> None:
+def _execute(
+    todo: list[Line], executor, record: Manifest, summary: Summary, fail_fast: bool, made_by: dict
+) -> None:
     total = summary.skipped + len(todo)
     with tqdm(total=total, initial=summary.skipped, desc="batch", unit="line", file=sys.stderr) as bar:
         for entry in executor.run(plan.groups(todo)):
-            record.add(entry)
             bar.update()
             if entry["status"] == "done":
+                record.add(entry | {"made_by": made_by})
                 summary.done += 1
                 continue
+            record.add(entry)
             summary.failed += 1
             message = f"line {entry['line']}: {entry['error']}"
             if fail_fast:

@@ -4,8 +4,14 @@ Entries are appended as lines finish (a killed job keeps what it wrote), and the
 the end of a run, atomically, with one entry per line in line order (a resumed line's new entry replaces
 its old one). A tail torn by a kill (no final newline) is cut off when the file is read again.
 
-    {"line": 7, "status": "done", "outputs": ["line-00007-ab12cd34.png"], "seed": 123}
+    {"line": 7, "status": "done", "outputs": ["line-00007-ab12cd34.png"], "seed": 123,
+     "settings": {"prompt": "...", "steps": "4", "model": "...", "loras": "...", ...},
+     "made_by": {"model": "/models/klein-9b-kv", "lora": [["/loras/ink.safetensors", 0.8]], ...}}
     {"line": 9, "status": "error", "error": "image 'cat.png' not found (...)"}
+
+`settings` is what ran (the PNG's own metadata: every setting after defaults and rounding, the model,
+variant and LoRAs); `made_by` the run's model flags (`klein.batch.provenance`), which `--resume` compares.
+Every write is flushed to the disk (fsync) before it counts: a crash leaves whole entries only.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from klein.io import durable
 
 NAME = "results.jsonl"
 
@@ -40,6 +48,15 @@ class Manifest:
         self.entries[entry["line"]] = entry
         with open(self.path, "a", encoding="utf-8") as stream:
             stream.write(json.dumps(entry) + "\n")
+            durable.flush(stream)
+
+    def makers(self) -> list[dict]:
+        """Each distinct `made_by` of the finished entries (none for lines recorded from their files)."""
+        found = []
+        for entry in self.entries.values():
+            if "made_by" in entry and entry["made_by"] not in found:
+                found.append(entry["made_by"])
+        return found
 
     def compact(self) -> None:
         """Rewrite the file with each line's latest entry once, in line order (temporary file + rename)."""
@@ -47,12 +64,18 @@ class Manifest:
         with open(temporary, "w", encoding="utf-8") as stream:
             for number in sorted(self.entries):
                 stream.write(json.dumps(self.entries[number]) + "\n")
+            durable.flush(stream)
         os.replace(temporary, self.path)
+        durable.sync_folder(self.path.parent)
 
 
-def done(line: int, paths: list[Path], seed: int, warnings=()) -> dict:
+def done(line: int, paths: list[Path], seed: int, warnings=(), settings: dict | None = None) -> dict:
     entry = {"line": line, "status": "done", "outputs": [path.name for path in paths], "seed": seed}
-    return entry | ({"warnings": list(warnings)} if warnings else {})
+    return (
+        entry
+        | ({"warnings": list(warnings)} if warnings else {})
+        | ({"settings": settings} if settings else {})
+    )
 
 
 def failed(line: int, message: str) -> dict:

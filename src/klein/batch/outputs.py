@@ -23,11 +23,15 @@ def finished(out: Path, line: Line) -> bool:
     return all(path.is_file() for path in targets(out, line))
 
 
-def write(out: Path, line: Line, result, version: str) -> list[Path]:
-    """Write a `GenerationOutput` of `line`; the metadata names its references as the line does."""
-    ran = dataclasses.replace(result.settings.request, image=line.named)
-    settings = dataclasses.replace(result.settings, request=ran)
+def ran(line: Line, result):
+    """The settings a `GenerationOutput` of `line` ran with, its references named as the line names them."""
+    request = dataclasses.replace(result.settings.request, image=line.named)
+    return dataclasses.replace(result.settings, request=request)
+
+
+def write(out: Path, line: Line, images, settings, version: str) -> list[Path]:
+    """Write the images of `line`, made with `settings` (`ran`), with their metadata."""
     paths = targets(out, line)
-    for index, (image, path) in enumerate(zip(result.images, paths, strict=True)):
+    for index, (image, path) in enumerate(zip(images, paths, strict=True)):
         png.write_png(image, path, png.png_metadata(settings.metadata(index, version)), overwrite=True)
     return paths

@@ -51,5 +51,9 @@ class Runner:
             result = self.pipe.generate(request)
         except InputError as error:
             return manifest.failed(line.number, str(error))
-        paths = outputs.write(self.out, line, result, self.version)
-        return manifest.done(line.number, paths, result.seed, result.settings.notes)
+        settings = outputs.ran(line, result)
+        paths = outputs.write(self.out, line, result.images, settings, self.version)
+        recorded = {
+            k: v for k, v in settings.metadata(0, self.version).items() if k not in ("index", "Software")
+        }
+        return manifest.done(line.number, paths, result.seed, result.settings.notes, recorded)

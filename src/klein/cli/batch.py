@@ -25,7 +25,9 @@ key=value names (prompt, image, height, width, steps, guidance, num_images, seed
 Image paths (or file:// URLs) are read relative to the file's folder. Requests are grouped by reference
 set, so each set is encoded once per worker. Each line's PNGs (line-NNNNN-<digest>.png, with the
 metadata `klein generate` writes) are written whole or not at all, and DIR/results.jsonl records what
-became of every line. A killed run continues with --resume: finished lines are skipped.
+became of every line, and which model, LoRAs and settings made each output. A killed run continues with
+--resume: finished lines are skipped; a resume with other model flags (model, LoRAs, variant, dtype)
+than those that made DIR's outputs is refused unless --force.
 
 Bad lines are reported with their numbers and the run goes on (--fail-fast stops at the first).
 Exit codes: 0 every line done, 3 some lines failed, 2 bad arguments, 1 internal error."""
@@ -48,6 +50,12 @@ def batch_parser() -> argparse.ArgumentParser:
     add("requests", metavar="REQUESTS.jsonl", type=Path, help="one JSON request per line")
     add("--out", required=True, type=Path, metavar="DIR", help="folder for the PNGs and results.jsonl")
     add("--resume", action="store_true", help="continue a run in DIR: skip the lines already written")
+    add(
+        "--force",
+        action="store_true",
+        help="with --resume: continue although DIR's outputs were made with another model, LoRA set, "
+        "variant or dtype (each line's entry in results.jsonl records what made it)",
+    )
     add("--fail-fast", action="store_true", help="stop at the first bad line or failed request")
     add(
         "--ray",
@@ -66,7 +74,17 @@ def batch_command(flags: argparse.Namespace) -> int:
 
     if not flags.requests.is_file():
         raise InputError(f"{flags.requests}: no such file")
-    summary = job.run(flags.requests, flags.out, _executor(flags), flags.resume, flags.fail_fast)
+    if flags.force and not flags.resume:
+        raise InputError("--force goes with --resume")
+    summary = job.run(
+        flags.requests,
+        flags.out,
+        _executor(flags),
+        flags.resume,
+        flags.fail_fast,
+        loading=cli_flags.load_options(flags),
+        force=flags.force,
+    )
     print(summary.describe(flags.out), file=sys.stderr)
     return EXIT_FAILED_LINES if summary.failed else 0
 

@@ -1,8 +1,9 @@
 """PNG files carrying their settings as text metadata, and where the images of one run go.
 
 Files are never clobbered by accident: the output plan is checked before any model work, and each PNG is
-written to a temporary file in the target folder, then published with a hard link (which fails if the name
-was taken meanwhile) or, with overwrite, an atomic rename. A failure never leaves a half-written PNG.
+written to a temporary file in the target folder and, once its bytes are on the disk (`klein.io.durable`),
+published with a hard link (which fails if the name was taken meanwhile) or, with overwrite, an atomic
+rename. A failure never leaves a half-written PNG.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import PIL.Image
 from PIL.PngImagePlugin import PngInfo
 
 from klein.errors import InputError
+from klein.io import durable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,11 @@ def write_png(image: PIL.Image.Image, path: Path, info: PngInfo, overwrite: bool
     try:
         with open(temporary, "xb") as stream:
             image.save(stream, format="PNG", pnginfo=info)
-        return _publish(temporary, path, overwrite)
+            durable.flush(stream)
+        published = _publish(temporary, path, overwrite)
+        if published:
+            durable.sync_folder(path.parent)
+        return published
     finally:
         temporary.unlink(missing_ok=True)
 

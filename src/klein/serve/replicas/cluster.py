@@ -18,10 +18,14 @@ from ray.serve.config import RequestRouterConfig
 
 from klein import ray_runtime
 from klein.serve.options import ServeOptions
+from klein.serve.replicas import proxy
 from klein.serve.replicas.front import APP, REPLICA, FrontDeployment
 from klein.serve.replicas.replica import Replica
 from klein.serve.replicas.router import ReferenceRouter
 
+PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+"""Serve's proxy reads this variable when it starts: the middlewares it wraps requests in (`proxy`). On a
+cluster whose Serve is already running, its proxy keeps what it was started with."""
 REPLICA_CONCURRENCY = 4
 """Requests a replica holds at once (one running, three queued on its worker); a request whose set's
 replica holds as many goes to another (`router`), and with every replica full it waits at the router."""
@@ -40,7 +44,7 @@ def serve_replicas(
     routing: str,
 ) -> int:
     """Serve until SIGTERM / SIGINT; the exit code."""
-    ray_runtime.start(address)
+    ray_runtime.start(address, {PROXY_CALLBACK: proxy.IMPORT_PATH})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())

@@ -1,0 +1,60 @@
+"""What made a batch's outputs: the loading options that change the images (model and its parts, LoRAs
+and their scales, variant, precision), in a canonical form that `results.jsonl` records with every
+finished line and `--resume` compares before any model is loaded.
+
+Local paths are made absolute (the same folder named two ways is one model; a relative path means the
+same thing from any working directory); repo ids stay as given. Where the weights stay (residency, mesh)
+does not change the images and is not recorded here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from klein.errors import InputError
+from klein.lora.files import parse_spec
+from klein.request.loading import LoadOptions
+
+MADE_BY = (
+    "model",
+    "transformer",
+    "text_encoder",
+    "vae",
+    "tokenizer",
+    "lora",
+    "variant",
+    "dequantize",
+    "dtype",
+)
+"""The `LoadOptions` fields an output depends on."""
+
+
+def made_by(options: LoadOptions) -> dict:
+    """The JSON record of `options`' fields in `MADE_BY` (defaults included, so that "demo" given and
+    "demo" by default are the same)."""
+    record = {name: getattr(options, name) for name in MADE_BY}
+    record["model"] = _where(record["model"] or "demo")
+    for name in ("transformer", "text_encoder", "vae", "tokenizer"):
+        record[name] = _where(record[name]) if record[name] is not None else None
+    record["lora"] = [[_where(name), scale] for name, scale in map(parse_spec, options.lora)]
+    return record
+
+
+def _where(name: str) -> str:
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else str(name)
+
+
+def check_resume(recorded: list[dict], now: dict, folder: Path) -> None:
+    """Refuse (an `InputError`) to add outputs made otherwise than those `recorded` in `folder`."""
+    for before in recorded:
+        differences = [
+            f"{name} {before.get(name)!r} there, {now[name]!r} now"
+            for name in MADE_BY
+            if before.get(name) != now[name]
+        ]
+        if differences:
+            raise InputError(
+                f"--resume: {folder}'s outputs were made otherwise ({'; '.join(differences)}); resume with "
+                "the same model flags, choose another --out, or pass --force to mix them knowingly"
+            )
