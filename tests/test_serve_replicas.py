@@ -185,3 +185,20 @@ def test_c_the_front_killed_mid_request_answers_klein_503_and_its_old_ids_say_it
 
 def front_pids() -> list[int]:
     return processes_titled(b"ray::ServeReplica:klein:Front")
+
+
+def test_an_id_of_an_earlier_front_is_told_apart_from_an_unknown_one():
+    from klein.serve.errors import ApiError
+    from klein.serve.replicas.restarts import FrontJobTable
+
+    earlier, now = FrontJobTable(2**20, 60), FrontJobTable(2**20, 60)
+    codes = {}
+    for name, job_id in [("earlier", earlier.new_id()), ("own", now.new_id()), ("typo", "abc")]:
+        with pytest.raises(ApiError) as raised:
+            now.get(job_id)
+        codes[name] = (raised.value.status, raised.value.code)
+    assert codes == {
+        "earlier": (404, "front_restarted"),
+        "own": (404, "unknown_job"),
+        "typo": (404, "unknown_job"),
+    }

@@ -28,9 +28,9 @@ from klein.serve import errors
 from klein.serve.app import create_app
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
-from klein.serve.jobs import JobTable
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
+from klein.serve.replicas.restarts import FrontJobTable
 from klein.serve.replicas.store import ReferenceStore
 from klein.serve.worker import Job, cancelled
 
@@ -72,7 +72,7 @@ class Jobs:
     what the app asks of a worker (`abandon`, `cancel`, `depth`)."""
 
     def __init__(self, options: ServeOptions, max_queue: int):
-        self.jobs = JobTable(options.max_result_bytes, options.result_ttl)
+        self.jobs = FrontJobTable(options.max_result_bytes, options.result_ttl)
         self.max_queue = max_queue
         """Jobs that may wait, over every replica; more get 429 before their images are decoded."""
         self._calls: dict[str, object] = {}
@@ -149,7 +149,7 @@ class Front:
         call, (name, data) = await _accepted(send)
         if name == "error":
             raise refused(data)
-        job = Job(None, spec=sent)
+        job = Job(None, spec=sent, id=self.worker.jobs.new_id())
         job.events.append(("queued", {"position": self.worker.depth}))
         self.worker.add(job, call, keep)
         asyncio.get_running_loop().create_task(self._follow(job, call, send))
@@ -207,7 +207,7 @@ class Front:
     async def submit_references(self, images) -> Job:
         """Keep the images and have the replica that will serve the set encode it now."""
         key = self.sets.put(images)
-        job = Job(None)
+        job = Job(None, id=self.worker.jobs.new_id())
         call = self._to(key).references.remote((self.sets.images(key),))
         asyncio.get_running_loop().create_task(self._encoded(job, key, call))
         return job

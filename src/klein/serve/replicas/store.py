@@ -53,8 +53,9 @@ class ReferenceStore:
         if found is None:
             raise ApiError(
                 404,
-                f"unknown reference id {key!r:.80}, or its images were dropped (--cache-bytes); upload the "
-                "images again (POST /v1/references, or send them with the edit)",
+                f"unknown reference id {key!r:.80}, or its images were dropped (--cache-bytes, or a restart "
+                "of the front, which keeps them in its memory); upload the images again (POST "
+                "/v1/references, or send them with the edit)",
                 "unknown_reference",
                 "references",
             )
