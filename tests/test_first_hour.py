@@ -24,6 +24,13 @@ def test_guidance_on_a_distilled_model_is_a_warning_and_recorded(pipe):
     assert any("guidance_scale 3 is ignored" in note for note in out.settings.notes)
 
 
+def test_a_prompt_longer_than_the_text_encoder_reads_is_a_warning_and_recorded(pipe):
+    with pytest.warns(UserWarning, match="tokens with its chat template; the text encoder reads 512"):
+        out = pipe(prompt="fox " * 1500, height=32, width=32, num_inference_steps=1)
+    assert any("were cut" in note for note in out.settings.notes)
+    assert not pipe.prompt_notes(["a fox"])
+
+
 def test_encoded_references_print_as_a_summary(pipe):
     import PIL.Image
 

@@ -148,6 +148,18 @@ CASES = [
     ("a misspelt form field", edits([png(1)], strenght="0.5"), 400, "strenght"),
     ("JSON to the edits route", lambda url: httpx.post(url + "/v1/images/edits", json=GOOD), 415, None),
     ("JSON to the references route", lambda url: httpx.post(url + "/v1/references", json={}), 415, None),
+    (
+        "a form to the generations route",
+        lambda url: httpx.post(url + "/v1/images/generations", data=GOOD, files=[("image", png(1))]),
+        415,
+        None,
+    ),
+    (
+        "a form to the jobs route",
+        lambda url: httpx.post(url + "/v1/jobs", data={"prompt": "a fox"}),
+        415,
+        None,
+    ),
     ("prompt over the cap", generations(prompt="a" * (MAX_PROMPT_CHARS + 1)), 400, "prompt"),
     ("form prompt over the cap", edits([png(1)], prompt="a" * (MAX_PROMPT_CHARS + 1)), 400, "prompt"),
     ("JSON body over the cap", json_over_the_cap, 413, None),

@@ -82,7 +82,11 @@ def test_queued_requests_of_one_shape_run_as_one_batch(server):
     wait_for(
         lambda: httpx.get(f"{url}/v1/jobs/{long}", headers=AUTH).json()["status"] == "running", "the long job"
     )
-    bodies = [{**SHORT, "prompt": "a cat", "seed": 11}, {**SHORT, "prompt": "a dog", "seed": 12, "n": 2}]
+    # The dog's prompt is longer than the text encoder reads: its response alone says so.
+    bodies = [
+        {**SHORT, "prompt": "a cat", "seed": 11},
+        {**SHORT, "prompt": "a dog " * 900, "seed": 12, "n": 2},
+    ]
     jobs = [submit(url, body).json()["id"] for body in bodies]  # queued behind the long job, together
     batched = [finished(url, job) for job in jobs]
     after = metrics_of(url)
@@ -96,6 +100,8 @@ def test_queued_requests_of_one_shape_run_as_one_batch(server):
             want, _ = pixels(single, index)
             assert text["prompt"] == body["prompt"] and text["seed"] == str(body["seed"])
             assert max_abs(got, want) <= 2  # float rounding of a batched product, no more
+    cut = [[w for w in body["klein"]["warnings"] if "were cut" in w] for body in batched]
+    assert cut[0] == [] and len(cut[1]) == 1 and cut[1][0].startswith("prompt 'a dog a dog")
     cat, dog = pixels(batched[0])[0], pixels(batched[1])[0]
     assert max_abs(cat, dog) > 20  # each request kept its own prompt and noise
 

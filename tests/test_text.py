@@ -9,7 +9,7 @@ import torch
 from diffusers import Flux2KleinPipeline
 
 from klein.errors import CheckpointError, InputError
-from klein.pipeline.prompts import load_tokenizer, render_prompt, tokenize_prompts
+from klein.pipeline.prompts import load_tokenizer, render_prompt, token_count, tokenize_prompts
 from klein.sampling import text_ids
 from tests.support.tiny_text_encoder import build_tokenizer, hf_chat_tokens
 
@@ -44,6 +44,17 @@ def test_ids_and_mask_equal_transformers(tiny):
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)
     assert mask[-1].all() and not mask[0].all()
+
+
+def test_token_count_is_the_untruncated_length_and_tokenizing_still_truncates(tiny):
+    folder, hf = tiny
+    ours = load_tokenizer(folder)
+    texts, _, _ = hf_chat_tokens(hf, PROMPTS)
+    counts = [token_count(ours, prompt) for prompt in PROMPTS]
+    assert counts == [len(hf(text)["input_ids"]) for text in texts]
+    assert counts[-1] > 512 and max(counts[:-1]) < 512
+    ids, mask = tokenize_prompts(ours, PROMPTS)  # after counting, as the pipeline runs them
+    assert ids.shape == (len(PROMPTS), 512) and mask[-1].all()
 
 
 def test_short_limit_and_single_string(tiny):

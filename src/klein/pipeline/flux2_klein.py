@@ -243,6 +243,9 @@ class Flux2KleinPipeline:
         tiled = self._admit(run)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
         txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
+        cut = self.prompt_notes(request.prompts)
+        for note in cut:
+            warnings.warn(note, stacklevel=2)
         # 5. Reference encoding (VAE, and the prefill for cached references).
         references = request.references
         if prepared:
@@ -276,7 +279,7 @@ class Flux2KleinPipeline:
             tuple(sizes),
             self.loras,
             self.residency,
-            run.notes + self._cut_prompts(request.prompts),
+            run.notes + cut,
         )
         return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
@@ -378,19 +381,18 @@ class Flux2KleinPipeline:
         axes, theta = self.config.axes_dims_rope, self.config.rope_theta
         return self.rope_cache.get((ids.tobytes(), ids.shape[1]), lambda: _rope_tables(ids, axes, theta))
 
-    def _cut_prompts(self, prompts: Sequence[str]) -> tuple[str, ...]:
-        """Notes (and warnings) for prompts longer than the text encoder reads, which it truncates to
-        `MAX_LENGTH` tokens as diffusers does."""
+    def prompt_notes(self, prompts: Sequence[str]) -> tuple[str, ...]:
+        """A note for each prompt longer than the text encoder reads: it truncates them to `MAX_LENGTH`
+        tokens, as diffusers does."""
         notes = []
         for prompt in dict.fromkeys(prompts):
             count = text.token_count(self.tokenizer, prompt)
             if count > text.MAX_LENGTH:
                 notes.append(
                     f"prompt {prompt[:30]!r}... is {count} tokens with its chat template; the text encoder "
-                    f"reads {text.MAX_LENGTH}, so {count - text.MAX_LENGTH} were cut ({self.tokenizer.truncation_side} end)"
+                    f"reads {text.MAX_LENGTH}, so {count - text.MAX_LENGTH} were cut "
+                    f"({self.tokenizer.truncation_side} end)"
                 )
-        for note in notes:
-            warnings.warn(note, stacklevel=3)
         return tuple(notes)
 
     def _prompt_batch(self, prompts, per_prompt, run: Resolved):

@@ -66,7 +66,9 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
-        problem = schema.from_validation(error.errors())
+        problem = schema.not_json(request.headers.get("content-type")) or schema.from_validation(
+            error.errors()
+        )
         return JSONResponse(problem.body(), problem.status)
 
     @app.exception_handler(Exception)

@@ -3,7 +3,8 @@
 One reference encoding (and, on KV checkpoints, one prefill) and one denoising loop then serve every
 request of the batch: the prompts are stacked (each repeated for its n images) and each request's own
 noise, drawn from its own seed exactly as it would be alone (`pipe.noise`), is stacked as `latents`.
-Each request gets back its own images, seed, prompt and metadata. A batched image equals the image the
+Each request gets back its own images, seed, prompt, metadata and notes (another request's cut prompt is
+not named to it). A batched image equals the image the
 request gives alone up to floating-point rounding (batched matrix products may round differently), not
 bit for bit; hence batching is opt-in (`--max-batch`).
 """
@@ -35,12 +36,16 @@ def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, ve
         first, prompt=prompts, num_images_per_prompt=1, height=height, width=width, latents=noise, seed=None
     )
     out = pipe.generate(dataclasses.replace(request, references=refs), _fan_out(progresses))
+    # The batch's notes on cut prompts name every prompt; each request hears of its own only.
+    cut = set(pipe.prompt_notes(prompts))
+    shared = [note for note in out.settings.notes if note not in cut]
     bodies, start = [], 0
     for work, seed, n in zip(works, seeds, counts, strict=True):
         ran = dataclasses.replace(
             out.settings.request, prompt=work.request.prompt, num_images_per_prompt=n, seed=seed
         )
-        settings = dataclasses.replace(out.settings, request=ran)
+        notes = (*shared, *pipe.prompt_notes((work.request.prompt,)))
+        settings = dataclasses.replace(out.settings, request=ran, notes=notes)
         bodies.append(
             respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes)
         )

@@ -121,6 +121,19 @@ def validate(values: dict) -> ImageBody:
         raise from_validation(error.errors()) from None
 
 
+def not_json(content_type: str | None) -> ApiError | None:
+    """A 415 saying what to send, for a body of a JSON route that was sent as something else (a form)."""
+    kind = (content_type or "application/json").split(";")[0].strip().lower()
+    if kind == "application/json" or kind.endswith("+json"):
+        return None
+    return ApiError(
+        415,
+        f"this route takes a JSON body (Content-Type: application/json), not {kind:.60}; image files go to "
+        "/v1/images/edits or /v1/references as multipart/form-data",
+        "unsupported_media_type",
+    )
+
+
 def from_validation(problems) -> ApiError:
     """The first of pydantic's (or FastAPI's) validation problems as a 400 naming the field."""
     problem = problems[0]
