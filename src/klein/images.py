@@ -18,12 +18,13 @@ import PIL.Image
 import PIL.ImageOps
 
 from klein.errors import InputError
+from klein.models.vae import PIXELS_PER_TOKEN
 
 MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
-# One transformer token covers 16x16 px: the VAE downsamples 8x and latents are packed in 2x2 patches.
-MULTIPLE = 16
+MULTIPLE = PIXELS_PER_TOKEN
+"""Prepared sides are multiples of this many px: one transformer token each."""
 
 
 def load_image(path: str | os.PathLike) -> PIL.Image.Image:

@@ -1,9 +1,8 @@
 """A least-recently-used cache with a byte budget, for device arrays computed from the weights.
 
-`klein serve` keeps two: the reference cache (per-image latents float[H/16, W/16, C] keyed by the hash
-of the prepared image, and encoded reference sets, `klein.request.references.References` with the prefill's
-keys/values, keyed by the ordered image hashes and the pipeline's `weights_id`) and the prompt cache
-(embeddings float[1, T, D] keyed by `weights_id` and the prompt). Sizes are device bytes: every
+`klein serve` keeps two: the reference cache (per-image latents float[H/16, W/16, C], and encoded
+reference sets, `klein.request.references.References` with the prefill's keys/values) and the prompt cache
+(embeddings float[1, T, D]); their keys are built in `klein.pipeline.cache_keys`. Sizes are device bytes: every
 addressable shard of every array, so a replicated array counts once per device that holds it.
 
 An entry larger than the whole budget is computed, used and not kept. The worker thread computes and
