@@ -1,14 +1,15 @@
 """klein's bfloat16 path against diffusers' bfloat16 path: whole tiny pipelines (SSIM and max abs error of
 the images, a 16 x 16 px image among them) and the transformer at the real klein-4b width.
 
-Two bf16 computations of one model differ by their rounding, not by a tolerance that fp32 parity could
-use. Measured (AMD EPYC, 2 cores; 4 steps, `tests/test_bf16_parity.py` cases): klein-bf16 against
-diffusers-bf16 images differ by at most 0.047-0.066 (pixel values in [0, 1]) with SSIM 0.9972-0.9991, while
-diffusers-bf16 itself is 0.036-0.054 from diffusers-fp32 and klein-bf16 only 0.017-0.023 (klein keeps norms,
-softmax statistics and products' accumulation in float32). Hence two checks: klein-bf16 is within twice
-diffusers' own bf16 spread of diffusers-bf16 (max abs < 0.12, SSIM >= 0.99), and klein-bf16 is no further
-from the fp32 result than diffusers-bf16 is (a cast too many, or a float32 statistic computed in bf16,
-would break the second long before the first).
+Two bf16 computations of one model differ by their rounding, not by what fp32 parity allows. Measured
+(AMD EPYC, 2 cores, the cases below, 4 steps): klein-bf16 and diffusers-bf16 images differ by at most
+0.035-0.051 (pixel values in [0, 1]) with SSIM >= 0.9976; diffusers-bf16 is itself 0.042-0.057 from
+diffusers-fp32, klein-bf16 only 0.017-0.022 (it keeps norms, softmax statistics and the products'
+accumulation in float32): 0.29-0.50 of diffusers' distance. Hence two checks: klein-bf16 is near
+diffusers-bf16 (max abs < 0.1, SSIM >= 0.995: about twice the measured spread), and klein-bf16 is at most
+`FP32_SHARE` of diffusers-bf16's distance from the fp32 images. The second is the sensitive one: the
+timestep's features computed from a bf16 `t` (a float32 statistic in bf16) raise the share to 0.81 and
+1.09 in the first two cases.
 """
 
 import dataclasses
@@ -31,8 +32,9 @@ from tests.support.compare import max_abs
 from tests.support.pictures import picture
 from tests.support.transformer_inputs import make_case, ropes
 
-MAX_ABS = 0.12
-MIN_SSIM = 0.99
+MAX_ABS = 0.1
+MIN_SSIM = 0.995
+FP32_SHARE = 0.75
 FP32_MAX_ABS = 2e-3  # as tests/test_pipeline.py
 
 
@@ -45,7 +47,7 @@ def pipes(tiny_pipelines):
         if kind not in loaded:
             folder, fp32 = tiny_pipelines(kind)
             cls = Flux2KleinKVPipeline if kind == "kv" else Flux2KleinPipeline
-            bf16 = cls.from_pretrained(folder, torch_dtype=torch.bfloat16)
+            bf16 = cls.from_pretrained(folder, dtype=torch.bfloat16)
             bf16.set_progress_bar_config(disable=True)
             loaded[kind] = load_pipeline(folder, dtype="bfloat16"), bf16, fp32
         return loaded[kind]
@@ -72,7 +74,7 @@ def assert_bf16_parity(got, want, truth):
     err, similarity = max_abs(got, want), ssim(got, want)
     assert err < MAX_ABS and similarity >= MIN_SSIM, (err, similarity)
     ours, theirs = max_abs(got, truth), max_abs(want, truth)
-    assert ours <= theirs, f"klein-bf16 is {ours:.4f} from fp32, diffusers-bf16 only {theirs:.4f}"
+    assert ours <= FP32_SHARE * theirs, f"klein-bf16 is {ours:.4f} from fp32, diffusers-bf16 {theirs:.4f}"
 
 
 @pytest.mark.parametrize(
@@ -80,8 +82,9 @@ def assert_bf16_parity(got, want, truth):
     [
         ("distilled", 48, 64, dict(height=48, width=64)),
         ("kv", 64, 96, dict(image=[picture(96, 64, 0)])),
-        # One token: its products have a single row, which klein multiplies beside a row of zeros
-        # (klein.models.products.dot_general, bf16 on a CPU that multiplies bf16 in place).
+        # One token: every product of the image stream has a single row, which klein multiplies beside
+        # a row of zeros (klein.models.products.dot_general, bf16 on a CPU that multiplies bf16 in place;
+        # the modulations of any one image take that path too).
         ("distilled", 16, 16, dict(height=16, width=16)),
     ],
     ids=["text-to-image", "kv-reference", "16px"],
@@ -104,7 +107,7 @@ def test_a_16px_image_in_fp32_matches_diffusers(tiny_pipelines):
 def test_one_block_of_each_kind_at_the_real_4b_width(tmp_path):
     """klein-4b's widths (24 heads of 128, text 7680, MLPs 3x), one double and one single block, random
     weights (diffusers' initialisation), one image: measured max |error| / max |output| 0.0089 against
-    diffusers-bf16, which is itself 0.0092 from diffusers-fp32 (klein-bf16: 0.0049)."""
+    diffusers-bf16, which is itself 0.0092 from diffusers-fp32 (klein-bf16: 0.0049, a share of 0.53)."""
     cfg = dataclasses.replace(KLEIN_4B, num_layers=1, num_single_layers=1)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: the fp32 copy comes last, when klein's is gone
@@ -124,7 +127,7 @@ def test_one_block_of_each_kind_at_the_real_4b_width(tmp_path):
     truth = diffusers_forward(model.float(), case, torch.float32)
     scale = np.abs(truth).max()
     assert max_abs(got, want) / scale < 0.02
-    assert max_abs(got, truth) <= max_abs(want, truth)
+    assert max_abs(got, truth) <= FP32_SHARE * max_abs(want, truth)
 
 
 def diffusers_forward(model, case, dtype) -> np.ndarray:
