@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from klein import sampling, sharding
+from klein import sharding
 from klein.memory import plan
+from klein.pipeline import denoise
 from klein.pipeline.flux2_klein import load_pipeline
 from klein.request.modes import Conditioning, Mode
 
@@ -26,10 +27,10 @@ def main() -> None:
     for size, batch in ((256, 1), (512, 1), (512, 4), (1024, 1)):
         work = plan.Workload(batch, 1, size, size, 0, cached=False, guided=False)
         est = plan.request_memory(pipe.config, pipe.text_config, pipe.vae_config, single, work, 4)
-        g = size // 16
+        g = size // pipe.vae_config.pixels_per_token
         x = jnp.zeros((batch, g * g, 128), jnp.float32)
         txt = jnp.zeros((batch, 512, pipe.config.joint_attention_dim), jnp.float32)
-        ropes = (pipe._rope(sampling.image_ids(g, g)), pipe._rope(sampling.text_ids(512)))
+        ropes, _ = denoise.step_inputs(pipe._rope, Conditioning.TEXT, (g, g), 512, None)
         step = pipe._steps[Mode(Conditioning.TEXT, False)]
         got = measured(step, x, txt, np.float32(1), np.float32(0.5), ropes, (), jnp.float32(1))
         decode = measured(pipe._decode, jnp.zeros((batch, g, g, 128), jnp.float32))

@@ -17,6 +17,7 @@ from klein import sampling
 from klein.bench.configs import CONFIGS
 from klein.models import blocks, rope
 from klein.models import transformer as T
+from klein.models.vae import PIXELS_PER_TOKEN
 
 
 def _whole_block(self, x, mod, rope, attend, start, stop):
@@ -37,7 +38,7 @@ def compiled(model, args, refs, whole: bool):
 
 
 def inputs(model, size: int, references: int):
-    cfg, grid, rng = model.cfg, size // 16, np.random.default_rng(0)
+    cfg, grid, rng = model.cfg, size // PIXELS_PER_TOKEN, np.random.default_rng(0)
     img_ids, txt_ids = sampling.image_ids(grid, grid), sampling.text_ids(512)
     tables = [rope.rope_tables(ids, cfg.axes_dims_rope, cfg.rope_theta) for ids in (img_ids, txt_ids)]
     img = jnp.asarray(rng.standard_normal((1, grid * grid, 128)), jnp.float32)

@@ -1,6 +1,8 @@
 """Inpainting and image-to-image: parity with diffusers' Flux2KleinInpaintPipeline on tiny checkpoints,
 cached references equal to uncached ones, and the inputs it refuses."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import PIL.Image
@@ -10,7 +12,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux2 import pipeline_flux2_klein_inpaint
 
-from klein import InputError
+from klein import GenerationRequest, InputError
 from klein.pipeline import denoise
 from klein.pipeline.flux2_klein import load_pipeline
 from tests.support.compare import max_abs
@@ -244,3 +246,23 @@ def test_another_size_is_noted_and_the_source_size_kept(pipes):
         out = ours(PROMPT, image=picture(*SOURCE, 0), mask_image=soft_mask(), height=32, width=32, seed=1)
     assert out.images[0].size == SOURCE
     assert out.settings.request.strength == 0.8  # diffusers' default with a mask
+
+
+@pytest.mark.filterwarnings("ignore:mask_image 256x256 px resized")
+def test_the_check_prepares_the_mask_as_the_run_does(pipes):
+    """A 2x2 px dot on a mask four times the source's size vanishes when the whole mask is resized to
+    the source, and not in the crop around it that `padding_mask_crop` repaints: the check and the run
+    must both crop (they disagreed: the check refused what the run repaints)."""
+    ours, _ = pipes("distilled")
+    source, mask = picture(64, 64, 8), PIL.Image.new("L", (256, 256), 0)
+    mask.paste(255, (80, 80, 82, 82))
+    cropped = GenerationRequest.create(
+        prompt=PROMPT, image=[source], mask_image=mask, padding_mask_crop=8, num_inference_steps=2, seed=3
+    )
+    ours.check(cropped, [(64, 64)])
+    assert ours(cropped).images[0].size == (64, 64)
+    whole = dataclasses.replace(cropped, padding_mask_crop=None)
+    with pytest.raises(InputError, match="all black"):
+        ours.check(whole, [(64, 64)])
+    with pytest.raises(InputError, match="all black"):
+        ours(whole)

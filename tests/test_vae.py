@@ -232,3 +232,10 @@ def test_one_pass_group_norm_equals_two_pass(offset):
     naive.scale[...], naive.bias[...] = norm.scale[...], norm.bias[...]
     assert rel_err(naive(x), exact) > (1e-3 if offset else 0.0)
     assert rel_err(ours, _group_norm_float64(_scaled(norm, "scale", 5, 1.01), x)) > 1e-3
+
+
+def test_pixels_per_token_come_from_the_config():
+    """16 = 8x downsampling x the 2x2 patch; a VAE of three levels downsamples 4x: 8 px per token. The
+    constant that request validation uses is the released VAE's."""
+    assert flax_vae.VAEConfig.flux2().pixels_per_token == flax_vae.PIXELS_PER_TOKEN == 16
+    assert flax_vae.VAEConfig(block_out_channels=(32, 64, 64)).pixels_per_token == 8

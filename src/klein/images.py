@@ -19,12 +19,13 @@ import PIL.Image
 import PIL.ImageOps
 
 from klein.errors import InputError
+from klein.models.vae import PIXELS_PER_TOKEN
 
 MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
-# One transformer token covers 16x16 px: the VAE downsamples 8x and latents are packed in 2x2 patches.
-MULTIPLE = 16
+MULTIPLE = PIXELS_PER_TOKEN
+"""Prepared sides are multiples of this many px: one transformer token each."""
 UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP")
 """What `klein serve` decodes: Pillow tries no other plugin on a client's bytes (EPS's runs Ghostscript,
 a PostScript interpreter; the rarer ones are more attack surface than use)."""

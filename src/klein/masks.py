@@ -6,8 +6,9 @@ Axes: H, W the processing size in px (multiples of 16); h = H/16, w = W/16 the t
 - `prepare_source(image, mask, padding_mask_crop)`: the image to repaint -> `Source` (float32[H, W, 3] in
   [-1, 1]: limited to 1024^2 px of area, then resized, not cropped, to multiples of 16; with
   `padding_mask_crop`, only a crop around the mask, resized to that size);
-- `latent_mask(mask, size, crop)`: white = repaint -> float32[h*w, 1], one value a token, row-major: the
-  mask resized to the processing size, binarised at one half, then sampled bilinearly at each token;
+- `latent_mask(mask, size, padding_mask_crop)`: white = repaint -> float32[h*w, 1], one value a token,
+  row-major: the mask (cropped as the source is) resized to the processing size, binarised at one half,
+  then sampled bilinearly at each token; what both the admission check and the run use;
 - `overlay(image, source, mask)`: with `padding_mask_crop`, the repainted crop pasted back into the
   original image, which shows through wherever the mask is black.
 """
@@ -77,7 +78,9 @@ def prepare_source(
     image's aspect ratio, grown by that margin) is resized to the image's sides rounded down to multiples
     of 16 and converted to RGB."""
     if min(image.size) < TOKEN:
-        raise InputError(f"the image to repaint is {image.width}x{image.height} px; both sides must be >= 16")
+        raise InputError(
+            f"the image to repaint is {image.width}x{image.height} px; both sides must be >= {TOKEN}"
+        )
     if image.width * image.height > images.MAX_AREA:
         image = images.resize_to_area(image, images.MAX_AREA)
     width, height = image.width // TOKEN * TOKEN, image.height // TOKEN * TOKEN
@@ -92,14 +95,16 @@ def prepare_source(
 
 
 def latent_mask(
-    mask: PIL.Image.Image, size: tuple[int, int], crop: tuple[int, int, int, int] | None = None
+    mask: PIL.Image.Image, size: tuple[int, int], padding_mask_crop: int | None = None
 ) -> np.ndarray:
     """float32[h*w, 1] for the processing `size` (height, width) px: 1 repaints a token, 0 keeps it, and
     tokens on the mask's edge get 1/4, 1/2 or 3/4 (diffusers samples the binarised mask bilinearly at each
-    token's centre, between its four middle pixels). `crop` as `Source.crop`."""
+    token's centre, between its four middle pixels). With `padding_mask_crop`, the region `prepare_source`
+    crops from the image (`crop_region`) is cropped from the mask too. An `InputError` when nothing is
+    left to repaint."""
     height, width = size
-    if crop is not None:
-        picture = _fill(mask.crop(crop), width, height)
+    if padding_mask_crop is not None:
+        picture = _fill(mask.crop(crop_region(mask, width, height, padding_mask_crop)), width, height)
     else:
         picture = mask.resize((width, height), PIL.Image.Resampling.LANCZOS)
     values = np.asarray(picture.convert("L"), np.float32) / 255.0

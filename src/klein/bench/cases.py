@@ -59,13 +59,14 @@ def cases(config: BenchConfig) -> list[Case]:
 
 
 def tokens(config: BenchConfig, case: Case) -> Tokens:
-    per_reference = (config.reference_size // 16) ** 2
-    return Tokens(TEXT_TOKENS, (case.size // 16) ** 2, case.references * per_reference)
+    token = config.pixels_per_token
+    per_reference = (config.reference_size // token) ** 2
+    return Tokens(TEXT_TOKENS, (case.size // token) ** 2, case.references * per_reference)
 
 
-def latents(case: Case) -> np.ndarray:
+def latents(config: BenchConfig, case: Case) -> np.ndarray:
     """The initial noise float[1, 128, H/16, W/16] (diffusers' `latents` layout), fixed per size."""
-    grid = case.size // 16
+    grid = case.size // config.pixels_per_token
     return np.random.default_rng(case.size).standard_normal((1, 128, grid, grid)).astype(np.float32)
 
 

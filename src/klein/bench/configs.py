@@ -12,6 +12,7 @@ import dataclasses
 
 from klein.io.demo import TRANSFORMER, VAE, RandomCheckpoint, text_encoder_config
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
+from klein.models.vae import VAEConfig
 
 TEXT_TOKENS = 512  # prompts are padded to 512 tokens by both engines
 
@@ -43,6 +44,11 @@ class BenchConfig:
     @property
     def transformer(self) -> TransformerConfig:
         return TransformerConfig.from_diffusers(self.checkpoint.transformer)
+
+    @property
+    def pixels_per_token(self) -> int:
+        """Pixels along each side of one token under this checkpoint's VAE."""
+        return VAEConfig.from_diffusers_config(self.checkpoint.vae).pixels_per_token
 
 
 def _transformer(cfg: TransformerConfig) -> dict:

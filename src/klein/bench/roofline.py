@@ -83,7 +83,8 @@ class StageTime:
 def stage_flops(models: plan.Models, work: plan.Workload) -> dict[str, float]:
     """The work of one run of each stage `work` has, for the whole request (every image, every device)."""
     cfg, text = models.transformer, plan.TEXT_TOKENS
-    image = (work.height // 16) * (work.width // 16)
+    token = models.vae.pixels_per_token
+    image = (work.height // token) * (work.width // token)
     batch = work.images * (2 if work.guided else 1)
     refs = work.reference_tokens
     if work.cached:

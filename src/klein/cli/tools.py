@@ -284,8 +284,10 @@ def bench_command(flags: argparse.Namespace) -> int:
         raise InputError(f"--repeats must be a positive integer, got {flags.repeats}")
     config = CONFIGS[flags.config]
     if flags.sizes:
-        if any(size < 16 or size % 16 for size in flags.sizes):
-            raise InputError(f"--sizes must be multiples of 16 px, got {flags.sizes}")
+        from klein.request.resolve import MULTIPLE
+
+        if any(size < MULTIPLE or size % MULTIPLE for size in flags.sizes):
+            raise InputError(f"--sizes must be multiples of {MULTIPLE} px, got {flags.sizes}")
         config = dataclasses.replace(config, output_sizes=tuple(flags.sizes))
     report, paths = run_benchmark(
         config, Path(flags.out), flags.repeats, log=lambda line: print(line, file=sys.stderr)

@@ -132,7 +132,8 @@ def request_memory(
     """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes.
     `copies`: bytes per weight of the copies a CPU makes of the layers it runs (`layer_copies`, `copies_on`);
     None where layers are read where they are."""
-    image = (work.height // 16) * (work.width // 16)
+    token = vae_config.pixels_per_token
+    image = (work.height // token) * (work.width // token)
     refs = work.reference_tokens
     batch = work.images * (2 if work.guided else 1)
     queries = TEXT_TOKENS + image + (0 if work.cached else refs)
@@ -218,8 +219,9 @@ def plan(
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
     ref_size = ref_size or size
-    if batch < 1 or refs < 0 or min(*size, *ref_size) < 16:
-        raise InputError("plan needs batch >= 1, refs >= 0 and sizes of at least 16x16 px")
+    if batch < 1 or refs < 0 or min(*size, *ref_size) < resolve.MIN_SIDE:
+        side = resolve.MIN_SIDE
+        raise InputError(f"plan needs batch >= 1, refs >= 0 and sizes of at least {side}x{side} px")
     _check_fits(abstract, variant, cfg, text_config)
     request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
     run = resolve.resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)

@@ -28,6 +28,10 @@ from klein.errors import CheckpointError
 from klein.models.attention import attention
 
 _PATCH = 2  # latents are patchified 2x2 into transformer channels
+PIXELS_PER_TOKEN = 16
+"""Pixels along each side of one transformer token under the FLUX.2 VAE (`VAEConfig.pixels_per_token`:
+8x downsampling, then 2x2 patches): the size rule of code that has no model config at hand (requests,
+image preparation); code that has one reads its config."""
 _NORM_EPS = 1e-6  # every GroupNorm of the diffusers encoder / decoder
 
 
@@ -79,6 +83,11 @@ class VAEConfig:
     def downscale(self) -> int:
         """Pixels per VAE latent along each side (8 for FLUX.2)."""
         return 2 ** (len(self.block_out_channels) - 1)
+
+    @property
+    def pixels_per_token(self) -> int:
+        """Pixels along each side of one transformer token: `downscale` x the 2x2 patch (16 for FLUX.2)."""
+        return self.downscale * _PATCH
 
 
 def _check_supported(config: dict) -> None:

@@ -1,12 +1,11 @@
 """A least-recently-used cache with a byte budget, for device arrays computed from the weights.
 
-`klein serve` keeps two: the reference cache (per-image latents float[H/16, W/16, C] keyed by the hash
-of the prepared image, and encoded reference sets, `klein.request.references.References` with the prefill's
-keys/values, keyed by the ordered image hashes and the pipeline's `weights_id`) and the prompt cache
-(embeddings float[1, T, D] keyed by `weights_id` and the prompt); the pipeline keeps its RoPE tables in
-a third (keyed by the position ids' bytes). An entry's size is its device bytes (every addressable shard
-of every array, so a replicated array counts once per device that holds it) plus its key's text and byte
-strings (a prompt, position ids), which are host memory but can be as large as the value.
+`klein serve` keeps two: the reference cache (per-image latents float[H/16, W/16, C], and encoded
+reference sets, `klein.request.references.References` with the prefill's keys/values) and the prompt cache
+(embeddings float[1, T, D]); the pipeline keeps its RoPE tables in a third. Their keys are built in
+`klein.pipeline.cache_keys`. An entry's size is its device bytes (every addressable shard of every array,
+so a replicated array counts once per device that holds it) plus its key's text and byte strings (a
+prompt, position ids), which are host memory but can be as large as the value.
 
 An entry larger than the whole budget is computed, used and not kept. The worker thread computes and
 stores; the event loop may look up or remove (GET / DELETE /v1/references), so the bookkeeping holds a

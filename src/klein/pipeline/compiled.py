@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from klein import sharding
+from klein import sampling, sharding
 from klein.io.loading import stored_state
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
@@ -29,7 +29,8 @@ from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import denoise
-from klein.request.modes import Conditioning
+from klein.request.modes import Conditioning, Mode
+from klein.request.references import References
 
 STAGES = ("text", "prefill", "step", "decode")
 
@@ -60,37 +61,41 @@ def analyse(
     text = place.weights(stored_state(text_model, dtype, TEXT_STACKED), sharding.TEXT_ENCODER_PARAMS)
     decoder = place.weights(stored_state(vae, dtype, ()), ())
     cfg = models.transformer
-    h, w = work.height // 16, work.width // 16
-    batch = work.images * (2 if work.guided else 1)
+    rope = functools.partial(denoise.rope_of, cfg)
+    token = models.vae.pixels_per_token
+    h, w = work.height // token, work.width // token
     ids = place.whole(_array((work.prompts, plan.TEXT_TOKENS), jnp.int32))
     place.compile("text", qwen3.prompt_embeddings, text, ids, ids)
-    refs = work.reference_tokens
-    conditioning = Conditioning.TEXT
-    cond = ()
-    if refs:
-        reference = place.whole((_array((refs, cfg.in_channels), dtype), _rope(cfg, refs)))
-        if work.cached:
-            conditioning = Conditioning.CACHED
-            place.compile("prefill", T.prefill, transformer, *reference)
-            cond = place.reference_kv(place.shapes(T.prefill, transformer, *reference))
-        else:
-            conditioning, cond = Conditioning.REFERENCES, reference
-    step = denoise.step_cfg if work.guided else denoise.step
+    mode = Mode(_conditioning(work), work.guided)
+    references = None
+    if work.reference_tokens:
+        # The references' ids as a 1 x R grid: the rope tables' shapes are all that matter here.
+        grid = sampling.image_ids(1, work.reference_tokens, 10)
+        references = References(_array((work.reference_tokens, cfg.in_channels), dtype), grid, (), None)
+    if mode.conditioning is Conditioning.CACHED:
+        reference = place.whole(_abstract(denoise.prefill_inputs(rope, references)))
+        place.compile("prefill", T.prefill, transformer, *reference)
+        kv = place.reference_kv(place.shapes(T.prefill, transformer, *reference))
+        references = dataclasses.replace(references, kv=kv)
+    ropes, cond = denoise.step_inputs(rope, mode.conditioning, (h, w), plan.TEXT_TOKENS, references)
+    if mode.conditioning is not Conditioning.CACHED:  # the prefill's keys/values are placed already
+        cond = place.whole(_abstract(cond))
+    x = _array((work.images, h * w, cfg.in_channels), dtype)
+    txt = _array((work.images * (2 if work.guided else 1), plan.TEXT_TOKENS, cfg.joint_attention_dim), dtype)
+    ways = sharding.ways(
+        mesh.abstract_mesh if mesh is not None else sharding.abstract_mesh("single"), "batch"
+    )
+    x, txt = jax.eval_shape(functools.partial(denoise.pad_batch, guided=work.guided, ways=ways), x, txt)
+    scalar = _array((), jnp.float32)
+    step_args = place.whole((txt, scalar, scalar, _abstract(ropes)))
     place.compile(
         "step",
-        functools.partial(step, denoise.VELOCITY[conditioning]),
+        denoise.step_function(mode),
         transformer,
-        place.tokens(_array((work.images, h * w, cfg.in_channels), dtype)),
-        *place.whole(
-            (
-                _array((batch, plan.TEXT_TOKENS, cfg.joint_attention_dim), dtype),
-                _array((), jnp.float32),
-                _array((), jnp.float32),
-                (_rope(cfg, h * w), _rope(cfg, plan.TEXT_TOKENS)),
-            )
-        ),
+        place.tokens(x),
+        *step_args,
         cond,
-        place.whole(_array((), jnp.float32)),
+        place.whole(scalar),
     )
     latents = place.whole(_array((work.images, h, w, cfg.in_channels), dtype))
     place.compile("decode", vae_model.decode_latents, decoder, latents)
@@ -156,5 +161,11 @@ def _array(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _rope(cfg, tokens: int):
-    return tuple(_array((tokens, cfg.attention_head_dim), jnp.float32) for _ in range(2))
+def _abstract(tree):
+    return jax.tree.map(lambda a: _array(a.shape, a.dtype), tree)
+
+
+def _conditioning(work: plan.Workload) -> Conditioning:
+    if not work.reference_tokens:
+        return Conditioning.TEXT
+    return Conditioning.CACHED if work.cached else Conditioning.REFERENCES

@@ -12,13 +12,17 @@ its own step function: prompts and negatives run as one doubled batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from klein import sampling
 from klein.models import transformer as T
-from klein.request.modes import Conditioning
+from klein.models.rope import rope_tables
+from klein.request.modes import Conditioning, Mode
+from klein.request.references import References
 from klein.sharding import TOKENS, constrain
 
 
@@ -59,6 +63,52 @@ def step_cfg(velocity, model, x, txt, sigma, sigma_next, ropes, cond, scale):
     t = jnp.full((x_in.shape[0],), sigma, jnp.float32)
     v = sampling.guided(*jnp.split(velocity(model, x_in, txt, t, ropes, cond), 2), scale)
     return constrain(sampling.euler_step(x, v, sigma, sigma_next), TOKENS)
+
+
+def step_function(mode: Mode):
+    """`fn(model, x, txt, sigma, sigma_next, ropes, cond, scale)`: the step `mode` runs."""
+    return functools.partial(step_cfg if mode.guided else step, VELOCITY[mode.conditioning])
+
+
+def step_inputs(rope, conditioning: Conditioning, grid, text_tokens: int, references: References | None):
+    """(ropes, cond) of every step of a request: the rope tables of the h x w token `grid` and of the
+    text, and the conditioning's own value (nothing; the references' tokens and rope tables; the
+    prefill's keys/values). `rope(ids)`: the rope tables of position ids (`rope_of`, or a cache of it).
+    What the pipeline runs and what `klein plan --compiled` compiles."""
+    h, w = grid
+    ropes = (rope(sampling.image_ids(h, w)), rope(sampling.text_ids(text_tokens)))
+    cond = {
+        Conditioning.TEXT: lambda: (),
+        Conditioning.REFERENCES: lambda: (references.tokens, rope(references.ids)),
+        Conditioning.CACHED: lambda: references.kv,
+    }[conditioning]()
+    return ropes, cond
+
+
+def prefill_inputs(rope, references: References) -> tuple:
+    """(tokens, rope tables) the prefill of `references` takes; `rope` as `step_inputs`'."""
+    return references.tokens, rope(references.ids)
+
+
+def rope_of(config, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """The rope tables (cos, sin) float32[S, Dh] of position ids int[S, 4] under a transformer config."""
+    tables = rope_tables(np.ascontiguousarray(ids, np.int64), config.axes_dims_rope, config.rope_theta)
+    return tuple(jnp.asarray(t) for t in tables)
+
+
+def pad_batch(x, txt, guided: bool, ways: int):
+    """Pad the batch with zero images (and their zero prompts) to a multiple of `ways` (the mesh's batch
+    axes), so that it splits over the devices; the caller drops them. Images never see each other."""
+    extra = -x.shape[0] % ways
+    if not extra:
+        return x, txt
+
+    def pad(a):
+        return jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1))
+
+    # With CFG txt is [prompts; negatives]: each half grows, so that halves still pair up.
+    texts = jnp.split(txt, 2) if guided else [txt]
+    return pad(x), jnp.concatenate([pad(t) for t in texts])
 
 
 @dataclasses.dataclass(frozen=True)

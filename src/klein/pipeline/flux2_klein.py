@@ -12,7 +12,6 @@ into the transformer's weights (`set_loras`, `klein.lora`); `weights_id` names t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import secrets
 import warnings
 from collections import Counter
@@ -39,8 +38,7 @@ from klein.memory import residency as residency_policy
 from klein.models import qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
-from klein.models.rope import rope_tables
-from klein.pipeline import components, denoise
+from klein.pipeline import cache_keys, components, denoise
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.device_weights import Weights
@@ -129,9 +127,9 @@ class Flux2KleinPipeline:
         self._prefill = Compiled(T.prefill, transformer, mesh)
         self._steps = {
             Mode(conditioning, guided): Compiled(
-                functools.partial(denoise.step_cfg if guided else denoise.step, velocity), transformer, mesh
+                denoise.step_function(Mode(conditioning, guided)), transformer, mesh
             )
-            for conditioning, velocity in denoise.VELOCITY.items()
+            for conditioning in denoise.VELOCITY
             for guided in (False, True)
         }
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
@@ -142,7 +140,7 @@ class Flux2KleinPipeline:
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
         self.prompt_cache = None if policy == "all" else ByteBudgetCache(PROMPT_CACHE_BYTES)
         """None, or a cache whose `get(key, compute)` returns compute()'s value, kept or not: then
-        `encode_prompt` reuses each prompt's embeddings under (`weights_id`, prompt). Under a policy that
+        `encode_prompt` reuses each prompt's embeddings under `cache_keys.prompt_key`. Under a policy that
         moves the text encoder off the device, a byte-bounded one by default: a new prompt alone brings it
         back."""
         self.rope_cache = ByteBudgetCache(ROPE_CACHE_BYTES)
@@ -168,12 +166,18 @@ class Flux2KleinPipeline:
         return weights
 
     @property
+    def model_id(self) -> str:
+        """Identity of the loaded models before any LoRA: model, variant and dtype (what VAE latents
+        depend on)."""
+        return f"{self.name}|{self.variant.name}|{np.dtype(self.dtype).name}"
+
+    @property
     def weights_id(self) -> str:
-        """Identity of the weights in use: model, variant, dtype and each merged LoRA's hash and scale.
-        It changes with `set_loras`; whatever depends on the transformer's weights (reference keys and
-        values) is valid only under the `weights_id` it was computed with."""
+        """Identity of the weights in use: `model_id` and each merged LoRA's hash and scale. It changes
+        with `set_loras`; whatever depends on the transformer's weights (reference keys and values) is
+        valid only under the `weights_id` it was computed with."""
         loras = "".join(f"|lora:{lora.sha256}:{lora.scale!r}" for lora in self.loras)
-        return f"{self.name}|{self.variant.name}|{np.dtype(self.dtype).name}{loras}"
+        return self.model_id + loras
 
     def set_loras(self, loras: Sequence = ()) -> None:
         """Merge exactly these LoRAs into the transformer, in place of those merged before; `set_loras([])`
@@ -194,7 +198,9 @@ class Flux2KleinPipeline:
         if self.prompt_cache is None:
             return self._encode_prompts(list(prompts))
         embeds = [
-            self.prompt_cache.get((self.weights_id, p), lambda p=p: self._encode_prompts([p]))
+            self.prompt_cache.get(
+                cache_keys.prompt_key(self.weights_id, p), lambda p=p: self._encode_prompts([p])
+            )
             for p in prompts
         ]
         return embeds[0] if len(embeds) == 1 else jnp.concatenate(embeds)
@@ -256,13 +262,16 @@ class Flux2KleinPipeline:
             references = self._prefilled(references, stages)  # cached under other weights (LoRAs)
         # 6. Noise, 7. denoising, 8. decoding.
         h, w = run.request.height, run.request.width
-        x = self._initial_noise(request.latents, run.request.seed, run.images, h // 16, w // 16)
+        gh, gw = self._grid(h, w)
+        x = self._initial_noise(request.latents, run.request.seed, run.images, gh, gw)
         repaint = None
         if request.repaints:
-            latent_mask = None if mask is None else masks.latent_mask(mask, sizes[0], source and source.crop)
+            latent_mask = (
+                None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
+            )
             repaint = self._repaint(references, x, latent_mask, noised_start=request.latents is None)
         x = stages.run("denoise", self._denoise, x, txt, references, run, progress, repaint)
-        latents = sampling.unpack(x, h // 16, w // 16)
+        latents = sampling.unpack(x, gh, gw)
         decoded = stages.run(
             "decode_tiled" if tiled else "decode", self._decode_tiled if tiled else self._decode, latents
         )
@@ -303,8 +312,8 @@ class Flux2KleinPipeline:
         mask = None if request.mask_image is None else masks.as_mask(request.mask_image)
         run = self._resolve(request, tuple(reference_sizes), mask)
         self._admit(run)
-        if mask is not None:  # an all-black mask: nothing to repaint
-            masks.latent_mask(mask, run.reference_sizes[0])
+        if mask is not None:  # as the run prepares it: refused if nothing is left to repaint
+            masks.latent_mask(mask, run.reference_sizes[0], request.padding_mask_crop)
 
     def _resolve(self, request: GenerationRequest, sizes, mask=None) -> Resolved:
         """`sizes`: (height, width) px of each prepared reference, none without references; `mask`: the
@@ -362,8 +371,9 @@ class Flux2KleinPipeline:
         `cached` (the set half of reference encoding: positions and keys/values depend on the order)."""
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
         sizes = [tuple(z.shape[:2]) for z in latents]
+        token = self.vae_config.pixels_per_token
         references = References(
-            tokens, sampling.reference_ids(sizes), tuple((h * 16, w * 16) for h, w in sizes), None
+            tokens, sampling.reference_ids(sizes), tuple((h * token, w * token) for h, w in sizes), None
         )
         return self._prefilled(references, Stages(self.counters, {})) if cached else references
 
@@ -373,13 +383,14 @@ class Flux2KleinPipeline:
         return self._prefilled(references, stages) if cached else references
 
     def _prefilled(self, references: References, stages: Stages) -> References:
-        kv = stages.run("prefill", self._prefill, references.tokens, self._rope(references.ids))
+        kv = stages.run("prefill", self._prefill, *denoise.prefill_inputs(self._rope, references))
         return dataclasses.replace(references, kv=kv, weights_id=self.weights_id)
 
     def _rope(self, ids: np.ndarray):
+        """The rope tables of position ids, kept in the byte-bounded `rope_cache` (sizes repeat across
+        requests; the tables are this pipeline's config's, so the ids are the whole key)."""
         ids = np.ascontiguousarray(ids, np.int64)
-        axes, theta = self.config.axes_dims_rope, self.config.rope_theta
-        return self.rope_cache.get((ids.tobytes(), ids.shape[1]), lambda: _rope_tables(ids, axes, theta))
+        return self.rope_cache.get((ids.tobytes(), ids.shape), lambda: denoise.rope_of(self.config, ids))
 
     def prompt_notes(self, prompts: Sequence[str]) -> tuple[str, ...]:
         """A note for each prompt longer than the text encoder reads: it truncates them to `MAX_LENGTH`
@@ -402,36 +413,38 @@ class Flux2KleinPipeline:
         negative = jnp.repeat(self.encode_prompt([""]), embeds.shape[0], axis=0)
         return jnp.concatenate([embeds, negative])
 
+    def _grid(self, height: int, width: int) -> tuple[int, int]:
+        """The token grid (h, w) of an image of height x width px."""
+        token = self.vae_config.pixels_per_token
+        return height // token, width // token
+
     def noise(self, seed: int, batch: int, height: int, width: int) -> np.ndarray:
         """float32[batch, C, height/16, width/16]: the initial noise a request with this seed starts from
         (requests run together may pass their noises, concatenated, as `latents`)."""
-        shape = (batch, self.config.in_channels, height // 16, width // 16)
+        shape = (batch, self.config.in_channels, *self._grid(height, width))
         return np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
 
     def _initial_noise(self, latents, seed, batch, gh, gw):
         shape = (batch, self.config.in_channels, gh, gw)
         if latents is None:
-            latents = self.noise(seed, batch, gh * 16, gw * 16)
+            token = self.vae_config.pixels_per_token
+            latents = self.noise(seed, batch, gh * token, gw * token)
         latents = np.asarray(latents, np.float32)
         if latents.shape != shape:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
         return jnp.asarray(sampling.pack(latents), self.dtype)
 
     def _denoise(self, x, txt, references, run: Resolved, progress, repaint: denoise.Repaint | None = None):
-        h, w = run.request.height // 16, run.request.width // 16
+        h, w = self._grid(run.request.height, run.request.width)
         steps, first = run.request.num_inference_steps, run.first_step
         schedule = sampling.sigmas(steps, h * w)
         if repaint is not None and repaint.noised_start:
             x = repaint.start(schedule[first])
-        ropes = (self._rope(sampling.image_ids(h, w)), self._rope(sampling.text_ids(txt.shape[1])))
-        cond = {
-            Conditioning.TEXT: lambda: (),
-            Conditioning.REFERENCES: lambda: (references.tokens, self._rope(references.ids)),
-            Conditioning.CACHED: lambda: references.kv,
-        }[run.mode.conditioning]()
+        ropes, cond = denoise.step_inputs(self._rope, run.mode.conditioning, (h, w), txt.shape[1], references)
         step = self._steps[run.mode]
         scale = jnp.float32(run.request.guidance_scale or 1.0)
-        x, txt = self._batch_for_mesh(x, txt, run.mode.guided)
+        ways = sharding.ways(_planning_mesh(self.mesh), "batch")
+        x, txt = denoise.pad_batch(x, txt, run.mode.guided, ways)
         x = sharding.put(x, sharding.TOKENS, self.mesh)
         if repaint is not None:
             repaint = repaint.padded(x.shape[0])
@@ -443,20 +456,6 @@ class Flux2KleinPipeline:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress("denoise", i + 1 - first, steps - first)
         return x[: run.images]
-
-    def _batch_for_mesh(self, x, txt, guided: bool):
-        """Pad the batch with zero images (and their zero prompts) to a multiple of the `data` axis, so
-        that it splits over the devices; `_denoise` drops them. Images never see each other."""
-        extra = -x.shape[0] % sharding.ways(_planning_mesh(self.mesh), "batch")
-        if not extra:
-            return x, txt
-
-        def pad(a):
-            return jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1))
-
-        # With CFG txt is [prompts; negatives]: each half grows, so that halves still pair up.
-        texts = jnp.split(txt, 2) if guided else [txt]
-        return pad(x), jnp.concatenate([pad(t) for t in texts])
 
 
 def _prepare(images, first: int = 1) -> list[np.ndarray]:
@@ -504,10 +503,6 @@ def _fresh_seed() -> int:
     """A random seed; in a multi-process run process 0's, so that every process draws the same noise."""
     seed = np.int32(secrets.randbelow(2**31))
     return int(multihost_utils.broadcast_one_to_all(seed) if jax.process_count() > 1 else seed)
-
-
-def _rope_tables(ids: np.ndarray, axes, theta) -> tuple:
-    return tuple(jnp.asarray(t) for t in rope_tables(ids, axes, theta))
 
 
 def _as_pil(image) -> PIL.Image.Image:

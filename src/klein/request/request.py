@@ -25,12 +25,13 @@ import PIL.Image
 
 from klein.errors import InputError
 from klein.lora.files import LoraInfo
+from klein.models.vae import PIXELS_PER_TOKEN
 from klein.request import kinds
 from klein.request.kinds import setting, settings_of, short_name
 from klein.request.modes import Mode
 from klein.request.references import References
 
-MIN_SIDE = 16
+MIN_SIDE = PIXELS_PER_TOKEN
 MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
 OUTPUT_TYPES = ("pil", "np")
@@ -58,14 +59,14 @@ class GenerationRequest:
         "references encoded once by `encode_references`, reused instead of `image`", None
     )
     height: int | None = setting(
-        f"output height in px, at least {MIN_SIDE}, rounded down to a multiple of 16 "
+        f"output height in px, at least {MIN_SIDE}, rounded down to a multiple of {PIXELS_PER_TOKEN} "
         "(default: the first reference's, else 1024)",
         kinds.INT,
         bounds=(MIN_SIDE, None),
         unit="px",
     )
     width: int | None = setting(
-        f"output width in px, at least {MIN_SIDE}, rounded down to a multiple of 16 "
+        f"output width in px, at least {MIN_SIDE}, rounded down to a multiple of {PIXELS_PER_TOKEN} "
         "(default: the first reference's, else 1024)",
         kinds.INT,
         bounds=(MIN_SIDE, None),

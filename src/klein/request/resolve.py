@@ -19,13 +19,14 @@ import secrets
 from collections.abc import Callable, Sequence
 
 from klein.errors import InputError
+from klein.models.vae import PIXELS_PER_TOKEN
 from klein.request.modes import Conditioning, Mode
 from klein.request.request import GenerationRequest
 from klein.request.variants import KV_CHECKPOINT, Variant
 
-MULTIPLE = 16
-"""Output sides are multiples of this many px (one transformer token is a 16 x 16 px patch)."""
-MIN_SIDE = 16
+MULTIPLE = PIXELS_PER_TOKEN
+"""Output sides are multiples of this many px (one transformer token is a square patch of that side)."""
+MIN_SIDE = MULTIPLE
 DEFAULT_SIZE = 1024
 """Output side when neither the request nor a reference gives one."""
 DEFAULT_STRENGTH = 0.8
@@ -55,7 +56,7 @@ class Resolved:
 
     @property
     def reference_tokens(self) -> int:
-        return sum((h // 16) * (w // 16) for h, w in self.reference_sizes)
+        return sum((h // MULTIPLE) * (w // MULTIPLE) for h, w in self.reference_sizes)
 
     @property
     def prompts(self) -> int:
@@ -211,7 +212,7 @@ def _conditioning(request: GenerationRequest, variant: Variant, model_name: str,
 def _notes(request, variant: Variant, model_name: str, filled: GenerationRequest, rounded: bool):
     notes = []
     if rounded:
-        notes.append(f"height/width rounded down to multiples of 16: {filled.height}x{filled.width}")
+        notes.append(f"height/width rounded down to multiples of {MULTIPLE}: {filled.height}x{filled.width}")
     if variant.distilled and request.guidance_scale is not None:
         notes.append(
             f"guidance_scale {request.guidance_scale:g} is ignored: {model_name} is step-distilled and runs "

@@ -13,8 +13,9 @@ import io
 import time
 
 from klein.io.png import png_metadata
+from klein.pipeline.cache_keys import set_id
 from klein.request.request import GenerationRequest, Settings
-from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe, set_id
+from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """Reference sets, content-addressed: uploaded images -> `klein.request.references.References`, through the cache.
 
-A prepared image (float32[H, W, 3], `klein.images.prepare_reference`) is known by the SHA-256 of its
-bytes; a set by the ordered tuple of those digests, and its id is derived from that tuple alone, so the
-same images in the same order give the same id whoever sends them and however (`/v1/references` or
-`/v1/images/edits`). Cache keys:
+A prepared image (float32[H, W, 3], `klein.images.prepare_reference`, or `klein.masks.prepare_source` for
+the image an edit repaints) is known by its digest (`klein.pipeline.cache_keys.image_digest`: shape,
+bytes and preparation); a set by the ordered tuple of those digests, and its id is derived from that
+tuple alone, so the same images in the same order give the same id whoever sends them and however
+(`/v1/references` or `/v1/images/edits`). Cache entries (keys in `klein.pipeline.cache_keys`):
 
-- ("latents", image digest): the image's VAE latents float[H/16, W/16, C], reusable in any set;
-- ("set", digests, weights_id, cached): the set's `References` (tokens, and the prefill's keys/values
-  when `cached`), which depend on the order and on the weights, so a weights change cannot hit them.
+- an image's VAE latents float[H/16, W/16, C], under the model and dtype: reusable in any set;
+- a set's `References` (tokens, and the prefill's keys/values when `cached`), which depend on the order
+  and on the weights (LoRAs included), so a weights change cannot hit them.
 
 Encoding runs on the serving worker thread, which owns the pipeline; `describe` and `delete` may run on
 the event loop, so the id table holds a lock.
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import threading
 
 import jax
 import numpy as np
 
 from klein.errors import InputError
+from klein.pipeline import cache_keys
 from klein.pipeline.cache import ByteBudgetCache, arrays
+from klein.pipeline.cache_keys import set_id
 from klein.pipeline.timing import StageClock
 from klein.request.references import References
 
@@ -38,8 +40,9 @@ class PreparedImage:
     """float32[H, W, 3] in [-1, 1]."""
 
     @classmethod
-    def of(cls, pixels: np.ndarray) -> PreparedImage:
-        return cls(hashlib.sha256(np.ascontiguousarray(pixels).tobytes()).hexdigest(), pixels)
+    def of(cls, pixels: np.ndarray, preparation: str = cache_keys.REFERENCE) -> PreparedImage:
+        """`preparation`: `cache_keys.REFERENCE` or `cache_keys.SOURCE`, how `pixels` were prepared."""
+        return cls(cache_keys.image_digest(pixels, preparation), pixels)
 
 
 class UnknownReferences(InputError):
@@ -60,10 +63,6 @@ class Encoded:
     """Each image's content hash, in order (what a served PNG records as its references)."""
 
 
-def set_id(digests: tuple[str, ...]) -> str:
-    return hashlib.sha256("|".join(digests).encode()).hexdigest()[:32]
-
-
 class ReferenceSets:
     """Encodes reference sets through a `ByteBudgetCache` and remembers which digests each id names."""
 
@@ -76,7 +75,10 @@ class ReferenceSets:
         self._lock = threading.Lock()
 
     def _set_key(self, digests: tuple[str, ...]):
-        return ("set", digests, self.pipe.weights_id, self.cached)
+        return cache_keys.set_key(digests, self.pipe.weights_id, self.cached)
+
+    def _latents_key(self, digest: str):
+        return cache_keys.latents_key(digest, self.pipe.model_id)
 
     def encode(self, images: list[PreparedImage]) -> Encoded:
         """The set of these images, from the cache or computed (and then kept if it fits)."""
@@ -130,7 +132,9 @@ class ReferenceSets:
 
     def _held(self, digests) -> bool:
         """Whether the cache can still serve this set: the set itself, or every image's latents."""
-        return self._set_key(digests) in self.cache or all(("latents", d) in self.cache for d in digests)
+        return self._set_key(digests) in self.cache or all(
+            self._latents_key(d) in self.cache for d in digests
+        )
 
     def delete(self, reference_id: str) -> bool:
         """Forget an id and drop its set's encodings (per-image latents may serve other sets and stay)."""
@@ -161,12 +165,12 @@ class ReferenceSets:
         clock = StageClock(timings)
         latents, saved = [], 0.0
         for digest in digests:
-            entry = self.cache.lookup(("latents", digest))
+            entry = self.cache.lookup(self._latents_key(digest))
             if entry is None:
                 before = timings["references"]
                 with clock("references"):
                     z = jax.block_until_ready(self.pipe.encode_reference_latents(pixels[digest]))
-                entry = self.cache.put(("latents", digest), z, timings["references"] - before)
+                entry = self.cache.put(self._latents_key(digest), z, timings["references"] - before)
             else:
                 saved += entry.seconds
             latents.append(entry.value)

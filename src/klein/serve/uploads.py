@@ -26,6 +26,7 @@ from starlette.requests import Request
 
 from klein import images, masks
 from klein.errors import InputError, counted
+from klein.pipeline import cache_keys
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage
@@ -115,10 +116,9 @@ def _prepare_all(files: list[bytes], max_pixels: int, source: bool) -> list[Prep
         try:
             picture = images.read_image(data, name, max_pixels, formats=images.UPLOAD_FORMATS)
             if source and index == 0:
-                pixels = masks.prepare_source(picture).pixels
+                prepared.append(PreparedImage.of(masks.prepare_source(picture).pixels, cache_keys.SOURCE))
             else:
-                pixels = images.prepare_reference(picture, name)
-            prepared.append(PreparedImage.of(pixels))
+                prepared.append(PreparedImage.of(images.prepare_reference(picture, name)))
         except InputError as error:
             raise ApiError(400, str(error), "invalid_image", "image") from None
     return prepared

@@ -2,7 +2,7 @@
 any replica can encode a set it has not seen (a set's first request there, a restarted replica, a set
 its cache dropped) and an id from `POST /v1/references` works on every replica.
 
-Ids are those of a single `klein serve` (`klein.serve.reference_sets.set_id`, from the images' content
+Ids are those of a single `klein serve` (`klein.pipeline.cache_keys.set_id`, from the images' content
 hashes). Sets are kept least recently used first out, within a byte budget of prepared pixels
 (--cache-bytes) and `MAX_IDS` ids.
 """
@@ -14,8 +14,9 @@ import dataclasses
 
 import ray
 
+from klein.pipeline.cache_keys import set_id
 from klein.serve.errors import ApiError
-from klein.serve.reference_sets import MAX_IDS, PreparedImage, describe, set_id
+from klein.serve.reference_sets import MAX_IDS, PreparedImage, describe
 
 
 @dataclasses.dataclass

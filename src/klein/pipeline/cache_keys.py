@@ -1,0 +1,50 @@
+"""The key of every cache, built in one function each from everything that changes what it holds.
+
+A key that leaves out one input lets two different values share an entry: an orange 512x384 image and an
+orange 384x512 one have the same pixel bytes, so a key of bytes alone answers one with the other's
+latents. Hence:
+
+- `image_digest(pixels, preparation)`: a prepared image, by its shape, dtype, bytes and how it was
+  prepared (`REFERENCE`, centre-cropped; `SOURCE`, resized, for repainting). It names the image in
+  reference ids and in served PNGs' metadata.
+- `set_id(digests)`: a reference set, by its images' digests in order (the id `/v1/references` answers).
+- `latents_key(digest, model_id)`: an image's VAE latents, under the model and dtype that encoded them.
+- `set_key(digests, weights_id, cached)`: a set's `References`; its keys/values (`cached`) depend on the
+  transformer's weights, LoRAs included (`Flux2KleinPipeline.weights_id`).
+- `prompt_key(weights_id, prompt)`: a prompt's embeddings, under the weights in use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+REFERENCE = "reference"
+"""A reference image's preparation: centre-cropped to multiples of 16 px (`klein.images.prepare_reference`)."""
+SOURCE = "source"
+"""An image to repaint: resized to multiples of 16 px (`klein.masks.prepare_source`)."""
+
+
+def image_digest(pixels: np.ndarray, preparation: str) -> str:
+    """SHA-256 of a prepared image: how it was prepared, its shape and dtype, then its bytes."""
+    pixels = np.ascontiguousarray(pixels)
+    digest = hashlib.sha256(f"{preparation}|{pixels.dtype.str}|{pixels.shape}|".encode())
+    digest.update(pixels.tobytes())
+    return digest.hexdigest()
+
+
+def set_id(digests: tuple[str, ...]) -> str:
+    return hashlib.sha256("|".join(digests).encode()).hexdigest()[:32]
+
+
+def latents_key(digest: str, model_id: str) -> tuple:
+    return ("latents", digest, model_id)
+
+
+def set_key(digests: tuple[str, ...], weights_id: str, cached: bool) -> tuple:
+    return ("set", digests, weights_id, cached)
+
+
+def prompt_key(weights_id: str, prompt: str) -> tuple:
+    return ("prompt", weights_id, prompt)
