@@ -1,15 +1,17 @@
 """Parity grid: our transformer against diffusers' on generated configs, in every way klein runs it.
 
 The configs are generated, not listed: every pair of 1, 2 or 3 double blocks and 1, 2 or 3 single blocks
-(a single block is a model's last one alone, with nothing before it: the scan over the others is empty),
-and across them two head sizes, two rope axis splits per head size and two text widths (one not a
+(with one single block, the last block runs alone and the scan over the ones before it is empty), and
+across them two head sizes, two rope axis splits per head size and two text widths (one not a
 multiple of the model width), each combination of those three at least once. Each config runs in each
 mode: text-to-image, standard editing (references, full attention), a KV prefill with its cached step 0
 and a later cached step, and a guided (CFG, base) Euler step. A config diffusers itself rejects is skipped
 with diffusers' message.
 
-Sensitive: with the last single block's rows shifted by one token, or one prefill layer's keys written
-into the next layer's slot, the grid fails (issue 35).
+Sensitive (issue 35): with the last single block's rows taken one token early, every case fails (max abs
+error about 5); with a cached step's last single block reading the reference keys of the layer before,
+the KV case of every config with two or more single blocks fails (0.09 to 0.13). With `stacks.scan` as it
+was, the KV case of every config with one single block raised a TypeError.
 """
 
 import itertools
