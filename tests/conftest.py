@@ -11,7 +11,13 @@ torch.set_num_threads(1)
 
 # Files whose tests take minutes: under pytest-xdist (`-n 2`, a file per worker) they start first, so
 # that the workers finish together instead of one waiting out the longest file at the end.
-LONGEST_FIRST = ("test_sharding.py", "test_bench.py", "test_serve_lifecycle.py", "test_tpu_compile.py")
+LONGEST_FIRST = (
+    "test_sharding.py",
+    "test_bench.py",
+    "test_serve_lifecycle.py",
+    "test_tpu_compile.py",
+    "test_parity_grid.py",
+)
 
 
 def pytest_collection_modifyitems(items):
