@@ -11,7 +11,13 @@ torch.set_num_threads(1)
 
 # Files whose tests take minutes: under pytest-xdist (`-n 2`, a file per worker) they start first, so
 # that the workers finish together instead of one waiting out the longest file at the end.
-LONGEST_FIRST = ("test_sharding.py", "test_bench.py", "test_serve_lifecycle.py", "test_tpu_compile.py")
+LONGEST_FIRST = (
+    "test_sharding.py",
+    "test_bench.py",
+    "test_serve_lifecycle.py",
+    "test_tpu_compile.py",
+    "test_parity_grid.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -29,7 +35,8 @@ def tiny_transformer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_pipelines(tmp_path_factory):
-    """Build-once factory: (folder, diffusers pipeline) for kind "kv", "distilled" or "base"."""
+    """Build-once factory: (folder, diffusers pipeline) for kind "kv", "distilled" or "base", or
+    "kv-one-block": "kv" with one double and one single block."""
     from tests.support.tiny_pipeline import build_pipeline
 
     built = {}
@@ -37,7 +44,10 @@ def tiny_pipelines(tmp_path_factory):
     def get(kind: str):
         if kind not in built:
             folder = tmp_path_factory.mktemp(f"tiny-{kind}")
-            built[kind] = folder, build_pipeline(folder, kv=kind == "kv", distilled=kind != "base")
+            kv, blocks = kind.startswith("kv"), {}
+            if kind == "kv-one-block":
+                blocks = dict(num_layers=1, num_single_layers=1)
+            built[kind] = folder, build_pipeline(folder, kv=kv, distilled=kind != "base", **blocks)
         return built[kind]
 
     return get

@@ -113,6 +113,31 @@ def test_each_lora_moves_the_image(pipes, loras, layout):
     ours.set_loras([])
 
 
+def test_one_block_of_each_kind_edits_with_kv_and_a_lora(pipes, tmp_path):
+    """A transformer of one double and one single block (its prefill runs no single block before the
+    last one) edits with cached references as diffusers does, with a LoRA merged as well, and under
+    residency `stream` (the stacks of one layer in host memory, the LoRA merged there) as under `all`."""
+    ours, reference, folder = pipes("kv-one-block")
+    assert (ours.config.num_layers, ours.config.num_single_layers) == (1, 1)
+    shapes = lf.linear_shapes(ours.config, "diffusers")
+    file = lf.write_peft(tmp_path / "lora.safetensors", lf.random_lora(shapes, 4, 6))
+    kwargs = dict(image=[picture(96, 64, 0)], num_inference_steps=2)
+    plain = compare(ours, reference, "a red fox", 1, 64, 96, **kwargs)
+    ours.set_loras([(file, 0.7)])
+    try:
+        reference.load_lora_weights(str(file), adapter_name="a")
+        reference.set_adapters(["a"], adapter_weights=[0.7])
+        merged = compare(ours, reference, "a red fox", 1, 64, 96, **kwargs)
+    finally:
+        reference.unload_lora_weights()
+        ours.set_loras([])
+    assert max_abs(merged, plain) > 10 * MAX_ABS  # the LoRA moves the image
+    streamed = load_pipeline(folder, residency="stream", loras=[f"{file}:0.7"])
+    latents = np.random.default_rng(0).standard_normal((1, 128, 4, 6)).astype(np.float32)  # as `compare`'s
+    got = streamed("a red fox", latents=latents, output_type="np", **kwargs).images
+    assert max_abs(got, merged) <= 1e-6
+
+
 def _kernels(state) -> dict:
     return {path: np.asarray(_stored(v), np.float32) for path, v in nnx.to_flat_state(state)}
 

@@ -1,6 +1,7 @@
 """Qwen3 text encoder: parity with transformers and diffusers on a tiny random model, real-config loading."""
 
 import copy
+import dataclasses
 import json
 import shutil
 
@@ -11,11 +12,14 @@ from diffusers import Flux2KleinPipeline
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from klein.cli import main as cli
 from klein.errors import CheckpointError
+from klein.io import demo
 from klein.io.loading import expected_shapes
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, load_text_encoder, skipped_keys
 from klein.models.qwen3 import hidden_states, prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
+from klein.pipeline.flux2_klein import load_pipeline
 from klein.pipeline.prompts import load_tokenizer, tokenize_prompts
 from tests.support.compare import max_abs
 from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
@@ -201,3 +205,21 @@ def test_bad_checkpoints_are_reported_by_key(tiny, tmp_path):
     config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
     (folder / "config.json").write_text(json.dumps(config))
     expect_error(weights, "rope_type='yarn'")
+
+
+@pytest.mark.parametrize("layers", [4, 27])
+def test_an_encoder_without_the_layers_read_is_refused_before_its_weights(tmp_path, capsys, layers):
+    """A Qwen3 with fewer decoder layers than the prompt embedding reads (diffusers' pipeline fails on it
+    mid-request with an IndexError), or with exactly 27 (transformers' hidden state after the last layer is
+    the final norm's output, which diffusers would read as layer 27): the pipeline and `klein plan` refuse
+    it, naming the layers, before any weight is read."""
+    spec = dataclasses.replace(demo.DEMO, text_encoder=demo.text_encoder_config(32, 64, layers, 4, 2, 8))
+    demo.write_checkpoint(tmp_path, spec)
+    (tmp_path / "text_encoder" / "model.safetensors").write_bytes(b"")  # never read
+    message = (
+        f"has {layers} decoder layers; the prompt embedding reads the hidden states after layers 9, 18, 27"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        load_pipeline(str(tmp_path))
+    assert cli.main(["plan", "--model", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err

@@ -8,10 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from diffusers.models.transformers.transformer_flux2 import (
-    Flux2KVAttnProcessor,
-    Flux2KVParallelSelfAttnProcessor,
-)
 from flax import nnx
 
 from klein.io.transformer_checkpoint import load_transformer
@@ -19,7 +15,17 @@ from klein.models import stacks
 from klein.models import transformer as T
 from klein.models.attention import MASKED, attention
 from tests.support.compare import assert_close, rel_err
-from tests.support.transformer_inputs import jx, make_case, ropes, torch_call
+from tests.support.tiny_transformer import with_kv_processors
+from tests.support.transformer_inputs import (
+    diffusers_extract,
+    diffusers_references,
+    jx,
+    make_case,
+    ours_kv,
+    ours_plain,
+    ropes,
+    torch_call,
+)
 
 TOL = 1e-4  # max abs error relative to the output's scale (fp32 on both sides)
 
@@ -33,17 +39,7 @@ def last_single_block(model):
 @pytest.fixture(scope="module")
 def models(tiny_transformer):
     folder, reference = tiny_transformer
-    # KV processors behave exactly like the default ones when no KV arguments are given.
-    for block in reference.transformer_blocks:
-        block.attn.set_processor(Flux2KVAttnProcessor())
-    for block in reference.single_transformer_blocks:
-        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
-    return load_transformer(folder / "transformer"), reference
-
-
-def ours_plain(model, case, refs=None):
-    img_rope, txt_rope = ropes(model, case.img_ids, case.txt_ids)
-    return np.asarray(T.forward(model, *jx(case.img, case.txt, case.t), img_rope, txt_rope, refs=refs))
+    return load_transformer(folder / "transformer"), with_kv_processors(reference)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -60,27 +56,7 @@ def test_standard_references(models, batch, ref_sizes):
     case = make_case(1, batch, ref_sizes=ref_sizes)
     (ref_rope,) = ropes(ours, case.ref_ids)
     got = ours_plain(ours, case, refs=(case.ref[None], ref_rope))
-    joint = np.concatenate([case.img, np.broadcast_to(case.ref, (batch, *case.ref.shape))], axis=1)
-    ids = np.concatenate([case.img_ids, case.ref_ids])
-    want = torch_call(ref, case, img=joint, img_ids=ids)[0].numpy()[:, : case.img.shape[1]]
-    assert_close(got, want, TOL)
-
-
-def diffusers_extract(ref, case):
-    batch = case.img.shape[0]
-    joint = np.concatenate([np.broadcast_to(case.ref, (batch, *case.ref.shape)), case.img], axis=1)
-    ids = np.concatenate([case.ref_ids, case.img_ids])
-    out, cache = torch_call(
-        ref, case, img=joint, img_ids=ids, kv_cache_mode="extract", num_ref_tokens=case.ref.shape[0]
-    )
-    return out.numpy(), cache
-
-
-def ours_kv(model, case):
-    img_rope, txt_rope, ref_rope = ropes(model, case.img_ids, case.txt_ids, case.ref_ids)
-    kv = T.prefill(model, jx(case.ref)[0], ref_rope)
-    out = T.forward_cached(model, *jx(case.img, case.txt, case.t), img_rope, txt_rope, kv)
-    return np.asarray(out), kv
+    assert_close(got, diffusers_references(ref, case), TOL)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -9,6 +9,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 (the name does not start with
 run does not collect it). Each mesh uses all 8 devices.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,6 +189,21 @@ def test_padded_reference_kv_is_split_and_its_padding_masked(model, odd_sharded,
             state, kv._replace(key_rank=None)
         )
     assert max_abs(moved, odd_single["kv"]) > 1e-3
+
+
+def test_one_block_of_each_kind_sharded_equals_single_device(odd_inputs):
+    """A transformer of one double and one single block (its prefill runs no single block before the last
+    one), on a mesh with split weights and padded token streams, in every mode: the one-device result."""
+    one_block = T.Flux2Transformer(
+        dataclasses.replace(CONFIG, num_layers=1, num_single_layers=1), rngs=nnx.Rngs(1)
+    )
+    single = run(one_block, None, odd_inputs, every_mode_and_one_pass_kv)
+    sharded = run(one_block, sharding.make_mesh("fsdp=4,context=2"), odd_inputs, every_mode_and_one_pass_kv)
+    assert sharded["cache"].single_k.shape[0] == 1
+    for mode in ("t2i", "edit", "kv", "kv_uncached"):
+        err = max_abs(sharded[mode], single[mode])
+        print(f"one block of each kind, fsdp=4,context=2 {mode}: max abs error {err:.2e}")
+        assert err < TOL
 
 
 def test_long_prefill_on_context_2_has_linear_temporaries(model):

@@ -6,9 +6,17 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 import torch
+from flax import nnx
 
+from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.sampling import image_ids, reference_ids, text_ids
+
+# Each compiled whole: one program per model shape and way of running it, where running it eagerly
+# compiles many small ones (the parity grid's time is mostly compiling).
+forward = nnx.jit(T.forward)
+prefill = nnx.jit(T.prefill)
+forward_cached = nnx.jit(T.forward_cached)
 
 
 @dataclass
@@ -42,13 +50,14 @@ def ropes(model, *ids):
     return [rope_tables(i, cfg.axes_dims_rope, cfg.rope_theta) for i in ids]
 
 
-def torch_call(model, case: Case, img=None, img_ids=None, **kwargs):
+def torch_call(model, case: Case, img=None, img_ids=None, txt=None, **kwargs):
     img = case.img if img is None else img
     img_ids = case.img_ids if img_ids is None else img_ids
+    txt = case.txt if txt is None else txt
     with torch.no_grad():
         return model(
-            hidden_states=torch.from_numpy(img),
-            encoder_hidden_states=torch.from_numpy(case.txt),
+            hidden_states=torch.from_numpy(np.ascontiguousarray(img)),
+            encoder_hidden_states=torch.from_numpy(np.ascontiguousarray(txt)),
             timestep=torch.from_numpy(case.t),
             img_ids=torch.from_numpy(img_ids),
             txt_ids=torch.from_numpy(case.txt_ids),
@@ -59,3 +68,37 @@ def torch_call(model, case: Case, img=None, img_ids=None, **kwargs):
 
 def jx(*arrays):
     return [jnp.asarray(a) for a in arrays]
+
+
+def ours_plain(model, case: Case, refs=None) -> np.ndarray:
+    """Our `forward` on `case`: text-to-image, or standard editing with `refs` = (tokens, rope)."""
+    img_rope, txt_rope = ropes(model, case.img_ids, case.txt_ids)
+    return np.asarray(forward(model, *jx(case.img, case.txt, case.t), img_rope, txt_rope, refs=refs))
+
+
+def diffusers_references(model, case: Case) -> np.ndarray:
+    """Diffusers' standard editing on `case`: its references appended to the image tokens, full attention;
+    the image tokens' velocity."""
+    batch = case.img.shape[0]
+    joint = np.concatenate([case.img, np.broadcast_to(case.ref, (batch, *case.ref.shape))], axis=1)
+    ids = np.concatenate([case.img_ids, case.ref_ids])
+    return torch_call(model, case, img=joint, img_ids=ids)[0].numpy()[:, : case.img.shape[1]]
+
+
+def diffusers_extract(model, case: Case):
+    """Diffusers' KV step 0 on `case` (model with `with_kv_processors`): (velocity, reference cache)."""
+    batch = case.img.shape[0]
+    joint = np.concatenate([np.broadcast_to(case.ref, (batch, *case.ref.shape)), case.img], axis=1)
+    ids = np.concatenate([case.ref_ids, case.img_ids])
+    out, cache = torch_call(
+        model, case, img=joint, img_ids=ids, kv_cache_mode="extract", num_ref_tokens=case.ref.shape[0]
+    )
+    return out.numpy(), cache
+
+
+def ours_kv(model, case: Case):
+    """Our prefill of `case`'s references and a cached step with it: (velocity, `ReferenceKV`)."""
+    img_rope, txt_rope, ref_rope = ropes(model, case.img_ids, case.txt_ids, case.ref_ids)
+    kv = prefill(model, jx(case.ref)[0], ref_rope)
+    out = forward_cached(model, *jx(case.img, case.txt, case.t), img_rope, txt_rope, kv)
+    return np.asarray(out), kv

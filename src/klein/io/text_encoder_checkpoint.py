@@ -13,7 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
-from klein.errors import CheckpointError
+from klein.errors import CheckpointError, counted
 from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
 from klein.io.safetensors import TensorSource
@@ -31,13 +31,8 @@ def load_text_encoder(
     `place(path, host_array)` puts each weight on its device(s) (see `load_module`).
     """
     folder = Path(folder)
-    config = read_config(folder)
+    config = read_config(folder, layers)
     num_layers = max(layers)
-    if num_layers >= config.num_hidden_layers:
-        raise CheckpointError(
-            f"{folder}: the prompt embedding needs layer {num_layers}, the text encoder has only "
-            f"{config.num_hidden_layers} layers; is this a Qwen3 text encoder of a klein checkpoint?"
-        )
     abstract = abstract_text_encoder(config, num_layers)
     skipped = skipped_keys(config, num_layers)
     source = TensorSource.from_folder(folder, "model")
@@ -47,10 +42,21 @@ def load_text_encoder(
     return encoder
 
 
-def read_config(folder: str | Path) -> Qwen3Config:
-    """The `Qwen3Config` of `<folder>/config.json`."""
-    path = Path(folder) / "config.json"
-    return Qwen3Config.from_hf_config(read_json(path, "the text encoder config"))
+def read_config(folder: str | Path, layers: Sequence[int] = PROMPT_LAYERS) -> Qwen3Config:
+    """The `Qwen3Config` of `<folder>/config.json`, refused unless the encoder has the decoder layers whose
+    hidden states the prompt embedding reads (`layers`; docs/design.md, "Text encoder")."""
+    config = Qwen3Config.from_hf_config(read_json(Path(folder) / "config.json", "the text encoder config"))
+    # transformers' hidden_states[num_hidden_layers] is the final norm's output, not a layer's: a layer read
+    # must come before the last one. diffusers fails on fewer layers (an IndexError mid-request) and on
+    # exactly max(layers) reads the normed output instead; klein refuses both before reading a weight.
+    if max(layers) >= config.num_hidden_layers:
+        read = ", ".join(map(str, layers))
+        raise CheckpointError(
+            f"{folder}: the text encoder has {counted(config.num_hidden_layers, 'decoder layer')}; the "
+            f"prompt embedding reads the hidden states after layers {read}, so it needs at least "
+            f"{max(layers) + 1}. Is this the Qwen3 text encoder of a klein checkpoint (36 layers)?"
+        )
+    return config
 
 
 def abstract_text_encoder(config: Qwen3Config, num_layers: int) -> Qwen3TextEncoder:

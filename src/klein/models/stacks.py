@@ -69,9 +69,23 @@ def rows(table, ids):
 def scan(body, carry, stacks, count: int):
     """`body(carry, layers) -> (carry, ys)` over layers 0..count-1 of `stacks` (a pytree of stacks),
     each layer sliced from the whole stacks inside the loop: running a prefix of a stack copies nothing.
-    Returns (carry, ys stacked on a new leading axis)."""
+    Returns (carry, ys stacked on a new leading axis).
+
+    `count` may be 0 (a model with one single block runs none before its last one): the carry comes back
+    as it is and every ys has no rows. The body is then only traced for its output shapes, on one layer's
+    shapes rather than a slice: tracing `jax.lax.scan` would slice every stack, and one of no layers (an
+    empty per-layer `xs`) has nothing to slice."""
+    if count == 0:
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], _float_dtype(a.dtype)), stacks)
+        _, ys = jax.eval_shape(body, carry, one)
+        return carry, jax.tree.map(lambda y: jnp.zeros((0, *y.shape), y.dtype), ys)
 
     def step(carry, index):
         return body(carry, layer(stacks, index))
 
     return jax.lax.scan(step, carry, jnp.arange(count))
+
+
+def _float_dtype(dtype):
+    """The dtype `as_float` views an array of `dtype` as."""
+    return _FLOATS.get(np.dtype(dtype), dtype)
