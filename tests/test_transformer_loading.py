@@ -156,3 +156,11 @@ def test_missing_folder_and_config(tmp_path):
 def test_flux2_dev_config_is_rejected():
     with pytest.raises(CheckpointError, match="guidance_embeds"):
         TransformerConfig.from_diffusers({**COMMON, "guidance_embeds": True, "num_layers": 8})
+
+
+def test_a_config_without_single_blocks_is_refused_by_name():
+    """diffusers builds one; klein's last single block is a step of its own, so it refuses it at load."""
+    blocks = {**COMMON, **REAL_CONFIGS["klein-4b"]}
+    assert TransformerConfig.from_diffusers({**blocks, "num_single_layers": 1}).num_single_layers == 1
+    with pytest.raises(CheckpointError, match="0 single blocks; klein runs transformers with at least one"):
+        TransformerConfig.from_diffusers({**blocks, "num_single_layers": 0})

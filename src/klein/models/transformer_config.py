@@ -60,9 +60,16 @@ class TransformerConfig:
         if "axes_dims_rope" in values:
             values["axes_dims_rope"] = tuple(values["axes_dims_rope"])
         try:
-            return cls(**values)
+            cfg = cls(**values)
         except TypeError as exc:
             raise CheckpointError(f"transformer config is incomplete: {exc}") from None
+        # The last single block is its own step (it keeps the image rows only): there must be one.
+        if cfg.num_layers < 0 or cfg.num_single_layers < 1:
+            raise CheckpointError(
+                f"transformer config has {cfg.num_layers} double and {cfg.num_single_layers} single blocks; "
+                "klein runs transformers with at least one single block (every FLUX.2 model has 20 or more)"
+            )
+        return cfg
 
 
 KLEIN_4B = TransformerConfig(
