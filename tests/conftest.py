@@ -17,6 +17,7 @@ LONGEST_FIRST = (
     "test_serve_lifecycle.py",
     "test_tpu_compile.py",
     "test_parity_grid.py",
+    "test_serve_memory.py",
 )
 
 
