@@ -4,7 +4,6 @@ and resumed, bad lines, and the refusals of bad arguments.
 Outputs are named by line, so "each once" is a count of files; reference encodings are the pipeline's own
 count of the work (`pipe.counters`), printed by the command in its summary."""
 
-import importlib.util
 import json
 import os
 import re
@@ -75,10 +74,7 @@ def encodings(stderr: str) -> int:
     return int(re.search(r"(\d+) reference encodings", stderr).group(1))
 
 
-RAY = pytest.param(["--ray"], marks=pytest.mark.skipif(not importlib.util.find_spec("ray"), reason="no Ray"))
-
-
-@pytest.mark.parametrize("where", [[], RAY], ids=["local", "ray"])
+@pytest.mark.parametrize("where", [[], ["--ray"]], ids=["local", "ray"])
 def test_killed_halfway_and_resumed_writes_every_output_once(klein_home, requests, tmp_path, where):
     out = tmp_path / "out"
     argv, env = command(klein_home, requests, "--out", out, *where)
