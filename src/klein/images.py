@@ -53,6 +53,12 @@ def read_image(
     return _read(io.BytesIO(data), name, max_pixels, mode, formats)
 
 
+def show_pixels(count: int) -> str:
+    """A pixel count for people: "2048x2048 px" when it is a square's, else megapixels ("16.8 MP")."""
+    side = math.isqrt(count)
+    return f"{side}x{side} px" if side * side == count else f"{count / 1e6:.1f} MP"
+
+
 def _read(
     source, name: str, max_pixels: int | None = None, mode: str | None = "RGB", formats=None
 ) -> PIL.Image.Image:
@@ -60,7 +66,7 @@ def _read(
         with PIL.Image.open(source, formats=formats) as image:
             if max_pixels is not None and image.width * image.height > max_pixels:
                 raise InputError(
-                    f"{name} is {image.width}x{image.height} px, more than the {max_pixels} pixels allowed; "
+                    f"{name} is {image.width}x{image.height} px, more than the {show_pixels(max_pixels)} allowed; "
                     "send a smaller image"
                 )
             # open() parses only the header; load() decodes every pixel so a truncated file fails here.

@@ -26,8 +26,26 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
         if unknown:
-            message += _did_you_mean(unknown.group(1).split("=")[0], self._option_string_actions)
+            word = unknown.group(1).split("=")[0]
+            message += _hint(
+                word.lstrip("-").replace("-", "_"), self._option_string_actions
+            ) or _did_you_mean(word, self._option_string_actions)
         raise InputError(f"{message} (see {self.prog} --help)")
+
+
+NO_NEGATIVE_PROMPT = (
+    "klein takes no negative prompt: describe what you want in --prompt; on the base models "
+    "(klein-base-4b, klein-base-9b) --guidance sets how strongly the prompt is followed, against an empty one"
+)
+
+
+def _hint(name: str, known) -> str:
+    """What a user of diffusers' names (num_inference_steps, negative_prompt) should pass instead."""
+    if name == "negative_prompt":
+        return "; " + NO_NEGATIVE_PROMPT
+    field = KEYS.get(name, (None,))[0]
+    flag = FLAGS.get(field)
+    return f"; did you mean {flag}?" if flag in known else ""
 
 
 def _did_you_mean(word: str, known) -> str:
@@ -56,10 +74,14 @@ LOADING = settings_of(LoadOptions)
 _FLAG_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float, kinds.TEXT.name: str, kinds.PATH.name: str}
 
 
+def _flag(field: dataclasses.Field, spec: kinds.Setting) -> str:
+    return "--" + short_name(field, spec).replace("_", "-")
+
+
 def _add_flags(add, declared) -> None:
     """One flag per setting: --<short name>, documented by the declaring type itself."""
     for field, spec in declared:
-        flag = "--" + short_name(field, spec).replace("_", "-")
+        flag = _flag(field, spec)
         if spec.kind is kinds.PATHS:
             add(flag, dest=field.name, action="append", metavar=spec.metavar, help=spec.doc)
         elif spec.kind is kinds.OPTIONAL_BOOL:
@@ -107,6 +129,8 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "out": ("out", kinds.read_text),
     "overwrite": ("overwrite", kinds.read_bool),
 }
+FLAGS = {field.name: _flag(field, spec) for field, spec in (*GENERATION, *LOADING)}
+"""Field -> its flag, for the flags' diffusers spellings (--num_inference_steps means --steps)."""
 
 
 def parse_assignments(tokens: Sequence[str]) -> dict[str, object]:
@@ -119,7 +143,11 @@ def parse_assignments(tokens: Sequence[str]) -> dict[str, object]:
                 f'unexpected argument {token!r}: settings look like prompt="a cat" or --prompt "a cat"'
             )
         if key.strip() not in KEYS:
-            hint = _did_you_mean(key.strip(), KEYS)
+            hint = (
+                "; " + NO_NEGATIVE_PROMPT
+                if key.strip() == "negative_prompt"
+                else _did_you_mean(key.strip(), KEYS)
+            )
             raise InputError(f"unknown setting {key!r}{hint or '; known settings: ' + ', '.join(KEYS)}")
         field, read = KEYS[key.strip()]
         if field in values:

@@ -12,8 +12,9 @@ import sys
 from klein.cli import extras
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
+from klein.images import show_pixels
 from klein.serve import security
-from klein.serve.options import ServeOptions, parse_size
+from klein.serve.options import ServeOptions, parse_size, show_size
 from klein.version import version
 
 DESCRIPTION = """\
@@ -90,9 +91,16 @@ def serve_parser() -> argparse.ArgumentParser:
             type=parse_size if sized else float if seconds else int,
             default=default,
             metavar="SIZE" if sized else "SECONDS" if seconds else "N",
-            help=f"{help_} (default: {default})",
+            help=f"{help_} (default: {_shown(field, default)})",
         )
     return parser
+
+
+def _shown(field: str, default) -> str:
+    """A default as a person reads it (2GiB, 2048x2048 px), not a raw count."""
+    if field.endswith("bytes"):
+        return show_size(default)
+    return show_pixels(default) if field == "max_pixels" else str(default)
 
 
 def _add_access_flags(add) -> None:

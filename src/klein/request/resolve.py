@@ -212,10 +212,14 @@ def _conditioning(request: GenerationRequest, variant: Variant, model_name: str,
 def _notes(request, variant: Variant, model_name: str, filled: GenerationRequest, rounded: bool):
     notes = []
     if rounded:
-        notes.append(f"height/width rounded down to multiples of {MULTIPLE}: {filled.height}x{filled.width}")
-    if variant.distilled and request.guidance_scale is not None:
         notes.append(
-            f"guidance_scale {request.guidance_scale:g} is ignored: {model_name} is step-distilled and runs "
+            f"height/width rounded down to multiples of {MULTIPLE}: {filled.width}x{filled.height} px (WxH)"
+        )
+    # A scale of 1 or less asks for no guidance, which is what a distilled variant runs anyway. The
+    # variant's short name, not `model_name`: that can be a description (the demo's).
+    if variant.distilled and request.guidance_scale is not None and request.guidance_scale > 1:
+        notes.append(
+            f"guidance_scale {request.guidance_scale:g} is ignored: {variant.name} is step-distilled and runs "
             "without guidance (the base variants take it)"
         )
     return tuple(notes)

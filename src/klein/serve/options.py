@@ -21,6 +21,14 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def show_size(value: int) -> str:
+    """Bytes as `parse_size` reads them back, in the largest binary unit that divides them: 2GiB, 256MiB."""
+    for unit in ("GiB", "MiB", "KiB"):
+        if value and value % _UNITS[unit.lower()] == 0:
+            return f"{value // _UNITS[unit.lower()]}{unit}"
+    return str(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
     cache_bytes: int = 2 * 2**30

@@ -21,6 +21,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from klein.errors import InputError
+from klein.images import show_pixels
 from klein.pipeline.prompts import MAX_LENGTH
 from klein.request import kinds
 from klein.request.kinds import settings_of, short_name
@@ -229,7 +230,8 @@ def parse_size(size: str | None, max_pixels: int) -> tuple[int | None, int | Non
     if width * height > max_pixels:
         raise ApiError(
             400,
-            f"size {size} is {width * height} px, more than the {max_pixels} allowed (--max-pixels)",
+            f"size {size} is {show_pixels(width * height)}, more than the {show_pixels(max_pixels)} allowed "
+            "(--max-pixels)",
             "invalid_size",
             "size",
         )
