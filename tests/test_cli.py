@@ -206,8 +206,26 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
         ),
         pytest.param(
             ["--prompt", "x", "--mask", "{inputs}/ref.png"],
-            ["mask_image needs the image to repaint"],
+            ["--mask needs the image to repaint", "--image SOURCE"],
             id="mask without image",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--strength", "0.5"],
+            ["--strength needs the image to repaint: pass --image SOURCE"],
+            id="strength without image",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--image", "{inputs}/ref.png", "--strength", "0", "--steps", "4"],
+            ["strength 0 leaves no denoising step"],
+            id="strength leaving no step",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--negative-prompt", "blur"],
+            ["klein takes no negative prompt", "--guidance"],
+            id="negative prompt",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--num_inference_steps", "4"], ["did you mean --steps?"], id="diffusers steps"
         ),
         pytest.param(
             ["--prompt", "x", "--image", "{inputs}/ref.png", "--mask", "{inputs}/black.png"],
@@ -220,6 +238,9 @@ def test_bad_input_is_one_clear_line(klein_home, inputs, tmp_path, args, fragmen
     args = [arg.format(inputs=inputs, tmp=tmp_path) for arg in args]
     result = run_klein(klein_home, "generate", *args, cwd=tmp_path)
     assert_clean_error(result, *fragments)
+    assert "image=[" not in result.stderr  # the Python call's wording, not the flags'
+    if "unknown model" not in fragments[0]:  # the model's name is read as loading starts
+        assert "loading" not in result.stderr  # found before the model loads: no loading bar
     assert list(tmp_path.iterdir()) == []
 
 

@@ -51,6 +51,15 @@ def as_mask(mask: MaskLike) -> PIL.Image.Image:
     return images.load_image(mask)
 
 
+def check_not_black(mask: PIL.Image.Image) -> None:
+    """An `InputError` for a mask without one non-black pixel: it repaints nothing at any size, so a front
+    end can say so before a model loads (`latent_mask` finds the rest, at the processing size)."""
+    if mask.convert("L").getbbox() is None:
+        raise InputError(
+            "mask_image is all black: nothing to repaint (white marks the area to repaint, black keeps)"
+        )
+
+
 def from_alpha(picture: PIL.Image.Image) -> PIL.Image.Image:
     """OpenAI's mask convention -> klein's: where a picture with transparency is fully transparent is the
     area to repaint (white), everything else black; a picture without transparency is read as a mask

@@ -14,7 +14,7 @@ import time
 import warnings
 
 from klein.cli import flags, output, tools
-from klein.errors import KleinError
+from klein.errors import InputError, KleinError
 from klein.io import png
 from klein.request.loading import LoadOptions
 from klein.version import version
@@ -204,7 +204,7 @@ def _load(request: flags.GenerateRequest):
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
     from klein import sharding
     from klein.images import load_image
-    from klein.masks import as_mask
+    from klein.masks import as_mask, check_not_black
     from klein.pipeline.flux2_klein import load
 
     if request.coordinator is not None:
@@ -213,8 +213,11 @@ def _load(request: flags.GenerateRequest):
 
     # Everything that can be wrong with the arguments is found before the loading bar starts.
     generation = request.generation
+    _check_unloaded(generation)
     references = tuple(load_image(path) for path in generation.image)
     mask = None if generation.mask_image is None else as_mask(generation.mask_image)
+    if mask is not None:
+        check_not_black(mask)
     if request.loading.mesh is not None:
         sharding.parse(request.loading.mesh)
     with output.loading_bar(1) as bar:
@@ -223,6 +226,19 @@ def _load(request: flags.GenerateRequest):
         bar.update()
     pictures = dataclasses.replace(generation, image=references, mask_image=mask)
     return pipe, pictures, time.perf_counter() - started
+
+
+def _check_unloaded(generation) -> None:
+    """The request's errors that need no model, in the words of flags, so that they cost no load."""
+    from klein.request.resolve import check_unloaded, missing_source
+
+    field = missing_source(generation, bool(generation.image))
+    if field is not None:
+        raise InputError(
+            f"{flags.FLAGS[field]} needs the image to repaint: pass --image SOURCE [--image REFERENCE ...] "
+            "(the first image is the one repainted)"
+        )
+    check_unloaded(generation)
 
 
 def _lead_process() -> bool:

@@ -609,7 +609,15 @@ def locate(options: LoadOptions, mesh=None) -> components.Located:
 
 
 def _enable_compilation_cache() -> None:
-    """Persist compiled programs so that a second process skips most compilation."""
-    cache = klein_home() / "xla-cache"
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    """Persist compiled programs so that a second process skips most compilation: in klein's folder, keeping
+    programs that took 0.2 s or more, unless the process chose otherwise (JAX_COMPILATION_CACHE_DIR or
+    jax.config, which reads that variable): then its cache and threshold stand."""
+    if jax.config.jax_compilation_cache_dir is not None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(klein_home() / "xla-cache"))
+    if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECONDS:  # jax's, not chosen
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+JAX_MIN_COMPILE_SECONDS = 1.0
+"""jax's default `jax_persistent_cache_min_compile_time_secs`: a different value was chosen by the process."""

@@ -83,9 +83,10 @@ def resolve(
     steps = variant.steps if request.num_inference_steps is None else request.num_inference_steps
     strength, first_step, kept = None, 0, ()
     if request.repaints:
-        if not sizes:
-            field = "mask_image" if request.mask_image is not None else "strength"
-            raise InputError(f"{field} needs the image to repaint: pass image=[source, *references]")
+        if missing_source(request, bool(sizes)):
+            raise InputError(
+                f"{missing_source(request, False)} needs the image to repaint: pass image=[source, *references]"
+            )
         strength = DEFAULT_STRENGTH if request.strength is None else request.strength
         first_step = start_step(steps, strength)
         kept = _source_size_kept(request, sizes[0]) + _mask_resized(mask_size, sizes[0])
@@ -110,6 +111,21 @@ def resolve(
     notes = kept + _notes(request, variant, model_name, filled, rounded)
     mode = Mode(conditioning, scale is not None)
     return Resolved(filled, mode, images, sizes, rounded, notes, first_step)
+
+
+def missing_source(request: GenerationRequest, has_source: bool) -> str | None:
+    """The field (mask_image or strength) that asks to repaint a source the request does not give; None
+    when the request repaints nothing or gives one. Front ends check it before a model loads, in their words."""
+    if not request.repaints or has_source:
+        return None
+    return "mask_image" if request.mask_image is not None else "strength"
+
+
+def check_unloaded(request: GenerationRequest) -> None:
+    """The checks of `resolve` that need no checkpoint when the request gives the steps, run before one loads
+    (without steps, the variant's default decides); `missing_source` is the other, worded by each front end."""
+    if request.repaints and request.strength is not None and request.num_inference_steps is not None:
+        start_step(request.num_inference_steps, request.strength)
 
 
 def start_step(steps: int, strength: float) -> int:
