@@ -220,14 +220,6 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
             id="strength leaving no step",
         ),
         pytest.param(
-            ["--prompt", "x", "--negative-prompt", "blur"],
-            ["klein takes no negative prompt", "--guidance"],
-            id="negative prompt",
-        ),
-        pytest.param(
-            ["--prompt", "x", "--num_inference_steps", "4"], ["did you mean --steps?"], id="diffusers steps"
-        ),
-        pytest.param(
             ["--prompt", "x", "--image", "{inputs}/ref.png", "--mask", "{inputs}/black.png"],
             ["all black"],
             id="black mask",

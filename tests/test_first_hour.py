@@ -22,6 +22,13 @@ def test_guidance_on_a_distilled_model_is_a_warning_and_recorded(pipe):
         out = pipe(prompt="a fox", guidance_scale=3.0, height=32, width=48, num_inference_steps=1)
     assert out.settings.request.guidance_scale is None
     assert any("guidance_scale 3 is ignored" in note for note in out.settings.notes)
+    assert not any("noise-like" in note for note in out.settings.notes)  # a name, not the description
+
+
+def test_guidance_of_one_or_less_turns_guidance_off_without_a_warning(pipe, recwarn):
+    out = pipe(prompt="a fox", guidance_scale=1.0, height=32, width=32, num_inference_steps=1)
+    assert not [w for w in recwarn if "guidance" in str(w.message)]
+    assert out.settings.request.guidance_scale is None
 
 
 def test_a_prompt_longer_than_the_text_encoder_reads_is_a_warning_and_recorded(pipe):
@@ -44,11 +51,22 @@ def test_encoded_references_print_as_a_summary(pipe):
         (["generate", "--prompt", "x", "--stpes", "2"], "did you mean --steps?"),
         (["generate", "prompt=x", "guidence=2"], "did you mean guidance?"),
         (["generate", "prompt=x", "residensy=all"], "did you mean residency?"),
+        (["generate", "--prompt", "x", "--num_inference_steps", "2"], "did you mean --steps?"),
+        (["generate", "--prompt", "x", "--negative-prompt", "y"], "klein takes no negative prompt"),
+        (["generate", "prompt=x", "negative_prompt=y"], "--guidance sets how strongly"),
     ],
 )
 def test_misspelt_words_get_the_nearest_known_one(argv, hint, capsys):
     assert cli.main(argv) == 2
     assert hint in capsys.readouterr().err
+
+
+def test_serve_help_shows_sizes_as_people_write_them():
+    from klein.cli.serve import serve_parser
+
+    text = " ".join(serve_parser().format_help().split())
+    assert "(default: 2GiB)" in text and "(default: 256MiB)" in text
+    assert "(default: 2048x2048 px)" in text
 
 
 def test_the_server_names_what_it_ignored(serve_url):
@@ -96,8 +114,8 @@ def test_one_size_rule_everywhere(serve_url, pipe, capsys):
     )
     assert answer.status_code == 200, answer.text
     assert answer.json()["klein"]["settings"]["width"] == 64
-    assert "rounded down to multiples of 16: 32x64" in answer.json()["klein"]["warnings"][0]
-    with pytest.warns(UserWarning, match="rounded down to multiples of 16: 32x64"):
+    assert "rounded down to multiples of 16: 64x32 px (WxH)" in answer.json()["klein"]["warnings"][0]
+    with pytest.warns(UserWarning, match=r"rounded down to multiples of 16: 64x32 px \(WxH\)"):
         pipe(prompt="a fox", width=72, height=40, num_inference_steps=1)
 
 

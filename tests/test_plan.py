@@ -121,3 +121,24 @@ def test_prefill_estimate_follows_xla_on_one_device(tokens):
     temporaries = prefill.lower(state, ref, rope).compile().memory_analysis().temp_size_in_bytes
     estimate = prefill_estimate(cfg, sharding.abstract_mesh("single"), tokens)
     assert estimate / 2 < temporaries < 2 * estimate
+
+
+def test_klein_plan_alone_plans_the_demo_as_it_runs(klein_home, monkeypatch, capsys):
+    """No --model is the demo, as in every command; its small transformer is counted in readable units, and
+    its reference KV is 0 for want of references, not because it would not cache them (it does)."""
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    assert cli.main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "demo" in out.splitlines()[0]
+    assert "0.00 B params" not in out and " M params" in out
+    assert "KV variants only" not in out and "no references planned (--refs)" in out
+    assert cli.main(["plan", "--model", "klein-4b"]) == 0
+    assert "KV variants only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "batch", "plan"])
+def test_every_help_explains_the_stream_policy(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "stream" in text and "host memory" in text and "one at a time" in text

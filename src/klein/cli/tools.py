@@ -17,7 +17,8 @@ PLAN_DESCRIPTION = """\
 Per-device memory of a klein model on a device mesh, from its configs alone (no weights are read, nothing
 is allocated): weights and the reference KV cache exactly, peak activations as an estimate; then the
 peak under each residency policy (all: every model resident; sequential: the text encoder and the
-transformer take turns) and which one `auto` picks on a device of --device-memory bytes or a named
+transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
+the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks on a device of --device-memory bytes or a named
 --device (default: what this machine's first device has free now).
 
 --target names a TPU slice (e.g. {targets}) to plan for from this machine, without a TPU: the mesh
@@ -56,8 +57,8 @@ def plan_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add(
         "--model",
-        required=True,
-        help="a published variant (klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b), or what "
+        default="demo",
+        help="default: the offline demo checkpoint, as every command; a published variant (klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b), or what "
         "klein generate takes: a diffusers-layout folder, a repo id (published ones need no download), or a "
         "transformer file (BFL, FP8, GGUF) of a published size",
     )

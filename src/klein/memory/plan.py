@@ -175,6 +175,9 @@ class MemoryPlan:
     workload: Workload
     streamed: dict[str, int] = dataclasses.field(default_factory=dict)
     """Of each model's bytes, those the `stream` policy keeps in host memory."""
+    caches_references: bool = False
+    """Whether the checkpoint caches references' keys and values (a KV variant, or the demo): with no
+    references planned, its reference KV and prefill are 0 for want of references, not of the variant."""
 
     @property
     def reference_kv(self) -> int:
@@ -244,6 +247,7 @@ def plan(
             cfg, text_config, models.vae, abstract, work, e, copies=copies_on("cpu", e) if on_cpu else None
         ),
         workload=work,
+        caches_references=models.variant.kv,
     )
 
 
@@ -491,20 +495,26 @@ def _score_tile(queries: int, keys: int) -> int:
     return min(QUERY_BLOCK, queries) * -(-keys // key_blocks)
 
 
+def _count(n: int) -> str:
+    """Parameters in the largest unit that keeps them readable: 4.02 B, 3.1 M (the demo's)."""
+    return f"{n / 1e9:.2f} B" if n >= 10**8 else f"{n / 1e6:.1f} M" if n >= 10**5 else f"{n:,}"
+
+
 def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
     """The plan as a table for people; with a device's `limit` in bytes (`where` it comes from), which
     policies fit it and which one `auto` picks."""
+    no_kv = "no references planned (--refs)" if p.caches_references else "KV variants only"
     rows = [
-        ("transformer weights", p.transformer, f"{p.transformer_params / 1e9:.2f} B params"),
+        ("transformer weights", p.transformer, f"{_count(p.transformer_params)} params"),
         ("text encoder weights", p.text_encoder, ""),
         ("VAE weights", p.vae, "replicated"),
-        ("reference KV", p.reference_kv, "" if p.reference_kv else "KV variants only"),
+        ("reference KV", p.reference_kv, "" if p.reference_kv else no_kv),
         ("activations, text encoder", p.memory.text, "estimate"),
         ("activations, denoise step", p.step_activations, "estimate"),
         (
             "activations, KV prefill",
             p.prefill_activations,
-            "estimate" if p.prefill_activations else "KV variants only",
+            "estimate" if p.prefill_activations else no_kv,
         ),
         ("activations, decode", p.memory.decode, "estimate"),
         ("total", p.total, "weights + KV + the largest activation peak"),

@@ -63,8 +63,9 @@ class LoadOptions:
     )
     residency: str = setting(
         "which models stay on the device: all (fastest), sequential (text encoder and transformer take "
-        "turns: the largest model alone must fit), auto (default: the first that fits, chosen before any "
-        "weight is read)",
+        "turns: the largest model alone must fit), stream (as sequential, with each model's layers kept in "
+        "host memory and brought to the device one at a time: slower, for a device smaller than the "
+        "transformer), auto (default: the first that fits, chosen before any weight is read)",
         kinds.TEXT,
         default=AUTO,
         choices=RESIDENCY,
