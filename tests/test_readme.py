@@ -25,3 +25,18 @@ def test_the_readme_examples_run_and_their_settings_round_trip(klein_home, tmp_p
     assert scope["out"].settings.request.strength == 0.8
     for block in blocks[3:]:  # the rest need checkpoints, files or a server: they at least parse
         compile(block, str(README), "exec")
+
+
+def test_the_quick_starts_pngs_stay_out_of_git_status(tmp_path):
+    """The quick start writes fresh names into the clone; .gitignore names them at its root (and only there:
+    a PNG committed elsewhere, e.g. docs/, is not hidden)."""
+    import fnmatch
+    import itertools
+
+    from klein.io import png
+
+    stamp = png.plan_outputs(str(tmp_path), 1, False).stamp
+    names = [path.name for path in itertools.islice(png.fresh_names(Path("."), f"klein-{stamp}-7"), 2)]
+    lines = (README.parent / ".gitignore").read_text().splitlines()
+    rooted = [line[1:] for line in lines if line.startswith("/") and "*" in line]
+    assert all(any(fnmatch.fnmatch(name, pattern) for pattern in rooted) for name in names), (names, rooted)
