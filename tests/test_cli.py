@@ -246,6 +246,7 @@ def test_kv_on_a_non_kv_checkpoint_names_the_kv_checkpoint(klein_home, non_kv_mo
     ]
     result = run_klein(klein_home, *args, "steps=2", cwd=tmp_path)
     assert_clean_error(result, "use_kv", "klein-9b-kv")
+    assert "loading" not in result.stderr  # the configs tell, before any weight is read
     assert list(tmp_path.iterdir()) == []
 
 

@@ -220,6 +220,8 @@ def _load(request: flags.GenerateRequest):
         check_not_black(mask)
     if request.loading.mesh is not None:
         sharding.parse(request.loading.mesh)
+    if generation.use_kv:
+        _check_kv_checkpoint(request)
     with output.loading_bar(1) as bar:
         bar.set_postfix_str(request.loading.transformer or request.loading.model or "demo")
         pipe = load(_loading(request))
@@ -239,6 +241,15 @@ def _check_unloaded(generation) -> None:
             "(the first image is the one repainted)"
         )
     check_unloaded(generation)
+
+
+def _check_kv_checkpoint(request: flags.GenerateRequest) -> None:
+    """use_kv on a checkpoint that cannot cache references: its configs tell, before any weight is read."""
+    from klein.pipeline.flux2_klein import locate
+    from klein.request.resolve import conditioning
+
+    located = locate(_loading(request))
+    conditioning(located.variant, located.name, True, True)
 
 
 def _lead_process() -> bool:
