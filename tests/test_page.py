@@ -482,6 +482,6 @@ def test_the_servers_warnings_are_shown_with_the_result(tab):
     page.fill("#height", "64")
     generate(page, "a rounded fox", 1)
     expect(page.locator(".details .warning")).to_have_text(
-        ["height/width rounded down to multiples of 16: 64x64"]
+        ["height/width rounded down to multiples of 16: 64x64 px (WxH)"]
     )
     assert not tab.errors, tab.errors
