@@ -84,6 +84,20 @@ def test_the_step_end_callback_sees_every_step_and_may_change_the_latents(pipes)
     assert not np.array_equal(zeroed.images, untouched.images)
 
 
+def test_with_a_strength_the_callback_counts_the_steps_that_run(pipes):
+    seen = []
+    pipes("distilled")(
+        prompt="a cat",
+        image=[picture(64, 64, 1)],
+        mask_image=picture(64, 64, 3),
+        strength=0.5,
+        seed=0,
+        num_inference_steps=4,
+        callback_on_step_end=lambda p, i, t, kw: seen.append(i),
+    )
+    assert seen == [0, 1]
+
+
 def test_diffusers_defaults_are_accepted(pipes):
     out = pipes("distilled")(
         prompt="a cat",

@@ -483,7 +483,8 @@ class Flux2KleinPipeline:
             if repaint is not None:
                 x = repaint.after_step(x, schedule[i + 1])
             if on_step_end:
-                x = _step_end(on_step_end, i, schedule[i], x, run.images)
+                # Counted from the first step that runs, as diffusers counts a shortened (strength) schedule.
+                x = _step_end(on_step_end, i - first, schedule[i], x, run.images)
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress("denoise", i + 1 - first, steps - first)
