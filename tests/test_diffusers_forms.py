@@ -61,6 +61,22 @@ def test_output_type_np_and_return_dict_false_as_diffusers(pipes):
     assert 0.0 <= images.min() and images.max() <= 1.0
 
 
+def test_output_type_latent_is_the_decoders_input_as_diffusers_returns_it(pipes, tiny_pipelines):
+    pipe = pipes("distilled")
+    latents = pipe(prompt="a cat", seed=4, output_type="latent", **FAST)
+    reference = tiny_pipelines("distilled")[1]
+    channels = reference.vae.config.latent_channels
+    assert latents.images.shape == (1, channels, 32 // 8, 32 // 8) and latents.images.dtype == np.float32
+    # Decoding them with diffusers' VAE gives klein's image.
+    with torch.no_grad():
+        decoded = reference.vae.decode(torch.from_numpy(latents.images.copy()), return_dict=False)[0]
+    pixels = ((decoded[0].permute(1, 2, 0).numpy() + 1) / 2).clip(0, 1)
+    image = pipe(prompt="a cat", seed=4, output_type="np", **FAST).images[0]
+    np.testing.assert_allclose(pixels, image, atol=2e-3)
+    with pytest.raises(InputError, match="not images"):
+        latents.save("x.png")
+
+
 def test_the_step_end_callback_sees_every_step_and_may_change_the_latents(pipes):
     pipe, seen = pipes("distilled"), []
 
@@ -116,7 +132,6 @@ def test_diffusers_defaults_are_accepted(pipes):
     "kwargs, match",
     [
         ({"output_type": "pt"}, "needs torch.*'np'"),
-        ({"output_type": "latent"}, "not supported.*'np'"),
         ({"sigmas": [1.0, 0.5]}, "schedule.*num_inference_steps"),
         ({"prompt_embeds": np.zeros((1, 4, 8))}, "encodes prompts.*prompt="),
         ({"negative_prompt_embeds": np.zeros((1, 4, 8))}, "empty prompt.*guidance_scale"),

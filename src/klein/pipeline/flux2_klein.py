@@ -92,6 +92,8 @@ class GenerationOutput:
         back), as `klein generate` writes them: `path` a file name ending in .png (numbered -0, -1, ... for
         several images) or a folder (fresh names `klein-<time>-<seed>.png`). Nothing existing is replaced
         unless `overwrite`; returns the paths written."""
+        if self.settings.request.output_type == "latent":
+            raise InputError("latents are not images: save needs output_type 'pil' or 'np'")
         pictures = self.images if isinstance(self.images, list) else images.from_float01(self.images)
         plan = png.plan_outputs(str(path), len(pictures), overwrite)
         metadata = [png.png_metadata(self.settings.metadata(i, version())) for i in range(len(pictures))]
@@ -125,6 +127,7 @@ class Flux2KleinPipeline:
         self._encode = Compiled(vae_model.encode_latents, vae, mesh)
         self._decode = Compiled(_decode_replicated, vae, mesh)
         self._decode_tiled = Compiled(_decode_tiled_replicated, vae, mesh)
+        self._vae_latents = Compiled(_vae_latents_replicated, vae, mesh)
         transformer = self._hold(residency_policy.TRANSFORMER)
         self._prefill = Compiled(T.prefill, transformer, mesh)
         self._steps = {
@@ -302,6 +305,11 @@ class Flux2KleinPipeline:
             repaint = self._repaint(references, x, latent_mask, noised_start=request.latents is None)
         x = stages.run("denoise", self._denoise, x, txt, references, run, progress, repaint, on_step_end)
         latents = sampling.unpack(x, gh, gw)
+        if request.output_type == "latent":  # channels first, as diffusers returns them
+            out = np.asarray(stages.run("latents", self._vae_latents, latents), np.float32).transpose(
+                0, 3, 1, 2
+            )
+            return GenerationOutput(out, run.request.seed, stages.timings, self._settings(run, sizes, cut))
         decoded = stages.run(
             "decode_tiled" if tiled else "decode", self._decode_tiled if tiled else self._decode, latents
         )
@@ -310,7 +318,11 @@ class Flux2KleinPipeline:
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
         if request.padding_mask_crop is not None:
             out = [masks.overlay(picture, source, mask) for picture in out]
-        settings = Settings(
+        return GenerationOutput(out, run.request.seed, stages.timings, self._settings(run, sizes, cut))
+
+    def _settings(self, run: Resolved, sizes, cut: tuple[str, ...]) -> Settings:
+        notes = run.notes + cut
+        return Settings(
             run.request,
             run.mode,
             self.name,
@@ -318,9 +330,8 @@ class Flux2KleinPipeline:
             tuple(sizes),
             self.loras,
             self.residency,
-            run.notes + cut,
+            notes,
         )
-        return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
     @staticmethod
     def _source(request: GenerationRequest, mask) -> masks.Source | None:
@@ -547,6 +558,10 @@ def _decode_replicated(vae, latents):
 
 def _decode_tiled_replicated(vae, latents):
     return sharding.constrain(vae_model.decode_latents_tiled(vae, latents), ())
+
+
+def _vae_latents_replicated(vae, latents):
+    return sharding.constrain(vae_model.vae_latents(vae, latents), ())
 
 
 def _fresh_seed() -> int:

@@ -1,6 +1,7 @@
 """The Python API's progress bar: one tqdm bar per `pipe(...)` call on stderr, as diffusers draws.
 
-It counts the stages of a call: the text encoding, each denoising step, the decoding.
+It counts the stages of a call: the text encoding, each denoising step, the decoding (or the latents'
+denormalisation, for output_type="latent").
 `pipe.set_progress_bar_config(**tqdm_options)` configures it as diffusers' method does
 (`disable=True` turns it off). A caller that passes its own `progress` callback (the CLI, the server)
 gets no bar: it draws or reports progress itself.
@@ -23,7 +24,7 @@ class CallBar:
         if stage == "text":
             self._bar.set_description("denoise")
             self._bar.update(1)
-        elif stage.startswith("decode"):
+        elif stage.startswith("decode") or stage == "latents":
             self._bar.update(1)
             self._bar.close()
 

@@ -57,10 +57,6 @@ def split(settings: dict) -> tuple[dict, CallOptions]:
             "output_type='pt' needs torch, which klein does not use: use 'np' (float arrays "
             "in [0, 1]) and torch.from_numpy"
         )
-    if settings.get("output_type") == "latent":
-        raise InputError(
-            "output_type='latent' is not supported: klein decodes every image; use 'np' or 'pil'"
-        )
     return_dict = settings.pop("return_dict", True)
     if not isinstance(return_dict, bool):
         raise InputError(f"return_dict must be True or False, got {return_dict!r}")
