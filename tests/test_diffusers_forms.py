@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from klein import InputError
+from klein.pipeline import prompts
 from klein.pipeline.flux2_klein import load_pipeline
+from klein.request import diffusers_args
 from tests.support.pictures import picture
 
 FAST = dict(height=32, width=32, num_inference_steps=2)
@@ -126,6 +128,7 @@ def test_diffusers_defaults_are_accepted(pipes):
         **FAST,
     )
     assert out.seed == 3
+    assert diffusers_args.PROMPT_TOKENS == prompts.MAX_LENGTH  # the one accepted length is the encoder's
 
 
 @pytest.mark.parametrize(
