@@ -134,7 +134,7 @@ def test_use_kv_on_non_kv_checkpoint_names_the_kv_checkpoint(pipes):
         (dict(num_inference_steps=0), "num_inference_steps must be a positive integer"),
         (dict(num_inference_steps=-1), "num_inference_steps must be a positive integer"),
         (dict(num_images_per_prompt=0), "num_images_per_prompt"),
-        (dict(output_type="latent"), "output_type"),
+        (dict(output_type="tensor"), "output_type must be"),
         (dict(latents=np.zeros((1, 128, 3, 3), np.float32), height=64, width=64), "latents must have shape"),
     ],
 )

@@ -30,6 +30,7 @@ class KleinEngine:
         from klein.pipeline.flux2_klein import load_pipeline
 
         self.pipe = load_pipeline(folder, dtype=config.checkpoint.dtype)
+        self.pipe.set_progress_bar_config(disable=True)  # the report shows its own progress
         self.steps = config.steps
         self._warm = {}
         """Encoded references by their number (the pictures depend only on it)."""

@@ -407,10 +407,12 @@ def encode_latents(vae: AutoencoderKLFlux2, images: jax.Array) -> jax.Array:
 
 def decode_latents(vae: AutoencoderKLFlux2, latents: jax.Array) -> jax.Array:
     """float[B, Y/16, X/16, 128] normalised latents -> float[B, Y, X, 3] images (about [-1, 1])."""
-    return vae.decode(_vae_latents(vae, latents))
+    return vae.decode(vae_latents(vae, latents))
 
 
-def _vae_latents(vae: AutoencoderKLFlux2, latents: jax.Array) -> jax.Array:
+def vae_latents(vae: AutoencoderKLFlux2, latents: jax.Array) -> jax.Array:
+    """float[B, Y/16, X/16, 128] normalised latents -> float[B, Y/8, X/8, C] the decoder's input (what
+    diffusers returns for output_type="latent", there channels first)."""
     mean = vae.bn.running_mean[...].astype(jnp.float32)
     return unpatchify((latents * vae.bn.std() + mean).astype(latents.dtype))
 
@@ -429,7 +431,7 @@ def decode_latents_tiled(
     """
     if not 0 <= overlap < tile:
         raise ValueError(f"tiles of {tile} tokens cannot overlap by {overlap}")
-    z = _vae_latents(vae, latents)
+    z = vae_latents(vae, latents)
     _, h, w, _ = z.shape
     rows = _tile_starts(h, _PATCH * tile, _PATCH * overlap)
     cols = _tile_starts(w, _PATCH * tile, _PATCH * overlap)

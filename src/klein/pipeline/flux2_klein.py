@@ -42,7 +42,9 @@ from klein.pipeline import cache_keys, components, denoise
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.device_weights import Weights
+from klein.pipeline.progress_bar import CallBar
 from klein.pipeline.timing import Stages
+from klein.request import diffusers_args
 from klein.request.loading import AUTO, LoadOptions
 from klein.request.modes import Conditioning, Mode
 from klein.request.references import References
@@ -90,6 +92,8 @@ class GenerationOutput:
         back), as `klein generate` writes them: `path` a file name ending in .png (numbered -0, -1, ... for
         several images) or a folder (fresh names `klein-<time>-<seed>.png`). Nothing existing is replaced
         unless `overwrite`; returns the paths written."""
+        if self.settings.request.output_type == "latent":
+            raise InputError("latents are not images: save needs output_type 'pil' or 'np'")
         pictures = self.images if isinstance(self.images, list) else images.from_float01(self.images)
         plan = png.plan_outputs(str(path), len(pictures), overwrite)
         metadata = [png.png_metadata(self.settings.metadata(i, version())) for i in range(len(pictures))]
@@ -123,6 +127,7 @@ class Flux2KleinPipeline:
         self._encode = Compiled(vae_model.encode_latents, vae, mesh)
         self._decode = Compiled(_decode_replicated, vae, mesh)
         self._decode_tiled = Compiled(_decode_tiled_replicated, vae, mesh)
+        self._vae_latents = Compiled(_vae_latents_replicated, vae, mesh)
         transformer = self._hold(residency_policy.TRANSFORMER)
         self._prefill = Compiled(T.prefill, transformer, mesh)
         self._steps = {
@@ -145,6 +150,8 @@ class Flux2KleinPipeline:
         back."""
         self.rope_cache = ByteBudgetCache(ROPE_CACHE_BYTES)
         """RoPE tables by position ids, the only device arrays the pipeline keeps beyond the weights."""
+        self._bar_options: dict = {}
+        """tqdm options of each call's progress bar (`set_progress_bar_config`)."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
         self._budget: tuple[int, tuple, str] | None = None
@@ -224,18 +231,44 @@ class Flux2KleinPipeline:
             prepared.insert(0, masks.prepare_source(_as_pil(images[0])).pixels)
         return self._encode_references(prepared, cached, Stages(self.counters, {}))
 
-    def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput:
+    def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput | tuple:
         """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields, by
         keyword as diffusers' scripts pass them (`pipe(prompt=..., image=[...], num_inference_steps=...)`)
-        or with the prompt first. `progress(stage, done, total)` hears of every denoising step."""
+        or with the prompt first. diffusers' other arguments (`generator`, `return_dict`,
+        `callback_on_step_end`, ...) are read or refused by `klein.request.diffusers_args`.
+        `progress(stage, done, total)` hears of every denoising step; without one, a tqdm bar on stderr
+        shows the call's stages (`set_progress_bar_config`)."""
+        settings, options = diffusers_args.split(settings)
         if isinstance(prompt, GenerationRequest):
             request = dataclasses.replace(prompt, **settings) if settings else prompt
         else:
             request = GenerationRequest.create(prompt=prompt, **settings)
-        return self.generate(request, progress)
+        bar = None if progress is not None or self._bar_options.get("disable") else CallBar(self._bar_options)
+        step_end = options.callback_on_step_end
+        try:
+            out = self.generate(
+                request,
+                progress or bar,
+                on_stage=bar and bar.done,
+                on_step_end=step_end and (lambda i, t, latents: step_end(self, i, t, {"latents": latents})),
+            )
+        finally:
+            if bar:
+                bar.close()
+        return out if options.return_dict else (out.images,)
 
-    def generate(self, request: GenerationRequest, progress=None) -> GenerationOutput:
-        stages = Stages(self.counters, {})
+    def set_progress_bar_config(self, **options) -> None:
+        """tqdm options for the bar each call draws, as diffusers' method: `disable=True` turns it off."""
+        self._bar_options = dict(options)
+
+    def generate(
+        self, request: GenerationRequest, progress=None, *, on_stage=None, on_step_end=None
+    ) -> GenerationOutput:
+        """Run `request`. `progress(stage, done, total)` after each denoising step; `on_stage(stage)` after
+        each stage; `on_step_end(step, timestep, latents)` after each step with the latents (numpy,
+        packed [B, tokens, C], as diffusers' callback sees them), returning a dict whose "latents", if
+        any, replace them."""
+        stages = Stages(self.counters, {}, on_stage)
         # 1. References, prepared on the host: their sizes decide the output size. A source to repaint
         #    (inpainting, image-to-image) is the first, prepared as diffusers prepares it (`klein.masks`).
         mask = None if request.mask_image is None else masks.as_mask(request.mask_image)
@@ -270,8 +303,13 @@ class Flux2KleinPipeline:
                 None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
             )
             repaint = self._repaint(references, x, latent_mask, noised_start=request.latents is None)
-        x = stages.run("denoise", self._denoise, x, txt, references, run, progress, repaint)
+        x = stages.run("denoise", self._denoise, x, txt, references, run, progress, repaint, on_step_end)
         latents = sampling.unpack(x, gh, gw)
+        if request.output_type == "latent":  # channels first, as diffusers returns them
+            out = np.asarray(stages.run("latents", self._vae_latents, latents), np.float32).transpose(
+                0, 3, 1, 2
+            )
+            return GenerationOutput(out, run.request.seed, stages.timings, self._settings(run, sizes, cut))
         decoded = stages.run(
             "decode_tiled" if tiled else "decode", self._decode_tiled if tiled else self._decode, latents
         )
@@ -280,7 +318,11 @@ class Flux2KleinPipeline:
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
         if request.padding_mask_crop is not None:
             out = [masks.overlay(picture, source, mask) for picture in out]
-        settings = Settings(
+        return GenerationOutput(out, run.request.seed, stages.timings, self._settings(run, sizes, cut))
+
+    def _settings(self, run: Resolved, sizes, cut: tuple[str, ...]) -> Settings:
+        notes = run.notes + cut
+        return Settings(
             run.request,
             run.mode,
             self.name,
@@ -288,9 +330,8 @@ class Flux2KleinPipeline:
             tuple(sizes),
             self.loras,
             self.residency,
-            run.notes + cut,
+            notes,
         )
-        return GenerationOutput(out, run.request.seed, stages.timings, settings)
 
     @staticmethod
     def _source(request: GenerationRequest, mask) -> masks.Source | None:
@@ -434,7 +475,7 @@ class Flux2KleinPipeline:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
         return jnp.asarray(sampling.pack(latents), self.dtype)
 
-    def _denoise(self, x, txt, references, run: Resolved, progress, repaint: denoise.Repaint | None = None):
+    def _denoise(self, x, txt, references, run: Resolved, progress, repaint=None, on_step_end=None):
         h, w = self._grid(run.request.height, run.request.width)
         steps, first = run.request.num_inference_steps, run.first_step
         schedule = sampling.sigmas(steps, h * w)
@@ -452,10 +493,30 @@ class Flux2KleinPipeline:
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
             if repaint is not None:
                 x = repaint.after_step(x, schedule[i + 1])
+            if on_step_end:
+                # Counted from the first step that runs, as diffusers counts a shortened (strength) schedule.
+                x = _step_end(on_step_end, i - first, schedule[i], x, run.images)
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress("denoise", i + 1 - first, steps - first)
         return x[: run.images]
+
+
+def _step_end(callback, step: int, sigma: float, x, images: int):
+    """Hand the step's latents to a diffusers-style callback; take back the latents it returns."""
+    outputs = callback(step, float(sigma) * 1000, np.asarray(x[:images], np.float32)) or {}
+    if not isinstance(outputs, dict):
+        raise InputError(f"callback_on_step_end must return a dict (or None), got {type(outputs).__name__}")
+    latents = outputs.get("latents")
+    if latents is None:
+        return x
+    latents = np.asarray(latents, np.float32)
+    if latents.shape != (images, *x.shape[1:]):
+        raise InputError(
+            f"callback_on_step_end returned latents of shape {latents.shape}; they must keep the shape "
+            f"{(images, *x.shape[1:])}"
+        )
+    return x.at[:images].set(jnp.asarray(latents, x.dtype))
 
 
 def _prepare(images, first: int = 1) -> list[np.ndarray]:
@@ -497,6 +558,10 @@ def _decode_replicated(vae, latents):
 
 def _decode_tiled_replicated(vae, latents):
     return sharding.constrain(vae_model.decode_latents_tiled(vae, latents), ())
+
+
+def _vae_latents_replicated(vae, latents):
+    return sharding.constrain(vae_model.vae_latents(vae, latents), ())
 
 
 def _fresh_seed() -> int:

@@ -49,12 +49,16 @@ class Stages:
     waits for its device work to finish (dispatch is asynchronous) so that each stage's time is its own,
     and counts it in `counters` (work actually done: lets tests prove reuse)."""
 
-    def __init__(self, counters: Counter, timings: dict[str, float]):
+    def __init__(self, counters: Counter, timings: dict[str, float], on_done=None):
         self.counters, self.timings = counters, timings
         self._clock = StageClock(timings)
+        self._on_done = on_done
+        """None, or `on_done(stage)` after each stage (the Python API's progress bar)."""
 
     def run(self, stage: str, fn, *args):
         with self._clock(stage):
             out = jax.block_until_ready(fn(*args))
         self.counters[stage] += 1
+        if self._on_done:
+            self._on_done(stage)
         return out

@@ -34,7 +34,7 @@ from klein.request.references import References
 MIN_SIDE = PIXELS_PER_TOKEN
 MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
-OUTPUT_TYPES = ("pil", "np")
+OUTPUT_TYPES = ("pil", "np", "latent")
 
 
 ImageLike = str | os.PathLike | PIL.Image.Image
@@ -97,7 +97,12 @@ class GenerationRequest:
         kinds.OPTIONAL_BOOL,
         name="kv",
     )
-    output_type: str = setting("'pil' (PIL images) or 'np' (float32[B, H, W, 3] in [0, 1])", None, "pil")
+    output_type: str = setting(
+        "'pil' (PIL images), 'np' (float32[B, H, W, 3] in [0, 1]) or 'latent' (the VAE decoder's input, "
+        "float32[B, 32, H/8, W/8], undecoded, as diffusers returns it)",
+        None,
+        "pil",
+    )
     mask_image: MaskLike | None = setting(
         "inpainting: where to repaint the first image (white repaints, black keeps; resized to the image); "
         "the first image is then the source and the others references",
@@ -140,7 +145,7 @@ class GenerationRequest:
         if self.use_kv is not None and not isinstance(self.use_kv, bool):
             raise InputError(f"use_kv (--kv) must be True, False or None, got {self.use_kv!r}")
         if self.output_type not in OUTPUT_TYPES:
-            raise InputError(f"output_type must be 'pil' or 'np', got {self.output_type!r}")
+            raise InputError(f"output_type must be 'pil', 'np' or 'latent', got {self.output_type!r}")
         self._check_repaint()
 
     def _check_repaint(self) -> None:
