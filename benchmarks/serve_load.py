@@ -15,27 +15,12 @@ Prints requests/s and p50 / p95 latency per phase, and the server's cache counte
 
 import argparse
 import contextlib
-import io
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
-import PIL.Image
-
-
-def picture(seed: int, side: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+from served import klein_serve, picture
 
 
 def edit(url: str, images: list[bytes], args, seed: int) -> float:
@@ -68,28 +53,9 @@ def server(args):
     if args.url:
         yield args.url
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), "--max-queue", "256"]
-    command += ["--model", args.model] if args.model else []
-    command += ["--max-batch", str(args.max_batch)]
-    log = tempfile.TemporaryFile("w+")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise SystemExit(f"klein serve exited:\n{log.read()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz").status_code == 200:
-                    break
-            time.sleep(0.5)
+    flags = ["--max-queue", "256", "--max-batch", str(args.max_batch)]
+    with klein_serve(*flags, *(["--model", args.model] if args.model else [])) as (_, url):
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait()
 
 
 def main() -> None:

@@ -12,27 +12,12 @@ holds (/metrics). A server that keeps finished requests grows by their inputs (~
 
 import argparse
 import contextlib
-import io
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
-import numpy as np
-import PIL.Image
+from served import klein_serve, picture
 
 MIB = 2**20
-
-
-def picture(seed: int, side: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def rss(pid: int) -> int:
@@ -55,28 +40,10 @@ def edit(url: str, images: list[bytes], args, seed: int) -> None:
 
 @contextlib.contextmanager
 def server(args):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port)]
-    command += ["--model", args.model] if args.model else []
-    command += ["--cache-bytes", args.cache_bytes] if args.cache_bytes else []
-    log = tempfile.TemporaryFile("w+")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise SystemExit(f"klein serve exited:\n{log.read()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz").status_code == 200:
-                    break
-            time.sleep(0.5)
+    flags = ["--model", args.model] if args.model else []
+    flags += ["--cache-bytes", args.cache_bytes] if args.cache_bytes else []
+    with klein_serve(*flags) as (process, url):
         yield process.pid, url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait()
 
 
 def stores(url: str) -> str:
