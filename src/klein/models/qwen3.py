@@ -26,6 +26,8 @@ from klein.models.attention import MASKED, attention
 from klein.models.qwen3_config import Qwen3Config
 
 PROMPT_LAYERS = (9, 18, 27)
+PROMPT_TOKENS = 512
+"""Tokens of a prompt (chat template included) the embedding reads; longer prompts are cut (diffusers' default)."""
 
 
 class RMSNorm(nnx.Module):

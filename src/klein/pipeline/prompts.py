@@ -22,8 +22,9 @@ from tokenizers import Tokenizer
 
 from klein.errors import CheckpointError, InputError
 from klein.io.json_file import read_json
+from klein.models.qwen3 import PROMPT_TOKENS
 
-MAX_LENGTH = 512
+MAX_LENGTH = PROMPT_TOKENS
 # Template variables transformers passes besides the messages (its special-tokens map).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 

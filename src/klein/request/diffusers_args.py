@@ -13,10 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from klein.errors import InputError
-from klein.models.qwen3 import PROMPT_LAYERS
-
-PROMPT_TOKENS = 512
-"""The prompt length the text encoder reads (`klein.pipeline.prompts.MAX_LENGTH`), diffusers' default."""
+from klein.models.qwen3 import PROMPT_LAYERS, PROMPT_TOKENS
 
 _REFUSED = {
     "sigmas": "klein's schedule is the model's (shifted by image size); choose its length with "
