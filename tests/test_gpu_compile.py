@@ -159,3 +159,13 @@ def test_plan_target_refuses_a_count_of_no_cards(capsys):
     assert cli.main(["plan", "--target", "h100:0"]) == 2
     error = capsys.readouterr().err
     assert "--target 'h100:0': expected h100 or h100:COUNT" in error and "Traceback" not in error
+
+
+def test_target_gpu_refused_without_the_plugin(monkeypatch, capsys):
+    monkeypatch.setattr(topology, "gpu_available", lambda: False)
+    assert cli.main(["plan", "--model", "klein-9b-kv", "--target", "l40s", "--compiled"]) == 2
+    error = capsys.readouterr().err
+    assert (
+        "compiling for l40s needs jax's CUDA plugin and cuDNN" in error
+        and "pip install klein[gpu-plan]" in error
+    )

@@ -24,9 +24,10 @@ whole along their tokens before the call, so each device computes complete softm
 queries. A dimension its mesh axis does not divide stays whole (correct, only not split); the models pad
 their token streams so that it does.
 
-On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead. On a TPU every mask
-klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the same
-`shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
+On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead (without a mesh, or on a
+mesh of one device, where nothing is split: the kernel runs without `shard_map` and without ranks). On a
+TPU every mask klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the
+same `shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
 (`klein plan --target`) gets the TPU kernel. `causal=True` says the ranks are token positions (the text
 encoder's), which splash expresses as its static causal mask; its queries are then not split along tokens.
 Any other ranks must rank every query the same (key padding) on a TPU; KV editing's isolated span is two
