@@ -81,7 +81,10 @@ def available() -> bool:
 
 def gpu_available() -> bool:
     """Whether this environment can compile for NVIDIA GPUs (jax's CUDA plugin and cuDNN are installed)."""
-    return all(importlib.util.find_spec(name) for name in ("jax_plugins.xla_cuda12", "nvidia.cudnn"))
+    try:
+        return all(importlib.util.find_spec(name) for name in ("jax_plugins.xla_cuda12", "nvidia.cudnn"))
+    except ModuleNotFoundError:  # no `jax_plugins` or `nvidia` package at all
+        return False
 
 
 def gpu(target: str) -> tuple[gpu_targets.Card | None, int]:
