@@ -7,8 +7,9 @@ read once, every output written once). Collectives, the vector units and the ker
 out, so a real run is slower; the figures compare stages, meshes and modes with each other.
 
 The chip figures are per chip from Google's and NVIDIA's published specifications (`CHIPS`, with the page
-each comes from; docs/design.md, "TPU attention", repeats the table); a device is one TensorCore where JAX
-shows each of a chip's cores as a device (TPU7x: two per chip), else the chip.
+each comes from; docs/design.md, "TPU attention" and "GPU programs from any machine", repeat the tables); a
+device is one TensorCore where JAX shows each of a chip's cores as a device (TPU7x: two per chip), else the
+chip. The FP8 peak is printed beside the bf16 one; klein's products are bf16, so the times use the bf16 peak.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 from klein import sharding
 from klein.bench import flops
 from klein.memory import plan
+from klein.pipeline import gpu_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,8 @@ class Chip:
     """Bytes per second per chip."""
     devices_per_chip: int
     source: str
+    fp8_flops: float = 0.0
+    """Peak dense FP8 FLOP/s per chip (0: no FP8 units)."""
 
     @property
     def device_flops(self) -> float:
@@ -54,6 +58,26 @@ CHIPS = (
     ),
     Chip("TPU v5p", "TPU v5", 459 * TB, 95 * GIB, 2765 * GB, 1, "cloud.google.com/tpu/docs/v5p"),
     Chip("TPU v5e", "TPU v5 lite", 197 * TB, 16 * GB, 819 * GB, 1, "cloud.google.com/tpu/docs/v5e"),
+    # NVIDIA's dense tensor-core figures (without sparsity; FP32 accumulation for the GeForce card), and the
+    # memory a card reports to CUDA (`klein.pipeline.gpu_targets`).
+    *(
+        Chip(
+            name,
+            gpu_targets.CARDS[card].device_kind,
+            bf16 * TB,
+            gpu_targets.CARDS[card].memory_bytes,
+            gpu_targets.CARDS[card].bandwidth,
+            1,
+            source,
+            fp8 * TB,
+        )
+        for name, card, bf16, fp8, source in (
+            ("NVIDIA H100 SXM", "h100", 989, 1979, "nvidia.com/en-us/data-center/h100"),
+            ("NVIDIA H200", "h200", 989, 1979, "nvidia.com/en-us/data-center/h200"),
+            ("NVIDIA L40S", "l40s", 362, 733, "nvidia.com/en-us/data-center/l40s"),
+            ("NVIDIA GeForce RTX 4090", "rtx-4090", 165, 330, "NVIDIA Ada GPU architecture whitepaper"),
+        )
+    ),
 )
 
 
@@ -139,8 +163,9 @@ def per_image(stage_times: dict[str, StageTime], images: int) -> float:
 
 def describe(stage_times: dict[str, StageTime], on: Chip, images: int) -> str:
     """The roofline table of `klein plan --target --compiled`, with the chip figures it used."""
+    fp8 = f" ({on.fp8_flops / on.devices_per_chip / TB:.0f} FP8)" if on.fp8_flops else ""
     lines = [
-        f"roofline per device ({on.name}: {on.device_flops / TB:.0f} TFLOP/s bf16, "
+        f"roofline per device ({on.name}: {on.device_flops / TB:.0f} TFLOP/s bf16{fp8}, "
         f"{on.device_bandwidth / GB:.0f} GB/s HBM per device; {on.source}); estimated, not run:",
         f"  {'stage':<9}{'TFLOP':>9}{'GiB moved':>11}{'compute':>10}{'memory':>10}{'runs':>6}",
     ]

@@ -21,10 +21,12 @@ transformer take turns; stream: as sequential, each model's layers kept in host 
 the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks on a device of --device-memory bytes or a named
 --device (default: what this machine's first device has free now).
 
---target names a TPU slice (e.g. {targets}) to plan for from this machine, without a TPU: the mesh
-goes over its devices (default: all of them on tensor), the limit is a device's HBM, and with --compiled
-each stage is compiled for that slice and printed with a roofline time per stage (the chip's peak bf16
-FLOP/s and HBM bandwidth; compiled and estimated, not run). Needs libtpu: pip install klein[tpu]
+--target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}; NAME:COUNT for several on
+one host) to plan for from this machine, without them: the mesh goes over its devices (default: all of
+them on tensor), the limit is a device's memory, and with --compiled each stage is compiled for that
+target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s and memory bandwidth;
+compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
+and cuDNN (pip install klein[gpu-plan]) for a card.
 
 devices: {devices}"""
 
@@ -46,12 +48,15 @@ DEVICES = {
 RESERVED_GIB = 1
 # The slices `klein plan --target` is tested with (`klein.pipeline.topology.TARGETS`), named without importing jax.
 TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
+GPU_TARGETS = ("h100", "h200", "l40s", "rtx-4090")  # `klein.pipeline.topology.GPU_TARGETS`
 
 
 def plan_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="klein plan",
-        description=PLAN_DESCRIPTION.format(devices=", ".join(DEVICES), targets=", ".join(TARGETS)),
+        description=PLAN_DESCRIPTION.format(
+            devices=", ".join(DEVICES), targets=", ".join(TARGETS), gpus=", ".join(GPU_TARGETS)
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
@@ -66,7 +71,12 @@ def plan_parser() -> argparse.ArgumentParser:
         "--mesh",
         help='axis sizes, e.g. "fsdp=4,context=2" (default: single; with --target, every device on tensor)',
     )
-    add("--target", metavar="SLICE", help=f"a TPU slice to plan and compile for, e.g. {', '.join(TARGETS)}")
+    add(
+        "--target",
+        metavar="NAME",
+        help=f"a TPU slice or NVIDIA cards to plan and compile for, e.g. {', '.join(TARGETS)}, "
+        f"{', '.join(GPU_TARGETS)}, h100:8",
+    )
     add("--refs", type=int, default=0, help="reference images (default: 0)")
     add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
     add("--ref-size", type=_pixels, metavar="WxH", help="size of each reference (default: --size)")
@@ -145,8 +155,8 @@ def plan_command(flags: argparse.Namespace) -> int:
 
 
 def _target_command(flags: argparse.Namespace) -> int:
-    """`klein plan --target SLICE [--compiled]`: the plan on the slice's mesh against a device's HBM, and
-    each stage compiled for the slice with its roofline time."""
+    """`klein plan --target NAME [--compiled]`: the plan on the target's mesh against a device's memory,
+    and each stage compiled for the target with its roofline time."""
     import json
 
     from klein.bench import roofline

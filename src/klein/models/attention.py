@@ -24,9 +24,10 @@ whole along their tokens before the call, so each device computes complete softm
 queries. A dimension its mesh axis does not divide stays whole (correct, only not split); the models pad
 their token streams so that it does.
 
-On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead. On a TPU every mask
-klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the same
-`shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
+On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead (without a mesh, or on a
+mesh of one device, where nothing is split: the kernel runs without `shard_map` and without ranks). On a
+TPU every mask klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the
+same `shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
 (`klein plan --target`) gets the TPU kernel. `causal=True` says the ranks are token positions (the text
 encoder's), which splash expresses as its static causal mask; its queries are then not split along tokens.
 Any other ranks must rank every query the same (key padding) on a TPU; KV editing's isolated span is two
@@ -52,7 +53,7 @@ _LOW = -1e30  # running max before any key: finite, so that exp(_LOW - _LOW) is 
 def attention(q, k, v, q_rank=None, k_rank=None, *, causal: bool = False) -> jnp.ndarray:
     mesh, platform = jax.sharding.get_abstract_mesh(), sharding.platform()
     local = functools.partial(_local, causal=causal, platform=platform)
-    if mesh.empty:
+    if _one_device(mesh):  # nothing to split: the kernel as it is (cuDNN's too, which takes no ranks)
         return local(q, k, v, q_rank, k_rank)
     if q_rank is None:
         q_rank, k_rank = jnp.zeros((1, q.shape[1]), jnp.int32), jnp.zeros((1, k.shape[1]), jnp.int32)
@@ -68,7 +69,7 @@ def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.
     all keys); elsewhere the span's ranks."""
     if _splash(q, sharding.platform()):
         return _two_calls(q, k, v, start, stop, k_rank)
-    if k_rank is None and _cudnn(q) and jax.sharding.get_abstract_mesh().empty:
+    if k_rank is None and _cudnn(q, sharding.platform()) and _one_device(jax.sharding.get_abstract_mesh()):
         inside = jax.nn.dot_product_attention(
             q[:, start:stop], k[:, start:stop], v[:, start:stop], implementation="cudnn"
         )
@@ -85,10 +86,15 @@ CUDNN_MAX_HEAD_DIM = 256
 runs the blocked attention instead)."""
 
 
-def _cudnn(q) -> bool:
+def _cudnn(q, platform: str) -> bool:
     head_dim = q.shape[-1]
     fits = head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0
-    return fits and q.dtype == jnp.bfloat16 and jax.default_backend() == "gpu"
+    return fits and q.dtype == jnp.bfloat16 and platform == "gpu"
+
+
+def _one_device(mesh) -> bool:
+    """No mesh, or a mesh of one device (a GPU compiled for from another machine is one)."""
+    return mesh.empty or mesh.size == 1
 
 
 def _two_calls(q, k, v, start: int, stop: int, k_rank):
@@ -123,7 +129,7 @@ def _local(q, k, v, q_rank, k_rank, causal: bool = False, platform: str = "cpu")
         from klein.models import splash
 
         return splash.attention(q, k, v, q_rank, k_rank, causal, interpret=platform != "tpu")
-    if q_rank is None and _cudnn(q):
+    if q_rank is None and _cudnn(q, platform):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
     return _blocked(q, k, v, q_rank, k_rank)
 

@@ -4,7 +4,7 @@ memory analysis of it (arguments, outputs, temporaries), for `klein plan --compi
 
 The programs are the pipeline's own (`klein.models`, `klein.pipeline.denoise`), over weights shaped and stored as
 the loader stores them (`klein.io.loading.stored_state`), on the local backend; or, given a device mesh (a TPU
-slice's, `klein.pipeline.topology`), for that mesh's devices, with weights and inputs sharded as the loader
+slice's or NVIDIA cards', `klein.pipeline.topology`), for that mesh's devices, with weights and inputs sharded as the loader
 and the pipeline place them, so that XLA's analysis is per device.
 """
 
@@ -45,13 +45,19 @@ class Analysis:
 
 
 def analyse(
-    models: plan.Models, work: plan.Workload, dtype, mesh=None, only: tuple[str, ...] = STAGES
+    models: plan.Models,
+    work: plan.Workload,
+    dtype,
+    mesh=None,
+    only: tuple[str, ...] = STAGES,
+    programs: dict[str, str] | None = None,
 ) -> dict[str, Analysis]:
     """Compile every stage `work` runs ("text", "prefill" for cached references, "step", "decode"; those of
     them in `only`), for the checkpoint `models` describes with weights in `dtype`, and analyse each
-    program's memory; on `mesh` (a `jax.sharding.Mesh`), per device of it."""
+    program's memory; on `mesh` (a `jax.sharding.Mesh`), per device of it. Given `programs`, each stage's
+    optimised HLO text is put in it too (what the compiler made of it: its kernels, its buffers)."""
     dtype = np.dtype(dtype)
-    place = _Placer(mesh, only)
+    place = _Placer(mesh, only, programs)
     _, text_model, vae = plan._abstract_models(models.transformer, models.text_encoder, models.vae)
     # The transformer's layers compute in the dtype they are built with: built as the loader builds them.
     transformer = place.weights(
@@ -108,8 +114,8 @@ class _Placer:
     whole), and the programs of the stages in `only` compiled for it (their analyses, in `analyses`); without
     a mesh, for the local device, unplaced."""
 
-    def __init__(self, mesh, only: tuple[str, ...]):
-        self.mesh, self.only = mesh, only
+    def __init__(self, mesh, only: tuple[str, ...], programs: dict[str, str] | None):
+        self.mesh, self.only, self.programs = mesh, only, programs
         self.analyses: dict[str, Analysis] = {}
 
     def weights(self, stored, table):
@@ -151,7 +157,10 @@ class _Placer:
         # The weights are the program's arguments, as in the pipeline (`klein.pipeline.flux2_klein.Compiled`).
         program = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
         with sharding.use(self.mesh):
-            memory = program.lower(state, *args).compile().memory_analysis()
+            executable = program.lower(state, *args).compile()
+        memory = executable.memory_analysis()
+        if self.programs is not None:
+            self.programs[stage] = executable.as_text()
         self.analyses[stage] = Analysis(
             memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.temp_size_in_bytes
         )

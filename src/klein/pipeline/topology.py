@@ -1,10 +1,13 @@
-"""TPU slices compiled from this machine: a slice's devices, described by libtpu without owning a TPU, and
-the device mesh `klein plan --target` lays over them.
+"""TPU slices and NVIDIA GPUs compiled from this machine: a target's devices, described without owning
+them, and the device mesh `klein plan --target` lays over them. The one place that decides what a
+`--target` name is.
 
-`jax.experimental.topologies.get_topology_desc` gives the devices of a named slice ("v6e:2x4"); programs
-lowered with shardings on a mesh of them compile for that slice (nothing runs, nothing is allocated), which
-is how `klein.pipeline.compiled` measures a TPU program's memory on a CPU host. libtpu comes with the
-`tpu` extra (`pip install klein[tpu]`); without it this refuses with that instruction.
+`jax.experimental.topologies.get_topology_desc` gives the devices of a named TPU slice ("v6e:2x4", libtpu
+from the `tpu` extra) or of NVIDIA cards ("h100", "h100:8" for eight on one host: jax's CUDA plugin from
+the `gpu-plan` extra, given the card's description, `klein.pipeline.gpu_targets`, and needing no driver);
+programs lowered with shardings on a mesh of them compile for that target (nothing runs, nothing is
+allocated), which is how `klein.pipeline.compiled` measures their memory on a CPU host. Without the
+extra this refuses with the instruction to install it.
 """
 
 from __future__ import annotations
@@ -18,13 +21,20 @@ from jax.sharding import AxisType, Mesh
 
 from klein import sharding
 from klein.errors import InputError
+from klein.pipeline import gpu_targets
 
 TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
 """Slices `klein plan --target` is tested with; any name libtpu knows works."""
+GPU_TARGETS = tuple(gpu_targets.CARDS)
+"""Cards, each alone or as NAME:COUNT on one host."""
 
 
 def devices(target: str) -> list:
-    """The devices of the TPU slice `target` (e.g. "v6e:2x4"), as libtpu describes them."""
+    """The devices of `target`: a TPU slice (e.g. "v6e:2x4") as libtpu describes it, or NVIDIA cards
+    ("h100", "h100:8")."""
+    card, count = gpu(target)
+    if card is not None:
+        return _gpu_devices(target, card, count)
     if not available():
         raise InputError(
             f"compiling for {target} needs libtpu, which this environment lacks: pip install klein[tpu]"
@@ -67,3 +77,44 @@ def mesh(target: str, spec: str | None) -> tuple[Mesh, str]:
 def available() -> bool:
     """Whether this environment can compile for TPU slices (libtpu is installed)."""
     return importlib.util.find_spec("libtpu") is not None
+
+
+def gpu_available() -> bool:
+    """Whether this environment can compile for NVIDIA GPUs (jax's CUDA plugin and cuDNN are installed)."""
+    try:
+        return all(importlib.util.find_spec(name) for name in ("jax_plugins.xla_cuda12", "nvidia.cudnn"))
+    except ModuleNotFoundError:  # no `jax_plugins` or `nvidia` package at all
+        return False
+
+
+def gpu(target: str) -> tuple[gpu_targets.Card | None, int]:
+    """(the card `target` names, how many of it), or (None, 0) for a name that is not a GPU's."""
+    name, _, count = target.lower().partition(":")
+    if name not in gpu_targets.CARDS:
+        return None, 0
+    if count and not (count.isdigit() and int(count) > 0):
+        raise InputError(f"--target {target!r}: expected {name} or {name}:COUNT (cards on one host)")
+    return gpu_targets.CARDS[name], int(count or 1)
+
+
+def _gpu_devices(target: str, card: gpu_targets.Card, count: int) -> list:
+    if not gpu_available():
+        raise InputError(
+            f"compiling for {target} needs jax's CUDA plugin and cuDNN, which this environment lacks: "
+            "pip install klein[gpu-plan]"
+        )
+    # Without a GPU the plugin's check of the CUDA driver's version can only fail; it must be skipped
+    # before jax first loads its plugins, or the plugin is not registered at all.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from jax.experimental import topologies
+
+    try:
+        description = topologies.get_topology_desc(
+            target, "cuda", topology=f"1x1x{count}", target_config=gpu_targets.target_config(card)
+        )
+    except NotImplementedError:  # jax loaded its plugins before the check could be skipped
+        raise InputError(
+            f"--target {target}: jax's CUDA plugin did not load in this process (no GPU driver here); "
+            "run with JAX_PLATFORMS=cpu"
+        ) from None
+    return list(description.devices)
