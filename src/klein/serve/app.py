@@ -192,7 +192,8 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
 
     @app.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str):
-        """Server-sent events: queued, one step per denoising step, then done, error or cancelled."""
+        """Server-sent events: queued, a stage as each stage starts (or starts compiling), one step per
+        denoising step, then done, error or cancelled."""
         job = service.worker.jobs.get(job_id)
         return StreamingResponse(streams.stream(job), media_type="text/event-stream")
 

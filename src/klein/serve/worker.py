@@ -2,7 +2,8 @@
 
 The pipeline and its tokenizer are used from this thread only; HTTP handlers submit a job (its `work`
 is a function of the job, run on the worker thread) and await its `future` without blocking the event
-loop. A job carries its status, progress and events (queued, step, done / error) for `/v1/jobs`.
+loop. A job carries its status, progress and events (queued; stage, as each stage of the pipeline starts or
+starts compiling; step; done / error) for `/v1/jobs`.
 
 - A full queue refuses at once (`QueueFull`, 429 with Retry-After), rather than letting latency grow.
 - `abandon(job)` drops a queued job whose client has gone away; a running job finishes.
@@ -60,8 +61,13 @@ class Job:
     """`time.monotonic()` past which the running job stops (`--job-timeout`)."""
     on_finish: Callable[[Job], None] | None = None
 
-    def step(self, stage: str, done: int, total: int) -> None:
-        """The pipeline's progress callback; raises the job's `stopping` error when it must stop."""
+    def step(self, event) -> None:
+        """The pipeline's progress callback (`klein.pipeline.stage_events.StageEvent`): a "stage" event as
+        each stage starts or starts compiling, a "step" event per denoising step. Raises the job's
+        `stopping` error when it must stop, except from inside a compilation (jax's listener)."""
+        if event.compiling:
+            self.events.append(("stage", _stage(event)))
+            return
         if self.stopping is None and self.deadline is not None and time.monotonic() > self.deadline:
             self.stopping = errors.ApiError(
                 504,
@@ -71,8 +77,11 @@ class Job:
             )
         if self.stopping is not None:
             raise self.stopping
-        self.progress = {"step": done, "steps": total}
-        self.events.append(("step", dict(self.progress)))
+        if event.is_step:
+            self.progress = {"step": event.done, "steps": event.total}
+            self.events.append(("step", dict(self.progress)))
+        elif not event.finished:
+            self.events.append(("stage", _stage(event)))
 
     @property
     def finished(self) -> bool:
@@ -107,6 +116,11 @@ class Job:
 
 
 CANCELLED = "cancelled"
+
+
+def _stage(event) -> dict:
+    """A "stage" event's data: the stage, as the pipeline and as people name it, and whether it compiles."""
+    return {"stage": event.stage, "label": event.label, "compiling": event.compiling}
 
 
 def cancelled(job_id: str) -> errors.ApiError:
