@@ -4,7 +4,7 @@ import pytest
 
 from klein.errors import InputError
 from klein.request.modes import Conditioning
-from klein.request.request import GenerationRequest
+from klein.request.request import GenerationRequest, Settings
 from klein.request.resolve import resolve, typical
 from klein.request.variants import DEMO_LABEL, VARIANTS
 
@@ -159,6 +159,11 @@ def test_a_repaint_is_named_in_the_mode_with_its_mask_and_strength():
         GenerationRequest(prompt="x", mask_image="m.png"), VARIANTS["klein-4b"], "m", [(64, 64)]
     )
     assert str(default.mode) == "inpainting with a mask at strength 0.8, references"
+    # As `describe()` and the PNG's metadata say it.
+    run = resolve(masked, variant, "m", [(64, 64)], lambda: 0)
+    settings = Settings(run.request, run.mode, "m", variant.name, ((64, 64),), (), "all", ())
+    assert ", inpainting with a mask at strength 0.6, cached references, seed 0" in settings.describe()
+    assert settings.metadata(0, "test")["mode"] == str(mode)
 
 
 def test_only_the_demo_says_it_cannot_show_inpainting_keep_the_unmasked_area():
