@@ -7,6 +7,7 @@ each checks several things; argument parsing and file naming are also tested in-
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -328,3 +329,19 @@ def test_inpainting_writes_the_source_size_and_records_mask_and_strength(klein_h
     with PIL.Image.open(out) as image:
         assert image.size == (96, 80)
         assert image.text["mask"] == str(inputs / "mask.png") and image.text["strength"] == "0.6"
+        assert image.text["mode"] == "inpainting with a mask at strength 0.6, cached references"
+    settings = next(line for line in result.stderr.splitlines() if line.startswith("settings: "))
+    assert "inpainting with a mask at strength 0.6" in settings and "cached references" in settings
+    demo_note = "random weights cannot show inpainting keeping the unmasked area"
+    assert result.stderr.count(demo_note) == 1
+    # Every stage shows as it starts and ends with its time; a fresh process compiles (first run).
+    drawn = result.stderr.replace("\r", "\n").splitlines()
+    stages = ["encoding prompt", "encoding references", "caching references", "denoising", "decoding"]
+    for stage in stages:
+        lines = [line for line in drawn if line.startswith(stage)]
+        assert lines, (stage, result.stderr)
+        assert "0/" in lines[0], lines  # drawn as it starts
+        assert re.search(r"\d+\.\d\d s", lines[-1]), lines  # and its time when done
+    firsts = [next(i for i, line in enumerate(drawn) if line.startswith(stage)) for stage in stages]
+    assert firsts == sorted(firsts)
+    assert any("compiling (first run)" in line for line in drawn if line.startswith("denoising"))

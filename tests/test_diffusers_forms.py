@@ -157,10 +157,54 @@ def test_each_call_draws_a_progress_bar_unless_disabled(tiny_pipelines, capfd):
     pipe = load_pipeline(tiny_pipelines("distilled")[0])
     pipe(prompt="a cat", seed=0, **FAST)
     drawn = capfd.readouterr().err
-    assert "4/4" in drawn and "decode" in drawn
+    assert "4/4" in drawn and "decoding" in drawn
     pipe.set_progress_bar_config(disable=True)
     pipe(prompt="a cat", seed=0, **FAST)
     assert "4/4" not in capfd.readouterr().err
     pipe.set_progress_bar_config()
-    pipe(prompt="a cat", seed=0, progress=lambda stage, done, total: None, **FAST)
+    pipe(prompt="a cat", seed=0, progress=lambda event: None, **FAST)
     assert "4/4" not in capfd.readouterr().err  # a caller's own progress (the CLI's bars) replaces it
+
+
+STAGED = dict(
+    prompt="a stage", image=[picture(96, 64, 4)], height=32, width=48, num_inference_steps=2, seed=0
+)
+"""A size no other test of the module runs: its first call compiles the steps and the decoder."""
+
+
+def test_stages_are_told_as_they_start_compile_and_end_from_one_place(pipes):
+    """The pipeline's stage events, which the CLI, the tqdm bar and the server's job events all read."""
+    pipe, heard = pipes("distilled"), []
+    pipe(progress=heard.append, **STAGED)
+    started = [e.stage for e in heard if e.done == 0 and not (e.compiling or e.finished)]
+    ended = [e for e in heard if e.finished]
+    assert started == [e.stage for e in ended] == ["text", "references", "denoise", "decode"]
+    assert [e.label for e in ended] == ["encoding prompt", "encoding references", "denoising", "decoding"]
+    assert all(e.seconds > 0 for e in ended)
+    assert [(e.done, e.total) for e in heard if e.is_step] == [(1, 2), (2, 2)]
+    compiled = [e for e in heard if e.compiling]
+    assert {"denoise", "decode"} <= {e.stage for e in compiled}
+    assert len(compiled) == len({e.stage for e in compiled})  # once per stage, as its compilation starts
+    # Each stage's compiling event comes between its start and its end.
+    for event in compiled:
+        index = heard.index(event)
+        assert heard[index - 1].stage == event.stage and not heard[index - 1].finished
+    assert sum(e.compile_seconds for e in ended if e.stage in ("denoise", "decode")) > 0
+    heard.clear()
+    pipe(progress=heard.append, **STAGED)
+    assert not [e for e in heard if e.compiling]  # compiled once: the second run only runs
+    assert [e.compile_seconds for e in heard if e.finished] == [0.0] * 4
+
+
+def test_the_bar_names_each_stage_as_it_runs(pipes, capfd):
+    pipe = pipes("distilled")
+    pipe.set_progress_bar_config()
+    try:
+        pipe(**STAGED)
+    finally:
+        pipe.set_progress_bar_config(disable=True)
+    drawn = [line for line in capfd.readouterr().err.replace("\r", "\n").split("\n") if line.strip()]
+    labels = [line.split(":")[0].strip() for line in drawn]
+    assert labels.index("encoding references") < labels.index("denoising") < labels.index("decoding")
+    assert "denoise" not in labels[: labels.index("denoising")]  # the references are not "denoise"
+    assert "| 5/5 [" in drawn[-1]  # 2 steps and 3 stages

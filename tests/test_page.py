@@ -174,6 +174,10 @@ def test_edit_loop_with_cache_hit_and_result_as_reference(tab, tmp_path):
     assert page.eval_on_selector("#current .result img", "img => img.naturalWidth") == 96
     lines = page.evaluate("window.statusLines")
     assert "Step 1 of 2" in lines and any(line.startswith("Step 2 of 2") for line in lines), lines
+    # The status names the server's stage as it starts; a job that is next in line is not "Queued".
+    stages = [lines.index(line) for line in ("Encoding prompt…", "Denoising…", "Step 1 of 2", "Decoding…")]
+    assert stages == sorted(stages), lines
+    assert not [line for line in lines if line.startswith("Queued:")], lines
     expect(page.locator("#current .cache")).to_contain_text("Encoded")
     assert page.locator("#current .timings .timing").count() >= 3  # stages and the total
 
@@ -458,6 +462,10 @@ def test_a_fresh_server_says_once_that_its_first_request_compiles(klein_home, br
         held.pop().continue_()
         expect(page.locator("#history li")).to_have_count(1, timeout=GENERATION_TIMEOUT_MS)
         expect(notice).to_be_hidden()
+        # While the server compiles, the status says so rather than "Queued: next".
+        lines = page.evaluate("window.statusLines")
+        assert "Compiling (first run only): denoising…" in lines, lines
+        assert "Queued: next" not in lines and "Starting…" in lines, lines
 
         # Said once: a later slow request on this server, here or after a reload, goes without it.
         assert httpx.get(f"{url}/v1/config").json()["jobs_done"] == 1
@@ -470,6 +478,29 @@ def test_a_fresh_server_says_once_that_its_first_request_compiles(klein_home, br
         held.pop().continue_()
         expect(page.locator("#status")).to_contain_text("Done in", timeout=GENERATION_TIMEOUT_MS)
         assert not tab.errors, tab.errors
+
+
+def test_custom_sizes_show_four_digits_and_the_drop_zone_reads_at_the_limit(tab, tmp_path):
+    page = tab.page
+    tab.open()
+    page.select_option("#size", "custom")
+    for width, height in (("1280", "1024"), ("4096", "4096")):
+        page.fill("#width", width)
+        page.fill("#height", height)
+        for field in ("#width", "#height"):  # the whole value shows: nothing scrolled out of the field
+            shown = page.eval_on_selector(field, "e => [e.value, e.scrollWidth, e.clientWidth]")
+            assert shown[1] <= shown[2], (field, shown)
+    page.set_input_files(
+        "#ref-input", [png_file(f"r{k}.png", 64 + 16 * k, 64) for k in range(MAX_REFERENCES)]
+    )
+    expect(page.locator("#refs li")).to_have_count(MAX_REFERENCES)
+    expect(page.locator("#drop")).to_have_text(
+        f"All {MAX_REFERENCES} references added Remove one to add another"
+    )
+    page.screenshot(path=tmp_path / "limit.png")
+    page.get_by_role("button", name="Remove reference 1").click()
+    expect(page.locator("#drop")).to_have_text("Add reference images or drop / paste them here")
+    assert not tab.errors, tab.errors
 
 
 def test_the_servers_warnings_are_shown_with_the_result(tab):

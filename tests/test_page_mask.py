@@ -186,6 +186,9 @@ def test_a_painted_stroke_is_the_mask_sent_and_the_area_repainted(tab):
     assert first.value.json()["klein"]["settings"]["strength"] == 0.8
     expect(page.locator("#current .facts")).to_contain_text("Strength")
     expect(page.locator("#current .fact-mask img")).to_have_count(1)
+    # The demo says, with the result, that its random weights cannot show the unmasked area kept.
+    expect(page.locator("#current .warning")).to_contain_text(["cannot show inpainting keeping the unmasked"])
+    assert "inpainting with a mask at strength 0.8" in first.value.json()["klein"]["settings"]["mode"]
 
     # Another seed repaints the masked area otherwise and leaves the rest nearly as it was.
     fix_seed(page, 2)

@@ -4,9 +4,9 @@ import pytest
 
 from klein.errors import InputError
 from klein.request.modes import Conditioning
-from klein.request.request import GenerationRequest
+from klein.request.request import GenerationRequest, Settings
 from klein.request.resolve import resolve, typical
-from klein.request.variants import VARIANTS
+from klein.request.variants import DEMO_LABEL, VARIANTS
 
 TEXT, REFS, CACHED = Conditioning.TEXT, Conditioning.REFERENCES, Conditioning.CACHED
 REJECTED = "rejected"
@@ -143,3 +143,34 @@ def test_a_mask_defaults_to_diffusers_strength_and_text_to_image_has_no_first_st
     assert plain.request.strength is None and plain.first_step == 0
     with pytest.raises(InputError, match="mask_image needs the image to repaint"):
         resolve(GenerationRequest(prompt="x", mask_image="m.png"), variant, "m", [], lambda: 0)
+
+
+def test_a_repaint_is_named_in_the_mode_with_its_mask_and_strength():
+    """What `describe()`, the CLI's settings line and the PNG's `mode` say: inpainting with its mask and
+    strength, or image-to-image, before how the references enter; the step function stays the plain one."""
+    variant = VARIANTS["klein-9b-kv"]
+    masked = GenerationRequest(prompt="x", mask_image="m.png", strength=0.6)
+    mode = resolve(masked, variant, "m", [(64, 64)], lambda: 0).mode
+    assert str(mode) == "inpainting with a mask at strength 0.6, cached references"
+    assert mode == resolve(GenerationRequest(prompt="x"), variant, "m", [(64, 64)], lambda: 0).mode
+    image_to_image = resolve(GenerationRequest(prompt="x", strength=0.5), variant, "m", [(64, 64)], lambda: 0)
+    assert str(image_to_image.mode) == "image-to-image at strength 0.5, cached references"
+    default = resolve(
+        GenerationRequest(prompt="x", mask_image="m.png"), VARIANTS["klein-4b"], "m", [(64, 64)]
+    )
+    assert str(default.mode) == "inpainting with a mask at strength 0.8, references"
+    # As `describe()` and the PNG's metadata say it.
+    run = resolve(masked, variant, "m", [(64, 64)], lambda: 0)
+    settings = Settings(run.request, run.mode, "m", variant.name, ((64, 64),), (), "all", ())
+    assert ", inpainting with a mask at strength 0.6, cached references, seed 0" in settings.describe()
+    assert settings.metadata(0, "test")["mode"] == str(mode)
+
+
+def test_only_the_demo_says_it_cannot_show_inpainting_keep_the_unmasked_area():
+    masked = GenerationRequest(prompt="x", mask_image="m.png", seed=0)
+    variant = VARIANTS["klein-9b-kv"]
+    demo = resolve(masked, variant, DEMO_LABEL, [(64, 64)]).notes
+    assert [note for note in demo if "cannot show inpainting keeping the unmasked area" in note]
+    assert resolve(masked, variant, "black-forest-labs/FLUX.2-klein-9b-kv", [(64, 64)]).notes == ()
+    image_to_image = GenerationRequest(prompt="x", strength=0.5, seed=0)  # no unmasked area to keep
+    assert resolve(image_to_image, variant, DEMO_LABEL, [(64, 64)]).notes == ()

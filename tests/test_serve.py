@@ -144,8 +144,13 @@ def test_job_events_arrive_in_order_one_per_step_then_done(url):
                 name = line.removeprefix("event: ")
             elif line.startswith("data: "):
                 events.append((name, json.loads(line.removeprefix("data: "))))
-    assert [name for name, _ in events] == ["queued", "step", "step", "step", "done"]
+    assert [name for name, _ in events if name != "stage"] == ["queued", "step", "step", "step", "done"]
     assert [data for name, data in events if name == "step"] == [{"step": k, "steps": 3} for k in (1, 2, 3)]
+    # Each stage as it starts (and again if it compiles), named for the page's status line.
+    stages = [data for name, data in events if name == "stage"]
+    assert [s["label"] for s in stages if not s["compiling"]] == ["encoding prompt", "denoising", "decoding"]
+    names = [name for name, _ in events]
+    assert names.index("stage") == 1 and names[names.index("step") - 1] == "stage"  # denoising, then steps
     done = httpx.get(f"{url}/v1/jobs/{job}").json()
     assert done["status"] == "done" and done["progress"] == {"step": 3, "steps": 3} and done["error"] is None
     assert done["result"] == events[-1][1]

@@ -12,6 +12,7 @@ import pytest
 from klein import GenerationRequest
 from klein.memory import admission
 from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.stage_events import StageEvent
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.jobs import EVENT_BYTES, GONE, JobTable
@@ -96,7 +97,7 @@ def test_cancel_drops_a_queued_job_and_stops_a_running_one_at_its_next_step():
     def slow(job: Job) -> dict:
         started.set()
         for i in range(10_000):  # ends at a step: cancelled, it never reaches the result
-            job.step("denoise", i, 10_000)
+            job.step(StageEvent("denoise", i, 10_000))
             steps.append(i)
             time.sleep(0.01)
         return {"data": []}
@@ -120,7 +121,7 @@ def test_a_job_past_its_time_limit_fails_at_a_step_with_504():
 
     def slow(job: Job) -> dict:
         for i in range(10_000):
-            job.step("denoise", i, 10_000)
+            job.step(StageEvent("denoise", i, 10_000))
             time.sleep(0.01)
         return {"data": []}
 

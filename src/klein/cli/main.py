@@ -223,8 +223,10 @@ def _load(request: flags.GenerateRequest):
     if generation.use_kv:
         _check_kv_checkpoint(request)
     with output.loading_bar(1) as bar:
-        bar.set_postfix_str(request.loading.transformer or request.loading.model or "demo")
+        name = request.loading.transformer or request.loading.model or "demo"
+        bar.set_postfix_str(name)
         pipe = load(_loading(request))
+        bar.set_postfix_str(f"{name}, {time.perf_counter() - started:.2f} s", refresh=False)
         bar.update()
     pictures = dataclasses.replace(generation, image=references, mask_image=mask)
     return pipe, pictures, time.perf_counter() - started

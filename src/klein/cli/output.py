@@ -1,5 +1,6 @@
-"""What `klein generate` shows: progress bars, warnings and the timing breakdown, on stderr. The files
-it writes are `klein.io.png`'s."""
+"""What `klein generate` shows: a progress bar per stage (loading, then the pipeline's stage events:
+encoding, compiling, each step, decoding), warnings and the timing breakdown, on stderr. The files it
+writes are `klein.io.png`'s."""
 
 import sys
 from collections.abc import Mapping
@@ -10,19 +11,33 @@ from tqdm import tqdm
 STAGES = ("load", "compile", "references", "prefill", "text", "denoise", "decode", "decode_tiled", "write")
 
 
+LABEL_WIDTH = 19
+"""Stage names are padded to this width, so that the bars' counts line up."""
+ONE_SHOT = "{desc}: {bar} {n}/{total}{postfix}"
+"""A stage of one unit (the loading, a stage of the pipeline), as the loading bar has always been drawn."""
+
+
 class Progress:
-    """The pipeline's `progress(stage, done, total)` callback, drawn as one tqdm bar per stage on stderr."""
+    """The pipeline's `progress(StageEvent)` callback (`klein.pipeline.stage_events`), drawn as one tqdm bar
+    per stage on stderr: shown as the stage starts, marked when XLA compiles (a first run), ended with
+    the stage's time (and the compilation's)."""
 
     def __init__(self) -> None:
         self._bars: dict[str, tqdm] = {}
 
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if stage not in self._bars:
-            self._bars[stage] = tqdm(total=total, desc=f"{stage:<9}", unit="step", file=sys.stderr)
-        bar = self._bars[stage]
-        bar.update(done - bar.n)
-        if done >= total:
-            self._bars.pop(stage).close()
+    def __call__(self, event) -> None:
+        bar = self._bars.get(event.stage)
+        if bar is None:
+            bar = self._bars[event.stage] = _stage_bar(event)
+        if event.compiling:
+            bar.set_postfix_str("compiling (first run)")
+        if event.finished:
+            bar.set_postfix_str(_took(event), refresh=False)
+            bar.update(event.total - bar.n)
+            self._bars.pop(event.stage).close()
+        elif event.done > bar.n:  # a step: compiling, if it was, is over
+            bar.set_postfix_str("", refresh=False)
+            bar.update(event.done - bar.n)
 
     def close(self) -> None:
         for bar in self._bars.values():
@@ -30,11 +45,24 @@ class Progress:
         self._bars.clear()
 
 
+def _stage_bar(event) -> tqdm:
+    desc = f"{event.label:<{LABEL_WIDTH}}"
+    if event.stage == "denoise":
+        return tqdm(total=event.total, desc=desc, unit="step", file=sys.stderr)
+    return tqdm(total=event.total, desc=desc, file=sys.stderr, bar_format=ONE_SHOT)
+
+
+def _took(event) -> str:
+    """A finished stage's time, and its compilation's when it compiled."""
+    took = f"{event.seconds:.2f} s"
+    if event.compile_seconds >= 0.005:
+        took += f" + {event.compile_seconds:.2f} s compiling"
+    return took
+
+
 def loading_bar(total: int) -> tqdm:
     """Bar for reading the reference images and then the model (`total` items in all)."""
-    return tqdm(
-        total=total, desc=f"{'loading':<9}", file=sys.stderr, bar_format="{desc}: {bar} {n}/{total}{postfix}"
-    )
+    return tqdm(total=total, desc=f"{'loading':<{LABEL_WIDTH}}", file=sys.stderr, bar_format=ONE_SHOT)
 
 
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:

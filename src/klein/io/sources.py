@@ -11,14 +11,13 @@ from klein.io import demo
 from klein.request import variants
 
 DEMO = "demo"
-DEMO_LABEL = "demo checkpoint: tiny random weights, the image is noise-like"
 
 
 def resolve(source: str | os.PathLike) -> tuple[Path, str]:
     """(diffusers-layout folder, name to show) for a folder, a Hugging Face repo id or "demo"."""
     source = str(source)
     if source == DEMO:
-        return demo.ensure_demo(), DEMO_LABEL
+        return demo.ensure_demo(), variants.DEMO_LABEL
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():

@@ -43,6 +43,7 @@ from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.device_weights import Weights
 from klein.pipeline.progress_bar import CallBar
+from klein.pipeline.stage_events import StageEvent
 from klein.pipeline.timing import Stages
 from klein.request import diffusers_args
 from klein.request.loading import AUTO, LoadOptions
@@ -236,8 +237,8 @@ class Flux2KleinPipeline:
         keyword as diffusers' scripts pass them (`pipe(prompt=..., image=[...], num_inference_steps=...)`)
         or with the prompt first. diffusers' other arguments (`generator`, `return_dict`,
         `callback_on_step_end`, ...) are read or refused by `klein.request.diffusers_args`.
-        `progress(stage, done, total)` hears of every denoising step; without one, a tqdm bar on stderr
-        shows the call's stages (`set_progress_bar_config`)."""
+        `progress(event)` hears of every stage and step (`klein.pipeline.stage_events.StageEvent`); without
+        one, a tqdm bar on stderr shows them (`set_progress_bar_config`)."""
         settings, options = diffusers_args.split(settings)
         if isinstance(prompt, GenerationRequest):
             request = dataclasses.replace(prompt, **settings) if settings else prompt
@@ -249,7 +250,6 @@ class Flux2KleinPipeline:
             out = self.generate(
                 request,
                 progress or bar,
-                on_stage=bar and bar.done,
                 on_step_end=step_end and (lambda i, t, latents: step_end(self, i, t, {"latents": latents})),
             )
         finally:
@@ -261,14 +261,12 @@ class Flux2KleinPipeline:
         """tqdm options for the bar each call draws, as diffusers' method: `disable=True` turns it off."""
         self._bar_options = dict(options)
 
-    def generate(
-        self, request: GenerationRequest, progress=None, *, on_stage=None, on_step_end=None
-    ) -> GenerationOutput:
-        """Run `request`. `progress(stage, done, total)` after each denoising step; `on_stage(stage)` after
-        each stage; `on_step_end(step, timestep, latents)` after each step with the latents (numpy,
-        packed [B, tokens, C], as diffusers' callback sees them), returning a dict whose "latents", if
-        any, replace them."""
-        stages = Stages(self.counters, {}, on_stage)
+    def generate(self, request: GenerationRequest, progress=None, *, on_step_end=None) -> GenerationOutput:
+        """Run `request`. `progress(event)` as each stage starts, starts compiling and ends, and after
+        each denoising step (`klein.pipeline.stage_events`); `on_step_end(step, timestep, latents)` after
+        each step with the latents (numpy, packed [B, tokens, C], as diffusers' callback sees them),
+        returning a dict whose "latents", if any, replace them."""
+        stages = Stages(self.counters, {}, progress)
         # 1. References, prepared on the host: their sizes decide the output size. A source to repaint
         #    (inpainting, image-to-image) is the first, prepared as diffusers prepares it (`klein.masks`).
         mask = None if request.mask_image is None else masks.as_mask(request.mask_image)
@@ -303,7 +301,18 @@ class Flux2KleinPipeline:
                 None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
             )
             repaint = self._repaint(references, x, latent_mask, noised_start=request.latents is None)
-        x = stages.run("denoise", self._denoise, x, txt, references, run, progress, repaint, on_step_end)
+        x = stages.run(
+            "denoise",
+            self._denoise,
+            x,
+            txt,
+            references,
+            run,
+            progress,
+            repaint,
+            on_step_end,
+            total=run.request.num_inference_steps - run.first_step,
+        )
         latents = sampling.unpack(x, gh, gw)
         if request.output_type == "latent":  # channels first, as diffusers returns them
             out = np.asarray(stages.run("latents", self._vae_latents, latents), np.float32).transpose(
@@ -498,7 +507,7 @@ class Flux2KleinPipeline:
                 x = _step_end(on_step_end, i - first, schedule[i], x, run.images)
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
-                progress("denoise", i + 1 - first, steps - first)
+                progress(StageEvent("denoise", i + 1 - first, steps - first))
         return x[: run.images]
 
 

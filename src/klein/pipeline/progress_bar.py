@@ -1,39 +1,34 @@
 """The Python API's progress bar: one tqdm bar per `pipe(...)` call on stderr, as diffusers draws.
 
-It counts the stages of a call: the text encoding, each denoising step, the decoding (or the latents'
-denormalisation, for output_type="latent").
-`pipe.set_progress_bar_config(**tqdm_options)` configures it as diffusers' method does
-(`disable=True` turns it off). A caller that passes its own `progress` callback (the CLI, the server)
-gets no bar: it draws or reports progress itself.
+It counts the stages of a call as the pipeline's stage events tell them (`klein.pipeline.stage_events`):
+the text encoding, the reference encoding, each denoising step, the decoding (or the latents'
+denormalisation, for output_type="latent"); its description names the stage running, and says when XLA
+compiles (a first run). `pipe.set_progress_bar_config(**tqdm_options)` configures it as diffusers' method
+does (`disable=True` turns it off). A caller that passes its own `progress` callback (the CLI, the
+server) gets no bar: it draws or reports progress itself.
 """
 
 import sys
 
 from tqdm.auto import tqdm
 
+from klein.pipeline.stage_events import StageEvent
+
 
 class CallBar:
-    """A `Stages` listener and a `progress(stage, done, total)` callback, drawn as one bar."""
+    """A `progress(StageEvent)` callback, drawn as one bar: a stage or a step is one unit."""
 
     def __init__(self, options: dict):
         options = {"file": sys.stderr, "unit": "stage", **options}
-        self._bar = tqdm(total=None, desc="text", **options)  # the step count is known once steps run
+        self._bar = tqdm(total=None, desc="starting", **options)  # the step count is known once steps run
 
-    def done(self, stage: str) -> None:
-        """`Stages` finished `stage`: the text and decoding stages count one each."""
-        if stage == "text":
-            self._bar.set_description("denoise")
+    def __call__(self, event: StageEvent) -> None:
+        if event.stage == "denoise" and self._bar.total is None:
+            self._bar.total = self._bar.n + event.total + 1  # the steps, then the decoding
+        if event.is_step or (event.finished and event.stage != "denoise"):
             self._bar.update(1)
-        elif stage.startswith("decode") or stage == "latents":
-            self._bar.update(1)
-            self._bar.close()
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if self._bar.total is None:
-            self._bar.total = total + 2
-        if done >= total:
-            self._bar.set_description("decode")
-        self._bar.update(1)
+        elif not event.finished:
+            self._bar.set_description(f"{event.label} (compiling)" if event.compiling else event.label)
 
     def close(self) -> None:
         self._bar.close()

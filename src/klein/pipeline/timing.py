@@ -1,23 +1,39 @@
-"""Wall time per pipeline stage, with XLA compilation booked apart.
+"""Wall time per pipeline stage, with XLA compilation booked apart, and each stage told as events.
 
-JAX reports every backend compilation through `jax.monitoring`; a stage's compile time is moved from the
-stage to "compile", so a first call's breakdown says what compiling cost and what running cost.
+JAX reports every backend compilation through `jax.monitoring`, at its start and with its duration; a
+stage's compile time is moved from the stage to "compile", so a first call's breakdown says what
+compiling cost and what running cost, and a stage's listener hears when compiling starts
+(`klein.pipeline.stage_events`).
 """
 
+import threading
 import time
 from collections import Counter
 
 import jax
 
+from klein.pipeline.stage_events import StageEvent
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""jax's event around a backend compilation (or its load from the persistent cache)."""
 _compile_seconds = [0.0]  # XLA compilation time so far in this process
+_running = threading.local()  # .on_compile: what the stage running on this thread does when XLA compiles
 
 
 def _on_duration(event: str, seconds: float, **_kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
+    if event == COMPILE_EVENT:
         _compile_seconds[0] += seconds
 
 
+def _on_start(event: str, _value: float, **_kwargs) -> None:
+    # jax records the start time of a compilation as a scalar under the same name as its duration.
+    on_compile = getattr(_running, "on_compile", None)
+    if event == COMPILE_EVENT and on_compile is not None:
+        on_compile()
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_scalar_listener(_on_start)
 
 
 class StageClock:
@@ -26,39 +42,56 @@ class StageClock:
     def __init__(self, timings):
         self.timings = timings
 
-    def __call__(self, stage):
-        return _Timed(self.timings, stage)
+    def __call__(self, stage, on_compile=None):
+        return _Timed(self.timings, stage, on_compile)
 
 
 class _Timed:
-    def __init__(self, timings, stage):
-        self.timings, self.stage = timings, stage
+    """One stage's time: `seconds` and `compiling` once it ends; `on_compile()` when its first
+    compilation starts."""
+
+    def __init__(self, timings, stage, on_compile=None):
+        self.timings, self.stage, self.on_compile = timings, stage, on_compile
+        self.seconds = self.compiling = 0.0
 
     def __enter__(self):
         self.start, self.compiled = time.perf_counter(), _compile_seconds[0]
+        self._outer = getattr(_running, "on_compile", None)
+        _running.on_compile = self._compiles if self.on_compile else None
+        return self
+
+    def _compiles(self):
+        _running.on_compile = None  # once per stage
+        self.on_compile()
 
     def __exit__(self, *exc):
-        compiling = _compile_seconds[0] - self.compiled
-        elapsed = time.perf_counter() - self.start
-        for stage, seconds in ((self.stage, elapsed - compiling), ("compile", compiling)):
+        _running.on_compile = self._outer
+        self.compiling = _compile_seconds[0] - self.compiled
+        self.seconds = time.perf_counter() - self.start - self.compiling
+        for stage, seconds in ((self.stage, self.seconds), ("compile", self.compiling)):
             self.timings[stage] = self.timings.get(stage, 0.0) + seconds
 
 
 class Stages:
     """The one stage helper of the pipeline: `run(stage, fn, *args)` times the stage (compilation apart),
     waits for its device work to finish (dispatch is asynchronous) so that each stage's time is its own,
-    and counts it in `counters` (work actually done: lets tests prove reuse)."""
+    counts it in `counters` (work actually done: lets tests prove reuse), and tells `progress` of it."""
 
-    def __init__(self, counters: Counter, timings: dict[str, float], on_done=None):
+    def __init__(self, counters: Counter, timings: dict[str, float], progress=None):
         self.counters, self.timings = counters, timings
         self._clock = StageClock(timings)
-        self._on_done = on_done
-        """None, or `on_done(stage)` after each stage (the Python API's progress bar)."""
+        self._progress = progress
+        """None, or `progress(StageEvent)` as each stage starts, starts compiling and ends."""
 
-    def run(self, stage: str, fn, *args):
-        with self._clock(stage):
+    def run(self, stage: str, fn, *args, total: int = 1):
+        """`fn(*args)` as `stage`; `total`: the steps it reports (the denoising loop reports them itself)."""
+        tell = self._progress
+        on_compile = tell and (lambda: tell(StageEvent(stage, 0, total, compiling=True)))
+        if tell:
+            tell(StageEvent(stage, 0, total))
+        with self._clock(stage, on_compile) as timed:
             out = jax.block_until_ready(fn(*args))
         self.counters[stage] += 1
-        if self._on_done:
-            self._on_done(stage)
+        if tell:
+            tell(StageEvent(stage, total, total, timed.seconds, timed.compiling))
         return out

@@ -7,6 +7,9 @@ Two independent axes (docs/design.md, "Modes"):
 - guidance: the base variants run classifier-free guidance (prompt and negative in one doubled batch);
   the step-distilled ones ignore any guidance scale, as diffusers does.
 
+A repaint (inpainting, image-to-image) is named beside them, for the summaries that say what ran; it
+runs the same step function as its conditioning.
+
 `klein.request.resolve` is the only place these are decided; the pipeline then runs the step function of
 that mode.
 """
@@ -28,6 +31,17 @@ class Mode:
     conditioning: Conditioning
     guided: bool
     """Classifier-free guidance: each step runs the prompt and the negative prompt as one batch."""
+    repaint: str | None = dataclasses.field(default=None, compare=False)
+    """How the first image is repainted ("inpainting with a mask at strength 0.8"), None when it is not:
+    a description only, so modes that differ in it share a step function."""
 
     def __str__(self) -> str:
-        return self.conditioning.value + (" + CFG" if self.guided else "")
+        repaint = f"{self.repaint}, " if self.repaint else ""
+        return repaint + self.conditioning.value + (" + CFG" if self.guided else "")
+
+
+def repaint_words(masked: bool, strength: float) -> str:
+    """How a repaint is named in summaries, the CLI's, `describe()`'s and the PNG's `mode`."""
+    if masked:
+        return f"inpainting with a mask at strength {strength:g}"
+    return f"image-to-image at strength {strength:g}"

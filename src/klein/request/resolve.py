@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 
 from klein.errors import InputError
 from klein.models.vae import PIXELS_PER_TOKEN
-from klein.request.modes import Conditioning, Mode
+from klein.request.modes import Conditioning, Mode, repaint_words
 from klein.request.request import GenerationRequest
-from klein.request.variants import KV_CHECKPOINT, Variant
+from klein.request.variants import DEMO_LABEL, KV_CHECKPOINT, Variant
 
 MULTIPLE = PIXELS_PER_TOKEN
 """Output sides are multiples of this many px (one transformer token is a square patch of that side)."""
@@ -90,6 +90,7 @@ def resolve(
         strength = DEFAULT_STRENGTH if request.strength is None else request.strength
         first_step = start_step(steps, strength)
         kept = _source_size_kept(request, sizes[0]) + _mask_resized(mask_size, sizes[0])
+        kept += _demo_repaint(request, model_name)
         request = dataclasses.replace(request, height=None, width=None)
     height, width, rounded = output_size(request.height, request.width, sizes)
     seed = request.seed
@@ -109,7 +110,8 @@ def resolve(
     )
     images = len(request.prompts) * request.num_images_per_prompt
     notes = kept + _notes(request, variant, model_name, filled, rounded)
-    mode = Mode(conditioning, scale is not None)
+    repaint = repaint_words(request.mask_image is not None, strength) if request.repaints else None
+    mode = Mode(conditioning, scale is not None, repaint)
     return Resolved(filled, mode, images, sizes, rounded, notes, first_step)
 
 
@@ -146,6 +148,17 @@ def _mask_resized(mask_size, source: tuple[int, int]) -> tuple[str, ...]:
         return ()
     return (
         f"mask_image {mask_size[1]}x{mask_size[0]} px resized to the source's {source[1]}x{source[0]} px",
+    )
+
+
+def _demo_repaint(request: GenerationRequest, model_name: str) -> tuple[str, ...]:
+    """A note when the demo inpaints: its VAE is random, so even the area the mask keeps comes back as
+    noise, and nothing it draws can show that a real checkpoint keeps it."""
+    if request.mask_image is None or model_name != DEMO_LABEL:
+        return ()
+    return (
+        "the demo checkpoint's random weights cannot show inpainting keeping the unmasked area (its VAE "
+        "returns noise there too); a real checkpoint keeps it",
     )
 
 

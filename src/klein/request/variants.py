@@ -63,6 +63,8 @@ VARIANTS = {
     )
 }
 KV_CHECKPOINT = VARIANTS["klein-9b-kv"]
+DEMO_LABEL = "demo checkpoint: tiny random weights, the image is noise-like"
+"""The name the built-in demo checkpoint is shown under (`klein.io.sources`): its weights are random."""
 
 
 def size_of(transformer: TransformerConfig) -> Size | None:

@@ -1,20 +1,29 @@
-"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI) and its files under /static/docs/.
+"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI) and its files under /static/docs/, and what
+the schema says beyond the routes' signatures.
 
 FastAPI's own /docs loads Swagger UI from a CDN, so offline or behind a firewall it is a blank page; this
 one serves Swagger UI from the package (`swagger-ui/`, its README says the version and source). ReDoc
 has no such copy here, so there is no /redoc. The files hold no data, so they need no API key (they are
 under /static/); /docs and /openapi.json need it as the API does.
+
+The multipart routes read their form themselves (`klein.serve.uploads`), so their bodies are described
+here, file fields as binary, so that "Try it out" can send one; the image routes' answers are described
+by the models below (documentation only: the routes return the dicts `klein.serve.generation` builds).
+The request type bounds steps at 1-1000; the schema says this server's own limits (`with_limits`).
 """
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
+from pydantic import BaseModel, Field
 
 from klein.serve.page import HEADERS
+from klein.serve.schema import ImageBody
 
 ASSETS = {
     "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
@@ -43,3 +52,122 @@ def swagger_file(name: str) -> Response:
         raise HTTPException(404, f"no docs file {name!r}; the docs have {', '.join(sorted(ASSETS))}")
     body = (resources.files("klein.serve") / "swagger-ui" / name).read_bytes()
     return Response(body, media_type=ASSETS[name], headers=HEADERS)
+
+
+_FILES = {"type": "array", "items": {"type": "string", "format": "binary"}}
+_IMAGE_FILES = {**_FILES, "description": "image files (PNG, JPEG, WebP), in order; also accepted as image[]"}
+_MASK_FILE = {
+    "type": "string",
+    "format": "binary",
+    "description": "inpainting: where to repaint the first image (the other images are references): "
+    "OpenAI's mask, whose fully transparent pixels are repainted, or without transparency white repaints "
+    "and black keeps",
+}
+
+
+def _multipart(properties: dict, required: list[str]) -> dict:
+    form = {"type": "object", "properties": properties, "required": required}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}}}
+
+
+def edits_body() -> dict:
+    """/v1/images/edits: the files, and every field of /v1/images/generations as a form field."""
+    fields = ImageBody.model_json_schema()
+    required = list(fields.get("required", ()))
+    properties = {"image": _IMAGE_FILES, "mask": _MASK_FILE, **fields["properties"]}
+    for name, field in properties.items():
+        if name not in required and name != "image":
+            # Blank in "Try it out" (which sends every field: a blank one is as if not sent), rather than
+            # Swagger UI's placeholders ("string", 0), which it would send as values.
+            field["example"] = ""
+    return _multipart(properties, required)
+
+
+def references_body() -> dict:
+    return _multipart({"image": _IMAGE_FILES}, ["image"])
+
+
+class ImageData(BaseModel):
+    b64_json: str = Field(description="a PNG, base64; its text chunks carry the prompt, seed and settings")
+
+
+class ReferencesUsed(BaseModel):
+    id: str = Field(description="the reference set's id, for `references` in later requests")
+    cache: str = Field(description='"hit" or "miss"')
+    saved_seconds: float = Field(description="encoding time the cache saved")
+
+
+class KleinFields(BaseModel):
+    seed: int
+    settings: dict = Field(description="what ran: size, steps, guidance, strength, seed, mode, model, ...")
+    timings: dict[str, float] = Field(description="seconds per stage (compile apart)")
+    references: ReferencesUsed | None
+    warnings: list[str] = Field(description="what the request gave but was changed or ignored")
+
+
+class ImagesResponse(BaseModel):
+    """OpenAI's images response, with klein's record of what ran."""
+
+    created: int = Field(description="unix seconds")
+    data: list[ImageData]
+    klein: KleinFields
+
+
+class ReferenceImage(BaseModel):
+    width: int
+    height: int
+
+
+class ReferenceSet(BaseModel):
+    id: str
+    images: list[ReferenceImage] = Field(description="each image's prepared size, in order")
+    bytes: int = Field(description="device bytes its encoding holds in the cache")
+    cached: bool
+
+
+class ErrorFields(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: every refusal (4xx) and failure (5xx)."""
+
+    error: ErrorFields
+
+
+def responses(model: type[BaseModel]) -> dict:
+    """The documented answers of a route that answers `model`, or klein's JSON error."""
+    error = {"model": ErrorBody}
+    return {200: {"model": model}, 400: error, 413: error, 422: error, 429: error, 503: error}
+
+
+def with_limits(openapi: dict, max_steps: int, max_images: int) -> dict:
+    """`openapi` with this server's limits where the request type's declarations are wider (in the
+    bounds and in the words: "1 to 1000" steps is "1 to 50" under --max-steps 50)."""
+    limits = {"num_inference_steps": max_steps, "n": max_images}
+    for properties in _properties(openapi):
+        for name, most in limits.items():
+            if name not in properties:
+                continue
+            field = properties[name]
+            for each in [field, *field.get("anyOf", ())]:
+                if each.get("type") == "integer":
+                    each["maximum"] = most
+            if "description" in field:
+                field["description"] = re.sub(r"\b1 to \d+", f"1 to {most}", field["description"])
+    return openapi
+
+
+def _properties(node):
+    """Every "properties" mapping in a JSON schema, however deep."""
+    if isinstance(node, dict):
+        if isinstance(node.get("properties"), dict):
+            yield node["properties"]
+        for value in node.values():
+            yield from _properties(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _properties(value)

@@ -28,7 +28,6 @@ from klein.serve.streams import EventStreams
 from klein.serve.worker import Job
 
 DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still there
-_MULTIPART = {"requestBody": {"content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
 
 
 def create_app(service: Service) -> FastAPI:
@@ -52,7 +51,20 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(page.router)
     # The OpenAPI docs: GET /docs, and Swagger UI's files under /static/docs/.
     app.include_router(api_docs.router)
+    app.openapi = _documented(app, service.options)
     return app
+
+
+def _documented(app: FastAPI, options):
+    """`app.openapi` with the server's limits in the schema (it is built once, on first request)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = api_docs.with_limits(build(), options.max_steps, options.max_images)
+        return app.openapi_schema
+
+    return openapi
 
 
 def _errors(app: FastAPI) -> None:
@@ -100,14 +112,18 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
     async def metrics():
         return Response(service.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", responses=api_docs.responses(api_docs.ImagesResponse))
     async def generations(body: schema.ImageBody, request: Request):
         notes = schema.ignored(body, service.model_name)
         work = Generation(schema.to_request(body, options), reference_id=body.references, notes=notes)
         job = await _submitted(quotas, request, lambda: service.submit_generation(work))
         return await _wait(service.worker, job, request)
 
-    @app.post("/v1/images/edits", openapi_extra=_MULTIPART)
+    @app.post(
+        "/v1/images/edits",
+        openapi_extra=api_docs.edits_body(),
+        responses=api_docs.responses(api_docs.ImagesResponse),
+    )
     async def edits(request: Request):
         """Multipart: image / image[] files, an optional mask file (inpainting: its fully transparent
         pixels are repainted in the first image) and the fields of /v1/images/generations as form fields."""
@@ -136,7 +152,11 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
 
 
 def _references(app: FastAPI, service: Service, quotas: Quotas) -> None:
-    @app.post("/v1/references", openapi_extra=_MULTIPART)
+    @app.post(
+        "/v1/references",
+        openapi_extra=api_docs.references_body(),
+        responses=api_docs.responses(api_docs.ReferenceSet),
+    )
     async def create_references(request: Request):
         """Multipart: image / image[] files, encoded once and kept in the reference cache."""
         form = await uploads.read_form(request, service.options)
@@ -192,7 +212,8 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
 
     @app.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str):
-        """Server-sent events: queued, one step per denoising step, then done, error or cancelled."""
+        """Server-sent events: queued, a stage as each stage starts (or starts compiling), one step per
+        denoising step, then done, error or cancelled."""
         job = service.worker.jobs.get(job_id)
         return StreamingResponse(streams.stream(job), media_type="text/event-stream")
 

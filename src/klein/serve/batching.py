@@ -58,8 +58,8 @@ def _seed(request: GenerationRequest) -> int:
 
 
 def _fan_out(progresses):
-    def progress(stage: str, done: int, total: int) -> None:
+    def progress(event) -> None:
         for each in progresses:
-            each(stage, done, total)
+            each(event)
 
     return progress

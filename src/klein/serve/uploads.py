@@ -4,7 +4,8 @@
   not a form is refused (415) with what to send instead.
 - Files come under "image" or "image[]" (what the openai client sends for one or several); at most
   `--max-references` of them; on an edit, one more under "mask": OpenAI's mask, whose fully
-  transparent pixels mark the area to repaint (`klein.masks.from_alpha`). Their bytes stay in memory
+  transparent pixels mark the area to repaint (`klein.masks.from_alpha`). A text field left empty is as
+  if not sent, as a form left blank sends it (/docs' "Try it out" does). Their bytes stay in memory
   (Starlette spools large parts to anonymous temporary files); nothing a client sends (file names
   included) becomes a path.
 - Decoding accepts PNG, JPEG and WEBP only (`klein.images.UPLOAD_FORMATS`: no other Pillow plugin, such as
@@ -64,6 +65,8 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
                 (masks_sent if mask and key == MASK_FIELD else files).append(await _file(key, value, mask))
+            elif value == "":
+                continue  # a field left blank: HTML forms and Swagger UI's "Try it out" send every field
             elif key in IMAGE_FIELDS or (mask and key == MASK_FIELD):
                 raise ApiError(
                     400, f"{key} must be an image file, not a text field", "invalid_image", "image"

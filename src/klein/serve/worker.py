@@ -2,13 +2,15 @@
 
 The pipeline and its tokenizer are used from this thread only; HTTP handlers submit a job (its `work`
 is a function of the job, run on the worker thread) and await its `future` without blocking the event
-loop. A job carries its status, progress and events (queued, step, done / error) for `/v1/jobs`.
+loop. A job carries its status, progress and events (queued; stage, as each stage of the pipeline starts or
+starts compiling; step; done / error) for `/v1/jobs`.
 
 - A full queue refuses at once (`QueueFull`, 429 with Retry-After), rather than letting latency grow.
 - `abandon(job)` drops a queued job whose client has gone away; a running job finishes.
 - `cancel(job)` (DELETE /v1/jobs/{id}) drops a queued job, or stops a running one at its next denoising
-  step, as `job_timeout` stops one that runs too long: `Job.step`, the pipeline's progress callback, raises,
-  and the pipeline holds nothing of a request between steps, so it is ready for the next job.
+  step or stage, as `job_timeout` stops one that runs too long: `Job.step`, the pipeline's progress
+  callback, raises, and the pipeline holds nothing of a request between steps and stages, so it is ready
+  for the next job.
 - A job drops its inputs (`work`, `spec`: the request, its prepared references and mask) when it finishes;
   only jobs submitted with `keep` (POST /v1/jobs) stay findable, in `jobs` (`klein.serve.jobs.JobTable`).
 - `stop()` (SIGTERM): accept nothing more, fail the queued jobs, let the running job finish; `join`.
@@ -60,8 +62,22 @@ class Job:
     """`time.monotonic()` past which the running job stops (`--job-timeout`)."""
     on_finish: Callable[[Job], None] | None = None
 
-    def step(self, stage: str, done: int, total: int) -> None:
-        """The pipeline's progress callback; raises the job's `stopping` error when it must stop."""
+    def step(self, event) -> None:
+        """The pipeline's progress callback (`klein.pipeline.stage_events.StageEvent`): a "stage" event as
+        each stage starts or starts compiling, a "step" event per denoising step. Raises the job's
+        `stopping` error when it must stop: as a stage starts or a step ends, not from inside a
+        compilation (jax's listener calls it) nor once a stage's work is done."""
+        if event.finished:
+            return
+        if not event.compiling:
+            self._stop_if_asked()
+        if event.is_step:
+            self.progress = {"step": event.done, "steps": event.total}
+            self.events.append(("step", dict(self.progress)))
+        else:
+            self.events.append(("stage", _stage(event)))
+
+    def _stop_if_asked(self) -> None:
         if self.stopping is None and self.deadline is not None and time.monotonic() > self.deadline:
             self.stopping = errors.ApiError(
                 504,
@@ -71,8 +87,6 @@ class Job:
             )
         if self.stopping is not None:
             raise self.stopping
-        self.progress = {"step": done, "steps": total}
-        self.events.append(("step", dict(self.progress)))
 
     @property
     def finished(self) -> bool:
@@ -107,6 +121,11 @@ class Job:
 
 
 CANCELLED = "cancelled"
+
+
+def _stage(event) -> dict:
+    """A "stage" event's data: the stage, as the pipeline and as people name it, and whether it compiles."""
+    return {"stage": event.stage, "label": event.label, "compiling": event.compiling}
 
 
 def cancelled(job_id: str) -> errors.ApiError:

@@ -195,6 +195,8 @@ class Front:
         elif name == "step":
             job.progress = data
             job.events.append(("step", data))
+        elif name == "stage":
+            job.events.append(("stage", data))
         elif name == "done":
             for stage, seconds in data["klein"]["timings"].items():
                 self.metrics.observe(stage, seconds)

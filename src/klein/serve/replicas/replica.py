@@ -30,7 +30,8 @@ class Replica:
 
     async def generate(self, work: Generation, images: tuple):
         """One generation as events: ("accepted", {}) or ("error", fields) at once, then ("running", {}),
-        ("step", progress) per denoising step, and ("done", body) or ("error", fields).
+        ("stage", stage) as each stage starts, ("step", progress) per denoising step, and ("done", body)
+        or ("error", fields).
         `images`: (ObjectRef of the set's prepared images,) when the request has references."""
         if work.reference_id is not None:
             work = await self._with_references(work, images[0])

@@ -1,6 +1,7 @@
-// How the running edit is going, above the results: a status line; the progress bar, which follows the
-// bytes of a reference upload, then the denoising steps (a repaint, one request, shows no steps); and, once, a notice that a fresh server's
-// first request compiles the model's programs and so takes much longer than the ones after it.
+// How the running edit is going, above the results: a status line, which names the server's stage
+// (encoding, compiling, step k of n, decoding); the progress bar, which follows the bytes of a reference
+// upload, then the denoising steps (a repaint, one request, shows no steps); and, once, a notice that a
+// fresh server's first request compiles the model's programs and so takes much longer than the ones after it.
 import { $, counted } from "./dom.js";
 
 const NOTICE_AFTER_MS = 3000; // a request this slow on a fresh server is compiling
@@ -51,13 +52,19 @@ export function repainting(masked) {
   setStatus(masked ? "Repainting the masked area…" : "Repainting the source…");
 }
 
+// The server's job events: where it is in the queue, then each stage of the pipeline as it starts (and
+// when a first run compiles it), then each denoising step.
 export function jobEvent(event) {
   if (event.name === "queued") {
     const ahead = event.data.position;
-    setStatus(ahead > 0 ? `Queued: ${ahead} ahead` : "Queued: next");
+    setStatus(ahead > 0 ? `Queued: ${ahead} ahead` : "Starting…");
+  } else if (event.name === "stage") {
+    const { stage, label, compiling } = event.data;
+    const text = compiling ? `Compiling (first run only): ${label}…` : `${label[0].toUpperCase()}${label.slice(1)}…`;
+    setStatus(text, stage.startsWith("decode") ? 1 : null);
   } else if (event.name === "step") {
     const { step, steps } = event.data;
-    setStatus(step >= steps ? `Step ${step} of ${steps}, decoding…` : `Step ${step} of ${steps}`, step / steps);
+    setStatus(`Step ${step} of ${steps}`, step / steps);
   }
 }
 

@@ -130,7 +130,8 @@ function render() {
   $("ref-count").textContent = limits ? `${refs.length} of ${limits.max_references}` : "";
   $("ref-input").disabled = !limits || full;
   $("drop").classList.toggle("full", !limits || full);
-  $("drop-text").textContent = full ? "Reference limit reached" : "Add reference images";
+  $("drop-text").textContent = full ? `All ${limits.max_references} references added` : "Add reference images";
+  $("drop-hint").textContent = full ? "Remove one to add another" : "or drop / paste them here";
 }
 
 function item(ref, index) {
