@@ -34,16 +34,23 @@ def abstract_transformer(cfg: TransformerConfig, dtype=jnp.float32, forms=None) 
     return nnx.eval_shape(lambda: store(Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype), forms or {}))
 
 
-def stored_forms(plan: dict[tuple, list[str]], shipped_fp8=frozenset(), compute=products.BF16) -> dict:
+def stored_forms(
+    plan: dict[tuple, list[str]], shipped_fp8=frozenset(), compute=products.BF16, input_scaled=frozenset()
+) -> dict:
     """How each Linear (module path) of the transformer whose checkpoint keys are `plan` is stored: those
     of the blocks (the products over every token) quantised for an 8-bit `compute`, FP8 ones as shipped
-    where they are FP8 already and the compute is FP8; other Linears of `shipped_fp8` as shipped, widened
-    inside a bf16 product (the modulations, embedders and output: small or one row each)."""
+    where they are FP8 already and the compute is FP8 (with the file's activation scale where
+    `input_scaled` says it gives one); other Linears of `shipped_fp8` as shipped, widened inside a bf16
+    product (the modulations, embedders and output: small or one row each)."""
     forms: dict[tuple, Stored] = dict.fromkeys(shipped_fp8, SHIPPED_FP8)
     if compute in products.EIGHT_BIT:
         for path in (path[:-1] for path in plan if path[-1] == "kernel" and path[0] in STACKED):
-            shipped = path in shipped_fp8 and compute == products.FP8
-            forms[path] = dataclasses.replace(SHIPPED_FP8, compute=compute) if shipped else quantised(compute)
+            if path in shipped_fp8 and compute == products.FP8:
+                forms[path] = dataclasses.replace(
+                    SHIPPED_FP8, compute=compute, input_scale=path in input_scaled
+                )
+            else:
+                forms[path] = quantised(compute)
     return forms
 
 

@@ -77,7 +77,7 @@ def load_transformer_file(
     # compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
     kept = set() if dequantize else _fp8_modules(plan, fp8, prefix)
-    forms = stored_forms(plan, kept, compute)
+    forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()))
     abstract = abstract_transformer(cfg, dtype, forms)
     # 3. Read every diffusers key from its BFL tensor; FP8 weights of the other modules are dequantised,
     # and quantised again per channel where the form says so.
@@ -148,9 +148,19 @@ def _fp8_modules(plan: dict[tuple, list[str]], fp8: frozenset[str], prefix: str)
     return modules
 
 
+def _input_scaled(plan: dict[tuple, list[str]], kept: set[tuple], prefix: str, keys: set[str]) -> set[tuple]:
+    """Paths of the FP8 Linear modules whose file gives an activation scale (`input_scale`) in every layer."""
+    scaled = set()
+    for module in kept:
+        layers = {prefix + bfl.bfl_key(key).key.removesuffix(".weight") for key in plan[(*module, "kernel")]}
+        if all(f"{layer}.input_scale" in keys for layer in layers):
+            scaled.add(module)
+    return scaled
+
+
 def _piece(key: str, prefix: str, fp8: frozenset[str], raw: set[str]):
     """How to read diffusers key `key`; FP8 weights not kept as FP8 (in `raw`) are dequantised."""
-    if key.endswith(".weight_scale"):
+    if key.endswith((".weight_scale", ".input_scale")):
         return Scalar(prefix + bfl.bfl_key(key).key)
     piece = bfl.piece(key, prefix)
     layer = piece.key.removesuffix(".weight")

@@ -29,18 +29,23 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
         self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (d_in, d_out), dtype))
         self.weight_scale: nnx.Param | None = nnx.data(None)  # a Param once stored in 8 bits
+        self.input_scale: nnx.Param | None = nnx.data(None)  # a Param where a file gives one
         self.dtype = dtype
         self.compute = products.BF16
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return products.product(x, self.kernel[...], self._scale(), self.compute, self.dtype)
+        return self._product(x, self.kernel[...], self._scale())
 
     def columns(self, x: jnp.ndarray, start: int, stop: int | None = None) -> jnp.ndarray:
         """`self(x)[..., start:stop]`, computing only those outputs."""
         scale = self._scale()
         if scale is not None and scale.ndim:  # one per output channel
             scale = scale[..., start:stop]
-        return products.product(x, self.kernel[..., start:stop], scale, self.compute, self.dtype)
+        return self._product(x, self.kernel[..., start:stop], scale)
+
+    def _product(self, x, kernel, scale):
+        given = None if self.input_scale is None else self.input_scale[...]
+        return products.product(x, kernel, scale, self.compute, self.dtype, given)
 
     def _scale(self):
         return None if self.weight_scale is None else self.weight_scale[...]
@@ -51,17 +56,21 @@ class Linear(nnx.Module):
         shape = self.kernel[...].shape
         self.kernel = nnx.Param(jnp.zeros(shape, form.kernel))
         self.weight_scale = nnx.Param(jnp.ones(shape[:-2] + shape[-1:] * form.per_channel, jnp.float32))
+        if form.input_scale:
+            self.input_scale = nnx.Param(jnp.ones(shape[:-2], jnp.float32))
         self.compute = form.compute
 
 
 @dataclasses.dataclass(frozen=True)
 class Stored:
-    """A Linear's stored form: its 8-bit kernel dtype, a scale per output channel (else per tensor), and
-    how its product is made (`klein.models.products.COMPUTES`)."""
+    """A Linear's stored form: its 8-bit kernel dtype, a scale per output channel (else per tensor), how
+    its product is made (`klein.models.products.COMPUTES`), and whether a per-tensor activation scale is
+    stored (an FP8 file's `input_scale`) for an 8-bit product."""
 
     kernel: type
     per_channel: bool
     compute: str
+    input_scale: bool = False
 
 
 SHIPPED_FP8 = Stored(jnp.float8_e4m3fn, per_channel=False, compute=products.BF16)

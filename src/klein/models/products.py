@@ -6,7 +6,7 @@ A kernel float[in, out] is stored in the compute dtype (bf16 / float32), or in 8
 per output channel (quantised at load, shape [out]). `compute` says how the product is made:
 - "bf16": the kernel is widened inside the product to the compute dtype (weight-only quantisation);
 - "fp8" / "int8": both operands are 8-bit: the activations are quantised per token as they come
-  (`quantise`), the kernel is stored so; the product is accumulated in float32 / int32, and both scales
+  (`quantise`; an FP8 file's per-tensor `input_scale` where it gives one), the kernel is stored so; the product is accumulated in float32 / int32, and both scales
   are applied in float32 before the one rounding to the compute dtype, as an 8-bit GEMM's epilogue does.
   XLA:CPU has no float8 product and widens its operands inside the program (it still runs: tests check
   the path everywhere); int8 it multiplies natively.
@@ -42,9 +42,10 @@ COMPUTES = (BF16, FP8, INT8)
 EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
 
 
-def product(x, kernel, scale, compute: str, dtype):
+def product(x, kernel, scale, compute: str, dtype, input_scale=None):
     """`x @ (kernel * scale)` float[..., out] in `dtype`: x float[..., in], kernel [in, out] as stored,
-    scale None, float32[] or float32[out] (see the module docstring)."""
+    scale None, float32[] or float32[out] (see the module docstring); `input_scale` float32[]: the file's
+    activation scale for an FP8 product, instead of one per token computed as the activations come."""
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     if compute not in EIGHT_BIT:
         if scale is None:
@@ -55,7 +56,10 @@ def product(x, kernel, scale, compute: str, dtype):
     if kernel.dtype != operand:  # widened since it was stored (a merged LoRA): quantised as it runs
         kernel, scale = quantise(kernel.astype(jnp.float32) * (1.0 if scale is None else scale), compute, 0)
         scale = scale[0]
-    values, tokens = quantise(x, compute, -1)
+    if input_scale is None:
+        values, tokens = quantise(x, compute, -1)
+    else:
+        values, tokens = in_8_bits(x, input_scale, compute), input_scale
     total = jax.lax.dot_general(values, kernel, dims, preferred_element_type=accumulator)
     return (total.astype(jnp.float32) * tokens * scale).astype(dtype)
 
@@ -63,13 +67,19 @@ def product(x, kernel, scale, compute: str, dtype):
 def quantise(values, compute: str, axis: int):
     """(8-bit values, float32 scales) of `values` (NumPy or JAX), symmetric, one scale per slice across
     `axis` (kept as an axis of 1): `values ~ 8-bit * scales`, the largest magnitude of a slice mapped to
-    the format's largest value. int8 rounds half to even; float8 e4m3 rounds to nearest even."""
+    the format's largest value (`scales_of`, `in_8_bits`)."""
+    scales = scales_of(values, compute, axis)
+    return in_8_bits(values, scales, compute), scales
+
+
+def in_8_bits(values, scales, compute: str):
+    """`values` times the reciprocal of `scales` (not divided by them: XLA makes a division by a broadcast
+    scale that product anyway), clipped to the format's range, int8 rounded half to even, float8 e4m3
+    to nearest even."""
     xp = np if isinstance(values, np.ndarray) else jnp
     operand, top, _ = EIGHT_BIT[compute]
-    scales = scales_of(values, compute, axis)
-    # Times the reciprocal, not divided: XLA makes a division by a broadcast scale that product anyway.
     scaled = xp.clip(values.astype(np.float32) * (np.float32(1) / scales), -top, top)
-    return (xp.round(scaled) if compute == INT8 else scaled).astype(operand), scales
+    return (xp.round(scaled) if compute == INT8 else scaled).astype(operand)
 
 
 def scales_of(values, compute: str, axis: int):
