@@ -15,6 +15,7 @@ from klein.errors import InputError
 from klein.models import products
 from klein.models.layers import Linear, quantised, store
 from klein.pipeline.flux2_klein import load_pipeline
+from tests.support import lora_files
 
 TOP = {"fp8": 448.0, "int8": 127.0}
 TYPE = {"fp8": ml_dtypes.float8_e4m3fn, "int8": np.int8}
@@ -168,9 +169,10 @@ def bf16_image(klein_home):
 
 
 @pytest.mark.parametrize(("compute", "residency"), [("fp8", "stream"), ("int8", "all")])
-def test_the_demo_computes_in_8_bits_close_to_bf16(klein_home, bf16_image, compute, residency):
+def test_the_demo_computes_in_8_bits_close_to_bf16(klein_home, bf16_image, tmp_path, compute, residency):
     """Under `all` and `stream` (the layers brought from host memory one at a time): one each, since
-    both read the same stacks through `klein.models.stacks.layer`."""
+    both read the same stacks through `klein.models.stacks.layer`. A LoRA set and taken away again
+    leaves the 8-bit weights as they were, bit for bit."""
     pipe = load_pipeline(compute=compute, residency=residency)
     assert (pipe.compute, pipe.residency) == (compute, residency)
     state = dict(nnx.to_flat_state(pipe._models["transformer"].get()[1]))
@@ -178,5 +180,15 @@ def test_the_demo_computes_in_8_bits_close_to_bf16(klein_home, bf16_image, compu
     stored = state[kernel].get_value()
     assert stored.dtype == (jnp.uint8 if compute == "fp8" else jnp.int8)  # a float8 stack as its bits
     assert state[(*kernel[:-1], "weight_scale")].get_value().shape == (stored.shape[0], stored.shape[-1])
-    error = np.abs(_image(pipe) - bf16_image)
+    image = _image(pipe)
+    error = np.abs(image - bf16_image)
     assert 0 < error.mean() < 3.0, error.mean()  # 8-bit differs from bf16, and only a little
+    if residency == "all":  # a LoRA merges into the widened layers, which are quantised as they run
+        shapes = lora_files.linear_shapes(pipe.config, "peft")
+        lora = lora_files.write_peft(tmp_path / "a.safetensors", lora_files.random_lora(shapes, 4, 0))
+        pipe.set_loras([(lora, 1.0)])
+        assert np.abs(_image(pipe) - image).mean() > 5  # the LoRA shows
+        pipe.set_loras([])
+        restored = dict(nnx.to_flat_state(pipe._models["transformer"].get()[1]))
+        assert all(np.array_equal(restored[p].get_value(), state[p].get_value()) for p in state)
+        np.testing.assert_array_equal(_image(pipe), image)
