@@ -23,7 +23,7 @@ from flax import nnx
 
 from klein.io.transformer_file import load_transformer_file
 from klein.models import transformer as T
-from klein.models.layers import Linear, store_fp8
+from klein.models.layers import SHIPPED_FP8, Linear, store
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B
 from klein.sampling import image_ids, text_ids
@@ -41,7 +41,7 @@ def real_bytes(cfg) -> dict[str, float]:
     def build(fp8):
         model = T.Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         linears = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear)]
-        return store_fp8(model, [p for p in linears if fp8(p)])
+        return store(model, {p: SHIPPED_FP8 for p in linears if fp8(p)})
 
     blocks = ("transformer_blocks", "single_transformer_blocks")
     return {

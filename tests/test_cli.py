@@ -126,9 +126,10 @@ def test_flags_write_numbered_pngs_with_metadata_and_round_sizes(klein_home, inp
 def test_key_values_write_fresh_names_in_cwd_and_never_clobber(klein_home, inputs, tmp_path):
     shutil.copy(inputs / "ref.png", tmp_path / "ref.png")
     args = ["generate", "prompt=a cat", "image_paths=['ref.png']", "use_kv=True", "num_inference_steps=2"]
-    args += ["height=64", "width=64", "seed=3"]
+    args += ["height=64", "width=64", "seed=3", "--compute", "int8"]  # flags and key=value mixed
     first = run_klein(klein_home, *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
+    assert "(float32, int8 products)" in first.stderr
     [written] = [tmp_path / line for line in first.stdout.split()]
     assert (
         written.parent == tmp_path and written.name.startswith("klein-") and written.name.endswith("-3.png")
@@ -193,6 +194,14 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
             ["--prompt", "x", "--out", "{tmp}/missing/out.png"], ["does not exist"], id="missing folder"
         ),
         pytest.param(["prompt=x", "colour=red"], ["unknown setting 'colour'"], id="unknown key"),
+        pytest.param(
+            ["--prompt", "x", "--compute", "fp4"],
+            ["--compute: invalid choice: 'fp4'", "auto", "bf16", "fp8", "int8"],
+            id="unknown compute",
+        ),
+        pytest.param(
+            ["prompt=x", "compute=fp4"], ["compute must be one of auto, bf16, fp8, int8"], id="compute key"
+        ),
         pytest.param(["prompt=x", "image_paths=[a.png,b.png]"], ["quote each path"], id="unquoted list"),
         pytest.param(["--steps", "2"], ["no prompt"], id="no prompt"),
         pytest.param(

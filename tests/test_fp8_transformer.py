@@ -163,3 +163,30 @@ def test_device_bytes_halve(fp8, tiny_transformer):
 
 
 torch.set_grad_enabled(False)
+
+
+@pytest.mark.parametrize("compute", ["fp8", "int8"])
+def test_8bit_products_from_an_fp8_file(fp8, tmp_path, compute):
+    """compute="fp8": the blocks' FP8 weights as shipped (per-tensor scales) beside the file's activation
+    scales; "int8": the same weights quantised again per channel, activations per token. Modulations and
+    embedders stay FP8 widened inside bf16 products. Both near the dequantised reference, with 8 bits'
+    error: activations rounded too."""
+    _, reference, tensors, metadata = fp8
+    # The test file's activation scales (1/448) clip activations at 1; a calibrated file's leave them room.
+    roomy = {k: v * 64 if k.endswith(".input_scale") else v for k, v in tensors.items()}
+    ours = load_transformer_file(
+        write_safetensors(tmp_path / "scaled.safetensors", roomy, metadata), compute=compute
+    )
+    to_q = ours.transformer_blocks.attn.to_q
+    layers, width = to_q.kernel[...].shape[0], to_q.kernel[...].shape[-1]
+    assert to_q.compute == compute and ours.x_embedder.compute == "bf16"
+    if compute == "fp8":
+        assert as_float(to_q.kernel[...]).dtype == jnp.float8_e4m3fn and to_q.weight_scale[...].shape == (
+            layers,
+        )
+        np.testing.assert_array_equal(to_q.input_scale[...], np.full(layers, 64 / 448, np.float32))
+    else:
+        assert to_q.kernel[...].dtype == jnp.int8 and to_q.weight_scale[...].shape == (layers, width)
+        assert to_q.input_scale is None
+    got, want = both_outputs(ours, reference)
+    assert 10 * TOL < rel_err(want, got) < 0.05, rel_err(want, got)

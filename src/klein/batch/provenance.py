@@ -25,6 +25,7 @@ MADE_BY = (
     "variant",
     "dequantize",
     "dtype",
+    "compute",
 )
 """The `LoadOptions` fields an output depends on."""
 

@@ -263,7 +263,7 @@ def _lead_process() -> bool:
 def _report(pipe, settings, paths, timings, total_seconds) -> None:
     """Files on stdout (one per line, for scripts); settings and the timing breakdown on stderr."""
     print(f"model: {pipe.name}", file=sys.stderr)
-    print(f"residency: {pipe.residency} ({pipe.dtype.name})", file=sys.stderr)
+    print(f"residency: {pipe.residency} ({pipe.dtype.name}, {pipe.compute} products)", file=sys.stderr)
     print(f"settings: {settings.describe()}", file=sys.stderr)
     print(output.timing_report(timings, total_seconds), file=sys.stderr)
     for path in paths:

@@ -12,6 +12,7 @@ from pathlib import Path
 from klein.cli.flags import Parser
 from klein.dtypes import DTYPES
 from klein.errors import InputError
+from klein.request.loading import COMPUTE
 
 PLAN_DESCRIPTION = """\
 Per-device memory of a klein model on a device mesh, from its configs alone (no weights are read, nothing
@@ -93,6 +94,13 @@ def plan_parser() -> argparse.ArgumentParser:
     memory.add_argument(
         "--device", choices=tuple(DEVICES), metavar="NAME", help="a device by name (see above)"
     )
+    add(
+        "--compute",
+        choices=COMPUTE,
+        default="auto",
+        help="the transformer blocks' products, as klein generate --compute: fp8 and int8 keep their weights in "
+        "one byte (default: auto, what this machine's or --target's device multiplies fastest)",
+    )
     add("--json", action="store_true", help="print the plan as JSON, for tools")
     add(
         "--compiled",
@@ -134,20 +142,23 @@ def plan_command(flags: argparse.Namespace) -> int:
         return _target_command(flags)
     mesh = flags.mesh or "single"
     variant, models, dtype = _plan_model(flags.model, flags.dtype)
+    named = flags.device is not None or flags.device_memory is not None
+    compute = flags.compute if named else _compute(flags.compute, _local_device())
+    models = _computing(models or plan.published(variant, dtype), compute)
     limit, where = _device_memory(flags)
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
     local_cpu = flags.device is None and flags.device_memory is None and _local_platform() == "cpu"
     memory = plan.plan(
         variant, mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, local_cpu
     )
-    report = plan.as_json(memory, limit, where)
-    text = plan.describe(memory, limit, where)
+    report = dict(plan.as_json(memory, limit, where), compute=compute)
+    text = plan.describe(memory, limit, where) + "\n" + _describe_compute(compute)
     if flags.compiled:
         if mesh != "single":
             raise InputError(
                 "--compiled compiles for this machine's one device; drop --mesh (or name a --target)"
             )
-        stages = _compiled(memory, models or plan.published(flags.model, dtype), dtype)
+        stages = _compiled(memory, models, dtype)
         report["compiled"] = stages
         text += "\n" + plan.describe_compiled(memory, stages)
     print(json.dumps(report, indent=2) if flags.json else text)
@@ -168,7 +179,8 @@ def _target_command(flags: argparse.Namespace) -> int:
     mesh, spec = topology.mesh(flags.target, flags.mesh)
     on = roofline.chip(mesh.devices.flat[0].device_kind)
     variant, models, dtype = _plan_model(flags.model, flags.dtype)
-    models = models or plan.published(variant, dtype)
+    compute = _compute(flags.compute, mesh.devices.flat[0])
+    models = _computing(models or plan.published(variant, dtype), compute)
     memory = plan.plan(variant, spec, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models)
     limit, where = flags.device_memory, "given"
     if limit is None:
@@ -176,7 +188,8 @@ def _target_command(flags: argparse.Namespace) -> int:
     used = f"{mesh.devices.size} of {len(topology.devices(flags.target))}"
     heading = f"{flags.target}: {on.name}, mesh {spec} on {used} devices"
     report = dict(plan.as_json(memory, limit, where), target=flags.target, chip=dataclasses.asdict(on))
-    text = heading + "\n" + plan.describe(memory, limit, where)
+    report["compute"] = compute
+    text = heading + "\n" + plan.describe(memory, limit, where) + "\n" + _describe_compute(compute)
     if flags.compiled:
         analyses = compiled.analyse(models, memory.workload, dtype, mesh)
         stages = {name: dataclasses.asdict(analysis) for name, analysis in analyses.items()}
@@ -231,6 +244,32 @@ def _compiled(memory, models, dtype: str) -> dict:
 
     stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype))
     return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
+
+
+def _compute(option: str, device) -> str:
+    """`--compute` as it would run on `device` (`klein.pipeline.flux2_klein.compute_of`)."""
+    from klein.pipeline.flux2_klein import compute_of
+
+    return compute_of(option, device)
+
+
+def _computing(models, compute: str):
+    """`models` as planned with `compute`: 8-bit products keep the transformer's weights in one byte."""
+    return dataclasses.replace(models, fp8=models.fp8 or compute not in ("auto", "bf16"))
+
+
+def _describe_compute(compute: str) -> str:
+    if compute == "auto":
+        return "compute: auto (picked from the device as the model loads; planned as bf16)"
+    if compute == "bf16":
+        return "compute: bf16 (the transformer blocks' products in bf16)"
+    return f"compute: {compute} (the transformer blocks' products in 8 bits, their weights one byte each)"
+
+
+def _local_device():
+    import jax
+
+    return jax.local_devices()[0]
 
 
 def _local_platform() -> str:

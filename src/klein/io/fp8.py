@@ -5,7 +5,9 @@ The safetensors header's `__metadata__["_quantization_metadata"]` is JSON,
 `{"format_version": "1.0", "layers": {"<layer>": {"format": "float8_e4m3fn"}, ...}}` (a layer's value may
 also be the bare format string). Each listed layer stores `<layer>.weight` as F8_E4M3 and a float32
 per-tensor `<layer>.weight_scale` (shape () or (1,)); the weight is `float(weight) * weight_scale`. An
-optional `<layer>.input_scale` is for FP8 activations; klein quantises weights only and does not read it.
+optional `<layer>.input_scale` (per tensor) is the activations' scale for FP8 products: read where the
+transformer computes in FP8 (`compute="fp8"`) and every layer of a stack gives one, else unread (activations
+are then quantised per token as they come, `klein.models.products`).
 ComfyUI may instead (or also) mark each layer with a `<layer>.comfy_quant` tensor: the same per-layer JSON
 as uint8 bytes. `SIDE_TENSORS` are the keys besides `weight` that a quantised layer may carry.
 """

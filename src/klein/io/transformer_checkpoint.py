@@ -1,15 +1,21 @@
-"""Loading the FLUX.2 transformer from a diffusers `transformer/` folder."""
+"""Loading the FLUX.2 transformer from a diffusers `transformer/` folder, and how each of its Linears is
+stored (`stored_forms`: bf16, FP8 as shipped, or quantised at load for 8-bit products)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
 from flax import nnx
 
 from klein.io.json_file import read_json
-from klein.io.loading import expected_shapes, load_module
+from klein.io.loading import checkpoint_keys, expected_shapes, load_module
+from klein.io.mapped import MappedSource
+from klein.io.quantised import quantised_table
 from klein.io.safetensors import TensorSource
+from klein.models import products
+from klein.models.layers import SHIPPED_FP8, Stored, quantised, store
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 
@@ -23,8 +29,35 @@ def key_map(key: str) -> str:
     return key
 
 
-def abstract_transformer(cfg: TransformerConfig, dtype=jnp.float32) -> Flux2Transformer:
-    return nnx.eval_shape(lambda: Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+def abstract_transformer(cfg: TransformerConfig, dtype=jnp.float32, forms=None) -> Flux2Transformer:
+    """The transformer's shapes, its Linears stored as `forms` says (module path -> `Stored`)."""
+    return nnx.eval_shape(lambda: store(Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype), forms or {}))
+
+
+def stored_forms(
+    plan: dict[tuple, list[str]], shipped_fp8=frozenset(), compute=products.BF16, input_scaled=frozenset()
+) -> dict:
+    """How each Linear (module path) of the transformer whose checkpoint keys are `plan` is stored: those
+    of the blocks (the products over every token) quantised for an 8-bit `compute`, FP8 ones as shipped
+    where they are FP8 already and the compute is FP8 (with the file's activation scale where
+    `input_scaled` says it gives one); other Linears of `shipped_fp8` as shipped, widened inside a bf16
+    product (the modulations, embedders and output: small or one row each)."""
+    forms: dict[tuple, Stored] = dict.fromkeys(shipped_fp8, SHIPPED_FP8)
+    if compute in products.EIGHT_BIT:
+        for path in (path[:-1] for path in plan if path[-1] == "kernel" and path[0] in STACKED):
+            if path in shipped_fp8 and compute == products.FP8:
+                forms[path] = dataclasses.replace(
+                    SHIPPED_FP8, compute=compute, input_scale=path in input_scaled
+                )
+            else:
+                forms[path] = quantised(compute)
+    return forms
+
+
+def quantised_keys(plan: dict[tuple, list[str]], forms: dict) -> dict[str, str]:
+    """The checkpoint keys of the weights `forms` quantise at load, each with its compute."""
+    per_channel = {path: form for path, form in forms.items() if form.per_channel}
+    return {key: form.compute for path, form in per_channel.items() for key in plan[(*path, "kernel")]}
 
 
 def expected_transformer_keys(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
@@ -37,10 +70,17 @@ def read_config(folder: str | Path) -> TransformerConfig:
     return TransformerConfig.from_diffusers(read_json(Path(folder) / "config.json", "transformer config"))
 
 
-def load_transformer(folder: str | Path, dtype=jnp.float32, *, place=None) -> Flux2Transformer:
-    """Strictly load `<folder>/config.json` and its safetensors (single file or sharded)."""
+def load_transformer(
+    folder: str | Path, dtype=jnp.float32, *, place=None, compute=products.BF16
+) -> Flux2Transformer:
+    """Strictly load `<folder>/config.json` and its safetensors (single file or sharded); the blocks'
+    weights quantised as they are read for an 8-bit `compute`."""
     folder = Path(folder)
     cfg = read_config(folder)
     source = TensorSource.from_folder(folder, "diffusion_pytorch_model")
-    abstract = abstract_transformer(cfg, dtype)
-    return load_module(abstract, source, dtype=dtype, stacked=STACKED, key_map=key_map, place=place)
+    forms = stored_forms(checkpoint_keys(abstract_transformer(cfg), STACKED, key_map), compute=compute)
+    abstract = abstract_transformer(cfg, dtype, forms)
+    plan = checkpoint_keys(abstract, STACKED, key_map)
+    mapped = MappedSource(source, quantised_table({}, quantised_keys(plan, forms)))
+    # dtype None: every weight as the abstract model holds it (8-bit kernels stay 8-bit).
+    return load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)

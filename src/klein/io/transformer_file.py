@@ -8,6 +8,8 @@ Formats, told apart by the file itself:
   `dtype` at load (twice the memory in bf16, no per-step cast). A Linear of a scanned stack stays FP8 only
   if it is FP8 in every layer.
 - GGUF (`*.gguf`, `klein.io.gguf_file`): BFL key names; dequantised to `dtype` at load.
+For 8-bit products (`compute`) the blocks' weights are quantised as they are read
+(`klein.io.transformer_checkpoint.stored_forms`); FP8 ones stay as shipped for FP8 products.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax.numpy as jnp
-from flax import nnx
 
 from klein.errors import CheckpointError
 from klein.io import bfl_transformer_keys as bfl
@@ -23,9 +24,16 @@ from klein.io.fp8 import SIDE_TENSORS, fp8_layers
 from klein.io.gguf_file import GGUFSource
 from klein.io.loading import checkpoint_keys, expected_shapes, load_module
 from klein.io.mapped import Dequantized, MappedSource, Scalar
+from klein.io.quantised import quantised_table
 from klein.io.safetensors import TensorSource
-from klein.io.transformer_checkpoint import STACKED, abstract_transformer, key_map
-from klein.models.layers import store_fp8
+from klein.io.transformer_checkpoint import (
+    STACKED,
+    abstract_transformer,
+    key_map,
+    quantised_keys,
+    stored_forms,
+)
+from klein.models import products
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 
@@ -50,10 +58,12 @@ def load_transformer_file(
     *,
     place=None,
     dequantize: bool = False,
+    compute: str = products.BF16,
 ) -> Flux2Transformer:
     """The transformer of a BFL, FP8 or GGUF single file (`klein.pipeline.checkpoints.variant_of_file`
-    tells its variant); `dequantize` widens FP8 weights to `dtype` at load; `place` puts each weight on its
-    device(s) (see `klein.io.loading.load_module`)."""
+    tells its variant); `dequantize` widens FP8 weights to `dtype` at load; `compute` is how the blocks'
+    products are made (`klein.models.products`); `place` puts each weight on its device(s) (see
+    `klein.io.loading.load_module`)."""
     path = Path(path)
     source = _open(path)
     # 1. What the file holds: naming, config (from the shapes), FP8 layers; checked in BFL names.
@@ -63,13 +73,17 @@ def load_transformer_file(
     fp8 = fp8_layers(source, str(path)) if isinstance(source, TensorSource) else frozenset()
     plain = abstract_transformer(cfg)
     _check_layout(stored, expected_shapes(plain, STACKED, key_map), {f[len(prefix) :] for f in fp8}, path)
-    # 2. The model to fill: FP8 Linears where the whole stack is FP8, the compute dtype elsewhere.
+    # 2. The model to fill: FP8 Linears where the whole stack is FP8 (or 8-bit for 8-bit products), the
+    # compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
     kept = set() if dequantize else _fp8_modules(plan, fp8, prefix)
-    abstract = nnx.eval_shape(lambda: store_fp8(Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype), kept))
-    # 3. Read every diffusers key from its BFL tensor; FP8 weights of the other modules are dequantised.
-    raw = {key for module in kept for key in plan[(*module, "kernel")]}
+    forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()))
+    abstract = abstract_transformer(cfg, dtype, forms)
+    # 3. Read every diffusers key from its BFL tensor; FP8 weights of the other modules are dequantised,
+    # and quantised again per channel where the form says so.
+    raw = {key for module, form in forms.items() if not form.per_channel for key in plan[(*module, "kernel")]}
     table = {key: _piece(key, prefix, fp8, raw) for key in expected_shapes(abstract, STACKED, key_map)}
+    table = quantised_table(table, quantised_keys(plan, forms))
     unread = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS if side != "weight_scale"}
     mapped = MappedSource(source, table, dropped=unread)
     return load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)
@@ -134,9 +148,19 @@ def _fp8_modules(plan: dict[tuple, list[str]], fp8: frozenset[str], prefix: str)
     return modules
 
 
+def _input_scaled(plan: dict[tuple, list[str]], kept: set[tuple], prefix: str, keys: set[str]) -> set[tuple]:
+    """Paths of the FP8 Linear modules whose file gives an activation scale (`input_scale`) in every layer."""
+    scaled = set()
+    for module in kept:
+        layers = {prefix + bfl.bfl_key(key).key.removesuffix(".weight") for key in plan[(*module, "kernel")]}
+        if all(f"{layer}.input_scale" in keys for layer in layers):
+            scaled.add(module)
+    return scaled
+
+
 def _piece(key: str, prefix: str, fp8: frozenset[str], raw: set[str]):
     """How to read diffusers key `key`; FP8 weights not kept as FP8 (in `raw`) are dequantised."""
-    if key.endswith(".weight_scale"):
+    if key.endswith((".weight_scale", ".input_scale")):
         return Scalar(prefix + bfl.bfl_key(key).key)
     piece = bfl.piece(key, prefix)
     layer = piece.key.removesuffix(".weight")

@@ -7,8 +7,9 @@ reference tokens are modulated at another timestep than the image tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Collection
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,38 +21,65 @@ from klein.models import products
 class Linear(nnx.Module):
     """`x @ kernel` without bias (FLUX.2 has none anywhere), computed in `dtype`.
 
-    The kernel float[in, out] is stored in `dtype`, or - for FP8 checkpoints, see `store_fp8` - as
-    float8_e4m3fn with a float32 per-tensor `weight_scale`: weight-only quantisation, the kernel is
-    widened inside the jitted matmul, so device memory holds one byte per weight. Products accumulate in
-    float32 (`klein.models.products`).
+    The kernel float[in, out] is stored in `dtype`, or in 8 bits beside a float32 `weight_scale` (`store`);
+    `compute` says how the product is made. Both are `klein.models.products`' business: the layer only
+    hands its stored arrays to `products.product`.
     """
 
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
         self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (d_in, d_out), dtype))
-        self.weight_scale: nnx.Param | None = nnx.data(None)  # a Param once stored as FP8
+        self.weight_scale: nnx.Param | None = nnx.data(None)  # a Param once stored in 8 bits
+        self.input_scale: nnx.Param | None = nnx.data(None)  # a Param where a file gives one
         self.dtype = dtype
+        self.compute = products.BF16
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self._product(x, self.kernel[...])
+        return self._product(x, self.kernel[...], self._scale())
 
     def columns(self, x: jnp.ndarray, start: int, stop: int | None = None) -> jnp.ndarray:
         """`self(x)[..., start:stop]`, computing only those outputs."""
-        return self._product(x, self.kernel[..., start:stop])
+        scale = self._scale()
+        if scale is not None and scale.ndim:  # one per output channel
+            scale = scale[..., start:stop]
+        return self._product(x, self.kernel[..., start:stop], scale)
 
-    def _product(self, x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
-        kernel = kernel.astype(self.dtype)
-        y = products.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
-        if self.weight_scale is not None:
-            # float8 values are exact in bf16 and fp32; scaling the output (in fp32, like an FP8 GEMM's
-            # epilogue) keeps them so, where scaling the kernel would round every weight x scale to bf16.
-            y = (y * self.weight_scale[...]).astype(self.dtype)
-        return y
+    def _product(self, x, kernel, scale):
+        given = None if self.input_scale is None else self.input_scale[...]
+        return products.product(x, kernel, scale, self.compute, self.dtype, given)
 
-    def store_fp8(self) -> None:
-        """Switch storage to a float8_e4m3fn kernel plus float32 scale (one per leading layer index)."""
+    def _scale(self):
+        return None if self.weight_scale is None else self.weight_scale[...]
+
+    def store(self, form: Stored) -> None:
+        """Switch storage to `form`'s 8-bit kernel and float32 scale (one per leading layer index, and per
+        output channel if the form says so)."""
         shape = self.kernel[...].shape
-        self.kernel = nnx.Param(jnp.zeros(shape, jnp.float8_e4m3fn))
-        self.weight_scale = nnx.Param(jnp.ones(shape[:-2], jnp.float32))
+        self.kernel = nnx.Param(jnp.zeros(shape, form.kernel))
+        self.weight_scale = nnx.Param(jnp.ones(shape[:-2] + shape[-1:] * form.per_channel, jnp.float32))
+        if form.input_scale:
+            self.input_scale = nnx.Param(jnp.ones(shape[:-2], jnp.float32))
+        self.compute = form.compute
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A Linear's stored form: its 8-bit kernel dtype, a scale per output channel (else per tensor), how
+    its product is made (`klein.models.products.COMPUTES`), and whether a per-tensor activation scale is
+    stored (an FP8 file's `input_scale`) for an 8-bit product."""
+
+    kernel: type
+    per_channel: bool
+    compute: str
+    input_scale: bool = False
+
+
+SHIPPED_FP8 = Stored(jnp.float8_e4m3fn, per_channel=False, compute=products.BF16)
+"""BFL's FP8 files as they come: per-tensor scales, widened inside a bf16 product."""
+
+
+def quantised(compute: str) -> Stored:
+    """The form a weight takes when quantised at load for `compute`'s 8-bit products."""
+    return Stored(products.EIGHT_BIT[compute][0], per_channel=True, compute=compute)
 
 
 # nnx.Linear's default initialiser, so random models (tests, demo) are drawn exactly as before.
@@ -62,15 +90,16 @@ def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype) -> Linear:
     return Linear(d_in, d_out, rngs, dtype)
 
 
-def store_fp8(model: nnx.Module, paths: Collection[tuple]) -> nnx.Module:
-    """`model` with the `Linear` layers at module `paths` holding FP8 kernels (call inside `nnx.eval_shape`
-    to build the abstract model an FP8 checkpoint is loaded into). Stacked layers keep their layer axis."""
+def store(model: nnx.Module, forms: Mapping[tuple, Stored]) -> nnx.Module:
+    """`model` with the `Linear` layers at the module paths of `forms` stored so (call inside
+    `nnx.eval_shape` to build the abstract model a checkpoint is loaded into). Stacked layers keep their
+    layer axis."""
     found = {path: module for path, module in nnx.iter_modules(model) if isinstance(module, Linear)}
-    unknown = set(paths) - set(found)
+    unknown = set(forms) - set(found)
     if unknown:
         raise ValueError(f"not Linear layers of this model: {sorted(unknown)}")
-    for path in paths:
-        found[path].store_fp8()
+    for path, form in forms.items():
+        found[path].store(form)
     return model
 
 

@@ -1,4 +1,18 @@
-"""Products with weights: accumulated in float32 and rounded once to the inputs' precision, as torch does.
+"""How a stored weight becomes a product: `product(x, kernel, scale, compute, dtype)`, the one seam
+between a Linear's stored form and the model's math (docs/design.md, "How a stored layer becomes a product").
+
+A kernel float[in, out] is stored in the compute dtype (bf16 / float32), or in 8 bits beside a float32
+`scale` that multiplies its output columns: one per tensor (BFL's FP8 files as shipped, shape ()) or one
+per output channel (quantised at load, shape [out]). `compute` says how the product is made:
+- "bf16": the kernel is widened inside the product to the compute dtype (weight-only quantisation);
+- "fp8" / "int8": both operands are 8-bit: the activations are quantised per token as they come
+  (`quantise`; an FP8 file's per-tensor `input_scale` where it gives one), the kernel is stored so; the product is accumulated in float32 / int32, and both scales
+  are applied in float32 before the one rounding to the compute dtype, as an 8-bit GEMM's epilogue does.
+  XLA:CPU has no float8 product and widens its operands inside the program (it still runs: tests check
+  the path everywhere); int8 it multiplies natively.
+
+Products in the compute dtype are accumulated in float32 and rounded once to the inputs' precision, as
+torch does.
 
 XLA's GPU and TPU backends multiply bf16 matrices that way whatever they are asked, and are left as they
 are. XLA:CPU, asked for a bf16 result, widens both operands to float32 first: a float32 copy of each
@@ -18,8 +32,79 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from klein import sharding
+
+BF16, FP8, INT8 = "bf16", "fp8", "int8"
+COMPUTES = (BF16, FP8, INT8)
+# 8-bit compute -> (operand dtype, largest value quantised to, accumulator dtype)
+EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
+
+
+def product(x, kernel, scale, compute: str, dtype, input_scale=None):
+    """`x @ (kernel * scale)` float[..., out] in `dtype`: x float[..., in], kernel [in, out] as stored,
+    scale None, float32[] or float32[out] (see the module docstring); `input_scale` float32[]: the file's
+    activation scale for an FP8 product, instead of one per token computed as the activations come."""
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    if compute not in EIGHT_BIT:
+        if scale is None:
+            return dot_general(x.astype(dtype), kernel.astype(dtype), dims)
+        total = dot_general(x.astype(dtype), kernel.astype(dtype), dims, preferred_element_type=jnp.float32)
+        return (total * scale).astype(dtype)
+    operand, _, accumulator = EIGHT_BIT[compute]
+    if kernel.dtype != operand:  # widened since it was stored (a merged LoRA): quantised as it runs
+        kernel, scale = quantise(kernel.astype(jnp.float32) * (1.0 if scale is None else scale), compute, 0)
+        scale = scale[0]
+    if input_scale is None:
+        values, tokens = quantise(x, compute, -1)
+    else:
+        values, tokens = in_8_bits(x, input_scale, compute), input_scale
+    total = jax.lax.dot_general(values, kernel, dims, preferred_element_type=accumulator)
+    return (total.astype(jnp.float32) * tokens * scale).astype(dtype)
+
+
+def quantise(values, compute: str, axis: int):
+    """(8-bit values, float32 scales) of `values` (NumPy or JAX), symmetric, one scale per slice across
+    `axis` (kept as an axis of 1): `values ~ 8-bit * scales`, the largest magnitude of a slice mapped to
+    the format's largest value (`scales_of`, `in_8_bits`)."""
+    scales = scales_of(values, compute, axis)
+    return in_8_bits(values, scales, compute), scales
+
+
+def in_8_bits(values, scales, compute: str):
+    """`values` times the reciprocal of `scales` (not divided by them: XLA makes a division by a broadcast
+    scale that product anyway), clipped to the format's range, int8 rounded half to even, float8 e4m3
+    to nearest even."""
+    xp = np if isinstance(values, np.ndarray) else jnp
+    operand, top, _ = EIGHT_BIT[compute]
+    scaled = xp.clip(values.astype(np.float32) * (np.float32(1) / scales), -top, top)
+    return (xp.round(scaled) if compute == INT8 else scaled).astype(operand)
+
+
+def scales_of(values, compute: str, axis: int):
+    """The float32 scales `quantise` divides `values` by: the largest magnitude of each slice across `axis`
+    times the float32 reciprocal of the format's largest value (1 for a slice of zeros). A product with a
+    constant, not a quotient: XLA makes a division by a constant that product, NumPy does not."""
+    xp = np if isinstance(values, np.ndarray) else jnp
+    reciprocal = np.float32(1 / EIGHT_BIT[compute][1])
+    largest = xp.max(xp.abs(values.astype(np.float32)), axis=axis, keepdims=True)
+    return xp.where(largest > 0, largest * reciprocal, np.float32(1)).astype(np.float32)
+
+
+def compute_for(device) -> str:
+    """What `compute="auto"` picks on `device`: the product its hardware multiplies fastest. FP8 on GPUs
+    with FP8 tensor cores (compute capability 8.9 and later: Ada, Hopper, Blackwell) and TPU v7; INT8 on
+    other GPUs and TPUs (v5e / v6e multiply int8 at twice their bf16 rate); bf16 on CPUs, which have
+    neither (XLA:CPU widens float8 products and its int8 product is slower than its bf16 one here, and
+    quantising the activations costs more: docs/design.md)."""
+    if device.platform == "gpu":
+        major, minor = (int(n) for n in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
+        return FP8 if (major, minor) >= (8, 9) else INT8
+    if device.platform == "tpu":
+        kind = device.device_kind.lower()
+        return FP8 if "v7" in kind or "7x" in kind else INT8
+    return BF16
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):

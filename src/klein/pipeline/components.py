@@ -25,6 +25,7 @@ from klein.io.transformer_checkpoint import read_config as read_transformer_conf
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.io.vae_checkpoint import load_vae, load_vae_file
 from klein.io.vae_checkpoint import read_config as read_vae_config
+from klein.models import products
 from klein.models.qwen3 import Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer import Flux2Transformer
@@ -100,14 +101,15 @@ def locate_transformer_file(path: Path, variant: str | None = None) -> tuple:
 
 
 def load_transformer_part(
-    located: Located, dtype, dequantize=False, mesh=None, host: tuple[str, ...] = ()
+    located: Located, dtype, dequantize=False, mesh=None, host: tuple[str, ...] = (), compute=products.BF16
 ) -> Flux2Transformer:
-    """`host`: dotted prefixes of the weights that go to host memory (`klein.sharding.placer`)."""
+    """`host`: dotted prefixes of the weights that go to host memory (`klein.sharding.placer`); `compute`:
+    how the blocks' products are made (their weights quantised at load for an 8-bit one)."""
     place = sharding.placer(mesh, sharding.TRANSFORMER_PARAMS, host)
     path = located.transformer
     if path.is_file():
-        return load_transformer_file(path, dtype, place=place, dequantize=dequantize)
-    return load_transformer(_transformer_folder(path), dtype, place=place)
+        return load_transformer_file(path, dtype, place=place, dequantize=dequantize, compute=compute)
+    return load_transformer(_transformer_folder(path), dtype, place=place, compute=compute)
 
 
 def load_text_encoder_part(

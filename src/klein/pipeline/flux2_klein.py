@@ -35,7 +35,7 @@ from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
 from klein.memory import admission, plan
 from klein.memory import residency as residency_policy
-from klein.models import qwen3
+from klein.models import products, qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import cache_keys, components, denoise
@@ -111,11 +111,20 @@ prompt's, several times over; four 1024^2 references' alone may not fit, and are
 
 class Flux2KleinPipeline:
     def __init__(
-        self, located: components.Located, models: dict, tokenizer, dtype, mesh, policy: str, sizes: dict
+        self,
+        located: components.Located,
+        models: dict,
+        tokenizer,
+        dtype,
+        mesh,
+        policy: str,
+        sizes: dict,
+        compute: str = products.BF16,
     ):
         """`models`: the text encoder, transformer and VAE weights (`klein.pipeline.device_weights.Weights`) by name;
         `policy`: the residency policy that moves them (`klein.memory.residency`); `sizes`: each model's weight
-        bytes per device."""
+        bytes per device; `compute`: how the transformer blocks' products are made (`klein.models.products`)."""
+        self.compute = compute
         self.name, self.variant, self.dtype, self.tokenizer = located.name, located.variant, dtype, tokenizer
         self.config, self.text_config, self.vae_config = (
             located.config,
@@ -597,6 +606,7 @@ def load_pipeline(
     dequantize: bool = False,
     loras: Sequence = (),
     residency: str = AUTO,
+    compute: str = AUTO,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
@@ -613,6 +623,10 @@ def load_pipeline(
     transformer take turns, "auto" (the default) picks the first that fits the memory there is, before any
     weight is read (`klein.memory.residency`); a load that fits under no policy is refused then, with the estimate.
 
+    compute: how the transformer blocks' products are made: "bf16", "fp8" (FP8 weights, activations
+    quantised per token, float32 accumulation) or "int8" (W8A8, int32 accumulation); "auto" (the default)
+    what the device multiplies fastest (`klein.models.products.compute_for`: bf16 on CPUs).
+
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
     Each weight is placed on its shards as it is read.
@@ -628,6 +642,7 @@ def load_pipeline(
         dequantize=dequantize,
         dtype=dtype,
         residency=residency,
+        compute=compute,
         mesh=mesh,
     )
     return load(options)
@@ -641,13 +656,14 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     located = locate(options, device_mesh)
     jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
+    compute = compute_of(options.compute, _local_devices(device_mesh)[0])
     sizes = plan.model_bytes(
         located.config,
         located.text_config,
         located.vae_config,
         _planning_mesh(device_mesh),
         jdtype.itemsize,
-        fp8=located.fp8 and not dequantize,
+        fp8=(located.fp8 and not dequantize) or compute != products.BF16,
     )
     sizes = residency_policy.on(_local_devices(device_mesh)[0].platform, sizes)
     limit, where = admission.available_bytes(_local_devices(device_mesh))
@@ -659,7 +675,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     host = residency_policy.STACKS if policy in residency_policy.STREAMS else {}
     models = {
         residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
-            located, jdtype, dequantize, device_mesh, host.get(residency_policy.TRANSFORMER, ())
+            located, jdtype, dequantize, device_mesh, host.get(residency_policy.TRANSFORMER, ()), compute
         ),
         residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
         residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
@@ -669,10 +685,15 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now
     weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
     tokenizer_ = components.load_tokenizer_part(located)
-    pipe = Flux2KleinPipeline(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes)
+    pipe = Flux2KleinPipeline(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes, compute)
     if read:
         pipe.set_loras(read)
     return pipe
+
+
+def compute_of(option: str, device) -> str:
+    """The `compute` option as it runs on `device`: "auto" made the device's fastest product."""
+    return products.compute_for(device) if option == AUTO else option
 
 
 def locate(options: LoadOptions, mesh=None) -> components.Located:

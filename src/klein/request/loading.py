@@ -18,6 +18,8 @@ from klein.request.kinds import setting, settings_of
 AUTO = "auto"
 RESIDENCY = (AUTO, "all", "sequential", "stream")
 """Residency policies (`klein.memory.residency`): auto picks the first of the others that fits."""
+COMPUTE = (AUTO, "bf16", "fp8", "int8")
+"""How the transformer's block products are made (`klein.models.products`): auto picks from the device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,15 @@ class LoadOptions:
         kinds.TEXT,
         default=AUTO,
         choices=RESIDENCY,
+    )
+    compute: str = setting(
+        "the transformer blocks' products: bf16, fp8 (FP8 e4m3 weights with a scale per channel, or BFL's "
+        "FP8 files as shipped, and activations quantised per token) or int8 (W8A8, per channel and per "
+        "token); attention and norms stay bf16/fp32. auto (default): fp8 on GPUs with FP8 tensor cores "
+        "and TPU v7, int8 on other GPUs and TPUs, bf16 on CPUs",
+        kinds.TEXT,
+        default=AUTO,
+        choices=COMPUTE,
     )
     mesh: str | None = setting(
         'shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single', kinds.TEXT

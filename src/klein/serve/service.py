@@ -88,6 +88,7 @@ class Service:
             "model": self.pipe.name,
             "variant": self.pipe.variant.name,
             "residency": self.pipe.residency,
+            "compute": self.pipe.compute,
         }
 
     def config(self) -> dict:

@@ -1,0 +1,58 @@
+"""Weights quantised at load for 8-bit products (`compute="fp8" | "int8"`, `klein.models.products`).
+
+A bf16 (or float32, or dequantised FP8) Linear weight of the transformer's blocks is read as two tensors
+the loader fills the model with: `<layer>.weight` in 8 bits and `<layer>.weight_scale`, one float32 per
+output channel (a row of the PyTorch-layout weight). Both are computed from the stored tensor as it is
+read, one tensor at a time, so the 8-bit model is never held in a wider form beside itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from klein.io.mapped import Whole
+from klein.models import products
+
+SCALE = ".weight_scale"
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantised:
+    """`piece` (a weight float[out, in]) quantised per output channel for `compute`."""
+
+    piece: Whole
+    compute: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.piece.keys
+
+    def shape(self, source) -> tuple[int, ...]:
+        return self.piece.shape(source)
+
+    def read(self, source) -> np.ndarray:
+        return products.quantise(np.asarray(self.piece.read(source)), self.compute, 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelScales(Quantised):
+    """The float32[out] scales `Quantised` divides `piece` by."""
+
+    def shape(self, source) -> tuple[int, ...]:
+        return self.piece.shape(source)[:1]
+
+    def read(self, source) -> np.ndarray:
+        return products.scales_of(np.asarray(self.piece.read(source)), self.compute, 1)[:, 0]
+
+
+def quantised_table(table: dict, kernels: dict[str, str]) -> dict:
+    """`table` (key -> piece) with each weight key of `kernels` (-> its compute) read quantised, beside
+    its scales under `<layer>.weight_scale`."""
+    out = dict(table)
+    for key, compute in kernels.items():
+        piece = table.get(key, Whole(key))
+        out[key] = Quantised(piece, compute)
+        out[key.removesuffix(".weight") + SCALE] = ChannelScales(piece, compute)
+    return out

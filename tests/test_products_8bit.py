@@ -1,0 +1,194 @@
+"""8-bit products (`compute="fp8" | "int8"`, `klein.models.products`): each equal to its definition written
+out here in NumPy (quantise per token and per output channel -> 8-bit product -> both scales in float32 ->
+one rounding), sensitive to the order of scaling and rounding; the device's choice under "auto"; and the
+demo pipeline computing in 8 bits under the residency policies `all` and `stream`, close to bf16."""
+
+import types
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from klein.errors import InputError
+from klein.models import products
+from klein.models.layers import Linear, quantised, store
+from klein.pipeline.flux2_klein import load_pipeline
+from tests.support import lora_files
+
+TOP = {"fp8": 448.0, "int8": 127.0}
+TYPE = {"fp8": ml_dtypes.float8_e4m3fn, "int8": np.int8}
+D_IN, D_OUT, TOKENS = 256, 384, 24
+
+
+def reference_quantise(values: np.ndarray, compute: str, axis: int):
+    """The definition: one float32 scale per slice across `axis`, its largest magnitude times the float32
+    reciprocal of the format's largest value; the values times the reciprocal of their scale, int8 rounded
+    half to even, e4m3 to nearest even."""
+    largest = np.abs(values.astype(np.float32)).max(axis, keepdims=True)
+    scale = np.where(largest > 0, largest * np.float32(1 / TOP[compute]), np.float32(1)).astype(np.float32)
+    scaled = np.clip(values.astype(np.float32) * (np.float32(1) / scale), -TOP[compute], TOP[compute])
+    return (np.round(scaled) if compute == "int8" else scaled).astype(TYPE[compute]), scale
+
+
+def reference_product(x: np.ndarray, kernel: np.ndarray, weight_scale: np.ndarray, compute: str):
+    """Activations quantised per token, the 8-bit product summed exactly (float64: every product of two
+    8-bit values and their sums here are exact), both scales applied in float32, one rounding to bf16."""
+    values, tokens = reference_quantise(x, compute, -1)
+    total = values.astype(np.float64) @ kernel.astype(np.float64)
+    return (total.astype(np.float32) * tokens * weight_scale).astype(ml_dtypes.bfloat16), total, tokens
+
+
+def _inputs(seed: int):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((2, TOKENS, D_IN)) * rng.uniform(0.1, 10, (2, TOKENS, 1))).astype(
+        ml_dtypes.bfloat16
+    )
+    weight = (rng.standard_normal((D_IN, D_OUT)) * rng.uniform(0.01, 1, D_OUT)).astype(np.float32)
+    return x, weight
+
+
+@pytest.mark.parametrize("compute", ["fp8", "int8"])
+def test_weights_quantised_per_channel_are_their_definition(compute):
+    _, weight = _inputs(0)
+    values, scale = products.quantise(weight, compute, 0)  # NumPy: as at load
+    want_values, want_scale = reference_quantise(weight, compute, 0)
+    np.testing.assert_array_equal(scale, want_scale)
+    np.testing.assert_array_equal(values.view(np.uint8), want_values.view(np.uint8))
+    jax_values, jax_scale = products.quantise(jnp.asarray(weight), compute, 0)  # JAX: as in a product
+    np.testing.assert_array_equal(np.asarray(jax_scale), want_scale)
+    np.testing.assert_array_equal(np.asarray(jax_values).view(np.uint8), want_values.view(np.uint8))
+    assert (np.abs(values.astype(np.float32)).max(0) == TOP[compute]).all()  # the whole range is used
+
+
+@pytest.mark.parametrize("compute", ["fp8", "int8"])
+def test_an_8bit_product_is_its_definition(compute):
+    x, weight = _inputs(1)
+    kernel, scale = reference_quantise(weight, compute, 0)
+    got = products.product(jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(scale[0]), compute, jnp.bfloat16)
+    want, total, tokens = reference_product(x, kernel, scale[0], compute)
+    assert got.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float32), want.astype(np.float32)
+    if compute == "int8":  # int32 sums are exact: so is the result
+        np.testing.assert_array_equal(got, want)
+    else:  # float32 sums in another order: a bf16 rounding apart at most, beyond float32's summation error
+        values, _ = reference_quantise(x, compute, -1)
+        terms = np.abs(values.astype(np.float64)) @ np.abs(kernel.astype(np.float64)) * tokens * scale[0]
+        assert (np.abs(got - want) <= np.abs(want) * 2.0**-7 + terms * D_IN * 2.0**-24).all()
+        assert (got == want).mean() > 0.99
+    # Sensitive: rounding to bf16 before the weight scale (two roundings), or one activation scale for
+    # the whole tensor instead of one per token, are not the definition, and the check above tells them.
+    twice = (total.astype(np.float32) * tokens).astype(ml_dtypes.bfloat16).astype(np.float32) * scale[0]
+    assert (twice.astype(ml_dtypes.bfloat16).astype(np.float32) != want).mean() > 0.1
+    flat_values, flat_scale = reference_quantise(x.reshape(-1), compute, 0)
+    per_tensor = (flat_values.astype(np.float64).reshape(x.shape) @ kernel.astype(np.float64)).astype(
+        np.float32
+    )
+    per_tensor = (per_tensor * flat_scale * scale[0]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert (per_tensor != want).mean() > 0.1
+
+
+def test_an_fp8_product_with_the_files_activation_scale_is_its_definition():
+    """An FP8 file's per-tensor `input_scale` replaces the per-token scales: activations clipped to
+    448 of it, whatever their size (so a too small one shows)."""
+    x, weight = _inputs(3)
+    kernel, scale = reference_quantise(weight, "fp8", 0)
+    given = np.float32(2 / 448)
+    got = products.product(*map(jnp.asarray, (x, kernel, scale[0])), "fp8", jnp.bfloat16, jnp.asarray(given))
+    values = np.clip(x.astype(np.float32) * (np.float32(1) / given), -448, 448).astype(
+        ml_dtypes.float8_e4m3fn
+    )
+    total = (values.astype(np.float64) @ kernel.astype(np.float64)).astype(np.float32)
+    want = (total * given * scale[0]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = np.asarray(got, np.float32)
+    terms = np.abs(values.astype(np.float64)) @ np.abs(kernel.astype(np.float64)) * given * scale[0]
+    assert (np.abs(got - want) <= np.abs(want) * 2.0**-7 + terms * D_IN * 2.0**-24).all()
+    per_token = np.asarray(products.product(*map(jnp.asarray, (x, kernel, scale[0])), "fp8", jnp.bfloat16))
+    assert (per_token.astype(np.float32) != got).mean() > 0.5  # x reaches 30: clipped at 2 here
+
+
+@pytest.mark.parametrize("compute", ["fp8", "int8"])
+def test_a_stored_linear_runs_its_columns_and_a_widened_kernel_as_quantised(compute):
+    """A Linear stored 8-bit with per-channel scales: `columns` is the slice of the whole product; a kernel
+    widened since (a merged LoRA) is quantised per channel inside the product, equal to storing it so."""
+    x, weight = _inputs(2)
+    layer = Linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
+    store(layer, {(): quantised(compute)})
+    kernel, scale = reference_quantise(weight, compute, 0)
+    layer.kernel[...], layer.weight_scale[...] = jnp.asarray(kernel), jnp.asarray(scale[0])
+    whole = np.asarray(layer(jnp.asarray(x)), np.float32)
+    np.testing.assert_array_equal(
+        np.asarray(layer.columns(jnp.asarray(x), 100, 300), np.float32), whole[..., 100:300]
+    )
+    layer.kernel, layer.weight_scale = (
+        nnx.Param(jnp.asarray(weight, jnp.bfloat16)),
+        nnx.Param(jnp.ones(D_OUT)),
+    )
+    widened = np.asarray(layer(jnp.asarray(x)), np.float32)
+    bf16_kernel, bf16_scale = reference_quantise(weight.astype(ml_dtypes.bfloat16), compute, 0)
+    want = reference_product(x, bf16_kernel, bf16_scale[0], compute)[0].astype(np.float32)
+    assert (np.abs(widened - want) <= np.abs(want) * 2.0**-7).all()
+
+
+def _device(platform, kind, capability=None):
+    return types.SimpleNamespace(platform=platform, device_kind=kind, compute_capability=capability)
+
+
+@pytest.mark.parametrize(
+    ("device", "compute"),
+    [
+        (_device("gpu", "NVIDIA H100 80GB HBM3", "9.0"), "fp8"),
+        (_device("gpu", "NVIDIA GeForce RTX 4090", "8.9"), "fp8"),
+        (_device("gpu", "NVIDIA GeForce RTX 3090", "8.6"), "int8"),
+        (_device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), "int8"),
+        (_device("tpu", "TPU7x"), "fp8"),
+        (_device("tpu", "TPU v6 lite"), "int8"),
+        (_device("tpu", "TPU v5 lite"), "int8"),
+        (_device("cpu", "cpu"), "bf16"),
+    ],
+)
+def test_auto_picks_what_the_device_multiplies_fastest(device, compute):
+    assert products.compute_for(device) == compute
+
+
+def test_an_unknown_compute_is_refused_before_anything_loads():
+    with pytest.raises(InputError, match="compute must be one of auto, bf16, fp8, int8, got 'fp4'"):
+        load_pipeline(compute="fp4")
+
+
+def _image(pipe) -> np.ndarray:
+    return np.asarray(
+        pipe("a red fox", height=64, width=64, num_inference_steps=2, seed=3).images[0], np.float32
+    )
+
+
+@pytest.fixture(scope="module")
+def bf16_image(klein_home):
+    return _image(load_pipeline(compute="bf16", residency="all"))
+
+
+@pytest.mark.parametrize(("compute", "residency"), [("fp8", "stream"), ("int8", "all")])
+def test_the_demo_computes_in_8_bits_close_to_bf16(klein_home, bf16_image, tmp_path, compute, residency):
+    """Under `all` and `stream` (the layers brought from host memory one at a time): one each, since
+    both read the same stacks through `klein.models.stacks.layer`. A LoRA set and taken away again
+    leaves the 8-bit weights as they were, bit for bit."""
+    pipe = load_pipeline(compute=compute, residency=residency)
+    assert (pipe.compute, pipe.residency) == (compute, residency)
+    state = dict(nnx.to_flat_state(pipe._models["transformer"].get()[1]))
+    kernel = ("single_transformer_blocks", "attn", "to_qkv_mlp_proj", "kernel")
+    stored = state[kernel].get_value()
+    assert stored.dtype == (jnp.uint8 if compute == "fp8" else jnp.int8)  # a float8 stack as its bits
+    assert state[(*kernel[:-1], "weight_scale")].get_value().shape == (stored.shape[0], stored.shape[-1])
+    image = _image(pipe)
+    error = np.abs(image - bf16_image)
+    assert 0 < error.mean() < 3.0, error.mean()  # 8-bit differs from bf16, and only a little
+    if residency == "all":  # a LoRA merges into the widened layers, which are quantised as they run
+        shapes = lora_files.linear_shapes(pipe.config, "peft")
+        lora = lora_files.write_peft(tmp_path / "a.safetensors", lora_files.random_lora(shapes, 4, 0))
+        pipe.set_loras([(lora, 1.0)])
+        assert np.abs(_image(pipe) - image).mean() > 5  # the LoRA shows
+        pipe.set_loras([])
+        restored = dict(nnx.to_flat_state(pipe._models["transformer"].get()[1]))
+        assert all(np.array_equal(restored[p].get_value(), state[p].get_value()) for p in state)
+        np.testing.assert_array_equal(_image(pipe), image)
