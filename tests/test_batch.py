@@ -277,3 +277,15 @@ def test_outputs_and_results_reach_the_disk_before_they_are_renamed_into_place(p
 def _name(fd: int) -> str:
     """The name of the file or folder open as `fd`."""
     return Path(os.readlink(f"/proc/self/fd/{fd}")).name
+
+
+def test_resume_reads_a_record_older_than_a_setting_as_made_with_its_default(tmp_path):
+    from klein.batch.provenance import check_resume, made_by
+    from klein.errors import InputError
+    from klein.request.loading import LoadOptions
+
+    now = made_by(LoadOptions())
+    older = {name: value for name, value in now.items() if name != "compute"}  # written before --compute
+    check_resume([older], now, tmp_path)
+    with pytest.raises(InputError, match="compute 'auto' there, 'int8' now"):
+        check_resume([older], made_by(LoadOptions(compute="int8")), tmp_path)

@@ -9,6 +9,7 @@ does not change the images and is not recorded here.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from klein.errors import InputError
@@ -28,6 +29,9 @@ MADE_BY = (
     "compute",
 )
 """The `LoadOptions` fields an output depends on."""
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LoadOptions)}
+"""What a record written before a field joined `MADE_BY` was made with: that field's default."""
 
 
 def made_by(options: LoadOptions) -> dict:
@@ -50,9 +54,9 @@ def check_resume(recorded: list[dict], now: dict, folder: Path) -> None:
     """Refuse (an `InputError`) to add outputs made otherwise than those `recorded` in `folder`."""
     for before in recorded:
         differences = [
-            f"{name} {before.get(name)!r} there, {now[name]!r} now"
+            f"{name} {before.get(name, _DEFAULTS[name])!r} there, {now[name]!r} now"
             for name in MADE_BY
-            if before.get(name) != now[name]
+            if before.get(name, _DEFAULTS[name]) != now[name]
         ]
         if differences:
             raise InputError(
