@@ -158,7 +158,7 @@ def plan_command(flags: argparse.Namespace) -> int:
             raise InputError(
                 "--compiled compiles for this machine's one device; drop --mesh (or name a --target)"
             )
-        stages = _compiled(memory, models, dtype)
+        stages = _compiled(memory, models, dtype, compute)
         report["compiled"] = stages
         text += "\n" + plan.describe_compiled(memory, stages)
     print(json.dumps(report, indent=2) if flags.json else text)
@@ -191,7 +191,7 @@ def _target_command(flags: argparse.Namespace) -> int:
     report["compute"] = compute
     text = heading + "\n" + plan.describe(memory, limit, where) + "\n" + _describe_compute(compute)
     if flags.compiled:
-        analyses = compiled.analyse(models, memory.workload, dtype, mesh)
+        analyses = compiled.analyse(models, memory.workload, dtype, mesh, compute=compute)
         stages = {name: dataclasses.asdict(analysis) for name, analysis in analyses.items()}
         times = roofline.times(models, memory.workload, models.variant.steps, mesh, stages, on)
         report["compiled"] = stages
@@ -237,12 +237,13 @@ def _plan_model(model: str, dtype: str | None):
     return located.variant.name, models, dtype or located.stored_dtype.name
 
 
-def _compiled(memory, models, dtype: str) -> dict:
-    """Each stage's compiled memory analysis (`klein.pipeline.compiled`), as a dict of dicts of bytes."""
+def _compiled(memory, models, dtype: str, compute: str) -> dict:
+    """Each stage's compiled memory analysis (`klein.pipeline.compiled`) with the transformer's products
+    made as `compute` says, as a dict of dicts of bytes."""
     from klein import dtypes
     from klein.pipeline import compiled
 
-    stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype))
+    stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype), compute=compute)
     return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
 
 

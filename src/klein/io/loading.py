@@ -85,7 +85,8 @@ def load_module(
 
 def stored_state(abstract: nnx.Module, dtype, stacked: Iterable[str] = ()) -> tuple[nnx.GraphDef, nnx.State]:
     """(graph, weights as `jax.ShapeDtypeStruct`s) of `abstract` as `load_module` would store it with
-    `dtype`: floating Params cast to it (the VAE's BatchNorm statistics keep float32), stacks as their
+    `dtype`: floating Params cast to it (the VAE's BatchNorm statistics keep float32; dtype None: every
+    weight as the abstract model holds it, 8-bit kernels and their float32 scales), stacks as their
     bits. Nothing is read or allocated: for compiling the real programs without weights."""
     stacked = tuple(stacked)
     graphdef, state = nnx.split(abstract)
@@ -93,7 +94,7 @@ def stored_state(abstract: nnx.Module, dtype, stacked: Iterable[str] = ()) -> tu
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()
         kind = value.dtype
-        if isinstance(variable, nnx.Param) and jnp.issubdtype(kind, jnp.floating):
+        if dtype is not None and isinstance(variable, nnx.Param) and jnp.issubdtype(kind, jnp.floating):
             kind = dtype
         if _plan([(path, variable)], stacked, None)[path][1]:
             kind = as_bits(np.empty(0, kind)).dtype

@@ -20,12 +20,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from klein import sampling, sharding
-from klein.io.loading import stored_state
+from klein.io.loading import checkpoint_keys, stored_state
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
-from klein.io.transformer_checkpoint import abstract_transformer
+from klein.io.transformer_checkpoint import abstract_transformer, key_map, stored_forms
 from klein.memory import plan
-from klein.models import qwen3
+from klein.models import products, qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import denoise
@@ -51,19 +51,18 @@ def analyse(
     mesh=None,
     only: tuple[str, ...] = STAGES,
     programs: dict[str, str] | None = None,
+    compute: str = products.BF16,
 ) -> dict[str, Analysis]:
     """Compile every stage `work` runs ("text", "prefill" for cached references, "step", "decode"; those of
     them in `only`), for the checkpoint `models` describes with weights in `dtype`, and analyse each
     program's memory; on `mesh` (a `jax.sharding.Mesh`), per device of it. Given `programs`, each stage's
-    optimised HLO text is put in it too (what the compiler made of it: its kernels, its buffers)."""
+    optimised HLO text is put in it too (what the compiler made of it: its kernels, its buffers). The
+    transformer blocks' products are made as `compute` says (`klein.models.products`: an 8-bit one keeps
+    their weights in 8 bits, as the loader stores them for it)."""
     dtype = np.dtype(dtype)
     place = _Placer(mesh, only, programs)
     _, text_model, vae = plan._abstract_models(models.transformer, models.text_encoder, models.vae)
-    # The transformer's layers compute in the dtype they are built with: built as the loader builds them.
-    transformer = place.weights(
-        stored_state(abstract_transformer(models.transformer, dtype), dtype, TRANSFORMER_STACKED),
-        sharding.TRANSFORMER_PARAMS,
-    )
+    transformer = place.weights(_transformer(models.transformer, dtype, compute), sharding.TRANSFORMER_PARAMS)
     text = place.weights(stored_state(text_model, dtype, TEXT_STACKED), sharding.TEXT_ENCODER_PARAMS)
     decoder = place.weights(stored_state(vae, dtype, ()), ())
     cfg = models.transformer
@@ -106,6 +105,17 @@ def analyse(
     latents = place.whole(_array((work.images, h, w, cfg.in_channels), dtype))
     place.compile("decode", vae_model.decode_latents, decoder, latents)
     return place.analyses
+
+
+def _transformer(cfg, dtype, compute: str):
+    """The transformer's stored state as `load_transformer` stores it for `compute`: its layers compute
+    in the dtype they are built with, the blocks' kernels in 8 bits beside float32 scales for an 8-bit
+    compute (kept as built: dtype None)."""
+    forms = stored_forms(
+        checkpoint_keys(abstract_transformer(cfg), TRANSFORMER_STACKED, key_map), compute=compute
+    )
+    stored = None if forms else dtype
+    return stored_state(abstract_transformer(cfg, dtype, forms), stored, TRANSFORMER_STACKED)
 
 
 class _Placer:

@@ -46,6 +46,10 @@ CARDS = {
 }
 CUDNN = (9, 10, 0)
 """The cuDNN version the programs are compiled against (its fused attention's features depend on it)."""
+CUDA_RUNTIME = (12, 9, 0)
+"""The CUDA runtime the programs are compiled for (the `gpu-plan` extra's wheels are CUDA 12.9). Without
+one XLA takes the runtime for 0.0, too old for cuBLASLt's FP8 products, and widens FP8 operands to f16
+before every product it hands cuBLAS."""
 
 
 def target_config(card: Card) -> str:
@@ -72,9 +76,11 @@ def target_config(card: Card) -> str:
     }
     fields = "\n".join(f"  {name}: {value}" for name, value in info.items())
     cudnn = dict(zip(("major", "minor", "patch"), CUDNN, strict=True))
+    runtime = dict(zip(("major", "minor", "patch"), CUDA_RUNTIME, strict=True))
     return (
         f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
         'platform_name: "CUDA"\n'
         f"dnn_version_info {{ {' '.join(f'{k}: {v}' for k, v in cudnn.items())} }}\n"
+        f"runtime_version {{ {' '.join(f'{k}: {v}' for k, v in runtime.items())} }}\n"
         f'device_description_str: "{card.device_kind}"\n'
     )

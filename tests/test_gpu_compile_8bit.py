@@ -1,0 +1,123 @@
+"""8-bit products compiled for an H100 on this machine without a GPU (jax's CUDA plugin, as
+tests/test_gpu_compile.py): klein-9b-kv's cached denoising step at 1024^2 with 2 references, with
+`compute="fp8"` and `compute="int8"`, multiplies every transformer block's weights as 8-bit GEMMs (both
+operands FP8 e4m3 / int8, accumulated in float32 / int32, the scales applied to that before the one
+rounding to bf16), never widens an 8-bit weight, and passes its weights at a byte each; with Triton's
+GEMMs off (what XLA's autotuner weighs them against on a card) the FP8 product is cuBLASLt's FP8 GEMM.
+
+Compiled, never run: the optimised HLO and XLA's memory analysis are what the tests read."""
+
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from klein.memory import plan
+from klein.models import products
+from klein.pipeline import compiled, topology
+from klein.sharding import use
+
+# As tests/test_gpu_compile.py: CI runs this file in .venv-gpu-plan with KLEIN_GPU_PLAN_REQUIRED=1.
+needs_plugin = pytest.mark.skipif(
+    not topology.gpu_available() and not os.environ.get("KLEIN_GPU_PLAN_REQUIRED"),
+    reason="jax's CUDA plugin is not installed here (pip install -e .[gpu-plan], in an environment of its "
+    "own: CI runs these tests in .venv-gpu-plan)",
+)
+# The blocks' weights [in, out] of klein-9b: attention's projections, the double blocks' feed-forward in
+# and out, the single blocks' fused input and output.
+BLOCK_WEIGHTS = {(4096, 4096), (4096, 24576), (12288, 4096), (4096, 36864), (16384, 4096)}
+EIGHT_BITS = {"f8e4m3fn", "s8", "u8"}
+_VALUE = re.compile(r"(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
+_PARAMETER = re.compile(r"([\w.\-]+): (\w+)\[([\d,]*)\]")
+_OPERANDS = re.compile(r" (dot|convert)\(%([\w.\-]+)(?:, %([\w.\-]+))?\)")
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(",")) if text else ()
+
+
+def operations(hlo: str, kind: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """(result dtype, [(dtype, dims) of each operand]) of every `kind` ("dot" or "convert") of an
+    optimised HLO module, fused or not."""
+    found, types = [], {}
+    for line in hlo.splitlines():
+        line = line.strip()
+        if line.endswith("{") and " = " not in line:  # a computation's header: its parameters' types
+            types = {name: (dtype, _dims(dims)) for name, dtype, dims in _PARAMETER.findall(line)}
+        value = _VALUE.match(line)
+        if value is None:
+            continue
+        types[value.group(1)] = (value.group(2), _dims(value.group(3)))
+        operation = _OPERANDS.search(line)
+        if operation and operation.group(1) == kind:
+            found.append((value.group(2), [types[name] for name in operation.groups()[1:] if name]))
+    return found
+
+
+def eight_bit_gemms(hlo: str, operand: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(result dtype, right operand's dims) of every product of two `operand` arrays."""
+    return [(result, ins[1][1]) for result, ins in operations(hlo, "dot") if {t for t, _ in ins} == {operand}]
+
+
+def widened_eight_bits(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Conversions of an 8-bit array of a million values or more to a wider type: a weight widened."""
+    return [
+        (ins[0][0], result, ins[0][1])
+        for result, ins in operations(hlo, "convert")
+        if ins[0][0] in EIGHT_BITS and result not in EIGHT_BITS and math.prod(ins[0][1]) >= 2**20
+    ]
+
+
+@pytest.fixture(scope="module")
+def h100_9b_kv_8bit():
+    """klein-9b-kv's cached step, 1024^2 with 2 references, compiled for one H100 with each 8-bit
+    compute: {compute: (analysis, optimised HLO)}. About 11 s of one core each."""
+    mesh, spec = topology.mesh("h100", None)
+    work = plan.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
+    models = plan.published("klein-9b-kv", "bfloat16")
+    out = {}
+    for compute in (products.FP8, products.INT8):
+        programs = {}
+        stages = compiled.analyse(models, work, "bfloat16", mesh, ("step",), programs, compute=compute)
+        out[compute] = stages["step"], programs["step"]
+    return out
+
+
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("compute, operand, accumulator", [("fp8", "f8e4m3fn", "f32"), ("int8", "s8", "s32")])
+def test_klein_9b_kv_blocks_multiply_in_8_bits_on_an_h100(h100_9b_kv_8bit, compute, operand, accumulator):
+    step, hlo = h100_9b_kv_8bit[compute]
+    gemms = eight_bit_gemms(hlo, operand)
+    assert BLOCK_WEIGHTS <= {dims for _, dims in gemms}
+    # Accumulated wide and handed on so: the scales are applied before the one rounding to bf16.
+    assert {result for result, _ in gemms} == {accumulator}
+    assert widened_eight_bits(hlo) == []
+    assert "__cudnn$fmha" in hlo  # attention stays bf16, fused
+    kv = 2 * 4096 * 32 * 2 * 4096 * 2  # the reference KV: tokens x layers x (k, v) x width x bf16
+    assert kv + 9e9 < step.arguments < kv + 10e9  # 9B weights at a byte (bf16: over kv + 17e9)
+
+
+@needs_plugin
+def test_an_fp8_product_is_cublaslt_fp8_gemm_without_triton():
+    """What XLA's autotuner weighs Triton's GEMM against on a card: cuBLASLt's FP8 GEMM, its operands
+    FP8 (with no CUDA runtime in the card's description XLA widens them to f16 for cuBLAS instead)."""
+    mesh, _ = topology.mesh("h100", None)
+    whole = NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=whole)
+    kernel = jax.ShapeDtypeStruct((4096, 4096), jnp.float8_e4m3fn, sharding=whole)
+    scale = jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=whole)
+
+    def product(x, kernel, scale):
+        return products.product(x, kernel, scale, products.FP8, jnp.bfloat16)
+
+    with use(mesh):
+        lowered = jax.jit(product).lower(x, kernel, scale)
+        hlo = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+    assert "__cublas$lt$matmul$f8" in hlo
+    assert widened_eight_bits(hlo) == []
