@@ -12,6 +12,7 @@ from klein.memory.plan import FLUX2_VAE, Workload, plan, request_memory
 from klein.models import transformer as T
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
+from klein.pipeline import compiled
 
 GiB = 2**30
 PARAMS_9B = 9.08e9  # docs/design.md: 9b is about 9.08 B parameters
@@ -146,3 +147,22 @@ def test_every_help_explains_the_stream_policy(command, capsys):
         cli.main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "stream" in text and "host memory" in text and "one at a time" in text
+
+
+@pytest.mark.parametrize("compute, kernel", [("fp8", "uint8"), ("int8", "int8")])
+def test_compiled_programs_take_the_weights_as_stored_for_their_compute(compute, kernel):
+    """`klein plan --compiled --compute` compiles over the transformer the loader stores for the compute:
+    the blocks' kernels in 8 bits (float8 stacks as their bits) beside float32 scales, every other weight
+    as for bf16 products."""
+    cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
+    kinds = {}
+    for each in ("bf16", compute):
+        _, state = compiled._transformer(cfg, jnp.bfloat16, each)
+        kinds[each] = {".".join(map(str, p)): str(v.get_value().dtype) for p, v in nnx.to_flat_state(state)}
+    changed = {k: v for k, v in kinds[compute].items() if kinds["bf16"].get(k) != v}
+    blocks = [
+        k for k in kinds["bf16"] if k.endswith(".kernel") and k.split(".")[0] in compiled.TRANSFORMER_STACKED
+    ]
+    assert len(blocks) > 4 and {k: changed[k] for k in blocks} == dict.fromkeys(blocks, kernel)
+    scales = {k[: -len(".weight_scale")] + ".kernel" for k in changed if k.endswith(".weight_scale")}
+    assert scales == set(blocks) and {v for k, v in changed.items() if k not in blocks} == {"float32"}
