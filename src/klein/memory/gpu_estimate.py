@@ -17,42 +17,45 @@ and activations' bytes per value.
 
 from __future__ import annotations
 
+from klein.models.qwen3_config import Qwen3Config
+from klein.models.transformer_config import TransformerConfig
+
 
 def single_block(
-    tokens: int, keys: int, d: int, mlp: int, tensor: int, itemsize: int, attention_extra: int
+    cfg: TransformerConfig, tokens: int, keys: int, tensor: int, itemsize: int, blocked: int
 ) -> int:
     """A single-stream block over `tokens` query rows (batch x queries per device) attending to `keys` key
     rows (batch x keys): the largest of its three widest points. The fused projection's output [tokens,
     3d + 2mlp] lives from the projection until its MLP half joins the attention's output; beside it, the
     residual stream and either
-      the projection's own input and its kernel, copied out of the stack,
-      the queries, the gathered keys and values and the attention's output (`attention_extra`: what the
-        attention kernel holds beyond them: the blocked kernel's key blocks and score tiles), or
+      the projection's input and its kernel, copied out of the stack,
+      the queries, the gathered keys and values and the attention's output (and `blocked`: the bytes the
+        blocked kernel adds where cuDNN's does not run, its key blocks and score tiles), or
       the attention's output and the joined input of the output projection [tokens, d + mlp]."""
+    d, mlp = cfg.hidden, cfg.mlp_hidden
     fused = (3 * d + 2 * mlp) // tensor
     projection = d * fused + tokens * (fused + 2 * d)
     attention = tokens * (fused + d + 2 * d // tensor) + 2 * keys * d // tensor
     output = tokens * (fused + (d + mlp) // tensor + d // tensor + d)
-    return max(projection, attention, output) * itemsize + attention_extra
+    return max(projection * itemsize, attention * itemsize + blocked, output * itemsize)
 
 
-def text_layer(
-    tokens: int,
-    hidden: int,
-    intermediate: int,
-    heads: int,
-    head_dim: int,
-    kept: int,
-    tensor: int,
-    itemsize: int,
-) -> int:
-    """A Qwen3 decoder layer over `tokens` at its MLP (its widest point): the three MLP kernels copied out
+def double_block(cfg: TransformerConfig, tokens: int, streams: int, tensor: int, itemsize: int) -> int:
+    """A double-stream block over `tokens` rows of its `streams` (2; the prefill runs the image stream
+    alone) at its widest point, which outgrows the single block's at few tokens: every stream's MLP input
+    kernel [d, 2 mlp], copied out of the stack together, beside the MLP's input projection and the
+    residual of the tokens."""
+    d, mlp = cfg.hidden, cfg.mlp_hidden
+    return (streams * d * 2 * mlp // tensor + tokens * (2 * mlp // tensor + d)) * itemsize
+
+
+def text_layer(config: Qwen3Config, tokens: int, kept: int, tensor: int, itemsize: int) -> int:
+    """A Qwen3 decoder layer over `tokens` at its MLP, its widest point: the three MLP kernels copied out
     of the stack, the residual and its norm, the gate and up projections, and the `kept` hidden states of
-    the embedding; the attention's q / k / v of the layer are counted too (freed just before)."""
+    the prompt embedding."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
     copies = 3 * hidden * intermediate // tensor
-    live = (
-        2 * tokens * hidden + tokens * heads * head_dim + 2 * tokens * intermediate + kept * tokens * hidden
-    )
+    live = 2 * tokens * hidden + 2 * tokens * intermediate + kept * tokens * hidden
     return (copies + live) * itemsize
 
 

@@ -23,7 +23,9 @@ is the reference KV plus its largest stage:
                     tile at a time (`decode_latents_tiled`), plus the pixels
 with b the batch per data shard (x2 with CFG), s_q the query tokens per context shard and S_k all keys.
 Standard editing attends over [txt, img, refs]; KV editing over [txt, img] with the cached reference
-keys, after a prefill over the references alone.
+keys, after a prefill over the references alone. That is an accelerator's estimate (a TPU's); a CPU's
+adds the layer copies it makes (`layer_copies`), and a GPU's programs are planned apart
+(`klein.memory.gpu_estimate`): `programs_on` decides which.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.memory import gpu_estimate, residency
 from klein.models import products
-from klein.models.attention import KEY_BLOCK, QUERY_BLOCK
+from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -194,33 +196,26 @@ def _gpu_memory(
     """`request_memory` for XLA:GPU's programs (`klein.memory.gpu_estimate`)."""
     refs, batch, queries, keys = _tokens(vae_config, work)
     tensor, data, context = (sharding.ways(mesh, axis) for axis in ("heads", "batch", "seq"))
-    # cuDNN's fused attention runs on one card only, and in bf16 (`klein.models.attention`).
+    # cuDNN's fused attention runs on one card only, in bf16 (`klein.models.attention`); elsewhere the
+    # blocked kernel adds its key blocks and score tiles.
     fused = math.prod(mesh.shape.values()) == 1 and itemsize == 2
+    fused = fused and cfg.attention_head_dim <= CUDNN_MAX_HEAD_DIM
 
-    def block(b: int, s_q: int, s_k: int) -> int:
+    def blocks(b: int, s_q: int, s_k: int, streams: int = 2) -> int:
         b, s_q = -(-b // data), -(-s_q // context)
-        blocked = 0 if fused else 2 * b * s_k * cfg.hidden // tensor * itemsize  # the key blocks
-        blocked += 0 if fused else b * cfg.num_attention_heads // tensor * _score_tile(s_q, s_k) * 4 * 2
-        return gpu_estimate.single_block(
-            b * s_q, b * s_k, cfg.hidden, cfg.mlp_hidden, tensor, itemsize, blocked
-        )
+        blocked = 2 * b * s_k * cfg.hidden // tensor * itemsize
+        blocked += b * cfg.num_attention_heads // tensor * _score_tile(s_q, s_k) * 4 * 2
+        single = gpu_estimate.single_block(cfg, b * s_q, b * s_k, tensor, itemsize, 0 if fused else blocked)
+        return max(single, gpu_estimate.double_block(cfg, b * s_q, streams, tensor, itemsize))
 
-    t = text_config
     text = gpu_estimate.text_layer(
-        work.prompts * TEXT_TOKENS,
-        t.hidden_size,
-        t.intermediate_size,
-        t.num_attention_heads + 2 * t.num_key_value_heads,
-        t.head_dim,
-        len(PROMPT_LAYERS),
-        tensor,
-        itemsize,
+        text_config, work.prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize
     )
     return RequestMemory(
         reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
-        prefill=block(1, refs, refs) if work.cached and refs else 0,
+        prefill=blocks(1, refs, refs, streams=1) if work.cached and refs else 0,
         text=text,
-        step=_embeddings(cfg, mesh, batch, itemsize) + block(batch, queries, keys),
+        step=_embeddings(cfg, mesh, batch, itemsize) + blocks(batch, queries, keys),
         decode=_decode_activations(
             vae_config, work.images, work.height, work.width, tiled, gpu_itemsize=itemsize
         ),
