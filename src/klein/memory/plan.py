@@ -211,11 +211,16 @@ def _gpu_memory(
     text = gpu_estimate.text_layer(
         text_config, work.prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize
     )
+    kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
+    # Around the blocked kernel on several cards, XLA holds the reference KV heads-major: the step a
+    # transposed copy of all of it, the prefill its stacks of keys (or values) before their layout's copy
+    # (measured once: klein-9b-kv, 2 references, h100:2 on tensor; docs/design.md).
+    transposed = 0 if fused else kv
     return RequestMemory(
-        reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
-        prefill=blocks(1, refs, refs, streams=1) if work.cached and refs else 0,
+        reference_kv=kv,
+        prefill=blocks(1, refs, refs, streams=1) + transposed // 2 if work.cached and refs else 0,
         text=text,
-        step=_embeddings(cfg, mesh, batch, itemsize) + blocks(batch, queries, keys),
+        step=_embeddings(cfg, mesh, batch, itemsize) + blocks(batch, queries, keys) + transposed,
         decode=_decode_activations(
             vae_config, work.images, work.height, work.width, tiled, gpu_itemsize=itemsize
         ),
