@@ -149,7 +149,15 @@ def plan_command(flags: argparse.Namespace) -> int:
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
     local_cpu = flags.device is None and flags.device_memory is None and _local_platform() == "cpu"
     memory = plan.plan(
-        variant, mesh, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, local_cpu
+        variant,
+        mesh,
+        flags.refs,
+        flags.size,
+        flags.ref_size,
+        flags.batch,
+        dtype,
+        models,
+        "cpu" if local_cpu else "accelerator",
     )
     report = dict(plan.as_json(memory, limit, where), compute=compute)
     text = plan.describe(memory, limit, where) + "\n" + _describe_compute(compute)
@@ -181,7 +189,10 @@ def _target_command(flags: argparse.Namespace) -> int:
     variant, models, dtype = _plan_model(flags.model, flags.dtype)
     compute = _compute(flags.compute, mesh.devices.flat[0])
     models = _computing(models or plan.published(variant, dtype), compute)
-    memory = plan.plan(variant, spec, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models)
+    platform = mesh.devices.flat[0].platform  # "gpu" for NVIDIA cards: their programs are planned
+    memory = plan.plan(
+        variant, spec, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, platform
+    )
     limit, where = flags.device_memory, "given"
     if limit is None:
         limit, where = on.device_memory, f"{on.name}, HBM per device"

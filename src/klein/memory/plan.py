@@ -23,7 +23,9 @@ is the reference KV plus its largest stage:
                     tile at a time (`decode_latents_tiled`), plus the pixels
 with b the batch per data shard (x2 with CFG), s_q the query tokens per context shard and S_k all keys.
 Standard editing attends over [txt, img, refs]; KV editing over [txt, img] with the cached reference
-keys, after a prefill over the references alone.
+keys, after a prefill over the references alone. That is an accelerator's estimate (a TPU's); a CPU's
+adds the layer copies it makes (`layer_copies`), and a GPU's programs are planned apart
+(`klein.memory.gpu_estimate`): `programs_on` decides which.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ from klein import dtypes, sharding
 from klein.errors import InputError, counted
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
-from klein.memory import residency
+from klein.memory import gpu_estimate, residency
 from klein.models import products
-from klein.models.attention import KEY_BLOCK, QUERY_BLOCK
+from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -127,18 +129,16 @@ def request_memory(
     work: Workload,
     itemsize: int,
     tiled_decode: bool = False,
-    copies: int | None = None,
+    programs: Programs | None = None,
 ) -> RequestMemory:
-    """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes.
-    `copies`: bytes per weight of the copies a CPU makes of the layers it runs (`layer_copies`, `copies_on`);
-    None where layers are read where they are."""
-    token = vae_config.pixels_per_token
-    image = (work.height // token) * (work.width // token)
-    refs = work.reference_tokens
-    batch = work.images * (2 if work.guided else 1)
-    queries = TEXT_TOKENS + image + (0 if work.cached else refs)
-    keys = TEXT_TOKENS + image + refs
-    embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+    """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes,
+    for the programs of the platform `programs` describes (`programs_on`; by default an accelerator's)."""
+    programs = programs or Programs()
+    if programs.gpu:
+        return _gpu_memory(cfg, text_config, vae_config, mesh, work, itemsize, tiled_decode)
+    copies = programs.copies
+    refs, batch, queries, keys = _tokens(vae_config, work)
+    embeddings = _embeddings(cfg, mesh, batch, itemsize)
     layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
     rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
     prefill = 0
@@ -156,6 +156,75 @@ def request_memory(
         step=layer + embeddings + step,
         decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
         tiled_decode=tiled_decode,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """How the programs of the platform planned for hold a stage's tensors, where platforms differ: decided
+    in one place, `programs_on`. The default is an accelerator's (a TPU's), as first estimated."""
+
+    copies: int | None = None
+    """A CPU's: bytes per weight of the copies it makes of the layers it runs (`layer_copies`, `copies_on`)."""
+    gpu: bool = False
+    """XLA:GPU's programs (`klein.memory.gpu_estimate`: the widest of a few points, measured)."""
+
+
+def programs_on(platform: str, itemsize: int) -> Programs:
+    """The programs planned for a device of `platform`: "cpu" (this machine's: its layer copies depend on
+    whether it multiplies bf16 in place), "gpu" (an NVIDIA card), anything else an accelerator's."""
+    return Programs(copies=copies_on(platform, itemsize), gpu=platform == "gpu")
+
+
+def _tokens(vae_config: VAEConfig, work: Workload) -> tuple[int, int, int, int]:
+    """(reference tokens, the step's batch, its queries, its keys) of `work`."""
+    token = vae_config.pixels_per_token
+    image = (work.height // token) * (work.width // token)
+    refs = work.reference_tokens
+    batch = work.images * (2 if work.guided else 1)
+    return refs, batch, TEXT_TOKENS + image + (0 if work.cached else refs), TEXT_TOKENS + image + refs
+
+
+def _embeddings(cfg: TransformerConfig, mesh, batch: int, itemsize: int) -> int:
+    """The prompt embeddings every step reads."""
+    return -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+
+
+def _gpu_memory(
+    cfg, text_config, vae_config, mesh, work: Workload, itemsize: int, tiled: bool
+) -> RequestMemory:
+    """`request_memory` for XLA:GPU's programs (`klein.memory.gpu_estimate`)."""
+    refs, batch, queries, keys = _tokens(vae_config, work)
+    tensor, data, context = (sharding.ways(mesh, axis) for axis in ("heads", "batch", "seq"))
+    # cuDNN's fused attention runs on one card only, in bf16 (`klein.models.attention`); elsewhere the
+    # blocked kernel adds its key blocks and score tiles.
+    fused = math.prod(mesh.shape.values()) == 1 and itemsize == 2
+    fused = fused and cfg.attention_head_dim <= CUDNN_MAX_HEAD_DIM
+
+    def blocks(b: int, s_q: int, s_k: int, streams: int = 2) -> int:
+        b, s_q = -(-b // data), -(-s_q // context)
+        blocked = 2 * b * s_k * cfg.hidden // tensor * itemsize
+        blocked += b * cfg.num_attention_heads // tensor * _score_tile(s_q, s_k) * 4 * 2
+        single = gpu_estimate.single_block(cfg, b * s_q, b * s_k, tensor, itemsize, 0 if fused else blocked)
+        return max(single, gpu_estimate.double_block(cfg, b * s_q, streams, tensor, itemsize))
+
+    text = gpu_estimate.text_layer(
+        text_config, work.prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize
+    )
+    kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
+    # Around the blocked kernel on several cards, XLA holds the reference KV heads-major: the step a
+    # transposed copy of all of it, the prefill its stacks of keys (or values) before their layout's copy
+    # (measured once: klein-9b-kv, 2 references, h100:2 on tensor; docs/design.md).
+    transposed = 0 if fused else kv
+    return RequestMemory(
+        reference_kv=kv,
+        prefill=blocks(1, refs, refs, streams=1) + transposed // 2 if work.cached and refs else 0,
+        text=text,
+        step=_embeddings(cfg, mesh, batch, itemsize) + blocks(batch, queries, keys) + transposed,
+        decode=_decode_activations(
+            vae_config, work.images, work.height, work.width, tiled, gpu_itemsize=itemsize
+        ),
+        tiled_decode=tiled,
     )
 
 
@@ -212,12 +281,13 @@ def plan(
     batch: int = 1,
     dtype: str = "bfloat16",
     models: Models | None = None,
-    on_cpu: bool = False,
+    platform: str = "accelerator",
 ) -> MemoryPlan:
     """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
     published `variant`, or for the checkpoint `models` describes (its configs, read from its files);
-    `on_cpu`: for this machine's CPU, which copies the layers it runs (`copies_on`) and whose one memory
-    holds streamed layers too (`residency.on`)."""
+    `platform`: whose programs (`programs_on`): "cpu" for this machine's CPU, which copies the layers it
+    runs (`copies_on`) and whose one memory holds streamed layers too (`residency.on`), "gpu" for an
+    NVIDIA card, else an accelerator's (a TPU's)."""
     models = models or published(variant, dtype)
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
@@ -229,9 +299,7 @@ def plan(
     request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
     run = resolve.resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
     work, e = Workload.of(run), dtypes.itemsize(dtype)
-    sizes = residency.on(
-        "cpu" if on_cpu else "accelerator", model_bytes(cfg, text_config, models.vae, abstract, e, models.fp8)
-    )
+    sizes = residency.on(platform, model_bytes(cfg, text_config, models.vae, abstract, e, models.fp8))
     return MemoryPlan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
@@ -244,7 +312,7 @@ def plan(
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
         memory=request_memory(
-            cfg, text_config, models.vae, abstract, work, e, copies=copies_on("cpu", e) if on_cpu else None
+            cfg, text_config, models.vae, abstract, work, e, programs=programs_on(platform, e)
         ),
         workload=work,
         caches_references=models.variant.kv,
@@ -455,28 +523,38 @@ def _text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:
     return sum(live) * itemsize + scores
 
 
-def _decode_activations(vae: VAEConfig, images: int, height: int, width: int, tiled: bool) -> int:
-    """The decoder's widest level for every image (fp32: GroupNorm statistics and the activations around
-    them), plus the decoded pixels; tiled, one tile at a time, plus the tiles and the blended pixels."""
-    pixels = images * height * width * 3 * 4
+def _decode_activations(
+    vae: VAEConfig, images: int, height: int, width: int, tiled: bool, gpu_itemsize: int | None = None
+) -> int:
+    """The decoder's widest level for every image, plus the decoded pixels; tiled, one tile at a time, plus
+    the tiles and the blended pixels (float32). fp32 (GroupNorm statistics and the activations around
+    them, as XLA:CPU widens bf16 convolutions) unless `gpu_itemsize` is given: a GPU's program, in the
+    weights' dtype (`gpu_estimate.decoder_level`)."""
+    out = gpu_itemsize or 4
     if not tiled:
-        return images * _decoder_level_bytes(vae, height, width) + pixels
+        return images * (_decoder_level_bytes(vae, height, width, gpu_itemsize) + height * width * 3 * out)
     tile_h, tile_w = min(height, DECODE_TILE), min(width, DECODE_TILE)
     tiles = _tile_count(height) * _tile_count(width)
-    tile_pixels = tiles * images * tile_h * tile_w * 3 * 4
-    return images * _decoder_level_bytes(vae, tile_h, tile_w) + tile_pixels + 2 * pixels
+    tile_pixels = tiles * images * tile_h * tile_w * 3 * out
+    level = _decoder_level_bytes(vae, tile_h, tile_w, gpu_itemsize)
+    return images * level + tile_pixels + 2 * images * height * width * 3 * 4
 
 
-def _decoder_level_bytes(vae: VAEConfig, height: int, width: int) -> int:
-    """Live fp32 bytes at the decoder's widest level for one image of `height` x `width` px: at each
-    resolution the input of its first layer, the output of its last and a normalised copy, at the widest
-    channel count that level sees (the upsampled input of the level above included)."""
+def _decoder_level_bytes(vae: VAEConfig, height: int, width: int, gpu_itemsize: int | None = None) -> int:
+    """Live bytes at the decoder's widest level for one image of `height` x `width` px: at each resolution
+    the input of its first layer, the output of its last and a normalised copy, at the widest channel count
+    that level sees (the upsampled input of the level above included), in fp32; on a GPU, its first layer's
+    (`gpu_estimate.decoder_level`)."""
     widths = tuple(reversed(vae.decoder_channels))  # lowest resolution first, as the decoder runs
     levels = []
     for level, channels in enumerate(widths):
         scale = 2 ** (len(widths) - 1 - level)
         wide = max(channels, widths[level - 1] if level else channels)
-        levels.append(3 * (height // scale) * (width // scale) * wide * 4)
+        pixels = (height // scale) * (width // scale)
+        if gpu_itemsize:
+            levels.append(gpu_estimate.decoder_level(pixels, wide, channels, gpu_itemsize))
+        else:
+            levels.append(3 * pixels * wide * 4)
     return max(levels)
 
 
@@ -542,13 +620,18 @@ def describe_compiled(
     lines = [f"compiled {where} (XLA memory analysis per device) against the estimate, beyond the weights:"]
     lines.append(f"  {'stage':<9}{'estimate':>12}{'compiled':>12}{'ratio':>8}{'arguments':>14}")
     for name, analysis in stages.items():
-        # The prefill's outputs are the reference KV, planned apart (`reference_kv`).
-        used = analysis["temporaries"] + (0 if name == "prefill" else analysis["outputs"])
+        used = beyond_weights(name, analysis)
         ratio = f"{estimates[name] / used:.2f}" if used else "-"
         lines.append(
             f"  {name:<9}{_gib(estimates[name]):>12}{_gib(used):>12}{ratio:>8}{_gib(analysis['arguments']):>14}"
         )
     return "\n".join(lines)
+
+
+def beyond_weights(stage: str, analysis: dict[str, int]) -> int:
+    """The bytes of a compiled `stage` (`klein.pipeline.compiled`, as a dict) that its estimate plans: its
+    temporaries and outputs; the prefill's outputs are the reference KV, planned apart (`reference_kv`)."""
+    return analysis["temporaries"] + (0 if stage == "prefill" else analysis["outputs"])
 
 
 def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:

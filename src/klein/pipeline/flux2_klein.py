@@ -549,7 +549,7 @@ def _local_devices(mesh) -> list:
 def _estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
     """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
     located checkpoint it loads) on `mesh` (`klein.memory.plan.request_memory`)."""
-    copies = plan.copies_on(_local_devices(mesh)[0].platform, itemsize)
+    programs = plan.programs_on(_local_devices(mesh)[0].platform, itemsize)
     return tuple(
         plan.request_memory(
             models.config,
@@ -559,7 +559,7 @@ def _estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.R
             work,
             itemsize,
             tiled_decode=tiled,
-            copies=copies,
+            programs=programs,
         )
         for tiled in (False, True)
     )
