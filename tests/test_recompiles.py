@@ -1,15 +1,31 @@
 """Nothing recompiles in the interactive loop: after a mode's first request, requests that vary only what
 is data (prompt and its length, seed, steps, guidance, strength, the mask's pixels, the references' pixels,
 LoRA scales, the models moving on and off the device under `sequential`) build no program; and a warmed
-pipeline builds none for the shapes it warmed."""
+pipeline, or server, builds none for the shapes it warmed (a server answering /healthz 503 "warming" until
+then)."""
+
+import asyncio
+import threading
+import time
 
 import numpy as np
 import PIL.Image
 import pytest
+from starlette.testclient import TestClient
 
+from klein import GenerationRequest
+from klein.cli.main import main
+from klein.cli.serve import serve_parser, warm_shapes
+from klein.errors import InputError
+from klein.images import prepare_reference
 from klein.pipeline import warmup
 from klein.pipeline.compilations import Compilations
 from klein.pipeline.flux2_klein import load_pipeline
+from klein.serve.app import create_app
+from klein.serve.generation import Generation
+from klein.serve.options import ServeOptions
+from klein.serve.reference_sets import PreparedImage
+from klein.serve.service import Service
 from tests.support import lora_files as lf
 
 SIZE = dict(height=64, width=64)
@@ -121,3 +137,52 @@ def test_a_warmed_pipeline_compiles_nothing_for_what_it_warmed(demo):
         for request in requests:
             demo(**request)
     assert built.names == []
+
+
+def test_a_server_warms_before_it_is_ready_then_builds_nothing_for_those_shapes(demo, monkeypatch):
+    release, warm = threading.Event(), warmup.warm
+    monkeypatch.setattr(warmup, "warm", lambda *args: release.wait(60) and warm(*args))
+    service = Service(demo, ServeOptions(), "test", warm=warmup.shapes(1, (1,), height=64, width=128))
+    client = TestClient(create_app(service), base_url="http://127.0.0.1")
+    try:
+        health = client.get("/healthz")
+        assert (health.status_code, health.json()["status"]) == (503, "warming")
+        assert client.get("/v1/config").json()["warming"]
+        release.set()
+        deadline = time.monotonic() + 120
+        while service.warming and time.monotonic() < deadline:
+            time.sleep(0.1)
+        health = client.get("/healthz")
+        assert (health.status_code, health.json()["status"]) == (200, "ok")
+        assert client.get("/v1/config").json()["warmed"]
+        picture = prepare_reference(PIL.Image.new("RGB", (128, 64), (200, 30, 30)))
+        work = Generation(GenerationRequest(prompt="a kite", seed=4), (PreparedImage.of(picture),))
+        with Compilations() as built:
+            job = asyncio.run(service.submit_generation(work))
+            assert len(job.future.result(120)["data"]) == 1
+        assert built.names == []
+    finally:
+        service.worker.stop()
+        service.worker.join()
+
+
+def test_klein_serve_warms_its_limits_at_the_size_asked_or_nothing():
+    parser = serve_parser()
+    flags = parser.parse_args("--warm-size 128x64 --max-references 2 --max-batch 2".split())
+    options = ServeOptions(max_references=2, max_batch=2)
+    assert warm_shapes(flags, options) == (
+        *(warmup.Shape(n, height=64, width=128) for n in range(3)),
+        warmup.Shape(0, 2, height=64, width=128),
+        warmup.Shape(1, repaint=True, height=64, width=128),
+    )
+    assert warm_shapes(parser.parse_args(["--no-warm"]), options) == ()
+    with pytest.raises(InputError, match="--warm-size: .*multiple of 16"):
+        parser.parse_args(["--warm-size", "100x64"])
+
+
+def test_klein_plan_counts_the_programs_an_editing_run_meets(capsys):
+    assert main(["plan", "--refs", "2"]) == 0  # the demo: a KV checkpoint, a prefill per reference count
+    shown = capsys.readouterr().out
+    assert (
+        "meets 8 large programs (text encoder 1, reference encoder 1, prefill 2, step 3, decoder 1)" in shown
+    )

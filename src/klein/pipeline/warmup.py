@@ -13,6 +13,7 @@ Its programs then serve every later request of that shape, and land in the persi
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,6 +22,8 @@ import PIL.Image
 from klein.pipeline.compilations import Compilations
 from klein.request.request import GenerationRequest
 from klein.request.resolve import DEFAULT_SIZE
+
+log = logging.getLogger("klein.warmup")
 
 REFERENCES = 4
 """References warmed by default: 0 to this many (the page's and the API's usual edits)."""
@@ -89,3 +92,28 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
     pipe.counters.clear()
     pipe.counters.update(counters)
     return total
+
+
+def programs(references: int, cached: bool) -> dict[str, int]:
+    """The large programs an editing run meets with 0 to `references` references of one size, at one
+    output size and number of images (`cached`: references enter as prefilled keys and values): each is
+    compiled once, on first use or ahead. Every other output size, reference size or number of images
+    adds its own steps and decoder (and reference encoder, prefill)."""
+    return {
+        "text encoder": 1,
+        "reference encoder": 1 if references else 0,
+        "prefill": references if cached else 0,
+        "step": references + 1,
+        "decoder": 1,
+    }
+
+
+def describe_programs(references: int, cached: bool) -> str:
+    """`programs` in words, for `klein plan`."""
+    counts = programs(references, cached)
+    parts = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+    return (
+        f"programs: an editing run of 0-{references} references at this size meets {sum(counts.values())} "
+        f"large programs ({parts}), each compiled once (klein serve compiles them ahead); another output "
+        "size, reference size or number of images compiles its own"
+    )
