@@ -1,8 +1,8 @@
 """Nothing recompiles in the interactive loop: after a mode's first request, requests that vary only what
-is data (prompt and its length, seed, steps, guidance, strength, the mask's pixels, the references' pixels,
-LoRA scales, the models moving on and off the device under `sequential`) build no program; and a warmed
-pipeline, or server, builds none for the shapes it warmed (a server answering /healthz 503 "warming" until
-then)."""
+is data (prompt and its length, seed, steps, guidance, strength, the mask's pixels, the references'
+pixels, LoRA scales, the models moving on and off the device under `sequential`, layers streamed under
+`stream`) build no program; and a warmed pipeline, or server, builds none for the shapes it warmed (a
+server answering /healthz 503 "warming" until then); `klein plan` counts the programs an editing run meets."""
 
 import asyncio
 import threading
@@ -106,6 +106,16 @@ def test_only_the_first_request_of_a_mode_compiles(demo, mode):
         assert built.names == [], f"{mode}: {request} compiled {built.names}"
 
 
+def test_layers_streamed_from_host_memory_compile_nothing_after_the_first_edit(klein_home):
+    pipe = _quiet(load_pipeline(residency="stream"))
+    first, *rest = LOOPS["kv"]
+    pipe(**first)
+    with Compilations() as built:
+        for request in rest:
+            pipe(**request)
+    assert built.names == []
+
+
 def test_cfg_guidance_and_lora_scales_compile_nothing(base, tmp_path):
     shapes = lf.linear_shapes(base.config, "diffusers")
     lora = lf.write_peft(tmp_path / "lora.safetensors", lf.random_lora(shapes, 4, 1))
@@ -137,6 +147,13 @@ def test_a_warmed_pipeline_compiles_nothing_for_what_it_warmed(demo):
         for request in requests:
             demo(**request)
     assert built.names == []
+
+
+def test_a_shape_that_cannot_fit_is_skipped_and_said(demo, monkeypatch):
+    monkeypatch.setattr(demo, "memory_limit", 1024)
+    lines = []
+    assert warmup.warm(demo, warmup.shapes(1, height=64, width=64), lines.append) == 0
+    assert len(lines) == 3 and all("skipped" in line and "memory_limit" in line for line in lines)
 
 
 def test_a_server_warms_before_it_is_ready_then_builds_nothing_for_those_shapes(demo, monkeypatch):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import PIL.Image
 
+from klein.errors import InputError
 from klein.pipeline.compilations import Compilations
 from klein.request.request import GenerationRequest
 from klein.request.resolve import DEFAULT_SIZE
@@ -78,17 +79,20 @@ def request(shape: Shape) -> GenerationRequest:
 
 def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda line: None) -> int:
     """Run a request of each shape in `planned` on `pipe`, telling `log` of each; the programs built.
-    The pipeline's work counters are left as they were: warming is not work a caller asked for."""
+    A shape the pipeline refuses (one that cannot fit) is logged and skipped. The pipeline's work
+    counters are left as they were: warming is not work a caller asked for."""
     counters = pipe.counters.copy()
     total = 0
     for i, shape in enumerate(planned, 1):
-        start = time.perf_counter()
-        with Compilations() as built:
-            pipe.generate(request(shape))
+        start, heading = time.perf_counter(), f"warming {i}/{len(planned)}: {shape}"
+        try:
+            with Compilations() as built:
+                pipe.generate(request(shape))
+        except InputError as error:  # e.g. it cannot fit: a request of that shape is refused too
+            log(f"{heading}: skipped: {error}")
+            continue
         total += len(built)
-        log(
-            f"warming {i}/{len(planned)}: {shape}: {len(built)} programs, {time.perf_counter() - start:.1f} s"
-        )
+        log(f"{heading}: {len(built)} programs, {time.perf_counter() - start:.1f} s")
     pipe.counters.clear()
     pipe.counters.update(counters)
     return total

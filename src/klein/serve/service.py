@@ -41,6 +41,7 @@ class Service:
         cached = caches_references(pipe.variant, pipe.name)
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         jobs = JobTable(options.max_result_bytes, options.result_ttl)
+        pipe.own_memory((self.reference_cache,))  # before the worker warms: no activations counted yet
         self.worker = Worker(
             options.max_queue,
             self.metrics,
@@ -50,7 +51,6 @@ class Service:
             options.job_timeout,
             first=functools.partial(self._warm, tuple(warm)) if warm else None,
         )
-        pipe.own_memory((self.reference_cache,))
         caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
         self.metrics.watch(lambda: self.worker.depth, {**caches, "rope_cache": pipe.rope_cache}, jobs)
 
