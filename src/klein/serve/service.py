@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Sequence
 
 from klein.errors import InputError
@@ -55,11 +56,14 @@ class Service:
         self.metrics.watch(lambda: self.worker.depth, {**caches, "rope_cache": pipe.rope_cache}, jobs)
 
     def _warm(self, shapes: tuple[warmup.Shape, ...]) -> None:
+        def log(line: str) -> None:
+            print(f"klein serve: {line}", file=sys.stderr, flush=True)
+
+        started = time.perf_counter()
         try:
-            warmup.warm(
-                self.pipe, shapes, lambda line: print(f"klein serve: {line}", file=sys.stderr, flush=True)
-            )
+            built = warmup.warm(self.pipe, shapes, log)
             self.warmed = True
+            log(f"ready: {built} programs compiled ahead in {time.perf_counter() - started:.0f} s")
         finally:
             self.warming = False
 
