@@ -28,6 +28,8 @@ from klein.serve.reference_sets import PreparedImage
 from klein.serve.service import Service
 from tests.support import lora_files as lf
 
+pytestmark = pytest.mark.filterwarnings("ignore:prompt .* were cut")  # LONG: a prompt past the limit
+
 SIZE = dict(height=64, width=64)
 LONG = " ".join(
     ["a lighthouse on a cliff at dusk, waves below, gulls above"] * 40
