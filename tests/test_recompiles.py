@@ -18,7 +18,7 @@ from klein.cli.main import main
 from klein.cli.serve import serve_parser, warm_shapes
 from klein.errors import InputError
 from klein.images import prepare_reference
-from klein.pipeline import warmup
+from klein.pipeline import device_weights, warmup
 from klein.pipeline.compilations import Compilations
 from klein.pipeline.flux2_klein import load_pipeline
 from klein.serve.app import create_app
@@ -115,6 +115,19 @@ def test_layers_streamed_from_host_memory_compile_nothing_after_the_first_edit(k
     with Compilations() as built:
         for request in rest:
             pipe(**request)
+    assert built.names == []
+
+
+def test_weights_back_from_host_memory_compile_nothing(klein_home, monkeypatch):
+    """As on a GPU: `sequential` keeps the model it moves off in pinned host memory and brings it back."""
+    monkeypatch.setattr(device_weights, "_host_memory", lambda state: "pinned_host")
+    pipe = _quiet(load_pipeline(residency="sequential"))
+    first, *rest = LOOPS["kv"]
+    pipe(**first)
+    with Compilations() as built:
+        for request in rest:  # each new prompt brings the text encoder back, then the transformer
+            pipe(**request)
+    assert pipe._models["text_encoder"].reads == 1  # back from host memory, not read again
     assert built.names == []
 
 
