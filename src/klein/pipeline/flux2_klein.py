@@ -75,13 +75,16 @@ class Compiled:
     def __call__(self, *args):
         graphdef, state = self._weights()
         with sharding.use(self._mesh):
-            return self._jit(graphdef, state, *jax.tree.map(_committed, args))
+            if self._mesh is None:
+                args = jax.tree.map(_committed, args)
+            return self._jit(graphdef, state, *args)
 
 
 def _committed(value):
-    """`value`, if an array, committed to where it is (no copy). jax keys a program on whether its
+    """`value`, if an array, committed to its device (no copy). jax keys a program on whether its
     arguments are committed, and that depends on where an array came from (a step's output is, fresh
-    noise is not): left to chance, the second step of a request would build a program the first did not."""
+    noise is not): left to chance, the second step of a request would build a program the first did not.
+    On a mesh the pipeline places its inputs itself, and an array committed to one device would clash."""
     if isinstance(value, jax.Array) and not value.committed:
         return jax.device_put(value, value.sharding)
     return value
