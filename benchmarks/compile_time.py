@@ -1,13 +1,27 @@
-"""Compile time and run time of one transformer forward: layers scanned vs fully unrolled.
+"""Compile time: of one transformer forward, layers scanned vs fully unrolled; and what a person waits
+for, from a process's start to its first image and to its second (a new prompt), cold and warm
+persistent cache, with and without compiling ahead.
 
 Compile time depends on depth and graph structure, hardly on width, so the real 9b layer count is
 measured at a CPU-friendly width. Random weights; no checkpoint needed.
 
     python benchmarks/compile_time.py --layers 8 24 --heads 2 --tokens 1024 --text 512
+
+--first-images: each row a fresh process (`python -c`, timed from before it starts) on --model (default:
+the demo checkpoint) editing one --size^2 reference at --size^2; its cache folder empty (cold) or as the
+cold rows left it (warm); `warm` rows load with `load_pipeline(warm=...)` of 0 and 1 references and an
+inpainting at that size (`klein.pipeline.warmup`), as `klein serve` compiles ahead before it is ready.
+
+    python benchmarks/compile_time.py --first-images --size 512
 """
 
 import argparse
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -50,15 +64,68 @@ def measure(cfg, unroll, n_img, n_txt):
     return compile_s, time.perf_counter() - start
 
 
+CHILD = """
+import json, sys, time
+from klein.pipeline import warmup
+from klein.pipeline.flux2_klein import load_pipeline
+import PIL.Image
+started, model, size, warm = float(sys.argv[1]), sys.argv[2] or None, int(sys.argv[3]), sys.argv[4] == "1"
+shapes = warmup.shapes(references=1, height=size, width=size) if warm else False
+pipe = load_pipeline(model, warm=shapes)
+pipe.set_progress_bar_config(disable=True)
+ready = time.time()
+picture = PIL.Image.new("RGB", (size, size), (90, 140, 60))
+pipe(prompt="put a hat on it", image=[picture], seed=1)
+first = time.time()
+pipe(prompt="a red scarf instead, in falling snow", image=[picture], seed=2)
+second = time.time()
+print(json.dumps(dict(ready=ready - started, first=first - started, second=second - first)))
+"""
+
+
+def first_images(model: str | None, size: int) -> None:
+    """One fresh process per row: seconds to ready, to the first image, and for the second."""
+    print(f"{model or 'demo'}, one {size}x{size} reference, {size}x{size} output, {os.cpu_count()} CPUs")
+    print("| cache | compiled ahead | start to ready | start to first image | second image (new prompt) |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as home:
+        if model is None:  # the demo's weights written before any row, not in the first one's time
+            env = dict(os.environ, KLEIN_HOME=home)
+            subprocess.run(
+                [sys.executable, "-c", "from klein.io import demo; demo.ensure_demo()"], env=env, check=True
+            )
+        for cache in ("cold", "warm"):
+            for warm in (False, True):
+                folder = os.path.join(home, f"xla-{'ahead' if warm else 'plain'}")
+                env = dict(os.environ, KLEIN_HOME=home, JAX_COMPILATION_CACHE_DIR=folder)
+                args = [str(time.time()), model or "", str(size), "1" if warm else "0"]
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True, check=False
+                )
+                if out.returncode:
+                    raise SystemExit(out.stderr[-3000:])
+                t = json.loads(out.stdout.strip().splitlines()[-1])
+                ahead = "yes" if warm else "no"
+                print(
+                    f"| {cache} | {ahead} | {t['ready']:.1f} s | {t['first']:.1f} s | {t['second']:.2f} s |"
+                )
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--first-images", action="store_true", help="time fresh processes to their images")
+    parser.add_argument("--model", help="with --first-images: a checkpoint (default: the demo)")
+    parser.add_argument("--size", type=int, default=512, help="with --first-images: the side in px")
     parser.add_argument("--layers", type=int, nargs=2, default=(8, 24), help="double and single blocks")
     parser.add_argument("--heads", type=int, default=2, help="heads of 128 channels")
     parser.add_argument("--tokens", type=int, default=1024, help="image tokens (a square number)")
     parser.add_argument("--text", type=int, default=512, help="text tokens")
     args = parser.parse_args()
+    if args.first_images:
+        first_images(args.model, args.size)
+        return
     cfg = dataclasses.replace(
         KLEIN_9B,
         num_layers=args.layers[0],

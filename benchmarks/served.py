@@ -1,6 +1,7 @@
 """`klein serve` started for a benchmark: a free port on 127.0.0.1, ready once /healthz answers, stopped
-with SIGTERM. Shared by the serving benchmarks (run as `python benchmarks/NAME.py`, which puts this folder
-on the import path)."""
+with SIGTERM; it does not compile ahead (--no-warm), as the serving benchmarks were measured before it could.
+Shared by the serving benchmarks (run as `python benchmarks/NAME.py`, which puts this folder on the import
+path)."""
 
 import contextlib
 import io
@@ -23,7 +24,7 @@ def klein_serve(*flags: str):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), *flags]
+    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), "--no-warm", *flags]
     log = tempfile.TemporaryFile("w+")  # a pipe nobody reads would fill up and stall the server
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"

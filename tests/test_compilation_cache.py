@@ -1,10 +1,13 @@
 """`load` turns on jax's persistent compilation cache in klein's folder, but never over a cache the process
-configured itself (a library user's jax.config, or JAX_COMPILATION_CACHE_DIR)."""
+configured itself (a library user's jax.config, or JAX_COMPILATION_CACHE_DIR); `klein cache` shows that
+folder and empties it of jax's files only."""
 
 import jax
 import pytest
 
+from klein.cli.main import main
 from klein.io import paths
+from klein.pipeline import compilation_cache
 from klein.pipeline.flux2_klein import load
 from klein.request.loading import LoadOptions
 
@@ -34,3 +37,39 @@ def test_load_uses_kleins_folder_when_none_is_configured(klein_home, jax_cache_s
     load(LoadOptions())
     assert jax.config.jax_compilation_cache_dir == str(paths.klein_home() / "xla-cache")
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.2
+
+
+def test_klein_cache_shows_and_clears_the_folder_a_front_end_uses(
+    monkeypatch, tmp_path, capsys, jax_cache_settings
+):
+    monkeypatch.setenv("KLEIN_HOME", str(tmp_path))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    jax.config.update(DIR, None)
+    folder = tmp_path / "xla-cache"
+    assert compilation_cache.folder() == folder
+    folder.mkdir()
+    for name, size in (
+        ("jit_step-ab12-cache", 3000),
+        ("jit_step-ab12-atime", 8),
+        ("jit_decode-cd34-cache", 1000),
+    ):
+        (folder / name).write_bytes(b"x" * size)
+    assert main(["cache"]) == 0
+    shown = capsys.readouterr().out
+    assert str(folder) in shown and "2 compiled programs" in shown
+    assert main(["cache", "clear"]) == 0
+    assert "removed 2 compiled programs" in capsys.readouterr().out
+    assert list(folder.iterdir()) == []
+    assert compilation_cache.contents().entries == 0
+
+
+def test_klein_cache_clear_refuses_a_folder_holding_other_files(
+    monkeypatch, tmp_path, capsys, jax_cache_settings
+):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    jax.config.update(DIR, None)
+    (tmp_path / "jit_step-ab12-cache").write_bytes(b"x")
+    (tmp_path / "thesis.tex").write_text("mine")
+    assert main(["cache", "clear"]) == 2
+    assert "thesis.tex" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["jit_step-ab12-cache", "thesis.tex"]

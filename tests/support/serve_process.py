@@ -26,11 +26,12 @@ def free_port() -> int:
 
 def start(klein_home, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """(process, base URL) of a `klein serve` with the demo checkpoint, once it answers /healthz; `env`:
-    variables to add to the environment (a KLEIN_API_KEY of the tests' own is not passed on)."""
+    variables to add to the environment (a KLEIN_API_KEY of the tests' own is not passed on). It does not
+    compile ahead (--no-warm): tests/test_recompiles.py tests warming, in process."""
     port = free_port()
     inherited = {name: value for name, value in os.environ.items() if name != "KLEIN_API_KEY"}
     env = dict(inherited, KLEIN_HOME=str(klein_home), JAX_PLATFORMS="cpu", **(env or {}))
-    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), *flags]
+    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), "--no-warm", *flags]
     # The log goes to a file: a pipe nobody reads would fill up and stall the server.
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -86,6 +86,7 @@ def _top_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "bench", help="time klein against diffusers, KV speedup vs ceiling (klein bench --help)"
     )
+    commands.add_parser("cache", help="show or clear the compiled programs kept on disk (klein cache --help)")
     parser.epilog = GENERATE_EXAMPLES.split("\n\n")[0]
     return parser
 
@@ -155,6 +156,10 @@ def _dispatch(argv: list[str]) -> int:
         return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
         return tools.bench_command(tools.bench_parser().parse_args(argv[1:]))
+    if argv[:1] == ["cache"]:
+        from klein.cli import cache as cli_cache
+
+        return cli_cache.cache_command(cli_cache.cache_parser().parse_args(argv[1:]))
     parser = _top_parser()
     # Handles --help, --version and unknown commands; a bare `klein` shows the help.
     parser.parse_args(argv)

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 
 from klein.cli import extras
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
+from klein.images import MIN_SIDE as MIN_REFERENCE_SIDE
 from klein.images import show_pixels
+from klein.pipeline import warmup
+from klein.request.resolve import DEFAULT_SIZE, MULTIPLE
 from klein.serve import security
 from klein.serve.options import ServeOptions, parse_size, show_size
 from klein.version import version
@@ -80,6 +84,7 @@ def serve_parser() -> argparse.ArgumentParser:
         "load is Serve's default router (queue lengths only), for comparison",
     )
     _add_access_flags(add)
+    _add_warm_flags(add)
     defaults = ServeOptions()
     for name, help_ in _LIMITS.items():
         field = name.replace("-", "_")
@@ -127,6 +132,44 @@ def _add_access_flags(add) -> None:
         help="comma-separated web origins (https://app.example.com) whose pages may call the API; they get CORS "
         "headers (default: only the server's own page)",
     )
+
+
+def _add_warm_flags(add) -> None:
+    add(
+        "--no-warm",
+        dest="warm",
+        action="store_false",
+        help="answer at once and compile each program when a request first needs it (tests, quick starts); "
+        "by default the server compiles ahead, /healthz saying 'warming' (503) until done",
+    )
+    add(
+        "--warm-size",
+        type=_warm_size,
+        default=(DEFAULT_SIZE, DEFAULT_SIZE),
+        metavar="WxH",
+        help=f"size compiled ahead: 0 to {warmup.REFERENCES} references (at most --max-references) of it, "
+        f"each batch up to --max-batch, an inpainting (default: {DEFAULT_SIZE}x{DEFAULT_SIZE})",
+    )
+
+
+def _warm_size(text: str) -> tuple[int, int]:
+    """ "WxH" -> (width, height), each side a multiple of 16 px and at least a reference's smallest."""
+    match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", text)
+    sides = (int(match.group(1)), int(match.group(2))) if match else ()
+    if not sides or any(side < MIN_REFERENCE_SIDE or side % MULTIPLE for side in sides):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give WxH in px, each side a multiple of {MULTIPLE} and at least {MIN_REFERENCE_SIDE}"
+        )
+    return sides
+
+
+def warm_shapes(flags: argparse.Namespace, options: ServeOptions) -> tuple[warmup.Shape, ...]:
+    """What the server compiles before it is ready (`klein.pipeline.warmup`): none with --no-warm."""
+    if not flags.warm:
+        return ()
+    width, height = flags.warm_size
+    references = min(options.max_references, warmup.REFERENCES)
+    return warmup.shapes(references, range(1, options.max_batch + 1), height, width)
 
 
 _LIMITS = {
@@ -200,4 +243,4 @@ def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> in
     print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)
     pipe = load(loading)
     pipe.memory_limit = flags.memory_limit
-    return serve(pipe, options, flags.host, flags.port, version())
+    return serve(pipe, options, flags.host, flags.port, version(), warm_shapes(flags, options))

@@ -137,6 +137,7 @@ def plan_command(flags: argparse.Namespace) -> int:
     import json
 
     from klein.memory import plan
+    from klein.pipeline import warmup
 
     if flags.target is not None:
         return _target_command(flags)
@@ -161,6 +162,8 @@ def plan_command(flags: argparse.Namespace) -> int:
     )
     report = dict(plan.as_json(memory, limit, where), compute=compute)
     text = plan.describe(memory, limit, where) + "\n" + _describe_compute(compute)
+    report["programs"] = warmup.programs(flags.refs, memory.workload.cached)
+    text += "\n" + warmup.describe_programs(flags.refs, memory.workload.cached)
     if flags.compiled:
         if mesh != "single":
             raise InputError(

@@ -24,7 +24,7 @@ class Weights:
     def __init__(self, name: str, read: Callable[[], nnx.Module], module: nnx.Module | None = None):
         self.name = name
         self._read = read
-        self._graphdef, self._state = nnx.split(module) if module is not None else (None, None)
+        self._graphdef, self._state = _split(module) if module is not None else (None, None)
         self._host = None
         self.loaded: Callable[[nnx.State], None] = lambda state: None
         self.reads = 0 if module is None else 1
@@ -40,7 +40,7 @@ class Weights:
             if self._host is not None:
                 self._state, self._host = _to_device(self._host), None
             else:
-                self._graphdef, self._state = nnx.split(self._read())
+                self._graphdef, self._state = _split(self._read())
                 self.reads += 1
                 self.loaded(self._state)
         return self._graphdef, self._state
@@ -55,6 +55,14 @@ class Weights:
             if leaf.sharding.memory_kind != "pinned_host":  # streamed layers stay where they are
                 leaf.delete()
         self._state = None
+
+
+def _split(module: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graph, weights), each weight committed to where it is: a jitted program is keyed on whether its
+    arguments are committed, and weights back from host memory are (`_to_device` names their place), so
+    weights read uncommitted would meet a second build of every program after their first round trip."""
+    graphdef, state = nnx.split(module)
+    return graphdef, jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
 
 
 def _host_memory(state) -> str | None:

@@ -29,7 +29,6 @@ from klein import dtypes, images, masks, sampling, sharding
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
 from klein.io import png
-from klein.io.paths import klein_home
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
@@ -38,7 +37,7 @@ from klein.memory import residency as residency_policy
 from klein.models import products, qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
-from klein.pipeline import cache_keys, components, denoise
+from klein.pipeline import cache_keys, compilation_cache, components, denoise, warmup
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.device_weights import Weights
@@ -77,7 +76,19 @@ class Compiled:
     def __call__(self, *args):
         graphdef, state = self._weights()
         with sharding.use(self._mesh):
+            if self._mesh is None:
+                args = jax.tree.map(_committed, args)
             return self._jit(graphdef, state, *args)
+
+
+def _committed(value):
+    """`value`, if an array, committed to its device (no copy). jax keys a program on whether its
+    arguments are committed, and that depends on where an array came from (a step's output is, fresh
+    noise is not): left to chance, the second step of a request would build a program the first did not.
+    On a mesh the pipeline places its inputs itself, and an array committed to one device would clash."""
+    if isinstance(value, jax.Array) and not value.committed:
+        return jax.device_put(value, value.sharding)
+    return value
 
 
 @dataclasses.dataclass
@@ -607,6 +618,7 @@ def load_pipeline(
     loras: Sequence = (),
     residency: str = AUTO,
     compute: str = AUTO,
+    warm: bool | Sequence[warmup.Shape] = False,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
     nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
@@ -630,6 +642,10 @@ def load_pipeline(
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
     Each weight is placed on its shards as it is read.
+
+    warm: compile ahead (`klein.pipeline.warmup`) before returning: True, the programs of 0 to 4
+    references at 1024x1024 and of an inpainting; or the `warmup.Shape`s to compile. Each shape is
+    logged (logger "klein.warmup"); the persistent compilation cache keeps them for the next process.
     """
     options = LoadOptions(
         model=None if source is None else str(source),
@@ -645,14 +661,17 @@ def load_pipeline(
         compute=compute,
         mesh=mesh,
     )
-    return load(options)
+    pipe = load(options)
+    if warm:
+        warmup.warm(pipe, warmup.shapes() if warm is True else tuple(warm), warmup.log.info)
+    return pipe
 
 
 def load(options: LoadOptions) -> Flux2KleinPipeline:
     """The pipeline `options` describe (`klein.request.loading.LoadOptions`; `load_pipeline` names them)."""
     read = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
     device_mesh = sharding.make_mesh(options.mesh)
-    _enable_compilation_cache()
+    compilation_cache.enable()
     located = locate(options, device_mesh)
     jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
@@ -701,18 +720,3 @@ def locate(options: LoadOptions, mesh=None) -> components.Located:
     and what a front end that loads elsewhere (Ray replicas) checks before it starts them."""
     parts = components.Parts(options.transformer, options.text_encoder, options.vae, options.tokenizer)
     return components.locate(options.model, parts, options.variant, mesh)
-
-
-def _enable_compilation_cache() -> None:
-    """Persist compiled programs so that a second process skips most compilation: in klein's folder, keeping
-    programs that took 0.2 s or more, unless the process chose otherwise (JAX_COMPILATION_CACHE_DIR or
-    jax.config, which reads that variable): then its cache and threshold stand."""
-    if jax.config.jax_compilation_cache_dir is not None:
-        return
-    jax.config.update("jax_compilation_cache_dir", str(klein_home() / "xla-cache"))
-    if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECONDS:  # jax's, not chosen
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-
-
-JAX_MIN_COMPILE_SECONDS = 1.0
-"""jax's default `jax_persistent_cache_min_compile_time_secs`: a different value was chosen by the process."""

@@ -102,7 +102,9 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
 
     @app.get("/healthz")
     async def healthz():
-        return service.health()
+        # 503 while compiling ahead: a load balancer or a readiness probe sends nothing yet.
+        health = service.health()
+        return JSONResponse(health, 503 if health["status"] == "warming" else 200)
 
     @app.get("/v1/config")
     async def config():

@@ -28,11 +28,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(pipe, options: ServeOptions, host: str, port: int, version: str) -> int:
-    """Serve `pipe` on host:port until SIGTERM / SIGINT; the exit code."""
+def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=()) -> int:
+    """Serve `pipe` on host:port until SIGTERM / SIGINT, compiling the `warm` shapes
+    (`klein.pipeline.warmup.Shape`) first; the exit code."""
     # PIL's own guard as a second line behind the header check in klein.images.read_image.
     PIL.Image.MAX_IMAGE_PIXELS = options.max_pixels
-    service = Service(pipe, options, version)
+    service = Service(pipe, options, version, warm)
     config = uvicorn.Config(
         create_app(service),
         host=host,

@@ -3,6 +3,9 @@
 The HTTP layer (`klein.serve.app`) only parses, submits and awaits; everything that touches the device
 (reference encoding, the prompt cache, generation) runs as a job on the worker thread.
 
+Compiled ahead: given shapes to warm (`klein.pipeline.warmup`), the worker compiles them before its first
+job; until then /healthz says "warming" (503) and /v1/config `"warming": true`, and requests queue.
+
 Memory: the budget requests are admitted against is read once, here, before any job runs
 (`Flux2KleinPipeline.own_memory`), and the caches' bytes are counted against it; /v1/jobs results are
 kept under their own byte budget and expiry (`klein.serve.jobs`).
@@ -11,8 +14,12 @@ kept under their own byte budget and expiry (`klein.serve.jobs`).
 from __future__ import annotations
 
 import functools
+import sys
+import time
+from collections.abc import Sequence
 
 from klein.errors import InputError
+from klein.pipeline import warmup
 from klein.pipeline.cache import ByteBudgetCache
 from klein.request.resolve import MIN_SIDE, MULTIPLE, caches_references, typical
 from klein.serve import batching, errors, generation
@@ -24,8 +31,10 @@ from klein.serve.worker import Job, Worker
 
 
 class Service:
-    def __init__(self, pipe, options: ServeOptions, version: str):
+    def __init__(self, pipe, options: ServeOptions, version: str, warm: Sequence[warmup.Shape] = ()):
         self.pipe, self.options, self.version = pipe, options, version
+        self.warming, self.warmed = bool(warm), False
+        """Compiling the shapes `warm` names; done compiling them."""
         self.metrics = Metrics()
         self.reference_cache = ByteBudgetCache(options.cache_bytes)
         self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes)
@@ -33,6 +42,7 @@ class Service:
         cached = caches_references(pipe.variant, pipe.name)
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         jobs = JobTable(options.max_result_bytes, options.result_ttl)
+        pipe.own_memory((self.reference_cache,))  # before the worker warms: no activations counted yet
         self.worker = Worker(
             options.max_queue,
             self.metrics,
@@ -40,10 +50,22 @@ class Service:
             options.max_batch,
             self._generate_batch,
             options.job_timeout,
+            first=functools.partial(self._warm, tuple(warm)) if warm else None,
         )
-        pipe.own_memory((self.reference_cache,))
         caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
         self.metrics.watch(lambda: self.worker.depth, {**caches, "rope_cache": pipe.rope_cache}, jobs)
+
+    def _warm(self, shapes: tuple[warmup.Shape, ...]) -> None:
+        def log(line: str) -> None:
+            print(f"klein serve: {line}", file=sys.stderr, flush=True)
+
+        started = time.perf_counter()
+        try:
+            built = warmup.warm(self.pipe, shapes, log)
+            self.warmed = True
+            log(f"ready: {built} programs compiled ahead in {time.perf_counter() - started:.0f} s")
+        finally:
+            self.warming = False
 
     def check(self, work: generation.Generation) -> None:
         """Refuse (an `ApiError`) before queueing what the worker would refuse: unknown or evicted
@@ -84,7 +106,7 @@ class Service:
 
     def health(self) -> dict:
         return {
-            "status": "ok",
+            "status": "warming" if self.warming else "ok",
             "model": self.pipe.name,
             "variant": self.pipe.variant.name,
             "residency": self.pipe.residency,
@@ -92,8 +114,9 @@ class Service:
         }
 
     def config(self) -> dict:
-        """GET /v1/config: the limits and defaults a client (the web page) needs, and how many jobs have
-        finished (0 on a fresh server, whose first request compiles the model's programs)."""
+        """GET /v1/config: the limits and defaults a client (the web page) needs, how many jobs have
+        finished, and whether the server is compiling ahead (`warming`) or has (`warmed`): a fresh server
+        that did not compiles the model's programs on its first request."""
         variant, options = self.pipe.variant, self.options
         defaults = typical(variant)  # what a request that names no steps or guidance gets
         return {
@@ -111,4 +134,6 @@ class Service:
             "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
             "jobs_done": self.metrics.jobs_done,
+            "warming": self.warming,
+            "warmed": self.warmed,
         }

@@ -14,6 +14,8 @@ starts compiling; step; done / error) for `/v1/jobs`.
 - A job drops its inputs (`work`, `spec`: the request, its prepared references and mask) when it finishes;
   only jobs submitted with `keep` (POST /v1/jobs) stay findable, in `jobs` (`klein.serve.jobs.JobTable`).
 - `stop()` (SIGTERM): accept nothing more, fail the queued jobs, let the running job finish; `join`.
+- `first` runs on the thread before any job (compiling ahead: `klein.pipeline.warmup`); jobs submitted
+  meanwhile wait in the queue. If it fails the error is logged and the jobs run: they compile as they come.
 - With `max_batch` > 1, queued jobs whose `batch_key` equals the next job's join it, up to `max_batch`
   images, and run together through `run_batch` (`klein.serve.batching`); if the batch fails as a whole,
   each job runs alone, so one job's error stays its own.
@@ -141,6 +143,7 @@ class Worker:
         max_batch=1,
         run_batch=None,
         job_timeout: float | None = None,
+        first: Callable[[], None] | None = None,
     ):
         self.max_queue, self.metrics = max_queue, metrics
         self.max_batch, self.run_batch = max_batch, run_batch
@@ -152,6 +155,7 @@ class Worker:
         self._queue: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
         self._seconds_per_job = 1.0  # a running mean, for Retry-After
+        self._first = first
         self._thread = threading.Thread(target=self._loop, name="klein-worker", daemon=True)
         self._thread.start()
 
@@ -227,6 +231,11 @@ class Worker:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
+        if self._first is not None:
+            try:
+                self._first()
+            except Exception:  # serving uncompiled beats not serving
+                log.exception("compiling ahead failed; requests compile as they come")
         while True:
             with self._wake:
                 while not self._queue and self.accepting:

@@ -17,6 +17,20 @@ const EMPTY = $("empty").textContent;
 let connected = false;
 let running = false;
 
+const WARMING = "Warming up: the server is compiling the model's programs…";
+const WARMING_POLL_MS = 2000;
+
+// A server compiling ahead answers requests once it is done (they wait in its queue): say so until then.
+async function awaitWarm() {
+  const config = await getJSON("v1/config").catch(() => null);
+  if (config && !config.warming) {
+    progress.knowServer(config);
+    if ($("status").textContent === WARMING) progress.setStatus("");
+    return;
+  }
+  setTimeout(awaitWarm, WARMING_POLL_MS);
+}
+
 async function loadConfig() {
   try {
     const config = await getJSON("v1/config");
@@ -24,9 +38,10 @@ async function loadConfig() {
     settings.applyLimits(config);
     references.setLimits(config);
     progress.knowServer(config);
-    progress.setStatus("");
+    progress.setStatus(config.warming ? WARMING : "");
     connected = true;
     showButton();
+    if (config.warming) setTimeout(awaitWarm, WARMING_POLL_MS);
   } catch (error) {
     $("model").textContent = error instanceof ServerError && error.status === 401 ? "API key needed" : "not connected";
     progress.setStatus("");

@@ -8,9 +8,9 @@ const NOTICE_AFTER_MS = 3000; // a request this slow on a fresh server is compil
 let compileAhead = false; // the server had finished no job yet, and the notice has not been shown
 let noticeTimer = null;
 
-// From /v1/config: whether the server has finished a job since it started.
+// From /v1/config: whether the server has finished a job since it started, or compiled ahead.
 export function knowServer(config) {
-  compileAhead = config.jobs_done === 0;
+  compileAhead = config.jobs_done === 0 && !config.warmed;
 }
 
 // fraction: 0 to 1 fills the bar; null leaves it moving without a value (waiting, encoding).

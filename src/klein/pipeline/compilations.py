@@ -1,0 +1,38 @@
+"""Counting the programs jax builds: how the zero-recompile test, the warm-up log and the compile benchmark
+see what a call compiled.
+
+A program counts when jax lowers it: on a miss of the jitted function's in-memory cache, whether XLA then
+compiles it or reads it back from the persistent cache (both cost a lowering; the first also a compile).
+A call that meets only programs built before counts nothing.
+"""
+
+from __future__ import annotations
+
+import jax.monitoring
+
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+"""jax's event for every program lowered to MLIR (`jax._src.dispatch.JAXPR_TO_MLIR_MODULE_EVENT`)."""
+
+
+class Compilations:
+    """`with Compilations() as built:` ... `built.names`: the functions whose programs were built inside,
+    in order, one entry a program; `built.seconds`: the time spent lowering them."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.seconds = 0.0
+
+    def _heard(self, event: str, duration: float, **kwargs) -> None:
+        if event == LOWERED:
+            self.names.append(kwargs.get("fun_name", "?"))
+            self.seconds += duration
+
+    def __enter__(self) -> Compilations:
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._heard)
+
+    def __len__(self) -> int:
+        return len(self.names)

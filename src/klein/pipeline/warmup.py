@@ -1,0 +1,123 @@
+"""Compiled ahead: the requests a pipeline runs once before it serves, so that a person's first image
+meets programs already built (docs/design.md, "Compiled ahead").
+
+jax builds one program per input shape, and a request's shapes are its output size, its number of
+images, the sizes and count of its references and its mode (text, references, cached references, CFG,
+repainting a source). Everything else a request varies (prompt, seed, guidance, steps, strength, the
+mask's pixels, LoRA scales, where the weights are) is data and builds nothing. So warming is running one
+small request of each `Shape` a front end expects first: its pixels blank, one step, its output dropped.
+Its programs then serve every later request of that shape, and land in the persistent compilation cache
+(`klein cache`) for the next process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import PIL.Image
+
+from klein.errors import InputError
+from klein.pipeline.compilations import Compilations
+from klein.request.request import GenerationRequest
+from klein.request.resolve import DEFAULT_SIZE
+
+log = logging.getLogger("klein.warmup")
+
+REFERENCES = 4
+"""References warmed by default: 0 to this many (the page's and the API's usual edits)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The shapes of one kind of request: `references` images of height x width px (the output's size
+    too), `images` generated, the first reference repainted under a mask when `repaint`."""
+
+    references: int = 0
+    images: int = 1
+    repaint: bool = False
+    height: int = DEFAULT_SIZE
+    width: int = DEFAULT_SIZE
+
+    def __str__(self) -> str:
+        refs = "no references" if not self.references else f"{self.references} reference(s)"
+        kind = ", inpainting" if self.repaint else ""
+        return f"{self.width}x{self.height}, {refs}, {self.images} image(s){kind}"
+
+
+def shapes(
+    references: int = REFERENCES, batches: Sequence[int] = (1,), height=DEFAULT_SIZE, width=DEFAULT_SIZE
+) -> tuple[Shape, ...]:
+    """The default set: 0..`references` references at one size, each number of images in `batches`
+    without references, and an inpainting of one source."""
+    size = dict(height=height, width=width)
+    edits = [Shape(n, **size) for n in range(references + 1)]
+    batched = [Shape(0, images, **size) for images in batches if images != 1]
+    repaint = [Shape(1, repaint=True, **size)] if references else []
+    return tuple(edits + batched + repaint)
+
+
+def request(shape: Shape) -> GenerationRequest:
+    """A request of `shape` whose pixels are blank: one step (the step's program is the same for any
+    count), two when repainting (a strength below 1 then still leaves one to run)."""
+    blank = PIL.Image.new("RGB", (shape.width, shape.height), (128, 128, 128))
+    mask = PIL.Image.new("L", (shape.width, shape.height), 255) if shape.repaint else None
+    return GenerationRequest.create(
+        prompt="",
+        image=(blank,) * shape.references,
+        height=shape.height,
+        width=shape.width,
+        num_inference_steps=2 if shape.repaint else 1,
+        num_images_per_prompt=shape.images,
+        seed=0,
+        mask_image=mask,
+        output_type="np",
+    )
+
+
+def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda line: None) -> int:
+    """Run a request of each shape in `planned` on `pipe`, telling `log` of each; the programs built.
+    A shape the pipeline refuses (one that cannot fit) is logged and skipped. The pipeline's work
+    counters are left as they were: warming is not work a caller asked for."""
+    counters = pipe.counters.copy()
+    total = 0
+    for i, shape in enumerate(planned, 1):
+        start, heading = time.perf_counter(), f"warming {i}/{len(planned)}: {shape}"
+        try:
+            with Compilations() as built:
+                pipe.generate(request(shape))
+        except InputError as error:  # e.g. it cannot fit: a request of that shape is refused too
+            log(f"{heading}: skipped: {error}")
+            continue
+        total += len(built)
+        log(f"{heading}: {len(built)} programs, {time.perf_counter() - start:.1f} s")
+    pipe.counters.clear()
+    pipe.counters.update(counters)
+    return total
+
+
+def programs(references: int, cached: bool) -> dict[str, int]:
+    """The large programs an editing run meets with 0 to `references` references of one size, at one
+    output size and number of images (`cached`: references enter as prefilled keys and values): each is
+    compiled once, on first use or ahead. Every other output size, reference size or number of images
+    adds its own steps and decoder (and reference encoder, prefill)."""
+    return {
+        "text encoder": 1,
+        "reference encoder": 1 if references else 0,
+        "prefill": references if cached else 0,
+        "step": references + 1,
+        "decoder": 1,
+    }
+
+
+def describe_programs(references: int, cached: bool) -> str:
+    """`programs` in words, for `klein plan`."""
+    counts = programs(references, cached)
+    parts = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+    return (
+        f"programs: an editing run of 0-{references} references at this size meets {sum(counts.values())} "
+        f"large programs ({parts}), each compiled once (klein serve compiles them ahead); another output "
+        "size, reference size or number of images compiles its own"
+    )
