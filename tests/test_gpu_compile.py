@@ -22,6 +22,7 @@ from klein.cli import main as cli
 from klein.memory import plan
 from klein.pipeline import compiled, topology
 from klein.sharding import use
+from tests.support.hlo import dims_of, dot_operands
 
 # jax's CUDA plugin prints its search for a driver on every jax process's stderr once installed, so CI
 # gives it an environment of its own (.ci/run) and runs this file there with KLEIN_GPU_PLAN_REQUIRED=1:
@@ -32,30 +33,6 @@ needs_plugin = pytest.mark.skipif(
     "own: CI runs these tests in .venv-gpu-plan)",
 )
 HEADS = 32  # klein-9b's attention heads
-_VALUE = re.compile(r"(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
-_PARAMETER = re.compile(r"([\w.\-]+): (\w+)\[([\d,]*)\]")
-_DOT = re.compile(r" dot\(%([\w.\-]+), %([\w.\-]+)\)")
-
-
-def _dims(text: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in text.split(",")) if text else ()
-
-
-def dot_operands(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, dims) of every operand of every matrix product in an optimised HLO module."""
-    operands, types = [], {}
-    for line in hlo.splitlines():
-        line = line.strip()
-        if line.endswith("{") and " = " not in line:  # a computation's header: its parameters' types
-            types = {name: (dtype, _dims(dims)) for name, dtype, dims in _PARAMETER.findall(line)}
-        value = _VALUE.match(line)
-        if value is None:
-            continue
-        types[value.group(1)] = (value.group(2), _dims(value.group(3)))
-        product = _DOT.search(line)
-        if product:
-            operands += [types[name] for name in product.groups()]
-    return operands
 
 
 def score_buffers(hlo: str, heads: int = HEADS) -> set[str]:
@@ -64,7 +41,7 @@ def score_buffers(hlo: str, heads: int = HEADS) -> set[str]:
     return {
         f"{dtype}[{dims}]"
         for dtype, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", hlo)
-        if len(d := _dims(dims)) >= 3 and d[-3] == heads and min(d[-2:]) > 1024
+        if len(d := dims_of(dims)) >= 3 and d[-3] == heads and min(d[-2:]) > 1024
     }
 
 

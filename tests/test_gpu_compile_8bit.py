@@ -9,7 +9,6 @@ Compiled, never run: the optimised HLO and XLA's memory analysis are what the te
 
 import math
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from klein.memory import plan
 from klein.models import products
 from klein.pipeline import compiled, topology
 from klein.sharding import use
+from tests.support.hlo import operations
 
 # As tests/test_gpu_compile.py: CI runs this file in .venv-gpu-plan with KLEIN_GPU_PLAN_REQUIRED=1.
 needs_plugin = pytest.mark.skipif(
@@ -32,31 +32,6 @@ needs_plugin = pytest.mark.skipif(
 # and out, the single blocks' fused input and output.
 BLOCK_WEIGHTS = {(4096, 4096), (4096, 24576), (12288, 4096), (4096, 36864), (16384, 4096)}
 EIGHT_BITS = {"f8e4m3fn", "s8", "u8"}
-_VALUE = re.compile(r"(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
-_PARAMETER = re.compile(r"([\w.\-]+): (\w+)\[([\d,]*)\]")
-_OPERANDS = re.compile(r" (dot|convert)\(%([\w.\-]+)(?:, %([\w.\-]+))?\)")
-
-
-def _dims(text: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in text.split(",")) if text else ()
-
-
-def operations(hlo: str, kind: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
-    """(result dtype, [(dtype, dims) of each operand]) of every `kind` ("dot" or "convert") of an
-    optimised HLO module, fused or not."""
-    found, types = [], {}
-    for line in hlo.splitlines():
-        line = line.strip()
-        if line.endswith("{") and " = " not in line:  # a computation's header: its parameters' types
-            types = {name: (dtype, _dims(dims)) for name, dtype, dims in _PARAMETER.findall(line)}
-        value = _VALUE.match(line)
-        if value is None:
-            continue
-        types[value.group(1)] = (value.group(2), _dims(value.group(3)))
-        operation = _OPERANDS.search(line)
-        if operation and operation.group(1) == kind:
-            found.append((value.group(2), [types[name] for name in operation.groups()[1:] if name]))
-    return found
 
 
 def eight_bit_gemms(hlo: str, operand: str) -> list[tuple[str, tuple[int, ...]]]:
