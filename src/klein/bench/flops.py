@@ -26,6 +26,12 @@ def layer_flops(width: int, queries: int, keys: int) -> float:
     return 26.0 * width * width * queries + 4.0 * queries * keys * width
 
 
+def product_share(cfg: TransformerConfig, queries: int, keys: int) -> float:
+    """The part of a pass's FLOPs made in the blocks' Linears (what 8-bit products multiply), the rest
+    being attention."""
+    return _pass(cfg, queries, 0) / _pass(cfg, queries, keys)
+
+
 def _pass(cfg: TransformerConfig, queries: int, keys: int) -> float:
     return (cfg.num_layers + cfg.num_single_layers) * layer_flops(cfg.hidden, queries, keys)
 

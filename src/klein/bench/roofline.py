@@ -9,7 +9,9 @@ out, so a real run is slower; the figures compare stages, meshes and modes with 
 The chip figures are per chip from Google's and NVIDIA's published specifications (`CHIPS`, with the page
 each comes from; docs/design.md, "TPU attention" and "GPU programs from any machine", repeat the tables); a
 device is one TensorCore where JAX shows each of a chip's cores as a device (TPU7x: two per chip), else the
-chip. The FP8 peak is printed beside the bf16 one; klein's products are bf16, so the times use the bf16 peak.
+chip. Under 8-bit compute (`--compute fp8 | int8`) the transformer's block products run at the chip's
+FP8 / INT8 peak and its attention at the bf16 one (`klein.bench.flops.product_share`); a chip without
+that peak is given the bf16 one.
 """
 
 from __future__ import annotations
@@ -36,10 +38,17 @@ class Chip:
     source: str
     fp8_flops: float = 0.0
     """Peak dense FP8 FLOP/s per chip (0: no FP8 units)."""
+    int8_flops: float = 0.0
+    """Peak dense INT8 OP/s per chip (0: not published)."""
 
     @property
     def device_flops(self) -> float:
         return self.bf16_flops / self.devices_per_chip
+
+    def device_flops_for(self, compute: str) -> float:
+        """Peak per device of the products `compute` ("bf16", "fp8", "int8") makes."""
+        peak = {"fp8": self.fp8_flops, "int8": self.int8_flops}.get(compute) or self.bf16_flops
+        return peak / self.devices_per_chip
 
     @property
     def device_bandwidth(self) -> float:
@@ -52,12 +61,46 @@ class Chip:
 
 GIB, GB, TB = 2**30, 1e9, 1e12
 CHIPS = (
-    Chip("TPU7x (Ironwood)", "TPU7x", 2307 * TB, 192 * GIB, 7.37 * TB, 2, "cloud.google.com/tpu/docs/tpu7x"),
     Chip(
-        "TPU v6e (Trillium)", "TPU v6 lite", 918 * TB, 32 * GB, 1640 * GB, 1, "cloud.google.com/tpu/docs/v6e"
+        "TPU7x (Ironwood)",
+        "TPU7x",
+        2307 * TB,
+        192 * GIB,
+        7.37 * TB,
+        2,
+        "cloud.google.com/tpu/docs/tpu7x",
+        fp8_flops=4614 * TB,
     ),
-    Chip("TPU v5p", "TPU v5", 459 * TB, 95 * GIB, 2765 * GB, 1, "cloud.google.com/tpu/docs/v5p"),
-    Chip("TPU v5e", "TPU v5 lite", 197 * TB, 16 * GB, 819 * GB, 1, "cloud.google.com/tpu/docs/v5e"),
+    Chip(
+        "TPU v6e (Trillium)",
+        "TPU v6 lite",
+        918 * TB,
+        32 * GB,
+        1640 * GB,
+        1,
+        "cloud.google.com/tpu/docs/v6e",
+        int8_flops=1836 * TB,
+    ),
+    Chip(
+        "TPU v5p",
+        "TPU v5",
+        459 * TB,
+        95 * GIB,
+        2765 * GB,
+        1,
+        "cloud.google.com/tpu/docs/v5p",
+        int8_flops=918 * TB,
+    ),
+    Chip(
+        "TPU v5e",
+        "TPU v5 lite",
+        197 * TB,
+        16 * GB,
+        819 * GB,
+        1,
+        "cloud.google.com/tpu/docs/v5e",
+        int8_flops=394 * TB,
+    ),
     # NVIDIA's dense tensor-core figures (without sparsity; FP32 accumulation for the GeForce card), and the
     # memory a card reports to CUDA (`klein.pipeline.gpu_targets`).
     *(
@@ -70,12 +113,13 @@ CHIPS = (
             1,
             source,
             fp8 * TB,
+            int8 * TB,
         )
-        for name, card, bf16, fp8, source in (
-            ("NVIDIA H100 SXM", "h100", 989, 1979, "nvidia.com/en-us/data-center/h100"),
-            ("NVIDIA H200", "h200", 989, 1979, "nvidia.com/en-us/data-center/h200"),
-            ("NVIDIA L40S", "l40s", 362, 733, "nvidia.com/en-us/data-center/l40s"),
-            ("NVIDIA GeForce RTX 4090", "rtx-4090", 165, 330, "NVIDIA Ada GPU architecture whitepaper"),
+        for name, card, bf16, fp8, int8, source in (
+            ("NVIDIA H100 SXM", "h100", 989, 1979, 1979, "nvidia.com/en-us/data-center/h100"),
+            ("NVIDIA H200", "h200", 989, 1979, 1979, "nvidia.com/en-us/data-center/h200"),
+            ("NVIDIA L40S", "l40s", 362, 733, 733, "nvidia.com/en-us/data-center/l40s"),
+            ("NVIDIA GeForce RTX 4090", "rtx-4090", 165, 330, 661, "NVIDIA Ada GPU architecture whitepaper"),
         )
     ),
 )
@@ -123,6 +167,21 @@ def stage_flops(models: plan.Models, work: plan.Workload) -> dict[str, float]:
     return stages
 
 
+def product_shares(models: plan.Models, work: plan.Workload) -> dict[str, float]:
+    """The part of each transformer stage's FLOPs made in the blocks' Linears (8-bit under `--compute fp8 |
+    int8`); the stages missing make none."""
+    cfg = models.transformer
+    token = models.vae.pixels_per_token
+    image = (work.height // token) * (work.width // token)
+    refs, text = work.reference_tokens, plan.TEXT_TOKENS
+    if work.cached:
+        shares = {"step": flops.product_share(cfg, text + image, text + refs + image)}
+        if refs:
+            shares["prefill"] = flops.product_share(cfg, refs, refs)
+        return shares
+    return {"step": flops.product_share(cfg, text + image + refs, text + image + refs)}
+
+
 def sharers(mesh, stage: str, images: int) -> int:
     """Devices a stage's work splits over on `mesh`: heads and MLP widths (tensor) for the transformer and
     the text encoder, tokens (context) and images (data, where they divide) for the transformer. The decode
@@ -137,19 +196,21 @@ def sharers(mesh, stage: str, images: int) -> int:
 
 
 def times(
-    models, work, steps: int, mesh, analyses: dict[str, dict[str, int]], on: Chip
+    models, work, steps: int, mesh, analyses: dict[str, dict[str, int]], on: Chip, compute: str = "bf16"
 ) -> dict[str, StageTime]:
     """Each compiled stage's roofline time on `on`'s devices of `mesh`; `analyses`: per stage, XLA's
-    per-device "arguments" and "outputs" in bytes."""
-    work_flops = stage_flops(models, work)
+    per-device "arguments" and "outputs" in bytes; `compute`: the transformer blocks' products."""
+    work_flops, shares = stage_flops(models, work), product_shares(models, work)
     out = {}
     for stage, analysis in analyses.items():
         per_device = work_flops[stage] / sharers(mesh, stage, work.images)
+        share = shares.get(stage, 0.0)
+        seconds = per_device * ((1 - share) / on.device_flops + share / on.device_flops_for(compute))
         moved = analysis["arguments"] + analysis["outputs"]
         out[stage] = StageTime(
             flops=per_device,
             bytes=moved,
-            compute=per_device / on.device_flops,
+            compute=seconds,
             memory=moved / on.device_bandwidth,
             runs=steps if stage == "step" else 1,
         )

@@ -207,7 +207,7 @@ def _target_command(flags: argparse.Namespace) -> int:
     if flags.compiled:
         analyses = compiled.analyse(models, memory.workload, dtype, mesh, compute=compute)
         stages = {name: dataclasses.asdict(analysis) for name, analysis in analyses.items()}
-        times = roofline.times(models, memory.workload, models.variant.steps, mesh, stages, on)
+        times = roofline.times(models, memory.workload, models.variant.steps, mesh, stages, on, compute)
         report["compiled"] = stages
         report["roofline"] = dict(
             stages={name: dict(dataclasses.asdict(t), seconds=t.seconds) for name, t in times.items()},

@@ -1,0 +1,49 @@
+"""The roofline under 8-bit compute: the transformer's block products at the chip's FP8 / INT8 peak, its
+attention and the other stages at the bf16 one (pure arithmetic: no program is compiled)."""
+
+import pytest
+
+from klein import sharding
+from klein.bench import flops, roofline
+from klein.memory import plan
+from klein.pipeline import gpu_targets
+
+MODELS = plan.published("klein-9b-kv", "bfloat16")
+WORK = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
+MOVED = {stage: {"arguments": 0, "outputs": 0} for stage in ("text", "prefill", "step", "decode")}
+
+
+def compute_times(chip, compute):
+    mesh = sharding.abstract_mesh("tensor=1")
+    return {
+        name: t.compute for name, t in roofline.times(MODELS, WORK, 4, mesh, MOVED, chip, compute).items()
+    }
+
+
+@pytest.mark.parametrize("compute, peak", [("fp8", 1979e12), ("int8", 1979e12)])
+def test_8_bit_products_run_at_their_peak_and_the_rest_at_bf16s(compute, peak):
+    h100 = roofline.chip(gpu_targets.CARDS["h100"].device_kind)
+    bf16, eight = compute_times(h100, "bf16"), compute_times(h100, compute)
+    work = roofline.stage_flops(MODELS, WORK)
+    shares = roofline.product_shares(MODELS, WORK)
+    assert set(shares) == {"prefill", "step"} and all(0.5 < s < 1 for s in shares.values())
+    for stage in ("prefill", "step"):
+        share = shares[stage]
+        assert eight[stage] == pytest.approx(work[stage] * ((1 - share) / 989e12 + share / peak))
+        assert bf16[stage] == pytest.approx(work[stage] / 989e12)
+    assert (eight["text"], eight["decode"]) == (bf16["text"], bf16["decode"])
+
+
+def test_the_step_share_is_the_linears_part_of_the_flop_model():
+    cfg, token = MODELS.transformer, MODELS.vae.pixels_per_token
+    image, text = (1024 // token) ** 2, plan.TEXT_TOKENS
+    linears = (cfg.num_layers + cfg.num_single_layers) * 26.0 * cfg.hidden**2 * (text + image)
+    assert roofline.product_shares(MODELS, WORK)["step"] == pytest.approx(
+        linears / flops.cached_flops(cfg, text, image, WORK.reference_tokens, 1)
+    )
+
+
+def test_a_chip_without_a_published_8_bit_peak_is_given_its_bf16_one():
+    ironwood = roofline.chip("TPU7x")
+    assert ironwood.int8_flops == 0 and ironwood.device_flops_for("int8") == ironwood.device_flops
+    assert ironwood.device_flops_for("fp8") == pytest.approx(4614e12 / 2)  # two TensorCores a chip
