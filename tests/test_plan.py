@@ -152,17 +152,24 @@ def test_every_help_explains_the_stream_policy(command, capsys):
 @pytest.mark.parametrize("compute, kernel", [("fp8", "uint8"), ("int8", "int8")])
 def test_compiled_programs_take_the_weights_as_stored_for_their_compute(compute, kernel):
     """`klein plan --compiled --compute` compiles over the transformer the loader stores for the compute:
-    the blocks' kernels in 8 bits (float8 stacks as their bits) beside float32 scales, every other weight
-    as for bf16 products."""
+    the blocks' kernels in 8 bits (float8 stacks as their bits) and [L, out, in] (`weight`) beside float32
+    scales, every other weight as for bf16 products."""
     cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
-    kinds = {}
+    kinds, shapes = {}, {}
     for each in ("bf16", compute):
         _, state = compiled._transformer(cfg, jnp.bfloat16, each)
-        kinds[each] = {".".join(map(str, p)): str(v.get_value().dtype) for p, v in nnx.to_flat_state(state)}
+        flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
+        kinds[each] = {k: str(v.dtype) for k, v in flat.items()}
+        shapes[each] = {k: v.shape for k, v in flat.items()}
     changed = {k: v for k, v in kinds[compute].items() if kinds["bf16"].get(k) != v}
     blocks = [
         k for k in kinds["bf16"] if k.endswith(".kernel") and k.split(".")[0] in compiled.TRANSFORMER_STACKED
     ]
-    assert len(blocks) > 4 and {k: changed[k] for k in blocks} == dict.fromkeys(blocks, kernel)
-    scales = {k[: -len(".weight_scale")] + ".kernel" for k in changed if k.endswith(".weight_scale")}
-    assert scales == set(blocks) and {v for k, v in changed.items() if k not in blocks} == {"float32"}
+    stored = {k.removesuffix(".kernel") + ".weight": k for k in blocks}
+    assert len(blocks) > 4 and {k: changed[k] for k in stored} == dict.fromkeys(stored, kernel)
+    assert not set(blocks) & set(kinds[compute])
+    for weight, bf16_kernel in stored.items():
+        layers, d_in, d_out = shapes["bf16"][bf16_kernel]
+        assert shapes[compute][weight] == (layers, d_out, d_in), weight
+    scales = {k[: -len(".weight_scale")] + ".weight" for k in changed if k.endswith(".weight_scale")}
+    assert scales == set(stored) and {v for k, v in changed.items() if k not in stored} == {"float32"}

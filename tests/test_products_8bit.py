@@ -116,13 +116,14 @@ def test_a_stored_linear_runs_its_columns_and_a_widened_kernel_as_quantised(comp
     layer = Linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
     store(layer, {(): quantised(compute)})
     kernel, scale = reference_quantise(weight, compute, 0)
-    layer.kernel[...], layer.weight_scale[...] = jnp.asarray(kernel), jnp.asarray(scale[0])
+    assert layer.kernel is None and layer.weight[...].shape == (D_OUT, D_IN)  # [out, in]: an 8-bit GEMM's
+    layer.weight[...], layer.weight_scale[...] = jnp.asarray(kernel.T), jnp.asarray(scale[0])
     whole = np.asarray(layer(jnp.asarray(x)), np.float32)
     np.testing.assert_array_equal(
         np.asarray(layer.columns(jnp.asarray(x), 100, 300), np.float32), whole[..., 100:300]
     )
-    layer.kernel, layer.weight_scale = (
-        nnx.Param(jnp.asarray(weight, jnp.bfloat16)),
+    layer.weight, layer.weight_scale = (
+        nnx.Param(jnp.asarray(weight.T, jnp.bfloat16)),
         nnx.Param(jnp.ones(D_OUT)),
     )
     widened = np.asarray(layer(jnp.asarray(x)), np.float32)
@@ -176,10 +177,11 @@ def test_the_demo_computes_in_8_bits_close_to_bf16(klein_home, bf16_image, tmp_p
     pipe = load_pipeline(compute=compute, residency=residency)
     assert (pipe.compute, pipe.residency) == (compute, residency)
     state = dict(nnx.to_flat_state(pipe._models["transformer"].get()[1]))
-    kernel = ("single_transformer_blocks", "attn", "to_qkv_mlp_proj", "kernel")
+    kernel = ("single_transformer_blocks", "attn", "to_qkv_mlp_proj", "weight")  # [L, out, in]
     stored = state[kernel].get_value()
     assert stored.dtype == (jnp.uint8 if compute == "fp8" else jnp.int8)  # a float8 stack as its bits
-    assert state[(*kernel[:-1], "weight_scale")].get_value().shape == (stored.shape[0], stored.shape[-1])
+    assert state[(*kernel[:-1], "weight_scale")].get_value().shape == stored.shape[:2]
+    assert stored.shape[1] > stored.shape[2]  # the fused projection: out (3 D + 2 M) over in (D)
     image = _image(pipe)
     error = np.abs(image - bf16_image)
     assert 0 < error.mean() < 3.0, error.mean()  # 8-bit differs from bf16, and only a little

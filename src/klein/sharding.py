@@ -147,7 +147,12 @@ def partition_spec(axes: tuple, mesh, shape: tuple | None = None) -> PartitionSp
 
 
 def param_axes(path: tuple, table) -> tuple:
-    """Logical axes of the parameter at `path` (a tuple of names); unmatched parameters are replicated."""
+    """Logical axes of the parameter at `path` (a tuple of names); unmatched parameters are replicated.
+    A Linear's `weight` (its kernel stored [out, in] for 8-bit products, `klein.models.layers.Linear`)
+    has its kernel's axes with the last two swapped: the split axis moves with the out axis."""
+    if path and path[-1] == "weight":
+        axes = param_axes((*path[:-1], "kernel"), table)
+        return (*axes[:-2], axes[-1], axes[-2]) if len(axes) >= 2 else axes
     dotted = ".".join(str(p) for p in path)
     for pattern, axes in table:
         if re.fullmatch(pattern, dotted):

@@ -5,7 +5,7 @@ import re
 
 _VALUE = re.compile(r"(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _PARAMETER = re.compile(r"([\w.\-]+): (\w+)\[([\d,]*)\]")
-_OPERANDS = re.compile(r" (dot|convert)\(%([\w.\-]+)(?:, %([\w.\-]+))?\)")
+_OPERANDS = re.compile(r" (dot|convert|transpose|copy)\(%([\w.\-]+)(?:, %([\w.\-]+))?\)")
 
 
 def dims_of(text: str) -> tuple[int, ...]:
@@ -14,8 +14,8 @@ def dims_of(text: str) -> tuple[int, ...]:
 
 
 def operations(hlo: str, kind: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
-    """(result dtype, [(dtype, dims) of each operand]) of every `kind` ("dot" or "convert") of an
-    optimised HLO module, fused or not."""
+    """(result dtype, [(dtype, dims) of each operand]) of every `kind` ("dot", "convert", "transpose" or
+    "copy") of an optimised HLO module, fused or not."""
     found, types = [], {}
     for line in hlo.splitlines():
         line = line.strip()

@@ -78,9 +78,9 @@ def load_transformer(
     folder = Path(folder)
     cfg = read_config(folder)
     source = TensorSource.from_folder(folder, "diffusion_pytorch_model")
-    forms = stored_forms(checkpoint_keys(abstract_transformer(cfg), STACKED, key_map), compute=compute)
+    plan = checkpoint_keys(abstract_transformer(cfg), STACKED, key_map)
+    forms = stored_forms(plan, compute=compute)
     abstract = abstract_transformer(cfg, dtype, forms)
-    plan = checkpoint_keys(abstract, STACKED, key_map)
     mapped = MappedSource(source, quantised_table({}, quantised_keys(plan, forms)))
     # dtype None: every weight as the abstract model holds it (8-bit kernels stay 8-bit).
     return load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)

@@ -5,6 +5,8 @@ or float[I, O]; an update adds `strength * scale * (up @ down).T` (down float[r,
 layer. The sum is formed in float32 and cast to the kernel's compute dtype once, so several LoRAs cost one
 rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
 touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
+A kernel stored for 8-bit products is float[L?, O, I] (`klein.models.layers.Linear`'s `weight`) and is
+merged in that layout.
 A merged kernel lives where the original did: a stack the residency policy `stream` keeps in host memory
 is merged there, one layer at a time through the device, and never comes to the device whole.
 
@@ -31,9 +33,10 @@ Weighted = tuple[Update, float]
 
 
 def merge_kernel(
-    kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype, sharding=None
+    kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype, sharding=None, out_in: bool = False
 ) -> jax.Array:
-    """kernel float[L?, I, O] (FP8 with weight_scale float32[L?], else weight_scale None) plus the updates,
+    """kernel float[L?, I, O] ([L?, O, I] if `out_in`; 8-bit with weight_scale float32[L?] or [L?, O], else
+    weight_scale None) plus the updates,
     in `dtype`, placed with `sharding`; a stack in its stored form (`klein.models.stacks.as_bits`).
 
     A stack is merged layer by layer: each layer the updates touch is formed on the device by one program
@@ -44,7 +47,8 @@ def merge_kernel(
     scales = np.ones(kernel.shape[:-2], np.float32) if weight_scale is None else weight_scale
     if kernel.ndim == 2:
         return jax.device_put(
-            _merged(kernel, scales, *_low_rank(updates, kernel.shape), dtype=dtype), sharding
+            _merged(kernel, scales, *_low_rank(updates, kernel.shape, out_in), dtype=dtype, out_in=out_in),
+            sharding,
         )
     if weight_scale is None:  # the layers no update touches stay as they are
         start, touched = kernel, sorted({update.layer for update, _ in updates})
@@ -53,31 +57,36 @@ def merge_kernel(
     if sharding is not None and sharding.memory_kind == "pinned_host":
         out = np.array(start) if start is kernel else start  # the kept original is not written to
         for layer in touched:
-            out[layer] = jax.device_get(_merged_layer(kernel, scales, updates, layer, dtype))
+            out[layer] = jax.device_get(_merged_layer(kernel, scales, updates, layer, dtype, out_in))
         return jax.device_put(as_bits(out), sharding)
     out = jax.device_put(as_bits(start), sharding)
     for layer in touched:
-        out = _set_layer(out, layer, _merged_layer(kernel, scales, updates, layer, dtype))
+        out = _set_layer(out, layer, _merged_layer(kernel, scales, updates, layer, dtype, out_in))
     return out
 
 
-def _merged_layer(stack: np.ndarray, scales, updates: list[Weighted], layer: int, dtype) -> jax.Array:
+def _merged_layer(stack: np.ndarray, scales, updates: list[Weighted], layer: int, dtype, out_in) -> jax.Array:
     """Layer `layer` of `stack` with the updates to it merged, in `dtype`, on the device."""
-    down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], stack.shape[1:])
-    return _merged(stack[layer], scales[layer], down, up, dtype=dtype)
+    down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], stack.shape[1:], out_in)
+    return _merged(stack[layer], scales[layer], down, up, dtype=dtype, out_in=out_in)
 
 
-def _low_rank(updates: list[Weighted], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def _low_rank(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> tuple[np.ndarray, np.ndarray]:
     """(down float32[R, I], up float32[O, R]) whose product is the sum of the scaled updates (R: total rank,
-    0 for a layer no update touches); `shape` is the kernel's [I, O]."""
+    0 for a layer no update touches); `shape` is the kernel's [I, O] ([O, I] if `out_in`)."""
+    shape = shape[::-1] if out_in else shape
     downs = [np.zeros((0, shape[0]), np.float32)] + [u.down * np.float32(u.scale * s) for u, s in updates]
     ups = [np.zeros((shape[1], 0), np.float32)] + [u.up for u, _ in updates]
     return np.concatenate(downs), np.concatenate(ups, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
-def _merged(kernel, scale, down, up, dtype):
-    delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
+@functools.partial(jax.jit, static_argnames=("dtype", "out_in"))
+def _merged(kernel, scale, down, up, dtype, out_in):
+    if out_in:  # scale [O] multiplies rows
+        delta = jnp.matmul(up, down, precision=jax.lax.Precision.HIGHEST)
+        scale = scale[:, None] if scale.ndim else scale
+    else:
+        delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
     return (kernel.astype(jnp.float32) * scale + delta).astype(dtype)
 
 
@@ -119,16 +128,16 @@ class MergedWeights:
         """Make `self.state` the original weights with exactly `updates` merged (earlier merges undone)."""
         self._updates = list(updates)
         by_path: dict[tuple, list[Weighted]] = defaultdict(list)
-        for update, strength in updates:
-            by_path[update.path].append((update, strength))
         flat = dict(nnx.to_flat_state(self.state))
+        for update, strength in updates:
+            by_path[_stored_path(flat, update.path)].append((update, strength))
         for path in sorted(set(self._base) | set(by_path)):
             self._keep_base(flat, path)
             kernel, scale = self._base[path]
             if path in by_path:
                 dtype = self._dtype if scale is not None else kernel.dtype
                 sharding = flat[path].get_value().sharding
-                merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding)
+                merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding, path[-1] == "weight")
                 _set(flat, path, merged, None if scale is None else np.ones_like(scale))
             else:
                 _set(flat, path, kernel, scale)
@@ -141,6 +150,11 @@ class MergedWeights:
                 as_float(np.asarray(jax.device_get(flat[path].get_value()))),
                 None if scale is None else np.asarray(jax.device_get(scale.get_value())),
             )
+
+
+def _stored_path(flat, kernel_path: tuple) -> tuple:
+    """Where a kernel is stored: under `kernel`, or [out, in] under `weight` for 8-bit products."""
+    return kernel_path if kernel_path in flat else (*kernel_path[:-1], "weight")
 
 
 def _scale_path(kernel_path: tuple) -> tuple:

@@ -23,38 +23,47 @@ class Linear(nnx.Module):
 
     The kernel float[in, out] is stored in `dtype`, or in 8 bits beside a float32 `weight_scale` (`store`);
     `compute` says how the product is made. Both are `klein.models.products`' business: the layer only
-    hands its stored arrays to `products.product`.
+    hands its stored arrays to `products.product`. A kernel for 8-bit products is stored [out, in] as
+    `weight` (PyTorch's name and layout, read without a transpose), `kernel` then None: an 8-bit GEMM
+    wants its weight's contracting axis innermost (docs/design.md, "8-bit products on the card").
     """
 
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
         self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (d_in, d_out), dtype))
+        self.weight: nnx.Param | None = nnx.data(None)  # the kernel [out, in], for 8-bit products
         self.weight_scale: nnx.Param | None = nnx.data(None)  # a Param once stored in 8 bits
         self.input_scale: nnx.Param | None = nnx.data(None)  # a Param where a file gives one
         self.dtype = dtype
         self.compute = products.BF16
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self._product(x, self.kernel[...], self._scale())
+        return self._product(x, slice(None), self._scale())
 
     def columns(self, x: jnp.ndarray, start: int, stop: int | None = None) -> jnp.ndarray:
         """`self(x)[..., start:stop]`, computing only those outputs."""
         scale = self._scale()
         if scale is not None and scale.ndim:  # one per output channel
             scale = scale[..., start:stop]
-        return self._product(x, self.kernel[..., start:stop], scale)
+        return self._product(x, slice(start, stop), scale)
 
-    def _product(self, x, kernel, scale):
+    def _product(self, x, outputs: slice, scale):
         given = None if self.input_scale is None else self.input_scale[...]
-        return products.product(x, kernel, scale, self.compute, self.dtype, given)
+        out_in = self.weight is not None
+        kernel = self.weight[..., outputs, :] if out_in else self.kernel[..., outputs]
+        return products.product(x, kernel, scale, self.compute, self.dtype, given, out_in=out_in)
 
     def _scale(self):
         return None if self.weight_scale is None else self.weight_scale[...]
 
     def store(self, form: Stored) -> None:
         """Switch storage to `form`'s 8-bit kernel and float32 scale (one per leading layer index, and per
-        output channel if the form says so)."""
+        output channel if the form says so); [out, in] as `weight` for an 8-bit product."""
         shape = self.kernel[...].shape
-        self.kernel = nnx.Param(jnp.zeros(shape, form.kernel))
+        if form.compute in products.EIGHT_BIT:
+            self.weight = nnx.Param(jnp.zeros(shape[:-2] + shape[:-3:-1], form.kernel))
+            self.kernel = nnx.data(None)
+        else:
+            self.kernel = nnx.Param(jnp.zeros(shape, form.kernel))
         self.weight_scale = nnx.Param(jnp.ones(shape[:-2] + shape[-1:] * form.per_channel, jnp.float32))
         if form.input_scale:
             self.input_scale = nnx.Param(jnp.ones(shape[:-2], jnp.float32))

@@ -6,8 +6,11 @@ A kernel float[in, out] is stored in the compute dtype (bf16 / float32), or in 8
 per output channel (quantised at load, shape [out]). `compute` says how the product is made:
 - "bf16": the kernel is widened inside the product to the compute dtype (weight-only quantisation);
 - "fp8" / "int8": both operands are 8-bit: the activations are quantised per token as they come
-  (`quantise`; an FP8 file's per-tensor `input_scale` where it gives one), the kernel is stored so; the product is accumulated in float32 / int32, and both scales
-  are applied in float32 before the one rounding to the compute dtype, as an 8-bit GEMM's epilogue does.
+  (`quantise`; an FP8 file's per-tensor `input_scale` where it gives one), the kernel is stored so, and
+  [out, in] (`out_in`): Hopper's 8-bit GEMMs want the weight's contracting axis innermost, and a stack
+  stored [L, in, out] was transposed whole before the layer loop (docs/design.md, "8-bit products on the
+  card"). The product is accumulated in float32 / int32, and both scales are applied in float32 before
+  the one rounding to the compute dtype, as an 8-bit GEMM's epilogue does.
   XLA:CPU has no float8 product and widens its operands inside the program (it still runs: tests check
   the path everywhere); int8 it multiplies natively.
 
@@ -42,11 +45,12 @@ COMPUTES = (BF16, FP8, INT8)
 EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
 
 
-def product(x, kernel, scale, compute: str, dtype, input_scale=None):
-    """`x @ (kernel * scale)` float[..., out] in `dtype`: x float[..., in], kernel [in, out] as stored,
-    scale None, float32[] or float32[out] (see the module docstring); `input_scale` float32[]: the file's
-    activation scale for an FP8 product, instead of one per token computed as the activations come."""
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
+def product(x, kernel, scale, compute: str, dtype, input_scale=None, out_in: bool = False):
+    """`x @ (kernel * scale)` float[..., out] in `dtype`: x float[..., in], kernel [in, out] as stored
+    ([out, in] if `out_in`: an 8-bit GEMM's layout, see the module docstring), scale None, float32[] or
+    float32[out]; `input_scale` float32[]: the file's activation scale for an FP8 product, instead of one
+    per token computed as the activations come."""
+    dims = (((x.ndim - 1,), (1 if out_in else 0,)), ((), ()))
     if compute not in EIGHT_BIT:
         if scale is None:
             return dot_general(x.astype(dtype), kernel.astype(dtype), dims)
@@ -54,8 +58,11 @@ def product(x, kernel, scale, compute: str, dtype, input_scale=None):
         return (total * scale).astype(dtype)
     operand, _, accumulator = EIGHT_BIT[compute]
     if kernel.dtype != operand:  # widened since it was stored (a merged LoRA): quantised as it runs
-        kernel, scale = quantise(kernel.astype(jnp.float32) * (1.0 if scale is None else scale), compute, 0)
-        scale = scale[0]
+        wide = kernel.astype(jnp.float32)
+        if scale is not None:
+            wide = wide * (scale[:, None] if out_in and scale.ndim else scale)
+        kernel, scale = quantise(wide, compute, 1 if out_in else 0)
+        scale = scale[:, 0] if out_in else scale[0]
     if input_scale is None:
         values, tokens = quantise(x, compute, -1)
     else:
