@@ -171,5 +171,17 @@ def test_compiled_programs_take_the_weights_as_stored_for_their_compute(compute,
     for weight, bf16_kernel in stored.items():
         layers, d_in, d_out = shapes["bf16"][bf16_kernel]
         assert shapes[compute][weight] == (layers, d_out, d_in), weight
+    # The tensor axis moves with the out axis: the fused projection is split by its rows.
+    fused = ("single_transformer_blocks", "attn", "to_qkv_mlp_proj")
+    assert sharding.param_axes((*fused, "kernel"), sharding.TRANSFORMER_PARAMS) == (
+        "layers",
+        "embed",
+        "fused",
+    )
+    assert sharding.param_axes((*fused, "weight"), sharding.TRANSFORMER_PARAMS) == (
+        "layers",
+        "fused",
+        "embed",
+    )
     scales = {k[: -len(".weight_scale")] + ".weight" for k in changed if k.endswith(".weight_scale")}
     assert scales == set(stored) and {v for k, v in changed.items() if k not in stored} == {"float32"}
