@@ -36,8 +36,8 @@ def merge_kernel(
     kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype, sharding=None, out_in: bool = False
 ) -> jax.Array:
     """kernel float[L?, I, O] ([L?, O, I] if `out_in`; 8-bit with weight_scale float32[L?] or [L?, O], else
-    weight_scale None) plus the updates,
-    in `dtype`, placed with `sharding`; a stack in its stored form (`klein.models.stacks.as_bits`).
+    weight_scale None) plus the updates, in `dtype`, placed with `sharding`; a stack in its stored form
+    (`klein.models.stacks.as_bits`).
 
     A stack is merged layer by layer: each layer the updates touch is formed on the device by one program
     (`_merged`), wherever its stack lives, so the device holds at most one layer in float32 besides the
