@@ -148,7 +148,7 @@ def plan_command(flags: argparse.Namespace) -> int:
     models = _computing(models or plan.published(variant, dtype), compute)
     limit, where = _device_memory(flags)
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
-    local_cpu = flags.device is None and flags.device_memory is None and _local_platform() == "cpu"
+    local_cpu = not named and _local_device().platform == "cpu"
     memory = plan.plan(
         variant,
         mesh,
@@ -270,7 +270,9 @@ def _compute(option: str, device) -> str:
 
 def _computing(models, compute: str):
     """`models` as planned with `compute`: 8-bit products keep the transformer's weights in one byte."""
-    return dataclasses.replace(models, fp8=models.fp8 or compute not in ("auto", "bf16"))
+    from klein.models import products
+
+    return dataclasses.replace(models, fp8=models.fp8 or compute in products.EIGHT_BIT)
 
 
 def _describe_compute(compute: str) -> str:
@@ -285,12 +287,6 @@ def _local_device():
     import jax
 
     return jax.local_devices()[0]
-
-
-def _local_platform() -> str:
-    import jax
-
-    return jax.local_devices()[0].platform
 
 
 def _device_memory(flags) -> tuple[int, str]:
