@@ -13,6 +13,14 @@ cold rows left it (warm); `warm` rows load with `load_pipeline(warm=...)` of 0 a
 inpainting at that size (`klein.pipeline.warmup`), as `klein serve` compiles ahead before it is ready.
 
     python benchmarks/compile_time.py --first-images --size 512
+
+--geometry klein-4b: the same rows on klein-4b's geometry instead of the demo's, random bf16 weights
+written once under $KLEIN_HOME/geometry (8.5 GB): the transformer at klein-4b's width (hidden 3072, 24
+heads, SwiGLU 9216) with 1 double + 2 single blocks instead of 5 + 20, the whole Qwen3-4B and the real
+VAE. Layers are scanned, so compiling does not grow with depth (the scan / unrolled rows above); running
+does, so its image times are those of that shallower transformer.
+
+    python benchmarks/compile_time.py --first-images --geometry klein-4b --size 512
 """
 
 import argparse
@@ -29,9 +37,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from klein.bench.configs import QWEN3_4B, REAL_VAE, _transformer
+from klein.io import demo
+from klein.io.paths import klein_home
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
-from klein.models.transformer_config import KLEIN_9B
+from klein.models.transformer_config import KLEIN_4B, KLEIN_9B
+
+# klein-4b's geometry at a depth this CPU runs in minutes (see the module docstring).
+GEOMETRIES = {
+    "klein-4b": demo.RandomCheckpoint(
+        _transformer(dataclasses.replace(KLEIN_4B, num_layers=1, num_single_layers=2)),
+        REAL_VAE,
+        QWEN3_4B,
+        pipeline="Flux2KleinPipeline",
+        dtype="bfloat16",
+    )
+}
 
 
 def measure(cfg, unroll, n_img, n_txt):
@@ -118,13 +140,20 @@ def main():
     parser.add_argument("--first-images", action="store_true", help="time fresh processes to their images")
     parser.add_argument("--model", help="with --first-images: a checkpoint (default: the demo)")
     parser.add_argument("--size", type=int, default=512, help="with --first-images: the side in px")
+    parser.add_argument(
+        "--geometry", choices=tuple(GEOMETRIES), help="with --first-images: a random checkpoint of this shape"
+    )
     parser.add_argument("--layers", type=int, nargs=2, default=(8, 24), help="double and single blocks")
     parser.add_argument("--heads", type=int, default=2, help="heads of 128 channels")
     parser.add_argument("--tokens", type=int, default=1024, help="image tokens (a square number)")
     parser.add_argument("--text", type=int, default=512, help="text tokens")
     args = parser.parse_args()
     if args.first_images:
-        first_images(args.model, args.size)
+        model = args.model
+        if args.geometry:
+            home = klein_home() / "geometry" / f"{args.geometry}-shallow"
+            model = str(demo.ensure_checkpoint(home, GEOMETRIES[args.geometry]))
+        first_images(model, args.size)
         return
     cfg = dataclasses.replace(
         KLEIN_9B,

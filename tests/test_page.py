@@ -5,8 +5,9 @@ steps, see the image; a second prompt on the same reference shows the cache hit;
 reference of the next edit; a download keeps klein's PNG metadata. Then: what the page refuses when a file
 is picked and what the server refuses, shown inline with the prompt kept; limits only from /v1/config;
 results and references kept across a reload, their object URLs revoked when they go; one retry policy for
-every request; the notice that a fresh server's first request compiles. Throughout: no request that
-leaves the server's origin and, where nothing is refused on purpose, no console errors.
+every request; the notice that a fresh server's first request compiles, and what a server compiling ahead
+shows while it warms. Throughout: no request that leaves the server's origin and, where nothing is refused on
+purpose, no console errors.
 """
 
 import collections
@@ -477,6 +478,27 @@ def test_a_fresh_server_says_once_that_its_first_request_compiles(klein_home, br
         expect(notice).to_be_hidden()
         held.pop().continue_()
         expect(page.locator("#status")).to_contain_text("Done in", timeout=GENERATION_TIMEOUT_MS)
+        assert not tab.errors, tab.errors
+
+
+def test_a_warming_server_says_so_and_its_first_edit_compiles_nothing(klein_home, browser):
+    flags = ("--max-steps", "2", "--warm-size", "128x128")
+    with running(klein_home, *flags, warm=True) as url, new_tab(browser, url) as tab:
+        assert httpx.get(f"{url}/healthz").json()["status"] == "warming"
+        page, status = tab.page, tab.page.locator("#status")
+        page.goto(f"{url}/")
+        expect(status).to_contain_text("Warming up")
+        # A request made while it warms waits in the queue and runs once the server is ready.
+        page.set_input_files("#ref-input", [png_file("warm.png", 128, 128)])
+        expect(page.locator("#refs li")).to_have_count(1)
+        page.fill("#prompt", "asked while warming")
+        page.click("#generate")
+        expect(page.locator("#history li")).to_have_count(1, timeout=GENERATION_TIMEOUT_MS)
+        assert httpx.get(f"{url}/healthz").json()["status"] == "ok"
+        lines = page.evaluate("window.statusLines")
+        assert any(line.startswith("Warming up") for line in lines), lines
+        # The size it warmed: the first edit found every program compiled.
+        assert not [line for line in lines if line.startswith("Compiling")], lines
         assert not tab.errors, tab.errors
 
 

@@ -24,14 +24,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(klein_home, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start(
+    klein_home, *flags: str, env: dict | None = None, warm: bool = False
+) -> tuple[subprocess.Popen, str]:
     """(process, base URL) of a `klein serve` with the demo checkpoint, once it answers /healthz; `env`:
     variables to add to the environment (a KLEIN_API_KEY of the tests' own is not passed on). It does not
-    compile ahead (--no-warm): tests/test_recompiles.py tests warming, in process."""
+    compile ahead (--no-warm: tests/test_recompiles.py tests warming, in process) unless `warm`; a warming
+    server is returned as soon as it answers (/healthz 503 "warming")."""
     port = free_port()
     inherited = {name: value for name, value in os.environ.items() if name != "KLEIN_API_KEY"}
     env = dict(inherited, KLEIN_HOME=str(klein_home), JAX_PLATFORMS="cpu", **(env or {}))
-    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), "--no-warm", *flags]
+    command = [sys.executable, "-m", "klein.cli.main", "serve", "--port", str(port), *flags]
+    command += [] if warm else ["--no-warm"]
     # The log goes to a file: a pipe nobody reads would fill up and stall the server.
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -42,7 +46,7 @@ def start(klein_home, *flags: str, env: dict | None = None) -> tuple[subprocess.
         if process.poll() is not None:
             raise RuntimeError(f"klein serve exited with {process.returncode}:\n{log_of(process)}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+            if httpx.get(url + "/healthz", timeout=2).status_code in ((200, 503) if warm else (200,)):
                 return process, url
         time.sleep(0.2)
     process.kill()
@@ -69,8 +73,8 @@ def log_of(process: subprocess.Popen) -> str:
 
 
 @contextlib.contextmanager
-def running(klein_home, *flags: str, env: dict | None = None):
-    process, url = start(klein_home, *flags, env=env)
+def running(klein_home, *flags: str, env: dict | None = None, warm: bool = False):
+    process, url = start(klein_home, *flags, env=env, warm=warm)
     try:
         yield url
     finally:

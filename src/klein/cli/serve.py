@@ -217,6 +217,7 @@ def serve_command(flags: argparse.Namespace) -> int:
         replicas=flags.replicas,
         address=flags.ray_address,
         routing=flags.routing or "references",
+        warm=warm_shapes(flags, options),
     )
 
 

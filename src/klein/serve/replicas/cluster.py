@@ -42,8 +42,10 @@ def serve_replicas(
     replicas: int,
     address: str | None,
     routing: str,
+    warm=(),
 ) -> int:
-    """Serve until SIGTERM / SIGINT; the exit code."""
+    """Serve until SIGTERM / SIGINT, each replica compiling the `warm` shapes (`klein.pipeline.warmup`)
+    before it is ready; the exit code."""
     ray_runtime.start(address, {PROXY_CALLBACK: proxy.IMPORT_PATH})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
@@ -59,7 +61,7 @@ def serve_replicas(
         )
         front = serve.deployment(FrontDeployment, name="Front").options(ray_actor_options={"num_cpus": 0})
         app = front.bind(
-            replica.bind(loading, options, memory_limit, version), options, version, routing, replicas
+            replica.bind(loading, options, memory_limit, version, warm), options, version, routing, replicas
         )
         serve.run(app, name=APP, route_prefix="/", blocking=False)
         print(f"klein serve: {replicas} replicas on http://{host}:{port} (Ray Serve)", file=sys.stderr)

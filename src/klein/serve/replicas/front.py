@@ -38,6 +38,8 @@ log = logging.getLogger("klein.serve")
 RETRY_AFTER = 5
 """Seconds a client is asked to wait after losing a replica: Serve notices the death and routes around
 it at once; the replacement takes longer (a pipeline load)."""
+WARMING_POLL = 1.0
+"""Seconds between the front's questions to replicas compiling ahead (`Front.follow_warming`)."""
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)
 """A replica died, or cannot be reached, while it held the request."""
 APP, REPLICA = "klein", "Replica"
@@ -126,6 +128,16 @@ class Front:
 
     def health(self) -> dict:
         return {**self._health, "replicas": self.replicas, "routing": self.routing}
+
+    async def follow_warming(self) -> None:
+        """While the replicas compile ahead (`klein serve` without --no-warm), ask them again every
+        `WARMING_POLL` s, so that /healthz says "warming" (503) and /v1/config `"warming": true` until a
+        replica answers ready. Replicas start together and warm the same shapes; a request sent to one still
+        warming waits in its queue, as on a single server."""
+        while self._health.get("status") == "warming":
+            await asyncio.sleep(WARMING_POLL)
+            self._health = await self.handle.health.remote()
+            self._config = await self.handle.config.remote()
 
     def config(self) -> dict:
         return {**self._config, "jobs_done": self.metrics.jobs_done, "replicas": self.replicas}
@@ -258,6 +270,7 @@ class FrontDeployment:
             "replicas": count,
         }
         self.front = Front(replicas, options, version, routing, about)
+        self._warming = asyncio.get_running_loop().create_task(self.front.follow_warming())
 
     def __serve_build_asgi_app__(self):
         return create_app(self.front)

@@ -21,12 +21,14 @@ EVENT_POLL = 0.05  # seconds between looks at a job's progress
 
 
 class Replica:
-    def __init__(self, loading, options: ServeOptions, memory_limit: int | None, version: str):
+    def __init__(self, loading, options: ServeOptions, memory_limit: int | None, version: str, warm=()):
+        """`warm`: the shapes its worker compiles ahead (`klein.pipeline.warmup`) before its first job, as
+        a single server's does: the replica answers at once, its health saying "warming" until then."""
         from klein.pipeline.flux2_klein import load
 
         pipe = load(loading)
         pipe.memory_limit = memory_limit
-        self.service = Service(pipe, options, version)
+        self.service = Service(pipe, options, version, warm)
 
     async def generate(self, work: Generation, images: tuple):
         """One generation as events: ("accepted", {}) or ("error", fields) at once, then ("running", {}),
