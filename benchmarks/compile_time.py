@@ -11,6 +11,8 @@ measured at a CPU-friendly width. Random weights; no checkpoint needed.
 the demo checkpoint) editing one --size^2 reference at --size^2; its cache folder empty (cold) or as the
 cold rows left it (warm); `warm` rows load with `load_pipeline(warm=...)` of 0 and 1 references and an
 inpainting at that size (`klein.pipeline.warmup`), as `klein serve` compiles ahead before it is ready.
+Each row also counts the programs each image built (`klein.pipeline.compilations`: lowered, whether XLA
+then compiled them or read them from the persistent cache).
 
     python benchmarks/compile_time.py --first-images --size 512
 
@@ -89,6 +91,7 @@ def measure(cfg, unroll, n_img, n_txt):
 CHILD = """
 import json, sys, time
 from klein.pipeline import warmup
+from klein.pipeline.compilations import Compilations
 from klein.pipeline.flux2_klein import load_pipeline
 import PIL.Image
 started, model, size, warm = float(sys.argv[1]), sys.argv[2] or None, int(sys.argv[3]), sys.argv[4] == "1"
@@ -97,19 +100,25 @@ pipe = load_pipeline(model, warm=shapes)
 pipe.set_progress_bar_config(disable=True)
 ready = time.time()
 picture = PIL.Image.new("RGB", (size, size), (90, 140, 60))
-pipe(prompt="put a hat on it", image=[picture], seed=1)
+with Compilations() as first_built:
+    pipe(prompt="put a hat on it", image=[picture], seed=1)
 first = time.time()
-pipe(prompt="a red scarf instead, in falling snow", image=[picture], seed=2)
+with Compilations() as second_built:
+    pipe(prompt="a red scarf instead, in falling snow", image=[picture], seed=2)
 second = time.time()
-print(json.dumps(dict(ready=ready - started, first=first - started, second=second - first)))
+times = dict(ready=ready - started, first=first - started, second=second - first)
+print(json.dumps(dict(times, first_built=len(first_built), second_built=len(second_built))))
 """
 
 
 def first_images(model: str | None, size: int) -> None:
     """One fresh process per row: seconds to ready, to the first image, and for the second."""
     print(f"{model or 'demo'}, one {size}x{size} reference, {size}x{size} output, {os.cpu_count()} CPUs")
-    print("| cache | compiled ahead | start to ready | start to first image | second image (new prompt) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| cache | compiled ahead | start to ready | start to first image | second image (new prompt) "
+        "| programs built: first image / second |"
+    )
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as home:
         if model is None:  # the demo's weights written before any row, not in the first one's time
             env = dict(os.environ, KLEIN_HOME=home)
@@ -129,7 +138,9 @@ def first_images(model: str | None, size: int) -> None:
                 t = json.loads(out.stdout.strip().splitlines()[-1])
                 ahead = "yes" if warm else "no"
                 print(
-                    f"| {cache} | {ahead} | {t['ready']:.1f} s | {t['first']:.1f} s | {t['second']:.2f} s |"
+                    f"| {cache} | {ahead} | {t['ready']:.1f} s | {t['first']:.1f} s | {t['second']:.2f} s "
+                    f"| {t['first_built']} / {t['second_built']} |",
+                    flush=True,
                 )
 
 
