@@ -36,12 +36,18 @@ class GGUFSource:
                 f"type is newer than the installed gguf package"
             ) from None
         self._tensors = {tensor.name: tensor for tensor in reader.tensors}
+        self._fields = reader.fields
         for tensor in reader.tensors:
             if tensor.tensor_type not in SUPPORTED:
                 raise CheckpointError(
                     f"{self._path}: tensor '{tensor.name}' has GGUF type {tensor.tensor_type.name}, which klein "
                     f"does not read (supported: {', '.join(t.name for t in SUPPORTED)})"
                 )
+
+    def metadata(self, key: str, default=None):
+        """The metadata value `key` (a number, string, or list of them), or `default` if the file has none."""
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
 
     def keys(self) -> set[str]:
         return set(self._tensors)
