@@ -11,6 +11,7 @@ from flax import nnx
 from klein.cli import main as cli
 from klein.errors import CheckpointError, InputError
 from klein.io import demo
+from klein.io.gguf_header import read_header
 from klein.io.text_encoder_checkpoint import load_text_encoder, read_config
 from klein.io.text_encoder_gguf import gguf_names, load_text_encoder_gguf, read_gguf_config
 from klein.models.qwen3 import prompt_embeddings
@@ -20,7 +21,7 @@ from klein.pipeline.flux2_klein import load_pipeline, locate
 from klein.pipeline.prompts import load_tokenizer, tokenize_prompts
 from klein.request import variants
 from klein.request.loading import LoadOptions
-from tests.support.qwen3_gguf import MIXED, dequantised_folder, write_qwen3_gguf
+from tests.support.qwen3_gguf import MIXED, T, dequantised_folder, write_qwen3_gguf
 from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
 
 PROMPTS = ["A red fox in fresh snow at dawn, 1024 x 768.", "Ünïcödé 東京 🐱 <think> <|im_end|> it's\n\n ok"]
@@ -134,11 +135,24 @@ def test_a_gguf_of_another_model_is_refused(tmp_path):
 
 
 def test_a_truncated_gguf_is_refused(mixed, tmp_path):
-    path = tmp_path / "cut.gguf"
-    data = mixed[0].read_bytes()
-    path.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
-        load_text_encoder_gguf(path)
+    path, data = tmp_path / "cut.gguf", mixed[0].read_bytes()
+    for cut, message in (
+        (len(data) - 1000, "cut short .* the download is incomplete"),
+        (100, "not a readable"),
+    ):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=message):
+            load_pipeline("demo", text_encoder=path)
+
+
+def test_header_equals_gguf_s_reader(mixed):
+    """`klein.io.gguf_header` reads what `gguf.GGUFReader` reads (metadata, tensor shapes and types)."""
+    header, reader = read_header(mixed[0]), gguf.GGUFReader(mixed[0])
+    assert header.metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert len(header.metadata["tokenizer.ggml.merges"]) > 100
+    assert header.shapes == {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    assert header.types == {t.name: t.tensor_type for t in reader.tensors}
+    assert set(header.types.values()) == {T.F32, T.F16, T.Q8_0, T.Q4_0}
 
 
 def test_too_few_layers_or_no_tokenizer_are_refused(tiny, tmp_path):

@@ -1,12 +1,10 @@
 """Reading GGUF files (community quantisations of FLUX.2 [klein] for ComfyUI-GGUF and stable-diffusion.cpp,
-and of its Qwen3 text encoder in llama.cpp's naming) with the `gguf` package.
+and of its Qwen3 text encoder: `klein.io.text_encoder_gguf`) with the `gguf` package.
 
-Tensors keep the names they are stored under (BFL's for the transformer; `klein.io.text_encoder_gguf` maps
-llama.cpp's), and the metadata is read as values. Each tensor is dequantised to float32 on the host when
-the loader reads it, and the loader casts it to the compute dtype: the transformer then takes the device
-memory of an unquantised model of that dtype (klein-9b: 18.2 GB in bf16). GGUF saves disk space and
-download time, not device memory. Shapes are reported in PyTorch order (GGUF lists dimensions innermost
-first).
+Tensors keep the names they are stored under. Each tensor is dequantised to float32 on the host when the
+loader reads it, and the loader casts it to the compute dtype: the transformer then takes the device memory
+of an unquantised model of that dtype (klein-9b: 18.2 GB in bf16). GGUF saves disk space and download time,
+not device memory. Shapes are reported in PyTorch order (GGUF lists dimensions innermost first).
 """
 
 from __future__ import annotations
@@ -38,18 +36,12 @@ class GGUFSource:
                 f"type is newer than the installed gguf package"
             ) from None
         self._tensors = {tensor.name: tensor for tensor in reader.tensors}
-        self._fields = reader.fields
         for tensor in reader.tensors:
             if tensor.tensor_type not in SUPPORTED:
                 raise CheckpointError(
                     f"{self._path}: tensor '{tensor.name}' has GGUF type {tensor.tensor_type.name}, which klein "
                     f"does not read (supported: {', '.join(t.name for t in SUPPORTED)})"
                 )
-
-    def metadata(self, key: str, default=None):
-        """The metadata value `key` (a number, string, or list of them), or `default` if the file has none."""
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
 
     def keys(self) -> set[str]:
         return set(self._tensors)

@@ -16,7 +16,7 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from klein.errors import CheckpointError
-from klein.io.gguf_file import GGUFSource
+from klein.io.gguf_header import read_header
 
 # The split pattern of Qwen2's (and Qwen3's) tokenizer.json, llama.cpp's pre-tokenizer "qwen2".
 QWEN2_SPLIT = (
@@ -46,15 +46,15 @@ class GGUFTokenizer:
 
 
 def holds_tokenizer(path: str | Path) -> bool:
-    """Whether the GGUF at `path` has a tokenizer in its metadata (its tensors and tokens not read)."""
-    return GGUFSource(path).metadata(_K.MODEL) is not None
+    """Whether the GGUF at `path` has a tokenizer in its metadata."""
+    return _K.MODEL in read_header(path).metadata
 
 
 def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     """The tokenizer and chat template stored in the GGUF at `path` (a Qwen3 one: `pre` = "qwen2")."""
     path = Path(path)
-    source = GGUFSource(path)
-    model, pre = source.metadata(_K.MODEL), source.metadata(_K.PRE)
+    metadata = read_header(path).metadata
+    model, pre = metadata.get(_K.MODEL), metadata.get(_K.PRE)
     if model is None:
         raise CheckpointError(
             f"{path}: no tokenizer in its metadata ({_K.MODEL}); name the tokenizer's folder (--tokenizer)"
@@ -64,15 +64,15 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
             f"{path}: its tokenizer is {model!r} with pre-tokenizer {pre!r}; klein rebuilds Qwen's "
             f"('gpt2', 'qwen2') only. Name the tokenizer's folder (--tokenizer) instead"
         )
-    tokens, types = source.metadata(_K.LIST), source.metadata(_K.TOKEN_TYPE)
-    merges, template = source.metadata(_K.MERGES), source.metadata(_K.CHAT_TEMPLATE)
+    tokens, types = metadata.get(_K.LIST), metadata.get(_K.TOKEN_TYPE)
+    merges, template = metadata.get(_K.MERGES), metadata.get(_K.CHAT_TEMPLATE)
     missing = [name for name, value in ((_K.MERGES, merges), (_K.CHAT_TEMPLATE, template)) if not value]
     if not tokens or not types or len(tokens) != len(types) or missing:
         raise CheckpointError(
             f"{path}: the GGUF metadata has no complete tokenizer ({', '.join(missing) or _K.LIST}); name "
             f"the tokenizer's folder (--tokenizer) instead"
         )
-    ids = {name: source.metadata(key) for name, key in _SPECIAL_IDS.items()}
+    ids = {name: metadata.get(key) for name, key in _SPECIAL_IDS.items()}
     special = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
     if "pad_token" not in special:
         raise CheckpointError(f"{path}: the GGUF metadata names no padding token ({_K.PAD_ID})")

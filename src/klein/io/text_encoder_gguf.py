@@ -4,7 +4,8 @@ llama.cpp's converter writes a Qwen3 checkpoint's tensors under its own names (`
 `blk.N.attn_q.weight`, ...) in their PyTorch layout, without the Q/K row permutation it applies to Llama
 (`Qwen3Model` derives from `Qwen2Model`, which keeps transformers' rotate-half order, llama.cpp's NEOX rope).
 The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3`, and the shape comes
-from the file's metadata (`qwen3.block_count`, ...). Only the layers the prompt embedding reads are loaded,
+from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow reader
+(`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded,
 as from a folder (`klein.io.text_encoder_checkpoint`); each tensor is dequantised to float32 as it is read
 (`klein.io.gguf_file`) and cast to the compute dtype.
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 from klein.errors import CheckpointError
 from klein.io.gguf_file import GGUFSource
+from klein.io.gguf_header import Header, read_header
 from klein.io.loading import expected_shapes, load_module
 from klein.io.mapped import MappedSource, Whole
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, check_layers, skipped_keys
@@ -35,52 +37,50 @@ def load_text_encoder_gguf(
 ) -> Qwen3TextEncoder:
     """The first max(layers) decoder layers (and the embedding) of the Qwen3 GGUF at `path`; `place` as for
     `klein.io.text_encoder_checkpoint.load_text_encoder`."""
-    source = open_gguf(path)
-    config = read_gguf_config(path, layers, source)
+    config = read_gguf_config(path, layers)
     num_layers = max(layers)
     abstract = abstract_text_encoder(config, num_layers, dtype)
-    mapped = MappedSource(source, {key: Whole(name) for key, name in gguf_names(config).items()})
+    table = {key: Whole(name) for key, name in gguf_names(config).items()}
+    mapped = MappedSource(GGUFSource(path), table)
     skip = skipped_keys(config, num_layers).__contains__
     return load_module(abstract, mapped, dtype=dtype, stacked=STACKED, skip=skip, place=place)
 
 
-def open_gguf(path: str | Path) -> GGUFSource:
-    """The GGUF at `path`, refused unless it holds a Qwen3 model (`general.architecture`)."""
+def qwen3_header(path: str | Path) -> Header:
+    """The header of the GGUF at `path`, refused unless it holds a Qwen3 model (`general.architecture`)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
-    source = GGUFSource(path)
-    arch = source.metadata(gguf.Keys.General.ARCHITECTURE)
+    header = read_header(path)
+    arch = header.metadata.get(gguf.Keys.General.ARCHITECTURE)
     if arch != ARCH:
         held = f"a {arch!r} model" if arch else "no general.architecture"
         raise CheckpointError(
             f"{path}: holds {held}, not a Qwen3 text encoder; --text-encoder takes a Qwen3-4B or Qwen3-8B "
             f"GGUF in llama.cpp's naming (general.architecture = {ARCH!r}), or a Qwen3 folder"
         )
-    return source
+    return header
 
 
-def read_gguf_config(
-    path: str | Path, layers: Sequence[int] = PROMPT_LAYERS, source: GGUFSource | None = None
-) -> Qwen3Config:
+def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) -> Qwen3Config:
     """The `Qwen3Config` of a Qwen3 GGUF, from its metadata and the embedding's shape (no weight is read);
     refused, as a folder's, unless the decoder has the layers the prompt embedding reads."""
-    source = source or open_gguf(path)
-    if _EMBEDDING not in source.keys():
+    header = qwen3_header(path)
+    if _EMBEDDING not in header.shapes:
         raise CheckpointError(f"{path}: no tensor {_EMBEDDING!r}: not a whole Qwen3 checkpoint")
 
     def field(name: str, default=None):
-        value = source.metadata(name.format(arch=ARCH), default)
+        value = header.metadata.get(name.format(arch=ARCH), default)
         if value is None:
             raise CheckpointError(f"{path}: the GGUF metadata has no {name.format(arch=ARCH)!r}")
         return value
 
-    scaling = source.metadata(gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH), "none")
+    scaling = header.metadata.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH), "none")
     if scaling != "none":
         raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported (Qwen3 has none)")
     hidden, heads = int(field(gguf.Keys.LLM.EMBEDDING_LENGTH)), int(field(gguf.Keys.Attention.HEAD_COUNT))
     config = Qwen3Config(
-        vocab_size=source.shape(_EMBEDDING)[0],
+        vocab_size=header.shapes[_EMBEDDING][0],
         hidden_size=hidden,
         intermediate_size=int(field(gguf.Keys.LLM.FEED_FORWARD_LENGTH)),
         num_hidden_layers=int(field(gguf.Keys.LLM.BLOCK_COUNT)),
@@ -89,7 +89,7 @@ def read_gguf_config(
         head_dim=int(field(gguf.Keys.Attention.KEY_LENGTH, hidden // heads)),
         rope_theta=_decimal(field(gguf.Keys.Rope.FREQ_BASE)),
         rms_norm_eps=_decimal(field(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
-        tie_word_embeddings=_OUTPUT not in source.keys(),
+        tie_word_embeddings=_OUTPUT not in header.shapes,
     )
     check_layers(config, layers, path)
     return config
