@@ -5,8 +5,8 @@ llama.cpp's converter writes a Qwen3 checkpoint's tensors under its own names (`
 (`Qwen3Model` derives from `Qwen2Model`, which keeps transformers' rotate-half order, llama.cpp's NEOX rope).
 The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3`, and the shape comes
 from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow reader
-(`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded,
-as from a folder (`klein.io.text_encoder_checkpoint`); each tensor is dequantised to float32 as it is read
+(`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded, as from a folder
+(`klein.io.text_encoder_checkpoint`); each tensor is dequantised to float32 as it is read
 (`klein.io.gguf_file`) and cast to the compute dtype.
 """
 
