@@ -1,8 +1,8 @@
 """A GGUF file's header: its metadata and the names, shapes and types of its tensors, no tensor read.
 
 `gguf.GGUFReader` makes a NumPy view of every part of every metadata value as it opens a file: a Qwen3
-GGUF's 151936 tokens and 151387 merges take it ~600 000 views (13-26 s here, AMD EPYC, 2 cores). Reading
-the header with `struct` takes a fraction of a second, so a text encoder is located, its configuration
+GGUF's 151936 tokens and 151387 merges take it over a million views (16.9 s here, against 0.7 s with `struct`:
+`benchmarks/gguf_header.py`, AMD EPYC, 2 cores shared), so a text encoder is located, its configuration
 read and its tokenizer rebuilt without it; the loader opens the file with `gguf` (`klein.io.gguf_file`)
 only to read the weights. The layout is GGUF's (version 2 and 3, little-endian): magic, version, tensor
 count, metadata count, the metadata (key, type, value), the tensor infos (name, dimensions innermost
