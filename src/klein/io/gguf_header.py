@@ -52,7 +52,8 @@ def read_header(path: str | Path) -> Header:
             f"{path}: not a readable GGUF file ({exc or type(exc).__name__}); the download may be incomplete"
         ) from None
     alignment = int(header.metadata.get(gguf.Keys.General.ALIGNMENT, gguf.GGUF_DEFAULT_ALIGNMENT))
-    needed = -(-infos_end // alignment) * alignment + data_bytes
+    # A vocabulary-only file (llama.cpp's --vocab-only) ends with its metadata, unpadded.
+    needed = -(-infos_end // alignment) * alignment + data_bytes if header.shapes else infos_end
     if size < needed:
         raise CheckpointError(
             f"{path}: cut short ({size} bytes; its tensors end at byte {needed}): the download is incomplete"
