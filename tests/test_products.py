@@ -60,7 +60,7 @@ def test_the_text_encoder_runs_in_bf16_and_looks_up_rows_of_the_stored_table():
     (`klein.models.stacks.rows`). `nnx.Embed` gave float32 rows (its default dtype), so every layer ran in
     float32 with widened weights: 0.72 GiB of temporaries here instead of 0.38."""
     config = Qwen3Config.qwen3_8b()  # two of its layers
-    graphdef, state = stored_state(abstract_text_encoder(config, 2), jnp.bfloat16, TEXT_STACKED)
+    graphdef, state = stored_state(abstract_text_encoder(config, 2, jnp.bfloat16), jnp.bfloat16, TEXT_STACKED)
     ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
 
     def embed(state, ids):

@@ -45,7 +45,7 @@ once and reused at every step (--kv, the default there); --kv on another checkpo
 except that black-forest-labs/FLUX.2-klein-9B switches to the klein-9b-kv checkpoint.
 
 Single-file downloads: --transformer takes a BFL .safetensors file (bf16, or FP8 kept FP8 in memory) or
-a GGUF file; give --text-encoder (a Qwen3 folder or repo) and --vae (e.g. ae.safetensors) as well, or
+a GGUF file; give --text-encoder (a Qwen3 folder, repo or GGUF file) and --vae (e.g. ae.safetensors), or
 --model to take them from. The variant comes from the file name (flux-2-klein-9b-kv-fp8...) or --variant.
 
 Output: PNG files carrying the prompt, seed, model and settings as PNG text metadata. Without

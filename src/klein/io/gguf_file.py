@@ -1,10 +1,10 @@
-"""Reading GGUF files (community quantisations of FLUX.2 [klein] for ComfyUI-GGUF and stable-diffusion.cpp)
-with the `gguf` package.
+"""Reading GGUF files (community quantisations of FLUX.2 [klein] for ComfyUI-GGUF and stable-diffusion.cpp,
+and of its Qwen3 text encoder: `klein.io.text_encoder_gguf`) with the `gguf` package.
 
-Tensors keep BFL key names. Each tensor is dequantised to float32 on the host when the loader reads it, and
-the loader casts it to the compute dtype: the transformer then takes the device memory of an unquantised
-model of that dtype (klein-9b: 18.2 GB in bf16). GGUF saves disk space and download time, not device memory.
-Shapes are reported in PyTorch order (GGUF lists dimensions innermost first).
+Tensors keep the names they are stored under. Each tensor is dequantised to float32 on the host when the
+loader reads it, and the loader casts it to the compute dtype: the transformer then takes the device memory
+of an unquantised model of that dtype (klein-9b: 18.2 GB in bf16). GGUF saves disk space and download time,
+not device memory. Shapes are reported in PyTorch order (GGUF lists dimensions innermost first).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def load_text_encoder(
     folder = Path(folder)
     config = read_config(folder, layers)
     num_layers = max(layers)
-    abstract = abstract_text_encoder(config, num_layers)
+    abstract = abstract_text_encoder(config, num_layers, dtype)
     skipped = skipped_keys(config, num_layers)
     source = TensorSource.from_folder(folder, "model")
     encoder = load_module(
@@ -46,22 +46,27 @@ def read_config(folder: str | Path, layers: Sequence[int] = PROMPT_LAYERS) -> Qw
     """The `Qwen3Config` of `<folder>/config.json`, refused unless the encoder has the decoder layers whose
     hidden states the prompt embedding reads (`layers`; docs/design.md, "Text encoder")."""
     config = Qwen3Config.from_hf_config(read_json(Path(folder) / "config.json", "the text encoder config"))
+    check_layers(config, layers, folder)
+    return config
+
+
+def check_layers(config: Qwen3Config, layers: Sequence[int], where) -> None:
+    """Refuse a text encoder (at `where`, for the message) without the layers the embedding reads."""
     # transformers' hidden_states[num_hidden_layers] is the final norm's output, not a layer's: a layer read
     # must come before the last one. diffusers fails on fewer layers (an IndexError mid-request) and on
     # exactly max(layers) reads the normed output instead; klein refuses both before reading a weight.
     if max(layers) >= config.num_hidden_layers:
         read = ", ".join(map(str, layers))
         raise CheckpointError(
-            f"{folder}: the text encoder has {counted(config.num_hidden_layers, 'decoder layer')}; the "
+            f"{where}: the text encoder has {counted(config.num_hidden_layers, 'decoder layer')}; the "
             f"prompt embedding reads the hidden states after layers {read}, so it needs at least "
             f"{max(layers) + 1}. Is this the Qwen3 text encoder of a klein checkpoint (36 layers)?"
         )
-    return config
 
 
-def abstract_text_encoder(config: Qwen3Config, num_layers: int) -> Qwen3TextEncoder:
-    """The text encoder's parameter shapes, allocating nothing."""
-    return nnx.eval_shape(lambda: Qwen3TextEncoder(config, num_layers, rngs=nnx.Rngs(0)))
+def abstract_text_encoder(config: Qwen3Config, num_layers: int, dtype=jnp.float32) -> Qwen3TextEncoder:
+    """The text encoder's parameter shapes, allocating nothing; its products computed in `dtype`."""
+    return nnx.eval_shape(lambda: Qwen3TextEncoder(config, num_layers, rngs=nnx.Rngs(0), dtype=dtype))
 
 
 def skipped_keys(config: Qwen3Config, num_layers: int) -> frozenset[str]:

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from klein.models import products, stacks
+from klein.models import stacks
 from klein.models.attention import MASKED, attention
+from klein.models.layers import linear
 from klein.models.qwen3_config import Qwen3Config
 
 PROMPT_LAYERS = (9, 18, 27)
@@ -43,20 +44,16 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * normed.astype(x.dtype)
 
 
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dot_general=products.dot_general, rngs=rngs)
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with per-head QK RMSNorm and rotate-half RoPE."""
 
-    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
         d, h = config.hidden_size, config.head_dim
         n, k = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = _linear(d, n * h, rngs)
-        self.k_proj = _linear(d, k * h, rngs)
-        self.v_proj = _linear(d, k * h, rngs)
-        self.o_proj = _linear(n * h, d, rngs)
+        self.q_proj = linear(d, n * h, rngs, dtype)
+        self.k_proj = linear(d, k * h, rngs, dtype)
+        self.v_proj = linear(d, k * h, rngs, dtype)
+        self.o_proj = linear(n * h, d, rngs, dtype)
         self.q_norm = RMSNorm(h, config.rms_norm_eps)
         self.k_norm = RMSNorm(h, config.rms_norm_eps)
         self.head_dim = h
@@ -77,11 +74,11 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(d, f, rngs)
-        self.up_proj = _linear(d, f, rngs)
-        self.down_proj = _linear(f, d, rngs)
+        self.gate_proj = linear(d, f, rngs, dtype)
+        self.up_proj = linear(d, f, rngs, dtype)
+        self.down_proj = linear(f, d, rngs, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -90,9 +87,9 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then MLP."""
 
-    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
-        self.self_attn = Attention(config, rngs=rngs)
-        self.mlp = MLP(config, rngs=rngs)
+    def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
+        self.self_attn = Attention(config, dtype, rngs=rngs)
+        self.mlp = MLP(config, dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -104,26 +101,30 @@ class DecoderLayer(nnx.Module):
 class Qwen3Model(nnx.Module):
     """Token embedding and the first `num_layers` decoder layers, stacked on a leading L axis."""
 
-    def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3Config, num_layers: int, dtype, *, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
 
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stacked(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(config, rngs=rngs)
+            return DecoderLayer(config, dtype, rngs=rngs)
 
         self.layers = stacked(rngs)
         self.num_layers = num_layers
 
 
 class Qwen3TextEncoder(nnx.Module):
-    """The part of `Qwen3ForCausalLM` that the prompt embedding needs (`model.*`, first layers only)."""
+    """The part of `Qwen3ForCausalLM` that the prompt embedding needs (`model.*`, first layers only).
 
-    def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs):
+    Its Linears are `klein.models.layers.Linear`s computing in `dtype` (the dtype the weights are loaded
+    in), so every stored form of a weight reaches the text encoder through the same seam as the
+    transformer's (`klein.models.products`)."""
+
+    def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         if not 0 < num_layers <= config.num_hidden_layers:
             raise ValueError(f"num_layers must be in 1..{config.num_hidden_layers}, got {num_layers}")
         self.config = config
-        self.model = Qwen3Model(config, num_layers, rngs=rngs)
+        self.model = Qwen3Model(config, num_layers, dtype, rngs=rngs)
 
 
 def hidden_states(

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from klein import sampling, sharding
 from klein.io.loading import checkpoint_keys, stored_state
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
+from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
 from klein.io.transformer_checkpoint import abstract_transformer, key_map, stored_forms
 from klein.memory import plan
@@ -61,8 +62,9 @@ def analyse(
     their weights in 8 bits, as the loader stores them for it)."""
     dtype = np.dtype(dtype)
     place = _Placer(mesh, only, programs)
-    _, text_model, vae = plan._abstract_models(models.transformer, models.text_encoder, models.vae)
+    _, _, vae = plan._abstract_models(models.transformer, models.text_encoder, models.vae)
     transformer = place.weights(_transformer(models.transformer, dtype, compute), sharding.TRANSFORMER_PARAMS)
+    text_model = abstract_text_encoder(models.text_encoder, max(qwen3.PROMPT_LAYERS), dtype)
     text = place.weights(stored_state(text_model, dtype, TEXT_STACKED), sharding.TEXT_ENCODER_PARAMS)
     decoder = place.weights(stored_state(vae, dtype, ()), ())
     cfg = models.transformer

@@ -1,9 +1,10 @@
 """Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one.
 
 Single-file users keep the parts apart: a BFL, FP8 or GGUF transformer file, the FLUX.2 `ae.safetensors`, a
-Qwen3 folder. Each part is a local file or folder, or a Hugging Face repo id; a folder or repo that holds a
-whole pipeline gives the part's subfolder. Parts not named come from the checkpoint (`source`); with no
-checkpoint every part must be named, except the tokenizer, which the text encoder's folder usually holds.
+Qwen3 folder or GGUF file. Each part is a local file or folder, or a Hugging Face repo id; a folder or repo
+that holds a whole pipeline gives the part's subfolder. Parts not named come from the checkpoint (`source`);
+with no checkpoint every part must be named, except the tokenizer, which the text encoder's folder (or its
+GGUF's metadata) usually holds.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ import numpy as np
 from klein import dtypes, sharding
 from klein.errors import CheckpointError, InputError
 from klein.io import sources
+from klein.io.gguf_tokenizer import holds_tokenizer
 from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_checkpoint import load_text_encoder
 from klein.io.text_encoder_checkpoint import read_config as read_text_encoder_config
+from klein.io.text_encoder_gguf import load_text_encoder_gguf, read_gguf_config
 from klein.io.transformer_checkpoint import load_transformer
 from klein.io.transformer_checkpoint import read_config as read_transformer_config
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.io.vae_checkpoint import load_vae, load_vae_file
 from klein.io.vae_checkpoint import read_config as read_vae_config
 from klein.models import products
-from klein.models.qwen3 import Qwen3TextEncoder
+from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
@@ -71,19 +74,21 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
     splits the models evenly."""
     root, name = _checkpoint(source, parts)
     named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
+    transformer = _locate(named["transformer"])
+    encoder = _text_encoder(_part(named["text_encoder"], "text_encoder"))
+    config = file_config(transformer) if transformer.is_file() else _folder_config(transformer)
+    text_config = read_gguf_config(encoder) if encoder.is_file() else read_text_encoder_config(encoder)
     if named["tokenizer"] is None:
         named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
-    transformer = _locate(named["transformer"])
-    encoder_folder = _text_encoder_folder(_part(named["text_encoder"], "text_encoder"))
-    config = file_config(transformer) if transformer.is_file() else _folder_config(transformer)
-    text_config = read_text_encoder_config(encoder_folder)
+    found = _variant(transformer, config, variant)
+    _check_text_encoder(encoder, text_config, config, found)
     _check_fits(mesh, config, text_config)
     vae = _part(named["vae"], "vae")
     return Located(
         name=str(parts.transformer) if parts.transformer else name,
-        variant=_variant(transformer, config, variant),
+        variant=found,
         transformer=transformer,
-        text_encoder=encoder_folder,
+        text_encoder=encoder,
         vae=vae,
         tokenizer=_part(named["tokenizer"], "tokenizer"),
         config=config,
@@ -115,9 +120,9 @@ def load_transformer_part(
 def load_text_encoder_part(
     located: Located, dtype, mesh=None, host: tuple[str, ...] = ()
 ) -> Qwen3TextEncoder:
-    return load_text_encoder(
-        located.text_encoder, dtype, place=sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS, host)
-    )
+    path = located.text_encoder
+    load = load_text_encoder_gguf if path.is_file() else load_text_encoder
+    return load(path, dtype, place=sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS, host))
 
 
 def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:
@@ -127,6 +132,35 @@ def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:
 
 def load_tokenizer_part(located: Located) -> text.PromptTokenizer:
     return text.load_tokenizer(located.tokenizer)
+
+
+def _check_text_encoder(path: Path, text: Qwen3Config, config: TransformerConfig, variant) -> None:
+    """Refuse, before any weight is read, a text encoder of another Qwen3 size than a published variant's,
+    or one whose prompt embedding the transformer cannot take."""
+    size = variant.size.text_encoder if variant.size else None
+    if size is not None and _shape(text) != _shape(size):
+        raise CheckpointError(
+            f"{path}: a Qwen3 text encoder of {_described(text)}; {variant.name} takes one of "
+            f"{_described(size)} (Qwen3-4B for the 4b variants, Qwen3-8B for the 9b ones)"
+        )
+    layers = len(PROMPT_LAYERS)
+    if layers * text.hidden_size != config.joint_attention_dim:
+        raise CheckpointError(
+            f"{path}: a Qwen3 text encoder of hidden size {text.hidden_size}; this transformer takes prompt "
+            f"embeddings of {layers} hidden states {config.joint_attention_dim // layers} wide"
+        )
+
+
+def _shape(config: Qwen3Config) -> tuple:
+    return (config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)  # fmt: skip
+
+
+def _described(config: Qwen3Config) -> str:
+    return (
+        f"hidden size {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} "
+        f"heads ({config.num_key_value_heads} key/value)"
+    )
 
 
 def _check_fits(mesh, config: TransformerConfig, text_config: Qwen3Config) -> None:
@@ -190,6 +224,12 @@ def _part(spec, subfolder: str) -> Path:
 
 
 def _tokenizer_beside(text_encoder: Path) -> Path:
+    if text_encoder.is_file():  # a GGUF: the tokenizer in its metadata
+        if holds_tokenizer(text_encoder):
+            return text_encoder
+        raise InputError(
+            f"{text_encoder} holds no tokenizer in its metadata: name the tokenizer's folder too"
+        )
     for folder in (text_encoder / "tokenizer", text_encoder):
         if (folder / "tokenizer.json").is_file():
             return folder
@@ -208,10 +248,10 @@ def _variant(path: Path, config: TransformerConfig, variant: str | None) -> vari
     return checkpoints.variant_of_file(path, config, variant)
 
 
-def _text_encoder_folder(path: Path) -> Path:
-    if path.is_file():
+def _text_encoder(path: Path) -> Path:
+    if path.is_file() and path.suffix.lower() != ".gguf":
         raise CheckpointError(
             f"{path}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
-            f"repo), not a single file"
+            f"repo) or a Qwen3 GGUF file, not another single file"
         )
     return path

@@ -1,7 +1,7 @@
 """Prompt preparation: chat template, tokenization, padding, text position ids (docs/design.md, "Architecture").
 
 Reproduces diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` up to the text encoder call, with the
-checkpoint's own `tokenizer/` folder and without transformers: `tokenizer.json` is run by the `tokenizers`
+checkpoint's own `tokenizer/` folder (or a GGUF text encoder's metadata) and without transformers: `tokenizer.json` is run by the `tokenizers`
 library and the chat template is rendered with jinja2 the way transformers' `apply_chat_template` does
 (one user message, `add_generation_prompt=True`, `enable_thinking=False`). Each prompt is padded and
 truncated to `max_length` tokens (512 in the pipeline).
@@ -21,6 +21,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from klein.errors import CheckpointError, InputError
+from klein.io.gguf_tokenizer import read_gguf_tokenizer
 from klein.io.json_file import read_json
 from klein.models.qwen3 import PROMPT_TOKENS
 
@@ -47,8 +48,16 @@ class PromptTokenizer:
 
 
 def load_tokenizer(folder: str | Path) -> PromptTokenizer:
-    """Read `<folder>/tokenizer.json`, `tokenizer_config.json` and the chat template (`chat_template.jinja`)."""
+    """Read `<folder>/tokenizer.json`, `tokenizer_config.json` and the chat template (`chat_template.jinja`);
+    or, given a GGUF file, the tokenizer and template in its metadata (`klein.io.gguf_tokenizer`)."""
     folder = Path(folder)
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        stored = read_gguf_tokenizer(folder)
+        template = _compile(stored.chat_template, folder)
+        # transformers' defaults: Qwen's tokenizer_config.json names no padding or truncation side.
+        return PromptTokenizer(
+            stored.tokenizer, template, stored.special_tokens, stored.pad_id, "right", "right"
+        )
     config = read_json(folder / "tokenizer_config.json", "the tokenizer configuration")
     try:
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))

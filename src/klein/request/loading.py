@@ -34,12 +34,18 @@ class LoadOptions:
         kinds.TEXT,
         metavar="FILE|FOLDER",
     )
-    text_encoder: str | None = setting("Qwen3 text encoder folder or repo id", kinds.TEXT, metavar="FOLDER")
+    text_encoder: str | None = setting(
+        "Qwen3 text encoder: a folder, repo id or GGUF file (llama.cpp's naming; its tokenizer too)",
+        kinds.TEXT,
+        metavar="FOLDER|FILE",
+    )
     vae: str | None = setting(
         "VAE: ae.safetensors (BFL or diffusers names), a folder or repo id", kinds.TEXT, metavar="FILE|FOLDER"
     )
     tokenizer: str | None = setting(
-        "tokenizer folder or repo id (default: the text encoder's)", kinds.TEXT, metavar="FOLDER"
+        "tokenizer folder or repo id (default: --model's, else the text encoder's)",
+        kinds.TEXT,
+        metavar="FOLDER",
     )
     lora: tuple = setting(
         "merge a LoRA into the transformer, at SCALE (default 1); repeat for several. Any trainer's layout: "

@@ -1,0 +1,110 @@
+"""Loading the Qwen3 text encoder from a GGUF file in llama.cpp's naming (as ComfyUI users download it).
+
+llama.cpp's converter writes a Qwen3 checkpoint's tensors under its own names (`token_embd.weight`,
+`blk.N.attn_q.weight`, ...) in their PyTorch layout, without the Q/K row permutation it applies to Llama
+(`Qwen3Model` derives from `Qwen2Model`, which keeps transformers' rotate-half order, llama.cpp's NEOX rope).
+The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3`, and the shape comes
+from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow reader
+(`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded, as from a folder
+(`klein.io.text_encoder_checkpoint`); each tensor is dequantised to float32 as it is read
+(`klein.io.gguf_file`) and cast to the compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from klein.errors import CheckpointError
+from klein.io.gguf_file import GGUFSource
+from klein.io.gguf_header import Header, read_header
+from klein.io.loading import expected_shapes, load_module
+from klein.io.mapped import MappedSource, Whole
+from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, check_layers, skipped_keys
+from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
+from klein.models.qwen3_config import Qwen3Config
+
+ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3]
+_EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
+
+
+def load_text_encoder_gguf(
+    path: str | Path, dtype=jnp.float32, *, place=None, layers: Sequence[int] = PROMPT_LAYERS
+) -> Qwen3TextEncoder:
+    """The first max(layers) decoder layers (and the embedding) of the Qwen3 GGUF at `path`; `place` as for
+    `klein.io.text_encoder_checkpoint.load_text_encoder`."""
+    config = read_gguf_config(path, layers)
+    num_layers = max(layers)
+    abstract = abstract_text_encoder(config, num_layers, dtype)
+    table = {key: Whole(name) for key, name in gguf_names(config).items()}
+    mapped = MappedSource(GGUFSource(path), table)
+    skip = skipped_keys(config, num_layers).__contains__
+    return load_module(abstract, mapped, dtype=dtype, stacked=STACKED, skip=skip, place=place)
+
+
+def qwen3_header(path: str | Path) -> Header:
+    """The header of the GGUF at `path`, refused unless it holds a Qwen3 model (`general.architecture`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such GGUF file")
+    header = read_header(path)
+    arch = header.metadata.get(gguf.Keys.General.ARCHITECTURE)
+    if arch != ARCH:
+        held = f"a {arch!r} model" if arch else "no general.architecture"
+        raise CheckpointError(
+            f"{path}: holds {held}, not a Qwen3 text encoder; --text-encoder takes a Qwen3-4B or Qwen3-8B "
+            f"GGUF in llama.cpp's naming (general.architecture = {ARCH!r}), or a Qwen3 folder"
+        )
+    return header
+
+
+def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) -> Qwen3Config:
+    """The `Qwen3Config` of a Qwen3 GGUF, from its metadata and the embedding's shape (no weight is read);
+    refused, as a folder's, unless the decoder has the layers the prompt embedding reads."""
+    header = qwen3_header(path)
+    if _EMBEDDING not in header.shapes:
+        raise CheckpointError(f"{path}: no tensor {_EMBEDDING!r}: not a whole Qwen3 checkpoint")
+
+    def field(name: str, default=None):
+        value = header.metadata.get(name.format(arch=ARCH), default)
+        if value is None:
+            raise CheckpointError(f"{path}: the GGUF metadata has no {name.format(arch=ARCH)!r}")
+        return value
+
+    scaling = header.metadata.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH), "none")
+    if scaling != "none":
+        raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported (Qwen3 has none)")
+    hidden, heads = int(field(gguf.Keys.LLM.EMBEDDING_LENGTH)), int(field(gguf.Keys.Attention.HEAD_COUNT))
+    config = Qwen3Config(
+        vocab_size=header.shapes[_EMBEDDING][0],
+        hidden_size=hidden,
+        intermediate_size=int(field(gguf.Keys.LLM.FEED_FORWARD_LENGTH)),
+        num_hidden_layers=int(field(gguf.Keys.LLM.BLOCK_COUNT)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(field(gguf.Keys.Attention.HEAD_COUNT_KV, heads)),
+        head_dim=int(field(gguf.Keys.Attention.KEY_LENGTH, hidden // heads)),
+        rope_theta=_decimal(field(gguf.Keys.Rope.FREQ_BASE)),
+        rms_norm_eps=_decimal(field(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
+        tie_word_embeddings=_OUTPUT not in header.shapes,
+    )
+    check_layers(config, layers, path)
+    return config
+
+
+def _decimal(value) -> float:
+    """The shortest decimal a stored float32 rounds from (1e-06, as config.json says, not 9.99999997e-07):
+    the same float32 in every product, and configs that compare equal."""
+    return float(str(np.float32(value)))
+
+
+def gguf_names(config: Qwen3Config) -> dict[str, str]:
+    """The GGUF tensor name of every checkpoint key of a Qwen3 model (`model.layers.3.self_attn.q_proj.weight`
+    -> `blk.3.attn_q.weight`), from the `gguf` package's table for `MODEL_ARCH.QWEN3`."""
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    # Every key of the checkpoint: those of a one-layer model, and all those a zero-layer one skips.
+    keys = set(expected_shapes(abstract_text_encoder(config, 1), STACKED)) | skipped_keys(config, 0)
+    return {key: table.get_name(key, try_suffixes=(".weight",)) for key in sorted(keys)}
