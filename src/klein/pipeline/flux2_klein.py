@@ -682,7 +682,8 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         located.vae_config,
         _planning_mesh(device_mesh),
         jdtype.itemsize,
-        fp8=(located.fp8 and not dequantize) or compute != products.BF16,
+        fp8=located.fp8 and not dequantize,
+        compute=compute,
     )
     sizes = residency_policy.on(_local_devices(device_mesh)[0].platform, sizes)
     limit, where = admission.available_bytes(_local_devices(device_mesh))
