@@ -125,13 +125,11 @@ MODELS = {
 
 
 QUANTIZED = {
-    "flux-2-klein-9b-kv-Q4_0.gguf": lambda path: write_gguf_transformer(path, _transformer(KLEIN_9B), T.Q4_0),
-    "flux-2-klein-9b-kv-Q4_K.gguf": lambda path: write_gguf_transformer(path, _transformer(KLEIN_9B), T.Q4_K),
-    "flux-2-klein-4b-Q4_0.gguf": lambda path: write_gguf_transformer(path, _transformer(KLEIN_4B), T.Q4_0),
-    "flux-2-klein-4b-Q4_K.gguf": lambda path: write_gguf_transformer(path, _transformer(KLEIN_4B), T.Q4_K),
-    "flux-2-klein-9b-kv-nvfp4.safetensors": lambda path: write_nvfp4_transformer(
-        path, _transformer(KLEIN_9B)
-    ),
+    "flux-2-klein-9b-kv-Q4_0.gguf": lambda path: write_gguf_transformer(path, KLEIN_9B, T.Q4_0),
+    "flux-2-klein-9b-kv-Q4_K.gguf": lambda path: write_gguf_transformer(path, KLEIN_9B, T.Q4_K),
+    "flux-2-klein-4b-Q4_0.gguf": lambda path: write_gguf_transformer(path, KLEIN_4B, T.Q4_0),
+    "flux-2-klein-4b-Q4_K.gguf": lambda path: write_gguf_transformer(path, KLEIN_4B, T.Q4_K),
+    "flux-2-klein-9b-kv-nvfp4.safetensors": lambda path: write_nvfp4_transformer(path, KLEIN_9B),
     "qwen3-8b-Q4_K.gguf": lambda path: write_gguf_qwen3(path, Qwen3Config.qwen3_8b(), T.Q4_K),
     "qwen3-4b-Q4_K.gguf": lambda path: write_gguf_qwen3(path, Qwen3Config.qwen3_4b(), T.Q4_K),
 }
