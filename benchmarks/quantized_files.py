@@ -12,8 +12,9 @@ values mean nothing; the files' layout, names, types and sizes are the published
   (`<layer>.weight` U8 [out, in/2], `.weight_scale` F8_E4M3 block scales padded and swizzled for cuBLAS,
   `.weight_scale_2` F32 per tensor), listed in the header's `_quantization_metadata`; the rest BF16.
 - `write_gguf_qwen3`: a Qwen3 text encoder in llama.cpp's names (`blk.N.attn_q.weight`, `token_embd`...),
-  its hyperparameters under `qwen3.*` and a byte-level BPE tokenizer in `tokenizer.ggml.*` (the 256 byte
-  tokens, fillers up to the vocabulary, Qwen's special tokens at their ids).
+  its hyperparameters under `qwen3.*` and a byte-level BPE tokenizer in `tokenizer.ggml.*` laid out as
+  Qwen3's (`vocabulary`: the 256 byte tokens and some merges, fillers up to Qwen's added tokens at their
+  ids, unused ids up to the embedding's rows) with a chat template.
 """
 
 from __future__ import annotations
@@ -49,26 +50,36 @@ SCALES = {
 }
 
 
+# Random bits with the exponent fixed: small normal floats (about 0.01) and positive block scales.
+FLOAT_BITS = {T.BF16: (np.uint16, 0x807F, 0x3C00), T.F16: (np.uint16, 0x83FF, 0x2000)}
+FLOAT_BITS[T.F32] = (np.uint32, 0x807FFFFF, 0x3C000000)
+SCALE_BITS = (0x03FF, 0x0C00)  # fp16 2^-12 .. 2^-11
+K_SCALE_BITS = (0x03FF, 0x0400)  # 2^-14 .. 2^-13: K-quants multiply it by 6-bit (Q6_K: 8-bit) sub-scales too
+
+
+def random_bytes(rng: np.random.Generator, count: int) -> np.ndarray:
+    """`count` random bytes straight from the generator's raw output (several times faster than
+    `Generator.bytes`, which round-trips through Python bytes)."""
+    return rng.bit_generator.random_raw(-(-count // 8)).view(np.uint8)[:count]
+
+
 def blocks(rng: np.random.Generator, shape: tuple[int, ...], kind: T) -> np.ndarray:
     """Random `kind` data for a tensor of PyTorch `shape`, as the uint8 [..., bytes per row] GGUF stores."""
     values, size = gguf.GGML_QUANT_SIZES[kind]
-    rows, columns = math.prod(shape[:-1]), shape[-1]
-    if kind in (T.F32, T.BF16, T.F16):
-        # Small normal floats (BF16: the top half of a float32); F16 the same way.
-        floats = rng.standard_normal((rows, columns), np.float32) * 0.02
-        if kind == T.F32:
-            data = floats
-        elif kind == T.F16:
-            data = floats.astype(np.float16)
-        else:
-            data = (floats.view(np.uint32) >> 16).astype(np.uint16)
-        return data.view(np.uint8).reshape(*shape[:-1], columns * size // values)
-    count = rows * columns // values
-    data = np.frombuffer(rng.bytes(count * size), np.uint8).reshape(count, size).copy()
-    for offset in SCALES[kind]:
-        scale = rng.uniform(1e-4, 1e-3, count).astype(np.float16)
-        data[:, offset : offset + 2] = scale.view(np.uint8).reshape(count, 2)
-    return data.reshape(*shape[:-1], columns // values * size)
+    count = math.prod(shape) // values
+    data = random_bytes(rng, count * size)
+    if kind in FLOAT_BITS:
+        bits, keep, exponent = FLOAT_BITS[kind]
+        words = data.view(bits)
+        words &= keep
+        words |= exponent
+    else:
+        keep, exponent = K_SCALE_BITS if values == 256 else SCALE_BITS
+        for offset in SCALES[kind]:
+            scales = data.reshape(count, size)[:, offset : offset + 2].view(np.uint16)
+            scales &= keep
+            scales |= exponent
+    return data.reshape(*shape[:-1], shape[-1] // values * size)
 
 
 def transformer_types(cfg: TransformerConfig, kind: T) -> dict[str, tuple[tuple[int, ...], T]]:
@@ -145,24 +156,29 @@ def qwen3_types(cfg: Qwen3Config, kind: T) -> dict[str, tuple[tuple[int, ...], T
     return tensors
 
 
-# Qwen's special tokens at their ids (the chat template's, and the thinking markers).
-SPECIAL = {
-    151643: "<|endoftext|>",
-    151644: "<|im_start|>",
-    151645: "<|im_end|>",
-    151667: "<think>",
-    151668: "</think>",
-}
+# Qwen3's vocabulary: byte-level BPE tokens below `ADDED`, its added tokens from there (the chat markers
+# special, `<think>` / `</think>` not), ids past them up to the embedding's rows unused.
+ADDED, TOKENS = 151643, 151669
+CHAT = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+THINKING = {151667: "<think>", 151668: "</think>"}
+# Qwen's chat template reduced to what a prompt embedding reads: the turns, and the empty thinking block
+# that a generation prompt with thinking off ends in.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{% endif %}"
+)
 
 
 def byte_tokens() -> list[str]:
     """The 256 byte-level BPE tokens in byte order (each byte as the printable character GPT-2's
     byte-level BPE maps it to: printable Latin-1 bytes as themselves, the others shifted past 255)."""
-    printable = [
+    printable = {
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
         *range(ord("®"), ord("ÿ") + 1),
-    ]
+    }
     shifted, tokens = 0, []
     for byte in range(256):
         if byte in printable:
@@ -173,21 +189,39 @@ def byte_tokens() -> list[str]:
     return tokens
 
 
-def tokenizer_metadata(writer: gguf.GGUFWriter, vocab: int) -> None:
-    tokens = byte_tokens() + [f"<fill{i}>" for i in range(256, vocab)]
-    types = [gguf.TokenType.NORMAL] * vocab
-    for index, name in SPECIAL.items():
-        if index < vocab:
-            tokens[index], types[index] = name, gguf.TokenType.CONTROL
+def vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, their types, merges) of a byte-level BPE vocabulary of `size` ids laid out as Qwen3's: the
+    bytes, then the pairs of ASCII letters with their merges, then fillers no merge forms."""
+    tokens, types = byte_tokens(), [gguf.TokenType.NORMAL] * size
+    letters = [chr(c) for c in [*range(ord("a"), ord("z") + 1), *range(ord("A"), ord("Z") + 1)]]
+    pairs = [(a, b) for a in letters for b in letters]
+    merges = [f"{a} {b}" for a, b in pairs[: max(0, min(ADDED, size) - len(tokens))]]
+    tokens += [merge.replace(" ", "") for merge in merges]
+    tokens += [f"<fill{i}>" for i in range(len(tokens), min(ADDED, size))]
+    for i in range(ADDED, size):
+        kind = gguf.TokenType.CONTROL
+        if i in THINKING:
+            kind = gguf.TokenType.USER_DEFINED
+        elif i >= TOKENS:
+            kind = gguf.TokenType.UNUSED
+        tokens.append(CHAT.get(i) or THINKING.get(i) or (f"<|reserved_{i}|>" if i < TOKENS else f"[PAD{i}]"))
+        types[i] = kind
+    return tokens, types, merges
+
+
+def tokenizer_metadata(writer: gguf.GGUFWriter, size: int) -> None:
+    tokens, types, merges = vocabulary(size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges([])
-    writer.add_eos_token_id(151645)
-    writer.add_pad_token_id(151643)
-    writer.add_bos_token_id(151643)
+    writer.add_token_merges(merges)
+    end = min(ADDED, size - 1)  # <|endoftext|> where the vocabulary has it
+    writer.add_eos_token_id(min(151645, size - 1))
+    writer.add_pad_token_id(end)
+    writer.add_bos_token_id(end)  # Qwen3's config.json bos_token_id, as llama.cpp copies it
     writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
 
 
 def write_gguf_qwen3(path: Path, cfg: Qwen3Config, kind: T) -> int:
@@ -263,9 +297,9 @@ def write_nvfp4_transformer(path: Path, cfg: TransformerConfig, seed: int = 0) -
 def _nvfp4_data(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     count = math.prod(shape)
     if dtype == "U8":  # two random E2M1 codes a byte: every code is a value
-        return np.frombuffer(rng.bytes(count), np.uint8)
-    if dtype == "F8_E4M3":  # exponents 2^-5 .. 2^-2, no NaN (0x7F / 0xFF)
-        return rng.integers(0x10, 0x28, count, dtype=np.uint8)
+        return random_bytes(rng, count)
+    if dtype == "F8_E4M3":  # 2^-3 .. 2^-2, never NaN (0x7F / 0xFF)
+        return random_bytes(rng, count) & 0x07 | 0x20
     if dtype == "F32":
         return np.full(count, 1e-2, np.float32)
     return blocks(rng, shape, T.BF16)
