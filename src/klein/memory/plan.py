@@ -434,15 +434,24 @@ def _stack(module, prefix: str, table, mesh, floats, files) -> tuple[int, int]:
 def with_files(models: Models, transformer: Path | None = None, text_encoder: Path | None = None) -> Models:
     """`models` with the bytes per weight of the Linears a quantized `transformer` file (GGUF, NVFP4) and
     `text_encoder` file (a Qwen3 GGUF) keep quantized, read from their headers (`klein.memory.stored`)."""
-    files = dict(models.quantized)
-    abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
-    if transformer is not None:
-        files[residency.TRANSFORMER] = stored.transformer_file(Path(transformer), abstract)
-    if text_encoder is not None:
-        files[residency.TEXT_ENCODER] = stored.text_encoder_file(Path(text_encoder), text, max(PROMPT_LAYERS))
+    files = quantized_files(models, transformer, text_encoder)
     # An NVFP4 file's FP8 tensors are its block scales, counted with its blocks: no Linear ships as FP8.
     fp8 = models.fp8 and not files.get(residency.TRANSFORMER)
     return dataclasses.replace(models, quantized=files, fp8=fp8)
+
+
+def quantized_files(
+    models: Models, transformer: Path | None = None, text_encoder: Path | None = None
+) -> dict:
+    """`Models.quantized` of `models` and of the files given: a file that keeps no Linear quantized (a
+    folder, bf16 or FP8 safetensors) adds nothing."""
+    files = dict(models.quantized)
+    abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
+    if transformer is not None and Path(transformer).is_file():
+        files[residency.TRANSFORMER] = stored.transformer_file(Path(transformer), abstract)
+    if text_encoder is not None and Path(text_encoder).is_file():
+        files[residency.TEXT_ENCODER] = stored.text_encoder_file(Path(text_encoder), text, max(PROMPT_LAYERS))
+    return files
 
 
 def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:
