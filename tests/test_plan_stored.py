@@ -160,6 +160,12 @@ def test_qwen3_gguf_has_llama_cpp_names_and_a_tokenizer(written):
     assert len(tokens.data) == TINY_TEXT.vocab_size
     assert bytes(tokens.parts[tokens.data[ord("a")]]).decode() == "a"
     assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "gpt2"
+    # At Qwen3's size: its added tokens at their ids, unused ids past them, every merge's token in the list.
+    tokens, types, merges = files.vocabulary(151936)
+    assert (tokens[151644], types[151644]) == ("<|im_start|>", gguf.TokenType.CONTROL)
+    assert (tokens[151667], types[151667]) == ("<think>", gguf.TokenType.USER_DEFINED)
+    assert types[151669] == types[-1] == gguf.TokenType.UNUSED and types[151642] == gguf.TokenType.NORMAL
+    assert len(set(tokens)) == len(tokens) and {m.replace(" ", "") for m in merges} <= set(tokens)
 
 
 def test_a_files_header_plans_as_its_format(written):
