@@ -361,7 +361,12 @@ def _abstract_models(
 ) -> tuple[nnx.Module, ...]:
     """Transformer, text encoder (the layers that run) and VAE as shapes only; read, never changed."""
     vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(vae_config, rngs=nnx.Rngs(0)))
-    return abstract_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
+    return _plain_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
+
+
+@functools.cache
+def _plain_transformer(cfg: TransformerConfig) -> nnx.Module:
+    return abstract_transformer(cfg)
 
 
 @functools.cache
@@ -369,7 +374,7 @@ def stored_transformer(cfg: TransformerConfig, itemsize: int, fp8: bool, compute
     """The transformer as the loader builds it to fill (`klein.io.transformer_file`): floats of
     `itemsize` bytes, its Linears in their stored forms (FP8 as shipped where `fp8`, every one of them;
     the blocks' kernels in 8 bits for an 8-bit `compute`)."""
-    plain = _abstract_models(cfg, _ANY_TEXT)[0]
+    plain = _plain_transformer(cfg)
     linears = {path[:-1] for path, _ in nnx.to_flat_state(nnx.state(plain)) if path[-1] == "kernel"}
     plan = {(*path, "kernel"): [] for path in linears}
     forms = stored_forms(plan, frozenset(linears) if fp8 else frozenset(), compute)
@@ -377,7 +382,6 @@ def stored_transformer(cfg: TransformerConfig, itemsize: int, fp8: bool, compute
 
 
 _FLOATS = {2: jnp.bfloat16, 4: jnp.float32}
-_ANY_TEXT = Qwen3Config.qwen3_4b()  # `_abstract_models`' transformer does not depend on the text encoder
 
 
 def model_bytes(
@@ -433,25 +437,17 @@ def _stack(module, prefix: str, table, mesh, floats, files) -> tuple[int, int]:
 
 def with_files(models: Models, transformer: Path | None = None, text_encoder: Path | None = None) -> Models:
     """`models` with the bytes per weight of the Linears a quantized `transformer` file (GGUF, NVFP4) and
-    `text_encoder` file (a Qwen3 GGUF) keep quantized, read from their headers (`klein.memory.stored`)."""
-    files = quantized_files(models, transformer, text_encoder)
-    # An NVFP4 file's FP8 tensors are its block scales, counted with its blocks: no Linear ships as FP8.
-    fp8 = models.fp8 and not files.get(residency.TRANSFORMER)
-    return dataclasses.replace(models, quantized=files, fp8=fp8)
-
-
-def quantized_files(
-    models: Models, transformer: Path | None = None, text_encoder: Path | None = None
-) -> dict:
-    """`Models.quantized` of `models` and of the files given: a file that keeps no Linear quantized (a
-    folder, bf16 or FP8 safetensors) adds nothing."""
+    `text_encoder` file (a Qwen3 GGUF) keep quantized, read from their headers (`klein.memory.stored`); a
+    file that keeps no Linear quantized (a folder, bf16 or FP8 safetensors) adds nothing."""
     files = dict(models.quantized)
     abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
     if transformer is not None and Path(transformer).is_file():
         files[residency.TRANSFORMER] = stored.transformer_file(Path(transformer), abstract)
     if text_encoder is not None and Path(text_encoder).is_file():
         files[residency.TEXT_ENCODER] = stored.text_encoder_file(Path(text_encoder), text, max(PROMPT_LAYERS))
-    return files
+    # An NVFP4 file's FP8 tensors are its block scales, counted with its blocks: no Linear ships as FP8.
+    fp8 = models.fp8 and not files.get(residency.TRANSFORMER)
+    return dataclasses.replace(models, quantized=files, fp8=fp8)
 
 
 def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:
@@ -504,11 +500,8 @@ def _weights(
             if floats and isinstance(variable, nnx.Param) and jnp.issubdtype(value.dtype, jnp.floating):
                 size = floats
             per_device += _shard_bytes(value.shape, axes, mesh, size)
-        count += math.prod(value.shape) if path[-1] not in _SCALES else 0
+        count += math.prod(value.shape)
     return per_device, count
-
-
-_SCALES = ("weight_scale", "input_scale")
 
 
 def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> int:
