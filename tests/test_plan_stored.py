@@ -218,3 +218,12 @@ def test_auto_on_a_12_gb_card_follows_the_stored_form():
     assert fitting[0] == "sequential"
     bf16 = plan.plan("klein-9b-kv", refs=1, size=(1024, 1024))
     assert [n for n, p in bf16.policies.items() if p <= devices.limit("rtx-3060")] == ["stream"]
+
+
+def test_plan_refuses_a_missing_or_wrong_file(written, capsys):
+    assert cli.main(["plan", "--transformer", "missing.gguf"]) == 2
+    assert "--transformer missing.gguf: no such file" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "klein-4b", "--text-encoder", str(written["qwen3"])]) == 2
+    assert "a text encoder of another size (klein-4b takes Qwen3-4B" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "klein-4b", "--text-encoder", str(written["q4_0"])]) == 2
+    assert "not a Qwen3 text encoder" in capsys.readouterr().err

@@ -223,17 +223,18 @@ def _plan_files(flags: argparse.Namespace):
     quantized Linears of --text-encoder's file."""
     from klein.memory import plan
 
-    variant, models, dtype = _plan_model(flags.transformer or flags.model, flags.dtype)
+    transformer = flags.transformer and str(_existing(flags.transformer, "--transformer"))
+    variant, models, dtype = _plan_model(transformer or flags.model, flags.dtype)
     models = models or plan.published(variant, dtype)
     if flags.text_encoder is not None:
-        models = plan.with_files(models, text_encoder=_existing(flags.text_encoder))
+        models = plan.with_files(models, text_encoder=_existing(flags.text_encoder, "--text-encoder"))
     return variant, models, dtype
 
 
-def _existing(name: str) -> Path:
+def _existing(name: str, flag: str) -> Path:
     path = Path(name).expanduser()
     if not path.is_file():
-        raise InputError(f"{name}: no such file")
+        raise InputError(f"{flag} {name}: no such file; give the path of the downloaded file")
     return path
 
 
