@@ -31,11 +31,12 @@ is only the host side of the run.
 
 With --quantized NAME... it also writes (once, under --root/quantized, by `benchmarks/quantized_files.py`:
 random blocks with valid scales, no quantising pass) the full-size quantized files people download:
-    flux-2-klein-9b-kv-Q4_0.gguf, -Q4_K.gguf  klein-9b-kv transformer, ComfyUI-GGUF layout      ~5.3 GB
-    flux-2-klein-4b-Q4_0.gguf, -Q4_K.gguf     klein-4b transformer                             ~2.3 GB
-    flux-2-klein-9b-kv-nvfp4.safetensors      BFL's NVFP4 layout with _quantization_metadata   ~5.3 GB
-    qwen3-8b-Q4_K.gguf, qwen3-4b-Q4_K.gguf    text encoders, llama.cpp names and tokenizer     ~4.7 / 2.4 GB
-to be run (issue 33's proof at full size) as
+    flux-2-klein-9b-kv-Q4_0.gguf, -Q4_K.gguf  klein-9b-kv transformer, ComfyUI-GGUF layout      5.25 GB
+    flux-2-klein-4b-Q4_0.gguf, -Q4_K.gguf     klein-4b transformer                             2.26 GB
+    flux-2-klein-9b-kv-nvfp4.safetensors      BFL's NVFP4 layout with _quantization_metadata   5.25 GB
+    qwen3-8b-Q4_K.gguf, qwen3-4b-Q4_K.gguf    text encoders, llama.cpp names and tokenizer     4.61 / 2.27 GB
+(the five above, 19.6 GB, in 2 min holding 0.6 GB on a 2-core VM shared with other work), to be run
+(issue 33's proof at full size) as
     klein generate --model DIR --transformer quantized/flux-2-klein-9b-kv-Q4_0.gguf
                    --text-encoder quantized/qwen3-8b-Q4_K.gguf --image ref.png --height 64 --width 64
                    --steps 1 --out OUT.png
