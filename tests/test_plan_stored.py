@@ -16,12 +16,14 @@ from flax import nnx
 
 from klein import sharding
 from klein.cli import main as cli
+from klein.io import demo
 from klein.io.gguf_file import GGUFSource
 from klein.io.safetensors import TensorSource
 from klein.io.transformer_file import file_config
 from klein.memory import devices, plan, stored
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
+from klein.pipeline.flux2_klein import load_pipeline
 from tests.test_cli import run_klein
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -227,3 +229,25 @@ def test_plan_refuses_a_missing_or_wrong_file(written, capsys):
     assert "a text encoder of another size (klein-4b takes Qwen3-4B" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "klein-4b", "--text-encoder", str(written["q4_0"])]) == 2
     assert "not a Qwen3 text encoder" in capsys.readouterr().err
+
+
+def test_admission_counts_a_gguf_transformer_as_klein_plan_does(klein_home, tmp_path, monkeypatch):
+    """The pipeline's weight figures (what admission and `auto` judge by) for a GGUF transformer are the
+    planner's for that file: its blocks at the file's bytes, not widened to the dtype."""
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
+    path = tmp_path / "demo-Q8_0.gguf"
+    files.write_gguf_transformer(path, cfg, files.T.Q8_0)
+    pipe = load_pipeline("demo", transformer=path)
+    described = plan.Models(pipe.config, pipe.text_config, pipe.vae_config, pipe.variant)
+    expected = plan.model_bytes(
+        pipe.config,
+        pipe.text_config,
+        pipe.vae_config,
+        SINGLE,
+        2,
+        quantized=plan.with_files(described, path).quantized,
+    )
+    assert pipe.weight_bytes["transformer"] == expected["transformer"]
+    widened = plan.model_bytes(pipe.config, pipe.text_config, pipe.vae_config, SINGLE, 2)["transformer"]
+    assert expected["transformer"] < 0.7 * widened
