@@ -186,6 +186,12 @@ def test_a_files_header_plans_as_its_format(written):
             assert from_file.quantized["transformer"][path] == pytest.approx(rate, rel=0.02), (name, path)
     text = plan.with_files(base, text_encoder=written["qwen3"]).quantized["text_encoder"]
     assert text == plan.in_format(base, text_encoder="Q4_K").quantized["text_encoder"]
+    # A file that keeps its embedding in F16 (widened at load): its Linears alone are counted from it.
+    tensors = files.qwen3_types(TINY_TEXT, files.T.Q4_K)
+    tensors["token_embd.weight"] = (tensors["token_embd.weight"][0], files.T.F16)
+    files.write_gguf(written["qwen3"].with_name("f16-embedding.gguf"), "qwen3", tensors, lambda writer: None)
+    mixed = plan.with_files(base, text_encoder=written["qwen3"].with_name("f16-embedding.gguf"))
+    assert mixed.quantized["text_encoder"] == {k: v for k, v in text.items() if k != stored.EMBEDDING}
     other = models(text=Qwen3Config.qwen3_4b())
     with pytest.raises(Exception, match="token embedding is 512 x 256"):
         plan.with_files(other, text_encoder=written["qwen3"])

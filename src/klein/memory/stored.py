@@ -11,13 +11,18 @@ weight; the module's kernel (or weight) is counted at that rate and its scales w
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 from pathlib import Path
 
+import gguf
 from flax import nnx
 
 from klein.errors import InputError
+from klein.io import bfl_transformer_keys as bfl
+from klein.io.safetensors import TensorSource
+from klein.io.transformer_checkpoint import key_map
 
 FORMATS = {
     # GGUF (ggml) blocks: bytes per block / weights per block; each block carries its fp16 scale(s).
@@ -84,9 +89,6 @@ def _per_layer(shape: tuple[int, ...]) -> int:
 def transformer_file(path: Path, abstract: nnx.Module) -> dict[tuple, Fraction]:
     """Bytes per weight of the transformer's Linears that `path` (a GGUF or NVFP4 single file in BFL
     names) keeps quantized, from its header; those stored as floats are counted by the model."""
-    from klein.io import bfl_transformer_keys as bfl
-    from klein.io.transformer_checkpoint import key_map
-
     sizes, prefix = _file_sizes(path)
     stored: dict[tuple, list[int]] = {}
     for module, shape in linears(abstract).items():
@@ -107,13 +109,23 @@ def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tup
     keeps quantized (the first `layers` decoder layers: those the prompt embedding runs)."""
     if path.suffix.lower() != ".gguf":
         return {}
-    sizes, _ = _file_sizes(path)
+    tensors = _gguf_tensors(path)
     shapes = linears(abstract)
-    embedding = shapes[EMBEDDING]
+    if "token_embd.weight" not in tensors:
+        raise InputError(f"{path}: no 'token_embd' tensor: not a Qwen3 text encoder in llama.cpp's naming")
+    found, needed = tensors["token_embd.weight"][2], shapes[EMBEDDING]
+    if found != tuple(needed):
+        raise InputError(
+            f"{path}: its token embedding is {found[0]} x {found[1]}, where this model's text encoder needs "
+            f"{needed[0]} x {needed[1]}: a text encoder of another size (klein-4b takes Qwen3-4B, "
+            f"klein-9b Qwen3-8B)"
+        )
     stored: dict[tuple, list] = {}
-    for name, size in sizes.items():
-        match = re.fullmatch(r"blk\.(\d+)\.(\w+)", name)
-        if name == "token_embd":
+    for name, (size, kind, _) in tensors.items():
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if kind in _FLOATS:
+            continue
+        if name == "token_embd.weight":
             module = EMBEDDING
         elif match and int(match[1]) < layers and match[2] in QWEN3_GGUF:
             module = ("model", "layers", *QWEN3_GGUF[match[2]])
@@ -122,15 +134,6 @@ def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tup
         total = stored.setdefault(module, [0, 0])
         total[0] += size
         total[1] += _per_layer(shapes[module])
-    if "token_embd" not in sizes:
-        raise InputError(f"{path}: no 'token_embd' tensor: not a Qwen3 text encoder in llama.cpp's naming")
-    found = _gguf_shape(path, "token_embd.weight")
-    if found != tuple(embedding):
-        raise InputError(
-            f"{path}: its token embedding is {found[0]} x {found[1]}, where this model's text encoder needs "
-            f"{embedding[0]} x {embedding[1]}: a text encoder of another size (klein-4b takes Qwen3-4B, "
-            f"klein-9b Qwen3-8B)"
-        )
     return {module: Fraction(bytes_) / count for module, (bytes_, count) in stored.items()}
 
 
@@ -138,7 +141,7 @@ def _file_sizes(path: Path) -> tuple[dict[str, int], str]:
     """(bytes each quantized layer of `path` takes, keyed by its name less ".weight", with its side
     tensors; the file's key prefix, ComfyUI's "model.diffusion_model." or none)."""
     if path.suffix.lower() == ".gguf":
-        sizes = {name: size for name, (size, kind) in _gguf_tensors(path).items() if kind not in _FLOATS}
+        sizes = {name: size for name, (size, kind, _) in _gguf_tensors(path).items() if kind not in _FLOATS}
     else:
         sizes = _nvfp4_sizes(path)
     sizes = {name.removesuffix(".weight"): size for name, size in sizes.items()}
@@ -149,23 +152,17 @@ def _file_sizes(path: Path) -> tuple[dict[str, int], str]:
 _FLOATS = ("F32", "F16", "BF16", "F64")
 
 
-def _gguf_tensors(path: Path) -> dict[str, tuple[int, str]]:
-    """name -> (bytes, ggml type name) of a GGUF file's tensors, from its header (the data is mapped, not
-    read)."""
-    import gguf
-
+def _gguf_tensors(path: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:
+    """name -> (bytes, ggml type name, PyTorch shape) of a GGUF file's tensors, from its header (the data
+    is mapped, not read)."""
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, KeyError, IndexError) as exc:
         raise InputError(f"{path}: not a readable GGUF file ({exc})") from None
-    return {t.name: (int(t.n_bytes), t.tensor_type.name) for t in reader.tensors}
-
-
-def _gguf_shape(path: Path, name: str) -> tuple[int, ...]:
-    import gguf
-
-    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
-    return tuple(int(n) for n in reversed(tensor.shape))
+    return {
+        t.name: (int(t.n_bytes), t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))
+        for t in reader.tensors
+    }
 
 
 _SIDES = (".weight_scale", ".weight_scale_2", ".input_scale")
@@ -175,10 +172,6 @@ _BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F3
 def _nvfp4_sizes(path: Path) -> dict[str, int]:
     """Bytes of each layer of a safetensors file whose weight is packed into bytes (NVFP4: U8), its scales
     included."""
-    import math
-
-    from klein.io.safetensors import TensorSource
-
     source = TensorSource.from_file(path)
     keys = source.keys()
 
