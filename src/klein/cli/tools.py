@@ -20,11 +20,11 @@ Per-device memory of a klein model on a device mesh, from its configs alone (no 
 is allocated): weights and the reference KV cache exactly, peak activations as an estimate; then the
 peak under each residency policy (all: every model resident; sequential: the text encoder and the
 transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
-the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks on a device of
---device-memory bytes or a named --device (default: what this machine's first device has free now). A
-named device also says what `--compute auto` multiplies in there (fp8 or int8, by compute capability).
-Quantized files (--transformer, --text-encoder: GGUF, FP8, NVFP4) are planned at the bytes their own
-tensors take, read from their headers.
+the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks
+on a device of --device-memory bytes or a named --device (default: what this machine's first device has
+free now). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
+capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
+GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
 
 --target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}; NAME:COUNT for several on
 one host) to plan for from this machine, without them: the mesh goes over its devices (default: all of
@@ -33,7 +33,8 @@ target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s a
 compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
 and cuDNN (pip install klein[gpu-plan]) for a card.
 
-devices: {devices}"""
+devices (memory, what --compute auto multiplies there):
+{devices}"""
 
 # The slices `klein plan --target` is tested with (`klein.pipeline.topology.TARGETS`), named without importing jax.
 TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")

@@ -66,8 +66,8 @@ def limit(name: str) -> int:
 
 
 def listing() -> str:
-    """The devices for `--help`, grouped by memory: "8 GB: rtx-3060-ti, ...; 10 GB: ..."."""
+    """The devices for `--help`, a line per memory size: "  8 GB: rtx-3060-ti (int8), ..."."""
     sizes: dict[int, list[str]] = {}
     for name, device in DEVICES.items():
         sizes.setdefault(device.memory_gib, []).append(f"{name} ({device.compute})")
-    return "; ".join(f"{size} GB: {', '.join(names)}" for size, names in sorted(sizes.items()))
+    return "\n".join(f"  {size:>3} GB: {', '.join(names)}" for size, names in sorted(sizes.items()))
