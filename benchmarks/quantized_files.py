@@ -2,7 +2,7 @@
 each block's bytes are random but for its scales, which are set to valid small fp16 (GGUF) or float8
 (NVFP4) values, so there is no quantising pass (a klein-9b-kv Q4_0 file: ~5 GB at disk speed). The
 values mean nothing; the files' layout, names, types and sizes are the published ones. Used by
-`benchmarks/real_size.py --quantized ...` (and its tests, at a tiny geometry).
+`benchmarks/real_size.py --quantized ...` and, at a tiny geometry, tests/test_plan_stored.py.
 
 - `write_gguf_transformer`: a FLUX.2 transformer in BFL key names as ComfyUI-GGUF's files have them: every
   2-D weight in the format, but for the embedders and the final layer (img_in, txt_in, time_in,
