@@ -29,11 +29,27 @@ The peak resident memory is host memory. With JAX on the CPU the device is host 
 with the planner's device peak directly (plus the runtime's own few hundred MB); on an accelerator it
 is only the host side of the run.
 
+With --quantized NAME... it also writes (once, under --root/quantized, by `benchmarks/quantized_files.py`:
+random blocks with valid scales, no quantising pass) the full-size quantized files people download:
+    flux-2-klein-9b-kv-Q4_0.gguf, -Q4_K.gguf  klein-9b-kv transformer, ComfyUI-GGUF layout      5.25 GB
+    flux-2-klein-4b-Q4_0.gguf, -Q4_K.gguf     klein-4b transformer                             2.26 GB
+    flux-2-klein-9b-kv-nvfp4.safetensors      BFL's NVFP4 layout with _quantization_metadata   5.25 GB
+    qwen3-8b-Q4_K.gguf, qwen3-4b-Q4_K.gguf    text encoders, llama.cpp names and tokenizer     4.61 / 2.27 GB
+(the five above, 19.6 GB, in 2 min holding 0.6 GB on a 2-core VM shared with other work), to be run
+(issue 33's proof at full size) as
+    klein generate --model DIR --transformer quantized/flux-2-klein-9b-kv-Q4_0.gguf
+                   --text-encoder quantized/qwen3-8b-Q4_K.gguf --image ref.png --height 64 --width 64
+                   --steps 1 --out OUT.png
+beside `klein plan --model DIR --transformer ... --text-encoder ... --refs 1 --ref-size 64x64 --size
+64x64 --json` (DIR: the model's bf16 folder above, for its VAE and tokenizer).
+
 Not a test: it writes ~51 GB (check the free space of --root) and each generate run of klein-9b-kv needs
 tens of GB of memory.
 
     python benchmarks/real_size.py --write-only --root /data/ckpt        # only write the folders
     python benchmarks/real_size.py --root /data/ckpt --policies sequential --models klein-4b
+    python benchmarks/real_size.py --write-only --models --quantized flux-2-klein-9b-kv-Q4_0.gguf \
+        qwen3-8b-Q4_K.gguf                                            # only the quantized files
 """
 
 import argparse
@@ -54,6 +70,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import numpy as np  # noqa: E402
 import PIL.Image  # noqa: E402
+from quantized_files import (  # noqa: E402
+    T,
+    write_gguf_qwen3,
+    write_gguf_transformer,
+    write_nvfp4_transformer,
+)
 
 from klein import dtypes  # noqa: E402
 from klein.bench.configs import REAL_VAE, _transformer  # noqa: E402
@@ -103,6 +125,39 @@ MODELS = {
 }
 
 
+QUANTIZED = {
+    "flux-2-klein-9b-kv-Q4_0.gguf": lambda path: write_gguf_transformer(path, KLEIN_9B, T.Q4_0),
+    "flux-2-klein-9b-kv-Q4_K.gguf": lambda path: write_gguf_transformer(path, KLEIN_9B, T.Q4_K),
+    "flux-2-klein-4b-Q4_0.gguf": lambda path: write_gguf_transformer(path, KLEIN_4B, T.Q4_0),
+    "flux-2-klein-4b-Q4_K.gguf": lambda path: write_gguf_transformer(path, KLEIN_4B, T.Q4_K),
+    "flux-2-klein-9b-kv-nvfp4.safetensors": lambda path: write_nvfp4_transformer(path, KLEIN_9B),
+    "qwen3-8b-Q4_K.gguf": lambda path: write_gguf_qwen3(path, Qwen3Config.qwen3_8b(), T.Q4_K),
+    "qwen3-4b-Q4_K.gguf": lambda path: write_gguf_qwen3(path, Qwen3Config.qwen3_4b(), T.Q4_K),
+}
+"""The quantized files --quantized writes, by file name (the transformer's variant is read from it)."""
+
+
+def write_quantized(names: list[str], folder: Path) -> dict[str, dict]:
+    """Write the files of `names` into `folder` that are not there yet, each to a staging name renamed when
+    complete; their paths, sizes and seconds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name in names:
+        path = folder / name
+        if path.is_file():
+            print(f"{name}: {path} exists, kept", flush=True)
+            written[name] = dict(path=str(path), written_seconds=None, disk_bytes=path.stat().st_size)
+            continue
+        staging = path.with_name(f".{name}.partial")
+        started = time.perf_counter()
+        size = QUANTIZED[name](staging)
+        staging.rename(path)
+        seconds = time.perf_counter() - started
+        print(f"{name}: {size / 1e9:.2f} GB in {seconds:.0f} s", flush=True)
+        written[name] = dict(path=str(path), written_seconds=round(seconds, 1), disk_bytes=size)
+    return written
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -115,7 +170,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "reference and the generated PNGs go to its runs/ subfolder",
     )
     parser.add_argument(
-        "--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="default: all of them"
+        "--models",
+        nargs="*",
+        choices=tuple(MODELS),
+        default=list(MODELS),
+        help="default: all of them (none: only the --quantized files)",
     )
     parser.add_argument(
         "--policies",
@@ -129,6 +188,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--write-only", action="store_true", help="only write the checkpoint folders, run nothing"
+    )
+    parser.add_argument(
+        "--quantized",
+        nargs="*",
+        choices=tuple(QUANTIZED),
+        default=[],
+        metavar="FILE",
+        help=f"quantized files to write under --root/quantized: {', '.join(QUANTIZED)} (default: none)",
     )
     parser.add_argument(
         "--timeout",
@@ -366,6 +433,7 @@ def table(runs: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     checkpoints = write_models(args.models, args.root)
+    write_quantized(args.quantized, args.root / "quantized")
     if args.write_only:
         return 0
     runs_folder = args.root / "runs"

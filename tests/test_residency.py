@@ -356,6 +356,8 @@ def test_plan_json_lists_every_policy_and_autos_choice(klein_home, tmp_path):
         "64x64",
         "--device",
         "rtx-4090",
+        "--compute",
+        "bf16",  # auto there is FP8, whose one-byte blocks fit `all`
         "--json",
     )
     result = run_klein(klein_home, *args, cwd=tmp_path)

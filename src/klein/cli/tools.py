@@ -12,6 +12,7 @@ from pathlib import Path
 from klein.cli.flags import Parser
 from klein.dtypes import DTYPES
 from klein.errors import InputError
+from klein.memory import devices
 from klein.request.loading import COMPUTE
 
 PLAN_DESCRIPTION = """\
@@ -19,8 +20,11 @@ Per-device memory of a klein model on a device mesh, from its configs alone (no 
 is allocated): weights and the reference KV cache exactly, peak activations as an estimate; then the
 peak under each residency policy (all: every model resident; sequential: the text encoder and the
 transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
-the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks on a device of --device-memory bytes or a named
---device (default: what this machine's first device has free now).
+the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks
+on a device of --device-memory bytes or a named --device (default: what this machine's first device has
+free now). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
+capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
+GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
 
 --target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}; NAME:COUNT for several on
 one host) to plan for from this machine, without them: the mesh goes over its devices (default: all of
@@ -29,24 +33,9 @@ target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s a
 compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
 and cuDNN (pip install klein[gpu-plan]) for a card.
 
-devices: {devices}"""
+devices (memory, what --compute auto multiplies there):
+{devices}"""
 
-# Nominal memory of common devices, less about 1 GiB that the driver and runtime keep for themselves.
-DEVICES = {
-    "rtx-3090": 24,
-    "rtx-4080": 16,
-    "rtx-4090": 24,
-    "rtx-5090": 32,
-    "l4": 24,
-    "a100-40gb": 40,
-    "a100-80gb": 80,
-    "h100-80gb": 80,
-    "h200": 141,
-    "tpu-v5e": 16,
-    "tpu-v6e": 32,
-    "tpu-v5p": 95,
-}
-RESERVED_GIB = 1
 # The slices `klein plan --target` is tested with (`klein.pipeline.topology.TARGETS`), named without importing jax.
 TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
 GPU_TARGETS = ("h100", "h200", "l40s", "rtx-4090")  # `klein.pipeline.topology.GPU_TARGETS`
@@ -56,7 +45,7 @@ def plan_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="klein plan",
         description=PLAN_DESCRIPTION.format(
-            devices=", ".join(DEVICES), targets=", ".join(TARGETS), gpus=", ".join(GPU_TARGETS)
+            devices=devices.listing(), targets=", ".join(TARGETS), gpus=", ".join(GPU_TARGETS)
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -67,6 +56,17 @@ def plan_parser() -> argparse.ArgumentParser:
         help="default: the offline demo checkpoint, as every command; a published variant (klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b), or what "
         "klein generate takes: a diffusers-layout folder, a repo id (published ones need no download), or a "
         "transformer file (BFL, FP8, GGUF) of a published size",
+    )
+    add(
+        "--transformer",
+        metavar="FILE",
+        help="a transformer file to plan in place of --model's (BFL, FP8, GGUF, NVFP4 safetensors): its "
+        "variant from the file, its quantized Linears at the bytes they take in it",
+    )
+    add(
+        "--text-encoder",
+        metavar="FILE",
+        help="a Qwen3 GGUF text encoder (llama.cpp naming) to plan at the bytes its tensors take",
     )
     add(
         "--mesh",
@@ -92,7 +92,7 @@ def plan_parser() -> argparse.ArgumentParser:
         "--device-memory", type=_bytes, metavar="SIZE", help="device memory, e.g. 24GiB or 16GB"
     )
     memory.add_argument(
-        "--device", choices=tuple(DEVICES), metavar="NAME", help="a device by name (see above)"
+        "--device", choices=tuple(devices.DEVICES), metavar="NAME", help="a device by name (see above)"
     )
     add(
         "--compute",
@@ -142,10 +142,10 @@ def plan_command(flags: argparse.Namespace) -> int:
     if flags.target is not None:
         return _target_command(flags)
     mesh = flags.mesh or "single"
-    variant, models, dtype = _plan_model(flags.model, flags.dtype)
+    variant, models, dtype = _plan_files(flags)
     named = flags.device is not None or flags.device_memory is not None
-    compute = flags.compute if named else _compute(flags.compute, _local_device())
-    models = _computing(models or plan.published(variant, dtype), compute)
+    compute = _named_compute(flags) if named else _compute(flags.compute, _local_device())
+    models = _computing(models, compute)
     limit, where = _device_memory(flags)
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
     local_cpu = not named and _local_device().platform == "cpu"
@@ -189,9 +189,9 @@ def _target_command(flags: argparse.Namespace) -> int:
         raise InputError("--target names the device already; drop --device")
     mesh, spec = topology.mesh(flags.target, flags.mesh)
     on = roofline.chip(mesh.devices.flat[0].device_kind)
-    variant, models, dtype = _plan_model(flags.model, flags.dtype)
+    variant, models, dtype = _plan_files(flags)
     compute = _compute(flags.compute, mesh.devices.flat[0])
-    models = _computing(models or plan.published(variant, dtype), compute)
+    models = _computing(models, compute)
     platform = mesh.devices.flat[0].platform  # "gpu" for NVIDIA cards: their programs are planned
     memory = plan.plan(
         variant, spec, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, platform
@@ -219,6 +219,26 @@ def _target_command(flags: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_files(flags: argparse.Namespace):
+    """(name, `klein.memory.plan.Models`, dtype) of --model, or of --transformer in its place, with the
+    quantized Linears of --text-encoder's file."""
+    from klein.memory import plan
+
+    transformer = flags.transformer and str(_existing(flags.transformer, "--transformer"))
+    variant, models, dtype = _plan_model(transformer or flags.model, flags.dtype)
+    models = models or plan.published(variant, dtype)
+    if flags.text_encoder is not None:
+        models = plan.with_files(models, text_encoder=_existing(flags.text_encoder, "--text-encoder"))
+    return variant, models, dtype
+
+
+def _existing(name: str, flag: str) -> Path:
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise InputError(f"{flag} {name}: no such file; give the path of the downloaded file")
+    return path
+
+
 def _plan_model(model: str, dtype: str | None):
     """(name, `klein.memory.plan.Models` or None for a published variant, dtype) of --model: what
     `klein generate --model` takes (a variant name, a published repo id, a folder) or a transformer file."""
@@ -243,7 +263,7 @@ def _plan_model(model: str, dtype: str | None):
                 f"{path}: a transformer of no published size; plan its diffusers-layout folder instead"
             )
         models = plan.Models(config, variant.size.text_encoder, plan.FLUX2_VAE, variant, fp8)
-        return variant.name, models, dtype or stored.name
+        return variant.name, plan.with_files(models, transformer=path), dtype or stored.name
     located = components.locate(model, components.Parts())
     models = plan.Models(
         located.config, located.text_config, located.vae_config, located.variant, located.fp8
@@ -268,11 +288,19 @@ def _compute(option: str, device) -> str:
     return compute_of(option, device)
 
 
+def _named_compute(flags) -> str:
+    """`--compute` on a named device: auto is what that device multiplies fastest; a bare size says nothing
+    of the device, so auto stays auto there (planned as bf16)."""
+    if flags.compute == "auto" and flags.device is not None:
+        return devices.DEVICES[flags.device].compute
+    return flags.compute
+
+
 def _computing(models, compute: str):
-    """`models` as planned with `compute`: 8-bit products keep the transformer's weights in one byte."""
+    """`models` as planned with `compute`: 8-bit products keep the blocks' kernels in one byte."""
     from klein.models import products
 
-    return dataclasses.replace(models, fp8=models.fp8 or compute in products.EIGHT_BIT)
+    return dataclasses.replace(models, compute=compute if compute in products.EIGHT_BIT else products.BF16)
 
 
 def _describe_compute(compute: str) -> str:
@@ -293,9 +321,7 @@ def _device_memory(flags) -> tuple[int, str]:
     if flags.device_memory is not None:
         return flags.device_memory, "given"
     if flags.device is not None:
-        return (
-            DEVICES[flags.device] - RESERVED_GIB
-        ) * 2**30, f"{flags.device}, less {RESERVED_GIB} GiB for the runtime"
+        return devices.limit(flags.device), f"{flags.device}, less {devices.RESERVED_GIB} GiB for the runtime"
     import jax
 
     from klein.memory.admission import available_bytes

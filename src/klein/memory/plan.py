@@ -33,8 +33,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -42,8 +44,8 @@ from jax.sharding import NamedSharding
 from klein import dtypes, sharding
 from klein.errors import InputError, counted
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
-from klein.io.transformer_checkpoint import abstract_transformer
-from klein.memory import gpu_estimate, residency
+from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
+from klein.memory import gpu_estimate, residency, stored
 from klein.models import products
 from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
@@ -299,14 +301,17 @@ def plan(
     request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
     run = resolve.resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
     work, e = Workload.of(run), dtypes.itemsize(dtype)
-    sizes = residency.on(platform, model_bytes(cfg, text_config, models.vae, abstract, e, models.fp8))
+    held = model_bytes(
+        cfg, text_config, models.vae, abstract, e, models.fp8, models.compute, models.quantized
+    )
+    sizes = residency.on(platform, held)
     return MemoryPlan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
         devices=math.prod(abstract.shape.values()),
         request=f"{batch} x {size[0]}x{size[1]} px, {counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px, "
         f"{dtype}",
-        transformer_params=_weights(_abstract_models(cfg, text_config)[0], (), abstract, 1)[1],
+        transformer_params=_weights(_abstract_models(cfg, text_config)[0], (), abstract)[1],
         streamed={name: sizes[residency.streamed(name)] for name in residency.STACKS},
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
@@ -321,13 +326,19 @@ def plan(
 
 @dataclasses.dataclass(frozen=True)
 class Models:
-    """What a plan needs to know of a checkpoint: its configs and variant, and whether FP8 stays FP8."""
+    """What a plan needs to know of a checkpoint: its configs and variant, and how its weights are stored."""
 
     transformer: TransformerConfig
     text_encoder: Qwen3Config
     vae: VAEConfig
     variant: Variant
     fp8: bool = False
+    """The transformer file ships FP8 Linears, kept so (`klein.models.layers.SHIPPED_FP8`)."""
+    compute: str = products.BF16
+    """How the blocks' products are made: an 8-bit one stores their kernels in 8 bits."""
+    quantized: dict = dataclasses.field(default_factory=dict)
+    """Per model ("transformer", "text_encoder"): module path -> bytes per weight of the Linears its file
+    keeps quantized (`klein.memory.stored`)."""
 
 
 def published(variant: str, dtype: str) -> Models:
@@ -350,7 +361,27 @@ def _abstract_models(
 ) -> tuple[nnx.Module, ...]:
     """Transformer, text encoder (the layers that run) and VAE as shapes only; read, never changed."""
     vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(vae_config, rngs=nnx.Rngs(0)))
-    return abstract_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
+    return _plain_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
+
+
+@functools.cache
+def _plain_transformer(cfg: TransformerConfig) -> nnx.Module:
+    return abstract_transformer(cfg)
+
+
+@functools.cache
+def stored_transformer(cfg: TransformerConfig, itemsize: int, fp8: bool, compute: str) -> nnx.Module:
+    """The transformer as the loader builds it to fill (`klein.io.transformer_file`): floats of
+    `itemsize` bytes, its Linears in their stored forms (FP8 as shipped where `fp8`, every one of them;
+    the blocks' kernels in 8 bits for an 8-bit `compute`)."""
+    plain = _plain_transformer(cfg)
+    linears = {path[:-1] for path, _ in nnx.to_flat_state(nnx.state(plain)) if path[-1] == "kernel"}
+    plan = {(*path, "kernel"): [] for path in linears}
+    forms = stored_forms(plan, frozenset(linears) if fp8 else frozenset(), compute)
+    return abstract_transformer(cfg, _FLOATS[itemsize], forms)
+
+
+_FLOATS = {2: jnp.bfloat16, 4: jnp.float32}
 
 
 def model_bytes(
@@ -360,24 +391,32 @@ def model_bytes(
     mesh,
     itemsize: int,
     fp8: bool = False,
+    compute: str = products.BF16,
+    quantized: dict | None = None,
 ) -> dict[str, int]:
-    """Weight bytes per device of each model ("text_encoder", "transformer", "vae") in `itemsize`-byte
-    floats, and the transformer's bytes the `stream` policy keeps in host memory ("streamed": its block
-    stacks less the largest two layers); `fp8`: the transformer's Linear kernels are kept in one byte
-    each (FP8 files)."""
-    transformer, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
-    kernel = 1 if fp8 else itemsize
+    """Weight bytes per device of each model ("text_encoder", "transformer", "vae") as stored: floats of
+    `itemsize` bytes, the transformer's Linears in the forms `fp8` and `compute` give them
+    (`stored_transformer`), and those a quantized file keeps quantized at its own bytes per weight
+    (`quantized`: model -> module path -> bytes); and of each model with stacks, the bytes the `stream` policy
+    keeps in host memory ("<model>_streamed": its stacks less the largest two layers)."""
+    _, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
+    quantized = quantized or {}
     models = {
-        residency.TEXT_ENCODER: (text_encoder, sharding.TEXT_ENCODER_PARAMS, None),
-        residency.TRANSFORMER: (transformer, sharding.TRANSFORMER_PARAMS, kernel),
-        residency.VAE: (vae, (), None),
+        residency.TEXT_ENCODER: (text_encoder, sharding.TEXT_ENCODER_PARAMS, itemsize),
+        # Built in its dtype and stored forms: every Param is counted as the loader keeps it.
+        residency.TRANSFORMER: (
+            stored_transformer(cfg, itemsize, fp8, compute),
+            sharding.TRANSFORMER_PARAMS,
+            None,
+        ),
+        residency.VAE: (vae, (), itemsize),
     }
     sizes = {}
-    for name, (module, table, kernels) in models.items():
-        sizes[name] = _weights(module, table, mesh, itemsize, kernels)[0]
+    for name, (module, table, floats) in models.items():
+        files = quantized.get(name, {})
+        sizes[name] = _weights(module, table, mesh, floats, files)[0]
         stacks = [
-            _stack(module, prefix, table, mesh, itemsize, kernels)
-            for prefix in residency.STACKS.get(name, ())
+            _stack(module, prefix, table, mesh, floats, files) for prefix in residency.STACKS.get(name, ())
         ]
         if stacks:
             sizes[residency.streamed(name)] = sum(size for size, _ in stacks) - 2 * max(
@@ -386,14 +425,41 @@ def model_bytes(
     return sizes
 
 
-def _stack(module, prefix: str, table, mesh, itemsize: int, kernel) -> tuple[int, int]:
+def _stack(module, prefix: str, table, mesh, floats, files) -> tuple[int, int]:
     """(bytes per device, bytes of its largest layer) of the stacked layers at dotted `prefix`."""
     stacked = module
     for part in prefix.split("."):
         stacked = getattr(stacked, part)
-    size = _weights(stacked, table, mesh, itemsize, kernel, tuple(prefix.split(".")))[0]
+    size = _weights(stacked, table, mesh, floats, files, tuple(prefix.split(".")))[0]
     layers = jax.tree.leaves(nnx.state(stacked))[0].shape[0]
     return size, size // layers
+
+
+def with_files(models: Models, transformer: Path | None = None, text_encoder: Path | None = None) -> Models:
+    """`models` with the bytes per weight of the Linears a quantized `transformer` file (GGUF, NVFP4) and
+    `text_encoder` file (a Qwen3 GGUF) keep quantized, read from their headers (`klein.memory.stored`); a
+    file that keeps no Linear quantized (a folder, bf16 or FP8 safetensors) adds nothing."""
+    files = dict(models.quantized)
+    abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
+    if transformer is not None and Path(transformer).is_file():
+        files[residency.TRANSFORMER] = stored.transformer_file(Path(transformer), abstract)
+    if text_encoder is not None and Path(text_encoder).is_file():
+        files[residency.TEXT_ENCODER] = stored.text_encoder_file(Path(text_encoder), text, max(PROMPT_LAYERS))
+    # An NVFP4 file's FP8 tensors are its block scales, counted with its blocks: no Linear ships as FP8.
+    fp8 = models.fp8 and not files.get(residency.TRANSFORMER)
+    return dataclasses.replace(models, quantized=files, fp8=fp8)
+
+
+def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:
+    """`models` as the usual downloads in a stored format (`klein.memory.stored.FORMATS`) hold them: the
+    transformer's Linears but its embedders and final layer, the text encoder's Linears and embedding."""
+    files = dict(models.quantized)
+    abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
+    if transformer is not None:
+        files[residency.TRANSFORMER] = stored.uniform(abstract, transformer, stored.TRANSFORMER_KEPT)
+    if text_encoder is not None:
+        files[residency.TEXT_ENCODER] = stored.uniform(text, text_encoder)
+    return dataclasses.replace(models, quantized=files)
 
 
 def typical_request(variant) -> Workload:
@@ -413,20 +479,27 @@ def _shard_bytes(shape: tuple, axes: tuple, mesh, itemsize: int) -> int:
 
 
 def _weights(
-    abstract: nnx.Module, table, mesh, itemsize: int, kernel: int | None = None, prefix: tuple = ()
+    abstract: nnx.Module, table, mesh, floats: int | None = None, files=None, prefix: tuple = ()
 ) -> tuple[int, int]:
-    """(bytes per device, parameter count) of a module whose weights are cast to `itemsize` bytes (its
-    Linear kernels to `kernel` bytes, when given); `prefix`: the module's path in the model `table`
-    describes."""
-    per_device = count = 0
+    """(bytes per device, parameter count) of a module: each Param at its dtype's bytes, or at `floats`
+    bytes where given and it is a float (the loader casts those); the Linears of `files` (module path ->
+    bytes per weight) at the rate their file stores them, their scales within it; `prefix`: the module's
+    path in the model `table` describes."""
+    per_device, count, files = 0, 0, files or {}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
         path = prefix + tuple(path)
         value = variable.get_value()
-        # Only Params are cast on loading; the VAE's BatchNorm statistics keep their float32.
-        size = itemsize if isinstance(variable, nnx.Param) else np.dtype(value.dtype).itemsize
-        if kernel is not None and path[-1] == "kernel" and value.ndim >= 2:
-            size = kernel
-        per_device += _shard_bytes(value.shape, sharding.param_axes(path, table), mesh, size)
+        axes = sharding.param_axes(path, table)
+        rate = files.get(path[:-1])
+        if rate is not None:
+            if path[-1] in ("kernel", "weight", "embedding"):  # else a scale: in the file's rate already
+                per_device += math.ceil(_shard_bytes(value.shape, axes, mesh, 1) * rate)
+        else:
+            size = np.dtype(value.dtype).itemsize
+            # Only Params are cast on loading; the VAE's BatchNorm statistics keep their float32.
+            if floats and isinstance(variable, nnx.Param) and jnp.issubdtype(value.dtype, jnp.floating):
+                size = floats
+            per_device += _shard_bytes(value.shape, axes, mesh, size)
         count += math.prod(value.shape)
     return per_device, count
 

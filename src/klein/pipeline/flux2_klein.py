@@ -676,13 +676,25 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
     compute = compute_of(options.compute, _local_devices(device_mesh)[0])
+    # A GGUF or NVFP4 transformer keeps its Linears quantized (unless dequantised): counted at its bytes.
+    # A GGUF text encoder is still widened at load, so it counts in the dtype.
+    stored = plan.Models(
+        located.config,
+        located.text_config,
+        located.vae_config,
+        located.variant,
+        located.fp8 and not dequantize,
+    )
+    stored = plan.with_files(stored, None if dequantize else located.transformer)
     sizes = plan.model_bytes(
         located.config,
         located.text_config,
         located.vae_config,
         _planning_mesh(device_mesh),
         jdtype.itemsize,
-        fp8=(located.fp8 and not dequantize) or compute != products.BF16,
+        fp8=stored.fp8,
+        compute=compute,
+        quantized=stored.quantized,
     )
     sizes = residency_policy.on(_local_devices(device_mesh)[0].platform, sizes)
     limit, where = admission.available_bytes(_local_devices(device_mesh))
