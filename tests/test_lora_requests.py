@@ -1,0 +1,166 @@
+"""LoRAs per request, unmerged (`pipe.load_lora`, `loras=`): each request equals the pipeline with the same
+LoRA merged, in every layout klein reads; a batch mixing three LoRAs and none equals four merged runs; new
+LoRAs or strengths build no program; cached references are prefilled under the request's LoRAs and never
+reused under another's."""
+
+import numpy as np
+import pytest
+
+from klein.errors import InputError
+from klein.pipeline.compilations import Compilations
+from klein.pipeline.flux2_klein import load_pipeline
+from tests.support import lora_files as lf
+from tests.support.compare import max_abs
+from tests.support.pictures import picture
+
+PARITY = 1e-4
+LATENTS = np.random.default_rng(0).standard_normal((4, 128, 3, 4)).astype(np.float32)
+T2I = dict(height=48, width=64, num_inference_steps=2, output_type="np")
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_pipelines):
+    loaded = {}
+
+    def get(kind):
+        if kind not in loaded:
+            loaded[kind] = load_pipeline(tiny_pipelines(kind)[0])
+        return loaded[kind]
+
+    return get
+
+
+def _onetrainer(path, lora):
+    """OneTrainer's layout: kohya-style keys with diffusers names (`lora_transformer_`)."""
+    tensors = {}
+    for module, (down, up) in lora.items():
+        name = "lora_transformer_" + module.replace(".", "_")
+        tensors |= {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up}
+        tensors[f"{name}.alpha"] = np.array(2.0, np.float32)
+    return lf._save(path, tensors)
+
+
+@pytest.fixture(scope="module")
+def layouts(pipes, tiny_pipelines, tmp_path_factory):
+    """layout -> a LoRA file, one for every layout klein reads (BFL ones with the swapped final adaLN and
+    kohya's block-diagonal fused q/k/v), all loaded by name into the distilled pipeline."""
+    pipe, folder = pipes("distilled"), tmp_path_factory.mktemp("lora-layouts")
+    peft, bfl = lf.linear_shapes(pipe.config, "diffusers"), lf.linear_shapes(pipe.config, "bfl")
+    kohya = lf.random_lora(bfl, 4, 7)
+    qkv = "double_blocks.1.txt_attn.qkv"
+    kohya[qkv] = lf.block_diagonal(*kohya[qkv])
+    transformer = tiny_pipelines("distilled")[1].transformer
+    files = {
+        "peft-trained": lf.write_peft_trained(
+            folder / "a.safetensors", transformer, rank=4, alpha=8.0, seed=1
+        ),
+        "peft": lf.write_peft(folder / "b.safetensors", lf.random_lora(peft, 8, 2)),
+        "bfl": lf.write_bfl(folder / "c.safetensors", lf.random_lora(bfl, 4, 3)),
+        "bfl-down-up": lf.write_bfl(
+            folder / "d.safetensors", lf.random_lora(bfl, 2, 4), ("lora_down", "lora_up"), alpha=1.0
+        ),
+        "fal": lf.write_bfl(folder / "e.safetensors", lf.random_lora(bfl, 4, 5), prefix="base_model.model."),
+        "comfyui": lf.write_bfl(
+            folder / "f.safetensors", lf.random_lora(bfl, 4, 6), prefix="model.diffusion_model."
+        ),
+        "kohya": lf.write_kohya(folder / "g.safetensors", kohya, alpha=2.0),
+        "onetrainer": _onetrainer(folder / "h.safetensors", lf.random_lora(peft, 4, 8)),
+    }
+    for name, file in files.items():
+        pipe.load_lora(name, file)
+    return files
+
+
+def _merged(pipe, specs, prompt="a red fox", latents=LATENTS[:1]):
+    pipe.set_loras(specs)
+    try:
+        return pipe(prompt, latents=latents, **T2I).images
+    finally:
+        pipe.set_loras([])
+
+
+LAYOUTS = ("peft-trained", "peft", "bfl", "bfl-down-up", "fal", "comfyui", "kohya", "onetrainer")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unmerged_equals_merged(pipes, layouts, layout):
+    pipe = pipes("distilled")
+    want = _merged(pipe, [(layouts[layout], 0.7)])
+    got = pipe("a red fox", latents=LATENTS[:1], loras=[(layout, 0.7)], **T2I)
+    assert max_abs(got.images, want) <= PARITY
+    assert max_abs(pipe("a red fox", latents=LATENTS[:1], **T2I).images, want) > 100 * PARITY
+    assert [(a.name, a.scale) for a in got.settings.adapters[0]] == [(layout, 0.7)]
+
+
+def test_two_loras_of_one_request_add_up(pipes, layouts):
+    pipe = pipes("distilled")
+    want = _merged(pipe, [(layouts["bfl"], 0.7), (layouts["peft"], -0.4)])
+    got = pipe("a red fox", latents=LATENTS[:1], loras=["bfl:0.7", {"name": "peft", "scale": -0.4}], **T2I)
+    assert max_abs(got.images, want) <= PARITY
+
+
+def test_a_batch_mixing_three_loras_and_none_equals_four_merged_runs(pipes, layouts):
+    pipe = pipes("distilled")
+    prompts = ("a red fox", "a blue bird", "a green frog", "a grey cat")
+    sets = [[("kohya", 0.8)], [("fal", 0.5)], [("onetrainer", 1.2), ("kohya", 0.3)], []]
+    batch = pipe(prompts, latents=LATENTS, loras=sets, **T2I).images
+    for i, uses in enumerate(sets):
+        want = _merged(pipe, [(layouts[n], s) for n, s in uses], prompts[i], LATENTS[i : i + 1])
+        assert max_abs(batch[i : i + 1], want) <= PARITY, i
+    assert max_abs(batch[0], batch[3]) > 100 * PARITY  # the rows differ: each is its own LoRA's
+
+
+def test_other_loras_and_strengths_build_no_program(pipes, layouts):
+    pipe = pipes("distilled")
+    pipe(("a", "b"), latents=LATENTS[:2], loras=[[("bfl", 0.5)], [("peft", 1.0)]], **T2I)
+    with Compilations() as built:
+        # Other slots (one given up to another LoRA: slots are fewer than the loaded LoRAs), other strengths.
+        for sets in ([[("comfyui", 0.9)], []], [[("kohya", 0.1), ("fal", 2.0)], [("peft-trained", 0.3)]]):
+            pipe(("a", "b"), latents=LATENTS[:2], loras=sets, **T2I)
+    assert built.names == []
+    assert len(pipe.adapters.names) > pipe.adapters.slots
+
+
+def test_kv_references_are_prefilled_under_the_requests_lora_and_never_reused_under_another(pipes, tmp_path):
+    pipe = pipes("kv")
+    shapes = lf.linear_shapes(pipe.config, "bfl")
+    files = {
+        n: lf.write_bfl(tmp_path / f"{n}.safetensors", lf.random_lora(shapes, 4, s))
+        for n, s in (("a", 1), ("b", 2))
+    }
+    for name, file in files.items():
+        pipe.load_lora(name, file)
+    image, run = picture(96, 64, 1), dict(seed=3, num_inference_steps=2, output_type="np")
+    refs = pipe.encode_references(image)  # prefilled without LoRAs
+    images = {}
+    for name in ("a", "b", "a"):
+        prefills = pipe.counters["prefill"]
+        cached = pipe("a cat", references=refs, loras=[(name, 0.7)], **run).images
+        assert pipe.counters["prefill"] == prefills + 1  # never the keys/values of another set
+        uncached = pipe("a cat", image=image, loras=[(name, 0.7)], **run).images
+        assert max_abs(cached, uncached) <= PARITY
+        pipe.set_loras([(files[name], 0.7)])
+        try:
+            assert max_abs(cached, pipe("a cat", image=image, **run).images) <= PARITY
+        finally:
+            pipe.set_loras([])
+        images[name] = cached
+    assert max_abs(images["a"], images["b"]) > 100 * PARITY
+    with pytest.raises(InputError, match="one set of LoRAs"):
+        pipe(("x", "y"), references=refs, loras=[[("a", 1.0)], [("b", 1.0)]], **run)
+
+
+@pytest.mark.parametrize(
+    ("loras", "words"),
+    [
+        ([("nope", 1.0)], "no LoRA named 'nope' is loaded"),
+        ([("bfl", float("nan"))], "finite number"),
+        (["bfl:x"], "must be a number"),
+        ([("bfl", 1.0), "bfl:0.5"], "named twice"),
+        ([[("bfl", 1.0)], [], []], "3 sets given for 1 prompts"),
+        ([{"name": "bfl", "path": "/etc/passwd"}], "got keys"),
+    ],
+)
+def test_bad_loras_are_refused_by_name(pipes, layouts, loras, words):
+    with pytest.raises(InputError, match=words):
+        pipes("distilled")("a red fox", loras=loras, **T2I)
