@@ -80,6 +80,11 @@ class AdapterSlots:
     def names(self) -> tuple[str, ...]:
         return tuple(self._loaded)
 
+    @property
+    def resident(self) -> tuple[str, ...]:
+        """The names whose factors are in a slot now."""
+        return tuple(self._resident)
+
     def info(self, name: str) -> LoraInfo:
         return self._loaded[name].info
 
@@ -111,6 +116,11 @@ class AdapterSlots:
     @property
     def rank(self) -> int:
         return self._layout(self._loaded.values())[1]
+
+    @property
+    def placed(self) -> bool:
+        """Whether the bank is on the device now."""
+        return self._device is not None
 
     @property
     def device_bytes(self) -> int:

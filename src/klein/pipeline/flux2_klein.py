@@ -32,6 +32,7 @@ from klein.io import png
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
+from klein.lora.registry import named_files
 from klein.lora.slots import AdapterSlots
 from klein.memory import admission, plan
 from klein.memory import residency as residency_policy
@@ -344,7 +345,7 @@ class Flux2KleinPipeline:
         # 5. Reference encoding (VAE, and the prefill for cached references, under the request's LoRAs:
         #    `resolve` allows cached references one LoRA set per request).
         adapted = self._adapted(request, run)
-        prefill = _first_row(adapted), self.adapted_weights_id(request.lora_sets[0])
+        prefill = self._prefill_under(request.lora_sets[0])
         references = request.references
         if prepared:
             references = self._encode_references(
@@ -468,30 +469,49 @@ class Flux2KleinPipeline:
         return self._free()
 
     def _admit(self, run: Resolved) -> bool:
-        """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit."""
+        """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit. The adapter slots
+        of unmerged LoRAs count once they are (or this request would put them) on the device."""
         work = plan.Workload.of(run)
         limit, where = self._limit()
+        limit -= self._adapter_bytes(run)
         plain, tiled = _estimates(self, self.mesh, work, self.dtype.itemsize)
         if plain.peak <= limit:
             return False
         admission.check(tiled if tiled.peak < plain.peak else plain, limit, where)
         return True
 
+    def _adapter_bytes(self, run: Resolved) -> int:
+        """Adapter slot bytes a request is charged: none while no request has used them; a live reading of
+        free memory already counts them once they are placed."""
+        if not (self.adapters.placed or any(run.request.lora_sets)):
+            return 0
+        live = self.memory_limit is None and self._budget is None
+        return 0 if live and self.adapters.placed else self.adapters.device_bytes
+
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
         float[H/16, W/16, C]: the per-image half of reference encoding, reusable in any set."""
         return self._encode(jnp.asarray(prepared[None], self.dtype))[0]
 
-    def references_from_latents(self, latents: Sequence[jax.Array], cached: bool) -> References:
+    def references_from_latents(self, latents: Sequence[jax.Array], cached: bool, loras=()) -> References:
         """An ordered set of per-image latents -> `References`, with the prefill's keys/values when
-        `cached` (the set half of reference encoding: positions and keys/values depend on the order)."""
+        `cached` (the set half of reference encoding: positions and keys/values depend on the order),
+        computed under the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s)."""
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
         sizes = [tuple(z.shape[:2]) for z in latents]
         token = self.vae_config.pixels_per_token
         references = References(
             tokens, sampling.reference_ids(sizes), tuple((h * token, w * token) for h, w in sizes), None
         )
-        return self._prefilled(references, Stages(self.counters, {})) if cached else references
+        if not cached:
+            return references
+        return self._prefilled(references, Stages(self.counters, {}), self._prefill_under(loras))
+
+    def _prefill_under(self, loras) -> tuple:
+        """(unmerged LoRAs of one row as `Compiled` takes them, or None; the `weights_id` they make): what a
+        prefill under the LoRAs `loras` runs with."""
+        adapted = self.adapters.prepare([loras]) if loras else None
+        return adapted, self.adapted_weights_id(loras)
 
     def _encode_references(self, prepared, cached: bool, stages: Stages, prefill=(None, None)) -> References:
         latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
@@ -582,11 +602,6 @@ class Flux2KleinPipeline:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress(StageEvent("denoise", i + 1 - first, steps - first))
         return x[: run.images]
-
-
-def _first_row(adapted):
-    """The unmerged LoRAs of a batch's first image alone (a prefill's one row)."""
-    return None if adapted is None else (adapted[0], adapted[1][:1])
 
 
 def _batch_rows(adapted, batch: int, guided: bool):
@@ -738,6 +753,9 @@ def load_pipeline(
 def load(options: LoadOptions) -> Flux2KleinPipeline:
     """The pipeline `options` describe (`klein.request.loading.LoadOptions`; `load_pipeline` names them)."""
     read = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
+    offered = {
+        name: read_lora(path) for name, path in named_files(options.lora_dir, options.lora_named).items()
+    }
     device_mesh = sharding.make_mesh(options.mesh)
     compilation_cache.enable()
     located = locate(options, device_mesh)
@@ -775,6 +793,8 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     pipe = Flux2KleinPipeline(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes, compute)
     if read:
         pipe.set_loras(read)
+    for name, lora in offered.items():
+        pipe.load_lora(name, lora)
     return pipe
 
 

@@ -81,9 +81,18 @@ def _use(item) -> LoraUse:
         raise InputError(f"loras: a LoRA is a name, 'name:scale' or (name, scale), got {item!r:.100}")
     if not isinstance(name, str) or not name:
         raise InputError(f"loras: a LoRA's name must be a non-empty string, got {name!r:.100}")
+    if _path_like(name):
+        raise InputError(
+            f"loras: {name!r:.100} is a path; a request names a loaded LoRA (pipe.load_lora, or the server's "
+            "GET /v1/loras), never a file"
+        )
     if not _number(scale) or not math.isfinite(scale):
         raise InputError(f"loras: the scale of {name!r} must be a finite number, got {scale!r:.50}")
     return LoraUse(name, float(scale))
+
+
+def _path_like(name: str) -> bool:
+    return any(mark in name for mark in ("/", "\\", "..", "~")) or name.startswith(".") or name[1:3] == ":\\"
 
 
 def _float(text: str, item: str) -> float:

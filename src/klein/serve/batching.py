@@ -32,8 +32,16 @@ def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, ve
     counts = [work.request.num_images_per_prompt for work in works]
     noise = np.concatenate([pipe.noise(s, n, height, width) for s, n in zip(seeds, counts, strict=True)])
     prompts = tuple(p for work, n in zip(works, counts, strict=True) for p in [work.request.prompt] * n)
+    loras = tuple(s for work, n in zip(works, counts, strict=True) for s in work.request.lora_sets * n)
     request = dataclasses.replace(
-        first, prompt=prompts, num_images_per_prompt=1, height=height, width=width, latents=noise, seed=None
+        first,
+        prompt=prompts,
+        num_images_per_prompt=1,
+        height=height,
+        width=width,
+        latents=noise,
+        seed=None,
+        loras=loras,
     )
     out = pipe.generate(dataclasses.replace(request, references=refs), _fan_out(progresses))
     # The batch's notes on cut prompts name every prompt; each request hears of its own only.
@@ -42,10 +50,15 @@ def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, ve
     bodies, start = [], 0
     for work, seed, n in zip(works, seeds, counts, strict=True):
         ran = dataclasses.replace(
-            out.settings.request, prompt=work.request.prompt, num_images_per_prompt=n, seed=seed
+            out.settings.request,
+            prompt=work.request.prompt,
+            num_images_per_prompt=n,
+            seed=seed,
+            loras=work.request.loras,
         )
         notes = (*shared, *pipe.prompt_notes((work.request.prompt,)))
-        settings = dataclasses.replace(out.settings, request=ran, notes=notes)
+        adapters = out.settings.adapters[start : start + 1]
+        settings = dataclasses.replace(out.settings, request=ran, notes=notes, adapters=adapters)
         bodies.append(
             respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes)
         )

@@ -104,6 +104,21 @@ class Service:
             self.metrics.observe(stage, seconds)
         return results
 
+    def loras(self) -> dict:
+        """GET /v1/loras: the LoRAs requests may name (the operator's --lora-dir / --lora-named), each with
+        its file's hash, and the adapter slots they share on the device."""
+        adapters = self.pipe.adapters
+        listed = [
+            {"name": name, "sha256": adapters.info(name).sha256, "resident": name in adapters.resident}
+            for name in adapters.names
+        ]
+        return {
+            "data": listed,
+            "slots": adapters.slots,
+            "rank": adapters.rank,
+            "bytes": adapters.device_bytes,
+        }
+
     def health(self) -> dict:
         return {
             "status": "warming" if self.warming else "ok",
