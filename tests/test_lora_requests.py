@@ -3,7 +3,10 @@ LoRA merged, in every layout klein reads; a batch mixing three LoRAs and none eq
 LoRAs or strengths build no program; cached references are prefilled under the request's LoRAs and never
 reused under another's."""
 
+import json
+
 import numpy as np
+import PIL.Image
 import pytest
 
 from klein.errors import InputError
@@ -166,3 +169,31 @@ def test_kv_references_are_prefilled_under_the_requests_lora_and_never_reused_un
 def test_bad_loras_are_refused_by_name(pipes, layouts, loras, words):
     with pytest.raises(InputError, match=words):
         pipes("distilled")("a red fox", loras=loras, **T2I)
+
+
+def test_generate_applies_a_lora_file_unmerged_as_merging_it_would(klein_home, tmp_path, monkeypatch, capsys):
+    """`klein generate --lora-apply FILE:SCALE`: the file offered under its name and applied by it; the
+    image is the merged one's (the demo computes in bf16: within a level or two), the metadata names it;
+    a name nothing offers is a clean error."""
+    from klein.cli.main import main
+    from klein.io import demo
+    from klein.models.transformer_config import TransformerConfig
+
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    shapes = lf.linear_shapes(TransformerConfig.from_diffusers(demo.TRANSFORMER), "bfl")
+    file = lf.write_bfl(tmp_path / "ink.safetensors", lf.random_lora(shapes, 4, 2))
+    words = ["generate", "prompt=a fox", "height=64", "width=64", "steps=2", "seed=3"]
+    pictures = {}
+    for how, flags in {
+        "merged": ["--lora", f"{file}:0.8"],
+        "unmerged": ["--lora-apply", f"{file}:0.8"],
+    }.items():
+        assert main([*words, *flags, "--out", str(tmp_path / f"{how}.png")]) == 0
+        pictures[how] = PIL.Image.open(tmp_path / f"{how}.png")
+    unmerged, merged = (np.asarray(pictures[how], np.float32) for how in ("unmerged", "merged"))
+    assert np.abs(unmerged - merged).max() <= 2
+    assert pictures["unmerged"].text["lora_apply"] == '["ink:0.8"]'
+    assert json.loads(pictures["unmerged"].text["lora_adapters"])[0]["name"] == "ink"
+    capsys.readouterr()
+    assert main([*words, "--lora-apply", "sketch:0.5", "--out", str(tmp_path / "x.png")]) == 2
+    assert "no LoRA named 'sketch'" in capsys.readouterr().err

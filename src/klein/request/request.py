@@ -125,10 +125,13 @@ class GenerationRequest:
         metavar="PX",
     )
     loras: tuple = setting(
-        "LoRAs loaded by name (`pipe.load_lora`, `klein serve --lora`) applied to this request unmerged: "
-        "[('ink', 0.8), ...] (or 'ink:0.8', {'name': 'ink', 'scale': 0.8}), or one such list per prompt",
-        None,
+        "apply a LoRA to this request's images, unmerged, at SCALE (default 1): a name --lora-dir or "
+        "--lora-named offers (pipe.load_lora in Python), or on the command line a LoRA file; repeat for "
+        "several. Python: [('ink', 0.8), ...] or 'ink:0.8', or one such list per prompt",
+        kinds.LORAS,
         default=(),
+        name="lora_apply",
+        metavar="NAME[:SCALE]",
     )
 
     def __post_init__(self) -> None:
@@ -285,6 +288,8 @@ class Settings:
         for field, spec in settings_of(GenerationRequest):
             if spec.kind is not None:
                 value = prompt if field.name == "prompt" else getattr(request, field.name)
+                if field.name == "loras":  # the image's own set
+                    value = request.lora_sets[index // request.num_images_per_prompt]
                 if field.name == "image":
                     value = tuple(_image_name(item, i) for i, item in enumerate(value))
                 text[short_name(field, spec)] = spec.kind.write(value)
