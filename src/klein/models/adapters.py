@@ -40,13 +40,22 @@ def attached(model: nnx.Module, bank: Bank, rows):
     for path, (down, up) in bank.items():
         linear = modules[path]
         linear.adapter_down, linear.adapter_up = Factor(down), Factor(up)
-    token = _ROWS.set(rows)
     try:
-        yield model
+        with weighting(rows):
+            yield model
     finally:
-        _ROWS.reset(token)
         for path in bank:
             modules[path].adapter_down = modules[path].adapter_up = nnx.data(None)
+
+
+@contextlib.contextmanager
+def weighting(rows):
+    """Within: `term` weights the batch's rows by `rows` float32[B, K]."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 def term(x, down, up):
@@ -56,7 +65,7 @@ def term(x, down, up):
     first row: the pipeline runs such inputs for batches of one LoRA set only."""
     rows = _ROWS.get()
     if rows is None:
-        raise RuntimeError("a Linear with adapters ran outside `adapters.attached`")
+        raise RuntimeError("a Linear with adapters ran outside `adapters.weighting`")
     if x.shape[0] != rows.shape[0]:
         rows = rows[:1]
     low = jnp.dot(x.astype(down.dtype), down, preferred_element_type=jnp.float32)
