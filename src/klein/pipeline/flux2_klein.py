@@ -233,6 +233,8 @@ class Flux2KleinPipeline:
         to apply unmerged (`loras=[(name, scale)]`) without touching the weights: requests with different
         LoRAs, or none, run in one batch. The file is read and checked now; its factors come to the device
         (`self.adapters`, a bounded number of slots) when a request first uses it."""
+        if jax.process_count() > 1:
+            raise InputError("LoRAs on a multi-process run are not supported yet; run on one host")
         return self.adapters.load(name, lora)
 
     def unload_lora(self, name: str) -> None:
