@@ -3,15 +3,20 @@ LoRA merged, in every layout klein reads; a batch mixing three LoRAs and none eq
 LoRAs or strengths build no program; cached references are prefilled under the request's LoRAs and never
 reused under another's."""
 
+import dataclasses
 import json
 
 import numpy as np
 import PIL.Image
 import pytest
 
-from klein.errors import InputError
+from klein.errors import CannotFitError, InputError
+from klein.lora.slots import AdapterSlots
+from klein.memory import plan
 from klein.pipeline.compilations import Compilations
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.flux2_klein import _estimates, load_pipeline
+from klein.request.loras import LoraUse
+from klein.request.request import GenerationRequest
 from tests.support import lora_files as lf
 from tests.support.compare import max_abs
 from tests.support.pictures import picture
@@ -197,3 +202,35 @@ def test_generate_applies_a_lora_file_unmerged_as_merging_it_would(klein_home, t
     capsys.readouterr()
     assert main([*words, "--lora-apply", "sketch:0.5", "--out", str(tmp_path / "x.png")]) == 2
     assert "no LoRA named 'sketch'" in capsys.readouterr().err
+
+
+def test_the_slots_fit_their_byte_budget(pipes, layouts):
+    pipe = pipes("distilled")
+    slots = AdapterSlots(pipe.config, np.float32, np.asarray)
+    slots.load("a", layouts["bfl"])
+    one = slots.device_bytes // slots.slots
+    slots.limit(int(2.5 * one))
+    assert slots.slots == 2 and slots.device_bytes == 2 * one
+    bank, rows = slots.prepare([[LoraUse("a", 0.5)]])
+    assert sum(a.nbytes for pair in bank.values() for a in pair) == slots.device_bytes
+    with pytest.raises(InputError, match="one adapter slot takes"):
+        slots.limit(one - 1)
+    slots.limit(int(1.5 * one))
+    assert slots.slots == 1
+    with pytest.raises(InputError, match="one adapter slot takes"):
+        slots.load("b", layouts["kohya"])  # rank 12 (block-diagonal q/k/v): slots of rank 16, twice the bytes
+    assert slots.names == ("a",)
+
+
+def test_admission_counts_the_adapter_slots(pipes, layouts):
+    pipe = pipes("distilled")
+    plain = GenerationRequest(prompt="a red fox", height=48, width=64, num_inference_steps=2)
+    run = pipe._resolve(plain, ())
+    peak = min(m.peak for m in _estimates(pipe, None, plan.Workload.of(run), 4))
+    pipe.memory_limit = peak + pipe.adapters.device_bytes // 2
+    try:
+        pipe.check(plain)
+        with pytest.raises(CannotFitError):
+            pipe.check(dataclasses.replace(plain, loras=[("bfl", 1.0)]))
+    finally:
+        pipe.memory_limit = None

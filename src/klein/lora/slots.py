@@ -94,16 +94,26 @@ class AdapterSlots:
             raise InputError(f"a loaded LoRA needs a non-empty name, got {name!r}")
         lora = loaded(spec, self.cfg)
         lora = dataclasses.replace(lora, info=dataclasses.replace(lora.info, name=name))
-        others = {k: v for k, v in self._loaded.items() if k != name}
-        if self._layout([*others.values(), lora])[2] == 0:
-            one = self._bytes(*self._layout([*others.values(), lora])[:2], 1)
-            raise InputError(
-                f"LoRA {name!r}: one adapter slot with the LoRAs loaded takes {one / 2**20:.1f} MiB, more than "
-                f"the budget of {self.budget / 2**20:.1f} MiB for adapters"
-            )
-        self._loaded = {**others, name: lora}
+        loras = {**{k: v for k, v in self._loaded.items() if k != name}, name: lora}
+        self._check_fits(loras.values(), self.budget, f"LoRA {name!r}")
+        self._loaded = loras
         self._reset()
         return lora.info
+
+    def limit(self, budget: int) -> None:
+        """Bound the slots' device bytes by `budget` (fewer slots, at least one, or an `InputError`)."""
+        self._check_fits(self._loaded.values(), budget, "the LoRAs loaded")
+        self.budget = budget
+        self._reset()
+
+    def _check_fits(self, loras, budget: int | None, what: str) -> None:
+        paths, rank, _ = self._layout(loras)
+        one = self._bytes(paths, rank, 1)
+        if budget is not None and one > budget:
+            raise InputError(
+                f"{what}: one adapter slot takes {one / 2**20:.1f} MiB, more than the {budget / 2**20:.1f} MiB "
+                "for adapters; raise the budget (--lora-bytes) or offer LoRAs of lower rank"
+            )
 
     def unload(self, name: str) -> None:
         self._loaded.pop(name)

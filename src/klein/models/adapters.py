@@ -81,7 +81,3 @@ def run(fn, model, adapters, *args):
     bank, rows = adapters
     with attached(model, bank, rows):
         return fn(model, *args)
-
-
-def nbytes(bank: Bank) -> int:
-    return sum(a.nbytes for pair in bank.values() for a in pair)

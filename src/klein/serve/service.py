@@ -36,6 +36,7 @@ class Service:
         self.warming, self.warmed = bool(warm), False
         """Compiling the shapes `warm` names; done compiling them."""
         self.metrics = Metrics()
+        pipe.adapters.limit(options.lora_bytes)
         self.reference_cache = ByteBudgetCache(options.cache_bytes)
         self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes)
         pipe.prompt_cache = self.prompt_cache
