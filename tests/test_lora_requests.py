@@ -176,10 +176,9 @@ def test_bad_loras_are_refused_by_name(pipes, layouts, loras, words):
         pipes("distilled")("a red fox", loras=loras, **T2I)
 
 
-def test_generate_applies_a_lora_file_unmerged_as_merging_it_would(klein_home, tmp_path, monkeypatch, capsys):
+def test_generate_applies_a_lora_file_unmerged_as_merging_it_would(klein_home, tmp_path, monkeypatch):
     """`klein generate --lora-apply FILE:SCALE`: the file offered under its name and applied by it; the
-    image is the merged one's (the demo computes in bf16: within a level or two), the metadata names it;
-    a name nothing offers is a clean error."""
+    image is the merged one's (the demo computes in bf16: within a level or two), the metadata names it."""
     from klein.cli.main import main
     from klein.io import demo
     from klein.models.transformer_config import TransformerConfig
@@ -199,9 +198,6 @@ def test_generate_applies_a_lora_file_unmerged_as_merging_it_would(klein_home, t
     assert np.abs(unmerged - merged).max() <= 2
     assert pictures["unmerged"].text["lora_apply"] == '["ink:0.8"]'
     assert json.loads(pictures["unmerged"].text["lora_adapters"])[0]["name"] == "ink"
-    capsys.readouterr()
-    assert main([*words, "--lora-apply", "sketch:0.5", "--out", str(tmp_path / "x.png")]) == 2
-    assert "no LoRA named 'sketch'" in capsys.readouterr().err
 
 
 def test_the_slots_fit_their_byte_budget(pipes, layouts):
@@ -227,10 +223,12 @@ def test_admission_counts_the_adapter_slots(pipes, layouts):
     plain = GenerationRequest(prompt="a red fox", height=48, width=64, num_inference_steps=2)
     run = pipe._resolve(plain, ())
     peak = min(m.peak for m in _estimates(pipe, None, plan.Workload.of(run), 4))
-    pipe.memory_limit = peak + pipe.adapters.device_bytes // 2
+    adapted = dataclasses.replace(plain, loras=[("bfl", 1.0)])
     try:
-        pipe.check(plain)
+        pipe.memory_limit = peak + pipe.adapters.device_bytes
+        pipe.check(adapted)
+        pipe.memory_limit -= 1
         with pytest.raises(CannotFitError):
-            pipe.check(dataclasses.replace(plain, loras=[("bfl", 1.0)]))
+            pipe.check(adapted)
     finally:
         pipe.memory_limit = None
