@@ -167,6 +167,7 @@ def test_kv_references_are_prefilled_under_the_requests_lora_and_never_reused_un
         ([("bfl", 1.0), "bfl:0.5"], "named twice"),
         ([[("bfl", 1.0)], [], []], "3 sets given for 1 prompts"),
         ([{"name": "bfl", "path": "/etc/passwd"}], "got keys"),
+        (["bfl", "peft", "fal", "kohya", "comfyui"], "5 LoRAs at once, more than the 4 adapter slots"),
         (["../bfl"], "is a path"),
         ([("/etc/passwd", 1.0)], "is a path"),
     ],

@@ -16,6 +16,9 @@ import pytest
 
 from klein.io import demo
 from klein.models.transformer_config import TransformerConfig
+from klein.request.request import GenerationRequest
+from klein.serve import batching
+from klein.serve.generation import Generation
 from tests.support import lora_files as lf
 from tests.support import serve_process
 from tests.test_cli import run_klein
@@ -149,3 +152,10 @@ def test_an_edit_names_its_loras_in_a_form_field(served):
         url + "/v1/images/edits", files=[("image", image)], data={**fields, "loras": "wash"}, timeout=30
     )
     assert bad.status_code == 400 and "JSON list" in bad.json()["error"]["message"]
+
+
+def test_a_batch_naming_more_loras_than_slots_is_split():
+    names = [["a", "b"], ["c"], [], ["d"], ["e"], ["a"]]
+    works = [Generation(GenerationRequest(prompt="x", loras=uses)) for uses in names]
+    assert batching._within_slots(works, 4) == [[0, 1, 2, 3], [4, 5]]
+    assert batching._within_slots(works, 2) == [[0], [1, 2, 3], [4, 5]]

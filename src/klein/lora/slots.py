@@ -141,15 +141,8 @@ class AdapterSlots:
     def prepare(self, sets: Sequence[Sequence]) -> tuple[dict, np.ndarray]:
         """(bank, rows float32[len(sets), S * R]) for a batch whose row i uses the LoRAs `sets[i]`
         (`klein.request.loras.LoraUse`s): their slots filled, the least recently used given up."""
-        needed = list(dict.fromkeys(use.name for uses in sets for use in uses))
-        unknown = [name for name in needed if name not in self._loaded]
-        if unknown:
-            raise InputError(f"no LoRA loaded as {unknown[0]!r}; loaded: {', '.join(self.names) or 'none'}")
+        needed = self.check_batch(sets)
         paths, rank, slots = self._layout(self._loaded.values())
-        if len(needed) > slots:
-            raise InputError(
-                f"this batch uses {len(needed)} LoRAs, more than the {slots} adapter slots; run fewer together"
-            )
         for name in needed:
             self._hold(name, needed, paths, rank, slots)
         if self._device is None:
@@ -163,6 +156,19 @@ class AdapterSlots:
                 slot = self._resident[use.name]
                 row[slot * rank : (slot + 1) * rank] += np.float32(use.scale)
         return self._device, rows
+
+    def check_batch(self, sets: Sequence[Sequence]) -> list[str]:
+        """The distinct LoRAs of a batch whose rows use `sets`, or an `InputError` if one is not loaded or
+        they need more slots than there are."""
+        needed = list(dict.fromkeys(use.name for uses in sets for use in uses))
+        unknown = [name for name in needed if name not in self._loaded]
+        if unknown:
+            raise InputError(f"no LoRA loaded as {unknown[0]!r}; loaded: {', '.join(self.names) or 'none'}")
+        if len(needed) > self.slots:
+            raise InputError(
+                f"{len(needed)} LoRAs at once, more than the {self.slots} adapter slots; run fewer together"
+            )
+        return needed
 
     def _hold(self, name: str, needed: list[str], paths, rank: int, slots: int) -> None:
         if name in self._resident:

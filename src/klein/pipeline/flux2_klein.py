@@ -439,6 +439,7 @@ class Flux2KleinPipeline:
         request's mask as a picture."""
         mask_size = None if mask is None else (mask.height, mask.width)
         run = resolve(request, self.variant, self.name, sizes, _fresh_seed, mask_size, self.adapters.names)
+        self.adapters.check_batch(request.lora_sets)
         for note in run.notes:
             warnings.warn(note, stacklevel=4)
         return run

@@ -23,7 +23,32 @@ from klein.serve.reference_sets import ReferenceSets
 
 
 def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, version: str) -> list[dict]:
-    """Generate `works` (equal `batch_key`s) as one batch; one response body per work, in order."""
+    """Generate `works` (equal `batch_key`s) as few batches as the adapter slots allow (one, unless they
+    name more LoRAs together than there are slots); one response body per work, in order."""
+    bodies = []
+    for group in _within_slots(works, pipe.adapters.slots):
+        chosen = [progresses[i] for i in group]
+        bodies += _run_together(pipe, sets, [works[i] for i in group], chosen, version)
+    return bodies
+
+
+def _within_slots(works: list[Generation], slots: int) -> list[list[int]]:
+    """Consecutive groups of the works' indices whose LoRAs together take at most `slots` slots (a work
+    alone is checked against them when it is submitted)."""
+    groups: list[list[int]] = []
+    names: set[str] = set()
+    for i, work in enumerate(works):
+        own = {use.name for uses in work.request.lora_sets for use in uses}
+        if not groups or len(names | own) > slots:
+            groups.append([])
+            names = set()
+        groups[-1].append(i)
+        names |= own
+    return groups
+
+
+def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses, version: str) -> list[dict]:
+    """Generate `works` as one batch."""
     encoded = works[0].references(sets)
     first = works[0].request
     refs = encoded.references if encoded else None
