@@ -159,3 +159,12 @@ def test_a_batch_naming_more_loras_than_slots_is_split():
     works = [Generation(GenerationRequest(prompt="x", loras=uses)) for uses in names]
     assert batching._within_slots(works, 4) == [[0, 1, 2, 3], [4, 5]]
     assert batching._within_slots(works, 2) == [[0], [1, 2, 3], [4, 5]]
+
+
+def test_requests_batch_across_loras_but_not_across_lora_sets_with_references():
+    def key(loras, reference_id=None):
+        return Generation(GenerationRequest(prompt="x", loras=loras), reference_id=reference_id).batch_key
+
+    assert key([("ink", 0.8)]) == key([("pen", 1.0)]) == key([])
+    assert key([("ink", 0.8)], "set") != key([("pen", 1.0)], "set")
+    assert key([("ink", 0.8)], "set") == key(["ink:0.8"], "set")
