@@ -115,10 +115,6 @@ class AdapterSlots:
                 "for adapters; raise the budget (--lora-bytes) or offer LoRAs of lower rank"
             )
 
-    def unload(self, name: str) -> None:
-        self._loaded.pop(name)
-        self._reset()
-
     @property
     def slots(self) -> int:
         return self._layout(self._loaded.values())[2]

@@ -237,17 +237,12 @@ class Flux2KleinPipeline:
             raise InputError("LoRAs on a multi-process run are not supported yet; run on one host")
         return self.adapters.load(name, lora)
 
-    def unload_lora(self, name: str) -> None:
-        if name not in self.adapters.names:
-            raise InputError(f"no LoRA loaded as {name!r}")
-        self.adapters.unload(name)
-
     def _place_adapter(self, array: np.ndarray) -> jax.Array:
         if self.mesh is None:
             return jax.device_put(array, jax.local_devices()[0])
         return jax.device_put(array, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
-    def _adapted(self, request: GenerationRequest, run: Resolved):
+    def _adapted(self, request: GenerationRequest):
         """(bank, rows float32[images, S * R]) of the request's unmerged LoRAs, one row per image; None
         when it names none."""
         sets = request.lora_sets
@@ -346,15 +341,15 @@ class Flux2KleinPipeline:
             warnings.warn(note, stacklevel=2)
         # 5. Reference encoding (VAE, and the prefill for cached references, under the request's LoRAs:
         #    `resolve` allows cached references one LoRA set per request).
-        adapted = self._adapted(request, run)
-        prefill = self._prefill_under(request.lora_sets[0])
+        loras = request.lora_sets[0]
         references = request.references
         if prepared:
             references = self._encode_references(
-                prepared, run.mode.conditioning is Conditioning.CACHED, stages, prefill
+                prepared, run.mode.conditioning is Conditioning.CACHED, stages, loras
             )
-        elif references is not None and references.cached and references.weights_id != prefill[1]:
-            references = self._prefilled(references, stages, prefill)  # cached under other weights (LoRAs)
+        elif references is not None and references.cached:
+            if references.weights_id != self.adapted_weights_id(loras):  # cached under other weights (LoRAs)
+                references = self._prefilled(references, stages, loras)
         # 6. Noise, 7. denoising, 8. decoding.
         h, w = run.request.height, run.request.width
         gh, gw = self._grid(h, w)
@@ -375,7 +370,7 @@ class Flux2KleinPipeline:
             progress,
             repaint,
             on_step_end,
-            adapted,
+            self._adapted(request),
             total=run.request.num_inference_steps - run.first_step,
         )
         latents = sampling.unpack(x, gh, gw)
@@ -506,28 +501,20 @@ class Flux2KleinPipeline:
         references = References(
             tokens, sampling.reference_ids(sizes), tuple((h * token, w * token) for h, w in sizes), None
         )
-        if not cached:
-            return references
-        return self._prefilled(references, Stages(self.counters, {}), self._prefill_under(loras))
+        return self._prefilled(references, Stages(self.counters, {}), loras) if cached else references
 
-    def _prefill_under(self, loras) -> tuple:
-        """(unmerged LoRAs of one row as `Compiled` takes them, or None; the `weights_id` they make): what a
-        prefill under the LoRAs `loras` runs with."""
-        adapted = self.adapters.prepare([loras]) if loras else None
-        return adapted, self.adapted_weights_id(loras)
-
-    def _encode_references(self, prepared, cached: bool, stages: Stages, prefill=(None, None)) -> References:
+    def _encode_references(self, prepared, cached: bool, stages: Stages, loras=()) -> References:
         latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
         references = self.references_from_latents(latents, cached=False)
-        return self._prefilled(references, stages, prefill) if cached else references
+        return self._prefilled(references, stages, loras) if cached else references
 
-    def _prefilled(self, references: References, stages: Stages, prefill=(None, None)) -> References:
-        """`references` with their keys and values, computed under the merged weights and `prefill` =
-        (unmerged LoRAs as `Compiled` takes them or None, the `weights_id` they make)."""
-        adapted, weights_id = prefill
+    def _prefilled(self, references: References, stages: Stages, loras=()) -> References:
+        """`references` with their keys and values, computed under the merged weights and the unmerged
+        LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image)."""
+        adapted = self.adapters.prepare([loras]) if loras else None
         inputs = denoise.prefill_inputs(self._rope, references)
         kv = stages.run("prefill", lambda: self._prefill(*inputs, adapted=adapted))
-        return dataclasses.replace(references, kv=kv, weights_id=weights_id or self.weights_id)
+        return dataclasses.replace(references, kv=kv, weights_id=self.adapted_weights_id(loras))
 
     def _rope(self, ids: np.ndarray):
         """The rope tables of position ids, kept in the byte-bounded `rope_cache` (sizes repeat across
