@@ -201,3 +201,8 @@ def test_an_id_of_an_earlier_front_is_told_apart_from_an_unknown_one():
         "own": (404, "unknown_job"),
         "typo": (404, "unknown_job"),
     }
+
+
+def test_the_offered_loras_are_listed_through_the_front(url):
+    listed = httpx.get(url + "/v1/loras", timeout=30).json()
+    assert listed == {"data": [], "slots": 4, "rank": 0, "bytes": 0, "replicas": 2}

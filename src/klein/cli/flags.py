@@ -11,8 +11,10 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from klein.errors import InputError
+from klein.lora.files import parse_spec
 from klein.request import kinds
 from klein.request.kinds import settings_of, short_name
 from klein.request.loading import LoadOptions
@@ -82,7 +84,7 @@ def _add_flags(add, declared) -> None:
     """One flag per setting: --<short name>, documented by the declaring type itself."""
     for field, spec in declared:
         flag = _flag(field, spec)
-        if spec.kind is kinds.PATHS:
+        if spec.kind in (kinds.PATHS, kinds.LORAS):
             add(flag, dest=field.name, action="append", metavar=spec.metavar, help=spec.doc)
         elif spec.kind is kinds.OPTIONAL_BOOL:
             add(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=spec.doc)
@@ -167,10 +169,26 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
         values[field] = tuple(value) if isinstance(value, list) else value
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
+    _offer_files(values)
     generation = GenerationRequest.create(**_take(values, GENERATION))
     request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
     _check(request)
     return request
+
+
+def _offer_files(values: dict) -> None:
+    """`--lora-apply FILE[:SCALE]`: on the command line the files are the user's own, so a file is offered
+    under its name (as --lora-named NAME=FILE) and applied by it; names stay names."""
+    applied, named = [], list(values.get("lora_named", ()))
+    for spec in values.get("loras", ()):
+        name, scale = parse_spec(spec)
+        path = Path(name).expanduser()
+        if path.is_file():
+            name = path.stem
+            named.append(f"{name}={path}")
+        applied.append(f"{name}:{scale!r}")
+    if applied:
+        values["loras"], values["lora_named"] = tuple(applied), tuple(dict.fromkeys(named))
 
 
 def _take(values: dict, declared) -> dict:

@@ -112,7 +112,7 @@ def _size(width) -> str:
 
 
 def _check_shapes(adapter, targets, shapes, parsed, cfg, where: str) -> None:
-    kernel = shapes[targets[0].path]  # [in, out] (per layer)
+    kernel = shapes[targets[0].path][-2:]  # [in, out] (per layer)
     want_in, want_out = kernel[0], kernel[1] * targets[0].blocks
     rank = adapter.down.shape[0]
     bad = [
@@ -135,9 +135,14 @@ def _split(adapter: layouts.Adapter, target: Target) -> Update:
     return Update(target.path, target.layer, adapter.down, up, adapter.scale)
 
 
+def kernel_shape(cfg: TransformerConfig, path: tuple) -> tuple:
+    """The shape [L?, in, out] of the kernel at `path` (L for a stack of layers)."""
+    return _tables(cfg)[1][path]
+
+
 @functools.lru_cache(maxsize=8)
 def _tables(cfg: TransformerConfig) -> tuple[dict[str, list[Target]], dict[tuple, tuple]]:
-    """(module name -> targets, in diffusers and BFL names; kernel path -> per-layer [in, out] shape)."""
+    """(module name -> targets, in diffusers and BFL names; kernel path -> shape [L?, in, out])."""
     abstract = abstract_transformer(cfg)
     stacked = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(abstract))}
     table: dict[str, list[Target]] = {}
@@ -145,7 +150,7 @@ def _tables(cfg: TransformerConfig) -> tuple[dict[str, list[Target]], dict[tuple
     for path, keys in checkpoint_keys(abstract, STACKED, key_map).items():
         if path[-1] != "kernel":
             continue
-        shapes[path] = stacked[path][-2:]
+        shapes[path] = stacked[path]
         for i, key in enumerate(keys):
             layer = i if path[0] in STACKED else None
             module = key.removesuffix(".weight")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from klein.models import products
+from klein.models import adapters, products
 
 
 class Linear(nnx.Module):
@@ -33,6 +33,9 @@ class Linear(nnx.Module):
         self.weight: nnx.Param | None = nnx.data(None)  # the kernel [out, in], for 8-bit products
         self.weight_scale: nnx.Param | None = nnx.data(None)  # a Param once stored in 8 bits
         self.input_scale: nnx.Param | None = nnx.data(None)  # a Param where a file gives one
+        # LoRA factors of the unmerged products, attached while a stage runs (`klein.models.adapters`)
+        self.adapter_down: adapters.Factor | None = nnx.data(None)
+        self.adapter_up: adapters.Factor | None = nnx.data(None)
         self.dtype = dtype
         self.compute = products.BF16
 
@@ -50,7 +53,10 @@ class Linear(nnx.Module):
         given = None if self.input_scale is None else self.input_scale[...]
         out_in = self.weight is not None
         kernel = self.weight[..., outputs, :] if out_in else self.kernel[..., outputs]
-        return products.product(x, kernel, scale, self.compute, self.dtype, given, out_in=out_in)
+        low_rank = None
+        if self.adapter_down is not None:
+            low_rank = adapters.term(x, self.adapter_down[...], self.adapter_up[..., outputs])
+        return products.product(x, kernel, scale, self.compute, self.dtype, given, out_in, low_rank)
 
     def _scale(self):
         return None if self.weight_scale is None else self.weight_scale[...]

@@ -45,17 +45,19 @@ COMPUTES = (BF16, FP8, INT8)
 EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
 
 
-def product(x, kernel, scale, compute: str, dtype, input_scale=None, out_in: bool = False):
+def product(x, kernel, scale, compute: str, dtype, input_scale=None, out_in: bool = False, low_rank=None):
     """`x @ (kernel * scale)` float[..., out] in `dtype`: x float[..., in], kernel [in, out] as stored
     ([out, in] if `out_in`: an 8-bit GEMM's layout, see the module docstring), scale None, float32[] or
     float32[out]; `input_scale` float32[]: the file's activation scale for an FP8 product, instead of one
-    per token computed as the activations come."""
+    per token computed as the activations come; `low_rank` float32[..., out]: an unmerged LoRA's term
+    (`klein.models.adapters.term`), added in float32 before the one rounding."""
     dims = (((x.ndim - 1,), (1 if out_in else 0,)), ((), ()))
+    extra = 0 if low_rank is None else low_rank
     if compute not in EIGHT_BIT:
-        if scale is None:
+        if scale is None and low_rank is None:
             return dot_general(x.astype(dtype), kernel.astype(dtype), dims)
         total = dot_general(x.astype(dtype), kernel.astype(dtype), dims, preferred_element_type=jnp.float32)
-        return (total * scale).astype(dtype)
+        return (total * (1 if scale is None else scale) + extra).astype(dtype)
     operand, _, accumulator = EIGHT_BIT[compute]
     if kernel.dtype != operand:  # widened since it was stored (a merged LoRA): quantised as it runs
         wide = kernel.astype(jnp.float32)
@@ -68,7 +70,7 @@ def product(x, kernel, scale, compute: str, dtype, input_scale=None, out_in: boo
     else:
         values, tokens = in_8_bits(x, input_scale, compute), input_scale
     total = jax.lax.dot_general(values, kernel, dims, preferred_element_type=accumulator)
-    return (total.astype(jnp.float32) * tokens * scale).astype(dtype)
+    return (total.astype(jnp.float32) * tokens * scale + extra).astype(dtype)
 
 
 def quantise(values, compute: str, axis: int):

@@ -11,6 +11,9 @@ latents. Hence:
 - `latents_key(digest, model_id)`: an image's VAE latents, under the model and dtype that encoded them.
 - `set_key(digests, weights_id, cached)`: a set's `References`; its keys/values (`cached`) depend on the
   transformer's weights, LoRAs included (`Flux2KleinPipeline.weights_id`).
+- `adapted_weights_id(weights_id, adapters)`: the weights a request runs under, its unmerged LoRAs
+  (`GenerationRequest.loras`) included: a reference's keys/values computed under one LoRA set are not
+  another's, so the `weights_id` of a set's key is this one.
 - `prompt_key(weights_id, prompt)`: a prompt's embeddings, under the weights in use.
 """
 
@@ -48,3 +51,9 @@ def set_key(digests: tuple[str, ...], weights_id: str, cached: bool) -> tuple:
 
 def prompt_key(weights_id: str, prompt: str) -> tuple:
     return ("prompt", weights_id, prompt)
+
+
+def adapted_weights_id(weights_id: str, adapters: tuple[tuple[str, float], ...]) -> str:
+    """`weights_id` with unmerged LoRAs applied: (sha256 of the file, strength) each, in any order; the
+    same id without any (a request without LoRAs runs under the weights as they are)."""
+    return weights_id + "".join(f"|adapter:{sha}:{scale!r}" for sha, scale in sorted(adapters))

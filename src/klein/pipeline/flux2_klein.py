@@ -32,9 +32,11 @@ from klein.io import png
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
+from klein.lora.registry import named_files
+from klein.lora.slots import AdapterSlots
 from klein.memory import admission, plan
 from klein.memory import residency as residency_policy
-from klein.models import products, qwen3
+from klein.models import adapters, products, qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import cache_keys, compilation_cache, components, denoise, warmup
@@ -66,19 +68,22 @@ class Compiled:
         self._weights = weights
         self._mesh = mesh
         self._jit = jax.jit(
-            lambda graphdef, state, *args: fn(nnx.merge(graphdef, state), *args), static_argnums=0
+            lambda graphdef, state, bank, *args: adapters.run(fn, nnx.merge(graphdef, state), bank, *args),
+            static_argnums=0,
         )
 
     @property
     def state(self) -> nnx.State:
         return self._weights()[1]
 
-    def __call__(self, *args):
+    def __call__(self, *args, adapted=None):
+        """`adapted`: None, or (bank, rows) of unmerged LoRAs (`klein.models.adapters.run`), arguments
+        like the weights: a program with adapters serves every LoRA set and strength."""
         graphdef, state = self._weights()
         with sharding.use(self._mesh):
             if self._mesh is None:
-                args = jax.tree.map(_committed, args)
-            return self._jit(graphdef, state, *args)
+                args, adapted = jax.tree.map(_committed, (args, adapted))
+            return self._jit(graphdef, state, adapted, *args)
 
 
 def _committed(value):
@@ -163,6 +168,8 @@ class Flux2KleinPipeline:
         models[residency_policy.TRANSFORMER].loaded = lambda state: self._weights.merge_again()
         self.loras: tuple[LoraInfo, ...] = ()
         """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
+        self.adapters = AdapterSlots(self.config, dtype, self._place_adapter)
+        """LoRAs loaded by name (`load_lora`) that requests apply unmerged (`GenerationRequest.loras`)."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
         self.prompt_cache = None if policy == "all" else ByteBudgetCache(PROMPT_CACHE_BYTES)
         """None, or a cache whose `get(key, compute)` returns compute()'s value, kept or not: then
@@ -220,6 +227,35 @@ class Flux2KleinPipeline:
         weighted = [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.config)]
         self._weights.merge(weighted)
         self.loras = tuple(lora.info for lora in read)
+
+    def load_lora(self, name: str, lora) -> LoraInfo:
+        """Load the LoRA file `lora` (a path or repo id, as `set_loras` takes it) under `name`, for requests
+        to apply unmerged (`loras=[(name, scale)]`) without touching the weights: requests with different
+        LoRAs, or none, run in one batch. The file is read and checked now; its factors come to the device
+        (`self.adapters`, a bounded number of slots) when a request first uses it."""
+        if jax.process_count() > 1:
+            raise InputError("LoRAs on a multi-process run are not supported yet; run on one host")
+        return self.adapters.load(name, lora)
+
+    def _place_adapter(self, array: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jax.device_put(array, jax.local_devices()[0])
+        return jax.device_put(array, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+    def _adapted(self, request: GenerationRequest):
+        """(bank, rows float32[images, S * R]) of the request's unmerged LoRAs, one row per image; None
+        when it names none."""
+        sets = request.lora_sets
+        if not any(sets):
+            return None
+        per_image = [uses for uses in sets for _ in range(request.num_images_per_prompt)]
+        return self.adapters.prepare(per_image)
+
+    def adapted_weights_id(self, uses) -> str:
+        """`weights_id` with the unmerged LoRAs `uses` (`LoraUse`s) applied: what a reference's keys and
+        values are computed under."""
+        named = tuple((self.adapters.info(use.name).sha256, use.scale) for use in uses)
+        return cache_keys.adapted_weights_id(self.weights_id, named)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
         """float[P, T, D] text embeddings of `prompts`; one prompt at a time through `prompt_cache`."""
@@ -303,14 +339,17 @@ class Flux2KleinPipeline:
         cut = self.prompt_notes(request.prompts)
         for note in cut:
             warnings.warn(note, stacklevel=2)
-        # 5. Reference encoding (VAE, and the prefill for cached references).
+        # 5. Reference encoding (VAE, and the prefill for cached references, under the request's LoRAs:
+        #    `resolve` allows cached references one LoRA set per request).
+        loras = request.lora_sets[0]
         references = request.references
         if prepared:
             references = self._encode_references(
-                prepared, run.mode.conditioning is Conditioning.CACHED, stages
+                prepared, run.mode.conditioning is Conditioning.CACHED, stages, loras
             )
-        elif references is not None and references.cached and references.weights_id != self.weights_id:
-            references = self._prefilled(references, stages)  # cached under other weights (LoRAs)
+        elif references is not None and references.cached:
+            if references.weights_id != self.adapted_weights_id(loras):  # cached under other weights (LoRAs)
+                references = self._prefilled(references, stages, loras)
         # 6. Noise, 7. denoising, 8. decoding.
         h, w = run.request.height, run.request.width
         gh, gw = self._grid(h, w)
@@ -331,6 +370,7 @@ class Flux2KleinPipeline:
             progress,
             repaint,
             on_step_end,
+            self._adapted(request),
             total=run.request.num_inference_steps - run.first_step,
         )
         latents = sampling.unpack(x, gh, gw)
@@ -360,6 +400,10 @@ class Flux2KleinPipeline:
             self.loras,
             self.residency,
             notes,
+            tuple(
+                tuple(dataclasses.replace(self.adapters.info(use.name), scale=use.scale) for use in uses)
+                for uses in run.request.lora_sets
+            ),
         )
 
     @staticmethod
@@ -389,7 +433,8 @@ class Flux2KleinPipeline:
         """`sizes`: (height, width) px of each prepared reference, none without references; `mask`: the
         request's mask as a picture."""
         mask_size = None if mask is None else (mask.height, mask.width)
-        run = resolve(request, self.variant, self.name, sizes, _fresh_seed, mask_size)
+        run = resolve(request, self.variant, self.name, sizes, _fresh_seed, mask_size, self.adapters.names)
+        self.adapters.check_batch(request.lora_sets)
         for note in run.notes:
             warnings.warn(note, stacklevel=4)
         return run
@@ -422,39 +467,54 @@ class Flux2KleinPipeline:
         return self._free()
 
     def _admit(self, run: Resolved) -> bool:
-        """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit."""
+        """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit. The adapter slots
+        of unmerged LoRAs count once they are (or this request would put them) on the device."""
         work = plan.Workload.of(run)
         limit, where = self._limit()
+        limit -= self._adapter_bytes(run)
         plain, tiled = _estimates(self, self.mesh, work, self.dtype.itemsize)
         if plain.peak <= limit:
             return False
         admission.check(tiled if tiled.peak < plain.peak else plain, limit, where)
         return True
 
+    def _adapter_bytes(self, run: Resolved) -> int:
+        """Adapter slot bytes a request is charged: none while no request has used them; a live reading of
+        free memory already counts them once they are placed."""
+        if not (self.adapters.placed or any(run.request.lora_sets)):
+            return 0
+        live = self.memory_limit is None and self._budget is None
+        return 0 if live and self.adapters.placed else self.adapters.device_bytes
+
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
         float[H/16, W/16, C]: the per-image half of reference encoding, reusable in any set."""
         return self._encode(jnp.asarray(prepared[None], self.dtype))[0]
 
-    def references_from_latents(self, latents: Sequence[jax.Array], cached: bool) -> References:
+    def references_from_latents(self, latents: Sequence[jax.Array], cached: bool, loras=()) -> References:
         """An ordered set of per-image latents -> `References`, with the prefill's keys/values when
-        `cached` (the set half of reference encoding: positions and keys/values depend on the order)."""
+        `cached` (the set half of reference encoding: positions and keys/values depend on the order),
+        computed under the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s)."""
         tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
         sizes = [tuple(z.shape[:2]) for z in latents]
         token = self.vae_config.pixels_per_token
         references = References(
             tokens, sampling.reference_ids(sizes), tuple((h * token, w * token) for h, w in sizes), None
         )
-        return self._prefilled(references, Stages(self.counters, {})) if cached else references
+        return self._prefilled(references, Stages(self.counters, {}), loras) if cached else references
 
-    def _encode_references(self, prepared, cached: bool, stages: Stages) -> References:
+    def _encode_references(self, prepared, cached: bool, stages: Stages, loras=()) -> References:
         latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
         references = self.references_from_latents(latents, cached=False)
-        return self._prefilled(references, stages) if cached else references
+        return self._prefilled(references, stages, loras) if cached else references
 
-    def _prefilled(self, references: References, stages: Stages) -> References:
-        kv = stages.run("prefill", self._prefill, *denoise.prefill_inputs(self._rope, references))
-        return dataclasses.replace(references, kv=kv, weights_id=self.weights_id)
+    def _prefilled(self, references: References, stages: Stages, loras=()) -> References:
+        """`references` with their keys and values, computed under the merged weights and the unmerged
+        LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image)."""
+        adapted = self.adapters.prepare([loras]) if loras else None
+        inputs = denoise.prefill_inputs(self._rope, references)
+        kv = stages.run("prefill", lambda: self._prefill(*inputs, adapted=adapted))
+        return dataclasses.replace(references, kv=kv, weights_id=self.adapted_weights_id(loras))
 
     def _rope(self, ids: np.ndarray):
         """The rope tables of position ids, kept in the byte-bounded `rope_cache` (sizes repeat across
@@ -504,7 +564,9 @@ class Flux2KleinPipeline:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
         return jnp.asarray(sampling.pack(latents), self.dtype)
 
-    def _denoise(self, x, txt, references, run: Resolved, progress, repaint=None, on_step_end=None):
+    def _denoise(
+        self, x, txt, references, run: Resolved, progress, repaint=None, on_step_end=None, adapted=None
+    ):
         h, w = self._grid(run.request.height, run.request.width)
         steps, first = run.request.num_inference_steps, run.first_step
         schedule = sampling.sigmas(steps, h * w)
@@ -518,8 +580,9 @@ class Flux2KleinPipeline:
         x = sharding.put(x, sharding.TOKENS, self.mesh)
         if repaint is not None:
             repaint = repaint.padded(x.shape[0])
+        adapted = _batch_rows(adapted, x.shape[0], run.mode.guided)
         for i in range(first, steps):
-            x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale)
+            x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale, adapted=adapted)
             if repaint is not None:
                 x = repaint.after_step(x, schedule[i + 1])
             if on_step_end:
@@ -529,6 +592,16 @@ class Flux2KleinPipeline:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress(StageEvent("denoise", i + 1 - first, steps - first))
         return x[: run.images]
+
+
+def _batch_rows(adapted, batch: int, guided: bool):
+    """The rows of unmerged LoRAs for the transformer's batch: padding images (`denoise.pad_batch`) use
+    none, and under CFG the negatives run under their image's LoRAs, as the batch is doubled."""
+    if adapted is None:
+        return None
+    bank, rows = adapted
+    rows = np.pad(rows, [(0, batch - len(rows)), (0, 0)])
+    return bank, np.concatenate([rows, rows]) if guided else rows
 
 
 def _step_end(callback, step: int, sigma: float, x, images: int):
@@ -670,6 +743,9 @@ def load_pipeline(
 def load(options: LoadOptions) -> Flux2KleinPipeline:
     """The pipeline `options` describe (`klein.request.loading.LoadOptions`; `load_pipeline` names them)."""
     read = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
+    offered = {
+        name: read_lora(path) for name, path in named_files(options.lora_dir, options.lora_named).items()
+    }
     device_mesh = sharding.make_mesh(options.mesh)
     compilation_cache.enable()
     located = locate(options, device_mesh)
@@ -719,6 +795,8 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     pipe = Flux2KleinPipeline(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes, compute)
     if read:
         pipe.set_loras(read)
+    for name, lora in offered.items():
+        pipe.load_lora(name, lora)
     return pipe
 
 

@@ -121,8 +121,15 @@ class Kind:
     write: Callable[[object], str] = _write
 
 
+def _write_loras(value: tuple) -> str:
+    """One set of LoRAs (`klein.request.loras.LoraUse`s) as `read_paths` reads them back: ["ink:0.8"]."""
+    return json.dumps([f"{use.name}:{use.scale!r}" for use in value], ensure_ascii=False)
+
+
 TEXT = Kind("text", read_text)
 PATHS = Kind("paths", read_paths, _write_paths)
+LORAS = Kind("loras", read_paths, _write_loras)
+"""LoRAs by name with a scale each, "NAME:SCALE"; given once per LoRA, as paths are."""
 PATH = Kind("path", read_path, _write_path)
 INT = Kind("int", read_int)
 FLOAT = Kind("float", read_float)

@@ -56,6 +56,18 @@ class LoadOptions:
         metavar="FILE[:SCALE]",
     )
     """Each a path or repo id, `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`."""
+    lora_dir: str | None = setting(
+        "offer every .safetensors LoRA in this folder by its file name (without .safetensors), for requests "
+        "to apply unmerged by name, each at its own scale; requests never name a path",
+        kinds.TEXT,
+        metavar="FOLDER",
+    )
+    lora_named: tuple = setting(
+        "offer the LoRA FILE under NAME, as --lora-dir offers a folder's; repeat for several",
+        kinds.PATHS,
+        default=(),
+        metavar="NAME=FILE",
+    )
     variant: str | None = setting(
         "variant of a --transformer file whose name does not say, e.g. klein-9b-kv", kinds.TEXT
     )
@@ -93,6 +105,7 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora", tuple(self.lora or ()))
+        object.__setattr__(self, "lora_named", tuple(self.lora_named or ()))
         for field, spec in settings_of(type(self)):
             value = getattr(self, field.name)
             if spec.choices and value is not None and value not in spec.choices:

@@ -28,6 +28,7 @@ from klein.lora.files import LoraInfo
 from klein.models.vae import PIXELS_PER_TOKEN
 from klein.request import kinds
 from klein.request.kinds import setting, settings_of, short_name
+from klein.request.loras import LoraSet, as_loras, per_prompt
 from klein.request.modes import Mode
 from klein.request.references import References
 
@@ -123,10 +124,20 @@ class GenerationRequest:
         unit="px",
         metavar="PX",
     )
+    loras: tuple = setting(
+        "apply a LoRA to this request's images, unmerged, at SCALE (default 1): a name --lora-dir or "
+        "--lora-named offers (pipe.load_lora in Python), or on the command line a LoRA file; repeat for "
+        "several. Python: [('ink', 0.8), ...] or 'ink:0.8', or one such list per prompt",
+        kinds.LORAS,
+        default=(),
+        name="lora_apply",
+        metavar="NAME[:SCALE]",
+    )
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalise the accepted spellings once, here
         fix(self, "prompt", _prompts(self.prompt))
+        fix(self, "loras", as_loras(self.loras, len(self.prompts)))
         fix(self, "image", as_images(self.image))
         if self.image and self.references is not None:
             raise InputError("give reference images (image) or encoded references (references), not both")
@@ -177,6 +188,11 @@ class GenerationRequest:
     @property
     def prompts(self) -> tuple[str, ...]:
         return self.prompt if isinstance(self.prompt, tuple) else (self.prompt,)
+
+    @property
+    def lora_sets(self) -> tuple[LoraSet, ...]:
+        """The LoRAs of each prompt (`loras`, one set for all or one per prompt)."""
+        return per_prompt(self.loras, len(self.prompts))
 
     @classmethod
     def create(cls, **values) -> GenerationRequest:
@@ -251,6 +267,13 @@ class Settings:
     """The residency policy the pipeline ran under (`klein.memory.residency`); it changes no pixel."""
     notes: tuple[str, ...] = ()
     """What was given but changed or ignored (`klein.request.resolve.Resolved.notes`)."""
+    adapters: tuple[tuple[LoraInfo, ...], ...] = ()
+    """The LoRAs applied unmerged (`GenerationRequest.loras`), one set per prompt (none: empty)."""
+
+    def adapters_of(self, index: int) -> tuple[LoraInfo, ...]:
+        """The unmerged LoRAs image `index` (0-based) ran under."""
+        prompt = index // self.request.num_images_per_prompt
+        return self.adapters[prompt] if prompt < len(self.adapters) else ()
 
     @property
     def images(self) -> int:
@@ -265,6 +288,8 @@ class Settings:
         for field, spec in settings_of(GenerationRequest):
             if spec.kind is not None:
                 value = prompt if field.name == "prompt" else getattr(request, field.name)
+                if field.name == "loras":  # the image's own set
+                    value = request.lora_sets[index // request.num_images_per_prompt]
                 if field.name == "image":
                     value = tuple(_image_name(item, i) for i, item in enumerate(value))
                 text[short_name(field, spec)] = spec.kind.write(value)
@@ -277,6 +302,11 @@ class Settings:
             index=f"{index + 1} of {self.images}",
             **(
                 {"loras": json.dumps([dataclasses.asdict(lora) for lora in self.loras])} if self.loras else {}
+            ),
+            **(
+                {"lora_adapters": json.dumps([dataclasses.asdict(lora) for lora in self.adapters_of(index)])}
+                if self.adapters_of(index)
+                else {}
             ),
             klein=version,
             Software=f"klein {version}",
@@ -292,6 +322,7 @@ class Settings:
             f"{r.width}x{r.height} px, {r.num_inference_steps} steps, {guidance}, "
             f"{refs} reference{'' if refs == 1 else 's'}, {self.mode}, seed {r.seed}"
             + "".join(f", LoRA {lora.describe()}" for lora in self.loras)
+            + "".join(f", unmerged LoRA {lora.describe()}" for lora in dict.fromkeys(sum(self.adapters, ())))
         )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from klein.errors import InputError
 from klein.models.vae import PIXELS_PER_TOKEN
@@ -71,14 +71,18 @@ def resolve(
     reference_sizes: Sequence[tuple[int, int]] = (),
     draw_seed: Callable[[], int] | None = None,
     mask_size: tuple[int, int] | None = None,
+    adapters: Collection[str] | None = None,
 ) -> Resolved:
     """Decide everything about `request` for a checkpoint of `variant` (named `model_name` in messages).
 
     `reference_sizes`: (height, width) px of each prepared reference (of `request.image`, or of its
     encoded `references`). `draw_seed`: where a seed comes from when the request has neither a seed nor
-    noise (default: a random one). `mask_size`: (height, width) px of the request's mask, when it has one."""
+    noise (default: a random one). `mask_size`: (height, width) px of the request's mask, when it has one.
+    `adapters`: the names of the LoRAs loaded for unmerged use, which the request's `loras` must be among
+    (None: not checked, for front ends without a pipeline)."""
     sizes = tuple(tuple(size) for size in reference_sizes)
     conditioning = _conditioning(request, variant, model_name, bool(sizes))
+    _check_loras(request, conditioning, adapters)
     scale = guidance(variant, request.guidance_scale)
     steps = variant.steps if request.num_inference_steps is None else request.num_inference_steps
     strength, first_step, kept = None, 0, ()
@@ -113,6 +117,24 @@ def resolve(
     repaint = repaint_words(request.mask_image is not None, strength) if request.repaints else None
     mode = Mode(conditioning, scale is not None, repaint)
     return Resolved(filled, mode, images, sizes, rounded, notes, first_step)
+
+
+def _check_loras(request: GenerationRequest, conditioning: Conditioning, adapters) -> None:
+    """The request's LoRAs are loaded ones; with cached references, one set for every prompt (the
+    references' keys and values are computed once, under one set of weights)."""
+    sets = request.lora_sets
+    if adapters is not None:
+        unknown = next((use.name for uses in sets for use in uses if use.name not in adapters), None)
+        if unknown is not None:
+            loaded = ", ".join(sorted(adapters)) or "none"
+            raise InputError(
+                f"no LoRA named {unknown!r} is loaded (loaded: {loaded}); load it with pipe.load_lora"
+            )
+    if conditioning is Conditioning.CACHED and len({frozenset(uses) for uses in sets}) > 1:
+        raise InputError(
+            "cached references (kv) are computed under one set of LoRAs: give every prompt the same loras, "
+            "or run them as separate requests"
+        )
 
 
 def missing_source(request: GenerationRequest, has_source: bool) -> str | None:

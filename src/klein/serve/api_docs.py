@@ -65,6 +65,13 @@ _MASK_FILE = {
 }
 
 
+_LORAS_FIELD = {
+    "type": "string",
+    "description": 'LoRAs by the names GET /v1/loras lists, as JSON text: [{"name": "ink", "scale": 0.8}]',
+}
+"""A form field is text: the body's list of LoRA objects travels as its JSON."""
+
+
 def _multipart(properties: dict, required: list[str]) -> dict:
     form = {"type": "object", "properties": properties, "required": required}
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}}}
@@ -74,7 +81,7 @@ def edits_body() -> dict:
     """/v1/images/edits: the files, and every field of /v1/images/generations as a form field."""
     fields = ImageBody.model_json_schema()
     required = list(fields.get("required", ()))
-    properties = {"image": _IMAGE_FILES, "mask": _MASK_FILE, **fields["properties"]}
+    properties = {"image": _IMAGE_FILES, "mask": _MASK_FILE, **fields["properties"], "loras": _LORAS_FIELD}
     for name, field in properties.items():
         if name not in required and name != "image":
             # Blank in "Try it out" (which sends every field: a blank one is as if not sent), rather than

@@ -110,6 +110,10 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
     async def config():
         return service.config()
 
+    @app.get("/v1/loras")
+    async def loras():
+        return service.loras()
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(service.metrics.render(), media_type=CONTENT_TYPE)

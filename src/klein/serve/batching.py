@@ -23,7 +23,32 @@ from klein.serve.reference_sets import ReferenceSets
 
 
 def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, version: str) -> list[dict]:
-    """Generate `works` (equal `batch_key`s) as one batch; one response body per work, in order."""
+    """Generate `works` (equal `batch_key`s) as few batches as the adapter slots allow (one, unless they
+    name more LoRAs together than there are slots); one response body per work, in order."""
+    bodies = []
+    for group in _within_slots(works, pipe.adapters.slots):
+        chosen = [progresses[i] for i in group]
+        bodies += _run_together(pipe, sets, [works[i] for i in group], chosen, version)
+    return bodies
+
+
+def _within_slots(works: list[Generation], slots: int) -> list[list[int]]:
+    """Consecutive groups of the works' indices whose LoRAs together take at most `slots` slots (a work
+    alone is checked against them when it is submitted)."""
+    groups: list[list[int]] = []
+    names: set[str] = set()
+    for i, work in enumerate(works):
+        own = {use.name for uses in work.request.lora_sets for use in uses}
+        if not groups or len(names | own) > slots:
+            groups.append([])
+            names = set()
+        groups[-1].append(i)
+        names |= own
+    return groups
+
+
+def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses, version: str) -> list[dict]:
+    """Generate `works` as one batch."""
     encoded = works[0].references(sets)
     first = works[0].request
     refs = encoded.references if encoded else None
@@ -32,8 +57,16 @@ def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, ve
     counts = [work.request.num_images_per_prompt for work in works]
     noise = np.concatenate([pipe.noise(s, n, height, width) for s, n in zip(seeds, counts, strict=True)])
     prompts = tuple(p for work, n in zip(works, counts, strict=True) for p in [work.request.prompt] * n)
+    loras = tuple(s for work, n in zip(works, counts, strict=True) for s in work.request.lora_sets * n)
     request = dataclasses.replace(
-        first, prompt=prompts, num_images_per_prompt=1, height=height, width=width, latents=noise, seed=None
+        first,
+        prompt=prompts,
+        num_images_per_prompt=1,
+        height=height,
+        width=width,
+        latents=noise,
+        seed=None,
+        loras=loras,
     )
     out = pipe.generate(dataclasses.replace(request, references=refs), _fan_out(progresses))
     # The batch's notes on cut prompts name every prompt; each request hears of its own only.
@@ -42,10 +75,15 @@ def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, ve
     bodies, start = [], 0
     for work, seed, n in zip(works, seeds, counts, strict=True):
         ran = dataclasses.replace(
-            out.settings.request, prompt=work.request.prompt, num_images_per_prompt=n, seed=seed
+            out.settings.request,
+            prompt=work.request.prompt,
+            num_images_per_prompt=n,
+            seed=seed,
+            loras=work.request.loras,
         )
         notes = (*shared, *pipe.prompt_notes((work.request.prompt,)))
-        settings = dataclasses.replace(out.settings, request=ran, notes=notes)
+        adapters = out.settings.adapters[start : start + 1]
+        settings = dataclasses.replace(out.settings, request=ran, notes=notes, adapters=adapters)
         bodies.append(
             respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes)
         )

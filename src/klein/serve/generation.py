@@ -30,13 +30,16 @@ class Generation:
 
     @property
     def batch_key(self) -> tuple:
-        """Generations with equal keys can run as one batch: same size, steps, guidance and references.
-        A repaint runs alone: its mask and strength are its own, and its noise is also its start."""
+        """Generations with equal keys can run as one batch: same size, steps, guidance and references;
+        any LoRAs (each image runs under its own), but with references one LoRA set (their keys and values
+        on a KV checkpoint are computed once, under one set). A repaint runs alone: its mask and strength
+        are its own, and its noise is also its start."""
         r = self.request
         if r.repaints:
             return (id(self),)
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
-        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs)
+        loras = frozenset(r.lora_sets[0]) if refs is not None else None
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs, loras)
 
     def reference_sizes(self, sets: ReferenceSets) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each reference; `UnknownReferences` for an id the cache cannot serve."""
@@ -47,10 +50,11 @@ class Generation:
         return ()
 
     def references(self, sets: ReferenceSets) -> Encoded | None:
+        loras = self.request.lora_sets[0]
         if self.images:
-            return sets.encode(list(self.images))
+            return sets.encode(list(self.images), loras)
         if self.reference_id is not None:
-            return sets.resolve(self.reference_id)
+            return sets.resolve(self.reference_id, loras)
         return None
 
 
@@ -111,6 +115,7 @@ def _settings(settings) -> dict:
         "variant": settings.variant,
         "reference_sizes": [{"width": w, "height": h} for h, w in settings.reference_sizes],
         "loras": [dataclasses.asdict(lora) for lora in settings.loras],
+        "lora_adapters": [dataclasses.asdict(lora) for lora in settings.adapters_of(0)],
     }
 
 

@@ -74,29 +74,33 @@ class ReferenceSets:
         )
         self._lock = threading.Lock()
 
-    def _set_key(self, digests: tuple[str, ...]):
-        return cache_keys.set_key(digests, self.pipe.weights_id, self.cached)
+    def _set_key(self, digests: tuple[str, ...], loras=()):
+        """A set's key: its keys/values (`cached`) are those of the weights with the request's unmerged
+        LoRAs applied, so each LoRA set has its own entry and none is served another's."""
+        weights = self.pipe.adapted_weights_id(loras) if self.cached else self.pipe.weights_id
+        return cache_keys.set_key(digests, weights, self.cached)
 
     def _latents_key(self, digest: str):
         return cache_keys.latents_key(digest, self.pipe.model_id)
 
-    def encode(self, images: list[PreparedImage]) -> Encoded:
-        """The set of these images, from the cache or computed (and then kept if it fits)."""
+    def encode(self, images: list[PreparedImage], loras=()) -> Encoded:
+        """The set of these images, from the cache or computed (and then kept if it fits), prefilled under
+        the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s) on a KV checkpoint."""
         digests = tuple(image.digest for image in images)
         sizes = tuple(image.pixels.shape[:2] for image in images)
         self._remember(set_id(digests), digests, sizes)
-        hit = self._cached_set(digests)
+        hit = self._cached_set(digests, loras)
         if hit is not None:
             return hit
-        return self._compute(digests, {i.digest: i.pixels for i in images})
+        return self._compute(digests, {i.digest: i.pixels for i in images}, loras)
 
-    def resolve(self, reference_id: str) -> Encoded:
+    def resolve(self, reference_id: str, loras=()) -> Encoded:
         """The set an id names; `UnknownReferences` if the id is unknown or its encodings were evicted."""
         digests, _ = self._usable(reference_id)
-        hit = self._cached_set(digests)
+        hit = self._cached_set(digests, loras)
         if hit is not None:
             return hit
-        return self._compute(digests, {})
+        return self._compute(digests, {}, loras)
 
     def sizes(self, reference_id: str) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each image of the set an id names; `UnknownReferences` as `resolve`."""
@@ -153,13 +157,13 @@ class ReferenceSets:
             while len(self._ids) > MAX_IDS:
                 self._ids.popitem(last=False)
 
-    def _cached_set(self, digests) -> Encoded | None:
-        entry = self.cache.lookup(self._set_key(digests))
+    def _cached_set(self, digests, loras=()) -> Encoded | None:
+        entry = self.cache.lookup(self._set_key(digests, loras))
         if entry is None:
             return None
         return Encoded(set_id(digests), entry.value, True, entry.seconds, entry.size, {}, digests)
 
-    def _compute(self, digests, pixels: dict[str, np.ndarray]) -> Encoded:
+    def _compute(self, digests, pixels: dict[str, np.ndarray], loras=()) -> Encoded:
         # Compilation is booked apart (klein.pipeline.timing): an entry's cost is what a hit saves next time.
         timings = {"references": 0.0, "prefill": 0.0}
         clock = StageClock(timings)
@@ -175,10 +179,10 @@ class ReferenceSets:
                 saved += entry.seconds
             latents.append(entry.value)
         with clock("prefill"):
-            references = self.pipe.references_from_latents(latents, self.cached)
+            references = self.pipe.references_from_latents(latents, self.cached, loras)
             jax.block_until_ready(arrays(references))
         cost = saved + timings["references"] + timings["prefill"]
-        entry = self.cache.put(self._set_key(digests), references, cost)
+        entry = self.cache.put(self._set_key(digests, loras), references, cost)
         return Encoded(set_id(digests), references, False, saved, entry.size, timings, digests)
 
 

@@ -14,6 +14,7 @@ does not read of a shorter one is cut by the pipeline, which says so in `warning
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from typing import Literal
 
@@ -34,6 +35,17 @@ MAX_PROMPT_CHARS = 16 * MAX_LENGTH
 """The longest prompt taken: the text encoder reads at most `MAX_LENGTH` tokens (what the pipeline cuts
 past that, it says), so a prompt many times longer is a mistake or an attack on the caches and PNGs."""
 _UNUSED = "OpenAI's; klein has no such setting (ignored, with a warning)"
+MAX_LORAS = 8
+"""The most LoRAs one request may name."""
+
+
+class LoraBody(BaseModel):
+    """One LoRA a request applies: a name the server offers (GET /v1/loras), never a path."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=64, description="a LoRA name GET /v1/loras lists")
+    scale: float = Field(1.0, allow_inf_nan=False, description="its strength (default 1; 0 turns it off)")
 
 
 class _OpenAIBody(BaseModel):
@@ -55,6 +67,12 @@ class _OpenAIBody(BaseModel):
     )
     response_format: Literal["b64_json"] | None = Field("b64_json", description="only b64_json (PNG bytes)")
     references: str | None = Field(None, description="a reference set id from POST /v1/references")
+    loras: list[LoraBody] | None = Field(
+        None,
+        max_length=MAX_LORAS,
+        description="LoRAs to apply to this request's images, by the names GET /v1/loras lists, each at a "
+        'scale: [{"name": "ink", "scale": 0.8}] (OpenAI\'s clients: in extra_body)',
+    )
     model: str | None = Field(
         None, description="accepted as OpenAI's clients send it; the server runs its model"
     )
@@ -95,10 +113,20 @@ ImageBody = pydantic.create_model(
 
 
 # Form fields are text: how each typed one reads (klein's setting kinds, the same as key=value words).
-_FORM_READERS = {"n": kinds.read_int}
+_FORM_READERS = {"n": kinds.read_int, "loras": lambda key, text: _json_list(key, text)}
 _FORM_READERS |= {
     field.name: spec.kind.read for field, spec in settings_of(GenerationRequest) if field.name in SETTINGS
 }
+
+
+def _json_list(key: str, text: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list):
+        raise InputError(f'{key} must be a JSON list, e.g. [{{"name": "ink", "scale": 0.8}}]')
+    return value
 
 
 def from_form(fields: dict[str, str]) -> ImageBody:
@@ -188,6 +216,7 @@ def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
             height=height,
             width=width,
             **{name: getattr(body, name) for name in SETTINGS},
+            loras=tuple((lora.name, lora.scale) for lora in body.loras or ()),
         )
     except InputError as error:
         raise ApiError(400, str(error), "invalid_value") from None

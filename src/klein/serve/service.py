@@ -36,6 +36,7 @@ class Service:
         self.warming, self.warmed = bool(warm), False
         """Compiling the shapes `warm` names; done compiling them."""
         self.metrics = Metrics()
+        pipe.adapters.limit(options.lora_bytes)
         self.reference_cache = ByteBudgetCache(options.cache_bytes)
         self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes)
         pipe.prompt_cache = self.prompt_cache
@@ -103,6 +104,21 @@ class Service:
         for stage, seconds in results[0]["klein"]["timings"].items():
             self.metrics.observe(stage, seconds)
         return results
+
+    def loras(self) -> dict:
+        """GET /v1/loras: the LoRAs requests may name (the operator's --lora-dir / --lora-named), each with
+        its file's hash, and the adapter slots they share on the device."""
+        adapters = self.pipe.adapters
+        listed = [
+            {"name": name, "sha256": adapters.info(name).sha256, "resident": name in adapters.resident}
+            for name in adapters.names
+        ]
+        return {
+            "data": listed,
+            "slots": adapters.slots,
+            "rank": adapters.rank,
+            "bytes": adapters.device_bytes,
+        }
 
     def health(self) -> dict:
         return {

@@ -114,11 +114,12 @@ class Jobs:
 
 class Front:
     def __init__(self, handle, options: ServeOptions, version: str, routing: str, about: dict):
-        """`about`: a replica's `config()` and `health()`, and the replica count."""
+        """`about`: a replica's `config()`, `health()` and `loras()`, and the replica count."""
         self.handle, self.options, self.version, self.routing = handle, options, version, routing
         self.metrics = Metrics()
         self.sets = ReferenceStore(options.cache_bytes)
         self._config, self._health, self.replicas = about["config"], about["health"], about["replicas"]
+        self._loras = about["loras"]
         self.worker = Jobs(options, options.max_queue * self.replicas)
         self.metrics.watch(lambda: self.worker.depth, {}, self.worker.jobs)
 
@@ -141,6 +142,12 @@ class Front:
 
     def config(self) -> dict:
         return {**self._config, "jobs_done": self.metrics.jobs_done, "replicas": self.replicas}
+
+    def loras(self) -> dict:
+        """GET /v1/loras: every replica offers the same LoRAs (one set of flags); which sit in slots is each
+        replica's, so not said here."""
+        listed = [{k: v for k, v in entry.items() if k != "resident"} for entry in self._loras["data"]]
+        return {**self._loras, "data": listed, "replicas": self.replicas}
 
     def _to(self, key: str | None):
         """The handle for a request of reference set `key` (None: no references)."""
@@ -267,6 +274,7 @@ class FrontDeployment:
         about = {
             "config": await replicas.config.remote(),
             "health": await replicas.health.remote(),
+            "loras": await replicas.loras.remote(),
             "replicas": count,
         }
         self.front = Front(replicas, options, version, routing, about)

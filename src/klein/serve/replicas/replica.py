@@ -70,6 +70,9 @@ class Replica:
     def health(self) -> dict:
         return self.service.health()
 
+    def loras(self) -> dict:
+        return self.service.loras()
+
 
 async def _follow(job: Job):
     """The job's progress as events, until its end (the last one: its result or its error)."""
