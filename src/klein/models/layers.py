@@ -132,6 +132,16 @@ def store(model: nnx.Module, forms: Mapping[tuple, Stored]) -> nnx.Module:
     return model
 
 
+def block_formats(model: nnx.Module) -> dict[tuple, str]:
+    """The state paths of `model`'s kernels kept as quantisation blocks (`Linear.weight`), with their
+    formats."""
+    return {
+        (*path, "weight"): module.blocks
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, Linear) and module.blocks is not None
+    }
+
+
 def layer_norm(x: jnp.ndarray, eps: float) -> jnp.ndarray:
     """LayerNorm without affine parameters, computed in float32."""
     x32 = x.astype(jnp.float32)

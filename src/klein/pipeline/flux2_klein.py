@@ -34,7 +34,7 @@ from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
 from klein.memory import admission, plan
 from klein.memory import residency as residency_policy
-from klein.models import products, qwen3
+from klein.models import layers, products, qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import cache_keys, compilation_cache, components, denoise, warmup
@@ -159,7 +159,9 @@ class Flux2KleinPipeline:
             for guided in (False, True)
         }
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
-        self._weights = MergedWeights(lambda: transformer()[1], dtype)
+        self._weights = MergedWeights(
+            lambda: transformer()[1], dtype, lambda: layers.block_formats(nnx.merge(*transformer()))
+        )
         models[residency_policy.TRANSFORMER].loaded = lambda state: self._weights.merge_again()
         self.loras: tuple[LoraInfo, ...] = ()
         """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
