@@ -14,6 +14,10 @@ per output channel (quantised at load, shape [out]). `compute` says how the prod
   XLA:CPU has no float8 product and widens its operands inside the program (it still runs: tests check
   the path everywhere); int8 it multiplies natively.
 
+A kernel may instead be kept as a file's quantisation blocks (`blocks`: GGUF's ggml types,
+`klein.models.gguf_blocks`; NVFP4, `klein.models.nvfp4`), rows of bytes [out, bytes] widened to float32
+here, one layer at a time inside the scanned layer loop, then multiplied as a bf16-compute kernel is.
+
 Products in the compute dtype are accumulated in float32 and rounded once to the inputs' precision, as
 torch does.
 
