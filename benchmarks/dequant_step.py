@@ -4,7 +4,8 @@ machine's first device.
 
 klein-4b's width (hidden 3072, 24 heads, SwiGLU 9216, text states 7680) with `--double` / `--single`
 blocks instead of 5 / 20; 1024 image tokens, `--text` text tokens, batch 1, bf16 compute. The blocks are
-random bytes with valid float16 / E4M3 scales (speed does not depend on the values). Stacks are held as
+random bytes with valid float16 / E4M3 scales (speed does not depend on the values); the one Linear with
+fewer than 256 inputs (x_embedder) is Q8_0 in every form, as GGUF files keep it. Stacks are held as
 the pipeline holds them (bf16 as its bits, blocks as uint8). Printed: warm time of a step (best of
 `--repeat`) and its ratio to bf16's, and the weight bytes held.
 
@@ -49,12 +50,13 @@ def model_in(form: str, cfg, rng):
     """The transformer with every Linear stored in `form`, its state as the pipeline holds it."""
     base = T.Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     if form != "bf16":
-        forms = {path: packed(form) for path, m in nnx.iter_modules(base) if isinstance(m, Linear)}
         shapes = {path: m.kernel[...].shape for path, m in nnx.iter_modules(base) if isinstance(m, Linear)}
+        # As GGUF files have it: a row of fewer than whole K-quant super-blocks (x_embedder's 128) as Q8_0.
+        forms = {path: packed(form if shape[-2] % 256 == 0 else "Q8_0") for path, shape in shapes.items()}
         base = store(base, forms)
         for path, module in nnx.iter_modules(base):
             if path in forms:
-                module.weight[...] = random_rows(form, shapes[path], rng)
+                module.weight[...] = random_rows(forms[path].blocks, shapes[path], rng)
     graphdef, state = nnx.split(base)
     flat = [
         (p, v.replace(stacks.as_bits(v.get_value()) if p[0] in STACKED else v.get_value()))

@@ -19,6 +19,7 @@ For 8-bit products (`compute`) the blocks' weights are quantised as they are rea
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from pathlib import Path
 
@@ -208,20 +209,18 @@ def _input_scaled(plan: dict[tuple, list[str]], kept: set[tuple], prefix: str, k
     return scaled
 
 
+@dataclasses.dataclass(frozen=True)
 class _Reading:
     """How to read each diffusers key from a file's BFL tensors: `fp8` / `nvfp4` are its stored layers in
     those formats; weights of `raw` keys are read FP8 as shipped, those of `blocks` as quantisation
     blocks (a GGUF file's if `gguf`); other quantised weights are dequantised."""
 
-    def __init__(self, prefix, fp8, nvfp4, raw, blocks, gguf: bool):
-        self.prefix, self.fp8, self.nvfp4, self.raw, self.blocks, self.gguf = (
-            prefix,
-            fp8,
-            nvfp4,
-            raw,
-            blocks,
-            gguf,
-        )
+    prefix: str
+    fp8: frozenset
+    nvfp4: frozenset
+    raw: set
+    blocks: set
+    gguf: bool
 
     def piece(self, key: str):
         if key.endswith(".input_scale"):
