@@ -34,7 +34,7 @@ from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
 from klein.memory import admission, plan
 from klein.memory import residency as residency_policy
-from klein.models import products, qwen3
+from klein.models import layers, products, qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import cache_keys, compilation_cache, components, denoise, warmup
@@ -159,7 +159,9 @@ class Flux2KleinPipeline:
             for guided in (False, True)
         }
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
-        self._weights = MergedWeights(lambda: transformer()[1], dtype)
+        self._weights = MergedWeights(
+            lambda: transformer()[1], dtype, lambda: layers.block_formats(nnx.merge(*transformer()))
+        )
         models[residency_policy.TRANSFORMER].loaded = lambda state: self._weights.merge_again()
         self.loras: tuple[LoraInfo, ...] = ()
         """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
@@ -621,10 +623,10 @@ def load_pipeline(
     warm: bool | Sequence[warmup.Shape] = False,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
-    nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
+    nothing is named); or from parts: `transformer` a BFL / FP8 / NVFP4 / GGUF file or a folder, `vae` a folder or
     `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.pipeline.components`).
-    `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8 weights
-    to `dtype` at load instead of keeping them FP8. `loras` are merged into the transformer (see
+    `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8, NVFP4
+    and GGUF weights to `dtype` at load instead of keeping them quantised. `loras` are merged into the transformer (see
     `Flux2KleinPipeline.set_loras`: each a path or repo id, `"path:scale"` or `(path, scale)`).
 
     dtype: "float32" or "bfloat16"; None (the default) computes in the precision the checkpoint stores
