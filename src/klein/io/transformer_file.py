@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from klein.errors import CheckpointError
 from klein.io import bfl_transformer_keys as bfl
 from klein.io import nvfp4_file
+from klein.io.block_forms import gguf_formats, uniform_blocks
 from klein.io.fp8 import FORMAT as FP8
 from klein.io.fp8 import SIDE_TENSORS, quantised_layers
 from klein.io.gguf_file import GGUFSource
@@ -42,7 +43,7 @@ from klein.io.transformer_checkpoint import (
     quantised_keys,
     stored_forms,
 )
-from klein.models import gguf_blocks, products
+from klein.models import products
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 
@@ -63,8 +64,7 @@ def _formats(source, path: Path) -> dict[str, str]:
     header, the ggml type of a GGUF file's quantised Linear weights."""
     if isinstance(source, TensorSource):
         return quantised_layers(source, str(path))
-    types = {key: source.type_name(key) for key in source.keys()}
-    return {key.removesuffix(".weight"): kind for key, kind in types.items() if kind in gguf_blocks.TYPES}
+    return gguf_formats(source)
 
 
 def _stored_shapes(source, prefix: str, formats: dict[str, str]) -> dict[str, tuple]:
@@ -106,7 +106,7 @@ def load_transformer_file(
     # form (or 8-bit for 8-bit products), the compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
     kept = set() if dequantize else _modules_in(plan, prefix, lambda layer: layer in fp8)
-    blocks = {} if dequantize else _block_modules(plan, prefix, formats)
+    blocks = {} if dequantize else uniform_blocks(_stored_layers(plan, prefix), formats)
     forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()), blocks)
     abstract = abstract_transformer(cfg, dtype, forms)
     # 3. Read every diffusers key from its BFL tensor; quantised weights of the other modules are
@@ -178,18 +178,6 @@ def _modules_in(plan: dict[tuple, list[str]], prefix: str, test) -> set[tuple]:
         for path, layers in _stored_layers(plan, prefix).items()
         if path[-1] == "kernel" and all(test(layer) for layer in layers)
     }
-
-
-def _block_modules(plan: dict[tuple, list[str]], prefix: str, formats: dict[str, str]) -> dict[tuple, str]:
-    """Paths of the Linear modules stored as one block format (NVFP4, or one ggml type) in every layer,
-    with that format."""
-    found = {}
-    for path, layers in _stored_layers(plan, prefix).items():
-        kinds = {formats.get(layer) for layer in layers}
-        kind = kinds.pop() if len(kinds) == 1 else None
-        if path[-1] == "kernel" and kind in products.BLOCKS:
-            found[path[:-1]] = kind
-    return found
 
 
 def _stored_layers(plan: dict[tuple, list[str]], prefix: str) -> dict[tuple, set[str]]:

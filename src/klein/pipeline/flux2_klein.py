@@ -678,8 +678,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
     compute = compute_of(options.compute, _local_devices(device_mesh)[0])
-    # A GGUF or NVFP4 transformer keeps its Linears quantized (unless dequantised): counted at its bytes.
-    # A GGUF text encoder is still widened at load, so it counts in the dtype.
+    # GGUF / NVFP4 files keep their Linears quantized (unless dequantised): counted at their bytes.
     stored = plan.Models(
         located.config,
         located.text_config,
@@ -687,7 +686,8 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         located.variant,
         located.fp8 and not dequantize,
     )
-    stored = plan.with_files(stored, None if dequantize else located.transformer)
+    if not dequantize:
+        stored = plan.with_files(stored, located.transformer, located.text_encoder)
     sizes = plan.model_bytes(
         located.config,
         located.text_config,
@@ -712,7 +712,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         ),
         residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
         residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
-            located, jdtype, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
+            located, jdtype, dequantize, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
         ),
     }
     first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now
