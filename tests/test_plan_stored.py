@@ -242,23 +242,21 @@ def test_plan_refuses_a_missing_or_wrong_file(written, capsys):
     assert "not a Qwen3 text encoder" in capsys.readouterr().err
 
 
-def test_admission_counts_a_gguf_transformer_as_klein_plan_does(klein_home, tmp_path, monkeypatch):
-    """The pipeline's weight figures (what admission and `auto` judge by) for a GGUF transformer are the
-    planner's for that file: its blocks at the file's bytes, not widened to the dtype."""
+def test_admission_counts_gguf_files_as_klein_plan_does(klein_home, tmp_path, monkeypatch):
+    """The pipeline's weight figures (what admission and `auto` judge by) for a GGUF transformer and a GGUF
+    text encoder are the planner's for those files (`klein plan --transformer --text-encoder`): their
+    blocks at the files' bytes, not widened to the dtype."""
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
-    path = tmp_path / "demo-Q8_0.gguf"
+    path, text_path = tmp_path / "demo-Q8_0.gguf", tmp_path / "qwen3-demo-Q8_0.gguf"
     files.write_gguf_transformer(path, cfg, files.T.Q8_0)
     pipe = load_pipeline("demo", transformer=path)
+    files.write_gguf_qwen3(text_path, pipe.text_config, files.T.Q8_0)
+    pipe = load_pipeline("demo", transformer=path, text_encoder=text_path)
     described = plan.Models(pipe.config, pipe.text_config, pipe.vae_config, pipe.variant)
-    expected = plan.model_bytes(
-        pipe.config,
-        pipe.text_config,
-        pipe.vae_config,
-        SINGLE,
-        2,
-        quantized=plan.with_files(described, path).quantized,
-    )
-    assert pipe.weight_bytes["transformer"] == expected["transformer"]
-    widened = plan.model_bytes(pipe.config, pipe.text_config, pipe.vae_config, SINGLE, 2)["transformer"]
-    assert expected["transformer"] < 0.7 * widened
+    sizes = (pipe.config, pipe.text_config, pipe.vae_config, SINGLE, 2)
+    expected = plan.model_bytes(*sizes, quantized=plan.with_files(described, path, text_path).quantized)
+    widened = plan.model_bytes(*sizes)
+    for part in ("transformer", "text_encoder"):
+        assert pipe.weight_bytes[part] == expected[part], part
+        assert expected[part] < 0.7 * widened[part], part
