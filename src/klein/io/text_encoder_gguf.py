@@ -37,6 +37,7 @@ from klein.models.qwen3_config import Qwen3Config
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3]
 _EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
+ROWS = 8192  # rows of a tensor widened at a time (Qwen3-8B embedding: 128 MiB of float32)
 
 
 def load_text_encoder_gguf(
@@ -86,9 +87,6 @@ class _Widened(Whole):
             rows = slice(start, start + ROWS)
             out[rows] = source.get(self.key, rows)
         return out
-
-
-ROWS = 8192
 
 
 def qwen3_header(path: str | Path) -> Header:
