@@ -41,7 +41,8 @@ random blocks with valid scales, no quantising pass) the full-size quantized fil
                    --text-encoder quantized/qwen3-8b-Q4_K.gguf --image ref.png --height 64 --width 64
                    --steps 1 --out OUT.png
 beside `klein plan --model DIR --transformer ... --text-encoder ... --refs 1 --ref-size 64x64 --size
-64x64 --json` (DIR: the model's bf16 folder above, for its VAE and tokenizer).
+64x64 --json` (DIR: the model's bf16 folder above, for its VAE and tokenizer; or `--vae` a VAE alone and the
+tokenizer from the Qwen3 GGUF). Measured: docs/benchmarks/quantized-real-size-cpu.md.
 
 Not a test: it writes ~51 GB (check the free space of --root) and each generate run of klein-9b-kv needs
 tens of GB of memory.

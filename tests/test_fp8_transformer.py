@@ -145,11 +145,19 @@ def test_float8_weight_missing_from_the_header(fp8, tmp_path):
 def test_other_quantisation_formats_are_refused(fp8, tmp_path):
     _, _, tensors, metadata = fp8
     header = json.loads(metadata["_quantization_metadata"])
-    header["layers"]["img_in"] = {"format": "nvfp4"}
+    header["layers"]["img_in"] = {"format": "mxfp8"}
+    path = write_safetensors(
+        tmp_path / "mxfp8.safetensors", tensors, {"_quantization_metadata": json.dumps(header)}
+    )
+    with pytest.raises(
+        CheckpointError, match="'img_in' is quantised as 'mxfp8'; klein reads float8_e4m3fn and nvfp4"
+    ):
+        load_transformer_file(path)
+    header["layers"]["img_in"] = {"format": "nvfp4"}  # but its tensors are FP8's
     path = write_safetensors(
         tmp_path / "nvfp4.safetensors", tensors, {"_quantization_metadata": json.dumps(header)}
     )
-    with pytest.raises(CheckpointError, match="'img_in' is quantised as 'nvfp4'"):
+    with pytest.raises(CheckpointError, match="NVFP4 layer 'img_in' has no tensor 'img_in.weight_scale_2'"):
         load_transformer_file(path)
 
 

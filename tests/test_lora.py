@@ -276,17 +276,19 @@ def test_fp8_base_under_stream_is_widened_in_host_memory_as_under_all(pipes, lor
 
 
 def test_gguf_base_merges_after_dequantisation(pipes, tmp_path):
-    """A Q8_0 GGUF transformer is dequantised at load; the LoRA adds to those weights, in the right rows."""
+    """A Q8_0 GGUF transformer dequantised at load (`dequantize=True`): the LoRA adds to those weights, in the right rows."""
     _, reference, folder = pipes("distilled")
     bfl = {k: v.numpy() for k, v in to_bfl(reference.transformer.state_dict()).items()}
     q8 = {k: gguf.GGMLQuantizationType.Q8_0 for k, v in bfl.items() if v.ndim == 2}
     parts = dict(transformer=write_gguf(tmp_path / "klein-tiny-Q8_0.gguf", bfl, q8), text_encoder=folder)
     parts["vae"] = folder / "vae"
-    plain = _kernels(load_pipeline(**parts, dtype="float32")._weights.state)
+    plain = _kernels(load_pipeline(**parts, dtype="float32", dequantize=True)._weights.state)
     shapes = lf.linear_shapes(pipes("distilled")[0].config, "bfl")
     lora = lf.random_lora({m: shapes[m] for m in ("img_in", "double_blocks.1.txt_attn.qkv")}, 4, 2)
     file = lf.write_bfl(tmp_path / "lora.safetensors", lora)
-    merged = _kernels(load_pipeline(**parts, dtype="float32", loras=[(file, 0.5)])._weights.state)
+    merged = _kernels(
+        load_pipeline(**parts, dtype="float32", dequantize=True, loras=[(file, 0.5)])._weights.state
+    )
     want = dict(plain)
     down, up = lora["img_in"]
     want[("x_embedder", "kernel")] = plain[("x_embedder", "kernel")] + 0.5 * (up @ down).T

@@ -3,6 +3,7 @@ equal those of the same (dequantised) weights as a folder, its tokenizer rebuilt
 folder's and transformers', and wrong files are refused before a weight is read."""
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import pytest
@@ -14,6 +15,7 @@ from klein.io import demo
 from klein.io.gguf_header import read_header
 from klein.io.text_encoder_checkpoint import load_text_encoder, read_config
 from klein.io.text_encoder_gguf import gguf_names, load_text_encoder_gguf, read_gguf_config
+from klein.models.layers import Linear
 from klein.models.qwen3 import prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
 from klein.pipeline import components
@@ -70,6 +72,36 @@ def test_embeddings_equal_the_dequantised_folder(mixed, ids, reference):
     assert ours.shape == (2, TOKENS, 3 * 32)
     assert np.max(np.abs(ours - reference)) <= 1e-5
     assert np.abs(reference).max() > 1  # not a comparison of zeros
+
+
+@pytest.fixture(scope="module", params=[T.Q8_0, T.Q4_0], ids=lambda kind: kind.name)
+def uniform(request, tiny, tmp_path_factory):
+    """(GGUF whose every Linear is of one quantised type, embedding Q8_0; that type)."""
+    types = {name: request.param for name in MIXED} | {"embed_tokens": T.Q8_0}
+    return write_qwen3_gguf(
+        tmp_path_factory.mktemp("qwen3-uniform") / "q.gguf", tiny[0], types
+    ), request.param
+
+
+def test_blocks_kept_equal_dequantised_at_load(uniform, ids):
+    """Each Linear stays as the file's blocks (uint8, the bytes of the file, widened inside the product)
+    and the embeddings equal those of the weights widened at load; the embedding is widened."""
+    path, kind = uniform
+    kept, widened = load_text_encoder_gguf(path), load_text_encoder_gguf(path, dequantize=True)
+    data = {tensor.name: tensor.data for tensor in gguf.GGUFReader(path).tensors}
+    blocks = {key: data[name] for key, name in gguf_names(kept.config).items()}
+    linears = {p: m for p, m in nnx.iter_modules(kept) if isinstance(m, Linear)}
+    assert len(linears) == 7
+    for module_path, linear in linears.items():
+        assert linear.blocks == kind.name and linear.kernel is None
+        name = ".".join(module_path[2:])
+        stored = [blocks[f"model.layers.{i}.{name}.weight"] for i in range(27)]
+        assert linear.weight[...].dtype == jnp.uint8
+        assert np.array_equal(np.asarray(linear.weight[...]), np.stack(stored))
+    assert kept.model.embed_tokens.embedding[...].dtype == jnp.float32
+    assert all(m.blocks is None for _, m in nnx.iter_modules(widened) if isinstance(m, Linear))
+    ours, reference = embed(kept, ids), embed(widened, ids)
+    assert np.max(np.abs(ours - reference)) <= 1e-5 and np.abs(reference).max() > 1
 
 
 def _llama_permuted(tensors):

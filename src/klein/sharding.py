@@ -172,7 +172,8 @@ def placer(mesh: Mesh | None, table=(), host: tuple[str, ...] = ()):
         if mesh is None:
             host_memory = SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
             return jax.device_put(array, host_memory) if in_host else jax.device_put(array)
-        target = NamedSharding(mesh, partition_spec(param_axes(path, table), mesh))
+        # A dimension the mesh does not divide stays whole: the bytes of a row of quantisation blocks.
+        target = NamedSharding(mesh, partition_spec(param_axes(path, table), mesh, array.shape))
         # device_put sends each device only its slice; in multi-process runs every process holds the
         # same host array and transfers just its own devices' slices.
         return jax.device_put(array, target.with_memory_kind("pinned_host") if in_host else target)

@@ -11,6 +11,7 @@ run does not collect it). Each mesh uses all 8 devices.
 
 import dataclasses
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +24,7 @@ from klein import InputError, sharding
 from klein.cli import main as cli
 from klein.io import demo
 from klein.models import transformer as T
+from klein.models.layers import Linear, packed, store
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.flux2_klein import load_pipeline
@@ -204,6 +206,44 @@ def test_one_block_of_each_kind_sharded_equals_single_device(odd_inputs):
         err = max_abs(sharded[mode], single[mode])
         print(f"one block of each kind, fsdp=4,context=2 {mode}: max abs error {err:.2e}")
         assert err < TOL
+
+
+def as_gguf_blocks(model, kind: str):
+    """`model` with every Linear kept as `kind` GGUF blocks (its kernel quantised by gguf), and the model
+    holding those blocks' values widened."""
+    forms = {path: packed(kind) for path, m in nnx.iter_modules(model) if isinstance(m, Linear)}
+    graphdef = nnx.graphdef(
+        nnx.eval_shape(lambda: store(T.Flux2Transformer(CONFIG, rngs=nnx.Rngs(0)), forms))
+    )
+    kept, wide = [], []
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        if path[:-1] in forms and path[-1] == "kernel":
+            rows = gguf.quants.quantize(
+                np.swapaxes(np.asarray(variable.get_value()), -1, -2), gguf.GGMLQuantizationType[kind]
+            )
+            kept.append(((*path[:-1], "weight"), variable.replace(rows)))
+            values = np.swapaxes(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[kind]), -1, -2)
+            wide.append((path, variable.replace(values)))
+        else:
+            kept.append((path, variable))
+            wide.append((path, variable))
+    return nnx.merge(graphdef, nnx.from_flat_state(kept)), nnx.merge(
+        nnx.graphdef(model), nnx.from_flat_state(wide)
+    )
+
+
+def test_gguf_blocks_sharded_equal_their_widened_values_on_one_device(model, inputs):
+    """Weights kept as Q8_0 blocks (rows of 34 bytes) split over tensor=8, by rows (column-parallel
+    Linears) or by bytes (row-parallel ones), give the outputs of the blocks' values on one device."""
+    blocks, widened = as_gguf_blocks(model, "Q8_0")
+
+    def t2i(m, x, txt, t, img_rope, txt_rope, ref, ref_rope):
+        return dict(t2i=T.forward(m, x, txt, t, img_rope, txt_rope))
+
+    want = run(widened, None, inputs, t2i)["t2i"]
+    out = run(blocks, sharding.make_mesh("tensor"), inputs, t2i)
+    assert out["state"]["transformer_blocks"]["attn"]["to_q"]["weight"].get_value().dtype == jnp.uint8
+    assert max_abs(out["t2i"], want) < TOL
 
 
 def test_long_prefill_on_context_2_has_linear_temporaries(model):

@@ -10,6 +10,8 @@ transformer computes in FP8 (`compute="fp8"`) and every layer of a stack gives o
 are then quantised per token as they come, `klein.models.products`).
 ComfyUI may instead (or also) mark each layer with a `<layer>.comfy_quant` tensor: the same per-layer JSON
 as uint8 bytes. `SIDE_TENSORS` are the keys besides `weight` that a quantised layer may carry.
+The same header may name a layer's format "nvfp4" (`klein.io.nvfp4_file`): `quantised_layers` returns
+every layer's format.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 
 from klein.errors import CheckpointError
+from klein.io import nvfp4_file
 from klein.io.safetensors import TensorSource
 
 HEADER_KEY = "_quantization_metadata"
@@ -28,22 +31,32 @@ SIDE_TENSORS = ("weight_scale", "input_scale", "comfy_quant")
 
 def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
     """Stored layer names (keys without `.weight`) declared FP8, checked against the tensors."""
+    return frozenset(layer for layer, fmt in quantised_layers(source, where).items() if fmt == FORMAT)
+
+
+def quantised_layers(source: TensorSource, where: str) -> dict[str, str]:
+    """Stored layer names declared quantised -> their format (FP8 or NVFP4), checked against the tensors."""
     keys = source.keys()
     layers = {**_declared(source.metadata().get(HEADER_KEY), where), **_marked(source, keys, where)}
     for layer, fmt in layers.items():
         _check_layer(source, keys, layer, fmt, where)
-    for key in sorted(keys):
+    scales = {f"{layer}.weight_scale" for layer, fmt in layers.items() if fmt == nvfp4_file.FORMAT}
+    for key in sorted(keys - scales):
         if source.dtype(key) == _STORED and key.removesuffix(".weight") not in layers:
             raise CheckpointError(
                 f"{where}: tensor '{key}' is float8 but the header's {HEADER_KEY} does not list its layer, "
                 f"so its scale is unknown"
             )
-    return frozenset(layers)
+    return layers
 
 
 def _check_layer(source: TensorSource, keys: set[str], layer: str, fmt: str, where: str) -> None:
+    if fmt == nvfp4_file.FORMAT:
+        return nvfp4_file.check_layer(source, keys, layer, where)
     if fmt != FORMAT:
-        raise CheckpointError(f"{where}: layer '{layer}' is quantised as {fmt!r}; klein reads {FORMAT} only")
+        raise CheckpointError(
+            f"{where}: layer '{layer}' is quantised as {fmt!r}; klein reads {FORMAT} and {nvfp4_file.FORMAT}"
+        )
     weight, scale = f"{layer}.weight", f"{layer}.weight_scale"
     for tensor in (weight, scale):
         if tensor not in keys:

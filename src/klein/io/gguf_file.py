@@ -1,14 +1,17 @@
 """Reading GGUF files (community quantisations of FLUX.2 [klein] for ComfyUI-GGUF and stable-diffusion.cpp,
 and of its Qwen3 text encoder: `klein.io.text_encoder_gguf`) with the `gguf` package.
 
-Tensors keep the names they are stored under. Each tensor is dequantised to float32 on the host when the
-loader reads it, and the loader casts it to the compute dtype: the transformer then takes the device memory
-of an unquantised model of that dtype (klein-9b: 18.2 GB in bf16). GGUF saves disk space and download time,
-not device memory. Shapes are reported in PyTorch order (GGUF lists dimensions innermost first).
+Tensors keep the names they are stored under. `get` dequantises a tensor to float32 on the host (F32 /
+F16 / BF16 ones, and every tensor where the weights are widened at load); `GGUFSource.blocks` reads a
+quantised tensor as it is stored, rows of blocks uint8[rows, bytes], which the transformer keeps in memory
+and widens one layer at a time inside its products (`klein.models.gguf_blocks`): a Q4_K klein-9b holds
+~5 GB of weights, not 18.
+Shapes are reported in PyTorch order (GGUF lists dimensions innermost first).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -54,6 +57,37 @@ class GGUFSource:
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
         """Tensor `key` (or `rows` of its first axis, whole quantisation blocks each) as float32."""
+        return gguf.quants.dequantize(self.stored(key, rows), self._tensors[key].tensor_type)
+
+    def stored(self, key: str, rows: slice | None = None) -> np.ndarray:
+        """Tensor `key` (or `rows` of its first axis) as stored (a quantised one: uint8 rows of blocks), read
+        from the file: the pages of gguf's memory map would stay in the process's resident memory until the
+        file is closed, as much again as the weights read (1.8 GB more at the peak of a Qwen3-4B load)."""
         tensor = self._tensors[key]
-        data = tensor.data if rows is None else tensor.data[rows]
-        return gguf.quants.dequantize(np.asarray(data), tensor.tensor_type)
+        shape, dtype = tensor.data.shape, tensor.data.dtype
+        start, stop, _ = (rows or slice(None)).indices(shape[0])
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        offset = int(tensor.data_offset) + start * row_bytes
+        data = np.fromfile(self._path, np.uint8, count=(stop - start) * row_bytes, offset=offset)
+        return data.view(dtype).reshape(stop - start, *shape[1:])
+
+    def type_name(self, key: str) -> str:
+        """The ggml type of tensor `key` (`gguf.GGMLQuantizationType` name: F16, Q4_K, ...)."""
+        return self._tensors[key].tensor_type.name
+
+    @property
+    def blocks(self) -> Blocks:
+        return Blocks(self)
+
+
+class Blocks:
+    """The quantised tensors of a `GGUFSource` as stored: rows of quantisation blocks, uint8[rows, bytes]."""
+
+    def __init__(self, source: GGUFSource):
+        self._source = source
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._source._tensors[key].data.shape)
+
+    def get(self, key: str, rows: slice | None = None) -> np.ndarray:
+        return self._source.stored(key, rows)

@@ -169,7 +169,7 @@ def _read(source, path, keys, layers, abstract, dtype) -> np.ndarray:
                 f"{source.file_of(key)}: tensor '{key}' has shape {shape}, "
                 f"the model expects {_torch_shape(path, want)}; wrong model variant or config?"
             )
-        value = from_torch_layout(path, source.get(key)).astype(target_dtype)
+        value = from_torch_layout(path, source.get(key)).astype(target_dtype, copy=False)
         if layers:
             out[i] = value
         else:

@@ -11,7 +11,7 @@ as unexpected instead of silently dropping them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +102,25 @@ class Dequantized:
 
     def read(self, source) -> np.ndarray:
         return self.piece.read(source).astype(np.float32) * Scalar(self.scale_key).read(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Viewed:
+    """`piece` read from `view(source)`: the source's tensors in another form (a GGUF file's blocks as
+    stored, `klein.io.gguf_file.GGUFSource.blocks`; an NVFP4 file's, `klein.io.nvfp4_file`)."""
+
+    piece: Whole
+    view: Callable
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.piece.keys
+
+    def shape(self, source) -> tuple[int, ...]:
+        return self.piece.shape(self.view(source))
+
+    def read(self, source) -> np.ndarray:
+        return self.piece.read(self.view(source))
 
 
 class MappedSource:

@@ -17,6 +17,7 @@ from klein.errors import CheckpointError, counted
 from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
 from klein.io.safetensors import TensorSource
+from klein.models.layers import store
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 
@@ -64,9 +65,14 @@ def check_layers(config: Qwen3Config, layers: Sequence[int], where) -> None:
         )
 
 
-def abstract_text_encoder(config: Qwen3Config, num_layers: int, dtype=jnp.float32) -> Qwen3TextEncoder:
-    """The text encoder's parameter shapes, allocating nothing; its products computed in `dtype`."""
-    return nnx.eval_shape(lambda: Qwen3TextEncoder(config, num_layers, rngs=nnx.Rngs(0), dtype=dtype))
+def abstract_text_encoder(
+    config: Qwen3Config, num_layers: int, dtype=jnp.float32, forms=None
+) -> Qwen3TextEncoder:
+    """The text encoder's parameter shapes, allocating nothing; its products computed in `dtype`, its
+    Linears stored as `forms` says (module path -> `klein.models.layers.Stored`)."""
+    return nnx.eval_shape(
+        lambda: store(Qwen3TextEncoder(config, num_layers, rngs=nnx.Rngs(0), dtype=dtype), forms or {})
+    )
 
 
 def skipped_keys(config: Qwen3Config, num_layers: int) -> frozenset[str]:

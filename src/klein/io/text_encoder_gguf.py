@@ -6,12 +6,17 @@ llama.cpp's converter writes a Qwen3 checkpoint's tensors under its own names (`
 The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3`, and the shape comes
 from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow reader
 (`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded, as from a folder
-(`klein.io.text_encoder_checkpoint`); each tensor is dequantised to float32 as it is read
-(`klein.io.gguf_file`) and cast to the compute dtype.
+(`klein.io.text_encoder_checkpoint`). The Linears whose stack has one quantised ggml type in every layer
+stay as their blocks in memory, widened inside each product as the transformer's are
+(`klein.io.block_forms`); the token embedding, the norms and mixed stacks are dequantised to float32 as
+they are read (`klein.io.gguf_file`) and cast to the compute dtype (the embedding is a row lookup, not a
+product: Qwen3-8B's takes 1.2 GB in bf16).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,30 +25,68 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein.errors import CheckpointError
+from klein.io.block_forms import gguf_formats, uniform_blocks
 from klein.io.gguf_file import GGUFSource
 from klein.io.gguf_header import Header, read_header
-from klein.io.loading import expected_shapes, load_module
-from klein.io.mapped import MappedSource, Whole
+from klein.io.loading import checkpoint_keys, expected_shapes, load_module
+from klein.io.mapped import MappedSource, Viewed, Whole
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, check_layers, skipped_keys
+from klein.models.layers import packed
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3]
 _EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
+ROWS = 8192  # rows of a tensor widened at a time (Qwen3-8B embedding: 128 MiB of float32)
 
 
 def load_text_encoder_gguf(
-    path: str | Path, dtype=jnp.float32, *, place=None, layers: Sequence[int] = PROMPT_LAYERS
+    path: str | Path,
+    dtype=jnp.float32,
+    *,
+    place=None,
+    layers: Sequence[int] = PROMPT_LAYERS,
+    dequantize: bool = False,
 ) -> Qwen3TextEncoder:
     """The first max(layers) decoder layers (and the embedding) of the Qwen3 GGUF at `path`; `place` as for
-    `klein.io.text_encoder_checkpoint.load_text_encoder`."""
+    `klein.io.text_encoder_checkpoint.load_text_encoder`; `dequantize` widens every weight to `dtype`."""
     config = read_gguf_config(path, layers)
     num_layers = max(layers)
-    abstract = abstract_text_encoder(config, num_layers, dtype)
-    table = {key: Whole(name) for key, name in gguf_names(config).items()}
-    mapped = MappedSource(GGUFSource(path), table)
+    source = GGUFSource(path)
+    names = gguf_names(config)
+    plan = checkpoint_keys(abstract_text_encoder(config, num_layers), STACKED)
+    stored = {module: {names[key].removesuffix(".weight") for key in keys} for module, keys in plan.items()}
+    forms = {} if dequantize else uniform_blocks(stored, gguf_formats(source))
+    as_blocks = {key for module in forms for key in plan[(*module, "kernel")]}
+    table = {key: _piece(name, key in as_blocks, dtype) for key, name in names.items()}
+    abstract = abstract_text_encoder(
+        config, num_layers, dtype, {m: packed(kind) for m, kind in forms.items()}
+    )
     skip = skipped_keys(config, num_layers).__contains__
-    return load_module(abstract, mapped, dtype=dtype, stacked=STACKED, skip=skip, place=place)
+    return load_module(
+        abstract, MappedSource(source, table), dtype=dtype, stacked=STACKED, skip=skip, place=place
+    )
+
+
+def _piece(name: str, blocks: bool, dtype):
+    """Tensor `name` as its quantisation blocks (uint8 rows, widened inside the product), else widened."""
+    return Viewed(Whole(name), operator.attrgetter("blocks")) if blocks else _Widened(name, np.dtype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Widened(Whole):
+    """A tensor dequantised `ROWS` rows at a time into `dtype`: Qwen3-8B's embedding widened whole in float32
+    would take 2.5 GB, and gguf's dequantiser as much again, beside the 1.2 GB it keeps in bf16."""
+
+    dtype: np.dtype = np.dtype(np.float32)
+
+    def read(self, source) -> np.ndarray:
+        shape = source.shape(self.key)
+        out = np.empty(shape, self.dtype)
+        for start in range(0, shape[0], ROWS):
+            rows = slice(start, start + ROWS)
+            out[rows] = source.get(self.key, rows)
+        return out
 
 
 def qwen3_header(path: str | Path) -> Header:

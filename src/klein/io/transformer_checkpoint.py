@@ -15,7 +15,7 @@ from klein.io.mapped import MappedSource
 from klein.io.quantised import quantised_table
 from klein.io.safetensors import TensorSource
 from klein.models import products
-from klein.models.layers import SHIPPED_FP8, Stored, quantised, store
+from klein.models.layers import SHIPPED_FP8, Stored, packed, quantised, store
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 
@@ -35,14 +35,19 @@ def abstract_transformer(cfg: TransformerConfig, dtype=jnp.float32, forms=None) 
 
 
 def stored_forms(
-    plan: dict[tuple, list[str]], shipped_fp8=frozenset(), compute=products.BF16, input_scaled=frozenset()
+    plan: dict[tuple, list[str]],
+    shipped_fp8=frozenset(),
+    compute=products.BF16,
+    input_scaled=frozenset(),
+    blocks: dict | None = None,
 ) -> dict:
     """How each Linear (module path) of the transformer whose checkpoint keys are `plan` is stored: those
     of the blocks (the products over every token) quantised for an 8-bit `compute`, FP8 ones as shipped
     where they are FP8 already and the compute is FP8 (with the file's activation scale where
-    `input_scaled` says it gives one); other Linears of `shipped_fp8` as shipped, widened inside a bf16
-    product (the modulations, embedders and output: small or one row each)."""
+    `input_scaled` says it gives one); other Linears of `shipped_fp8` as shipped, and those of `blocks`
+    (module path -> block format) as the file's quantisation blocks, widened inside a bf16 product."""
     forms: dict[tuple, Stored] = dict.fromkeys(shipped_fp8, SHIPPED_FP8)
+    forms.update({path: packed(kind) for path, kind in (blocks or {}).items()})
     if compute in products.EIGHT_BIT:
         for path in (path[:-1] for path in plan if path[-1] == "kernel" and path[0] in STACKED):
             if path in shipped_fp8 and compute == products.FP8:

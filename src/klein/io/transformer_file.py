@@ -7,23 +7,33 @@ Formats, told apart by the file itself:
   device memory, each Linear scales them inside its matmul; or, with `dequantize=True`, they are widened to
   `dtype` at load (twice the memory in bf16, no per-step cast). A Linear of a scanned stack stays FP8 only
   if it is FP8 in every layer.
-- GGUF (`*.gguf`, `klein.io.gguf_file`): BFL key names; dequantised to `dtype` at load.
+- BFL / ComfyUI NVFP4 safetensors (`flux-2-klein-9b-nvfp4.safetensors`, `klein.io.nvfp4_file`): 4-bit
+  weights stay 4-bit in memory as rows of blocks beside a per-tensor scale, widened inside each product.
+- GGUF (`*.gguf`, `klein.io.gguf_file`): BFL key names; quantised weights stay as their blocks in memory,
+  widened inside each product; F16 / BF16 / F32 tensors are cast to `dtype`.
+A Linear of a scanned stack keeps a stored form only if it has that form (and one ggml type) in every
+layer; `dequantize=True` widens every weight to `dtype` at load instead (memory of an unquantised model).
 For 8-bit products (`compute`) the blocks' weights are quantised as they are read
 (`klein.io.transformer_checkpoint.stored_forms`); FP8 ones stay as shipped for FP8 products.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from pathlib import Path
 
 import jax.numpy as jnp
 
 from klein.errors import CheckpointError
 from klein.io import bfl_transformer_keys as bfl
-from klein.io.fp8 import SIDE_TENSORS, fp8_layers
+from klein.io import nvfp4_file
+from klein.io.block_forms import gguf_formats, uniform_blocks
+from klein.io.fp8 import FORMAT as FP8
+from klein.io.fp8 import SIDE_TENSORS, quantised_layers
 from klein.io.gguf_file import GGUFSource
 from klein.io.loading import checkpoint_keys, expected_shapes, load_module
-from klein.io.mapped import Dequantized, MappedSource, Scalar
+from klein.io.mapped import Dequantized, MappedSource, Scalar, Viewed
 from klein.io.quantised import quantised_table
 from klein.io.safetensors import TensorSource
 from klein.io.transformer_checkpoint import (
@@ -45,11 +55,26 @@ def file_config(path: str | Path) -> TransformerConfig:
     """The config of a single-file transformer, from its tensor shapes alone (no weight is read)."""
     path = Path(path)
     source = _open(path)
-    return bfl.config_from_bfl(_stored_shapes(source, _prefix(source.keys(), path)), str(path))
+    prefix = _prefix(source.keys(), path)
+    return bfl.config_from_bfl(_stored_shapes(source, prefix, _formats(source, path)), str(path))
 
 
-def _stored_shapes(source, prefix: str) -> dict[str, tuple]:
-    return {key[len(prefix) :]: source.shape(key) for key in source.keys() if key.startswith(prefix)}
+def _formats(source, path: Path) -> dict[str, str]:
+    """Stored layer (key without `.weight`) -> its quantised format: FP8 or NVFP4 from a safetensors
+    header, the ggml type of a GGUF file's quantised Linear weights."""
+    if isinstance(source, TensorSource):
+        return quantised_layers(source, str(path))
+    return gguf_formats(source)
+
+
+def _stored_shapes(source, prefix: str, formats: dict[str, str]) -> dict[str, tuple]:
+    """Each stored tensor's shape in BFL names, an NVFP4 weight's as the [out, in] it stands for."""
+    shapes = {}
+    for key in source.keys():
+        if key.startswith(prefix):
+            nvfp4 = formats.get(key.removesuffix(".weight")) == nvfp4_file.FORMAT and key.endswith(".weight")
+            shapes[key[len(prefix) :]] = nvfp4_file.logical_shape(source, key) if nvfp4 else source.shape(key)
+    return shapes
 
 
 def load_transformer_file(
@@ -60,31 +85,39 @@ def load_transformer_file(
     dequantize: bool = False,
     compute: str = products.BF16,
 ) -> Flux2Transformer:
-    """The transformer of a BFL, FP8 or GGUF single file (`klein.pipeline.checkpoints.variant_of_file`
-    tells its variant); `dequantize` widens FP8 weights to `dtype` at load; `compute` is how the blocks'
-    products are made (`klein.models.products`); `place` puts each weight on its device(s) (see
+    """The transformer of a BFL, FP8, NVFP4 or GGUF single file (`klein.pipeline.checkpoints.variant_of_file`
+    tells its variant); `dequantize` widens quantised weights to `dtype` at load; `compute` is how the
+    blocks' products are made (`klein.models.products`); `place` puts each weight on its device(s) (see
     `klein.io.loading.load_module`)."""
     path = Path(path)
     source = _open(path)
-    # 1. What the file holds: naming, config (from the shapes), FP8 layers; checked in BFL names.
+    # 1. What the file holds: naming, config (from the shapes), quantised layers; checked in BFL names.
     prefix = _prefix(source.keys(), path)
-    stored = _stored_shapes(source, prefix)
+    formats = _formats(source, path)
+    stored = _stored_shapes(source, prefix, formats)
     cfg = bfl.config_from_bfl(stored, str(path))
-    fp8 = fp8_layers(source, str(path)) if isinstance(source, TensorSource) else frozenset()
+    fp8 = frozenset(layer for layer, fmt in formats.items() if fmt == FP8)
+    nvfp4 = frozenset(layer for layer, fmt in formats.items() if fmt == nvfp4_file.FORMAT)
     plain = abstract_transformer(cfg)
-    _check_layout(stored, expected_shapes(plain, STACKED, key_map), {f[len(prefix) :] for f in fp8}, path)
-    # 2. The model to fill: FP8 Linears where the whole stack is FP8 (or 8-bit for 8-bit products), the
-    # compute dtype elsewhere.
+    sides = {f"{layer[len(prefix) :]}.{side}" for layer in fp8 for side in SIDE_TENSORS}
+    sides |= {f"{layer[len(prefix) :]}.{side}" for layer in nvfp4 for side in nvfp4_file.SIDE_TENSORS}
+    _check_layout(stored, expected_shapes(plain, STACKED, key_map), sides, path)
+    # 2. The model to fill: FP8 Linears and Linears of quantisation blocks where the whole stack has that
+    # form (or 8-bit for 8-bit products), the compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
-    kept = set() if dequantize else _fp8_modules(plan, fp8, prefix)
-    forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()))
+    kept = set() if dequantize else _modules_in(plan, prefix, lambda layer: layer in fp8)
+    blocks = {} if dequantize else uniform_blocks(_stored_layers(plan, prefix), formats)
+    forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()), blocks)
     abstract = abstract_transformer(cfg, dtype, forms)
-    # 3. Read every diffusers key from its BFL tensor; FP8 weights of the other modules are dequantised,
-    # and quantised again per channel where the form says so.
+    # 3. Read every diffusers key from its BFL tensor; quantised weights of the other modules are
+    # dequantised, and quantised again per channel where the form says so.
     raw = {key for module, form in forms.items() if not form.per_channel for key in plan[(*module, "kernel")]}
-    table = {key: _piece(key, prefix, fp8, raw) for key in expected_shapes(abstract, STACKED, key_map)}
+    as_blocks = {key for module, form in forms.items() if form.blocks for key in plan[(*module, "kernel")]}
+    read = _Reading(prefix, fp8, nvfp4, raw, as_blocks, isinstance(source, GGUFSource))
+    table = {key: read.piece(key) for key in expected_shapes(abstract, STACKED, key_map)}
     table = quantised_table(table, quantised_keys(plan, forms))
     unread = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS if side != "weight_scale"}
+    unread |= {f"{layer}.{side}" for layer in nvfp4 for side in nvfp4_file.SIDE_TENSORS}
     mapped = MappedSource(source, table, dropped=unread)
     return load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)
 
@@ -119,10 +152,10 @@ def _what(keys: set[str]) -> str:
     return f"it has none of the FLUX.2 transformer's keys (such as '{_MARKER}')"
 
 
-def _check_layout(stored: dict, diffusers: dict, fp8: set[str], path: Path) -> None:
-    """Compare the file with the BFL layout the model needs, in BFL key names (those the user can look up)."""
+def _check_layout(stored: dict, diffusers: dict, scales: set[str], path: Path) -> None:
+    """Compare the file with the BFL layout the model needs, in BFL key names (those the user can look up);
+    `scales` are the quantised layers' side tensors."""
     expected = bfl.bfl_layout(diffusers)
-    scales = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS}
     both = expected.keys() & stored.keys()
     problems = {
         "missing": sorted(expected.keys() - stored.keys()),
@@ -138,14 +171,20 @@ def _check_layout(stored: dict, diffusers: dict, fp8: set[str], path: Path) -> N
         )
 
 
-def _fp8_modules(plan: dict[tuple, list[str]], fp8: frozenset[str], prefix: str) -> set[tuple]:
-    """Paths of the Linear modules whose weights are FP8 in every layer of their stack."""
-    modules = set()
-    for path, keys in plan.items():
-        layers = {prefix + bfl.bfl_key(key).key.removesuffix(".weight") for key in keys}
-        if path[-1] == "kernel" and layers <= fp8:
-            modules.add(path[:-1])
-    return modules
+def _modules_in(plan: dict[tuple, list[str]], prefix: str, test) -> set[tuple]:
+    """Paths of the Linear modules whose stored layer passes `test` in every layer of their stack."""
+    return {
+        path[:-1]
+        for path, layers in _stored_layers(plan, prefix).items()
+        if path[-1] == "kernel" and all(test(layer) for layer in layers)
+    }
+
+
+def _stored_layers(plan: dict[tuple, list[str]], prefix: str) -> dict[tuple, set[str]]:
+    return {
+        path: {prefix + bfl.bfl_key(key).key.removesuffix(".weight") for key in keys}
+        for path, keys in plan.items()
+    }
 
 
 def _input_scaled(plan: dict[tuple, list[str]], kept: set[tuple], prefix: str, keys: set[str]) -> set[tuple]:
@@ -158,10 +197,32 @@ def _input_scaled(plan: dict[tuple, list[str]], kept: set[tuple], prefix: str, k
     return scaled
 
 
-def _piece(key: str, prefix: str, fp8: frozenset[str], raw: set[str]):
-    """How to read diffusers key `key`; FP8 weights not kept as FP8 (in `raw`) are dequantised."""
-    if key.endswith((".weight_scale", ".input_scale")):
-        return Scalar(prefix + bfl.bfl_key(key).key)
-    piece = bfl.piece(key, prefix)
-    layer = piece.key.removesuffix(".weight")
-    return Dequantized(piece, f"{layer}.weight_scale") if layer in fp8 and key not in raw else piece
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    """How to read each diffusers key from a file's BFL tensors: `fp8` / `nvfp4` are its stored layers in
+    those formats; weights of `raw` keys are read FP8 as shipped, those of `blocks` as quantisation
+    blocks (a GGUF file's if `gguf`); other quantised weights are dequantised."""
+
+    prefix: str
+    fp8: frozenset
+    nvfp4: frozenset
+    raw: set
+    blocks: set
+    gguf: bool
+
+    def piece(self, key: str):
+        if key.endswith(".input_scale"):
+            return Scalar(self.prefix + bfl.bfl_key(key).key)
+        if key.endswith(".weight_scale"):
+            stored = self.prefix + bfl.bfl_key(key).key
+            layer = stored.removesuffix(".weight_scale")
+            return Scalar(f"{layer}.{nvfp4_file.TENSOR_SCALE}" if layer in self.nvfp4 else stored)
+        piece = bfl.piece(key, self.prefix)
+        layer = piece.key.removesuffix(".weight")
+        if key in self.blocks:
+            return Viewed(piece, operator.attrgetter("blocks") if self.gguf else nvfp4_file.Blocks)
+        if layer in self.nvfp4:
+            return Viewed(piece, nvfp4_file.Values)
+        if layer in self.fp8 and key not in self.raw:
+            return Dequantized(piece, f"{layer}.weight_scale")
+        return piece

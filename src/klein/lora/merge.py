@@ -6,7 +6,9 @@ layer. The sum is formed in float32 and cast to the kernel's compute dtype once,
 rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
 touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
 A kernel stored for 8-bit products is float[L?, O, I] (`klein.models.layers.Linear`'s `weight`) and is
-merged in that layout.
+merged in that layout. A kernel kept as a file's quantisation blocks (GGUF, NVFP4: uint8[L?, O, bytes]) is
+widened like an FP8 one, whole stack, to float[L?, O, I] in the compute dtype: a LoRA costs such a stack
+its compression until the LoRAs are taken out again.
 A merged kernel lives where the original did: a stack the residency policy `stream` keeps in host memory
 is merged there, one layer at a time through the device, and never comes to the device whole.
 
@@ -26,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from klein.lora.targets import Update
+from klein.models import products
 from klein.models.stacks import as_bits, as_float
 
 Weighted = tuple[Update, float]
@@ -33,11 +36,17 @@ Weighted = tuple[Update, float]
 
 
 def merge_kernel(
-    kernel: np.ndarray, weight_scale, updates: list[Weighted], dtype, sharding=None, out_in: bool = False
+    kernel: np.ndarray,
+    weight_scale,
+    updates: list[Weighted],
+    dtype,
+    sharding=None,
+    out_in: bool = False,
+    blocks: str | None = None,
 ) -> jax.Array:
     """kernel float[L?, I, O] ([L?, O, I] if `out_in`; 8-bit with weight_scale float32[L?] or [L?, O], else
-    weight_scale None) plus the updates, in `dtype`, placed with `sharding`; a stack in its stored form
-    (`klein.models.stacks.as_bits`).
+    weight_scale None; rows of quantisation blocks of format `blocks` [L?, O, bytes]) plus the updates, in
+    `dtype`, placed with `sharding`; a stack in its stored form (`klein.models.stacks.as_bits`).
 
     A stack is merged layer by layer: each layer the updates touch is formed on the device by one program
     (`_merged`), wherever its stack lives, so the device holds at most one layer in float32 besides the
@@ -45,30 +54,32 @@ def merge_kernel(
     the device does. A device stack is updated in place; a host-memory stack is assembled on the host from
     those layers and placed once, so no more than one of its layers is ever on the device."""
     scales = np.ones(kernel.shape[:-2], np.float32) if weight_scale is None else weight_scale
+    shape = (
+        kernel.shape
+        if blocks is None
+        else (*kernel.shape[:-1], products.unpacked_width(blocks, kernel.shape[-1]))
+    )
     if kernel.ndim == 2:
-        return jax.device_put(
-            _merged(kernel, scales, *_low_rank(updates, kernel.shape, out_in), dtype=dtype, out_in=out_in),
-            sharding,
-        )
-    if weight_scale is None:  # the layers no update touches stay as they are
+        down, up = _low_rank(updates, shape, out_in)
+        return jax.device_put(_merged(kernel, scales, down, up, dtype, out_in, blocks), sharding)
+    if weight_scale is None and blocks is None:  # the layers no update touches stay as they are
         start, touched = kernel, sorted({update.layer for update, _ in updates})
-    else:  # FP8: every layer of the stack is widened
-        start, touched = np.zeros(kernel.shape, dtype), range(len(kernel))
+    else:  # FP8 or blocks: every layer of the stack is widened
+        start, touched = np.zeros(shape, dtype), range(len(kernel))
+
+    def merged(layer: int) -> jax.Array:
+        down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], shape[1:], out_in)
+        return _merged(kernel[layer], scales[layer], down, up, dtype, out_in, blocks)
+
     if sharding is not None and sharding.memory_kind == "pinned_host":
         out = np.array(start) if start is kernel else start  # the kept original is not written to
         for layer in touched:
-            out[layer] = jax.device_get(_merged_layer(kernel, scales, updates, layer, dtype, out_in))
+            out[layer] = jax.device_get(merged(layer))
         return jax.device_put(as_bits(out), sharding)
     out = jax.device_put(as_bits(start), sharding)
     for layer in touched:
-        out = _set_layer(out, layer, _merged_layer(kernel, scales, updates, layer, dtype, out_in))
+        out = _set_layer(out, layer, merged(layer))
     return out
-
-
-def _merged_layer(stack: np.ndarray, scales, updates: list[Weighted], layer: int, dtype, out_in) -> jax.Array:
-    """Layer `layer` of `stack` with the updates to it merged, in `dtype`, on the device."""
-    down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], stack.shape[1:], out_in)
-    return _merged(stack[layer], scales[layer], down, up, dtype=dtype, out_in=out_in)
 
 
 def _low_rank(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -80,8 +91,12 @@ def _low_rank(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> 
     return np.concatenate(downs), np.concatenate(ups, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "out_in"))
-def _merged(kernel, scale, down, up, dtype, out_in):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _merged(kernel, scale, down, up, dtype, out_in, blocks):
+    """One kernel (or layer) widened to float32 (from its blocks if `blocks` names their format), times
+    its scale, plus `up @ down`, in `dtype`."""
+    if blocks is not None:
+        kernel = products.unpacked(kernel, blocks)
     if out_in:  # scale [O] multiplies rows
         delta = jnp.matmul(up, down, precision=jax.lax.Precision.HIGHEST)
         scale = scale[:, None] if scale.ndim else scale
@@ -103,9 +118,12 @@ class MergedWeights:
     there up to three times while it is merged (the value it replaces, the merged one formed in NumPy, its
     placed copy), and one layer of it on the device."""
 
-    def __init__(self, weights, dtype):
+    def __init__(self, weights, dtype, blocks=dict):
+        """`weights()`: the state; `blocks()`: the paths of its kernels kept as quantisation blocks, with
+        their formats (`klein.models.layers.block_formats`)."""
         self._weights = weights
         self._dtype = dtype
+        self._blocks = blocks
         self._base: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
         self._updates: list[Weighted] = []
 
@@ -131,23 +149,27 @@ class MergedWeights:
         flat = dict(nnx.to_flat_state(self.state))
         for update, strength in updates:
             by_path[_stored_path(flat, update.path)].append((update, strength))
+        blocks = self._blocks() if by_path else {}
         for path in sorted(set(self._base) | set(by_path)):
-            self._keep_base(flat, path)
+            self._keep_base(flat, path, path in blocks)
             kernel, scale = self._base[path]
             if path in by_path:
-                dtype = self._dtype if scale is not None else kernel.dtype
+                dtype = self._dtype if scale is not None or path in blocks else kernel.dtype
                 sharding = flat[path].get_value().sharding
-                merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding, path[-1] == "weight")
+                out_in = path[-1] == "weight"
+                merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding, out_in, blocks.get(path))
                 _set(flat, path, merged, None if scale is None else np.ones_like(scale))
             else:
                 _set(flat, path, kernel, scale)
                 del self._base[path]  # back to the original: nothing left to keep
 
-    def _keep_base(self, flat, path: tuple) -> None:
+    def _keep_base(self, flat, path: tuple, as_blocks: bool) -> None:
+        """Keep the original of kernel `path` (quantisation blocks as their bytes) and of its scale."""
         if path not in self._base:
             scale = flat.get(_scale_path(path))
+            kernel = np.asarray(jax.device_get(flat[path].get_value()))
             self._base[path] = (
-                as_float(np.asarray(jax.device_get(flat[path].get_value()))),
+                kernel if as_blocks else as_float(kernel),
                 None if scale is None else np.asarray(jax.device_get(scale.get_value())),
             )
 

@@ -12,7 +12,6 @@ weight; the module's kernel (or weight) is counted at that rate and its scales w
 from __future__ import annotations
 
 import math
-import re
 from fractions import Fraction
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from flax import nnx
 
 from klein.errors import InputError
 from klein.io import bfl_transformer_keys as bfl
+from klein.io.block_forms import uniform_blocks
 from klein.io.safetensors import TensorSource
 from klein.io.transformer_checkpoint import key_map
 
@@ -105,8 +105,10 @@ def transformer_file(path: Path, abstract: nnx.Module) -> dict[tuple, Fraction]:
 
 
 def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tuple, Fraction]:
-    """Bytes per weight of the text encoder's Linears and embedding that a Qwen3 GGUF in llama.cpp's names
-    keeps quantized (the first `layers` decoder layers: those the prompt embedding runs)."""
+    """Bytes per weight of the text encoder's Linears that a Qwen3 GGUF in llama.cpp's names keeps quantized
+    (of the first `layers` decoder layers: those the prompt embedding runs), by the loader's rule
+    (`klein.io.block_forms`: one ggml type in every layer of a stack); the token embedding is widened at
+    load, so the model counts it in the dtype as it does a mixed stack."""
     if path.suffix.lower() != ".gguf":
         return {}
     tensors = _gguf_tensors(path)
@@ -120,21 +122,17 @@ def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tup
             f"{needed[0]} x {needed[1]}: a text encoder of another size (klein-4b takes Qwen3-4B, "
             f"klein-9b Qwen3-8B)"
         )
-    stored: dict[tuple, list] = {}
-    for name, (size, kind, _) in tensors.items():
-        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-        if kind in _FLOATS:
-            continue
-        if name == "token_embd.weight":
-            module = EMBEDDING
-        elif match and int(match[1]) < layers and match[2] in QWEN3_GGUF:
-            module = ("model", "layers", *QWEN3_GGUF[match[2]])
-        else:
-            continue
-        total = stored.setdefault(module, [0, 0])
-        total[0] += size
-        total[1] += _per_layer(shapes[module])
-    return {module: Fraction(bytes_) / count for module, (bytes_, count) in stored.items()}
+    names = {
+        ("model", "layers", *module, "kernel"): [f"blk.{index}.{name}" for index in range(layers)]
+        for name, module in QWEN3_GGUF.items()
+    }
+    formats = {name.removesuffix(".weight"): kind for name, (_, kind, _) in tensors.items()}
+    kept = uniform_blocks({path: set(layer_names) for path, layer_names in names.items()}, formats)
+    return {
+        module: Fraction(sum(tensors[f"{name}.weight"][0] for name in names[(*module, "kernel")]))
+        / (layers * _per_layer(shapes[module]))
+        for module in kept
+    }
 
 
 def _file_sizes(path: Path) -> tuple[dict[str, int], str]:

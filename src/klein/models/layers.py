@@ -26,6 +26,8 @@ class Linear(nnx.Module):
     hands its stored arrays to `products.product`. A kernel for 8-bit products is stored [out, in] as
     `weight` (PyTorch's name and layout, read without a transpose), `kernel` then None: an 8-bit GEMM
     wants its weight's contracting axis innermost (docs/design.md, "8-bit products on the card").
+    A kernel kept in a file's quantisation blocks (GGUF, NVFP4) is `weight` too: rows of blocks
+    uint8[out, bytes], `blocks` naming their format, widened inside the product.
     """
 
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
@@ -38,6 +40,7 @@ class Linear(nnx.Module):
         self.adapter_up: adapters.Factor | None = nnx.data(None)
         self.dtype = dtype
         self.compute = products.BF16
+        self.blocks: str | None = None  # the format of a kernel stored as quantisation blocks
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self._product(x, slice(None), self._scale())
@@ -56,21 +59,30 @@ class Linear(nnx.Module):
         low_rank = None
         if self.adapter_down is not None:
             low_rank = adapters.term(x, self.adapter_down[...], self.adapter_up[..., outputs])
-        return products.product(x, kernel, scale, self.compute, self.dtype, given, out_in, low_rank)
+        return products.product(
+            x, kernel, scale, self.compute, self.dtype, given, out_in, low_rank=low_rank, blocks=self.blocks
+        )
 
     def _scale(self):
         return None if self.weight_scale is None else self.weight_scale[...]
 
     def store(self, form: Stored) -> None:
         """Switch storage to `form`'s 8-bit kernel and float32 scale (one per leading layer index, and per
-        output channel if the form says so); [out, in] as `weight` for an 8-bit product."""
+        output channel if the form says so); [out, in] as `weight` for an 8-bit product, and rows of
+        quantisation blocks [out, bytes] (a per-tensor scale for NVFP4 only) for a block format."""
         shape = self.kernel[...].shape
-        if form.compute in products.EIGHT_BIT:
+        if form.blocks is not None:
+            rows = (shape[-1], products.packed_width(form.blocks, shape[-2]))
+            self.weight = nnx.Param(jnp.zeros(shape[:-2] + rows, jnp.uint8))
+            self.kernel = nnx.data(None)
+            self.blocks = form.blocks
+        elif form.compute in products.EIGHT_BIT:
             self.weight = nnx.Param(jnp.zeros(shape[:-2] + shape[:-3:-1], form.kernel))
             self.kernel = nnx.data(None)
         else:
             self.kernel = nnx.Param(jnp.zeros(shape, form.kernel))
-        self.weight_scale = nnx.Param(jnp.ones(shape[:-2] + shape[-1:] * form.per_channel, jnp.float32))
+        if form.blocks in (None, products.NVFP4):  # GGUF blocks carry all their scales
+            self.weight_scale = nnx.Param(jnp.ones(shape[:-2] + shape[-1:] * form.per_channel, jnp.float32))
         if form.input_scale:
             self.input_scale = nnx.Param(jnp.ones(shape[:-2], jnp.float32))
         self.compute = form.compute
@@ -80,16 +92,24 @@ class Linear(nnx.Module):
 class Stored:
     """A Linear's stored form: its 8-bit kernel dtype, a scale per output channel (else per tensor), how
     its product is made (`klein.models.products.COMPUTES`), and whether a per-tensor activation scale is
-    stored (an FP8 file's `input_scale`) for an 8-bit product."""
+    stored (an FP8 file's `input_scale`) for an 8-bit product; or the block format (`products.BLOCKS`)
+    of a kernel kept as a file's quantisation blocks."""
 
     kernel: type
     per_channel: bool
     compute: str
     input_scale: bool = False
+    blocks: str | None = None
 
 
 SHIPPED_FP8 = Stored(jnp.float8_e4m3fn, per_channel=False, compute=products.BF16)
 """BFL's FP8 files as they come: per-tensor scales, widened inside a bf16 product."""
+
+
+def packed(blocks: str) -> Stored:
+    """A kernel kept in a file's quantisation blocks of format `blocks` (a ggml type, or NVFP4), widened
+    to the compute dtype inside each product."""
+    return Stored(jnp.uint8, per_channel=False, compute=products.BF16, blocks=blocks)
 
 
 def quantised(compute: str) -> Stored:
@@ -116,6 +136,16 @@ def store(model: nnx.Module, forms: Mapping[tuple, Stored]) -> nnx.Module:
     for path, form in forms.items():
         found[path].store(form)
     return model
+
+
+def block_formats(model: nnx.Module) -> dict[tuple, str]:
+    """The state paths of `model`'s kernels kept as quantisation blocks (`Linear.weight`), with their
+    formats."""
+    return {
+        (*path, "weight"): module.blocks
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, Linear) and module.blocks is not None
+    }
 
 
 def layer_norm(x: jnp.ndarray, eps: float) -> jnp.ndarray:

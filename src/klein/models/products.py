@@ -14,6 +14,10 @@ per output channel (quantised at load, shape [out]). `compute` says how the prod
   XLA:CPU has no float8 product and widens its operands inside the program (it still runs: tests check
   the path everywhere); int8 it multiplies natively.
 
+A kernel may instead be kept as a file's quantisation blocks (`blocks`: GGUF's ggml types,
+`klein.models.gguf_blocks`; NVFP4, `klein.models.nvfp4`), rows of bytes [out, bytes] widened to float32
+here, one layer at a time inside the scanned layer loop, then multiplied as a bf16-compute kernel is.
+
 Products in the compute dtype are accumulated in float32 and rounded once to the inputs' precision, as
 torch does.
 
@@ -38,19 +42,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein import sharding
+from klein.models import gguf_blocks, nvfp4
 
 BF16, FP8, INT8 = "bf16", "fp8", "int8"
 COMPUTES = (BF16, FP8, INT8)
 # 8-bit compute -> (operand dtype, largest value quantised to, accumulator dtype)
 EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
+NVFP4 = "nvfp4"
+# Block formats a kernel may be stored in ([out, in / values * bytes] uint8, widened inside the product):
+# GGUF's ggml types, and NVFP4 (whose per-tensor scale is the Linear's `weight_scale`).
+BLOCKS = (*gguf_blocks.TYPES, NVFP4)
 
 
-def product(x, kernel, scale, compute: str, dtype, input_scale=None, out_in: bool = False, low_rank=None):
+def product(
+    x, kernel, scale, compute: str, dtype, input_scale=None, out_in: bool = False, low_rank=None, blocks=None
+):
     """`x @ (kernel * scale)` float[..., out] in `dtype`: x float[..., in], kernel [in, out] as stored
     ([out, in] if `out_in`: an 8-bit GEMM's layout, see the module docstring), scale None, float32[] or
     float32[out]; `input_scale` float32[]: the file's activation scale for an FP8 product, instead of one
     per token computed as the activations come; `low_rank` float32[..., out]: an unmerged LoRA's term
-    (`klein.models.adapters.term`), added in float32 before the one rounding."""
+    (`klein.models.adapters.term`), added in float32 before the one rounding. `blocks` (one of `BLOCKS`):
+    the kernel is rows of quantisation blocks, [out, bytes], widened to float32 here, so only the layer
+    being run exists wide."""
+    if blocks is not None and jnp.dtype(kernel.dtype).itemsize == 1:  # a merged LoRA widened it already
+        kernel = unpacked(kernel, blocks)
     dims = (((x.ndim - 1,), (1 if out_in else 0,)), ((), ()))
     extra = 0 if low_rank is None else low_rank
     if compute not in EIGHT_BIT:
@@ -71,6 +86,23 @@ def product(x, kernel, scale, compute: str, dtype, input_scale=None, out_in: boo
         values, tokens = in_8_bits(x, input_scale, compute), input_scale
     total = jax.lax.dot_general(values, kernel, dims, preferred_element_type=accumulator)
     return (total.astype(jnp.float32) * tokens * scale + extra).astype(dtype)
+
+
+def unpacked(raw, blocks: str):
+    """float32[..., out, in] of rows of quantisation blocks `raw` [..., out, bytes] of format `blocks`."""
+    return nvfp4.dequantise(raw) if blocks == NVFP4 else gguf_blocks.dequantise(raw, blocks)
+
+
+def packed_width(blocks: str, columns: int) -> int:
+    """Bytes of a row of `columns` values in block format `blocks`."""
+    values, size = (nvfp4.BLOCK, nvfp4.BLOCK_BYTES) if blocks == NVFP4 else gguf_blocks.sizes(blocks)
+    return columns // values * size
+
+
+def unpacked_width(blocks: str, width: int) -> int:
+    """Values in a row of `width` bytes in block format `blocks`."""
+    values, size = (nvfp4.BLOCK, nvfp4.BLOCK_BYTES) if blocks == NVFP4 else gguf_blocks.sizes(blocks)
+    return width // size * values
 
 
 def quantise(values, compute: str, axis: int):

@@ -118,11 +118,14 @@ def load_transformer_part(
 
 
 def load_text_encoder_part(
-    located: Located, dtype, mesh=None, host: tuple[str, ...] = ()
+    located: Located, dtype, dequantize=False, mesh=None, host: tuple[str, ...] = ()
 ) -> Qwen3TextEncoder:
+    """`dequantize`: a GGUF file's quantised Linears widened to `dtype` at load, not kept as blocks."""
     path = located.text_encoder
-    load = load_text_encoder_gguf if path.is_file() else load_text_encoder
-    return load(path, dtype, place=sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS, host))
+    place = sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS, host)
+    if path.is_file():
+        return load_text_encoder_gguf(path, dtype, place=place, dequantize=dequantize)
+    return load_text_encoder(path, dtype, place=place)
 
 
 def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:

@@ -36,7 +36,7 @@ from klein.lora.registry import named_files
 from klein.lora.slots import AdapterSlots
 from klein.memory import admission, plan
 from klein.memory import residency as residency_policy
-from klein.models import adapters, products, qwen3
+from klein.models import adapters, layers, products, qwen3
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import cache_keys, compilation_cache, components, denoise, warmup
@@ -164,7 +164,9 @@ class Flux2KleinPipeline:
             for guided in (False, True)
         }
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
-        self._weights = MergedWeights(lambda: transformer()[1], dtype)
+        self._weights = MergedWeights(
+            lambda: transformer()[1], dtype, lambda: layers.block_formats(nnx.merge(*transformer()))
+        )
         models[residency_policy.TRANSFORMER].loaded = lambda state: self._weights.merge_again()
         self.loras: tuple[LoraInfo, ...] = ()
         """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
@@ -694,10 +696,10 @@ def load_pipeline(
     warm: bool | Sequence[warmup.Shape] = False,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
-    nothing is named); or from parts: `transformer` a BFL / FP8 / GGUF file or a folder, `vae` a folder or
+    nothing is named); or from parts: `transformer` a BFL / FP8 / NVFP4 / GGUF file or a folder, `vae` a folder or
     `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.pipeline.components`).
-    `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8 weights
-    to `dtype` at load instead of keeping them FP8. `loras` are merged into the transformer (see
+    `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8, NVFP4
+    and GGUF weights to `dtype` at load instead of keeping them quantised. `loras` are merged into the transformer (see
     `Flux2KleinPipeline.set_loras`: each a path or repo id, `"path:scale"` or `(path, scale)`).
 
     dtype: "float32" or "bfloat16"; None (the default) computes in the precision the checkpoint stores
@@ -752,8 +754,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
     compute = compute_of(options.compute, _local_devices(device_mesh)[0])
-    # A GGUF or NVFP4 transformer keeps its Linears quantized (unless dequantised): counted at its bytes.
-    # A GGUF text encoder is still widened at load, so it counts in the dtype.
+    # GGUF / NVFP4 files keep their Linears quantized (unless dequantised): counted at their bytes.
     stored = plan.Models(
         located.config,
         located.text_config,
@@ -761,7 +762,8 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         located.variant,
         located.fp8 and not dequantize,
     )
-    stored = plan.with_files(stored, None if dequantize else located.transformer)
+    if not dequantize:
+        stored = plan.with_files(stored, located.transformer, located.text_encoder)
     sizes = plan.model_bytes(
         located.config,
         located.text_config,
@@ -786,7 +788,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         ),
         residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
         residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
-            located, jdtype, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
+            located, jdtype, dequantize, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
         ),
     }
     first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now

@@ -72,7 +72,8 @@ class LoadOptions:
         "variant of a --transformer file whose name does not say, e.g. klein-9b-kv", kinds.TEXT
     )
     dequantize: bool = setting(
-        "FP8 transformer files: widen the weights to --dtype at load instead of keeping them FP8",
+        "FP8, NVFP4 and GGUF transformer files and GGUF text encoders: widen the weights to --dtype at load "
+        "instead of keeping them quantised",
         kinds.BOOL,
         default=False,
     )

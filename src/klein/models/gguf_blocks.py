@@ -1,0 +1,172 @@
+"""GGUF (ggml) quantisation blocks widened to float32 in JAX: the weights of a GGUF file kept as they are
+stored and dequantised one layer at a time inside the compiled program (docs/design.md, "How a stored
+layer becomes a product").
+
+A quantised row of `n` values is `n / block_size` blocks of `type_size` bytes each, one after the other
+(`gguf.GGML_QUANT_SIZES`); a block holds its scales (float16, or 6-bit / 8-bit sub-block scales under a
+float16 super-scale for the K-quants) beside its 2- to 8-bit values. Each function below takes blocks
+uint8[..., type_size] and returns their values float32[..., block_size] with the same float32 operations
+in the same order as `gguf.quants.dequantize` (llama.cpp's definition), so that the two agree to the bit:
+only the layout of the arithmetic differs (JAX shifts and masks instead of NumPy's).
+
+Multi-byte fields are little-endian, as GGUF stores them; `jax.lax.bitcast_convert_type` reads them in the
+machine's order, little-endian on every backend JAX runs on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QK_K = 256  # values per K-quant super-block
+
+
+def dequantise(raw, ggml_type: str):
+    """float32[..., rows, columns] of `raw` uint8[..., rows, bytes] (each row whole blocks of `ggml_type`,
+    named as `gguf.GGMLQuantizationType`). Any 8-bit array is read as its bytes: a stack slices its layers
+    as float8 (`klein.models.stacks`)."""
+    if raw.dtype != jnp.uint8:
+        raw = jax.lax.bitcast_convert_type(raw, jnp.uint8)
+    block_size, type_size, widen = _TYPES[ggml_type]
+    *lead, width = raw.shape
+    values = widen(raw.reshape(*lead, width // type_size, type_size))
+    return values.reshape(*lead, width // type_size * block_size)
+
+
+def sizes(ggml_type: str) -> tuple[int, int]:
+    """(values, bytes) of one block of `ggml_type`."""
+    return _TYPES[ggml_type][:2]
+
+
+def _f16(pair):
+    """float32 of little-endian float16 bytes uint8[..., 2]."""
+    return jax.lax.bitcast_convert_type(pair, jnp.float16).astype(jnp.float32)
+
+
+def _u32(quad):
+    return jax.lax.bitcast_convert_type(quad, jnp.uint32)
+
+
+def _shifted(bytes_, shifts, width: int):
+    """`bytes_` uint8[..., n] shifted right by each of `shifts` into [..., len(shifts), n], masked to `width`
+    bits: the values packed `width` bits apart, one group of n per shift."""
+    shifted = bytes_[..., None, :] >> jnp.asarray(shifts, jnp.uint8)[:, None]
+    return shifted & jnp.uint8((1 << width) - 1)
+
+
+def _nibbles(qs):
+    """Low nibbles of each byte, then high ones: [..., 2n] from qs uint8[..., n]."""
+    return _shifted(qs, (0, 4), 4).reshape(*qs.shape[:-1], 2 * qs.shape[-1])
+
+
+def _q8_0(b):
+    return (
+        jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) * _f16(b[..., :2])[..., None]
+    )
+
+
+def _q4_0(b):
+    q = (_nibbles(b[..., 2:]).astype(jnp.int8) - jnp.int8(8)).astype(jnp.float32)
+    return _f16(b[..., :2])[..., None] * q
+
+
+def _q4_1(b):
+    q = _nibbles(b[..., 4:]).astype(jnp.float32)
+    return _f16(b[..., :2])[..., None] * q + _f16(b[..., 2:4])[..., None]
+
+
+def _five_bit(qh, qs):
+    """The 32 5-bit values of a Q5_0 / Q5_1 block: low nibbles from qs, the fifth bits from qh (bit i of
+    the little-endian uint32 for value i)."""
+    high = (_u32(qh)[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+    return _nibbles(qs) | (high.astype(jnp.uint8) << jnp.uint8(4))
+
+
+def _q5_0(b):
+    q = (_five_bit(b[..., 2:6], b[..., 6:]).astype(jnp.int8) - jnp.int8(16)).astype(jnp.float32)
+    return _f16(b[..., :2])[..., None] * q
+
+
+def _q5_1(b):
+    q = _five_bit(b[..., 4:8], b[..., 8:]).astype(jnp.float32)
+    return _f16(b[..., :2])[..., None] * q + _f16(b[..., 2:4])[..., None]
+
+
+def _q2_k(b):
+    lead = b.shape[:-1]
+    scales, qs = b[..., :16], b[..., 16:80]
+    d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+    dl = (d * (scales & jnp.uint8(0xF)).astype(jnp.float32))[..., None]
+    ml = (dmin * (scales >> jnp.uint8(4)).astype(jnp.float32))[..., None]
+    q = _shifted(qs.reshape(*lead, 2, 32), (0, 2, 4, 6), 2).reshape(*lead, 16, 16).astype(jnp.float32)
+    return (dl * q - ml).reshape(*lead, QK_K)
+
+
+def _q3_k(b):
+    lead = b.shape[:-1]
+    hmask, qs, packed, d = b[..., :32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])[..., None]
+    low = _shifted(packed[..., :8], (0, 4), 4).reshape(*lead, 16)
+    high = _shifted(packed[..., 8:], (0, 2, 4, 6), 2).reshape(*lead, 16)
+    scales = ((low | (high << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)).astype(jnp.float32)
+    dl = (d * scales)[..., None]
+    ql = _shifted(qs.reshape(*lead, 2, 32), (0, 2, 4, 6), 2).reshape(*lead, 16, 16)
+    # A set bit of hmask means no offset; a clear one subtracts 4.
+    qh = _shifted(hmask, tuple(range(8)), 1).reshape(*lead, 16, 16) ^ jnp.uint8(1)
+    q = (ql.astype(jnp.int8) - (qh << jnp.uint8(2)).astype(jnp.int8)).astype(jnp.float32)
+    return (dl * q).reshape(*lead, QK_K)
+
+
+def _scale_min(packed):
+    """The 8 6-bit scales and 8 6-bit minimums of a Q4_K / Q5_K super-block, from their 12 bytes."""
+    d, m, md = packed[..., :4], packed[..., 4:8], packed[..., 8:12]
+    six = jnp.uint8(0x3F)
+    scale = jnp.concatenate([d & six, (md & jnp.uint8(0xF)) | ((d >> jnp.uint8(2)) & jnp.uint8(0x30))], -1)
+    least = jnp.concatenate([m & six, (md >> jnp.uint8(4)) | ((m >> jnp.uint8(2)) & jnp.uint8(0x30))], -1)
+    return scale.astype(jnp.float32), least.astype(jnp.float32)
+
+
+def _k_scaled(b, q):
+    """`d * scale * q - dmin * min` over the 8 sub-blocks of 32 of a Q4_K / Q5_K super-block."""
+    scale, least = _scale_min(b[..., 4:16])
+    d = (_f16(b[..., :2])[..., None] * scale)[..., None]
+    dm = (_f16(b[..., 2:4])[..., None] * least)[..., None]
+    return (d * q - dm).reshape(*b.shape[:-1], QK_K)
+
+
+def _q4_k(b):
+    lead = b.shape[:-1]
+    q = _shifted(b[..., 16:].reshape(*lead, 4, 32), (0, 4), 4).reshape(*lead, 8, 32)
+    return _k_scaled(b, q.astype(jnp.float32))
+
+
+def _q5_k(b):
+    lead = b.shape[:-1]
+    ql = _shifted(b[..., 48:].reshape(*lead, 4, 32), (0, 4), 4).reshape(*lead, 8, 32)
+    qh = _shifted(b[..., 16:48], tuple(range(8)), 1).reshape(*lead, 8, 32)
+    return _k_scaled(b, (ql | (qh << jnp.uint8(4))).astype(jnp.float32))
+
+
+def _q6_k(b):
+    lead = b.shape[:-1]
+    ql = _shifted(b[..., :128].reshape(*lead, 2, 64), (0, 4), 4).reshape(*lead, 8, 32)
+    qh = _shifted(b[..., 128:192].reshape(*lead, 2, 32), (0, 2, 4, 6), 2).reshape(*lead, 8, 32)
+    scales = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+    d = (_f16(b[..., 208:210])[..., None] * scales)[..., None]
+    q = ((ql | (qh << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)).reshape(*lead, 16, 16)
+    return (d * q.astype(jnp.float32)).reshape(*lead, QK_K)
+
+
+# ggml type name -> (values per block, bytes per block, the block's values)
+_TYPES = {
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1),
+    "Q2_K": (QK_K, 84, _q2_k),
+    "Q3_K": (QK_K, 110, _q3_k),
+    "Q4_K": (QK_K, 144, _q4_k),
+    "Q5_K": (QK_K, 176, _q5_k),
+    "Q6_K": (QK_K, 210, _q6_k),
+}
+TYPES = tuple(_TYPES)
