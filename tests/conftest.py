@@ -54,6 +54,23 @@ def tiny_pipelines(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def pipes(tiny_pipelines):
+    """Build-once per test module: klein's pipeline of a `tiny_pipelines` kind, progress bars off. Per
+    module, not per session: tests change a pipeline's state (LoRAs, caches)."""
+    from klein.pipeline.flux2_klein import load_pipeline
+
+    loaded = {}
+
+    def get(kind):
+        if kind not in loaded:
+            loaded[kind] = load_pipeline(tiny_pipelines(kind)[0])
+            loaded[kind].set_progress_bar_config(disable=True)
+        return loaded[kind]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def klein_home(tmp_path_factory):
     """A KLEIN_HOME holding the demo checkpoint, written once here rather than raced for by subprocesses."""

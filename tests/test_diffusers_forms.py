@@ -15,19 +15,6 @@ from tests.support.pictures import picture
 FAST = dict(height=32, width=32, num_inference_steps=2)
 
 
-@pytest.fixture(scope="module")
-def pipes(tiny_pipelines):
-    loaded = {}
-
-    def get(kind):
-        if kind not in loaded:
-            loaded[kind] = load_pipeline(tiny_pipelines(kind)[0])
-            loaded[kind].set_progress_bar_config(disable=True)
-        return loaded[kind]
-
-    return get
-
-
 @pytest.mark.parametrize(
     "kind, extra",
     [

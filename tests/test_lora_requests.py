@@ -14,7 +14,7 @@ from klein.errors import CannotFitError, InputError
 from klein.lora.slots import AdapterSlots
 from klein.memory import plan
 from klein.pipeline.compilations import Compilations
-from klein.pipeline.flux2_klein import _estimates, load_pipeline
+from klein.pipeline.flux2_klein import _estimates
 from klein.request.loras import LoraUse
 from klein.request.request import GenerationRequest
 from tests.support import lora_files as lf
@@ -24,18 +24,6 @@ from tests.support.pictures import picture
 PARITY = 1e-4
 LATENTS = np.random.default_rng(0).standard_normal((4, 128, 3, 4)).astype(np.float32)
 T2I = dict(height=48, width=64, num_inference_steps=2, output_type="np")
-
-
-@pytest.fixture(scope="module")
-def pipes(tiny_pipelines):
-    loaded = {}
-
-    def get(kind):
-        if kind not in loaded:
-            loaded[kind] = load_pipeline(tiny_pipelines(kind)[0])
-        return loaded[kind]
-
-    return get
 
 
 def _onetrainer(path, lora):
