@@ -322,6 +322,7 @@ def test_limits_and_defaults_come_from_the_server(tab):
     expect(page.locator("#width")).to_have_attribute("step", str(config["size_multiple"]))
     expect(page.locator("#size option", has_text="1024 × 1024")).to_be_disabled()
     expect(page.locator("#size option", has_text="1280 × 720")).to_be_enabled()
+    expect(page.locator("#loras-panel")).to_be_hidden()  # this server offers no LoRAs: no picker
 
     # A custom size is checked against the same limits before anything is sent.
     page.fill("#prompt", "a wide field")

@@ -26,6 +26,7 @@ ASSETS = {
     "settings.js": JS,
     "storage.js": JS,
     "mask.js": JS,
+    "loras.js": JS,
 }
 # The files change with the installed version only; revalidating keeps an upgraded server's page fresh.
 HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}

@@ -1,11 +1,12 @@
 // klein's editing page: references, prompt and settings on the left; live progress, results and their
 // history on the right. It speaks only to the server that served it, through the HTTP API
-// (/v1/config, /v1/references, /v1/jobs and the job's events; /v1/images/edits for a repaint), and
+// (/v1/config, /v1/loras, /v1/references, /v1/jobs and the job's events; /v1/images/edits for a repaint), and
 // keeps its results, references and mask in the browser across a reload. This module runs one edit end
 // to end and wires the page together; each part lives in its own module.
 import { $, formatSeconds } from "./dom.js";
 import { ServerError, followJob, getJSON, onRetry, postForm, postJSON } from "./api.js";
 import { InputProblem, clearError, showFailure } from "./errors.js";
+import { loadLoras } from "./loras.js";
 import * as mask from "./mask.js";
 import * as progress from "./progress.js";
 import * as references from "./references.js";
@@ -38,6 +39,7 @@ async function loadConfig() {
     settings.applyLimits(config);
     references.setLimits(config);
     progress.knowServer(config);
+    await loadLoras();
     progress.setStatus(config.warming ? WARMING : "");
     connected = true;
     showButton();
@@ -95,11 +97,12 @@ async function submitJob(body) {
 }
 
 // A repaint's {result, upload}: POST /v1/images/edits with the references as image files (the first is
-// the source) and the mask, if one is painted, as OpenAI's mask file; the settings as form fields.
+// the source) and the mask, if one is painted, as OpenAI's mask file; the settings as form fields (the
+// LoRAs as JSON text, as the server reads that field).
 async function submitRepaint(body, painted) {
   const refs = references.current();
   const form = new FormData();
-  for (const [name, value] of Object.entries(body)) form.append(name, String(value));
+  for (const [name, value] of Object.entries(body)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
   for (const ref of refs) form.append("image", ref.blob, ref.name);
   if (painted) form.append("mask", painted, "mask.png");
   const started = performance.now();

@@ -1,9 +1,10 @@
 // The settings of the next edit: prompt, size (the first reference's, a preset or custom), steps,
-// strength (empty: the server's default), number of images, seed (random or fixed) and, on base
-// models, guidance. Limits and defaults come from
+// strength (empty: the server's default), number of images, seed (random or fixed), the LoRAs picked
+// (loras.js) and, on base models, guidance. Limits and defaults come from
 // /v1/config; the size presets are choices, those larger than the server makes disabled.
 import { $ } from "./dom.js";
 import { InputProblem } from "./errors.js";
+import { readLoras, restoreLoras } from "./loras.js";
 
 const SIZE_PRESETS = [
   [256, 256], [512, 512], [768, 768], [1024, 1024], [1024, 768], [768, 1024], [1280, 720], [720, 1280],
@@ -64,6 +65,8 @@ export function readSettings() {
   body.seed = $("seed-fixed").checked ? wholeNumber("seed", "The seed", 0, Number.MAX_SAFE_INTEGER) : random;
   body.size = readSize();
   if (limits.guided) body.guidance_scale = Number($("guidance").value);
+  const loras = readLoras();
+  if (loras.length) body.loras = loras;
   return body;
 }
 
@@ -119,6 +122,7 @@ export function restoreSettings(request, seed) {
   size.value = [...size.options].some((option) => option.value === request.size) ? request.size : "custom";
   if (size.value === "custom") [$("width").value, $("height").value] = request.size.split("x");
   syncSize();
+  restoreLoras(request.loras);
   $("prompt").focus();
 }
 
