@@ -289,3 +289,56 @@ def test_resume_reads_a_record_older_than_a_setting_as_made_with_its_default(tmp
     check_resume([older], now, tmp_path)
     with pytest.raises(InputError, match="compute 'auto' there, 'int8' now"):
         check_resume([older], made_by(LoadOptions(compute="int8")), tmp_path)
+
+
+def _lora_rows(folder: Path) -> list[str]:
+    """Six lines over two reference sets and three LoRA sets (none; ink at 0.8 with pen, in either order;
+    ink at 0.5), interleaved."""
+    for name, colour in (("a", "red"), ("b", "blue")):
+        PIL.Image.new("RGB", (64, 64), colour).save(folder / f"{name}.png")
+    loras = [[], ["ink:0.8", "pen"], [{"name": "pen"}, {"name": "ink", "scale": 0.8}], ["ink:0.5"]]
+    rows = [("a.png", 0), ("a.png", 1), ("b.png", 1), ("a.png", 2), ("a.png", 3), ("b.png", 0)]
+    common = {"height": 64, "width": 64, "steps": 2, "seed": 1}
+    return [
+        json.dumps({"prompt": f"p{n}", "image": image, "loras": loras[k], **common})
+        for n, (image, k) in enumerate(rows)
+    ]
+
+
+def test_lines_are_grouped_by_reference_set_and_lora_set(tmp_path):
+    from klein.batch import plan
+
+    rows = _lora_rows(tmp_path)
+    grouped = plan.groups([lines.parse_line(n, row, tmp_path) for n, row in enumerate(rows, start=1)])
+    assert [[line.number for line in group] for group in grouped] == [[1], [2, 4], [3], [5], [6]]
+
+
+def test_a_group_is_prefilled_once_under_its_loras(pipe, tmp_path):
+    """On the demo (a KV checkpoint) a reference set's keys and values depend on the LoRAs: each group is
+    encoded and prefilled once, under its own LoRAs, and no line prefills again; each PNG records its
+    line's LoRAs; a line naming a LoRA the run does not offer fails alone, with the reason. (Placed last: the LoRAs loaded here stay loaded in the module's pipeline.)"""
+    from klein.io import demo
+    from klein.models.transformer_config import TransformerConfig
+    from tests.support import lora_files as lf
+
+    shapes = lf.linear_shapes(TransformerConfig.from_diffusers(demo.TRANSFORMER), "bfl")
+    for seed, name in enumerate(("ink", "pen"), start=2):
+        pipe.load_lora(name, lf.write_bfl(tmp_path / f"{name}.safetensors", lf.random_lora(shapes, 4, seed)))
+    folder = tmp_path / "job"
+    folder.mkdir()
+    rows = _lora_rows(folder)[:4]  # groups [1], [2, 4], [3]
+    rows.append(json.dumps({"prompt": "p", "image": "a.png", "loras": ["nope"]}))  # offered by no one
+    (folder / "requests.jsonl").write_text("".join(row + "\n" for row in rows))
+    before = dict(pipe.counters)
+    out = tmp_path / "out"
+    summary = job.run(
+        folder / "requests.jsonl", out, Local(lambda: pipe, out, "test"), False, False, loading=DEMO
+    )
+    assert (summary.done, summary.failed) == (4, 1)
+    assert pipe.counters["references"] - before.get("references", 0) == 3
+    assert pipe.counters["prefill"] - before.get("prefill", 0) == 3
+    entries = [json.loads(row) for row in (out / "results.jsonl").read_text().splitlines()]
+    assert "no LoRA loaded as 'nope'" in entries[4]["error"]
+    with PIL.Image.open(out / entries[3]["outputs"][0]) as image:
+        recorded = json.loads(image.text["lora_apply"])
+    assert "ink:0.8" in recorded and {use.split(":")[0] for use in recorded} == {"ink", "pen"}

@@ -47,6 +47,12 @@ class Line:
         return tuple(str(path) for path in request.image), request.use_kv, request.repaints
 
     @property
+    def lora_set(self) -> frozenset:
+        """The LoRAs (name and scale) the line applies, in any order: a reference set's keys and values on
+        a KV checkpoint are prefilled under them, so lines share an encoding only with equal sets."""
+        return frozenset(use for uses in self.request.lora_sets for use in uses)
+
+    @property
     def images(self) -> int:
         return len(self.request.prompts) * self.request.num_images_per_prompt
 

@@ -1,5 +1,5 @@
 """What a run has left to do, and in which groups: finished lines are skipped (`--resume`), the rest
-grouped by reference set so that each set is encoded once per worker.
+grouped by reference set and LoRA set so that each set is encoded once per worker (under its LoRAs).
 
 A line whose files all exist but whose entry the manifest lacks (the job was killed between its last
 PNG and its entry) is recorded from the files' own metadata rather than generated again.
@@ -37,8 +37,9 @@ def _seed(path: Path) -> int | None:
 
 
 def groups(lines: list[Line]) -> list[list[Line]]:
-    """Lines grouped by reference set, groups in order of first appearance, lines in file order."""
+    """Lines grouped by (reference set, LoRA set), groups in order of first appearance, lines in file
+    order."""
     grouped: dict[tuple, list[Line]] = {}
     for line in lines:
-        grouped.setdefault(line.reference_set, []).append(line)
+        grouped.setdefault((line.reference_set, line.lora_set), []).append(line)
     return list(grouped.values())

@@ -1,7 +1,7 @@
 """One batch worker: a pipeline and the folder its PNGs go to, run over one group of lines at a time.
 
-A group shares one reference set, encoded once (VAE, and the prefill on KV checkpoints) and passed to
-each of its requests as encoded `references`: a worker encodes each set once, however many lines use it.
+A group shares one reference set and one LoRA set, the set encoded once (VAE, and the prefill on KV
+checkpoints, under the group's LoRAs) and passed to each of its requests as encoded `references`: a worker encodes each set once, however many lines use it.
 A line the pipeline refuses (an `InputError`: a request that cannot fit, an unreadable image) becomes an
 error entry and the group goes on.
 """
@@ -41,7 +41,9 @@ class Runner:
         request = line.request
         if not request.image:
             return None
-        return self.pipe.encode_references(request.image, request.use_kv, source=request.repaints)
+        return self.pipe.encode_references(
+            request.image, request.use_kv, source=request.repaints, loras=request.lora_sets[0]
+        )
 
     def _generate(self, line: Line, references) -> dict:
         request = line.request

@@ -22,8 +22,9 @@ DESCRIPTION = """\
 Run a file of requests, one JSON object a line, each with the settings of `klein generate` under its
 key=value names (prompt, image, height, width, steps, guidance, num_images, seed, kv), e.g.
   {"prompt": "the cat wears the hat", "image": ["cat.png", "hat.png"], "seed": 7}
-Image paths (or file:// URLs) are read relative to the file's folder. Requests are grouped by reference
-set, so each set is encoded once per worker. Each line's PNGs (line-NNNNN-<digest>.png, with the
+Image paths (or file:// URLs) are read relative to the file's folder; "loras": ["ink:0.8"] applies LoRAs
+that --lora-dir / --lora-named offer. Requests are grouped by (reference set, LoRA set), so each set is
+encoded once per worker. Each line's PNGs (line-NNNNN-<digest>.png, with the
 metadata `klein generate` writes) are written whole or not at all, and DIR/results.jsonl records what
 became of every line, and which model, LoRAs and settings made each output. A killed run continues with
 --resume: finished lines are skipped; a resume with other model flags (model, LoRAs, variant, dtype)

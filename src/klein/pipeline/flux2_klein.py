@@ -275,20 +275,26 @@ class Flux2KleinPipeline:
         ids, mask = text.tokenize_prompts(self.tokenizer, prompts)
         return self._text(jnp.asarray(ids), jnp.asarray(mask))
 
-    def encode_references(self, image, use_kv: bool | None = None, *, source: bool = False) -> References:
+    def encode_references(
+        self, image, use_kv: bool | None = None, *, source: bool = False, loras=()
+    ) -> References:
         """Preprocess, VAE-encode and (cached-reference mode) prefill reference images once.
 
         `source=True`: the first image is the source of later inpainting or image-to-image requests
         (`mask_image`, `strength`), prepared as those prepare it (resized to multiples of 16, where a
-        reference is cropped): the same pixels as passing it by `image=` to each request."""
+        reference is cropped): the same pixels as passing it by `image=` to each request. `loras`: the
+        unmerged LoRAs (`LoraUse`s) of the requests that will use them, under which a cached reference is
+        prefilled (a request under other LoRAs prefills it again)."""
         images = as_images(image)
         if not images:
             raise InputError("encode_references needs at least one image")
         cached = caches_references(self.variant, self.name, use_kv)
+        loras = tuple(loras)
+        self.adapters.check_batch([loras])  # names no LoRA loaded: refused before any work
         prepared = _prepare(images[1:] if source else images, first=2 if source else 1)
         if source:
             prepared.insert(0, masks.prepare_source(_as_pil(images[0])).pixels)
-        return self._encode_references(prepared, cached, Stages(self.counters, {}))
+        return self._encode_references(prepared, cached, Stages(self.counters, {}), loras)
 
     def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput | tuple:
         """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields, by
