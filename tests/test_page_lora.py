@@ -79,6 +79,7 @@ def test_a_picked_lora_is_sent_with_its_scale_and_changes_the_image(tab):
     generate(page, "a fox", 2)
     inked = shown_png(page)
     assert [body.get("loras") for body in bodies] == [None, [{"name": "ink", "scale": 0.8}]]
+    expect(page.locator("#current .facts")).to_contain_text("ink × 0.8")
     recorded = PIL.Image.open(io.BytesIO(inked)).text  # the PNG's metadata: the LoRA the image ran under
     assert recorded["lora_apply"] == '["ink:0.8"]'
     assert PIL.Image.open(io.BytesIO(plain)).text.get("lora_apply", "[]") == "[]"

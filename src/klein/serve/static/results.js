@@ -138,6 +138,7 @@ function facts(entry) {
   const list = element("dl", "facts");
   const rows = [["Size", size], ["Steps", settings.num_inference_steps ?? request.num_inference_steps], ["Seed", entry.seed], ["References", refs]];
   if (settings.strength !== undefined && settings.strength !== null) rows.push(["Strength", String(settings.strength)], ["Mask", maskFact(entry)]);
+  if (request.loras) rows.push(["LoRAs", request.loras.map((lora) => `${lora.name} × ${lora.scale}`).join(", ")]);
   for (const [name, value] of rows) {
     const row = element("div");
     const dd = element("dd");
