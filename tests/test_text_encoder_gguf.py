@@ -178,13 +178,21 @@ def test_a_truncated_gguf_is_refused(mixed, tmp_path):
 
 
 def test_header_equals_gguf_s_reader(mixed):
-    """`klein.io.gguf_header` reads what `gguf.GGUFReader` reads (metadata, tensor shapes and types)."""
+    """`klein.io.gguf_header` reads what `gguf.GGUFReader` reads (metadata, tensor shapes, types, where each
+    tensor's data lies and its size): the one reader for every GGUF klein opens."""
     header, reader = read_header(mixed[0]), gguf.GGUFReader(mixed[0])
     assert header.metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert len(header.metadata["tokenizer.ggml.merges"]) > 100
     assert header.shapes == {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     assert header.types == {t.name: t.tensor_type for t in reader.tensors}
     assert set(header.types.values()) == {T.F32, T.F16, T.Q8_0, T.Q4_0}
+    assert header.offsets == {t.name: int(t.data_offset) for t in reader.tensors}
+    assert {name: header.nbytes(name) for name in header.types} == {
+        t.name: int(t.n_bytes) for t in reader.tensors
+    }
+    assert {n: header.stored_shape(n) for n in header.types if header.types[n] not in (T.F32, T.F16)} == {
+        t.name: tuple(t.data.shape) for t in reader.tensors if t.tensor_type not in (T.F32, T.F16)
+    }
 
 
 def test_too_few_layers_or_no_tokenizer_are_refused(tiny, tmp_path):

@@ -1,11 +1,13 @@
-"""A GGUF file's header: its metadata and the names, shapes and types of its tensors, no tensor read.
+"""A GGUF file's header: its metadata and the names, shapes, types and data offsets of its tensors, no
+tensor read.
 
 `gguf.GGUFReader` makes a NumPy view of every part of every metadata value as it opens a file: a Qwen3
 GGUF's 151936 tokens and 151387 merges take it over a million views (16.9 s here, against 0.7 s with `struct`:
-`benchmarks/gguf_header.py`, AMD EPYC, 2 cores shared), so a text encoder is located, its configuration
-read and its tokenizer rebuilt without it; the loader opens the file with `gguf` (`klein.io.gguf_file`)
-only to read the weights. The layout is GGUF's (version 2 and 3, little-endian): magic, version, tensor
-count, metadata count, the metadata (key, type, value), the tensor infos (name, dimensions innermost
+`benchmarks/gguf_header.py`, AMD EPYC, 2 cores shared), and it maps every tensor as well. So every GGUF
+klein opens is read with this header alone: a text encoder is located, its configuration read and its
+tokenizer rebuilt from it, the planner sizes a file's tensors from it, and `klein.io.gguf_file` reads each
+tensor's bytes at the offset it gives. The layout is GGUF's (version 2 and 3, little-endian): magic, version,
+tensor count, metadata count, the metadata (key, type, value), the tensor infos (name, dimensions innermost
 first, type, offset), then the aligned tensor data.
 """
 
@@ -38,6 +40,19 @@ class Header:
     shapes: dict[str, tuple[int, ...]]
     """Each tensor's shape in PyTorch order (outermost first)."""
     types: dict[str, gguf.GGMLQuantizationType]
+    offsets: dict[str, int]
+    """Where each tensor's data starts in the file."""
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """Tensor `name` as stored: its shape for a float type, else rows of blocks [..., bytes per row]."""
+        *lead, width = self.shapes[name]
+        values, size = gguf.GGML_QUANT_SIZES[self.types[name]]
+        return (*lead, width // values * size)
+
+    def nbytes(self, name: str) -> int:
+        """Bytes tensor `name` takes in the file."""
+        values, size = gguf.GGML_QUANT_SIZES[self.types[name]]
+        return math.prod(self.shapes[name]) // values * size
 
 
 def read_header(path: str | Path) -> Header:
@@ -49,20 +64,23 @@ def read_header(path: str | Path) -> Header:
             header, infos_end, data_bytes = _parse(data)
     except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
         raise CheckpointError(
-            f"{path}: not a readable GGUF file ({exc or type(exc).__name__}); the download may be incomplete"
+            f"{path}: not a readable GGUF file ({exc or type(exc).__name__}); the download may be incomplete, "
+            f"or a tensor type is newer than the installed gguf package"
         ) from None
     alignment = int(header.metadata.get(gguf.Keys.General.ALIGNMENT, gguf.GGUF_DEFAULT_ALIGNMENT))
+    start = -(-infos_end // alignment) * alignment
     # A vocabulary-only file (llama.cpp's --vocab-only) ends with its metadata, unpadded.
-    needed = -(-infos_end // alignment) * alignment + data_bytes if header.shapes else infos_end
+    needed = start + data_bytes if header.shapes else infos_end
     if size < needed:
         raise CheckpointError(
             f"{path}: cut short ({size} bytes; its tensors end at byte {needed}): the download is incomplete"
         )
-    return header
+    return dataclasses.replace(header, offsets={name: start + at for name, at in header.offsets.items()})
 
 
 def _parse(data) -> tuple[Header, int, int]:
-    """(header, where the tensor infos end, bytes from the tensor data's start to its last tensor's end)."""
+    """(header with offsets from the tensor data's start, where the tensor infos end, bytes from the tensor
+    data's start to its last tensor's end)."""
     magic, version = struct.unpack_from("<II", data, 0)
     if magic != gguf.GGUF_MAGIC or version not in (2, 3):
         raise ValueError(f"magic {magic:#x}, version {version}: not a little-endian GGUF of version 2 or 3")
@@ -72,7 +90,7 @@ def _parse(data) -> tuple[Header, int, int]:
         key, offset = _string(data, offset)
         (kind,), offset = struct.unpack_from("<I", data, offset), offset + 4
         metadata[key], offset = _value(data, offset, _V(kind))
-    shapes, types, end = {}, {}, 0
+    shapes, types, offsets, end = {}, {}, {}, 0
     for _ in range(tensors):
         name, offset = _string(data, offset)
         (dims,), offset = struct.unpack_from("<I", data, offset), offset + 4
@@ -80,9 +98,10 @@ def _parse(data) -> tuple[Header, int, int]:
         kind, start = struct.unpack_from("<IQ", data, offset + 8 * dims)
         offset += 8 * dims + 12
         shapes[name], types[name] = tuple(int(n) for n in shape), gguf.GGMLQuantizationType(kind)
+        offsets[name] = start
         block, size = gguf.GGML_QUANT_SIZES[types[name]]
         end = max(end, start + math.prod(shape) // block * size)
-    return Header(metadata, shapes, types), offset, end
+    return Header(metadata, shapes, types, offsets), offset, end
 
 
 def _string(data: bytes, offset: int) -> tuple[str, int]:

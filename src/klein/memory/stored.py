@@ -15,12 +15,12 @@ import math
 from fractions import Fraction
 from pathlib import Path
 
-import gguf
 from flax import nnx
 
-from klein.errors import InputError
+from klein.errors import CheckpointError, InputError
 from klein.io import bfl_transformer_keys as bfl
 from klein.io.block_forms import uniform_blocks
+from klein.io.gguf_header import read_header
 from klein.io.safetensors import TensorSource
 from klein.io.transformer_checkpoint import key_map
 
@@ -151,15 +151,13 @@ _FLOATS = ("F32", "F16", "BF16", "F64")
 
 
 def _gguf_tensors(path: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:
-    """name -> (bytes, ggml type name, PyTorch shape) of a GGUF file's tensors, from its header (the data
-    is mapped, not read)."""
+    """name -> (bytes, ggml type name, PyTorch shape) of a GGUF file's tensors, from its header."""
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, KeyError, IndexError) as exc:
-        raise InputError(f"{path}: not a readable GGUF file ({exc})") from None
+        header = read_header(path)
+    except CheckpointError as exc:
+        raise InputError(str(exc)) from None
     return {
-        t.name: (int(t.n_bytes), t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))
-        for t in reader.tensors
+        name: (header.nbytes(name), kind.name, header.shapes[name]) for name, kind in header.types.items()
     }
 
 
