@@ -100,10 +100,8 @@ def test_format_table_is_ggmls_and_a_q4_0_plan_is_smaller_by_its_ratio():
     )
     expected = (full.transformer - 2 * kept) * Fraction(9, 32) + 2 * kept
     assert quantized.transformer == pytest.approx(float(expected), rel=1e-3)
-    # The text encoder's Linears too; its embedding is widened at load (the norms, 0.01%, are in the margin).
-    embedding = 2 * math.prod(stored.linears(text)[stored.EMBEDDING])
-    expected = (full.text_encoder - embedding) * Fraction(9, 32) + embedding
-    assert quantized.text_encoder == pytest.approx(float(expected), rel=1e-3)
+    # The text encoder's Linears and its embedding too (the norms, 0.01%, are in the margin).
+    assert quantized.text_encoder == pytest.approx(float(full.text_encoder * Fraction(9, 32)), rel=1e-3)
     assert quantized.policies["sequential"] < full.policies["sequential"] * 0.5
 
 
@@ -189,8 +187,8 @@ def test_a_files_header_plans_as_its_format(written):
             assert from_file.quantized["transformer"][path] == pytest.approx(rate, rel=0.02), (name, path)
     text = plan.with_files(base, text_encoder=written["qwen3"]).quantized["text_encoder"]
     assert text == plan.in_format(base, text_encoder="Q4_K").quantized["text_encoder"]
-    # Its embedding is widened at load, as is a stack of two types (llama.cpp's Q4_K_M mixes in Q6_K).
-    assert stored.EMBEDDING not in text and len(text) == 7
+    # Its embedding is kept as its blocks; a stack of two types (llama.cpp's Q4_K_M mixes in Q6_K) is widened.
+    assert text[stored.EMBEDDING] == stored.FORMATS["Q4_K"] and len(text) == 8
     tensors = files.qwen3_types(TINY_TEXT, files.T.Q4_K)
     tensors["blk.3.ffn_down.weight"] = (tensors["blk.3.ffn_down.weight"][0], files.T.Q6_K)
     files.write_gguf(written["qwen3"].with_name("mixed-stack.gguf"), "qwen3", tensors, lambda writer: None)

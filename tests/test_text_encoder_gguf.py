@@ -3,6 +3,7 @@ equal those of the same (dequantised) weights as a folder, its tokenizer rebuilt
 folder's and transformers', and wrong files are refused before a weight is read."""
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import PIL.Image
@@ -15,6 +16,7 @@ from klein.io import demo
 from klein.io.gguf_header import read_header
 from klein.io.text_encoder_checkpoint import load_text_encoder, read_config
 from klein.io.text_encoder_gguf import gguf_names, load_text_encoder_gguf, read_gguf_config
+from klein.models import gguf_blocks, stacks
 from klein.models.layers import Linear
 from klein.models.qwen3 import prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
@@ -25,10 +27,12 @@ from klein.request import variants
 from klein.request.loading import LoadOptions
 from tests.support.qwen3_gguf import MIXED, T, dequantised_folder, write_qwen3_gguf
 from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
+from tests.test_quantised_forms import random_blocks
 
 PROMPTS = ["A red fox in fresh snow at dawn, 1024 x 768.", "Ünïcödé 東京 🐱 <think> <|im_end|> it's\n\n ok"]
 TOKENS = 64
 _embeddings = nnx.jit(prompt_embeddings, static_argnames="layers")
+_rows = jax.jit(stacks.rows, static_argnums=(2, 3))
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +88,9 @@ def uniform(request, tiny, tmp_path_factory):
 
 
 def test_blocks_kept_equal_dequantised_at_load(uniform, ids):
-    """Each Linear stays as the file's blocks (uint8, the bytes of the file, widened inside the product)
-    and the embeddings equal those of the weights widened at load; the embedding is widened."""
+    """Each Linear and the token table stay as the file's blocks (uint8, the bytes of the file, widened
+    inside the product or as rows are gathered) and the embeddings equal those of the weights widened at
+    load."""
     path, kind = uniform
     kept, widened = load_text_encoder_gguf(path), load_text_encoder_gguf(path, dequantize=True)
     data = {tensor.name: tensor.data for tensor in gguf.GGUFReader(path).tensors}
@@ -98,10 +103,42 @@ def test_blocks_kept_equal_dequantised_at_load(uniform, ids):
         stored = [blocks[f"model.layers.{i}.{name}.weight"] for i in range(27)]
         assert linear.weight[...].dtype == jnp.uint8
         assert np.array_equal(np.asarray(linear.weight[...]), np.stack(stored))
-    assert kept.model.embed_tokens.embedding[...].dtype == jnp.float32
+    assert kept.model.embedding_blocks == "Q8_0" and widened.model.embedding_blocks is None
+    assert np.array_equal(np.asarray(kept.model.embed_tokens.embedding[...]), data["token_embd.weight"])
+    assert widened.model.embed_tokens.embedding[...].dtype == jnp.float32
     assert all(m.blocks is None for _, m in nnx.iter_modules(widened) if isinstance(m, Linear))
     ours, reference = embed(kept, ids), embed(widened, ids)
     assert np.max(np.abs(ours - reference)) <= 1e-5 and np.abs(reference).max() > 1
+
+
+@pytest.mark.parametrize("ggml_type", gguf_blocks.TYPES)
+def test_rows_gathered_from_blocks_are_the_table_widened_at_load(ggml_type):
+    """A token table kept as blocks gives, for the rows a prompt gathers, the bits of the table widened at
+    load (`gguf.quants.dequantize`, then cast to the compute dtype): in bfloat16 and float32."""
+    table = random_blocks(ggml_type, 48, 2, np.random.default_rng(3))
+    ids = jnp.asarray([[0, 5, 47, 5], [46, 1, 2, 3]])
+    widened = gguf.quants.dequantize(table, T[ggml_type])
+    for dtype in (jnp.bfloat16, jnp.float32):
+        got = np.asarray(_rows(jnp.asarray(table), ids, ggml_type, dtype))
+        want = widened.astype(dtype)[np.asarray(ids)]
+        assert got.dtype == want.dtype and np.isfinite(want).all()
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_a_bf16_embedding_from_blocks_is_the_widened_ones_bits(uniform, ids):
+    """Loaded in bfloat16, the rows the kept table gives a prompt are those of the table widened at load,
+    bit for bit; the comparison tells rows apart (the next id's rows differ)."""
+    path, _ = uniform
+    kept = load_text_encoder_gguf(path, jnp.bfloat16)
+    table = np.asarray(
+        load_text_encoder_gguf(path, jnp.bfloat16, dequantize=True).model.embed_tokens.embedding[...]
+    )
+    tokens = jnp.asarray(ids[0])
+    got = np.asarray(_rows(kept.model.embed_tokens.embedding[...], tokens, "Q8_0", jnp.bfloat16))
+    assert got.dtype == table.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got.view(np.uint16), table[np.asarray(tokens)].view(np.uint16))
+    shifted = table[(np.asarray(tokens) + 1) % table.shape[0]]
+    assert not np.array_equal(got.view(np.uint16), shifted.view(np.uint16))
 
 
 def _llama_permuted(tensors):

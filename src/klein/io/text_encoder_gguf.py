@@ -8,9 +8,10 @@ from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow 
 (`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded, as from a folder
 (`klein.io.text_encoder_checkpoint`). The Linears whose stack has one quantised ggml type in every layer
 stay as their blocks in memory, widened inside each product as the transformer's are
-(`klein.io.block_forms`); the token embedding, the norms and mixed stacks are dequantised to float32 as
-they are read (`klein.io.gguf_file`) and cast to the compute dtype (the embedding is a row lookup, not a
-product: Qwen3-8B's takes 1.2 GB in bf16).
+(`klein.io.block_forms`), and a quantised token embedding stays as its blocks too, each prompt widening
+the rows it gathers (`klein.models.stacks.rows`: Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16); the
+norms, mixed stacks and a float embedding are dequantised to float32 as they are read
+(`klein.io.gguf_file`) and cast to the compute dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from klein.models.qwen3_config import Qwen3Config
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3]
 _EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
+_EMBEDDING_KEY = "model.embed_tokens.weight"
 ROWS = 8192  # rows of a tensor widened at a time (Qwen3-8B embedding: 128 MiB of float32)
 
 
@@ -56,11 +58,15 @@ def load_text_encoder_gguf(
     names = gguf_names(config)
     plan = checkpoint_keys(abstract_text_encoder(config, num_layers), STACKED)
     stored = {module: {names[key].removesuffix(".weight") for key in keys} for module, keys in plan.items()}
-    forms = {} if dequantize else uniform_blocks(stored, gguf_formats(source))
+    formats = gguf_formats(source)
+    forms = {} if dequantize else uniform_blocks(stored, formats)
     as_blocks = {key for module in forms for key in plan[(*module, "kernel")]}
+    embedding = None if dequantize else formats.get(_EMBEDDING.removesuffix(".weight"))
+    if embedding is not None:
+        as_blocks.add(_EMBEDDING_KEY)
     table = {key: _piece(name, key in as_blocks, dtype) for key, name in names.items()}
     abstract = abstract_text_encoder(
-        config, num_layers, dtype, {m: packed(kind) for m, kind in forms.items()}
+        config, num_layers, dtype, {m: packed(kind) for m, kind in forms.items()}, embedding
     )
     skip = skipped_keys(config, num_layers).__contains__
     return load_module(

@@ -452,15 +452,13 @@ def with_files(models: Models, transformer: Path | None = None, text_encoder: Pa
 
 def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:
     """`models` as the usual downloads in a stored format (`klein.memory.stored.FORMATS`) hold them: the
-    transformer's Linears but its embedders and final layer, the text encoder's Linears (its embedding is
-    widened at load)."""
+    transformer's Linears but its embedders and final layer, the text encoder's Linears and embedding."""
     files = dict(models.quantized)
     abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
     if transformer is not None:
         files[residency.TRANSFORMER] = stored.uniform(abstract, transformer, stored.TRANSFORMER_KEPT)
     if text_encoder is not None:
-        text_stored = stored.uniform(text, text_encoder)
-        files[residency.TEXT_ENCODER] = {k: v for k, v in text_stored.items() if k != stored.EMBEDDING}
+        files[residency.TEXT_ENCODER] = stored.uniform(text, text_encoder)
     return dataclasses.replace(models, quantized=files)
 
 

@@ -23,6 +23,7 @@ from klein.io.block_forms import uniform_blocks
 from klein.io.gguf_header import read_header
 from klein.io.safetensors import TensorSource
 from klein.io.transformer_checkpoint import key_map
+from klein.models import gguf_blocks
 
 FORMATS = {
     # GGUF (ggml) blocks: bytes per block / weights per block; each block carries its fp16 scale(s).
@@ -107,15 +108,17 @@ def transformer_file(path: Path, abstract: nnx.Module) -> dict[tuple, Fraction]:
 def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tuple, Fraction]:
     """Bytes per weight of the text encoder's Linears that a Qwen3 GGUF in llama.cpp's names keeps quantized
     (of the first `layers` decoder layers: those the prompt embedding runs), by the loader's rule
-    (`klein.io.block_forms`: one ggml type in every layer of a stack); the token embedding is widened at
-    load, so the model counts it in the dtype as it does a mixed stack."""
+    (`klein.io.block_forms`: one ggml type in every layer of a stack), and of its token embedding where the
+    file quantizes it (kept as its blocks, `klein.models.qwen3.Qwen3Model.keep_blocks`); the rest the model
+    counts in the dtype, as it is widened at load."""
     if path.suffix.lower() != ".gguf":
         return {}
     tensors = _gguf_tensors(path)
     shapes = linears(abstract)
     if "token_embd.weight" not in tensors:
         raise InputError(f"{path}: no 'token_embd' tensor: not a Qwen3 text encoder in llama.cpp's naming")
-    found, needed = tensors["token_embd.weight"][2], shapes[EMBEDDING]
+    size, kind, found = tensors["token_embd.weight"]
+    needed = shapes[EMBEDDING]
     if found != tuple(needed):
         raise InputError(
             f"{path}: its token embedding is {found[0]} x {found[1]}, where this model's text encoder needs "
@@ -128,11 +131,14 @@ def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tup
     }
     formats = {name.removesuffix(".weight"): kind for name, (_, kind, _) in tensors.items()}
     kept = uniform_blocks({path: set(layer_names) for path, layer_names in names.items()}, formats)
-    return {
+    rates = {
         module: Fraction(sum(tensors[f"{name}.weight"][0] for name in names[(*module, "kernel")]))
         / (layers * _per_layer(shapes[module]))
         for module in kept
     }
+    if kind in gguf_blocks.TYPES:
+        rates[EMBEDDING] = Fraction(size, _per_layer(needed))
+    return rates
 
 
 def _file_sizes(path: Path) -> tuple[dict[str, int], str]:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from klein.models import gguf_blocks
+
 # Float type -> the unsigned integer of its width; and back.
 _BITS = {
     np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16),
@@ -60,10 +62,15 @@ def layer(stack, index):
     return jax.tree.map(one, stack)
 
 
-def rows(table, ids):
+def rows(table, ids, blocks: str | None = None, dtype=None):
     """`table[ids]` in the table's own dtype, gathered from its stored form (bits, as a layer is sliced): the
-    text encoder's token lookup, whose rows set the dtype every later layer computes in."""
-    return as_float(jnp.take(as_bits(table), ids, axis=0))
+    text encoder's token lookup, whose rows set the dtype every later layer computes in. A table of GGUF
+    quantisation blocks (`blocks`: its ggml type) gives its rows widened to `dtype`: only the rows gathered
+    are, never the table."""
+    gathered = jnp.take(as_bits(table), ids, axis=0)
+    if blocks is None:
+        return as_float(gathered)
+    return gguf_blocks.dequantise(gathered, blocks).astype(dtype)
 
 
 def scan(body, carry, stacks, count: int):
