@@ -1,31 +1,27 @@
 """FP8 single files: BFL's `-fp8` checkpoints (e.g. `flux-2-klein-9b-fp8.safetensors`) and ComfyUI files
 in the same layout.
 
-The safetensors header's `__metadata__["_quantization_metadata"]` is JSON,
-`{"format_version": "1.0", "layers": {"<layer>": {"format": "float8_e4m3fn"}, ...}}` (a layer's value may
-also be the bare format string). Each listed layer stores `<layer>.weight` as F8_E4M3 and a float32
+The file declares its FP8 layers as ComfyUI does (`klein.io.comfy_quant`: `_quantization_metadata` in the
+header, or `<layer>.comfy_quant` tensors). Each listed layer stores `<layer>.weight` as F8_E4M3 and a float32
 per-tensor `<layer>.weight_scale` (shape () or (1,)); the weight is `float(weight) * weight_scale`. An
 optional `<layer>.input_scale` (per tensor) is the activations' scale for FP8 products: read where the
 transformer computes in FP8 (`compute="fp8"`) and every layer of a stack gives one, else unread (activations
 are then quantised per token as they come, `klein.models.products`).
-ComfyUI may instead (or also) mark each layer with a `<layer>.comfy_quant` tensor: the same per-layer JSON
-as uint8 bytes. `SIDE_TENSORS` are the keys besides `weight` that a quantised layer may carry.
-The same header may name a layer's format "nvfp4" (`klein.io.nvfp4_file`): `quantised_layers` returns
-every layer's format.
+`SIDE_TENSORS` are the keys besides `weight` that a quantised layer may carry.
+The same declaration may name a layer's format "nvfp4" (`klein.io.nvfp4_file`), and a file that declares
+nothing may hold NVFP4 layers as NVIDIA ModelOpt exports them: `quantised_layers` returns every layer's
+format.
 """
 
 from __future__ import annotations
 
-import json
-
 from klein.errors import CheckpointError
-from klein.io import nvfp4_file
+from klein.io import comfy_quant, nvfp4_file
+from klein.io.comfy_quant import HEADER_KEY
 from klein.io.safetensors import TensorSource
 
-HEADER_KEY = "_quantization_metadata"
 FORMAT = "float8_e4m3fn"
 _STORED = "F8_E4M3"
-_MARKER = ".comfy_quant"
 SIDE_TENSORS = ("weight_scale", "input_scale", "comfy_quant")
 
 
@@ -37,7 +33,7 @@ def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
 def quantised_layers(source: TensorSource, where: str) -> dict[str, str]:
     """Stored layer names declared quantised -> their format (FP8 or NVFP4), checked against the tensors."""
     keys = source.keys()
-    layers = {**_declared(source.metadata().get(HEADER_KEY), where), **_marked(source, keys, where)}
+    layers = comfy_quant.declared_layers(source, where) or nvfp4_file.modelopt_layers(source)
     for layer, fmt in layers.items():
         _check_layer(source, keys, layer, fmt, where)
     scales = {f"{layer}.weight_scale" for layer, fmt in layers.items() if fmt == nvfp4_file.FORMAT}
@@ -71,26 +67,3 @@ def _check_layer(source: TensorSource, keys: set[str], layer: str, fmt: str, whe
         )
     if source.dtype(weight) != _STORED:
         raise CheckpointError(f"{where}: '{weight}' is {source.dtype(weight)}, not {_STORED}")
-
-
-def _declared(raw: str | None, where: str) -> dict[str, str]:
-    if raw is None:
-        return {}
-    try:
-        return {name: _format(conf) for name, conf in json.loads(raw)["layers"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{where}: unreadable {HEADER_KEY} in the safetensors header ({exc})") from None
-
-
-def _marked(source: TensorSource, keys: set[str], where: str) -> dict[str, str]:
-    layers = {}
-    for key in sorted(k for k in keys if k.endswith(_MARKER)):
-        try:
-            layers[key.removesuffix(_MARKER)] = _format(json.loads(source.get(key).tobytes()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{where}: unreadable quantisation marker '{key}' ({exc})") from None
-    return layers
-
-
-def _format(conf) -> str:
-    return conf if isinstance(conf, str) else conf["format"]

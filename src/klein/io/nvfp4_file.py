@@ -1,9 +1,20 @@
-"""Reading NVFP4 layers of safetensors files: BFL's `flux-2-klein-*-nvfp4.safetensors` and ComfyUI's
-mixed-precision files, whose `_quantization_metadata` (`klein.io.fp8`) names a layer's format "nvfp4".
+"""Reading NVFP4 layers of safetensors files, in the two layouts they are published in.
 
 A layer stores `<layer>.weight` uint8[out, in / 2] (two E2M1 values a byte), `<layer>.weight_scale` (its
-float8 E4M3 scale per 16 values, swizzled in cuBLAS's tile layout) and `<layer>.weight_scale_2` (float32
-per tensor); `klein.models.nvfp4` says what they mean. The transformer keeps them 4-bit: `Blocks` presents
+float8 E4M3 scale per 16 values) and `<layer>.weight_scale_2` (float32 per tensor); `klein.models.nvfp4`
+says what they mean. Two tools lay the bytes out differently:
+- ComfyUI (comfy-kitchen's `TensorCoreNVFP4Layout`; BFL's `flux-2-klein-*-nvfp4.safetensors`, ComfyUI's
+  mixed-precision files, ModelOpt exports post-processed for ComfyUI): the first value of a pair in the high
+  nibble, the block scales padded and swizzled in cuBLAS's 128 x 4 tiles ([out rounded up to 128, in / 16
+  rounded up to 4]). Such a file declares its layers (`klein.io.comfy_quant`: "nvfp4").
+- NVIDIA ModelOpt's export (`NVFP4QTensor`; its quantisation config is beside the file, in
+  `hf_quant_config.json` / `config.json`): the first value in the low nibble, the scales row-major,
+  [out, in / 16]. Such a file declares nothing: klein reads a layer so when the file has no ComfyUI
+  declaration at all and the layer has all three tensors, the scales at exactly that shape.
+The file's declaration, not the scales' size, tells them apart: where out is a multiple of 128 and in / 16
+of 4 both layouts take the same bytes, and ComfyUI's loader reads a declared layer as swizzled whatever
+it holds. A declared layer whose scales have the row-major shape but not the swizzled size is refused.
+The transformer keeps the layers 4-bit: `Blocks` presents
 each weight as klein's rows of blocks (the per-tensor scale is read as the Linear's `weight_scale`);
 `Values` presents it dequantised to float32, for the layers whose stack is not NVFP4 throughout and for
 `dequantize=True`.
@@ -16,6 +27,7 @@ import math
 import numpy as np
 
 from klein.errors import CheckpointError
+from klein.io import comfy_quant
 from klein.models import nvfp4
 
 FORMAT = "nvfp4"
@@ -24,14 +36,23 @@ TENSOR_SCALE = "weight_scale_2"
 _PACKED, _SCALES = "U8", "F8_E4M3"
 
 
+def modelopt_layers(source) -> dict[str, str]:
+    """Stored layer names -> FORMAT of the NVFP4 layers of a file in ModelOpt's layout: none where the file
+    declares its layers as ComfyUI does, else each layer with a per-tensor `weight_scale_2` (NVFP4's alone)."""
+    if comfy_quant.declares_any(source):
+        return {}
+    suffix = f".{TENSOR_SCALE}"
+    return {key.removesuffix(suffix): FORMAT for key in source.keys() if key.endswith(suffix)}
+
+
 def check_layer(source, keys: set[str], layer: str, where: str) -> None:
     """Raise a CheckpointError naming what is wrong with NVFP4 layer `layer` of `source`, if anything."""
     weight, scales, tensor = (f"{layer}.{leaf}" for leaf in ("weight", "weight_scale", TENSOR_SCALE))
     for key in (weight, scales, tensor):
         if key not in keys:
             raise CheckpointError(
-                f"{where}: NVFP4 layer '{layer}' has no tensor '{key}' (the header lists it as {FORMAT}); the "
-                f"file is incomplete or was written by a tool klein does not know"
+                f"{where}: NVFP4 layer '{layer}' has no tensor '{key}'; the file is incomplete or was written "
+                f"by a tool klein does not know"
             )
     shape = source.shape(weight)
     if source.dtype(weight) != _PACKED or len(shape) != 2 or shape[1] * 2 % nvfp4.BLOCK:
@@ -39,14 +60,37 @@ def check_layer(source, keys: set[str], layer: str, where: str) -> None:
             f"{where}: '{weight}' is {source.dtype(weight)} {shape}; an NVFP4 weight is U8 [out, in / 2] with "
             f"in a multiple of {nvfp4.BLOCK}"
         )
-    want = nvfp4.swizzled_size(shape[0], shape[1] * 2)
-    if source.dtype(scales) != _SCALES or math.prod(source.shape(scales)) != want:
+    if source.dtype(scales) != _SCALES:
         raise CheckpointError(
-            f"{where}: '{scales}' is {source.dtype(scales)} {source.shape(scales)}; klein reads ComfyUI's "
-            f"NVFP4 block scales, {_SCALES} in cuBLAS's swizzled layout ({want} values for this weight)"
+            f"{where}: '{scales}' is {source.dtype(scales)}, not NVFP4's {_SCALES} block scales"
         )
+    _check_scales(source, scales, shape[0], shape[1] * 2, where)
     if source.shape(tensor) not in ((), (1,)):
         raise CheckpointError(f"{where}: '{tensor}' has shape {source.shape(tensor)}, not a per-tensor scale")
+
+
+def _check_scales(source, scales: str, rows: int, columns: int, where: str) -> None:
+    found, row_major = source.shape(scales), (rows, columns // nvfp4.BLOCK)
+    if not comfy_quant.declares_any(source):
+        if tuple(found) != row_major:
+            raise CheckpointError(
+                f"{where}: '{scales}' has shape {found}; a file that does not declare its layers in ComfyUI's "
+                f"{comfy_quant.HEADER_KEY} is read in NVIDIA ModelOpt's layout, whose block scales are "
+                f"[out, in / 16] = {row_major}: declare the layers or export the file with ModelOpt"
+            )
+        return
+    want = nvfp4.swizzled_size(rows, columns)
+    if math.prod(found) != want:
+        layout = (
+            "ModelOpt's row-major [out, in / 16] layout"
+            if tuple(found) == row_major
+            else "no layout klein knows"
+        )
+        raise CheckpointError(
+            f"{where}: '{scales}' is {found}, {layout}; the file declares its layers as ComfyUI does, whose "
+            f"NVFP4 block scales are swizzled in cuBLAS's 128 x 4 tiles ({want} values for this weight): "
+            f"post-process the ModelOpt export for ComfyUI, or leave its {comfy_quant.HEADER_KEY} out"
+        )
 
 
 def logical_shape(source, weight: str) -> tuple[int, int]:
@@ -66,9 +110,24 @@ class Blocks:
         return rows, columns // nvfp4.BLOCK * nvfp4.BLOCK_BYTES
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
-        layer = key.removesuffix(".weight")
-        blocks = nvfp4.as_blocks(self._source.get(key), self._source.get(f"{layer}.weight_scale"))
+        packed, scales = (
+            self._source.get(key),
+            self._source.get(f"{key.removesuffix('.weight')}.weight_scale"),
+        )
+        if comfy_quant.declares_any(self._source):
+            blocks = nvfp4.as_blocks(packed, scales)
+        else:
+            blocks = _row_major_blocks(packed, scales)
         return blocks if rows is None else blocks[rows]
+
+
+def _row_major_blocks(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """klein's rows of blocks from a ModelOpt layer: its nibbles swapped into the high-first order of
+    `klein.models.nvfp4`, each block's row-major scale after its 8 bytes."""
+    rows, half = packed.shape
+    swapped = (packed << np.uint8(4)) | (packed >> np.uint8(4))
+    values = swapped.reshape(rows, half * 2 // nvfp4.BLOCK, nvfp4.BLOCK // 2)
+    return np.concatenate([values, scales.view(np.uint8)[..., None]], axis=-1).reshape(rows, -1)
 
 
 class Values(Blocks):
