@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from klein.errors import CheckpointError
 from klein.io import comfy_quant, nvfp4_file
-from klein.io.comfy_quant import HEADER_KEY
 from klein.io.safetensors import TensorSource
 
 FORMAT = "float8_e4m3fn"
@@ -40,8 +39,8 @@ def quantised_layers(source: TensorSource, where: str) -> dict[str, str]:
     for key in sorted(keys - scales):
         if source.dtype(key) == _STORED and key.removesuffix(".weight") not in layers:
             raise CheckpointError(
-                f"{where}: tensor '{key}' is float8 but the header's {HEADER_KEY} does not list its layer, "
-                f"so its scale is unknown"
+                f"{where}: tensor '{key}' is float8 but the header's {comfy_quant.HEADER_KEY} does not list "
+                f"its layer, so its scale is unknown"
             )
     return layers
 
