@@ -8,6 +8,14 @@ per set, by id, interleaved over the sets, from --clients concurrent clients. Pr
 all (uploads + misses; one per set is the least possible).
 
     python benchmarks/replica_routing.py --replicas 2 --sets 4 --repeats 10 --clients 1
+
+With --loras K it also prints LoRA slot hits: a stream of --requests requests each naming one of K LoRAs
+(in turn, or at random), routed by klein's decision (`klein.serve.replicas.affinity.ranks`, replayed here
+without Ray, each request going to the first replica it ranks) against round-robin and random; a replica's
+slots are modelled as they work (`Holdings`: the 4 most recently used). A hit is a LoRA already in a
+slot of the replica it reaches (a miss writes the LoRA's factors to the device).
+
+    python benchmarks/replica_routing.py --replicas 2 --loras 6 --requests 200 --no-servers
 """
 
 import argparse
@@ -15,6 +23,7 @@ import collections
 import contextlib
 import io
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import PIL.Image
+
+from klein.serve.replicas.affinity import Holdings, Homes, ranks, routing_key
 
 
 def picture(seed: int) -> bytes:
@@ -88,6 +99,32 @@ def generate(url: str, key: str, seed: int) -> str:
     return response.json()["klein"]["references"]["cache"]
 
 
+def lora_hits(replicas: int, loras: int, requests: int, order: str, policy: str, seed: int = 0) -> int:
+    """Slot hits of `requests` requests naming one of `loras` LoRAs each (`order`: "turns" or "random"),
+    sent to `replicas` replicas by `policy` ("klein", "round-robin" or "random")."""
+    rng, names = random.Random(seed), [f"lora{i}" for i in range(loras)]
+    ids, homes, router, slots = list(range(replicas)), Homes(), Holdings(), Holdings()
+    hits = 0
+    for i in range(requests):
+        name = names[i % loras] if order == "turns" else rng.choice(names)
+        if policy == "klein":
+            to = ranks(ids, routing_key(None, [name]), homes, router, rng)[0][0]
+            router.sent(to, [name])
+        else:
+            to = i % replicas if policy == "round-robin" else rng.randrange(replicas)
+        hits += slots.missing(to, [name]) == 0
+        slots.sent(to, [name])
+    return hits
+
+
+def print_lora_hits(replicas: int, loras: int, requests: int) -> None:
+    print(f"\n| {replicas} replicas, {loras} LoRAs, {requests} requests | klein | round-robin | random |")
+    print("|---|---|---|---|")
+    for order in ("turns", "random"):
+        counts = [lora_hits(replicas, loras, requests, order, p) for p in ("klein", "round-robin", "random")]
+        print(f"| LoRAs in {order}: slot hits | " + " | ".join(f"{c / requests:.0%}" for c in counts) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,7 +133,14 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--clients", type=int, default=1)
+    parser.add_argument("--loras", type=int, default=0, help="also print LoRA slot hits over K LoRAs")
+    parser.add_argument("--requests", type=int, default=200, help="requests of the LoRA slot replay")
+    parser.add_argument("--no-servers", action="store_true", help="only the LoRA slot replay")
     args = parser.parse_args()
+    if args.loras:
+        print_lora_hits(args.replicas, args.loras, args.requests)
+    if args.no_servers:
+        return
     print("| routing | clients | generations | cache hits | hit rate | reference encodings |")
     print("|---|---|---|---|---|---|")
     for routing in ("references", "load"):

@@ -342,3 +342,21 @@ def test_a_group_is_prefilled_once_under_its_loras(pipe, tmp_path):
     with PIL.Image.open(out / entries[3]["outputs"][0]) as image:
         recorded = json.loads(image.text["lora_apply"])
     assert "ink:0.8" in recorded and {use.split(":")[0] for use in recorded} == {"ink", "pen"}
+
+
+def test_resume_refuses_a_lora_name_that_now_means_another_file(tmp_path):
+    """--lora-dir / --lora-named are recorded as name -> the file's sha256: the same bytes under another
+    path resume; another file under the name, or the name no longer offered, is refused."""
+    from klein.batch.provenance import check_resume, made_by
+
+    first, moved, other = tmp_path / "ink.safetensors", tmp_path / "moved", tmp_path / "other.safetensors"
+    first.write_bytes(b"ink weights")
+    moved.mkdir()
+    (moved / "ink.safetensors").write_bytes(b"ink weights")
+    other.write_bytes(b"other weights")
+    before = made_by(LoadOptions(lora_named=(f"ink={first}",)))
+    assert list(before["lora_offered"]) == ["ink"] and len(before["lora_offered"]["ink"]) == 64
+    check_resume([before], made_by(LoadOptions(lora_dir=str(moved))), tmp_path)
+    for now in (LoadOptions(lora_named=(f"ink={other}",)), LoadOptions()):
+        with pytest.raises(InputError, match="lora_offered .*'ink'.* there"):
+            check_resume([before], made_by(now), tmp_path)

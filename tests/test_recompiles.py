@@ -218,3 +218,24 @@ def test_klein_plan_counts_the_programs_an_editing_run_meets(capsys):
     assert (
         "meets 8 large programs (text encoder 1, reference encoder 1, prefill 2, step 3, decoder 1)" in shown
     )
+
+
+def test_a_pipeline_offering_loras_warms_them_so_the_first_request_naming_one_builds_nothing(demo, tmp_path):
+    """`--lora-dir` / `--lora-named`: warming runs each shape under a LoRA too (the step and the prefill
+    take the adapter slots as arguments: programs of their own), so neither a LoRA's first request, nor
+    another LoRA's, nor an edit under one, compiles."""
+    shapes, pipe = lf.linear_shapes(demo.config, "bfl"), _quiet(load_pipeline(residency="sequential"))
+    for seed, name in enumerate(("ink", "oil")):  # as `klein serve --lora-dir` loads them
+        pipe.load_lora(name, lf.write_bfl(tmp_path / f"{name}.safetensors", lf.random_lora(shapes, 4, seed)))
+    size = dict(height=64, width=96)  # the plain programs are in the persistent cache after the test above
+    assert warmup.warm(pipe, warmup.shapes(1, (1,), **size)) > 0
+    source = PIL.Image.new("RGB", (96, 64), (10, 200, 30))
+    requests = [
+        dict(prompt="a boat", loras=[("oil", 0.7)], seed=1),
+        dict(prompt=LONG, loras=["ink"], seed=2),
+        dict(prompt="a boat", image=[source], loras=["ink:0.5", "oil:0.2"], seed=3),
+    ]
+    with Compilations() as built:
+        for request in requests:
+            pipe(**request, **size)
+    assert built.names == []

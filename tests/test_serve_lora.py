@@ -168,3 +168,22 @@ def test_requests_batch_across_loras_but_not_across_lora_sets_with_references():
     assert key([("ink", 0.8)]) == key([("pen", 1.0)]) == key([])
     assert key([("ink", 0.8)], "set") != key([("pen", 1.0)], "set")
     assert key([("ink", 0.8)], "set") == key(["ink:0.8"], "set")
+
+
+def test_deleting_a_reference_set_drops_its_entries_under_every_lora_set(served):
+    """DELETE /v1/references/{id}: the set's keys and values prefilled under a LoRA go too, so the same
+    images uploaded again are encoded again under that LoRA (a "miss"), never served from before."""
+    url, _, _ = served
+    picture = [("image", ("ref.png", serve_process.png(7), "image/png"))]
+
+    def generate(reference_id: str) -> str:
+        body = {**BODY, "references": reference_id, "loras": [{"name": "pen", "scale": 0.6}]}
+        response = httpx.post(url + "/v1/images/generations", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["klein"]["references"]["cache"]
+
+    reference_id = httpx.post(url + "/v1/references", files=picture, timeout=120).json()["id"]
+    assert [generate(reference_id), generate(reference_id)] == ["miss", "hit"]
+    assert httpx.delete(f"{url}/v1/references/{reference_id}", timeout=30).json()["deleted"]
+    assert httpx.post(url + "/v1/references", files=picture, timeout=120).json()["id"] == reference_id
+    assert generate(reference_id) == "miss"

@@ -397,3 +397,21 @@ def test_pipeline_lora_sharded_equals_single_device(pipelines, tmp_path):
     finally:
         for pipe in pipelines:
             pipe.set_loras([])
+
+
+def test_pipeline_unmerged_loras_sharded_equal_single_device(pipelines, tmp_path):
+    """LoRAs applied unmerged (`load_lora`, `loras=`): with the adapter slots replicated over the mesh, a
+    KV edit (references prefilled under the LoRA, their keys split over `context`, then the adapted steps)
+    gives the one-device images. The shapes of the kv test above: only the adapted prefill and step are
+    new programs."""
+    single, _ = pipelines
+    shapes = lora_files.linear_shapes(single.config, "bfl")
+    file = lora_files.write_bfl(tmp_path / "ink.safetensors", lora_files.random_lora(shapes, 4, 1))
+    for pipe in pipelines:
+        pipe.load_lora("ink", file)
+    kwargs = dict(num_inference_steps=2, num_images_per_prompt=2, seed=1, output_type="np", **MODES["kv"])
+    want, got = (p("a cat on a sofa", loras=[("ink", 0.7)], **kwargs).images for p in pipelines)
+    plain = single("a cat on a sofa", **kwargs).images
+    err = max_abs(got, want)
+    print(f"pipeline {PIPELINE_MESH} unmerged LoRA kv: max abs error {err:.2e}")
+    assert err < TOL and max_abs(want, plain) > 100 * TOL

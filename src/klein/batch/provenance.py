@@ -1,6 +1,10 @@
 """What made a batch's outputs: the loading options that change the images (model and its parts, LoRAs
-and their scales, variant, precision), in a canonical form that `results.jsonl` records with every
-finished line and `--resume` compares before any model is loaded.
+and their scales, variant, precision, and the files the LoRA names of lines mean), in a canonical form
+that `results.jsonl` records with every finished line and `--resume` compares before any model is loaded.
+
+The LoRAs lines name (`--lora-dir`, `--lora-named`) are recorded as name -> sha256 of the file, the hash
+settings and PNGs record: a resume whose `ink` is another file (or where `ink` is no longer offered) is
+refused, however the folder is spelled.
 
 Local paths are made absolute (the same folder named two ways is one model; a relative path means the
 same thing from any working directory); repo ids stay as given. Where the weights stay (residency, mesh)
@@ -13,7 +17,8 @@ import dataclasses
 from pathlib import Path
 
 from klein.errors import InputError
-from klein.lora.files import parse_spec
+from klein.lora.files import file_sha256, parse_spec
+from klein.lora.registry import named_files
 from klein.request.loading import LoadOptions
 
 MADE_BY = (
@@ -29,19 +34,24 @@ MADE_BY = (
     "compute",
 )
 """The `LoadOptions` fields an output depends on."""
+RECORDED = (*MADE_BY, "lora_offered")
+"""What a record holds: those fields, and the LoRAs offered to lines by name (name -> sha256)."""
 
-_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LoadOptions)}
-"""What a record written before a field joined `MADE_BY` was made with: that field's default."""
+_DEFAULTS = {**{field.name: field.default for field in dataclasses.fields(LoadOptions)}, "lora_offered": {}}
+"""What a record written before a field joined `RECORDED` was made with: that field's default."""
 
 
 def made_by(options: LoadOptions) -> dict:
     """The JSON record of `options`' fields in `MADE_BY` (defaults included, so that "demo" given and
-    "demo" by default are the same)."""
+    "demo" by default are the same), and of the LoRAs they offer by name; an `InputError` for a
+    --lora-dir or --lora-named that names no file."""
     record = {name: getattr(options, name) for name in MADE_BY}
     record["model"] = _where(record["model"] or "demo")
     for name in ("transformer", "text_encoder", "vae", "tokenizer"):
         record[name] = _where(record[name]) if record[name] is not None else None
     record["lora"] = [[_where(name), scale] for name, scale in map(parse_spec, options.lora)]
+    offered = named_files(options.lora_dir, options.lora_named)
+    record["lora_offered"] = {name: file_sha256(path) for name, path in sorted(offered.items())}
     return record
 
 
@@ -55,7 +65,7 @@ def check_resume(recorded: list[dict], now: dict, folder: Path) -> None:
     for before in recorded:
         differences = [
             f"{name} {before.get(name, _DEFAULTS[name])!r} there, {now[name]!r} now"
-            for name in MADE_BY
+            for name in RECORDED
             if before.get(name, _DEFAULTS[name]) != now[name]
         ]
         if differences:

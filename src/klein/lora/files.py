@@ -78,7 +78,7 @@ def open_lora(spec) -> LoraFile:
     except CheckpointError as exc:
         raise CheckpointError(f"LoRA {name}: {exc}") from None
     tensors = {key: np.asarray(source.get(key), np.float32) for key in sorted(source.keys())}
-    info = LoraInfo(name, scale, _sha256(path))
+    info = LoraInfo(name, scale, file_sha256(path))
     return LoraFile(info, path, tensors, source.metadata())
 
 
@@ -101,7 +101,8 @@ def _locate(name: str) -> Path:
     return found[0]
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hash that names a LoRA file in settings, metadata, cache keys and batch provenance."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

@@ -85,6 +85,11 @@ class ByteBudgetCache:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
+    def keys(self) -> list[Hashable]:
+        """The keys held now (a copy: the cache may change while a caller looks through them)."""
+        with self._lock:
+            return list(self._entries)
+
     def peek(self, key: Hashable) -> Entry | None:
         """The entry under `key`, if held, without counting a hit or refreshing its age."""
         return self._entries.get(key)

@@ -49,6 +49,11 @@ def set_key(digests: tuple[str, ...], weights_id: str, cached: bool) -> tuple:
     return ("set", digests, weights_id, cached)
 
 
+def of_set(key, digests: tuple[str, ...]) -> bool:
+    """Whether `key` is a `set_key` of these images, under any weights (any LoRAs)."""
+    return isinstance(key, tuple) and key[:2] == ("set", digests)
+
+
 def prompt_key(weights_id: str, prompt: str) -> tuple:
     return ("prompt", weights_id, prompt)
 

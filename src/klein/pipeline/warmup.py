@@ -4,8 +4,11 @@ meets programs already built (docs/design.md, "Compiled ahead").
 jax builds one program per input shape, and a request's shapes are its output size, its number of
 images, the sizes and count of its references and its mode (text, references, cached references, CFG,
 repainting a source). Everything else a request varies (prompt, seed, guidance, steps, strength, the
-mask's pixels, LoRA scales, where the weights are) is data and builds nothing. So warming is running one
-small request of each `Shape` a front end expects first: its pixels blank, one step, its output dropped.
+mask's pixels, which LoRAs and their scales, where the weights are) is data and builds nothing. So warming
+is running one small request of each `Shape` a front end expects first: its pixels blank, one step, its
+output dropped. One thing more is a program's shape: whether any image of a batch runs under unmerged
+LoRAs (the step and the prefill then take the adapter slots as arguments), so a pipeline offering LoRAs
+by name (`--lora-dir`, `--lora-named`) warms each shape twice, without and with one (`adapted`).
 Its programs then serve every later request of that shape, and land in the persistent compilation cache
 (`klein cache`) for the next process.
 """
@@ -40,11 +43,14 @@ class Shape:
     repaint: bool = False
     height: int = DEFAULT_SIZE
     width: int = DEFAULT_SIZE
+    lora: str | None = None
+    """A LoRA loaded by name that every image runs under: any one builds the programs of all."""
 
     def __str__(self) -> str:
         refs = "no references" if not self.references else f"{self.references} reference(s)"
         kind = ", inpainting" if self.repaint else ""
-        return f"{self.width}x{self.height}, {refs}, {self.images} image(s){kind}"
+        lora = f", under LoRA {self.lora}" if self.lora else ""
+        return f"{self.width}x{self.height}, {refs}, {self.images} image(s){kind}{lora}"
 
 
 def shapes(
@@ -57,6 +63,14 @@ def shapes(
     batched = [Shape(0, images, **size) for images in batches if images != 1]
     repaint = [Shape(1, repaint=True, **size)] if references else []
     return tuple(edits + batched + repaint)
+
+
+def adapted(planned: Sequence[Shape], loras: Sequence[str]) -> tuple[Shape, ...]:
+    """`planned`, then each shape again under the first of `loras` (the names a pipeline offers), so that
+    a request naming any of them builds nothing either; `planned` alone when none is offered."""
+    if not loras:
+        return tuple(planned)
+    return (*planned, *(dataclasses.replace(shape, lora=loras[0]) for shape in planned if not shape.lora))
 
 
 def request(shape: Shape) -> GenerationRequest:
@@ -73,15 +87,18 @@ def request(shape: Shape) -> GenerationRequest:
         num_images_per_prompt=shape.images,
         seed=0,
         mask_image=mask,
+        loras=((shape.lora, 1.0),) if shape.lora else (),
         output_type="np",
     )
 
 
 def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda line: None) -> int:
-    """Run a request of each shape in `planned` on `pipe`, telling `log` of each; the programs built.
-    A shape the pipeline refuses (one that cannot fit) is logged and skipped. The pipeline's work
-    counters are left as they were: warming is not work a caller asked for."""
+    """Run a request of each shape in `planned` on `pipe`, and again under a LoRA when it offers any
+    (`adapted`), telling `log` of each; the programs built. A shape the pipeline refuses (one that cannot
+    fit) is logged and skipped. The pipeline's work counters are left as they were: warming is not work a
+    caller asked for."""
     counters = pipe.counters.copy()
+    planned = adapted(planned, pipe.adapters.names)
     total = 0
     for i, shape in enumerate(planned, 1):
         start, heading = time.perf_counter(), f"warming {i}/{len(planned)}: {shape}"

@@ -141,13 +141,16 @@ class ReferenceSets:
         )
 
     def delete(self, reference_id: str) -> bool:
-        """Forget an id and drop its set's encodings (per-image latents may serve other sets and stay)."""
+        """Forget an id and drop its set's encodings under every LoRA set (per-image latents may serve other
+        sets and stay)."""
         with self._lock:
             known = self._ids.pop(reference_id, None)
         if known is None:
             return False
         digests, _ = known
-        self.cache.remove(self._set_key(digests))
+        for key in self.cache.keys():
+            if cache_keys.of_set(key, digests):
+                self.cache.remove(key)
         return True
 
     def _remember(self, reference_id, digests, sizes) -> None:

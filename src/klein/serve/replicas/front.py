@@ -1,10 +1,10 @@
 """What the HTTP app (`klein.serve.app`) serves in front of N replicas: the methods of
 `klein.serve.service.Service`, each a call through Serve's handle to a `replica.Replica`.
 
-Routing: a request with references goes out with its set id as `multiplexed_model_id`, the key the
-replicas' router (`router.ReferenceRouter`, `--routing references`, the default) homes sets by; under
-`--routing load` no key goes out and Serve's default router (power of two choices over queue lengths)
-decides alone. Uploaded images are kept in
+Routing: a request goes out with its set id and its LoRAs' names as `multiplexed_model_id`
+(`affinity.routing_key`), the key the replicas' router (`router.ReferenceRouter`, `--routing references`,
+the default) homes sets by and sends LoRAs to the replica holding them; under `--routing load` no key
+goes out and Serve's default router (power of two choices over queue lengths) decides alone. Uploaded images are kept in
 the front's `ReferenceStore`, so a set id works on any replica.
 
 Jobs live here: a replica streams each generation's events (accepted or refused, running, steps, the
@@ -30,6 +30,7 @@ from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
+from klein.serve.replicas.affinity import routing_key
 from klein.serve.replicas.restarts import FrontJobTable
 from klein.serve.replicas.store import ReferenceStore
 from klein.serve.worker import Job, cancelled
@@ -149,11 +150,12 @@ class Front:
         listed = [{k: v for k, v in entry.items() if k != "resident"} for entry in self._loras["data"]]
         return {**self._loras, "data": listed, "replicas": self.replicas}
 
-    def _to(self, key: str | None):
-        """The handle for a request of reference set `key` (None: no references)."""
-        if key is None or self.routing == "load":
+    def _to(self, key: str | None, loras=()):
+        """The handle for a request of reference set `key` (None: no references) naming `loras`."""
+        routed = routing_key(key, loras)
+        if not routed or self.routing == "load":
             return self.handle
-        return self.handle.options(multiplexed_model_id=key)
+        return self.handle.options(multiplexed_model_id=routed)
 
     async def submit_generation(self, work: Generation, keep: bool = False) -> Job:
         """Send a generation to a replica; its job once the replica has accepted it (what it refuses is
@@ -161,9 +163,10 @@ class Front:
         key = self.sets.put(work.images) if work.images else work.reference_id
         images = (self.sets.images(key),) if key is not None else ()
         sent = dataclasses.replace(work, images=(), reference_id=key)
+        loras = {use.name for uses in work.request.lora_sets for use in uses}
 
         def send():
-            return self._to(key).options(stream=True).generate.remote(sent, images)
+            return self._to(key, loras).options(stream=True).generate.remote(sent, images)
 
         call, (name, data) = await _accepted(send)
         if name == "error":

@@ -1,0 +1,112 @@
+"""Which replica a request of `klein serve --replicas N` prefers: the decision `router.ReferenceRouter`
+makes, as data over replica ids, without Ray, so that it can be tested alone.
+
+A request travels under one key (`routing_key`: its reference set id and the names of its LoRAs, sent
+as Serve's `multiplexed_model_id`). The reference set decides first: a set seen before goes to its home
+replica; a new set (or one whose home died) is homed on a replica with the fewest sets. Among replicas
+equally good for the set (a new set's ties), and for a request without references, the LoRAs decide: the
+replicas whose adapter slots hold the most of the request's LoRAs come first, since a LoRA already in a
+slot is not written to the device again (`klein.lora.slots`). Remaining ties are broken at random, and a
+request with neither references nor LoRAs goes to two replicas picked at random, the better of which
+Serve takes (its default policy).
+
+What a replica's slots hold is what the router sent there (`Holdings.sent`, told by Serve once a replica
+accepts a request): the same least-recently-used rule over `SLOTS` names as the replica's own slots, so
+the two agree unless a replica runs with fewer slots (`--lora-bytes`) or restarts (a new replica id).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from collections.abc import Hashable, Iterable, Sequence
+
+MAX_HOMES = 4096
+"""Sets remembered (least recently routed out): a forgotten set is homed again, like a new one."""
+SLOTS = 4
+"""LoRAs a replica is taken to hold: `klein.lora.slots.AdapterSlots`' slots (the default and most)."""
+SEPARATOR = "|"
+"""Between the set id and the LoRA names in a key: neither a set id (hex) nor a LoRA name holds it."""
+
+
+def routing_key(set_id: str | None, loras: Iterable[str]) -> str:
+    """The key a request is routed by: its set id and its LoRAs' names ('' with neither)."""
+    names = sorted(set(loras))
+    if set_id is None and not names:
+        return ""
+    return f"{set_id or ''}{SEPARATOR}{','.join(names)}"
+
+
+def parse(key: str) -> tuple[str | None, frozenset[str]]:
+    """(set id or None, LoRA names) of a `routing_key`."""
+    set_id, _, names = key.partition(SEPARATOR)
+    return set_id or None, frozenset(name for name in names.split(",") if name)
+
+
+class Homes:
+    """Each reference set's home replica, the least recently routed set forgotten first."""
+
+    def __init__(self, most: int = MAX_HOMES):
+        self.most = most
+        self._homes: collections.OrderedDict[str, Hashable] = collections.OrderedDict()
+
+    def counts(self) -> collections.Counter:
+        """Sets homed on each replica."""
+        return collections.Counter(self._homes.values())
+
+    def home(self, set_id: str, ranked: Sequence[Hashable]) -> Hashable:
+        """The set's home among the live replicas `ranked`; a new or homeless set gets the first."""
+        home = self._homes.get(set_id)
+        home = home if home in ranked else ranked[0]
+        self._homes[set_id] = home
+        self._homes.move_to_end(set_id)
+        while len(self._homes) > self.most:
+            self._homes.popitem(last=False)
+        return home
+
+
+class Holdings:
+    """The LoRAs each replica's slots hold, as far as the router sent them: an LRU of `slots` names."""
+
+    def __init__(self, slots: int = SLOTS):
+        self.slots = slots
+        self._held: dict[Hashable, collections.OrderedDict[str, None]] = {}
+
+    def missing(self, replica: Hashable, names: Iterable[str]) -> int:
+        """How many of `names` the replica's slots do not hold."""
+        held = self._held.get(replica, {})
+        return sum(name not in held for name in names)
+
+    def sent(self, replica: Hashable, names: Iterable[str]) -> None:
+        """A request naming `names` went to `replica`: they are its most recently used."""
+        held = self._held.setdefault(replica, collections.OrderedDict())
+        for name in sorted(names):
+            held[name] = None
+            held.move_to_end(name)
+        while len(held) > self.slots:
+            held.popitem(last=False)
+
+    def keep_only(self, replicas: Iterable[Hashable]) -> None:
+        """Forget replicas no longer live (a restarted one comes back under a new id, its slots empty)."""
+        live = set(replicas)
+        for gone in [replica for replica in self._held if replica not in live]:
+            del self._held[gone]
+
+
+def ranks(
+    replicas: Sequence[Hashable], key: str, homes: Homes, holdings: Holdings, rng: random.Random
+) -> list[list[Hashable]]:
+    """The replicas in ranks, most preferred first (Serve's router takes the next rank when a rank's
+    replicas are full); the set's home, if the request has references, is chosen and remembered here."""
+    set_id, names = parse(key)
+    if set_id is None and not names:
+        return [rng.sample(list(replicas), min(2, len(replicas)))]
+    sets = homes.counts() if set_id is not None else collections.Counter()
+    draw = {replica: rng.random() for replica in replicas}
+    ranked = sorted(replicas, key=lambda r: (sets[r], holdings.missing(r, names), draw[r]))
+    if set_id is not None:
+        home = homes.home(set_id, ranked)
+        return [[home], [replica for replica in ranked if replica != home]]
+    fewest = holdings.missing(ranked[0], names)
+    best = [replica for replica in ranked if holdings.missing(replica, names) == fewest][:2]
+    return [best, [replica for replica in ranked if replica not in best]]
