@@ -81,13 +81,13 @@ def widths(rank: int, repeat: int) -> tuple[float, float]:
 
     @jax.jit
     def plain(x, kernel):
-        return products.product(x, kernel, None, products.BF16, jnp.bfloat16)
+        return products.product(x, products.Weight(kernel), jnp.bfloat16)
 
     @jax.jit
     def adapted(x, kernel, down, up, rows):
         with adapters.weighting(rows):
             low = adapters.term(x, down, up)
-        return products.product(x, kernel, None, products.BF16, jnp.bfloat16, low_rank=low)
+        return products.product(x, products.Weight(kernel), jnp.bfloat16, low_rank=low)
 
     totals = [0.0, 0.0]
     rng = np.random.default_rng(0)

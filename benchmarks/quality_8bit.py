@@ -83,11 +83,11 @@ def linear_inputs(model, tokens: int, text: int) -> dict[tuple, list[np.ndarray]
             module.label = path  # static: kept in the graph, so every sliced layer carries it
     original = layers.Linear._product
 
-    def recording(self, x, kernel, scale):
+    def recording(self, x, outputs):
         label = getattr(self, "label", None)
-        if label is not None and kernel.shape[-1] == self.kernel[...].shape[-1]:  # whole products only
+        if label is not None and outputs == slice(None):  # whole products only
             jax.debug.callback(lambda x, label=label: seen[label].append(np.asarray(x)), x, ordered=True)
-        return original(self, x, kernel, scale)
+        return original(self, x, outputs)
 
     cfg = model.cfg
     side = int(tokens**0.5)
@@ -118,12 +118,13 @@ def product_errors(model, inputs: dict[tuple, list[np.ndarray]]) -> dict[tuple, 
         for layer, x in enumerate(xs):
             weight = stack[layer]
             exact = np.asarray(
-                products.product(jnp.asarray(x), jnp.asarray(weight), None, "bf16", jnp.bfloat16)
+                products.product(jnp.asarray(x), products.Weight(jnp.asarray(weight)), jnp.bfloat16)
             )
             exact = exact.astype(np.float32)
             for compute in PATHS[1:]:
                 kernel, scale = products.quantise(weight.astype(np.float32), compute, 0)
-                got = products.product(*map(jnp.asarray, (x, kernel, scale[0])), compute, jnp.bfloat16)
+                quantised = products.Weight(jnp.asarray(kernel), jnp.asarray(scale[0]), compute=compute)
+                got = products.product(jnp.asarray(x), quantised, jnp.bfloat16)
                 diff = np.asarray(got, np.float32) - exact
                 row[compute].append(float(np.linalg.norm(diff) / np.linalg.norm(exact)))
         errors[path] = {compute: float(np.mean(v)) for compute, v in row.items()}

@@ -106,7 +106,9 @@ def test_an_fp8_product_is_cublaslt_fp8_gemm_without_triton():
     scale = jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=whole)
 
     def product(x, kernel, scale):
-        return products.product(x, kernel, scale, products.FP8, jnp.bfloat16, out_in=True)
+        return products.product(
+            x, products.Weight(kernel, scale, compute=products.FP8, out_in=True), jnp.bfloat16
+        )
 
     with use(mesh):
         lowered = jax.jit(product).lower(x, kernel, scale)

@@ -66,7 +66,8 @@ def test_weights_quantised_per_channel_are_their_definition(compute):
 def test_an_8bit_product_is_its_definition(compute):
     x, weight = _inputs(1)
     kernel, scale = reference_quantise(weight, compute, 0)
-    got = products.product(jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(scale[0]), compute, jnp.bfloat16)
+    weight = products.Weight(jnp.asarray(kernel), jnp.asarray(scale[0]), compute=compute)
+    got = products.product(jnp.asarray(x), weight, jnp.bfloat16)
     want, total, tokens = reference_product(x, kernel, scale[0], compute)
     assert got.dtype == jnp.bfloat16
     got, want = np.asarray(got, np.float32), want.astype(np.float32)
@@ -95,7 +96,9 @@ def test_an_fp8_product_with_the_files_activation_scale_is_its_definition():
     x, weight = _inputs(3)
     kernel, scale = reference_quantise(weight, "fp8", 0)
     given = np.float32(2 / 448)
-    got = products.product(*map(jnp.asarray, (x, kernel, scale[0])), "fp8", jnp.bfloat16, jnp.asarray(given))
+    kernel_and_scale = jnp.asarray(kernel), jnp.asarray(scale[0])
+    weight = products.Weight(*kernel_and_scale, jnp.asarray(given), compute="fp8")
+    got = products.product(jnp.asarray(x), weight, jnp.bfloat16)
     values = np.clip(x.astype(np.float32) * (np.float32(1) / given), -448, 448).astype(
         ml_dtypes.float8_e4m3fn
     )
@@ -104,7 +107,10 @@ def test_an_fp8_product_with_the_files_activation_scale_is_its_definition():
     got = np.asarray(got, np.float32)
     terms = np.abs(values.astype(np.float64)) @ np.abs(kernel.astype(np.float64)) * given * scale[0]
     assert (np.abs(got - want) <= np.abs(want) * 2.0**-7 + terms * D_IN * 2.0**-24).all()
-    per_token = np.asarray(products.product(*map(jnp.asarray, (x, kernel, scale[0])), "fp8", jnp.bfloat16))
+    per_token = products.product(
+        jnp.asarray(x), products.Weight(*kernel_and_scale, compute="fp8"), jnp.bfloat16
+    )
+    per_token = np.asarray(per_token)
     assert (per_token.astype(np.float32) != got).mean() > 0.5  # x reaches 30: clipped at 2 here
 
 

@@ -23,8 +23,9 @@ class Linear(nnx.Module):
 
     The kernel float[in, out] is stored in `dtype`, or in 8 bits beside a float32 `weight_scale` (`store`);
     `compute` says how the product is made. Both are `klein.models.products`' business: the layer only
-    hands its stored arrays to `products.product`. A kernel for 8-bit products is stored [out, in] as
-    `weight` (PyTorch's name and layout, read without a transpose), `kernel` then None: an 8-bit GEMM
+    gathers its stored arrays into one `products.Weight` (`stored`) for `products.product`. A kernel for
+    8-bit products is stored [out, in] as `weight` (PyTorch's name and layout, read without a transpose),
+    `kernel` then None: an 8-bit GEMM
     wants its weight's contracting axis innermost (docs/design.md, "8-bit products on the card").
     A kernel kept in a file's quantisation blocks (GGUF, NVFP4) is `weight` too: rows of blocks
     uint8[out, bytes], `blocks` naming their format, widened inside the product.
@@ -43,28 +44,30 @@ class Linear(nnx.Module):
         self.blocks: str | None = None  # the format of a kernel stored as quantisation blocks
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self._product(x, slice(None), self._scale())
+        return self._product(x, slice(None))
 
     def columns(self, x: jnp.ndarray, start: int, stop: int | None = None) -> jnp.ndarray:
         """`self(x)[..., start:stop]`, computing only those outputs."""
-        scale = self._scale()
-        if scale is not None and scale.ndim:  # one per output channel
-            scale = scale[..., start:stop]
-        return self._product(x, slice(start, stop), scale)
+        return self._product(x, slice(start, stop))
 
-    def _product(self, x, outputs: slice, scale):
-        given = None if self.input_scale is None else self.input_scale[...]
-        out_in = self.weight is not None
-        kernel = self.weight[..., outputs, :] if out_in else self.kernel[..., outputs]
+    def _product(self, x, outputs: slice):
         low_rank = None
         if self.adapter_down is not None:
             low_rank = adapters.term(x, self.adapter_down[...], self.adapter_up[..., outputs])
-        return products.product(
-            x, kernel, scale, self.compute, self.dtype, given, out_in, low_rank=low_rank, blocks=self.blocks
-        )
+        return products.product(x, self.stored().outputs(outputs), self.dtype, low_rank)
 
-    def _scale(self):
-        return None if self.weight_scale is None else self.weight_scale[...]
+    def stored(self) -> products.Weight:
+        """The stored weight as the product reads it: the kernel (`weight` if stored [out, in]), its
+        scales and how it is multiplied."""
+        out_in = self.weight is not None
+        return products.Weight(
+            (self.weight if out_in else self.kernel)[...],
+            scale=None if self.weight_scale is None else self.weight_scale[...],
+            input_scale=None if self.input_scale is None else self.input_scale[...],
+            compute=self.compute,
+            out_in=out_in,
+            blocks=self.blocks,
+        )
 
     def store(self, form: Stored) -> None:
         """Switch storage to `form`'s 8-bit kernel and float32 scale (one per leading layer index, and per

@@ -1,5 +1,7 @@
-"""How a stored weight becomes a product: `product(x, kernel, scale, compute, dtype)`, the one seam
-between a Linear's stored form and the model's math (docs/design.md, "How a stored layer becomes a product").
+"""How a stored weight becomes a product: `product(x, weight, dtype)`, the one seam between a Linear's
+stored form and the model's math (docs/design.md, "How a stored layer becomes a product"). A `Weight` is
+everything stored about the kernel (its arrays, their layout and format) and how it is multiplied; the
+Linear builds it from its Params for the outputs it wants.
 
 A kernel float[in, out] is stored in the compute dtype (bf16 / float32), or in 8 bits beside a float32
 `scale` that multiplies its output columns: one per tensor (BFL's FP8 files as shipped, shape ()) or one
@@ -34,6 +36,7 @@ before its rounding (for a long sequence, the fused projection of a single block
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -54,18 +57,47 @@ NVFP4 = "nvfp4"
 BLOCKS = (*gguf_blocks.TYPES, NVFP4)
 
 
-def product(
-    x, kernel, scale, compute: str, dtype, input_scale=None, out_in: bool = False, low_rank=None, blocks=None
-):
-    """`x @ (kernel * scale)` float[..., out] in `dtype`: x float[..., in], kernel [in, out] as stored
-    ([out, in] if `out_in`: an 8-bit GEMM's layout, see the module docstring), scale None, float32[] or
-    float32[out]; `input_scale` float32[]: the file's activation scale for an FP8 product, instead of one
-    per token computed as the activations come; `low_rank` float32[..., out]: an unmerged LoRA's term
-    (`klein.models.adapters.term`), added in float32 before the one rounding. `blocks` (one of `BLOCKS`):
-    the kernel is rows of quantisation blocks, [out, bytes], widened to float32 here, so only the layer
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("array", "scale", "input_scale"),
+    meta_fields=("compute", "out_in", "blocks"),
+)
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A Linear's stored weight and how it is multiplied, as `product` reads it.
+
+    `array`: the kernel [in, out] as stored, or [out, in] if `out_in` (an 8-bit GEMM's layout, and rows of
+    quantisation blocks [out, bytes] when `blocks` names their format, one of `BLOCKS`). `scale`: None,
+    float32[] or float32[out], multiplying the output columns. `input_scale` float32[]: an FP8 file's
+    activation scale for an FP8 product, instead of one per token computed as the activations come.
+    `compute` (one of `COMPUTES`): how the product is made. A pytree whose layout is static, so a jitted
+    function may take one."""
+
+    array: jax.Array
+    scale: jax.Array | None = None
+    input_scale: jax.Array | None = None
+    compute: str = BF16
+    out_in: bool = False
+    blocks: str | None = None
+
+    def outputs(self, columns: slice) -> Weight:
+        """The weight of output columns `columns` only (a per-channel scale sliced with them)."""
+        if columns == slice(None):
+            return self
+        array = self.array[..., columns, :] if self.out_in else self.array[..., columns]
+        scale = self.scale[..., columns] if self.scale is not None and self.scale.ndim else self.scale
+        return dataclasses.replace(self, array=array, scale=scale)
+
+
+def product(x, weight: Weight, dtype, low_rank=None):
+    """`x @ (kernel * scale)` float[..., out] in `dtype` for x float[..., in] and the stored `weight`;
+    `low_rank` float32[..., out]: an unmerged LoRA's term (`klein.models.adapters.term`), added in float32
+    before the one rounding. A kernel of quantisation blocks is widened to float32 here, so only the layer
     being run exists wide."""
-    if blocks is not None and jnp.dtype(kernel.dtype).itemsize == 1:  # a merged LoRA widened it already
-        kernel = unpacked(kernel, blocks)
+    kernel, scale, compute, out_in = weight.array, weight.scale, weight.compute, weight.out_in
+    # A block format's kernel is its bytes, unless a merged LoRA widened it already.
+    if weight.blocks is not None and jnp.dtype(kernel.dtype).itemsize == 1:
+        kernel = unpacked(kernel, weight.blocks)
     dims = (((x.ndim - 1,), (1 if out_in else 0,)), ((), ()))
     extra = 0 if low_rank is None else low_rank
     if compute not in EIGHT_BIT:
@@ -80,10 +112,10 @@ def product(
             wide = wide * (scale[:, None] if out_in and scale.ndim else scale)
         kernel, scale = quantise(wide, compute, 1 if out_in else 0)
         scale = scale[:, 0] if out_in else scale[0]
-    if input_scale is None:
+    if weight.input_scale is None:
         values, tokens = quantise(x, compute, -1)
     else:
-        values, tokens = in_8_bits(x, input_scale, compute), input_scale
+        values, tokens = in_8_bits(x, weight.input_scale, compute), weight.input_scale
     total = jax.lax.dot_general(values, kernel, dims, preferred_element_type=accumulator)
     return (total.astype(jnp.float32) * tokens * scale + extra).astype(dtype)
 

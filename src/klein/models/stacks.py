@@ -62,6 +62,17 @@ def layer(stack, index):
     return jax.tree.map(one, stack)
 
 
+def empty(count: int, shape: tuple[int, ...], dtype):
+    """A stack of `count` layers of zeros of `shape` and `dtype`, in its stored form (`as_bits`), for
+    `put` to fill."""
+    return jnp.zeros((count, *shape), _BITS.get(np.dtype(dtype), dtype))
+
+
+def put(stack, index, value):
+    """`stack` (in its stored form) with layer `index` (static or traced) set to `value`."""
+    return jax.lax.dynamic_update_index_in_dim(stack, as_bits(value), index, 0)
+
+
 def rows(table, ids, blocks: str | None = None, dtype=None):
     """`table[ids]` in the table's own dtype, gathered from its stored form (bits, as a layer is sliced): the
     text encoder's token lookup, whose rows set the dtype every later layer computes in. A table of GGUF

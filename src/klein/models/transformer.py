@@ -17,12 +17,14 @@ Ways to run (explicit functions, no mode strings):
   modulation, the reference tokens attending only to themselves (how the reference implementation runs
   step 0); a check on the cache.
 
-Each reads top to bottom like BFL's flux2 model: modulations, input embeddings, the double blocks, the
-single blocks over [txt, img], the final layer. Two steps differ. The last single block is a step of its
-own (`_last_single_block`): it computes queries, MLP and output projection for the image rows the
-velocity reads alone (a prefill's, its keys and values alone). And what a layer's queries see is data
-(`_Keys`: key ranks, an isolated span, cached reference keys and values) that one attention function
-(`_attend`) reads.
+The three forwards differ only in what their two token streams hold, how they are modulated and what
+the queries see; each prepares those and hands them to one trunk, `_velocity`, which reads top to bottom
+like BFL's flux2 model: input embeddings, the double blocks, the single blocks over [txt, img], the final
+layer. Two steps differ from it. The last single block is a step of its own (`_last_single_block`): it
+computes queries, MLP and output projection for the image rows the velocity reads alone. And what a
+layer's queries see is data (`_Keys`: key ranks, an isolated span, cached reference keys and values)
+that one attention function (`_attend`) reads. The prefill runs the same sequence over the references
+alone, keeping every layer's keys and values instead (its last block computes those alone).
 
 Layers are stacked and run one at a time (`klein.models.stacks`): compile time does not grow with depth,
 and the stacks are sliced inside the loop, never copied.
@@ -108,33 +110,19 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
     n_img = img.shape[1]
     if refs is not None:
         img, img_rope = _append(img, img_rope, refs)
-    temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
+    temb, mods = _modulations(model, t)
     text, image = _pad_stream(txt, txt_rope), _pad_stream(img, img_rope)
-    rope, keys = concat_tables(text.rope, image.rope), _Keys(_key_rank(text, image))
-
-    img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
-    img, txt = _double_blocks(model, img, txt, (img_mod, txt_mod), rope, keys)
-    x = _single_blocks(model, jnp.concatenate([txt, img], axis=1), single_mod, rope, keys)
-    x = _last_single_block(model, x, single_mod, rope, keys, (txt.shape[1], n_img))
-    return _final_layer(model, x, temb)
+    keys = _Keys(_key_rank(text, image))
+    return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], n_img))
 
 
 def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV):
     """Velocity float[B, N, C] with the references' cached keys/values (from `prefill`): every layer
     attends over the keys [txt, cached ref, img]."""
-    n_img = img.shape[1]
-    temb, (img_mod, txt_mod, single_mod) = _modulations(model, t)
+    temb, mods = _modulations(model, t)
     text, image = _pad_stream(txt, txt_rope), _pad_stream(img, img_rope)
-    rope = concat_tables(text.rope, image.rope)
     keys = _Keys(_cached_key_rank(text, image, kv), cached_at=text.tokens.shape[1])
-
-    img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
-    img, txt = _double_blocks(model, img, txt, (img_mod, txt_mod), rope, keys, (kv.double_k, kv.double_v))
-    x = jnp.concatenate([txt, img], axis=1)
-    x = _single_blocks(model, x, single_mod, rope, keys, (kv.single_k, kv.single_v))
-    last = stacks.layer((kv.single_k, kv.single_v), model.cfg.num_single_layers - 1)
-    x = _last_single_block(model, x, single_mod, rope, keys._replace(cached=last), (txt.shape[1], n_img))
-    return _final_layer(model, x, temb)
+    return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], img.shape[1]), kv)
 
 
 def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
@@ -162,15 +150,29 @@ def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope
     n_txt, n_rest = text.tokens.shape[1], image.tokens.shape[1] - n_ref  # n_rest: image and padding
     img_mod = _per_token(b, (ref_img_mod, n_ref), (img_mod, n_rest))
     single_mod = _per_token(b, (single_mod, n_txt), (ref_single_mod, n_ref), (single_mod, n_rest))
-    rope, rank = concat_tables(text.rope, image.rope), _key_rank(text, image)
     # Reference queries see only reference keys; text and image queries see everything.
-    keys = _Keys(rank, isolated=(n_txt, n_txt + n_ref))
+    keys = _Keys(_key_rank(text, image), isolated=(n_txt, n_txt + n_ref))
+    mods = (img_mod, txt_mod, single_mod)
+    return _velocity(model, temb, mods, text, image, keys, (n_txt + n_ref, n_img))
+
+
+def _velocity(model, temb, mods, text: _Padded, image: _Padded, keys, rows, kv: ReferenceKV | None = None):
+    """The velocity float[B, count, C] of the joint rows `rows` = (first, count), the image tokens: the
+    input embeddings of both streams, the double blocks, the single blocks over [txt, img], the last
+    single block over those rows, the final layer. `mods` = (img_mod, txt_mod, single_mod); `keys`: what
+    the queries see; `kv`: the references' cached keys and values, a layer of them spliced into each
+    layer's, or None."""
+    img_mod, txt_mod, single_mod = mods
+    rope = concat_tables(text.rope, image.rope)
+    double_kv = None if kv is None else (kv.double_k, kv.double_v)
+    single_kv = None if kv is None else (kv.single_k, kv.single_v)
 
     img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
-    img, txt = _double_blocks(model, img, txt, (img_mod, txt_mod), rope, keys)
-    x = _single_blocks(model, jnp.concatenate([txt, img], axis=1), single_mod, rope, keys)
+    img, txt = _double_blocks(model, img, txt, (img_mod, txt_mod), rope, keys, double_kv)
+    x = _single_blocks(model, jnp.concatenate([txt, img], axis=1), single_mod, rope, keys, single_kv)
+    last = None if kv is None else stacks.layer(single_kv, model.cfg.num_single_layers - 1)
     # The last block's queries are image tokens only, which see every key.
-    x = _last_single_block(model, x, single_mod, rope, _Keys(rank), (n_txt + n_ref, n_img))
+    x = _last_single_block(model, x, single_mod, rope, keys._replace(isolated=None, cached=last), rows)
     return _final_layer(model, x, temb)
 
 
@@ -251,13 +253,13 @@ def _prefill_single_blocks(model, x, mod, rope, keys):
     """Every single block but the last over the references: x and the (k, v) stacks [L_single, R, H, Dh]
     their keys and values were written straight into, the last layer still empty."""
     cfg, count = model.cfg, model.cfg.num_single_layers - 1
-    shape = (cfg.num_single_layers, x.shape[1], cfg.num_attention_heads, cfg.attention_head_dim)
-    empty = jnp.zeros(shape, stacks.as_bits(x[:0]).dtype)
+    layer = (x.shape[1], cfg.num_attention_heads, cfg.attention_head_dim)
+    empty = stacks.empty(cfg.num_single_layers, layer, x.dtype)
 
     def body(block, carry, index):
         x, ks, vs = carry
         x, (k, v) = block(x, mod, rope, partial(_attend, keys=keys))
-        return (x, _into(ks, k, index), _into(vs, v, index)), None
+        return (x, stacks.put(ks, index, k[0]), stacks.put(vs, index, v[0])), None
 
     blocks = model.single_transformer_blocks
     (x, ks, vs), _ = _scan(blocks, body, (x, empty, empty), count, jnp.arange(count))
@@ -269,7 +271,7 @@ def _prefill_last_single_block(model, x, mod, rope, kv):
     alone (nothing reads its output); joining them to the others would copy the stacks."""
     last = model.cfg.num_single_layers - 1
     k, v = _block(model.single_transformer_blocks, last).keys_values(constrain(x, TOKENS), mod, rope)
-    return _into(kv[0], k, last), _into(kv[1], v, last)
+    return stacks.put(kv[0], last, k[0]), stacks.put(kv[1], last, v[0])
 
 
 def _scan(blocks, body, carry, count: int, xs=None):
@@ -294,11 +296,6 @@ def _block(blocks, index: int):
     """Block `index` of a stack, as a module of its own."""
     graphdef, params = nnx.split(blocks)
     return nnx.merge(graphdef, stacks.layer(params, index))
-
-
-def _into(stack, kv, index):
-    """`stack` with layer `index` set to one block's keys or values float[1, R, H, Dh], as bits."""
-    return jax.lax.dynamic_update_index_in_dim(stack, stacks.as_bits(kv[0]), index, 0)
 
 
 class _Keys(NamedTuple):
