@@ -118,10 +118,15 @@ def _q3_k(b):
 
 def _scale_min(packed):
     """The 8 6-bit scales and 8 6-bit minimums of a Q4_K / Q5_K super-block, from their 12 bytes."""
-    d, m, md = packed[..., :4], packed[..., 4:8], packed[..., 8:12]
-    six = jnp.uint8(0x3F)
-    scale = jnp.concatenate([d & six, (md & jnp.uint8(0xF)) | ((d >> jnp.uint8(2)) & jnp.uint8(0x30))], -1)
-    least = jnp.concatenate([m & six, (md >> jnp.uint8(4)) | ((m >> jnp.uint8(2)) & jnp.uint8(0x30))], -1)
+    lead = packed.shape[:-1]
+    # Sub-block j reads byte j % 4 of each group of 4: a broadcast, not a concatenation, which XLA:CPU
+    # turns into a branch per value.
+    d, m, md = (
+        jnp.broadcast_to(packed[..., None, i : i + 4], (*lead, 2, 4)).reshape(*lead, 8) for i in (0, 4, 8)
+    )
+    first, six = jnp.arange(8) < 4, jnp.uint8(0x3F)
+    scale = jnp.where(first, d & six, (md & jnp.uint8(0xF)) | ((d >> jnp.uint8(2)) & jnp.uint8(0x30)))
+    least = jnp.where(first, m & six, (md >> jnp.uint8(4)) | ((m >> jnp.uint8(2)) & jnp.uint8(0x30)))
     return scale.astype(jnp.float32), least.astype(jnp.float32)
 
 
