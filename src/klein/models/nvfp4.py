@@ -25,8 +25,6 @@ import numpy as np
 
 BLOCK, BLOCK_BYTES = 16, 9
 TILE_ROWS, TILE_BLOCKS = 128, 4
-# E2M1 codes 0-15 (bit 3 the sign) -> their values
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 def swizzled_size(rows: int, columns: int) -> int:
@@ -69,8 +67,9 @@ def dequantise(raw):
 
 
 def e2m1(codes, xp=jnp):
-    """float32 of E2M1 `codes` (uint8, bit 3 the sign), equal to `E2M1[codes]`, built from their bits
-    rather than looked up: XLA:CPU reads a table one value at a time, where these are vector operations.
+    """float32 of E2M1 `codes` (uint8; 0-7: 0, 0.5, 1, 1.5, 2, 3, 4, 6, 8-15 their negatives), built from
+    their bits rather than looked up: XLA:CPU reads a table one value at a time, shifts and masks it
+    vectorises.
     A code's 3 magnitude bits (exponent e, mantissa m) placed at bit 22 give float32's exponent's low bits
     and mantissa's top one; adding 126 to the exponent makes it 2^(e - 1) (1 + m / 2) for e > 0. The two
     codes with e = 0 are 0 and 0.5 (0x3F000000)."""
