@@ -68,18 +68,28 @@ def _q8_0(b):
     return q.astype(jnp.float32) * _words_f16(words[..., :1])
 
 
+def _words(b):
+    """`b` uint8[..., 2n] as n little-endian 16-bit words."""
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _in_words(words, shifts, width: int):
+    """The values packed `width` bits apart in bytes read as 16-bit `words` [..., n]: [..., len(shifts), n,
+    2], each word's low byte then its high one shifted right by each of `shifts` and masked, as `_shifted`
+    of the bytes gives them. Half as many loads as from bytes, which XLA:CPU gathers one at a time; a
+    group of two shifts becomes a select per value where more become a branch (which `_shifted` keeps)."""
+    mask = jnp.uint16((1 << width) - 1)
+    return jnp.stack([jnp.stack([(words >> s) & mask, (words >> (s + 8)) & mask], -1) for s in shifts], -3)
+
+
 def _words_f16(word):
     """float32 of float16 bits held as int16 / uint16."""
     return jax.lax.bitcast_convert_type(word, jnp.float16).astype(jnp.float32)
 
 
 def _q4_0(b):
-    # As Q8_0: 9 little-endian 16-bit words, each holding values 2k, 2k + 1 (its bytes' low nibbles) and
-    # 16 + 2k, 17 + 2k (their high nibbles).
-    words = jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], 9, 2), jnp.uint16)
-    w = words[..., 1:]
-    half = [jnp.stack([(w >> s) & 15, (w >> (s + 8)) & 15], -1) for s in (0, 4)]
-    q = jnp.stack(half, -3).reshape(*b.shape[:-1], 32).astype(jnp.int16) - jnp.int16(8)
+    words = _words(b)
+    q = _in_words(words[..., 1:], (0, 4), 4).reshape(*b.shape[:-1], 32).astype(jnp.int16) - jnp.int16(8)
     return _words_f16(words[..., :1]) * q.astype(jnp.float32)
 
 
@@ -153,20 +163,20 @@ def _k_scaled(b, q):
 
 def _q4_k(b):
     lead = b.shape[:-1]
-    q = _shifted(b[..., 16:].reshape(*lead, 4, 32), (0, 4), 4).reshape(*lead, 8, 32)
+    q = _in_words(_words(b[..., 16:]).reshape(*lead, 4, 16), (0, 4), 4).reshape(*lead, 8, 32)
     return _k_scaled(b, q.astype(jnp.float32))
 
 
 def _q5_k(b):
     lead = b.shape[:-1]
-    ql = _shifted(b[..., 48:].reshape(*lead, 4, 32), (0, 4), 4).reshape(*lead, 8, 32)
+    ql = _in_words(_words(b[..., 48:]).reshape(*lead, 4, 16), (0, 4), 4).reshape(*lead, 8, 32)
     qh = _shifted(b[..., 16:48], tuple(range(8)), 1).reshape(*lead, 8, 32)
     return _k_scaled(b, (ql | (qh << jnp.uint8(4))).astype(jnp.float32))
 
 
 def _q6_k(b):
     lead = b.shape[:-1]
-    ql = _shifted(b[..., :128].reshape(*lead, 2, 64), (0, 4), 4).reshape(*lead, 8, 32)
+    ql = _in_words(_words(b[..., :128]).reshape(*lead, 2, 32), (0, 4), 4).reshape(*lead, 8, 32)
     qh = _shifted(b[..., 128:192].reshape(*lead, 2, 32), (0, 2, 4, 6), 2).reshape(*lead, 8, 32)
     scales = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
     d = (_f16(b[..., 208:210])[..., None] * scales)[..., None]
