@@ -9,6 +9,13 @@ uint8[..., type_size] and returns their values float32[..., block_size] with the
 in the same order as `gguf.quants.dequantize` (llama.cpp's definition), so that the two agree to the bit:
 only the layout of the arithmetic differs (JAX shifts and masks instead of NumPy's).
 
+That layout is chosen for XLA:CPU, where the widening runs once per layer and step
+(docs/benchmarks/dequant-step-cpu.md). Its loop over a layer's values reads each value's bytes with a
+load of their own (a block's stride is no power of two), so bytes are read two at a time as 16-bit words,
+scales included; values from two shifts of a byte are a select each, where a concatenation of parts, or
+more than two shifts along the last axis, becomes a branch per value that stops the loop from being
+vectorised.
+
 Multi-byte fields are little-endian, as GGUF stores them; `jax.lax.bitcast_convert_type` reads them in the
 machine's order, little-endian on every backend JAX runs on.
 """
@@ -46,6 +53,20 @@ def _f16(b, at: int):
     return jax.lax.bitcast_convert_type(word, jnp.float16).astype(jnp.float32)
 
 
+def _words(b):
+    """`b` uint8[..., 2n] as n little-endian 16-bit words."""
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _in_words(words, shifts, width: int):
+    """The values packed `width` bits apart in bytes read as 16-bit `words` [..., n]: [..., len(shifts), n,
+    2], each word's low byte then its high one shifted right by each of `shifts` and masked, as `_shifted`
+    of the bytes gives them, with half as many loads. Two shifts become a select per value; more become a
+    branch per value, so those stay with `_shifted`, whose shift is the same along a row of n."""
+    mask = jnp.uint16((1 << width) - 1)
+    return jnp.stack([jnp.stack([(words >> s) & mask, (words >> (s + 8)) & mask], -1) for s in shifts], -3)
+
+
 def _u32(quad):
     return jax.lax.bitcast_convert_type(quad, jnp.uint32)
 
@@ -69,20 +90,6 @@ def _q8_0(b):
     pairs = words[..., 1:]
     q = jnp.stack([(pairs << 8) >> 8, pairs >> 8], -1).reshape(*b.shape[:-1], 32)
     return q.astype(jnp.float32) * _f16(b, 0)
-
-
-def _words(b):
-    """`b` uint8[..., 2n] as n little-endian 16-bit words."""
-    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // 2, 2), jnp.uint16)
-
-
-def _in_words(words, shifts, width: int):
-    """The values packed `width` bits apart in bytes read as 16-bit `words` [..., n]: [..., len(shifts), n,
-    2], each word's low byte then its high one shifted right by each of `shifts` and masked, as `_shifted`
-    of the bytes gives them. Half as many loads as from bytes, which XLA:CPU gathers one at a time; a
-    group of two shifts becomes a select per value where more become a branch (which `_shifted` keeps)."""
-    mask = jnp.uint16((1 << width) - 1)
-    return jnp.stack([jnp.stack([(words >> s) & mask, (words >> (s + 8)) & mask], -1) for s in shifts], -3)
 
 
 def _q4_0(b):
