@@ -13,7 +13,7 @@ them all alike: each round's step time of a form is divided by the bf16 step of 
 median of those ratios is printed with the median times and the weight bytes held. `--widen` also
 times the widening alone, of one 3072 x 9216 layer (SwiGLU's width) of every block format to the bf16
 that the product multiplies: best of `--rounds`, in M values per second of wall time and per second of
-the process's CPU time (which a busy machine's other processes do not inflate). The CPU model and the
+the process's CPU time (which a busy machine's other processes inflate less). The CPU model and the
 load average before and after are printed with them.
 
     PYTHONPATH=src:. python benchmarks/dequant_step.py --double 1 --single 2 --rounds 5 --widen
