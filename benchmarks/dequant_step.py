@@ -1,19 +1,28 @@
 """The per-step cost of widening quantisation blocks inside the layer loop: one transformer forward (a
 denoising step without guidance) at 512^2 with its Linears kept as bf16, Q8_0, Q4_K or NVFP4, on this
-machine's first device.
+machine's first device; and how fast each block format widens alone.
 
 klein-4b's width (hidden 3072, 24 heads, SwiGLU 9216, text states 7680) with `--double` / `--single`
 blocks instead of 5 / 20; 1024 image tokens, `--text` text tokens, batch 1, bf16 compute. The blocks are
 random bytes with valid float16 / E4M3 scales (speed does not depend on the values); the one Linear with
 fewer than 256 inputs (x_embedder) is Q8_0 in every form, as GGUF files keep it. Stacks are held as
-the pipeline holds them (bf16 as its bits, blocks as uint8). Printed: warm time of a step (best of
-`--repeat`) and its ratio to bf16's, and the weight bytes held.
+the pipeline holds them (bf16 as its bits, blocks as uint8).
 
-    PYTHONPATH=src:. python benchmarks/dequant_step.py --double 1 --single 2
+The forms are timed in turn, round after round (`--rounds`), so that a machine whose load changes meets
+them all alike: each round's step time of a form is divided by the bf16 step of the same round, and the
+median of those ratios is printed with the median times and the weight bytes held. `--widen` also
+times the widening alone, of one 3072 x 9216 layer (SwiGLU's width) of every block format to the bf16
+that the product multiplies: best of `--rounds`, in M values per second of wall time and per second of
+the process's CPU time (which a busy machine's other processes inflate less). The CPU model and the
+load average before and after are printed with them.
+
+    PYTHONPATH=src:. python benchmarks/dequant_step.py --double 1 --single 2 --rounds 5 --widen
 """
 
 import argparse
 import dataclasses
+import functools
+import os
 import time
 
 import jax
@@ -30,7 +39,11 @@ from klein.models.transformer_config import KLEIN_4B
 from klein.sampling import image_ids, text_ids
 
 FORMS = ("bf16", "Q8_0", "Q4_K", "nvfp4")
-F16_AT = {"Q8_0": (0,), "Q4_K": (0, 2)}  # byte offsets of each block's float16 scales
+# Byte offsets of each block's float16 scales.
+F16_AT = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+    "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
 
 
 def random_rows(blocks: str, shape: tuple, rng) -> np.ndarray:
@@ -65,12 +78,44 @@ def model_in(form: str, cfg, rng):
     return graphdef, nnx.from_flat_state(flat)
 
 
+def cpu_model() -> str:
+    """The first processor's model name (Linux), else the device kind."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return jax.devices()[0].device_kind
+
+
+def load() -> str:
+    return ", ".join(f"{n:.1f}" for n in os.getloadavg())
+
+
+def widening(rounds: int, rows: int = 9216, columns: int = 3072):
+    """Print how fast one [rows, columns] layer of each block format widens to bf16 (best of `rounds`)."""
+    rng = np.random.default_rng(1)
+    print(f"\nwidening one {columns} x {rows} layer to bf16, best of {rounds}")
+    print("| format | ms | M values/s | M values per CPU-s |\n|---|---|---|---|")
+    for blocks in products.BLOCKS:
+        raw = jnp.asarray(random_rows(blocks, (columns, rows), rng))
+        widen = jax.jit(lambda r, b=blocks: products.unpacked(r, b).astype(jnp.bfloat16))
+        jax.block_until_ready(widen(raw))
+        wall = cpu = float("inf")
+        for _ in range(rounds):
+            start, used = time.perf_counter(), time.process_time()
+            jax.block_until_ready(widen(raw))
+            wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - used)
+        values = rows * columns / 1e6
+        print(f"| {blocks} | {wall * 1e3:.0f} | {values / wall:.0f} | {values / cpu:.0f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--double", type=int, default=1)
     parser.add_argument("--single", type=int, default=2)
     parser.add_argument("--text", type=int, default=512)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--widen", action="store_true", help="also time the widening of each block format")
     args = parser.parse_args()
     cfg = dataclasses.replace(KLEIN_4B, num_layers=args.double, num_single_layers=args.single)
     rng = np.random.default_rng(0)
@@ -81,24 +126,33 @@ def main():
         tuple(jnp.asarray(a) for a in rope_tables(ids, cfg.axes_dims_rope, cfg.rope_theta))
         for ids in (image_ids(32, 32), text_ids(args.text))
     ]
-    print(
-        f"{jax.devices()[0].device_kind}: {args.double} double + {args.single} single blocks at klein-4b width"
-    )
-    print("| stored form | weight GiB | step s | vs bf16 |\n|---|---|---|---|")
-    baseline = None
+    inputs = (img, txt, t, *ropes)
+    print(f"{cpu_model()} ({jax.devices()[0].platform}, {os.cpu_count()} cores), load average {load()}")
+    print(f"{args.double} double + {args.single} single blocks at klein-4b width, {args.rounds} rounds")
+    steps, sizes = {}, {}
     for form in FORMS:
         graphdef, state = model_in(form, cfg, rng)
         step = jax.jit(lambda s, *a, g=graphdef: T.forward(nnx.merge(g, s), *a))
-        inputs = (img, txt, t, *ropes)
         jax.block_until_ready(step(state, *inputs))
-        best = float("inf")
-        for _ in range(args.repeat):
+        steps[form] = functools.partial(step, state)
+        sizes[form] = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(state)) / 2**30
+    times = {form: [] for form in FORMS}
+    for _ in range(args.rounds):
+        for form in FORMS:
             start = time.perf_counter()
-            jax.block_until_ready(step(state, *inputs))
-            best = min(best, time.perf_counter() - start)
-        baseline = baseline or best
-        size = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(state)) / 2**30
-        print(f"| {form} | {size:.2f} | {best:.2f} | {best / baseline:.2f}x |", flush=True)
+            jax.block_until_ready(steps[form](*inputs))
+            times[form].append(time.perf_counter() - start)
+    print("| stored form | weight GiB | step s (median) | vs bf16 (median of rounds) | range |")
+    print("|---|---|---|---|---|")
+    for form in FORMS:
+        ratios = [a / b for a, b in zip(times[form], times[FORMS[0]], strict=True)]
+        print(
+            f"| {form} | {sizes[form]:.2f} | {np.median(times[form]):.2f} | {np.median(ratios):.2f}x "
+            f"| {min(ratios):.2f}-{max(ratios):.2f}x |"
+        )
+    if args.widen:
+        widening(args.rounds)
+    print(f"load average {load()}")
 
 
 if __name__ == "__main__":

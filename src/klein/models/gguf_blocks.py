@@ -9,6 +9,13 @@ uint8[..., type_size] and returns their values float32[..., block_size] with the
 in the same order as `gguf.quants.dequantize` (llama.cpp's definition), so that the two agree to the bit:
 only the layout of the arithmetic differs (JAX shifts and masks instead of NumPy's).
 
+That layout is chosen for XLA:CPU, where the widening runs once per layer and step
+(docs/benchmarks/dequant-step-cpu.md). Its loop over a layer's values reads each value's bytes with a
+load of their own (a block's stride is no power of two), so bytes are read two at a time as 16-bit words,
+scales included; values from two shifts of a byte are a select each, where a concatenation of parts, or
+more than two shifts along the last axis, becomes a branch per value that stops the loop from being
+vectorised.
+
 Multi-byte fields are little-endian, as GGUF stores them; `jax.lax.bitcast_convert_type` reads them in the
 machine's order, little-endian on every backend JAX runs on.
 """
@@ -38,9 +45,26 @@ def sizes(ggml_type: str) -> tuple[int, int]:
     return _TYPES[ggml_type][:2]
 
 
-def _f16(pair):
-    """float32 of little-endian float16 bytes uint8[..., 2]."""
-    return jax.lax.bitcast_convert_type(pair, jnp.float16).astype(jnp.float32)
+def _f16(b, at: int):
+    """float32[..., 1] of the little-endian float16 at byte `at` (even) of blocks `b` uint8[..., size], read
+    through the blocks' 16-bit words: XLA:CPU assembles a float16 from two bytes in a pass of its own,
+    which slows the widening that reads it by half or more."""
+    word = _words(b)[..., at // 2 : at // 2 + 1]
+    return jax.lax.bitcast_convert_type(word, jnp.float16).astype(jnp.float32)
+
+
+def _words(b):
+    """`b` uint8[..., 2n] as n little-endian 16-bit words."""
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _in_words(words, shifts, width: int):
+    """The values packed `width` bits apart in bytes read as 16-bit `words` [..., n]: [..., len(shifts), n,
+    2], each word's low byte then its high one shifted right by each of `shifts` and masked, as `_shifted`
+    of the bytes gives them, with half as many loads. Two shifts become a select per value; more become a
+    branch per value, so those stay with `_shifted`, whose shift is the same along a row of n."""
+    mask = jnp.uint16((1 << width) - 1)
+    return jnp.stack([jnp.stack([(words >> s) & mask, (words >> (s + 8)) & mask], -1) for s in shifts], -3)
 
 
 def _u32(quad):
@@ -54,48 +78,53 @@ def _shifted(bytes_, shifts, width: int):
     return shifted & jnp.uint8((1 << width) - 1)
 
 
-def _nibbles(qs):
-    """Low nibbles of each byte, then high ones: [..., 2n] from qs uint8[..., n]."""
-    return _shifted(qs, (0, 4), 4).reshape(*qs.shape[:-1], 2 * qs.shape[-1])
+def _nibbles(words):
+    """Low nibbles of each byte, then high ones: [..., 4n] from the bytes' words uint16[..., n]."""
+    return _in_words(words, (0, 4), 4).reshape(*words.shape[:-1], 4 * words.shape[-1])
 
 
 def _q8_0(b):
-    return (
-        jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) * _f16(b[..., :2])[..., None]
-    )
+    # Read as 17 little-endian 16-bit words (the scale, then 16 pairs of values), each pair's two int8
+    # sign-extended by shifts: XLA:CPU gathers half as many loads as from 32 single bytes.
+    words = jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], 17, 2), jnp.int16)
+    pairs = words[..., 1:]
+    q = jnp.stack([(pairs << 8) >> 8, pairs >> 8], -1).reshape(*b.shape[:-1], 32)
+    return q.astype(jnp.float32) * _f16(b, 0)
 
 
 def _q4_0(b):
-    q = (_nibbles(b[..., 2:]).astype(jnp.int8) - jnp.int8(8)).astype(jnp.float32)
-    return _f16(b[..., :2])[..., None] * q
+    q = (_nibbles(_words(b)[..., 1:]).astype(jnp.int8) - jnp.int8(8)).astype(jnp.float32)
+    return _f16(b, 0) * q
 
 
 def _q4_1(b):
-    q = _nibbles(b[..., 4:]).astype(jnp.float32)
-    return _f16(b[..., :2])[..., None] * q + _f16(b[..., 2:4])[..., None]
+    q = _nibbles(_words(b)[..., 2:]).astype(jnp.float32)
+    return _f16(b, 0) * q + _f16(b, 2)
 
 
 def _five_bit(qh, qs):
-    """The 32 5-bit values of a Q5_0 / Q5_1 block: low nibbles from qs, the fifth bits from qh (bit i of
-    the little-endian uint32 for value i)."""
+    """The 32 5-bit values of a Q5_0 / Q5_1 block: low nibbles from qs (as words), the fifth bits from qh
+    (bit i of the little-endian uint32 for value i)."""
     high = (_u32(qh)[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
-    return _nibbles(qs) | (high.astype(jnp.uint8) << jnp.uint8(4))
+    return _nibbles(qs) | (high.astype(jnp.uint16) << jnp.uint16(4))
 
 
 def _q5_0(b):
-    q = (_five_bit(b[..., 2:6], b[..., 6:]).astype(jnp.int8) - jnp.int8(16)).astype(jnp.float32)
-    return _f16(b[..., :2])[..., None] * q
+    q = (_five_bit(b[..., 2:6], _words(b)[..., 3:]).astype(jnp.int8) - jnp.int8(16)).astype(jnp.float32)
+    return _f16(b, 0) * q
 
 
 def _q5_1(b):
-    q = _five_bit(b[..., 4:8], b[..., 8:]).astype(jnp.float32)
-    return _f16(b[..., :2])[..., None] * q + _f16(b[..., 2:4])[..., None]
+    q = _five_bit(b[..., 4:8], _words(b)[..., 4:]).astype(jnp.float32)
+    return _f16(b, 0) * q + _f16(b, 2)
 
 
 def _q2_k(b):
     lead = b.shape[:-1]
     scales, qs = b[..., :16], b[..., 16:80]
-    d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+    # From their bytes, not through `_f16`'s words: here XLA:CPU fuses those into a widening 1.5x slower.
+    d, dmin = (jax.lax.bitcast_convert_type(b[..., at : at + 2], jnp.float16) for at in (80, 82))
+    d, dmin = d.astype(jnp.float32)[..., None], dmin.astype(jnp.float32)[..., None]
     dl = (d * (scales & jnp.uint8(0xF)).astype(jnp.float32))[..., None]
     ml = (dmin * (scales >> jnp.uint8(4)).astype(jnp.float32))[..., None]
     q = _shifted(qs.reshape(*lead, 2, 32), (0, 2, 4, 6), 2).reshape(*lead, 16, 16).astype(jnp.float32)
@@ -104,7 +133,7 @@ def _q2_k(b):
 
 def _q3_k(b):
     lead = b.shape[:-1]
-    hmask, qs, packed, d = b[..., :32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])[..., None]
+    hmask, qs, packed, d = b[..., :32], b[..., 32:96], b[..., 96:108], _f16(b, 108)
     low = _shifted(packed[..., :8], (0, 4), 4).reshape(*lead, 16)
     high = _shifted(packed[..., 8:], (0, 2, 4, 6), 2).reshape(*lead, 16)
     scales = ((low | (high << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)).astype(jnp.float32)
@@ -118,40 +147,45 @@ def _q3_k(b):
 
 def _scale_min(packed):
     """The 8 6-bit scales and 8 6-bit minimums of a Q4_K / Q5_K super-block, from their 12 bytes."""
-    d, m, md = packed[..., :4], packed[..., 4:8], packed[..., 8:12]
-    six = jnp.uint8(0x3F)
-    scale = jnp.concatenate([d & six, (md & jnp.uint8(0xF)) | ((d >> jnp.uint8(2)) & jnp.uint8(0x30))], -1)
-    least = jnp.concatenate([m & six, (md >> jnp.uint8(4)) | ((m >> jnp.uint8(2)) & jnp.uint8(0x30))], -1)
+    lead = packed.shape[:-1]
+    # Sub-block j reads byte j % 4 of each group of 4: a broadcast, not a concatenation, which XLA:CPU
+    # turns into a branch per value.
+    d, m, md = (
+        jnp.broadcast_to(packed[..., None, i : i + 4], (*lead, 2, 4)).reshape(*lead, 8) for i in (0, 4, 8)
+    )
+    first, six = jnp.arange(8) < 4, jnp.uint8(0x3F)
+    scale = jnp.where(first, d & six, (md & jnp.uint8(0xF)) | ((d >> jnp.uint8(2)) & jnp.uint8(0x30)))
+    least = jnp.where(first, m & six, (md >> jnp.uint8(4)) | ((m >> jnp.uint8(2)) & jnp.uint8(0x30)))
     return scale.astype(jnp.float32), least.astype(jnp.float32)
 
 
 def _k_scaled(b, q):
     """`d * scale * q - dmin * min` over the 8 sub-blocks of 32 of a Q4_K / Q5_K super-block."""
     scale, least = _scale_min(b[..., 4:16])
-    d = (_f16(b[..., :2])[..., None] * scale)[..., None]
-    dm = (_f16(b[..., 2:4])[..., None] * least)[..., None]
+    d = (_f16(b, 0) * scale)[..., None]
+    dm = (_f16(b, 2) * least)[..., None]
     return (d * q - dm).reshape(*b.shape[:-1], QK_K)
 
 
 def _q4_k(b):
     lead = b.shape[:-1]
-    q = _shifted(b[..., 16:].reshape(*lead, 4, 32), (0, 4), 4).reshape(*lead, 8, 32)
+    q = _in_words(_words(b)[..., 8:].reshape(*lead, 4, 16), (0, 4), 4).reshape(*lead, 8, 32)
     return _k_scaled(b, q.astype(jnp.float32))
 
 
 def _q5_k(b):
     lead = b.shape[:-1]
-    ql = _shifted(b[..., 48:].reshape(*lead, 4, 32), (0, 4), 4).reshape(*lead, 8, 32)
+    ql = _in_words(_words(b)[..., 24:].reshape(*lead, 4, 16), (0, 4), 4).reshape(*lead, 8, 32)
     qh = _shifted(b[..., 16:48], tuple(range(8)), 1).reshape(*lead, 8, 32)
     return _k_scaled(b, (ql | (qh << jnp.uint8(4))).astype(jnp.float32))
 
 
 def _q6_k(b):
     lead = b.shape[:-1]
-    ql = _shifted(b[..., :128].reshape(*lead, 2, 64), (0, 4), 4).reshape(*lead, 8, 32)
+    ql = _in_words(_words(b)[..., :64].reshape(*lead, 2, 32), (0, 4), 4).reshape(*lead, 8, 32)
     qh = _shifted(b[..., 128:192].reshape(*lead, 2, 32), (0, 2, 4, 6), 2).reshape(*lead, 8, 32)
     scales = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
-    d = (_f16(b[..., 208:210])[..., None] * scales)[..., None]
+    d = (_f16(b, 208) * scales)[..., None]
     q = ((ql | (qh << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)).reshape(*lead, 16, 16)
     return (d * q.astype(jnp.float32)).reshape(*lead, QK_K)
 
