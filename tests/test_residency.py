@@ -17,7 +17,7 @@ from klein.errors import CannotFitError
 from klein.io import demo
 from klein.io.transformer_checkpoint import load_transformer
 from klein.lora import merge
-from klein.memory import admission, plan, residency
+from klein.memory import admission, plan, process, residency
 from klein.models import transformer as T
 from klein.models.stacks import as_float
 from klein.pipeline import device_weights
@@ -259,9 +259,12 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
         ).peak
         for tiled in (False, True)
     )
-    sequential = residency.resident_weights("sequential", sizes) + request
+    # On the CPU the plan counts klein's own process (`klein.memory.process`) beside the weights and the
+    # request, against the memory available with what the process holds (none here).
+    sequential = residency.resident_weights("sequential", sizes) + request + process.footprint("cpu")
     limit = {"value": 10 * 2**30}
     monkeypatch.setattr(admission, "available_bytes", lambda devices: (limit["value"], "free (test)"))
+    monkeypatch.setattr(process, "resident", lambda: 0)
     assert load_pipeline("demo").residency == "all"
     # Room for the larger of the text encoder and the transformer (with the VAE), not for both.
     limit["value"] = sequential
@@ -271,10 +274,18 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
     # On CPU the streamed layers stay in the one memory there is: stream plans what sequential plans.
     assert residency.resident_weights("stream", sizes) == residency.resident_weights("sequential", sizes)
     limit["value"] = sequential - 1
-    with pytest.raises(CannotFitError, match="no residency policy fits.*FP8"):
+    with pytest.raises(
+        CannotFitError, match="no residency policy fits.*request and klein's own .* GiB need.*FP8"
+    ):
         load_pipeline("demo")
     with pytest.raises(InputError, match="residency must be one of auto, all, sequential"):
         load_pipeline("demo", residency="stream-ish")
+    # A memory cap below what is free is what auto plans against, and what admission judges by later.
+    limit["value"] = 10 * 2**30
+    capped = load_pipeline("demo", memory_cap=sequential)
+    assert capped.residency == "sequential" and capped.memory_cap == sequential
+    with pytest.raises(CannotFitError, match=r"more than the .* GiB allowed \(memory cap\)"):
+        load_pipeline("demo", memory_cap=f"{sequential - 1}")
 
 
 def test_choose_names_estimates_limit_and_what_fits():
@@ -287,6 +298,11 @@ def test_choose_names_estimates_limit_and_what_fits():
         CannotFitError, match="all .*sequential .*more than the .* free; use --residency sequential"
     ):
         residency.choose("all", sizes, 2, 25, "free")
+    # The process's own bytes, where it shares the memory, count as the request's do.
+    assert residency.choose("auto", sizes, 1, 30, "free", process=1) == "all"
+    assert residency.choose("auto", sizes, 2, 30, "free", process=1) == "sequential"
+    with pytest.raises(CannotFitError, match="a 0.00 GiB request and klein's own 0.00 GiB need about"):
+        residency.choose("all", sizes, 2, 30, "free", process=1)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ from klein.errors import InputError
 from klein.images import MIN_SIDE as MIN_REFERENCE_SIDE
 from klein.images import show_pixels
 from klein.pipeline import warmup
+from klein.request.kinds import parse_size
 from klein.request.resolve import DEFAULT_SIZE, MULTIPLE
 from klein.serve import security
-from klein.serve.options import ServeOptions, parse_size, show_size
+from klein.serve.options import ServeOptions, show_size
 from klein.version import version
 
 DESCRIPTION = """\

@@ -73,10 +73,11 @@ def peaks(sizes: dict[str, int], request: int) -> dict[str, int]:
     return {policy: resident_weights(policy, sizes) + request for policy in POLICIES}
 
 
-def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: str) -> str:
+def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: str, process: int = 0) -> str:
     """`policy`, or under `auto` the first policy that fits `limit`; a `CannotFitError` naming the
-    estimates, the limit and what would fit when the asked policy (or, under auto, every policy) does not."""
-    planned = peaks(sizes, request)
+    estimates, the limit and what would fit when the asked policy (or, under auto, every policy) does not.
+    `process`: bytes of klein's own process in the same memory (`klein.memory.process`; the CPU's)."""
+    planned = peaks(sizes, request + process)
     fitting = [name for name, peak in planned.items() if peak <= limit]
     chosen = (fitting[0] if fitting else None) if policy == AUTO else policy
     if chosen in fitting:
@@ -88,9 +89,10 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
         else "use a smaller model or the FP8 transformer file, or a device with more memory"
     )
     asked = "no residency policy fits" if policy == AUTO else f"residency {policy} does not fit"
+    parts = f"the weights, a {_gib(request)} request and klein's own {_gib(process)}"
+    parts = parts if process else f"the weights and a {_gib(request)} request"
     raise CannotFitError(
-        f"{asked}: the weights and a {_gib(request)} request need about {estimates}, more than the "
-        f"{_gib(limit)} {where}; {advice}"
+        f"{asked}: {parts} need about {estimates}, more than the {_gib(limit)} {where}; {advice}"
     )
 
 
