@@ -4,24 +4,25 @@ The planner plans device memory: weights, reference KV and each stage's activati
 process itself (Python, JAX's client, the compiled programs, the tokenizer) lives in host memory, apart,
 and is not planned. On the CPU the device's memory is the host's, so the process takes from the same
 memory the weights do; a plan for it (`klein plan` on this machine, `auto` and admission on a CPU) adds
-`footprint("cpu")`, a sum of parts measured on this repository's 2-core AMD EPYC machine with the
-full-size quantized runs (docs/benchmarks/quantized-real-size-cpu.md):
-- `RUNTIME_BYTES`: the resident memory of `python -c "import klein.pipeline.flux2_klein, jax;
-  jax.devices()"` with one array op run (Python, numpy, JAX's CPU client, klein's modules, and the
-  shared libraries they map);
-- `TOKENIZER_BYTES`: the Qwen3 tokenizer (151,669 tokens), read from a GGUF's metadata or a folder;
-- `PROGRAMS_BYTES`: the compiled programs of one request (text encoder, prefill, step, decode) and what
-  the allocator keeps of the heap between stages: the part measured as the runs' resident memory less
-  the planned bytes and the two parts above.
+`footprint("cpu")`, a sum of parts measured on this repository's 2-core AMD EPYC machine
+(`python benchmarks/process_footprint.py` prints the first two on any machine):
+- `RUNTIME_BYTES`: the resident memory of a process that imported `klein.pipeline.flux2_klein` and JAX and
+  ran one array op on the CPU (Python, numpy, JAX's CPU client, klein's modules, the shared libraries
+  they map; 0.33 GiB, libtpu's probe included where the `tpu` extra is installed);
+- `TOKENIZER_BYTES`: the Qwen3 tokenizer (151,669 tokens) read from a GGUF's metadata, 36 MiB;
+- `PROGRAMS_BYTES`: the compiled programs of a request (text encoder, prefill, step, decode) and what the
+  allocator keeps of the heap between stages: the most any full-size quantized run held beyond its
+  planned bytes and the two parts above, 0.59 GiB (0.32-0.59 over the six runs of
+  docs/benchmarks/quantized-real-size-cpu.md), so that a plan errs toward fitting.
 None of it scales with the request; all of it is on the order of a GiB, which matters beside a Q4
 klein-4b (3 GiB planned) and not beside a bf16 klein-9b.
 """
 
 from __future__ import annotations
 
-RUNTIME_BYTES = 340 * 2**20
-TOKENIZER_BYTES = 32 * 2**20
-PROGRAMS_BYTES = 600 * 2**20
+RUNTIME_BYTES = 334 * 2**20
+TOKENIZER_BYTES = 36 * 2**20
+PROGRAMS_BYTES = 602 * 2**20
 
 
 def footprint(platform: str) -> int:
