@@ -273,7 +273,11 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
         load_pipeline("demo", residency="all")
     # On CPU the streamed layers stay in the one memory there is: stream plans what sequential plans.
     assert residency.resident_weights("stream", sizes) == residency.resident_weights("sequential", sizes)
+    # Without room for a typical request, auto takes the policy that leaves requests the most room, as
+    # long as its weights (and the process) fit; below that, nothing loads.
     limit["value"] = sequential - 1
+    assert load_pipeline("demo").residency == "sequential"
+    limit["value"] = sequential - request - 1
     with pytest.raises(
         CannotFitError, match="no residency policy fits.*request and klein's own .* GiB need.*FP8"
     ):
@@ -285,7 +289,7 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
     capped = load_pipeline("demo", memory_cap=sequential)
     assert capped.residency == "sequential" and capped.memory_cap == sequential
     with pytest.raises(CannotFitError, match=r"more than the .* GiB allowed \(memory cap\)"):
-        load_pipeline("demo", memory_cap=f"{sequential - 1}")
+        load_pipeline("demo", memory_cap=f"{sequential - request - 1}")
 
 
 def test_choose_names_estimates_limit_and_what_fits():
@@ -301,6 +305,12 @@ def test_choose_names_estimates_limit_and_what_fits():
     # The process's own bytes, where it shares the memory, count as the request's do.
     assert residency.choose("auto", sizes, 1, 30, "free", process=1) == "all"
     assert residency.choose("auto", sizes, 2, 30, "free", process=1) == "sequential"
+    # No room for the request under any policy: auto takes the roomiest whose weights fit.
+    assert residency.choose("auto", sizes, 5, 11, "free", process=1) == "stream"
+    with pytest.raises(CannotFitError, match="no residency policy fits"):
+        residency.choose("auto", sizes, 5, 6, "free", process=1)
+    with pytest.raises(CannotFitError, match="residency sequential does not fit"):
+        residency.choose("sequential", sizes, 5, 21, "free", process=1)
     with pytest.raises(CannotFitError, match="a 0.00 GiB request and klein's own 0.00 GiB need about"):
         residency.choose("all", sizes, 2, 30, "free", process=1)
 

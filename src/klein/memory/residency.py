@@ -76,12 +76,19 @@ def peaks(sizes: dict[str, int], request: int) -> dict[str, int]:
 def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: str, process: int = 0) -> str:
     """`policy`, or under `auto` the first policy that fits `limit`; a `CannotFitError` naming the
     estimates, the limit and what would fit when the asked policy (or, under auto, every policy) does not.
-    `process`: bytes of klein's own process in the same memory (`klein.memory.process`; the CPU's)."""
+    `process`: bytes of klein's own process in the same memory (`klein.memory.process`; the CPU's).
+
+    Where no policy has room for `request` (a typical one), `auto` takes the policy that leaves requests
+    the most room, if its weights fit: smaller requests then run, each admitted against what is left,
+    rather than none (a memory cap below a 1024x1024 request's needs is such a case)."""
     planned = peaks(sizes, request + process)
     fitting = [name for name, peak in planned.items() if peak <= limit]
     chosen = (fitting[0] if fitting else None) if policy == AUTO else policy
     if chosen in fitting:
         return chosen
+    roomiest = min(planned, key=planned.get)
+    if policy == AUTO and planned[roomiest] - request <= limit:
+        return roomiest
     estimates = ", ".join(f"{name} {_gib(peak)}" for name, peak in planned.items())
     advice = (
         f"use --residency {fitting[0]}"
