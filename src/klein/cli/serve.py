@@ -64,7 +64,12 @@ def serve_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every route but /healthz and the page (other local users "
         "can read a flag in ps: prefer KLEIN_API_KEY or --api-key-file); 'KEY rpm=N jobs=N' adds limits",
     )
-    add("--memory-limit", type=parse_size, metavar="SIZE", help="bytes a request may use beyond the weights")
+    add(
+        "--memory-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="bytes a request may use beyond the weights, whatever is free (--memory-cap bounds klein as a whole)",
+    )
     add(
         "--replicas",
         type=int,
