@@ -11,9 +11,10 @@ memory the weights do; a plan for it (`klein plan` on this machine, `auto` and a
   they map; 0.33 GiB, libtpu's probe included where the `tpu` extra is installed);
 - `TOKENIZER_BYTES`: the Qwen3 tokenizer (151,669 tokens) read from a GGUF's metadata, 36 MiB;
 - `PROGRAMS_BYTES`: the compiled programs of a request (text encoder, prefill, step, decode) and what the
-  allocator keeps of the heap between stages: the most any full-size quantized run held beyond its
-  planned bytes and the two parts above, 0.59 GiB (0.32-0.59 over the six runs of
-  docs/benchmarks/quantized-real-size-cpu.md), so that a plan errs toward fitting.
+  allocator keeps of the heap between stages: what the full-size quantized runs held beyond their
+  planned bytes and the two parts above, 0.30-0.77 GiB over the nine runs of
+  docs/benchmarks/quantized-real-size-cpu.md, mean 0.53; 0.59 GiB here, so that a plan errs toward
+  fitting.
 None of it scales with the request; all of it is on the order of a GiB, which matters beside a Q4
 klein-4b (3 GiB planned) and not beside a bf16 klein-9b.
 """
