@@ -12,7 +12,7 @@ the sets of them that may be on the device together:
   (`klein.models.stacks`), so the device holds a model's small parts and about two of its layers; for a
   device smaller than the transformer itself.
 - `auto` (the default) is the first of these whose planned peak fits the memory there is, chosen before
-  any weight is read.
+  any weight is read; where none has room for a typical request, the one that leaves requests the most.
 
 Off the device a model's weights live in host memory, or nowhere (`klein.pipeline.device_weights`).
 """

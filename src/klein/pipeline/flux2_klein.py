@@ -724,7 +724,8 @@ def load_pipeline(
 
     residency: "all" keeps every model on the device, "sequential" lets the text encoder and the
     transformer take turns, "auto" (the default) picks the first that fits the memory there is, before any
-    weight is read (`klein.memory.residency`); a load that fits under no policy is refused then, with the estimate.
+    weight is read (`klein.memory.residency`), or where none has room for a typical request the one leaving
+    requests the most room; a load whose weights fit under no policy is refused then, with the estimate.
 
     memory_cap: bytes (or text such as "9GiB") klein may plan to hold per device, weights, requests and,
     on a CPU, its own process together: `auto` and admission plan against the smaller of this and what
