@@ -27,11 +27,12 @@ def available_bytes(devices) -> tuple[int, str]:
 
 def memory_for_plan(devices, cap: int | None = None) -> tuple[int, str]:
     """(bytes a whole plan may take on the most loaded of `devices`, where that figure comes from): what is
-    free there, on a CPU with what this process already holds (a CPU plan counts the process,
-    `klein.memory.process`), or `cap` where that is less."""
+    free there, on a CPU with the part of the process's planned footprint it holds already (a CPU plan
+    counts the process, `klein.memory.process`; no more than that, so that a process holding another
+    pipeline is not counted free), or `cap` where that is less."""
     free, where = available_bytes(devices)
     if devices[0].platform == "cpu":
-        free += process.resident()
+        free += min(process.resident(), process.footprint("cpu"))
         where = "of available host memory, with klein's own"
     if cap is not None and cap < free:
         return cap, "allowed (memory cap)"
