@@ -26,8 +26,8 @@ and how close is the planner's estimate?
    as JSON to --out.
 
 The peak resident memory is host memory. With JAX on the CPU the device is host memory, so it compares
-with the planner's device peak directly (plus the runtime's own few hundred MB); on an accelerator it
-is only the host side of the run.
+with the planner's device peak directly (which there counts klein's own process, `klein.memory.process`);
+on an accelerator it is only the host side of the run.
 
 With --quantized NAME... it also writes (once, under --root/quantized, by `benchmarks/quantized_files.py`:
 random blocks with valid scales, no quantising pass) the full-size quantized files people download:

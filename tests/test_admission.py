@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from klein import GenerationRequest, InputError, sharding
-from klein.memory import plan
+from klein.memory import plan, process, residency
 from klein.pipeline.flux2_klein import load_pipeline
 from tests.test_cli import assert_clean_error, run_klein
 
@@ -51,6 +51,25 @@ def test_check_refuses_what_generate_would_without_running_anything(pipe):
     with pytest.raises(InputError, match="needs about"):
         pipe.check(GenerationRequest.create(prompt="x", height=100000, width=100000))
     assert dict(pipe.counters) == before
+
+
+def test_a_memory_cap_leaves_a_request_what_the_weights_and_the_process_leave(pipe):
+    """Under `memory_cap` a request may use the cap less the resident weights and, on the CPU, klein's own
+    process: a cap without room for the process refuses what fits beside it."""
+    held = residency.resident_weights(pipe.residency, pipe.weight_bytes)
+    own = process.footprint("cpu")
+    request = GenerationRequest.create(prompt="x", height=64, width=64)
+    try:
+        pipe.memory_cap = held + own + 64 * 2**20
+        pipe.check(request)
+        with pytest.raises(InputError, match="needs about .* more than the 64.0 MiB left of the memory cap"):
+            pipe.check(request, [(2048, 2048)] * 3)
+        pipe.memory_cap = held + 64 * 2**20
+        with pytest.raises(InputError, match="left of the memory cap"):
+            pipe.check(request)
+    finally:
+        pipe.memory_cap = None
+    pipe.check(request)
 
 
 def test_a_decode_that_fits_only_in_tiles_runs_tiled(pipe):

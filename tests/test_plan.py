@@ -1,5 +1,7 @@
 """The memory planner against hand calculations for klein-9b-kv (docs/design.md, "Architecture" and "Sharding")."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -8,11 +10,13 @@ from flax import nnx
 from klein import InputError, sharding
 from klein.cli import main as cli
 from klein.io import demo
+from klein.memory import process
 from klein.memory.plan import FLUX2_VAE, Workload, plan, request_memory
 from klein.models import transformer as T
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline import compiled
+from klein.request.loading import LoadOptions
 
 GiB = 2**30
 PARAMS_9B = 9.08e9  # docs/design.md: 9b is about 9.08 B parameters
@@ -104,6 +108,62 @@ def test_klein_plan_command(capsys):
     assert "transformer weights          2.20 GiB" in out and "compute: int8 (the transformer" in out
     assert cli.main(["plan", "--model", "klein-9b-kv", "--size", "big"]) == 2
     assert "expected WIDTHxHEIGHT" in capsys.readouterr().err
+
+
+def test_a_cpu_plan_counts_klein_s_own_process_and_a_card_s_does_not(capsys):
+    """On the CPU the process shares the device's memory, so its plan adds `process.footprint`; a card's
+    host memory is apart, so a plan for it (and `klein plan --device`'s output) is without it."""
+    own = process.footprint("cpu")
+    assert own > 0.5 * GiB and process.footprint("gpu") == process.footprint("accelerator") == 0
+    for platform in ("cpu", "gpu"):
+        p = plan("klein-4b", size=(512, 512), platform=platform)
+        weights = p.transformer + p.text_encoder + p.vae
+        assert p.process == process.footprint(platform)
+        assert p.total == weights + p.memory.peak + p.process
+        assert p.policies["all"] == p.total
+    args = ["plan", "--model", "klein-4b", "--size", "512x512"]
+    assert cli.main(args) == 0
+    assert f"klein's own process          {own / GiB:.2f} GiB" in capsys.readouterr().out
+    assert cli.main([*args, "--device", "rtx-4060"]) == 0
+    assert "process" not in capsys.readouterr().out
+
+
+def test_klein_plan_memory_cap_is_what_auto_plans_against(capsys):
+    args = ["plan", "--model", "klein-4b", "--size", "64x64", "--json"]
+    assert cli.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["process_bytes"] == process.footprint("cpu")
+    peaks = {p["name"]: p["peak_bytes"] for p in report["policies"]}
+    for cap, auto in (
+        (peaks["all"], "all"),
+        (peaks["sequential"], "sequential"),
+        (peaks["sequential"] - 1, None),
+    ):
+        assert cli.main([*args, "--memory-cap", str(cap)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["auto"] == auto and report["device_memory"] == dict(
+            bytes=cap, source="allowed (memory cap)"
+        )
+    # A card's memory is capped too; a cap above it changes nothing.
+    assert cli.main([*args, "--device", "rtx-4060", "--memory-cap", "1GiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_memory"]["bytes"] == GiB
+    assert cli.main([*args, "--device", "rtx-4060", "--memory-cap", "64GiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_memory"]["bytes"] == 7 * GiB
+    for bad in ("0", "12XB", "-1GiB", "nine"):
+        assert cli.main([*args, "--memory-cap", bad]) == 2
+        assert "argument --memory-cap:" in capsys.readouterr().err
+
+
+def test_memory_cap_reads_sizes_and_refuses_anything_else(capsys):
+    assert LoadOptions(memory_cap="9GiB").memory_cap == 9 * GiB
+    assert LoadOptions(memory_cap="512 MiB").memory_cap == 512 * 2**20
+    assert LoadOptions(memory_cap=5 * GiB).memory_cap == 5 * GiB and LoadOptions().memory_cap is None
+    for bad in ("0", "nine", -1, 0, True, 2.5):
+        with pytest.raises(InputError, match="memory_cap"):
+            LoadOptions(memory_cap=bad)
+    for argv in (["--memory-cap", "0"], ["--memory-cap", "1QB"], ["memory_cap=nope"]):
+        assert cli.main(["generate", "--prompt", "x", *argv]) == 2
+        assert "memory" in capsys.readouterr().err
 
 
 def prefill_estimate(cfg: TransformerConfig, mesh, tokens: int) -> int:

@@ -17,7 +17,7 @@ from klein.errors import CannotFitError
 from klein.io import demo
 from klein.io.transformer_checkpoint import load_transformer
 from klein.lora import merge
-from klein.memory import admission, plan, residency
+from klein.memory import admission, plan, process, residency
 from klein.models import transformer as T
 from klein.models.stacks import as_float
 from klein.pipeline import device_weights
@@ -259,9 +259,12 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
         ).peak
         for tiled in (False, True)
     )
-    sequential = residency.resident_weights("sequential", sizes) + request
+    # On the CPU the plan counts klein's own process (`klein.memory.process`) beside the weights and the
+    # request, against the memory available with what the process holds (none here).
+    sequential = residency.resident_weights("sequential", sizes) + request + process.footprint("cpu")
     limit = {"value": 10 * 2**30}
     monkeypatch.setattr(admission, "available_bytes", lambda devices: (limit["value"], "free (test)"))
+    monkeypatch.setattr(process, "resident", lambda: 0)
     assert load_pipeline("demo").residency == "all"
     # Room for the larger of the text encoder and the transformer (with the VAE), not for both.
     limit["value"] = sequential
@@ -270,11 +273,23 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
         load_pipeline("demo", residency="all")
     # On CPU the streamed layers stay in the one memory there is: stream plans what sequential plans.
     assert residency.resident_weights("stream", sizes) == residency.resident_weights("sequential", sizes)
+    # Without room for a typical request, auto takes the policy that leaves requests the most room, as
+    # long as its weights (and the process) fit; below that, nothing loads.
     limit["value"] = sequential - 1
-    with pytest.raises(CannotFitError, match="no residency policy fits.*FP8"):
+    assert load_pipeline("demo").residency == "sequential"
+    limit["value"] = sequential - request - 1
+    with pytest.raises(
+        CannotFitError, match="no residency policy fits.*request and klein's own .* GiB need.*FP8"
+    ):
         load_pipeline("demo")
     with pytest.raises(InputError, match="residency must be one of auto, all, sequential"):
         load_pipeline("demo", residency="stream-ish")
+    # A memory cap below what is free is what auto plans against, and what admission judges by later.
+    limit["value"] = 10 * 2**30
+    capped = load_pipeline("demo", memory_cap=sequential)
+    assert capped.residency == "sequential" and capped.memory_cap == sequential
+    with pytest.raises(CannotFitError, match=r"more than the .* GiB allowed \(memory cap\)"):
+        load_pipeline("demo", memory_cap=f"{sequential - request - 1}")
 
 
 def test_choose_names_estimates_limit_and_what_fits():
@@ -287,6 +302,17 @@ def test_choose_names_estimates_limit_and_what_fits():
         CannotFitError, match="all .*sequential .*more than the .* free; use --residency sequential"
     ):
         residency.choose("all", sizes, 2, 25, "free")
+    # The process's own bytes, where it shares the memory, count as the request's do.
+    assert residency.choose("auto", sizes, 1, 30, "free", process=1) == "all"
+    assert residency.choose("auto", sizes, 2, 30, "free", process=1) == "sequential"
+    # No room for the request under any policy: auto takes the roomiest whose weights fit.
+    assert residency.choose("auto", sizes, 5, 11, "free", process=1) == "stream"
+    with pytest.raises(CannotFitError, match="no residency policy fits"):
+        residency.choose("auto", sizes, 5, 6, "free", process=1)
+    with pytest.raises(CannotFitError, match="residency sequential does not fit"):
+        residency.choose("sequential", sizes, 5, 21, "free", process=1)
+    with pytest.raises(CannotFitError, match="a 0.00 GiB request and klein's own 0.00 GiB need about"):
+        residency.choose("all", sizes, 2, 30, "free", process=1)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ import pytest
 
 from klein.cli import main as cli
 from klein.errors import InputError
-from klein.serve.options import ServeOptions, parse_size
+from klein.request.kinds import parse_size
+from klein.serve.options import ServeOptions
 
 
 @pytest.mark.parametrize(

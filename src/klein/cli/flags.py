@@ -73,7 +73,21 @@ class GenerateRequest:
 # text-valued field.
 GENERATION = [(field, spec) for field, spec in settings_of(GenerationRequest) if spec.kind is not None]
 LOADING = settings_of(LoadOptions)
-_FLAG_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float, kinds.TEXT.name: str, kinds.PATH.name: str}
+_FLAG_TYPES = {
+    kinds.INT.name: int,
+    kinds.FLOAT.name: float,
+    kinds.TEXT.name: str,
+    kinds.PATH.name: str,
+    kinds.SIZE.name: lambda text: size(text, kinds.parse_size),
+}
+
+
+def size(text: str, read: Callable[[str], int]) -> int:
+    """`read(text)`, its mistake reported by argparse with the flag's name."""
+    try:
+        return read(text)
+    except InputError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _flag(field: dataclasses.Field, spec: kinds.Setting) -> str:

@@ -16,9 +16,10 @@ from klein.errors import InputError
 from klein.images import MIN_SIDE as MIN_REFERENCE_SIDE
 from klein.images import show_pixels
 from klein.pipeline import warmup
+from klein.request.kinds import parse_size
 from klein.request.resolve import DEFAULT_SIZE, MULTIPLE
 from klein.serve import security
-from klein.serve.options import ServeOptions, parse_size, show_size
+from klein.serve.options import ServeOptions, show_size
 from klein.version import version
 
 DESCRIPTION = """\
@@ -63,7 +64,12 @@ def serve_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every route but /healthz and the page (other local users "
         "can read a flag in ps: prefer KLEIN_API_KEY or --api-key-file); 'KEY rpm=N jobs=N' adds limits",
     )
-    add("--memory-limit", type=parse_size, metavar="SIZE", help="bytes a request may use beyond the weights")
+    add(
+        "--memory-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="bytes a request may use beyond the weights, whatever is free (--memory-cap bounds klein as a whole)",
+    )
     add(
         "--replicas",
         type=int,

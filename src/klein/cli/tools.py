@@ -9,11 +9,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from klein.cli.flags import Parser
+from klein.cli.flags import Parser, size
 from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.memory import devices
-from klein.request.loading import COMPUTE
+from klein.request import kinds
+from klein.request.loading import COMPUTE, memory_cap
 
 PLAN_DESCRIPTION = """\
 Per-device memory of a klein model on a device mesh, from its configs alone (no weights are read, nothing
@@ -22,7 +23,8 @@ peak under each residency policy (all: every model resident; sequential: the tex
 transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
 the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks
 on a device of --device-memory bytes or a named --device (default: what this machine's first device has
-free now). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
+free now), or --memory-cap where that is less. On this machine's CPU, whose memory is the device's, the
+plan counts klein's own process too (Python, JAX, compiled programs, the tokenizer: about 1 GiB). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
 capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
 GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
 
@@ -93,6 +95,13 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     memory.add_argument(
         "--device", choices=tuple(devices.DEVICES), metavar="NAME", help="a device by name (see above)"
+    )
+    add(
+        "--memory-cap",
+        type=lambda text: size(text, lambda text: memory_cap(kinds.parse_size(text))),
+        metavar="SIZE",
+        help="plan against at most SIZE, as klein generate --memory-cap: the smaller of it and the device's "
+        "memory (e.g. 9GiB)",
     )
     add(
         "--compute",
@@ -318,15 +327,21 @@ def _local_device():
 
 
 def _device_memory(flags) -> tuple[int, str]:
-    if flags.device_memory is not None:
-        return flags.device_memory, "given"
-    if flags.device is not None:
-        return devices.limit(flags.device), f"{flags.device}, less {devices.RESERVED_GIB} GiB for the runtime"
+    """(bytes the plan may take, where from): the named device's or this machine's, or --memory-cap where
+    that is less (`klein.memory.admission.memory_for_plan`, as a load judges it)."""
+    if flags.device_memory is not None or flags.device is not None:
+        named = (flags.device_memory, "given") if flags.device is None else _card(flags.device)
+        capped = flags.memory_cap is not None and flags.memory_cap < named[0]
+        return (flags.memory_cap, "allowed (memory cap)") if capped else named
     import jax
 
-    from klein.memory.admission import available_bytes
+    from klein.memory.admission import memory_for_plan
 
-    return available_bytes(jax.local_devices()[:1])
+    return memory_for_plan(jax.local_devices()[:1], flags.memory_cap)
+
+
+def _card(name: str) -> tuple[int, str]:
+    return devices.limit(name), f"{name}, less {devices.RESERVED_GIB} GiB for the runtime"
 
 
 BENCH_DESCRIPTION = """\

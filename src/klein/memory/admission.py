@@ -2,12 +2,14 @@
 
 The request's bytes come from the planner's estimator (`klein.memory.plan.request_memory`, the same one
 `klein plan` prints); what the device can give comes from `device.memory_stats()` where the backend
-reports it, else (CPU) from the host's available memory.
+reports it, else (CPU) from the host's available memory; a memory cap (`LoadOptions.memory_cap`) bounds
+both.
 """
 
 from __future__ import annotations
 
 from klein.errors import CannotFitError
+from klein.memory import process
 from klein.memory.plan import RequestMemory
 
 
@@ -21,6 +23,20 @@ def available_bytes(devices) -> tuple[int, str]:
     if free:
         return min(free), "free on the device"
     return _host_available(), "of available host memory"
+
+
+def memory_for_plan(devices, cap: int | None = None) -> tuple[int, str]:
+    """(bytes a whole plan may take on the most loaded of `devices`, where that figure comes from): what is
+    free there, on a CPU with the part of the process's planned footprint it holds already (a CPU plan
+    counts the process, `klein.memory.process`; no more than that, so that a process holding another
+    pipeline is not counted free), or `cap` where that is less."""
+    free, where = available_bytes(devices)
+    if devices[0].platform == "cpu":
+        free += min(process.resident(), process.footprint("cpu"))
+        where = "of available host memory, with klein's own"
+    if cap is not None and cap < free:
+        return cap, "allowed (memory cap)"
+    return free, where
 
 
 def _host_available() -> int:

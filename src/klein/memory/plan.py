@@ -45,7 +45,7 @@ from klein import dtypes, sharding
 from klein.errors import InputError, counted
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
-from klein.memory import gpu_estimate, residency, stored
+from klein.memory import gpu_estimate, process, residency, stored
 from klein.models import products
 from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
@@ -249,6 +249,8 @@ class MemoryPlan:
     caches_references: bool = False
     """Whether the checkpoint caches references' keys and values (a KV variant, or the demo): with no
     references planned, its reference KV and prefill are 0 for want of references, not of the variant."""
+    process: int = 0
+    """klein's own process where it shares the device's memory (the local CPU, `klein.memory.process`)."""
 
     @property
     def reference_kv(self) -> int:
@@ -264,14 +266,14 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.transformer + self.text_encoder + self.vae + self.memory.peak
+        return self.transformer + self.text_encoder + self.vae + self.memory.peak + self.process
 
     @property
     def policies(self) -> dict[str, int]:
         """Peak bytes per device under each residency policy (`klein.memory.residency`), `all` = `total`."""
         sizes = dict(transformer=self.transformer, text_encoder=self.text_encoder, vae=self.vae)
         streamed = {residency.streamed(name): size for name, size in self.streamed.items()}
-        return residency.peaks({**sizes, **streamed}, self.memory.peak)
+        return residency.peaks({**sizes, **streamed}, self.memory.peak + self.process)
 
 
 def plan(
@@ -288,8 +290,8 @@ def plan(
     """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
     published `variant`, or for the checkpoint `models` describes (its configs, read from its files);
     `platform`: whose programs (`programs_on`): "cpu" for this machine's CPU, which copies the layers it
-    runs (`copies_on`) and whose one memory holds streamed layers too (`residency.on`), "gpu" for an
-    NVIDIA card, else an accelerator's (a TPU's)."""
+    runs (`copies_on`) and whose one memory holds streamed layers and the process itself too
+    (`residency.on`, `klein.memory.process`), "gpu" for an NVIDIA card, else an accelerator's (a TPU's)."""
     models = models or published(variant, dtype)
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
@@ -321,6 +323,7 @@ def plan(
         ),
         workload=work,
         caches_references=models.variant.kv,
+        process=process.footprint(platform),
     )
 
 
@@ -668,8 +671,12 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
             "estimate" if p.prefill_activations else no_kv,
         ),
         ("activations, decode", p.memory.decode, "estimate"),
-        ("total", p.total, "weights + KV + the largest activation peak"),
     ]
+    if p.process:
+        rows.append(("klein's own process", p.process, "Python, JAX, programs, tokenizer: the CPU's memory"))
+    rows.append(
+        ("total", p.total, "weights + KV + the largest activation peak" + " + process" * bool(p.process))
+    )
     head = f"{p.variant} on mesh {p.mesh} ({p.devices} device{'s' * (p.devices > 1)}): {p.request}"
     lines = [head, "per device:"]
     lines += [f"  {name:<27}{_gib(value):>10}  {note}".rstrip() for name, value, note in rows]
@@ -721,6 +728,7 @@ def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
         transformer_params=p.transformer_params,
         weights=dict(transformer=p.transformer, text_encoder=p.text_encoder, vae=p.vae),
         request_bytes=dict(p.memory.parts(), peak=p.memory.peak),
+        process_bytes=p.process,
         policies=policies,
         device_memory=None if limit is None else dict(bytes=limit, source=where),
         auto=None if limit is None else next((x["name"] for x in policies if x["fits"]), None),

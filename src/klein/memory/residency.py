@@ -12,7 +12,7 @@ the sets of them that may be on the device together:
   (`klein.models.stacks`), so the device holds a model's small parts and about two of its layers; for a
   device smaller than the transformer itself.
 - `auto` (the default) is the first of these whose planned peak fits the memory there is, chosen before
-  any weight is read.
+  any weight is read; where none has room for a typical request, the one that leaves requests the most.
 
 Off the device a model's weights live in host memory, or nowhere (`klein.pipeline.device_weights`).
 """
@@ -73,14 +73,22 @@ def peaks(sizes: dict[str, int], request: int) -> dict[str, int]:
     return {policy: resident_weights(policy, sizes) + request for policy in POLICIES}
 
 
-def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: str) -> str:
+def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: str, process: int = 0) -> str:
     """`policy`, or under `auto` the first policy that fits `limit`; a `CannotFitError` naming the
-    estimates, the limit and what would fit when the asked policy (or, under auto, every policy) does not."""
-    planned = peaks(sizes, request)
+    estimates, the limit and what would fit when the asked policy (or, under auto, every policy) does not.
+    `process`: bytes of klein's own process in the same memory (`klein.memory.process`; the CPU's).
+
+    Where no policy has room for `request` (a typical one), `auto` takes the policy that leaves requests
+    the most room, if its weights fit: smaller requests then run, each admitted against what is left,
+    rather than none (a memory cap below a 1024x1024 request's needs is such a case)."""
+    planned = peaks(sizes, request + process)
     fitting = [name for name, peak in planned.items() if peak <= limit]
     chosen = (fitting[0] if fitting else None) if policy == AUTO else policy
     if chosen in fitting:
         return chosen
+    roomiest = min(planned, key=planned.get)
+    if policy == AUTO and planned[roomiest] - request <= limit:
+        return roomiest
     estimates = ", ".join(f"{name} {_gib(peak)}" for name, peak in planned.items())
     advice = (
         f"use --residency {fitting[0]}"
@@ -88,9 +96,10 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
         else "use a smaller model or the FP8 transformer file, or a device with more memory"
     )
     asked = "no residency policy fits" if policy == AUTO else f"residency {policy} does not fit"
+    parts = f"the weights, a {_gib(request)} request and klein's own {_gib(process)}"
+    parts = parts if process else f"the weights and a {_gib(request)} request"
     raise CannotFitError(
-        f"{asked}: the weights and a {_gib(request)} request need about {estimates}, more than the "
-        f"{_gib(limit)} {where}; {advice}"
+        f"{asked}: {parts} need about {estimates}, more than the {_gib(limit)} {where}; {advice}"
     )
 
 

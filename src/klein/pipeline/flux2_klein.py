@@ -34,7 +34,7 @@ from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
 from klein.lora.registry import named_files
 from klein.lora.slots import AdapterSlots
-from klein.memory import admission, plan
+from klein.memory import admission, plan, process
 from klein.memory import residency as residency_policy
 from klein.models import adapters, layers, products, qwen3
 from klein.models import transformer as T
@@ -184,6 +184,9 @@ class Flux2KleinPipeline:
         """tqdm options of each call's progress bar (`set_progress_bar_config`)."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
+        self.memory_cap: int | None = None
+        """Bytes klein may hold in all per device (`LoadOptions.memory_cap`): a request may use what the
+        resident weights and, on a CPU, the process (`klein.memory.process`) leave of it; None: no cap."""
         self._budget: tuple[int, tuple, str] | None = None
         """With `own_memory`: (bytes for requests and caches, the caches counted against them, whence)."""
 
@@ -471,8 +474,14 @@ class Flux2KleinPipeline:
             return self.memory_limit, "allowed (memory_limit)"
         if self._budget is not None:
             budget, caches, where = self._budget
-            return budget - sum(cache.bytes for cache in caches), where
-        return self._free()
+            limit, where = budget - sum(cache.bytes for cache in caches), where
+        else:
+            limit, where = self._free()
+        if self.memory_cap is None:
+            return limit, where
+        held = residency_policy.resident_weights(self.residency, self.weight_bytes)
+        capped = self.memory_cap - held - process.footprint(_local_devices(self.mesh)[0].platform)
+        return (capped, "left of the memory cap beside the weights") if capped < limit else (limit, where)
 
     def _admit(self, run: Resolved) -> bool:
         """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit. The adapter slots
@@ -699,6 +708,7 @@ def load_pipeline(
     loras: Sequence = (),
     residency: str = AUTO,
     compute: str = AUTO,
+    memory_cap: int | str | None = None,
     warm: bool | Sequence[warmup.Shape] = False,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id, or "demo" (the default when
@@ -714,7 +724,12 @@ def load_pipeline(
 
     residency: "all" keeps every model on the device, "sequential" lets the text encoder and the
     transformer take turns, "auto" (the default) picks the first that fits the memory there is, before any
-    weight is read (`klein.memory.residency`); a load that fits under no policy is refused then, with the estimate.
+    weight is read (`klein.memory.residency`), or where none has room for a typical request the one leaving
+    requests the most room; a load whose weights fit under no policy is refused then, with the estimate.
+
+    memory_cap: bytes (or text such as "9GiB") klein may plan to hold per device, weights, requests and,
+    on a CPU, its own process together: `auto` and admission plan against the smaller of this and what
+    the device has free. None (the default): what the device has.
 
     compute: how the transformer blocks' products are made: "bf16", "fp8" (FP8 weights, activations
     quantised per token, float32 accumulation) or "int8" (W8A8, int32 accumulation); "auto" (the default)
@@ -741,6 +756,7 @@ def load_pipeline(
         residency=residency,
         compute=compute,
         mesh=mesh,
+        memory_cap=memory_cap,
     )
     pipe = load(options)
     if warm:
@@ -780,12 +796,14 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         compute=compute,
         quantized=stored.quantized,
     )
-    sizes = residency_policy.on(_local_devices(device_mesh)[0].platform, sizes)
-    limit, where = admission.available_bytes(_local_devices(device_mesh))
+    platform = _local_devices(device_mesh)[0].platform
+    sizes = residency_policy.on(platform, sizes)
+    limit, where = admission.memory_for_plan(_local_devices(device_mesh), options.memory_cap)
     typical = plan.typical_request(located.variant)
     # The decode runs tiled where only that fits (`_admit`).
     request = min(memory.peak for memory in _estimates(located, device_mesh, typical, jdtype.itemsize))
-    policy = residency_policy.choose(options.residency, sizes, request, limit, where)
+    own = process.footprint(platform)
+    policy = residency_policy.choose(options.residency, sizes, request, limit, where, own)
     # Under `stream` the stacked layers are read straight into host memory.
     host = residency_policy.STACKS if policy in residency_policy.STREAMS else {}
     models = {
@@ -801,6 +819,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
     tokenizer_ = components.load_tokenizer_part(located)
     pipe = Flux2KleinPipeline(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes, compute)
+    pipe.memory_cap = options.memory_cap
     if read:
         pipe.set_loras(read)
     for name, lora in offered.items():

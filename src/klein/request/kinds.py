@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,29 @@ _BOOL_WORDS = {
 }
 
 
+UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
+UNITS |= {"g": 2**30, "gb": 2**30, "gib": 2**30}
+"""Binary units of a size: KB, MB and GB mean KiB, MiB and GiB, as memory is counted."""
+
+
+def parse_size(text: str) -> int:
+    """ "4096", "512KiB", "64 MiB", "2GiB" -> bytes (binary units; KB and MB mean KiB and MiB here)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in UNITS:
+        raise InputError(f"{text!r} is not a size; give bytes or KiB/MiB/GiB, e.g. 512MiB or 2GiB")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def read_size(key: str, text: str) -> int | None:
+    if _none(text):
+        return None
+    try:
+        return parse_size(text)
+    except InputError as error:
+        raise InputError(f"{key}: {error}") from None
+
+
 def read_bool(key: str, text: str) -> bool:
     if text.strip().lower() in _BOOL_WORDS:
         return _BOOL_WORDS[text.strip().lower()]
@@ -133,6 +157,8 @@ LORAS = Kind("loras", read_paths, _write_loras)
 PATH = Kind("path", read_path, _write_path)
 INT = Kind("int", read_int)
 FLOAT = Kind("float", read_float)
+SIZE = Kind("size", read_size)
+"""Bytes, written as a number with an optional binary unit: 9GiB, 512MiB."""
 BOOL = Kind("bool", read_bool)
 OPTIONAL_BOOL = Kind("optional bool", read_optional_bool)
 

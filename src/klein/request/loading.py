@@ -103,11 +103,30 @@ class LoadOptions:
     mesh: str | None = setting(
         'shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single', kinds.TEXT
     )
+    memory_cap: int | None = setting(
+        "most memory klein may plan to use on each device, e.g. 9GiB: auto and admission plan against the "
+        "smaller of this and what the device has free (on a CPU, klein's own process counts too); to share a "
+        "machine, or to rehearse a smaller card on a larger one. Default: what the device has",
+        kinds.SIZE,
+        metavar="SIZE",
+    )
+    """Bytes; text such as "9GiB" is read as `klein.request.kinds.parse_size` reads it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora", tuple(self.lora or ()))
         object.__setattr__(self, "lora_named", tuple(self.lora_named or ()))
+        object.__setattr__(self, "memory_cap", memory_cap(self.memory_cap))
         for field, spec in settings_of(type(self)):
             value = getattr(self, field.name)
             if spec.choices and value is not None and value not in spec.choices:
                 raise InputError(f"{field.name} must be one of {', '.join(spec.choices)}, got {value!r}")
+
+
+def memory_cap(cap) -> int | None:
+    """A memory cap as bytes: an int, or text read as a size; a clear error for anything else."""
+    if cap is None:
+        return None
+    value = kinds.read_size("memory_cap", cap) if isinstance(cap, str) else cap
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(f"memory_cap must be a positive size such as 9GiB or 512MiB, got {cap!r}")
+    return value

@@ -1,31 +1,20 @@
-"""What `klein serve` is told: limits and budgets (defaults as BFL's API where it has one), and SIZE text."""
+"""What `klein serve` is told: limits and budgets (defaults as BFL's API where it has one), and SIZE text shown back
+(`show_size`; read by `klein.request.kinds.parse_size`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from klein.errors import InputError
+from klein.request.kinds import UNITS
 from klein.serve.security import Access
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
-_UNITS |= {"g": 2**30, "gb": 2**30, "gib": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """ "4096", "512KiB", "64 MiB", "2GiB" -> bytes (binary units; KB and MB mean KiB and MiB here)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS:
-        raise InputError(f"{text!r} is not a size; give bytes or KiB/MiB/GiB, e.g. 512MiB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def show_size(value: int) -> str:
     """Bytes as `parse_size` reads them back, in the largest binary unit that divides them: 2GiB, 256MiB."""
     for unit in ("GiB", "MiB", "KiB"):
-        if value and value % _UNITS[unit.lower()] == 0:
-            return f"{value // _UNITS[unit.lower()]}{unit}"
+        if value and value % UNITS[unit.lower()] == 0:
+            return f"{value // UNITS[unit.lower()]}{unit}"
     return str(value)
 
 

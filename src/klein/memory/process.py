@@ -1,0 +1,45 @@
+"""klein's own process, counted where it shares the device's memory: on the local CPU.
+
+The planner plans device memory: weights, reference KV and each stage's activations. On a GPU or TPU the
+process itself (Python, JAX's client, the compiled programs, the tokenizer) lives in host memory, apart,
+and is not planned. On the CPU the device's memory is the host's, so the process takes from the same
+memory the weights do; a plan for it (`klein plan` on this machine, `auto` and admission on a CPU) adds
+`footprint("cpu")`, a sum of parts measured on this repository's 2-core AMD EPYC machine
+(`python benchmarks/process_footprint.py` prints the first two on any machine):
+- `RUNTIME_BYTES`: the resident memory of a process that imported `klein.pipeline.flux2_klein` and JAX and
+  ran one array op on the CPU (Python, numpy, JAX's CPU client, klein's modules, the shared libraries
+  they map; 0.33 GiB, libtpu's probe included where the `tpu` extra is installed);
+- `TOKENIZER_BYTES`: the Qwen3 tokenizer (151,669 tokens) read from a GGUF's metadata, 36 MiB;
+- `PROGRAMS_BYTES`: the compiled programs of a request (text encoder, prefill, step, decode) and what the
+  allocator keeps of the heap between stages: what the full-size quantized runs held beyond their
+  planned bytes and the two parts above, 0.30-0.77 GiB over the nine runs of
+  docs/benchmarks/quantized-real-size-cpu.md, mean 0.53; 0.59 GiB here, so that a plan errs toward
+  fitting.
+None of it scales with the request; all of it is on the order of a GiB, which matters beside a Q4
+klein-4b (3 GiB planned) and not beside a bf16 klein-9b.
+"""
+
+from __future__ import annotations
+
+RUNTIME_BYTES = 334 * 2**20
+TOKENIZER_BYTES = 36 * 2**20
+PROGRAMS_BYTES = 602 * 2**20
+
+
+def footprint(platform: str) -> int:
+    """Bytes the process itself holds in the memory a plan for a `platform` device counts: its own on the
+    CPU (one memory for both), none on an accelerator (host memory is apart)."""
+    return RUNTIME_BYTES + TOKENIZER_BYTES + PROGRAMS_BYTES if platform == "cpu" else 0
+
+
+def resident() -> int:
+    """Bytes this process holds now (VmRSS), 0 where /proc is not there: the host's available memory
+    leaves them out, and a plan that counts the process counts them."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
