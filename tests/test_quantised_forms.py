@@ -16,7 +16,9 @@ from flax import nnx
 
 from klein.io import block_forms
 from klein.io.mapped import Whole
-from klein.io.transformer_file import load_transformer_file
+from klein.io.transformer_checkpoint import abstract_transformer
+from klein.io.transformer_file import file_config, load_transformer_file
+from klein.memory import stored as stored_bytes
 from klein.models import gguf_blocks, nvfp4, products
 from klein.models import transformer as T
 from klein.pipeline.flux2_klein import load_pipeline
@@ -212,6 +214,12 @@ def test_gguf_weights_are_the_files_bytes(gguf_parts, kept):
     tags = [set(mixed[i, :, -1].tolist()) for i in (0, 1)]
     assert sorted(tags, key=min) == [{0}, {1}]
     assert kept == in_file + mixed.nbytes
+    # The planner counts the padded rows.
+    abstract = abstract_transformer(file_config(parts["transformer"]))
+    rate = stored_bytes.transformer_file(parts["transformer"], abstract)[
+        ("single_transformer_blocks", "attn", "to_out")
+    ]
+    assert rate * len(q8) * products.unpacked_width("Q8_0", q8.shape[1]) == mixed[0].nbytes
     assert ("single_transformer_blocks", "attn", "to_out", "kernel") not in weights
 
 

@@ -2,6 +2,8 @@
 equal those of the same (dequantised) weights as a folder, its tokenizer rebuilt from the metadata equals the
 folder's and transformers', and wrong files are refused before a weight is read."""
 
+import math
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,9 @@ from klein.cli import main as cli
 from klein.errors import CheckpointError, InputError
 from klein.io import demo
 from klein.io.gguf_header import read_header
-from klein.io.text_encoder_checkpoint import load_text_encoder, read_config
+from klein.io.text_encoder_checkpoint import abstract_text_encoder, load_text_encoder, read_config
 from klein.io.text_encoder_gguf import gguf_names, load_text_encoder_gguf, read_gguf_config
+from klein.memory import stored
 from klein.models import gguf_blocks, stacks
 from klein.models.layers import Linear
 from klein.models.qwen3 import prompt_embeddings
@@ -107,6 +110,46 @@ def test_blocks_kept_equal_dequantised_at_load(uniform, ids):
     assert np.array_equal(np.asarray(kept.model.embed_tokens.embedding[...]), data["token_embd.weight"])
     assert widened.model.embed_tokens.embedding[...].dtype == jnp.float32
     assert all(m.blocks is None for _, m in nnx.iter_modules(widened) if isinstance(m, Linear))
+    ours, reference = embed(kept, ids), embed(widened, ids)
+    assert np.max(np.abs(ours - reference)) <= 1e-5 and np.abs(reference).max() > 1
+
+
+def q4_k_m_like(layers: int) -> dict[str, T]:
+    """llama.cpp's Q4_K_M mix in types 32 values wide: most Linears Q4_0, `attn_v` Q8_0 in the first and
+    last eighth of the layers and every third between ("more bits"), `ffn_down` cycling Q4_0 / Q5_0 / Q8_0
+    (a stack of three types)."""
+    more = {i for i in range(layers) if i < layers // 8 or i >= layers - layers // 8 or i % 3 == 2}
+    types = {name: T.Q4_0 for name in MIXED} | {"embed_tokens": T.Q8_0}
+    for i in range(layers):
+        types[f"model.layers.{i}.self_attn.v_proj.weight"] = T.Q8_0 if i in more else T.Q4_0
+        types[f"model.layers.{i}.mlp.down_proj.weight"] = (T.Q4_0, T.Q5_0, T.Q8_0)[i % 3]
+    return types
+
+
+def test_stacks_of_mixed_types_are_kept_as_padded_blocks(tiny, ids, tmp_path):
+    """`v_proj` (two types) and `down_proj` (three) stay blocks: each layer's file rows zero-padded to the
+    widest type's width and tagged with its type's index in the stack's `blocks`, the bytes per weight the
+    planner counts; the embeddings equal those of the weights widened at load."""
+    path = write_qwen3_gguf(tmp_path / "Qwen3-tiny-Q4_K_M.gguf", tiny[0], q4_k_m_like(28))
+    kept, widened = load_text_encoder_gguf(path), load_text_encoder_gguf(path, dequantize=True)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    planned = stored.text_encoder_file(path, abstract_text_encoder(kept.config, 27), 27)
+    modules = dict(nnx.iter_modules(kept))
+    for name, module, blocks in [
+        ("attn_v", ("self_attn", "v_proj"), ("Q8_0", "Q4_0")),
+        ("ffn_down", ("mlp", "down_proj"), ("Q8_0", "Q4_0", "Q5_0")),  # in `gguf_blocks.TYPES` order
+    ]:
+        linear = modules[("model", "layers", *module)]
+        assert linear.blocks == blocks and linear.kernel is None
+        weight = np.asarray(linear.weight[...])
+        layers = [tensors[f"blk.{i}.{name}.weight"] for i in range(27)]
+        width = max(layer.data.shape[1] for layer in layers)
+        assert weight.dtype == np.uint8 and weight.shape == (27, layers[0].data.shape[0], width + 1)
+        for rows, layer in zip(weight, layers, strict=True):
+            np.testing.assert_array_equal(rows[:, : layer.data.shape[1]], layer.data)
+            assert not rows[:, layer.data.shape[1] : -1].any()
+            assert set(rows[:, -1].tolist()) == {blocks.index(layer.tensor_type.name)}
+        assert planned[("model", "layers", *module)] * math.prod(layers[0].shape) == weight[0].nbytes
     ours, reference = embed(kept, ids), embed(widened, ids)
     assert np.max(np.abs(ours - reference)) <= 1e-5 and np.abs(reference).max() > 1
 
