@@ -8,6 +8,7 @@ import json
 
 import gguf
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -75,7 +76,8 @@ def test_a_mixed_stack_keeps_its_blocks_and_widens_each_layer_by_its_type(per_la
     """A stack mixing ggml types (as llama.cpp's Q4_K_M files mix Q6_K among Q4_K) is kept as blocks, every
     row padded to the widest type's and tagged with its layer's type: uint8[L, out, widest + 1]. Each
     layer, sliced inside a scan as the layer loop slices it (its bytes as float8), widens to gguf's values
-    of that layer bit for bit, and so does the whole stack at once (a LoRA merge's restore)."""
+    of that layer bit for bit, and so does the whole stack at once (a LoRA merge's restore), in float32
+    and in bf16."""
     rng = np.random.default_rng(2)
     layers = _Layers(
         {
@@ -100,6 +102,9 @@ def test_a_mixed_stack_keeps_its_blocks_and_widens_each_layer_by_its_type(per_la
     for got in (np.asarray(scanned), np.asarray(whole)):
         assert got.dtype == np.float32 and np.isfinite(want).all()
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # Rounded to bf16 inside the switch's branches, as a bf16 product asks: the widened values' bf16.
+    rounded = np.asarray(jax.jit(products.unpacked, static_argnums=(1, 2))(stack, blocks, jnp.bfloat16))
+    np.testing.assert_array_equal(rounded.view(np.uint16), want.astype(jnp.bfloat16).view(np.uint16))
 
 
 def nvfp4_reference(packed, swizzled, rows, columns):

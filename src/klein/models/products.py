@@ -102,7 +102,7 @@ def product(x, weight: Weight, dtype, low_rank=None):
     kernel, scale, compute, out_in = weight.array, weight.scale, weight.compute, weight.out_in
     # A block format's kernel is its bytes, unless a merged LoRA widened it already.
     if weight.blocks is not None and jnp.dtype(kernel.dtype).itemsize == 1:
-        kernel = unpacked(kernel, weight.blocks)
+        kernel = unpacked(kernel, weight.blocks, jnp.float32 if compute in EIGHT_BIT else dtype)
     dims = (((x.ndim - 1,), (1 if out_in else 0,)), ((), ()))
     extra = 0 if low_rank is None else low_rank
     if compute not in EIGHT_BIT:
@@ -125,25 +125,29 @@ def product(x, weight: Weight, dtype, low_rank=None):
     return (total.astype(jnp.float32) * tokens * scale + extra).astype(dtype)
 
 
-def unpacked(raw, blocks: str | tuple[str, ...]):
+def unpacked(raw, blocks: str | tuple[str, ...], dtype=jnp.float32):
     """float32[..., out, in] of rows of quantisation blocks `raw` [..., out, bytes] of format `blocks` (a
-    tuple: a mixed stack's types, each layer's rows tagged with the index of its own, `MIXED`)."""
+    tuple: a mixed stack's types, each layer's rows tagged with the index of its own, `MIXED`), rounded
+    to `dtype`."""
     if isinstance(blocks, MIXED):
-        return _switched(raw, blocks)
-    return nvfp4.dequantise(raw) if blocks == NVFP4 else gguf_blocks.dequantise(raw, blocks)
+        return _switched(raw, blocks, dtype)
+    wide = nvfp4.dequantise(raw) if blocks == NVFP4 else gguf_blocks.dequantise(raw, blocks)
+    return wide.astype(dtype)
 
 
-def _switched(raw, kinds: tuple[str, ...]):
+def _switched(raw, kinds: tuple[str, ...], dtype):
     """A mixed stack's layer (or layers) widened by its own type: `jax.lax.switch` on the index its first
-    row ends in, over branches that all give the same float32[out, in] (XLA compiles each, runs one)."""
+    row ends in, over branches that all give the same float32[out, in] (XLA compiles each, runs one).
+    Each branch rounds to `dtype` itself: a switch's result is written out whole, and XLA:CPU widened a
+    layer to bf16 2.6x slower when its float32 values were written out first."""
     if raw.ndim > 2:  # whole stacks (a LoRA merge's restore): a layer at a time
-        return jax.lax.map(lambda layer: _switched(layer, kinds), raw)
+        return jax.lax.map(lambda layer: _switched(layer, kinds, dtype), raw)
     if raw.dtype != jnp.uint8:  # a stack slices its layers as float8 (`klein.models.stacks`)
         raw = jax.lax.bitcast_convert_type(raw, jnp.uint8)
     columns = unpacked_width(kinds, raw.shape[-1])
     branches = [
         functools.partial(
-            lambda rows, kind: unpacked(rows[:, : packed_width(kind, columns)], kind), kind=kind
+            lambda rows, kind: unpacked(rows[:, : packed_width(kind, columns)], kind, dtype), kind=kind
         )
         for kind in kinds
     ]
