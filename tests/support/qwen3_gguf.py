@@ -35,7 +35,8 @@ def write_qwen3_gguf(
     pad_vocab_to: int = 0,
 ) -> Path:
     """`<folder>/text_encoder` as a GGUF at `path`: a key in `types`, or whose module name is, stored in
-    that type, every other F32; the tokenizer of `<folder>/tokenizer` in the metadata unless `tokenizer` is False.
+    that type, every other F32; the tokenizer of `<folder>/tokenizer` in the metadata unless `tokenizer` is
+    False.
     `edit` changes the (HF-named, float32) tensors first; `metadata` overrides `qwen3.*` fields by name;
     `pad_vocab_to`: the token list filled up to that many ids, as llama.cpp fills it to the embedding's rows."""
     config = json.loads((folder / "text_encoder" / "config.json").read_text())

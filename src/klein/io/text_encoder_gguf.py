@@ -8,10 +8,10 @@ from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow 
 (`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded, as from a folder
 (`klein.io.text_encoder_checkpoint`). The Linears whose stack is quantised in every layer stay as their
 blocks in memory, widened inside each product as the transformer's are (`klein.io.block_forms`: a stack
-mixing ggml types, as Q4_K_M files mix Q6_K into `attn_v` and `ffn_down`, too), and a quantised token embedding stays as its blocks too, each prompt widening
-the rows it gathers (`klein.models.stacks.rows`: Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16); the
-norms and a float embedding are dequantised to float32 as they are read
-(`klein.io.gguf_file`) and cast to the compute dtype.
+mixing ggml types, as Q4_K_M files mix Q6_K into `attn_v` and `ffn_down`, too), and a quantised token
+embedding stays as its blocks too, each prompt widening the rows it gathers (`klein.models.stacks.rows`:
+Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16); the norms and a float embedding are dequantised to
+float32 as they are read (`klein.io.gguf_file`) and cast to the compute dtype.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Formats, told apart by the file itself:
 - GGUF (`*.gguf`, `klein.io.gguf_file`): BFL key names; quantised weights stay as their blocks in memory,
   widened inside each product; F16 / BF16 / F32 tensors are cast to `dtype`.
 A Linear of a scanned stack keeps a stored form only if it has that form in every layer (GGUF blocks: of
-any ggml types, `klein.io.block_forms`); `dequantize=True` widens every weight to `dtype` at load instead (memory of an unquantised model).
+any ggml types, `klein.io.block_forms`); `dequantize=True` widens every weight to `dtype` at load instead
+(memory of an unquantised model).
 For 8-bit products (`compute`) the blocks' weights are quantised as they are read
 (`klein.io.transformer_checkpoint.stored_forms`); FP8 ones stay as shipped for FP8 products.
 """

@@ -118,9 +118,10 @@ def transformer_file(path: Path, abstract: nnx.Module) -> dict[tuple, Fraction]:
 def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tuple, Fraction]:
     """Bytes per weight of the text encoder's Linears that a Qwen3 GGUF in llama.cpp's names keeps quantized
     (of the first `layers` decoder layers: those the prompt embedding runs), by the loader's rule
-    (`klein.io.block_forms`: quantised in every layer of a stack; one of mixed types at its padded width), and of its token embedding where the
-    file quantizes it (kept as its blocks, `klein.models.qwen3.Qwen3Model.keep_blocks`); the rest the model
-    counts in the dtype, as it is widened at load."""
+    (`klein.io.block_forms`: quantised in every layer of a stack; one of mixed types at its padded width),
+    and of its token embedding where the file quantizes it (kept as its blocks,
+    `klein.models.qwen3.Qwen3Model.keep_blocks`); the rest the model counts in the dtype, as it is widened
+    at load."""
     if path.suffix.lower() != ".gguf":
         return {}
     tensors = _gguf_tensors(path)
