@@ -12,7 +12,8 @@ The forms are timed in turn, round after round (`--rounds`), so that a machine w
 them all alike: each round's step time of a form is divided by the bf16 step of the same round, and the
 median of those ratios is printed with the median times and the weight bytes held. `--widen` also
 times the widening alone, of one 3072 x 9216 layer (SwiGLU's width) of every block format to the bf16
-that the product multiplies: best of `--rounds`, in M values per second of wall time and per second of
+that the product multiplies (and of a Q4_K and a Q6_K layer of a Q4_K_M stack of both types, chosen by
+`lax.switch`): best of `--rounds`, in M values per second of wall time and per second of
 the process's CPU time (which a busy machine's other processes inflate less). The CPU model and the
 load average before and after are printed with them.
 
@@ -39,6 +40,7 @@ from klein.models.transformer_config import KLEIN_4B
 from klein.sampling import image_ids, text_ids
 
 FORMS = ("bf16", "Q8_0", "Q4_K", "nvfp4")
+MIXED = ("Q4_K", "Q6_K")  # llama.cpp's Q4_K_M mix
 # Byte offsets of each block's float16 scales.
 F16_AT = {
     "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
@@ -96,9 +98,13 @@ def widening(rounds: int, rows: int = 9216, columns: int = 3072):
     rng = np.random.default_rng(1)
     print(f"\nwidening one {columns} x {rows} layer to bf16, best of {rounds}")
     print("| format | ms | M values/s | M values per CPU-s |\n|---|---|---|---|")
-    for blocks in products.BLOCKS:
-        raw = jnp.asarray(random_rows(blocks, (columns, rows), rng))
-        widen = jax.jit(lambda r, b=blocks: products.unpacked(r, b).astype(jnp.bfloat16))
+    layers = [(blocks, blocks, random_rows(blocks, (columns, rows), rng)) for blocks in products.BLOCKS]
+    # A Q4_K_M stack's layers: Q4_K or Q6_K rows padded to Q6_K's width and tagged (`klein.io.block_forms`).
+    for kind in MIXED:
+        layers.append((MIXED, kind, mixed_rows(kind, random_rows(kind, (columns, rows), rng))))
+    for blocks, kind, raw in layers:
+        widen = jax.jit(lambda r, b=blocks: products.unpacked(r, b, jnp.bfloat16))
+        raw = jnp.asarray(raw)
         jax.block_until_ready(widen(raw))
         wall = cpu = float("inf")
         for _ in range(rounds):
@@ -106,7 +112,16 @@ def widening(rounds: int, rows: int = 9216, columns: int = 3072):
             jax.block_until_ready(widen(raw))
             wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - used)
         values = rows * columns / 1e6
-        print(f"| {blocks} | {wall * 1e3:.0f} | {values / wall:.0f} | {values / cpu:.0f} |", flush=True)
+        name = kind if blocks == kind else f"{kind} of a {' + '.join(blocks)} stack"
+        print(f"| {name} | {wall * 1e3:.0f} | {values / wall:.0f} | {values / cpu:.0f} |", flush=True)
+
+
+def mixed_rows(kind: str, raw: np.ndarray) -> np.ndarray:
+    """Rows of `kind` blocks as a stack of `MIXED` types holds them: zero-padded, then the type's index."""
+    width = products.packed_width(MIXED, products.unpacked_width(kind, raw.shape[-1]))
+    out = np.zeros((*raw.shape[:-1], width), np.uint8)
+    out[..., : raw.shape[-1]], out[..., -1] = raw, MIXED.index(kind)
+    return out
 
 
 def main():

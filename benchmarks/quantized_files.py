@@ -224,8 +224,9 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, size: int) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_gguf_qwen3(path: Path, cfg: Qwen3Config, kind: T) -> int:
-    """A Qwen3 text encoder as a llama.cpp GGUF of `kind`, with its tokenizer in the metadata."""
+def write_gguf_qwen3(path: Path, cfg: Qwen3Config, kind: T, tensors: dict | None = None) -> int:
+    """A Qwen3 text encoder as a llama.cpp GGUF of `kind` (or of `tensors`' types, a `qwen3_types` map, as
+    llama.cpp's mixes have them), with its tokenizer in the metadata."""
 
     def metadata(writer: gguf.GGUFWriter) -> None:
         writer.add_file_type(file_type(kind))
@@ -241,7 +242,7 @@ def write_gguf_qwen3(path: Path, cfg: Qwen3Config, kind: T) -> int:
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         tokenizer_metadata(writer, cfg.vocab_size)
 
-    return write_gguf(path, "qwen3", qwen3_types(cfg, kind), metadata)
+    return write_gguf(path, "qwen3", tensors or qwen3_types(cfg, kind), metadata)
 
 
 # --- NVFP4 safetensors --------------------------------------------------------------------------------

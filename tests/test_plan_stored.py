@@ -187,14 +187,16 @@ def test_a_files_header_plans_as_its_format(written):
             assert from_file.quantized["transformer"][path] == pytest.approx(rate, rel=0.02), (name, path)
     text = plan.with_files(base, text_encoder=written["qwen3"]).quantized["text_encoder"]
     assert text == plan.in_format(base, text_encoder="Q4_K").quantized["text_encoder"]
-    # Its embedding is kept as its blocks; a stack of two types (llama.cpp's Q4_K_M mixes in Q6_K) is widened.
+    # Its embedding is kept as its blocks; a stack of two types (llama.cpp's Q4_K_M mixes in Q6_K) too, each
+    # layer at Q6_K's row width (210 bytes per 256 values) and a byte naming its type.
     assert text[stored.EMBEDDING] == stored.FORMATS["Q4_K"] and len(text) == 8
     tensors = files.qwen3_types(TINY_TEXT, files.T.Q4_K)
     tensors["blk.3.ffn_down.weight"] = (tensors["blk.3.ffn_down.weight"][0], files.T.Q6_K)
     files.write_gguf(written["qwen3"].with_name("mixed-stack.gguf"), "qwen3", tensors, lambda writer: None)
     mixed = plan.with_files(base, text_encoder=written["qwen3"].with_name("mixed-stack.gguf"))
     down = ("model", "layers", "mlp", "down_proj")
-    assert mixed.quantized["text_encoder"] == {k: v for k, v in text.items() if k != down}
+    columns = TINY_TEXT.intermediate_size
+    assert mixed.quantized["text_encoder"] == text | {down: Fraction(columns // 256 * 210 + 1, columns)}
     other = models(text=Qwen3Config.qwen3_4b())
     with pytest.raises(Exception, match="token embedding is 512 x 256"):
         plan.with_files(other, text_encoder=written["qwen3"])

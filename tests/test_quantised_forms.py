@@ -8,13 +8,18 @@ import json
 
 import gguf
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 
-from klein.io.transformer_file import load_transformer_file
+from klein.io import block_forms
+from klein.io.mapped import Whole
+from klein.io.transformer_checkpoint import abstract_transformer
+from klein.io.transformer_file import file_config, load_transformer_file
+from klein.memory import stored as stored_bytes
 from klein.models import gguf_blocks, nvfp4, products
 from klein.models import transformer as T
 from klein.pipeline.flux2_klein import load_pipeline
@@ -52,6 +57,54 @@ def test_gguf_blocks_widen_to_ggufs_values_bit_for_bit(ggml_type):
     got = np.asarray(jax.jit(products.unpacked, static_argnums=1)(floats, ggml_type))
     assert got.dtype == np.float32 and np.isfinite(want).all()
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+class _Layers(dict):
+    """Tensors by name, read as a GGUF file's blocks are (`klein.io.mapped` pieces read them)."""
+
+    def shape(self, key):
+        return self[key].shape
+
+    def get(self, key):
+        return self[key]
+
+
+@pytest.mark.parametrize(
+    "per_layer", [("Q6_K", "Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q8_0", "Q6_K", "Q4_K")], ids=["two", "three"]
+)
+def test_a_mixed_stack_keeps_its_blocks_and_widens_each_layer_by_its_type(per_layer):
+    """A stack mixing ggml types (as llama.cpp's Q4_K_M files mix Q6_K among Q4_K) is kept as blocks, every
+    row padded to the widest type's and tagged with its layer's type: uint8[L, out, widest + 1]. Each
+    layer, sliced inside a scan as the layer loop slices it (its bytes as float8), widens to gguf's values
+    of that layer bit for bit, and so does the whole stack at once (a LoRA merge's restore), in float32
+    and in bf16."""
+    rng = np.random.default_rng(2)
+    layers = _Layers(
+        {
+            str(i): random_blocks(kind, 6, 512 // gguf_blocks.sizes(kind)[0], rng)
+            for i, kind in enumerate(per_layer)
+        }
+    )
+    blocks = block_forms.stack_blocks(per_layer)
+    assert blocks == tuple(kind for kind in gguf_blocks.TYPES if kind in per_layer)
+    pieces = [block_forms.layer_piece(Whole(str(i)), blocks, kind) for i, kind in enumerate(per_layer)]
+    stack = np.stack([piece.read(layers) for piece in pieces])
+    widest = max(layers[str(i)].shape[1] for i in range(len(per_layer)))
+    assert stack.dtype == np.uint8 and stack.shape == (len(per_layer), 6, widest + 1)
+    assert products.packed_width(blocks, 512) == widest + 1 == pieces[0].shape(layers)[-1]
+    want = np.stack([gguf.quants.dequantize(layers[str(i)], Q[kind]) for i, kind in enumerate(per_layer)])
+
+    def widen(_, layer):
+        return None, products.unpacked(layer, blocks)
+
+    _, scanned = jax.jit(lambda s: jax.lax.scan(widen, None, s))(stack.view(ml_dtypes.float8_e4m3fn))
+    whole = jax.jit(products.unpacked, static_argnums=1)(stack, blocks)
+    for got in (np.asarray(scanned), np.asarray(whole)):
+        assert got.dtype == np.float32 and np.isfinite(want).all()
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # Rounded to bf16 inside the switch's branches, as a bf16 product asks: the widened values' bf16.
+    rounded = np.asarray(jax.jit(products.unpacked, static_argnums=(1, 2))(stack, blocks, jnp.bfloat16))
+    np.testing.assert_array_equal(rounded.view(np.uint16), want.astype(jnp.bfloat16).view(np.uint16))
 
 
 def nvfp4_reference(packed, swizzled, rows, columns):
@@ -104,7 +157,7 @@ KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 def gguf_types(bfl: dict) -> dict:
     """A type per Linear, the same in every layer of its stack, cycling through `KINDS`; the single blocks'
-    linear2 Q4_0 in one layer and Q8_0 in the other (a stack of two types: dequantised at load)."""
+    linear2 Q4_0 in one layer and Q8_0 in the other (a stack of two types, as Q4_K_M files have)."""
     modules = sorted(
         {".".join(p for p in k.split(".")[:-1] if not p.isdigit()) for k, v in bfl.items() if v.ndim == 2}
     )
@@ -144,7 +197,8 @@ def stored(pipe) -> dict:
 
 def test_gguf_weights_are_the_files_bytes(gguf_parts, kept):
     """Every Linear whose stack has one type holds the file's blocks, uint8 [L?, out, bytes]: as many
-    bytes as the file has for it; the mixed stack was widened at load."""
+    bytes as the file has for it; the stack of two types holds each layer's rows padded to Q8_0's width
+    and tagged with a byte naming the layer's type."""
     parts, types = gguf_parts
     reader = {t.name: t for t in gguf.GGUFReader(parts["transformer"]).tensors}
     weights = stored(kept)
@@ -156,8 +210,22 @@ def test_gguf_weights_are_the_files_bytes(gguf_parts, kept):
     packed = {p: v for p, v in weights.items() if p[-1] == "weight" and v.dtype == np.uint8}
     kept = sum(v.nbytes for v in packed.values())
     in_file = sum(t.data.nbytes for name, t in reader.items() if types.get(name) and "linear2" not in name)
-    assert kept == in_file
-    assert weights[("single_transformer_blocks", "attn", "to_out", "kernel")].dtype == np.float32
+    mixed = weights[("single_transformer_blocks", "attn", "to_out", "weight")]
+    q4, q8 = (reader[f"single_blocks.{i}.linear2.weight"].data for i in (0, 1))
+    assert mixed.dtype == np.uint8 and mixed.shape == (2, len(q8), q8.shape[1] + 1)
+    np.testing.assert_array_equal(mixed[0, :, : q4.shape[1]], q4)
+    np.testing.assert_array_equal(mixed[1, :, :-1], q8)
+    assert not mixed[0, :, q4.shape[1] : -1].any()
+    tags = [set(mixed[i, :, -1].tolist()) for i in (0, 1)]
+    assert sorted(tags, key=min) == [{0}, {1}]
+    assert kept == in_file + mixed.nbytes
+    # The planner counts the padded rows.
+    abstract = abstract_transformer(file_config(parts["transformer"]))
+    rate = stored_bytes.transformer_file(parts["transformer"], abstract)[
+        ("single_transformer_blocks", "attn", "to_out")
+    ]
+    assert rate * len(q8) * products.unpacked_width("Q8_0", q8.shape[1]) == mixed[0].nbytes
+    assert ("single_transformer_blocks", "attn", "to_out", "kernel") not in weights
 
 
 @pytest.mark.parametrize("residency", ["all", "sequential", "stream"])
@@ -175,7 +243,7 @@ def test_gguf_blocks_with_a_lora_merged(gguf_parts, widened, tmp_path):
     pipe = load_pipeline(**gguf_parts[0], residency="stream")
     before = stored(pipe)
     shapes = lora_files.linear_shapes(pipe.config, "bfl")
-    targets = ("double_blocks.1.img_attn.qkv", "single_blocks.0.linear1", "img_in")
+    targets = ("double_blocks.1.img_attn.qkv", "single_blocks.0.linear1", "single_blocks.1.linear2", "img_in")
     lora = lora_files.random_lora({m: shapes[m] for m in targets}, 4, 5)
     spec = [(lora_files.write_bfl(tmp_path / "lora.safetensors", lora), 0.8)]
     pipe.set_loras(spec)

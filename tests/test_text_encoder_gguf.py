@@ -2,6 +2,8 @@
 equal those of the same (dequantised) weights as a folder, its tokenizer rebuilt from the metadata equals the
 folder's and transformers', and wrong files are refused before a weight is read."""
 
+import math
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,9 @@ from klein.cli import main as cli
 from klein.errors import CheckpointError, InputError
 from klein.io import demo
 from klein.io.gguf_header import read_header
-from klein.io.text_encoder_checkpoint import load_text_encoder, read_config
+from klein.io.text_encoder_checkpoint import abstract_text_encoder, load_text_encoder, read_config
 from klein.io.text_encoder_gguf import gguf_names, load_text_encoder_gguf, read_gguf_config
+from klein.memory import stored
 from klein.models import gguf_blocks, stacks
 from klein.models.layers import Linear
 from klein.models.qwen3 import prompt_embeddings
@@ -27,6 +30,7 @@ from klein.request import variants
 from klein.request.loading import LoadOptions
 from tests.support.qwen3_gguf import MIXED, T, dequantised_folder, write_qwen3_gguf
 from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens
+from tests.test_plan_stored import TINY_TEXT, files
 from tests.test_quantised_forms import random_blocks
 
 PROMPTS = ["A red fox in fresh snow at dawn, 1024 x 768.", "Ünïcödé 東京 🐱 <think> <|im_end|> it's\n\n ok"]
@@ -109,6 +113,75 @@ def test_blocks_kept_equal_dequantised_at_load(uniform, ids):
     assert all(m.blocks is None for _, m in nnx.iter_modules(widened) if isinstance(m, Linear))
     ours, reference = embed(kept, ids), embed(widened, ids)
     assert np.max(np.abs(ours - reference)) <= 1e-5 and np.abs(reference).max() > 1
+
+
+def q4_k_m_like(layers: int, low: T, middle: T, high: T) -> dict[int, dict[str, T]]:
+    """Layer -> llama.cpp name -> type of llama.cpp's Q4_K_M mix in three types: `attn_v` `high` in the first
+    and last eighth of the layers and every third between ("more bits"), else `low`; `ffn_down` cycling
+    `low` / `middle` / `high` (a stack of three types)."""
+    more = {i for i in range(layers) if i < layers // 8 or i >= layers - layers // 8 or i % 3 == 2}
+    return {
+        i: {"attn_v": high if i in more else low, "ffn_down": (low, middle, high)[i % 3]}
+        for i in range(layers)
+    }
+
+
+def _q4_0_mix(layers: int) -> dict[str, T]:
+    """The Q4_K_M mix in types 32 values wide (Q4_0 / Q5_0 / Q8_0), the other Linears Q4_0, by HF key."""
+    types = {name: T.Q4_0 for name in MIXED} | {"embed_tokens": T.Q8_0}
+    modules = {"attn_v": "self_attn.v_proj", "ffn_down": "mlp.down_proj"}
+    for i, kinds in q4_k_m_like(layers, T.Q4_0, T.Q5_0, T.Q8_0).items():
+        types |= {f"model.layers.{i}.{modules[name]}.weight": kind for name, kind in kinds.items()}
+    return types
+
+
+def test_stacks_of_mixed_types_are_kept_as_padded_blocks(tiny, ids, tmp_path):
+    """`v_proj` (two types) and `down_proj` (three) stay blocks: each layer's file rows zero-padded to the
+    widest type's width and tagged with its type's index in the stack's `blocks`, the bytes per weight the
+    planner counts; the embeddings equal those of the weights widened at load."""
+    path = write_qwen3_gguf(tmp_path / "Qwen3-tiny-Q4_K_M.gguf", tiny[0], _q4_0_mix(28))
+    kept, widened = load_text_encoder_gguf(path), load_text_encoder_gguf(path, dequantize=True)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    planned = stored.text_encoder_file(path, abstract_text_encoder(kept.config, 27), 27)
+    modules = dict(nnx.iter_modules(kept))
+    for name, module, blocks in [
+        ("attn_v", ("self_attn", "v_proj"), ("Q8_0", "Q4_0")),
+        ("ffn_down", ("mlp", "down_proj"), ("Q8_0", "Q4_0", "Q5_0")),  # in `gguf_blocks.TYPES` order
+    ]:
+        linear = modules[("model", "layers", *module)]
+        assert linear.blocks == blocks and linear.kernel is None
+        weight = np.asarray(linear.weight[...])
+        layers = [tensors[f"blk.{i}.{name}.weight"] for i in range(27)]
+        width = max(layer.data.shape[1] for layer in layers)
+        assert weight.dtype == np.uint8 and weight.shape == (27, layers[0].data.shape[0], width + 1)
+        for rows, layer in zip(weight, layers, strict=True):
+            np.testing.assert_array_equal(rows[:, : layer.data.shape[1]], layer.data)
+            assert not rows[:, layer.data.shape[1] : -1].any()
+            assert set(rows[:, -1].tolist()) == {blocks.index(layer.tensor_type.name)}
+        assert planned[("model", "layers", *module)] * math.prod(layers[0].shape) == weight[0].nbytes
+    ours, reference = embed(kept, ids), embed(widened, ids)
+    assert np.max(np.abs(ours - reference)) <= 1e-5 and np.abs(reference).max() > 1
+
+
+def test_a_k_quant_mix_embeds_as_its_weights_widened_at_load(tmp_path):
+    """K-quants, at a width whose rows are whole 256-value super-blocks (random blocks, llama.cpp's
+    names and metadata): `attn_v` Q6_K in the "more bits" layers among Q4_K, `ffn_down` Q4_K / Q5_K / Q6_K;
+    both kept as blocks, and the embeddings equal those of the file widened at load."""
+    cfg = TINY_TEXT
+    tensors = files.qwen3_types(cfg, T.Q4_K)
+    for i, kinds in q4_k_m_like(cfg.num_hidden_layers, T.Q4_K, T.Q5_K, T.Q6_K).items():
+        for name, kind in kinds.items():
+            tensors[f"blk.{i}.{name}.weight"] = (tensors[f"blk.{i}.{name}.weight"][0], kind)
+    path = tmp_path / "Qwen3-wide-Q4_K_M.gguf"
+    files.write_gguf_qwen3(path, cfg, T.Q4_K, tensors)
+    kept, widened = load_text_encoder_gguf(path), load_text_encoder_gguf(path, dequantize=True)
+    modules = dict(nnx.iter_modules(kept))
+    assert modules[("model", "layers", "self_attn", "v_proj")].blocks == ("Q4_K", "Q6_K")
+    assert modules[("model", "layers", "mlp", "down_proj")].blocks == ("Q4_K", "Q5_K", "Q6_K")
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 16))
+    ours, reference = (embed(encoder, (ids, np.ones_like(ids))) for encoder in (kept, widened))
+    scale = np.abs(reference).max()
+    assert np.isfinite(scale) and scale > 0 and np.max(np.abs(ours - reference)) <= 1e-5 * scale
 
 
 @pytest.mark.parametrize("ggml_type", gguf_blocks.TYPES)

@@ -34,8 +34,9 @@ def write_qwen3_gguf(
     metadata: dict | None = None,
     pad_vocab_to: int = 0,
 ) -> Path:
-    """`<folder>/text_encoder` as a GGUF at `path`: a key whose module name is in `types` stored in that type,
-    every other F32; the tokenizer of `<folder>/tokenizer` in the metadata unless `tokenizer` is False.
+    """`<folder>/text_encoder` as a GGUF at `path`: a key in `types`, or whose module name is, stored in
+    that type, every other F32; the tokenizer of `<folder>/tokenizer` in the metadata unless `tokenizer` is
+    False.
     `edit` changes the (HF-named, float32) tensors first; `metadata` overrides `qwen3.*` fields by name;
     `pad_vocab_to`: the token list filled up to that many ids, as llama.cpp fills it to the embedding's rows."""
     config = json.loads((folder / "text_encoder" / "config.json").read_text())
@@ -48,7 +49,7 @@ def write_qwen3_gguf(
         _add_tokenizer(writer, folder / "tokenizer", pad_vocab_to)
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config["num_hidden_layers"])
     for key, value in tensors.items():
-        qtype = (types or {}).get(key.split(".")[-2], T.F32)
+        qtype = (types or {}).get(key, (types or {}).get(key.split(".")[-2], T.F32))
         name = table.get_name(key, try_suffixes=(".weight",))
         data = np.ascontiguousarray(value, np.float32)
         if qtype == T.F32:

@@ -1,13 +1,22 @@
-"""Which Linears of a checkpoint keep their file's quantisation blocks in memory (GGUF, NVFP4).
+"""Which Linears of a checkpoint keep their file's quantisation blocks in memory (GGUF, NVFP4), and how a
+layer of a stack of mixed GGUF types is laid out.
 
 One rule for every model read from a quantized file (the transformer, `klein.io.transformer_file`; the
-Qwen3 text encoder, `klein.io.text_encoder_gguf`): a Linear is kept as blocks where its stored layer has
-the same block format in every layer of its stack, since a scanned stack holds one array per weight.
-A stack that mixes formats (as llama.cpp's Q4_K_M files mix Q4_K and Q6_K) is widened to the compute dtype
-at load instead.
+Qwen3 text encoder, `klein.io.text_encoder_gguf`; the planner, `klein.memory.stored`): a Linear is kept as
+blocks where every layer of its stack is stored in a block format. A stack of one format holds that
+format's rows; a stack that mixes ggml types (llama.cpp's Q4_K_M files give some layers of `attn_v` and
+`ffn_down` Q6_K among Q4_K) holds each layer's rows zero-padded to the widest type's and tagged with a
+final byte, the index of the layer's type in the stack's tuple of types (`klein.models.products.MIXED`),
+so a stack is still one array the layer loop slices. A stack with a layer stored as floats (or as FP8) is
+widened to the compute dtype at load.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
 
 from klein.io.gguf_file import GGUFSource
 from klein.models import gguf_blocks, products
@@ -19,14 +28,55 @@ def gguf_formats(source: GGUFSource) -> dict[str, str]:
     return {key.removesuffix(".weight"): kind for key, kind in types.items() if kind in gguf_blocks.TYPES}
 
 
-def uniform_blocks(stored_layers: dict[tuple, set[str]], formats: dict[str, str]) -> dict[tuple, str]:
-    """Module paths of the Linears whose stored layers (`stored_layers`: parameter path -> the stored layer
-    of each of its checkpoint keys) have one block format (`formats`: stored layer -> format) in every
-    layer, with that format."""
+def stack_blocks(kinds: Sequence[str | None]) -> str | tuple[str, ...] | None:
+    """The `blocks` of a stack whose layers have block formats `kinds` (None: stored otherwise): the one
+    format, the tuple of its ggml types (in `products.BLOCKS` order) if several, else None (widened)."""
+    found = set(kinds)
+    if len(found) == 1 and found <= set(products.BLOCKS):
+        return found.pop()
+    if found <= set(gguf_blocks.TYPES):
+        return tuple(kind for kind in products.BLOCKS if kind in found)
+    return None
+
+
+def kept_blocks(
+    stored_layers: dict[tuple, Sequence[str]], formats: dict[str, str]
+) -> dict[tuple, str | tuple]:
+    """Module paths of the Linears kept as blocks, with their `blocks`; `stored_layers`: parameter path ->
+    the stored layer of each of its checkpoint keys, `formats`: stored layer -> format."""
     found = {}
     for path, layers in stored_layers.items():
-        kinds = {formats.get(layer) for layer in layers}
-        kind = kinds.pop() if len(kinds) == 1 else None
-        if path[-1] == "kernel" and kind in products.BLOCKS:
-            found[path[:-1]] = kind
+        blocks = stack_blocks([formats.get(layer) for layer in layers])
+        if path[-1] == "kernel" and blocks is not None:
+            found[path[:-1]] = blocks
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Tagged:
+    """A layer of a mixed stack (`blocks`, a tuple of ggml types): `piece`'s rows of blocks of type `kind`
+    uint8[rows, bytes], zero-padded to the stack's row width and ending in the index of `kind`."""
+
+    piece: object
+    blocks: tuple[str, ...]
+    kind: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.piece.keys
+
+    def shape(self, source) -> tuple[int, ...]:
+        *rows, width = self.piece.shape(source)
+        return (*rows, products.packed_width(self.blocks, products.unpacked_width(self.kind, width)))
+
+    def read(self, source) -> np.ndarray:
+        raw = self.piece.read(source)
+        out = np.zeros(self.shape(source), np.uint8)
+        out[..., : raw.shape[-1]] = raw
+        out[..., -1] = self.blocks.index(self.kind)
+        return out
+
+
+def layer_piece(piece, blocks: str | tuple[str, ...], kind: str):
+    """`piece` (reading a layer's blocks as stored) as a stack of format `blocks` holds it."""
+    return Tagged(piece, blocks, kind) if isinstance(blocks, products.MIXED) else piece

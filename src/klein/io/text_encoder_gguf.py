@@ -6,12 +6,12 @@ llama.cpp's converter writes a Qwen3 checkpoint's tensors under its own names (`
 The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3`, and the shape comes
 from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow reader
 (`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded, as from a folder
-(`klein.io.text_encoder_checkpoint`). The Linears whose stack has one quantised ggml type in every layer
-stay as their blocks in memory, widened inside each product as the transformer's are
-(`klein.io.block_forms`), and a quantised token embedding stays as its blocks too, each prompt widening
-the rows it gathers (`klein.models.stacks.rows`: Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16); the
-norms, mixed stacks and a float embedding are dequantised to float32 as they are read
-(`klein.io.gguf_file`) and cast to the compute dtype.
+(`klein.io.text_encoder_checkpoint`). The Linears whose stack is quantised in every layer stay as their
+blocks in memory, widened inside each product as the transformer's are (`klein.io.block_forms`: a stack
+mixing ggml types, as Q4_K_M files mix Q6_K into `attn_v` and `ffn_down`, too), and a quantised token
+embedding stays as its blocks too, each prompt widening the rows it gathers (`klein.models.stacks.rows`:
+Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16); the norms and a float embedding are dequantised to
+float32 as they are read (`klein.io.gguf_file`) and cast to the compute dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein.errors import CheckpointError
-from klein.io.block_forms import gguf_formats, uniform_blocks
+from klein.io.block_forms import gguf_formats, kept_blocks, layer_piece
 from klein.io.gguf_file import GGUFSource
 from klein.io.gguf_header import Header, read_header
 from klein.io.loading import checkpoint_keys, expected_shapes, load_module
@@ -59,12 +59,12 @@ def load_text_encoder_gguf(
     plan = checkpoint_keys(abstract_text_encoder(config, num_layers), STACKED)
     stored = {module: {names[key].removesuffix(".weight") for key in keys} for module, keys in plan.items()}
     formats = gguf_formats(source)
-    forms = {} if dequantize else uniform_blocks(stored, formats)
-    as_blocks = {key for module in forms for key in plan[(*module, "kernel")]}
+    forms = {} if dequantize else kept_blocks(stored, formats)
+    as_blocks = {key: blocks for module, blocks in forms.items() for key in plan[(*module, "kernel")]}
     embedding = None if dequantize else formats.get(_EMBEDDING.removesuffix(".weight"))
     if embedding is not None:
-        as_blocks.add(_EMBEDDING_KEY)
-    table = {key: _piece(name, key in as_blocks, dtype) for key, name in names.items()}
+        as_blocks[_EMBEDDING_KEY] = embedding
+    table = {key: _piece(name, as_blocks.get(key), formats, dtype) for key, name in names.items()}
     abstract = abstract_text_encoder(
         config, num_layers, dtype, {m: packed(kind) for m, kind in forms.items()}, embedding
     )
@@ -74,9 +74,14 @@ def load_text_encoder_gguf(
     )
 
 
-def _piece(name: str, blocks: bool, dtype):
-    """Tensor `name` as its quantisation blocks (uint8 rows, widened inside the product), else widened."""
-    return Viewed(Whole(name), operator.attrgetter("blocks")) if blocks else _Widened(name, np.dtype(dtype))
+def _piece(name: str, blocks, formats: dict[str, str], dtype):
+    """Tensor `name` as its quantisation blocks (uint8 rows, widened inside the product) as a stack of
+    format `blocks` holds them (`klein.io.block_forms.layer_piece`), else widened (`blocks` None)."""
+    if blocks is None:
+        return _Widened(name, np.dtype(dtype))
+    return layer_piece(
+        Viewed(Whole(name), operator.attrgetter("blocks")), blocks, formats[name.removesuffix(".weight")]
+    )
 
 
 @dataclasses.dataclass(frozen=True)

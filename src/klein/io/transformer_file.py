@@ -11,8 +11,9 @@ Formats, told apart by the file itself:
   weights stay 4-bit in memory as rows of blocks beside a per-tensor scale, widened inside each product.
 - GGUF (`*.gguf`, `klein.io.gguf_file`): BFL key names; quantised weights stay as their blocks in memory,
   widened inside each product; F16 / BF16 / F32 tensors are cast to `dtype`.
-A Linear of a scanned stack keeps a stored form only if it has that form (and one ggml type) in every
-layer; `dequantize=True` widens every weight to `dtype` at load instead (memory of an unquantised model).
+A Linear of a scanned stack keeps a stored form only if it has that form in every layer (GGUF blocks: of
+any ggml types, `klein.io.block_forms`); `dequantize=True` widens every weight to `dtype` at load instead
+(memory of an unquantised model).
 For 8-bit products (`compute`) the blocks' weights are quantised as they are read
 (`klein.io.transformer_checkpoint.stored_forms`); FP8 ones stay as shipped for FP8 products.
 """
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from klein.errors import CheckpointError
 from klein.io import bfl_transformer_keys as bfl
 from klein.io import nvfp4_file
-from klein.io.block_forms import gguf_formats, uniform_blocks
+from klein.io.block_forms import gguf_formats, kept_blocks, layer_piece
 from klein.io.fp8 import FORMAT as FP8
 from klein.io.fp8 import SIDE_TENSORS, quantised_layers
 from klein.io.gguf_file import GGUFSource
@@ -106,14 +107,16 @@ def load_transformer_file(
     # form (or 8-bit for 8-bit products), the compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
     kept = set() if dequantize else _modules_in(plan, prefix, lambda layer: layer in fp8)
-    blocks = {} if dequantize else uniform_blocks(_stored_layers(plan, prefix), formats)
+    blocks = {} if dequantize else kept_blocks(_stored_layers(plan, prefix), formats)
     forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()), blocks)
     abstract = abstract_transformer(cfg, dtype, forms)
     # 3. Read every diffusers key from its BFL tensor; quantised weights of the other modules are
     # dequantised, and quantised again per channel where the form says so.
     raw = {key for module, form in forms.items() if not form.per_channel for key in plan[(*module, "kernel")]}
-    as_blocks = {key for module, form in forms.items() if form.blocks for key in plan[(*module, "kernel")]}
-    read = _Reading(prefix, fp8, nvfp4, raw, as_blocks, isinstance(source, GGUFSource))
+    as_blocks = {
+        key: form.blocks for module, form in forms.items() if form.blocks for key in plan[(*module, "kernel")]
+    }
+    read = _Reading(prefix, fp8, nvfp4, raw, as_blocks, formats, isinstance(source, GGUFSource))
     table = {key: read.piece(key) for key in expected_shapes(abstract, STACKED, key_map)}
     table = quantised_table(table, quantised_keys(plan, forms))
     unread = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS if side != "weight_scale"}
@@ -200,14 +203,16 @@ def _input_scaled(plan: dict[tuple, list[str]], kept: set[tuple], prefix: str, k
 @dataclasses.dataclass(frozen=True)
 class _Reading:
     """How to read each diffusers key from a file's BFL tensors: `fp8` / `nvfp4` are its stored layers in
-    those formats; weights of `raw` keys are read FP8 as shipped, those of `blocks` as quantisation
-    blocks (a GGUF file's if `gguf`); other quantised weights are dequantised."""
+    those formats; weights of `raw` keys are read FP8 as shipped, those of `blocks` (key -> its stack's
+    `blocks`) as quantisation blocks (a GGUF file's if `gguf`, of `formats`' type for their stored layer,
+    `klein.io.block_forms.layer_piece`); other quantised weights are dequantised."""
 
     prefix: str
     fp8: frozenset
     nvfp4: frozenset
     raw: set
-    blocks: set
+    blocks: dict
+    formats: dict
     gguf: bool
 
     def piece(self, key: str):
@@ -220,7 +225,8 @@ class _Reading:
         piece = bfl.piece(key, self.prefix)
         layer = piece.key.removesuffix(".weight")
         if key in self.blocks:
-            return Viewed(piece, operator.attrgetter("blocks") if self.gguf else nvfp4_file.Blocks)
+            stored = Viewed(piece, operator.attrgetter("blocks") if self.gguf else nvfp4_file.Blocks)
+            return layer_piece(stored, self.blocks[key], self.formats[layer])
         if layer in self.nvfp4:
             return Viewed(piece, nvfp4_file.Values)
         if layer in self.fp8 and key not in self.raw:

@@ -42,7 +42,7 @@ def merge_kernel(
     dtype,
     sharding=None,
     out_in: bool = False,
-    blocks: str | None = None,
+    blocks: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """kernel float[L?, I, O] ([L?, O, I] if `out_in`; 8-bit with weight_scale float32[L?] or [L?, O], else
     weight_scale None; rows of quantisation blocks of format `blocks` [L?, O, bytes]) plus the updates, in

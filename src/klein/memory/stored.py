@@ -19,11 +19,11 @@ from flax import nnx
 
 from klein.errors import CheckpointError, InputError
 from klein.io import bfl_transformer_keys as bfl
-from klein.io.block_forms import uniform_blocks
+from klein.io.block_forms import kept_blocks, stack_blocks
 from klein.io.gguf_header import read_header
 from klein.io.safetensors import TensorSource
 from klein.io.transformer_checkpoint import key_map
-from klein.models import gguf_blocks
+from klein.models import gguf_blocks, products
 
 FORMATS = {
     # GGUF (ggml) blocks: bytes per block / weights per block; each block carries its fp16 scale(s).
@@ -91,26 +91,37 @@ def transformer_file(path: Path, abstract: nnx.Module) -> dict[tuple, Fraction]:
     """Bytes per weight of the transformer's Linears that `path` (a GGUF or NVFP4 single file in BFL
     names) keeps quantized, from its header; those stored as floats are counted by the model."""
     sizes, prefix = _file_sizes(path)
+    formats = _gguf_formats(path)
     stored: dict[tuple, list[int]] = {}
-    for module, shape in linears(abstract).items():
+    kinds: dict[tuple, list[str | None]] = {}
+    shapes = linears(abstract)
+    for module, shape in shapes.items():
         layers = shape[0] if len(shape) == 3 else None
         for index in range(layers or 1):
             names = [module[0], *([str(index)] if layers else []), *module[1:], "weight"]
             source = bfl.bfl_key(key_map(".".join(names)))
-            size = sizes.get(prefix + source.key.removesuffix(".weight"))
+            layer = prefix + source.key.removesuffix(".weight")
+            size = sizes.get(layer)
             if size is not None:
                 total = stored.setdefault(module, [0, 0])
                 total[0] += Fraction(size, source.blocks)
                 total[1] += _per_layer(shape)
-    return {module: Fraction(bytes_) / count for module, (bytes_, count) in stored.items()}
+                kinds.setdefault(module, []).append(formats.get(layer))
+    rates = {module: Fraction(bytes_) / count for module, (bytes_, count) in stored.items()}
+    mixed = {module: stack_blocks(found) for module, found in kinds.items()}
+    rates.update(
+        {module: _padded(blocks, shapes[module]) for module, blocks in mixed.items() if _mixed(blocks)}
+    )
+    return rates
 
 
 def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tuple, Fraction]:
     """Bytes per weight of the text encoder's Linears that a Qwen3 GGUF in llama.cpp's names keeps quantized
     (of the first `layers` decoder layers: those the prompt embedding runs), by the loader's rule
-    (`klein.io.block_forms`: one ggml type in every layer of a stack), and of its token embedding where the
-    file quantizes it (kept as its blocks, `klein.models.qwen3.Qwen3Model.keep_blocks`); the rest the model
-    counts in the dtype, as it is widened at load."""
+    (`klein.io.block_forms`: quantised in every layer of a stack; one of mixed types at its padded width),
+    and of its token embedding where the file quantizes it (kept as its blocks,
+    `klein.models.qwen3.Qwen3Model.keep_blocks`); the rest the model counts in the dtype, as it is widened
+    at load."""
     if path.suffix.lower() != ".gguf":
         return {}
     tensors = _gguf_tensors(path)
@@ -130,15 +141,28 @@ def text_encoder_file(path: Path, abstract: nnx.Module, layers: int) -> dict[tup
         for name, module in QWEN3_GGUF.items()
     }
     formats = {name.removesuffix(".weight"): kind for name, (_, kind, _) in tensors.items()}
-    kept = uniform_blocks({path: set(layer_names) for path, layer_names in names.items()}, formats)
+    kept = kept_blocks(names, formats)
     rates = {
         module: Fraction(sum(tensors[f"{name}.weight"][0] for name in names[(*module, "kernel")]))
         / (layers * _per_layer(shapes[module]))
-        for module in kept
+        for module, blocks in kept.items()
     }
+    rates.update(
+        {module: _padded(blocks, shapes[module]) for module, blocks in kept.items() if _mixed(blocks)}
+    )
     if kind in gguf_blocks.TYPES:
         rates[EMBEDDING] = Fraction(size, _per_layer(needed))
     return rates
+
+
+def _mixed(blocks) -> bool:
+    return isinstance(blocks, products.MIXED)
+
+
+def _padded(blocks: tuple[str, ...], shape: tuple[int, ...]) -> Fraction:
+    """Bytes per weight of a stack of mixed ggml types (kernel [L, in, out]): every row at the widest
+    type's width and its tag byte (`klein.io.block_forms`)."""
+    return Fraction(products.packed_width(blocks, shape[-2]), shape[-2])
 
 
 def _file_sizes(path: Path) -> tuple[dict[str, int], str]:
@@ -154,6 +178,16 @@ def _file_sizes(path: Path) -> tuple[dict[str, int], str]:
 
 
 _FLOATS = ("F32", "F16", "BF16", "F64")
+
+
+def _gguf_formats(path: Path) -> dict[str, str]:
+    """Stored layer (name less ".weight") -> ggml type of a GGUF file's quantized tensors ({} for others)."""
+    if path.suffix.lower() != ".gguf":
+        return {}
+    tensors = _gguf_tensors(path)
+    return {
+        name.removesuffix(".weight"): kind for name, (_, kind, _) in tensors.items() if kind not in _FLOATS
+    }
 
 
 def _gguf_tensors(path: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:

@@ -28,7 +28,8 @@ class Linear(nnx.Module):
     `kernel` then None: an 8-bit GEMM
     wants its weight's contracting axis innermost (docs/design.md, "8-bit products on the card").
     A kernel kept in a file's quantisation blocks (GGUF, NVFP4) is `weight` too: rows of blocks
-    uint8[out, bytes], `blocks` naming their format, widened inside the product.
+    uint8[out, bytes], `blocks` naming their format (a stack of mixed GGUF types: the tuple of them,
+    `products.MIXED`), widened inside the product.
     """
 
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
@@ -41,7 +42,7 @@ class Linear(nnx.Module):
         self.adapter_up: adapters.Factor | None = nnx.data(None)
         self.dtype = dtype
         self.compute = products.BF16
-        self.blocks: str | None = None  # the format of a kernel stored as quantisation blocks
+        self.blocks: str | tuple[str, ...] | None = None  # the format of a kernel stored as blocks
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self._product(x, slice(None))
@@ -102,14 +103,14 @@ class Stored:
     per_channel: bool
     compute: str
     input_scale: bool = False
-    blocks: str | None = None
+    blocks: str | tuple[str, ...] | None = None
 
 
 SHIPPED_FP8 = Stored(jnp.float8_e4m3fn, per_channel=False, compute=products.BF16)
 """BFL's FP8 files as they come: per-tensor scales, widened inside a bf16 product."""
 
 
-def packed(blocks: str) -> Stored:
+def packed(blocks: str | tuple[str, ...]) -> Stored:
     """A kernel kept in a file's quantisation blocks of format `blocks` (a ggml type, or NVFP4), widened
     to the compute dtype inside each product."""
     return Stored(jnp.uint8, per_channel=False, compute=products.BF16, blocks=blocks)
@@ -141,7 +142,7 @@ def store(model: nnx.Module, forms: Mapping[tuple, Stored]) -> nnx.Module:
     return model
 
 
-def block_formats(model: nnx.Module) -> dict[tuple, str]:
+def block_formats(model: nnx.Module) -> dict[tuple, str | tuple[str, ...]]:
     """The state paths of `model`'s kernels kept as quantisation blocks (`Linear.weight`), with their
     formats."""
     return {

@@ -19,6 +19,9 @@ per output channel (quantised at load, shape [out]). `compute` says how the prod
 A kernel may instead be kept as a file's quantisation blocks (`blocks`: GGUF's ggml types,
 `klein.models.gguf_blocks`; NVFP4, `klein.models.nvfp4`), rows of bytes [out, bytes] widened to float32
 here, one layer at a time inside the scanned layer loop, then multiplied as a bf16-compute kernel is.
+A stack whose layers have different ggml types (llama.cpp's Q4_K_M files give some layers Q6_K) has
+`blocks` the tuple of its types (`MIXED`): each row is padded with zeros to the widest type's row and ends
+in one byte, the index of its layer's type in that tuple, which `unpacked` switches on.
 
 Products in the compute dtype are accumulated in float32 and rounded once to the inputs' precision, as
 torch does.
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +59,7 @@ NVFP4 = "nvfp4"
 # Block formats a kernel may be stored in ([out, in / values * bytes] uint8, widened inside the product):
 # GGUF's ggml types, and NVFP4 (whose per-tensor scale is the Linear's `weight_scale`).
 BLOCKS = (*gguf_blocks.TYPES, NVFP4)
+MIXED = tuple  # `blocks` of a stack of several ggml types: those types, each layer's row tagged with one
 
 
 @functools.partial(
@@ -78,7 +83,7 @@ class Weight:
     input_scale: jax.Array | None = None
     compute: str = BF16
     out_in: bool = False
-    blocks: str | None = None
+    blocks: str | tuple[str, ...] | None = None
 
     def outputs(self, columns: slice) -> Weight:
         """The weight of output columns `columns` only (a per-channel scale sliced with them)."""
@@ -97,7 +102,7 @@ def product(x, weight: Weight, dtype, low_rank=None):
     kernel, scale, compute, out_in = weight.array, weight.scale, weight.compute, weight.out_in
     # A block format's kernel is its bytes, unless a merged LoRA widened it already.
     if weight.blocks is not None and jnp.dtype(kernel.dtype).itemsize == 1:
-        kernel = unpacked(kernel, weight.blocks)
+        kernel = unpacked(kernel, weight.blocks, jnp.float32 if compute in EIGHT_BIT else dtype)
     dims = (((x.ndim - 1,), (1 if out_in else 0,)), ((), ()))
     extra = 0 if low_rank is None else low_rank
     if compute not in EIGHT_BIT:
@@ -120,21 +125,55 @@ def product(x, weight: Weight, dtype, low_rank=None):
     return (total.astype(jnp.float32) * tokens * scale + extra).astype(dtype)
 
 
-def unpacked(raw, blocks: str):
-    """float32[..., out, in] of rows of quantisation blocks `raw` [..., out, bytes] of format `blocks`."""
-    return nvfp4.dequantise(raw) if blocks == NVFP4 else gguf_blocks.dequantise(raw, blocks)
+def unpacked(raw, blocks: str | tuple[str, ...], dtype=jnp.float32):
+    """float32[..., out, in] of rows of quantisation blocks `raw` [..., out, bytes] of format `blocks` (a
+    tuple: a mixed stack's types, each layer's rows tagged with the index of its own, `MIXED`), rounded
+    to `dtype`."""
+    if isinstance(blocks, MIXED):
+        return _switched(raw, blocks, dtype)
+    wide = nvfp4.dequantise(raw) if blocks == NVFP4 else gguf_blocks.dequantise(raw, blocks)
+    return wide.astype(dtype)
 
 
-def packed_width(blocks: str, columns: int) -> int:
-    """Bytes of a row of `columns` values in block format `blocks`."""
-    values, size = (nvfp4.BLOCK, nvfp4.BLOCK_BYTES) if blocks == NVFP4 else gguf_blocks.sizes(blocks)
+def _switched(raw, kinds: tuple[str, ...], dtype):
+    """A mixed stack's layer (or layers) widened by its own type: `jax.lax.switch` on the index its first
+    row ends in, over branches that all give the same float32[out, in] (XLA compiles each, runs one).
+    Each branch rounds to `dtype` itself: a switch's result is written out whole, and XLA:CPU widened a
+    layer to bf16 2.6x slower when its float32 values were written out first."""
+    if raw.ndim > 2:  # whole stacks (a LoRA merge's restore): a layer at a time
+        return jax.lax.map(lambda layer: _switched(layer, kinds, dtype), raw)
+    if raw.dtype != jnp.uint8:  # a stack slices its layers as float8 (`klein.models.stacks`)
+        raw = jax.lax.bitcast_convert_type(raw, jnp.uint8)
+    columns = unpacked_width(kinds, raw.shape[-1])
+    branches = [
+        functools.partial(
+            lambda rows, kind: unpacked(rows[:, : packed_width(kind, columns)], kind, dtype), kind=kind
+        )
+        for kind in kinds
+    ]
+    return jax.lax.switch(raw[0, -1].astype(jnp.int32), branches, raw)
+
+
+def packed_width(blocks: str | tuple[str, ...], columns: int) -> int:
+    """Bytes of a row of `columns` values in block format `blocks` (a mixed stack's: its widest type's and
+    the byte naming the layer's type)."""
+    if isinstance(blocks, MIXED):
+        return max(packed_width(kind, columns) for kind in blocks) + 1
+    values, size = _sizes(blocks)
     return columns // values * size
 
 
-def unpacked_width(blocks: str, width: int) -> int:
+def unpacked_width(blocks: str | tuple[str, ...], width: int) -> int:
     """Values in a row of `width` bytes in block format `blocks`."""
-    values, size = (nvfp4.BLOCK, nvfp4.BLOCK_BYTES) if blocks == NVFP4 else gguf_blocks.sizes(blocks)
+    if isinstance(blocks, MIXED):
+        return unpacked_width(max(blocks, key=lambda kind: Fraction(*_sizes(kind)[::-1])), width - 1)
+    values, size = _sizes(blocks)
     return width // size * values
+
+
+def _sizes(blocks: str) -> tuple[int, int]:
+    """(values, bytes) of one block of format `blocks`."""
+    return (nvfp4.BLOCK, nvfp4.BLOCK_BYTES) if blocks == NVFP4 else gguf_blocks.sizes(blocks)
 
 
 def quantise(values, compute: str, axis: int):
