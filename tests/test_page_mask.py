@@ -310,6 +310,8 @@ def test_touch_paints_as_the_mouse_does(server, browser):
         page.goto(f"{server}/")
         expect(page.locator("#generate")).to_be_enabled()
         page.set_input_files("#ref-input", [source_file()])
+        # The canvas is laid out once the source has loaded: wait for it as a stroke does.
+        page.locator("#mask-canvas").scroll_into_view_if_needed()
         box = page.locator("#mask-canvas").bounding_box()
         devtools = context.new_cdp_session(page)
         y = box["y"] + box["height"] / 2
