@@ -40,13 +40,9 @@ def memory_for_plan(devices, cap: int | None = None) -> tuple[int, str]:
 
 
 def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = process.proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     import os
 
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -35,11 +35,17 @@ def footprint(platform: str) -> int:
 def resident() -> int:
     """Bytes this process holds now (VmRSS), 0 where /proc is not there: the host's available memory
     leaves them out, and a plan that counts the process counts them."""
+    return proc_bytes("/proc/self/status", "VmRSS") or 0
+
+
+def proc_bytes(path: str, field: str) -> int | None:
+    """The bytes a /proc file (`/proc/meminfo`, `/proc/self/status`) gives as `field` in kB; None where
+    the file or the field is not there."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
