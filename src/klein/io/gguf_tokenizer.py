@@ -53,8 +53,8 @@ def holds_tokenizer(path: str | Path) -> bool:
 def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     """The tokenizer and chat template stored in the GGUF at `path` (a Qwen3 one: `pre` = "qwen2")."""
     path = Path(path)
-    metadata = read_header(path).metadata
-    model, pre = metadata.get(_K.MODEL), metadata.get(_K.PRE)
+    header = read_header(path)
+    model, pre = header.text(_K.MODEL), header.text(_K.PRE)
     if model is None:
         raise CheckpointError(
             f"{path}: no tokenizer in its metadata ({_K.MODEL}); name the tokenizer's folder (--tokenizer)"
@@ -64,26 +64,34 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
             f"{path}: its tokenizer is {model!r} with pre-tokenizer {pre!r}; klein rebuilds Qwen's "
             f"('gpt2', 'qwen2') only. Name the tokenizer's folder (--tokenizer) instead"
         )
-    tokens, types = metadata.get(_K.LIST), metadata.get(_K.TOKEN_TYPE)
-    merges, template = metadata.get(_K.MERGES), metadata.get(_K.CHAT_TEMPLATE)
+    tokens, types = header.strings(_K.LIST), header.integers(_K.TOKEN_TYPE)
+    merges, template = header.strings(_K.MERGES), header.text(_K.CHAT_TEMPLATE)
     missing = [name for name, value in ((_K.MERGES, merges), (_K.CHAT_TEMPLATE, template)) if not value]
     if not tokens or not types or len(tokens) != len(types) or missing:
         raise CheckpointError(
             f"{path}: the GGUF metadata has no complete tokenizer ({', '.join(missing) or _K.LIST}); name "
             f"the tokenizer's folder (--tokenizer) instead"
         )
-    ids = {name: metadata.get(key) for name, key in _SPECIAL_IDS.items()}
+    ids = {name: header.integer(key) for name, key in _SPECIAL_IDS.items()}
     special = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
     if "pad_token" not in special:
         raise CheckpointError(f"{path}: the GGUF metadata names no padding token ({_K.PAD_ID})")
-    return GGUFTokenizer(_tokenizer(tokens, types, merges), template, special, int(ids["pad_token"]))
+    return GGUFTokenizer(_tokenizer(path, tokens, types, merges), template, special, int(ids["pad_token"]))
 
 
-def _tokenizer(tokens: list[str], types: list[int], merges: list[str]) -> Tokenizer:
-    """Qwen's `tokenizer.json` pipeline over this vocabulary."""
+def _tokenizer(path: Path, tokens: list[str], types: list[int], merges: list[str]) -> Tokenizer:
+    """Qwen's `tokenizer.json` pipeline over this vocabulary (of the GGUF at `path`, for messages)."""
     # Added tokens stay in the BPE vocabulary too, so that they keep their ids when added; no merge forms them.
     vocab = {token: i for i, (token, kind) in enumerate(zip(tokens, types, strict=True)) if kind != _T.UNUSED}
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    # The tokenizers library panics on a merge whose parts or result are not tokens (a Rust panic, which no
+    # `except Exception` catches): each is checked here first.
+    for pair in pairs:
+        if len(pair) != 2 or not all(part in vocab for part in (*pair, "".join(pair))):
+            raise CheckpointError(
+                f"{path}: the GGUF tokenizer's merge {' '.join(pair)!r} is not two tokens that join into a "
+                f"third; name the tokenizer's folder (--tokenizer) instead"
+            )
     tokenizer = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

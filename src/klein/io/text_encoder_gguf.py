@@ -17,6 +17,7 @@ float32 as they are read (`klein.io.gguf_file`) and cast to the compute dtype.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,7 +107,7 @@ def qwen3_header(path: str | Path) -> Header:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
     header = read_header(path)
-    arch = header.metadata.get(gguf.Keys.General.ARCHITECTURE)
+    arch = header.text(gguf.Keys.General.ARCHITECTURE)
     if arch != ARCH:
         held = f"a {arch!r} model" if arch else "no general.architecture"
         raise CheckpointError(
@@ -123,26 +124,32 @@ def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) ->
     if _EMBEDDING not in header.shapes:
         raise CheckpointError(f"{path}: no tensor {_EMBEDDING!r}: not a whole Qwen3 checkpoint")
 
-    def field(name: str, default=None):
-        value = header.metadata.get(name.format(arch=ARCH), default)
+    def field(name: str, read=header.integer, default=None, least: float = 1):
+        """Metadata `name` (of this architecture) as `read` gives it, at least `least` (a size: positive)."""
+        value = read(name.format(arch=ARCH), default)
         if value is None:
             raise CheckpointError(f"{path}: the GGUF metadata has no {name.format(arch=ARCH)!r}")
+        if not least <= value < math.inf:
+            raise CheckpointError(
+                f"{path}: GGUF metadata {name.format(arch=ARCH)!r} is {value}; it must be "
+                f"finite and at least {least}"
+            )
         return value
 
-    scaling = header.metadata.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH), "none")
+    scaling = header.text(gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH), "none")
     if scaling != "none":
         raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported (Qwen3 has none)")
-    hidden, heads = int(field(gguf.Keys.LLM.EMBEDDING_LENGTH)), int(field(gguf.Keys.Attention.HEAD_COUNT))
+    hidden, heads = field(gguf.Keys.LLM.EMBEDDING_LENGTH), field(gguf.Keys.Attention.HEAD_COUNT)
     config = Qwen3Config(
         vocab_size=header.shapes[_EMBEDDING][0],
         hidden_size=hidden,
-        intermediate_size=int(field(gguf.Keys.LLM.FEED_FORWARD_LENGTH)),
-        num_hidden_layers=int(field(gguf.Keys.LLM.BLOCK_COUNT)),
+        intermediate_size=field(gguf.Keys.LLM.FEED_FORWARD_LENGTH),
+        num_hidden_layers=field(gguf.Keys.LLM.BLOCK_COUNT),
         num_attention_heads=heads,
-        num_key_value_heads=int(field(gguf.Keys.Attention.HEAD_COUNT_KV, heads)),
-        head_dim=int(field(gguf.Keys.Attention.KEY_LENGTH, hidden // heads)),
-        rope_theta=_decimal(field(gguf.Keys.Rope.FREQ_BASE)),
-        rms_norm_eps=_decimal(field(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
+        num_key_value_heads=field(gguf.Keys.Attention.HEAD_COUNT_KV, default=heads),
+        head_dim=field(gguf.Keys.Attention.KEY_LENGTH, default=max(hidden // heads, 1)),
+        rope_theta=_decimal(field(gguf.Keys.Rope.FREQ_BASE, header.number, least=0)),
+        rms_norm_eps=_decimal(field(gguf.Keys.Attention.LAYERNORM_RMS_EPS, header.number, least=0)),
         tie_word_embeddings=_OUTPUT not in header.shapes,
     )
     check_layers(config, layers, path)
