@@ -247,6 +247,43 @@ def test_results_record_what_made_each_output_and_resume_refuses_other_model_fla
     assert makers == [None, None, "bfloat16"]
 
 
+def test_resume_checks_a_finished_output_without_its_entry_by_its_own_metadata(
+    klein_home, pipe, requests, tmp_path
+):
+    """A run stopped between a PNG and its entry in results.jsonl: the PNG's own record of the model flags
+    that made it is checked as an entry's is, so a resume with another dtype or LoRA set does not count it
+    as done without --force; with the same flags it is recorded, with its maker, and not made again."""
+    first_two = requests.with_name("two.jsonl")
+    first_two.write_text("".join(requests.read_text().splitlines(keepends=True)[:2]))
+    out = tmp_path / "out"
+    job.run(first_two, out, Local(lambda: pipe, out, "test"), resume=False, fail_fast=False, loading=DEMO)
+    made = [json.loads(row)["made_by"] for row in (out / "results.jsonl").read_text().splitlines()]
+    (out / "results.jsonl").write_text("")  # the crash: both PNGs written, no entry
+    first = pngs(out)[0]
+
+    refused = run_batch(klein_home, first_two, "--out", out, "--resume", "--dtype", "bfloat16")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    for fragment in (str(first), "not yet recorded in results.jsonl", "dtype None there, 'bfloat16' now"):
+        assert fragment in refused.stderr
+    assert "--force" in refused.stderr
+    other_lora = LoadOptions(lora=("ink.safetensors:0.5",))
+    with pytest.raises(InputError, match=r"lora \[\] there, \[\['ink.safetensors', 0.5\]\] now.*--force"):
+        job.run(first_two, out, Local(lambda: pipe, out, "test"), True, False, loading=other_lora)
+    assert (out / "results.jsonl").read_text() == "" and len(pngs(out)) == 2
+
+    before = pipe.counters["references"]
+    summary = job.run(first_two, out, Local(lambda: pipe, out, "test"), True, False, loading=DEMO)
+    assert (summary.done, summary.skipped, pipe.counters["references"]) == (0, 2, before)
+    assert [json.loads(row)["made_by"] for row in (out / "results.jsonl").read_text().splitlines()] == made
+
+
+def test_a_misspelt_key_is_answered_with_the_nearest_one(tmp_path):
+    bad = lines.parse_line(3, '{"prompt": "x", "stepz": 2}', tmp_path)
+    assert str(bad) == "line 3: unknown key 'stepz'; did you mean 'steps'?"
+    far = lines.parse_line(4, '{"prompt": "x", "colour": 2}', tmp_path)
+    assert "unknown key 'colour'; known keys: " in str(far) and "steps" in str(far)
+
+
 def test_outputs_and_results_reach_the_disk_before_they_are_renamed_into_place(pipe, requests, tmp_path):
     from klein.io import durable, png
 

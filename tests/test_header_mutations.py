@@ -29,7 +29,7 @@ from klein.io.text_encoder_gguf import read_gguf_config
 
 V = gguf.GGUFValueType
 T = gguf.GGMLQuantizationType
-RANDOM_FLIPS = 400
+RANDOM_FLIPS = 200
 EXTREMES_8 = (0, 1, 7, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1)
 EXTREMES_4 = (0, 1, 3, 5, 9, 12, 13, 31, 2**31, 2**32 - 1)
 
@@ -214,7 +214,17 @@ def safetensors_mutants(valid: bytes, seed: int) -> dict[str, bytes]:
         mutants[f"length {value}"] = struct.pack("<Q", value) + valid[8:]
     weird = {
         "dtype": ["F4", "F8_E8M0", "U16", "C64", "x", 5, None, ["F32"]],
-        "shape": [[], [-1, 3], [2**63, 3], [2**64, 1], "4", [1.5, 8], [[4], 3], [4, 3, 1, 1, 1, 1, 1, 1, 1]],
+        "shape": [
+            [],
+            [-1, 3],
+            [2**63, 3],
+            [0, 2**63],
+            [2**64, 1],
+            "4",
+            [1.5, 8],
+            [[4], 3],
+            [4, 3, 1, 1, 1, 1, 1, 1, 1],
+        ],
         "data_offsets": [
             [0, 2**64],
             [-8, 40],
@@ -255,6 +265,20 @@ def safetensors_mutants(valid: bytes, seed: int) -> dict[str, bytes]:
             flipped[rng.randrange(8 + length)] ^= 1 << rng.randrange(8)
         mutants[f"flip {n}"] = bytes(flipped)
     return mutants
+
+
+def swapped_after_opening(valid: bytes):
+    """A reader of a file opened valid, then replaced by the mutant before its tensors are read."""
+
+    def read_swapped(path: Path) -> None:
+        mutant = path.read_bytes()
+        path.write_bytes(valid)
+        source = TensorSource.from_file(path)
+        path.write_bytes(mutant)
+        for key in source.keys():
+            source.get(key)
+
+    return read_swapped
 
 
 def read_safetensors(path: Path) -> None:
@@ -302,7 +326,7 @@ def test_valid_files_load(tmp_path):
 def test_mutated_gguf_headers_are_checkpoint_errors(tmp_path, seed):
     valid = gguf_file(tmp_path / "valid.gguf")
     mutants = gguf_mutants(valid, gguf_parts(tmp_path / "valid.gguf"), seed)
-    assert len(mutants) > 800
+    assert len(mutants) > 1000
     wrong = failures(GGUF_READERS, tmp_path / "mutant.gguf", mutants)
     assert not wrong, f"{len(wrong)} failed reads of {len(mutants)} mutants:\n" + "\n".join(wrong[:40])
 
@@ -311,5 +335,6 @@ def test_mutated_gguf_headers_are_checkpoint_errors(tmp_path, seed):
 def test_mutated_safetensors_headers_are_checkpoint_errors(tmp_path, seed):
     valid = safetensors_file(tmp_path / "valid.safetensors")
     mutants = safetensors_mutants(valid, seed)
-    wrong = failures((read_safetensors,), tmp_path / "mutant.safetensors", mutants)
+    readers = (read_safetensors, swapped_after_opening(valid))
+    wrong = failures(readers, tmp_path / "mutant.safetensors", mutants)
     assert not wrong, f"{len(wrong)} failed reads of {len(mutants)} mutants:\n" + "\n".join(wrong[:40])

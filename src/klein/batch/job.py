@@ -79,7 +79,12 @@ def run(
             tqdm.write(f"error: {line}", file=sys.stderr)
             record.add(manifest.failed(line.number, line.message))
         lines = [line for line in read if isinstance(line, Line)]
-        todo, summary.skipped = plan.remaining(lines, out, record)
+        todo, recovered = plan.remaining(lines, out, record)
+        for path, entry in recovered.items():
+            if "made_by" in entry and not force:
+                provenance.check_output(path, entry["made_by"], made_by)
+            record.add(entry)
+        summary.skipped = len(lines) - len(todo)
         if todo:
             _execute(todo, executor, record, summary, fail_fast, made_by)
     finally:
@@ -92,7 +97,7 @@ def _execute(
 ) -> None:
     total = summary.skipped + len(todo)
     with tqdm(total=total, initial=summary.skipped, desc="batch", unit="line", file=sys.stderr) as bar:
-        for entry in executor.run(plan.groups(todo)):
+        for entry in executor.run(plan.groups(todo), made_by):
             bar.update()
             if entry["status"] == "done":
                 record.add(entry | {"made_by": made_by})

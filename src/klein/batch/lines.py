@@ -10,6 +10,7 @@ a request is a `BadLine` with its number and the reason, so one mistake does not
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import urllib.parse
@@ -110,7 +111,9 @@ def _fields(values: dict) -> dict:
     fields = {}
     for key, value in values.items():
         if key not in KEYS:
-            raise InputError(f"unknown key {key!r}; known keys: {', '.join(KEYS)}")
+            close = difflib.get_close_matches(key, list(KEYS), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(KEYS)}"
+            raise InputError(f"unknown key {key!r:.60}; {hint}")
         if KEYS[key] in fields:
             raise InputError(f"{KEYS[key]} is given twice (as {key!r} too)")
         fields[KEYS[key]] = value

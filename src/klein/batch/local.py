@@ -14,8 +14,8 @@ class Local:
         self._load, self.out, self.version = load, out, version
         self.encodings = 0
 
-    def run(self, groups: list[list[Line]]) -> Iterator[dict]:
-        runner = Runner(self._load(), self.out, self.version)
+    def run(self, groups: list[list[Line]], made_by: dict) -> Iterator[dict]:
+        runner = Runner(self._load(), self.out, self.version, made_by)
         for group in groups:
             yield from runner.run(group)
             self.encodings = runner.encodings

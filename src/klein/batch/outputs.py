@@ -1,5 +1,6 @@
 """Where a line's images go and how they are written: each PNG atomically (`klein.io.png.write_png`:
-a temporary file in the folder, then a rename), with the metadata `klein generate` writes.
+a temporary file in the folder, then a rename), with the metadata `klein generate` writes and the run's
+model flags (`made_by`, `klein.batch.provenance`), which `--resume` reads from a PNG whose entry is missing.
 
 A line is finished when every one of its files exists: a file exists only once it is whole, so a job
 killed at any moment leaves finished lines, missing files, and no torn one.
@@ -8,10 +9,17 @@ killed at any moment leaves finished lines, missing files, and no torn one.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
+import PIL.Image
+
 from klein.batch.lines import Line
+from klein.errors import InputError
 from klein.io import png
+
+MADE_BY = "made_by"
+"""The PNG text chunk holding the model flags of the run that wrote it (JSON)."""
 
 
 def targets(out: Path, line: Line) -> list[Path]:
@@ -29,9 +37,36 @@ def ran(line: Line, result):
     return dataclasses.replace(result.settings, request=request)
 
 
-def write(out: Path, line: Line, images, settings, version: str) -> list[Path]:
-    """Write the images of `line`, made with `settings` (`ran`), with their metadata."""
+def write(out: Path, line: Line, images, settings, version: str, made_by: dict) -> list[Path]:
+    """Write the images of `line`, made with `settings` (`ran`) by a run with model flags `made_by`, with
+    their metadata."""
     paths = targets(out, line)
     for index, (image, path) in enumerate(zip(images, paths, strict=True)):
-        png.write_png(image, path, png.png_metadata(settings.metadata(index, version)), overwrite=True)
+        text = settings.metadata(index, version) | {MADE_BY: json.dumps(made_by)}
+        png.write_png(image, path, png.png_metadata(text), overwrite=True)
     return paths
+
+
+def metadata(path: Path) -> dict[str, str]:
+    """The text chunks of finished output `path`; an `InputError` naming it if it cannot be read."""
+    try:
+        with PIL.Image.open(path) as image:
+            return dict(getattr(image, "text", {}))
+    except (OSError, ValueError, SyntaxError) as error:  # PIL's errors for a file that is no image
+        raise InputError(f"--resume: cannot read {path} ({error}); delete it to run its line again") from None
+
+
+def made_by(path: Path, text: dict[str, str]) -> dict | None:
+    """The model flags finished output `path` records in its text chunks `text` (None: written before PNGs
+    recorded them)."""
+    if MADE_BY not in text:
+        return None
+    try:
+        record = json.loads(text[MADE_BY])
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise InputError(
+            f"--resume: {path} has an unreadable {MADE_BY} record; delete it to run its line again"
+        )
+    return record

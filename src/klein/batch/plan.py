@@ -2,38 +2,40 @@
 grouped by reference set and LoRA set so that each set is encoded once per worker (under its LoRAs).
 
 A line whose files all exist but whose entry the manifest lacks (the job was killed between its last
-PNG and its entry) is recorded from the files' own metadata rather than generated again.
+PNG and its entry) is recorded from the files' own metadata rather than generated again: its seed and the
+model flags of the run that wrote it, which `klein.batch.job` checks as it checks the manifest's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import PIL.Image
-
 from klein.batch import manifest, outputs
 from klein.batch.lines import Line
 from klein.batch.manifest import Manifest
 
 
-def remaining(lines: list[Line], out: Path, record: Manifest) -> tuple[list[Line], int]:
-    """(lines still to run, how many are finished already)."""
-    todo, skipped = [], 0
+def remaining(lines: list[Line], out: Path, record: Manifest) -> tuple[list[Line], dict[Path, dict]]:
+    """(lines still to run, the entries of finished lines the manifest lacks, read from their files and
+    keyed by the first: not yet added, so that they can be checked first)."""
+    todo, recovered = [], {}
     for line in lines:
         if not outputs.finished(out, line):
             todo.append(line)
             continue
-        skipped += 1
         paths = outputs.targets(out, line)
         if record.entries.get(line.number, {}).get("outputs") != [path.name for path in paths]:
-            record.add(manifest.done(line.number, paths, _seed(paths[0])))
-    return todo, skipped
+            recovered[paths[0]] = _recovered(line, paths)
+    return todo, recovered
 
 
-def _seed(path: Path) -> int | None:
-    with PIL.Image.open(path) as image:
-        seed = image.text.get("seed")
-    return int(seed) if seed and seed.isdigit() else None
+def _recovered(line: Line, paths: list[Path]) -> dict:
+    """The entry of finished `line` from its first file's metadata: its seed and what made it, if it says
+    (one run writes all of a line's files)."""
+    text = outputs.metadata(paths[0])
+    seed, maker = text.get("seed"), outputs.made_by(paths[0], text)
+    entry = manifest.done(line.number, paths, int(seed) if seed and seed.isdigit() else None)
+    return entry | ({"made_by": maker} if maker is not None else {})
 
 
 def groups(lines: list[Line]) -> list[list[Line]]:

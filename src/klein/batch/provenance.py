@@ -63,13 +63,23 @@ def _where(name: str) -> str:
 def check_resume(recorded: list[dict], now: dict, folder: Path) -> None:
     """Refuse (an `InputError`) to add outputs made otherwise than those `recorded` in `folder`."""
     for before in recorded:
-        differences = [
-            f"{name} {before.get(name, _DEFAULTS[name])!r} there, {now[name]!r} now"
-            for name in RECORDED
-            if before.get(name, _DEFAULTS[name]) != now[name]
-        ]
-        if differences:
-            raise InputError(
-                f"--resume: {folder}'s outputs were made otherwise ({'; '.join(differences)}); resume with "
-                "the same model flags, choose another --out, or pass --force to mix them knowingly"
-            )
+        _refuse(before, now, f"{folder}'s outputs were")
+
+
+def check_output(path: Path, before: dict, now: dict) -> None:
+    """Refuse to count finished output `path`, whose entry results.jsonl lacks (the run stopped between the
+    PNG and its entry), if the record `before` in its own metadata says it was made otherwise."""
+    _refuse(before, now, f"{path} (finished, but not yet recorded in results.jsonl) was")
+
+
+def _refuse(before: dict, now: dict, made: str) -> None:
+    differences = [
+        f"{name} {before.get(name, _DEFAULTS[name])!r} there, {now[name]!r} now"
+        for name in RECORDED
+        if before.get(name, _DEFAULTS[name]) != now[name]
+    ]
+    if differences:
+        raise InputError(
+            f"--resume: {made} made otherwise ({'; '.join(differences)}); resume with the same model "
+            "flags, choose another --out, or pass --force to mix them knowingly"
+        )

@@ -25,11 +25,11 @@ from klein.batch.runner import Runner
 class _Worker:
     """One actor of the pool: a pipeline, run over whole groups."""
 
-    def __init__(self, groups: list[list[Line]], loading, out: str, version: str):
+    def __init__(self, groups: list[list[Line]], loading, out: str, version: str, made_by: dict):
         from klein.pipeline.flux2_klein import load
 
         self.groups, self.id = groups, uuid.uuid4().hex
-        self.runner = Runner(load(loading), Path(out), version)
+        self.runner = Runner(load(loading), Path(out), version, made_by)
 
     def __call__(self, batch: dict) -> dict:
         entries = [entry for group in batch["group"] for entry in self.runner.run(self.groups[int(group)])]
@@ -46,14 +46,14 @@ class RayData:
         self.address, self.workers = address, workers
         self.encodings = 0
 
-    def run(self, groups: list[list[Line]]) -> Iterator[dict]:
+    def run(self, groups: list[list[Line]], made_by: dict) -> Iterator[dict]:
         ray_runtime.start(self.address)
         try:
-            yield from self._results(groups)
+            yield from self._results(groups, made_by)
         finally:
             ray.shutdown()
 
-    def _results(self, groups: list[list[Line]]) -> Iterator[dict]:
+    def _results(self, groups: list[list[Line]], made_by: dict) -> Iterator[dict]:
         ray.data.DataContext.get_current().enable_progress_bars = False  # klein draws its own
         workers = self.workers or max(1, ray_runtime.devices())
         rows = ray.data.from_items(
@@ -68,6 +68,7 @@ class RayData:
                 "loading": self.loading,
                 "out": str(self.out),
                 "version": self.version,
+                "made_by": made_by,
             },
             **ray_runtime.share(workers),
         )

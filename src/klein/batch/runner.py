@@ -18,8 +18,9 @@ from klein.errors import InputError
 
 
 class Runner:
-    def __init__(self, pipe, out: Path, version: str):
-        self.pipe, self.out, self.version = pipe, out, version
+    def __init__(self, pipe, out: Path, version: str, made_by: dict):
+        """`made_by`: the run's model flags (`klein.batch.provenance`), recorded in every PNG written."""
+        self.pipe, self.out, self.version, self.made_by = pipe, out, version, made_by
 
     @property
     def encodings(self) -> int:
@@ -54,7 +55,7 @@ class Runner:
         except InputError as error:
             return manifest.failed(line.number, str(error))
         settings = outputs.ran(line, result)
-        paths = outputs.write(self.out, line, result.images, settings, self.version)
+        paths = outputs.write(self.out, line, result.images, settings, self.version, self.made_by)
         recorded = {
             k: v for k, v in settings.metadata(0, self.version).items() if k not in ("index", "Software")
         }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import ml_dtypes
@@ -90,18 +91,14 @@ class TensorSource:
         memory until the file is closed, a second copy of the checkpoint while a model loads."""
         path = self._file_of[key]
         try:
-            header, data_start = _header(path)
-            entry = header[key]
-            dtype = np.dtype(_DTYPES[entry["dtype"]])
-            shape = list(entry["shape"])
-            offset = data_start + entry["data_offsets"][0]
+            dtype, shape, offset = _entry(path, key)
             if rows is not None:
                 start, stop, step = rows.indices(shape[0] if shape else 0)
                 if step != 1:
                     raise ValueError("rows must be a contiguous slice")
-                row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+                row = math.prod(shape[1:]) * dtype.itemsize
                 offset, shape[0] = offset + start * row, max(stop - start, 0)
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(shape)
             return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(shape)
         except (KeyError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{key}' ({exc})") from None
@@ -124,18 +121,52 @@ _DTYPES = {
 }
 
 
-def _header(path: Path) -> tuple[dict, int]:
-    """(the JSON header, where the data starts): a file is 8 bytes of header length, the header, the data.
-    Parsed once per version of the file."""
+def _entry(path: Path, key: str) -> tuple[np.dtype, list[int], int]:
+    """(dtype, shape, where the data starts) of tensor `key` of `path`, as its header says; a ValueError
+    unless the header gives a dtype klein reads, a shape, and offsets of as many bytes inside the file.
+
+    `safe_open` checks a header as it opens a file, but does not give a tensor's offset: this reads the
+    header again, and checks again what it reads (the file may have been replaced since)."""
     stat = path.stat()
-    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+    header, start = _parsed(path, stat.st_mtime_ns, stat.st_size)
+    entry = header.get(key)
+    if not isinstance(entry, dict):
+        raise ValueError("the header does not describe it")
+    name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise ValueError(f"dtype {name!r:.40}, which klein does not read (it reads {', '.join(_DTYPES)})")
+    dtype = np.dtype(_DTYPES[name])
+    if not _naturals(shape, None) or not _naturals(offsets, 2) or offsets[0] > offsets[1]:
+        raise ValueError(f"a shape {shape!r:.60} and offsets {offsets!r:.60} that the header cannot have")
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize or start + offsets[1] > stat.st_size:
+        raise ValueError(f"offsets {offsets} that do not hold its {shape} {name} inside the file")
+    return dtype, list(shape), start + offsets[0]
+
+
+def _naturals(value, length: int | None) -> bool:
+    """Whether `value` is a list of non-negative integers (of `length` of them, unless None)."""
+    return (
+        isinstance(value, list)
+        and (length is None or len(value) == length)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
+    )
 
 
 @functools.lru_cache(maxsize=256)
 def _parsed(path: Path, mtime_ns: int, size: int) -> tuple[dict, int]:
+    """(the JSON header, where the data starts): a file is 8 bytes of header length, the header, the data.
+    Parsed once per version of the file."""
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(size)), 8 + size
+        length = int.from_bytes(f.read(8), "little")
+        if length > size - 8:
+            raise ValueError(f"a header of {length} bytes in a file of {size}")
+        try:
+            header = json.loads(f.read(length))
+        except RecursionError:
+            raise ValueError("a header nested too deep to be one") from None
+    if not isinstance(header, dict):
+        raise ValueError("a header that is not a JSON object")
+    return header, 8 + length
 
 
 def _open(path: Path):
