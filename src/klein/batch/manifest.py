@@ -51,7 +51,8 @@ class Manifest:
             durable.flush(stream)
 
     def makers(self) -> list[dict]:
-        """Each distinct `made_by` of the finished entries (none for lines recorded from their files)."""
+        """Each distinct `made_by` of the finished entries (none for lines recorded from PNGs written before
+        PNGs carried it)."""
         found = []
         for entry in self.entries.values():
             if "made_by" in entry and entry["made_by"] not in found:
