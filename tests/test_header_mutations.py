@@ -24,6 +24,8 @@ from klein.errors import CheckpointError
 from klein.io.gguf_file import GGUFSource
 from klein.io.gguf_header import read_header
 from klein.io.gguf_tokenizer import read_gguf_tokenizer
+from klein.io.json_file import read_json
+from klein.io.mapped import MappedSource, Rows
 from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_gguf import read_gguf_config
 
@@ -310,6 +312,28 @@ def failures(readers, path: Path, mutants: dict[str, bytes]) -> list[str]:
             ) as exc:  # any other, a Rust library's panic included, is what this test seeks
                 wrong.append(f"{name}, {read.__name__}: {type(exc).__name__}: {exc}"[:300])
     return wrong
+
+
+def test_checkpoint_json_nested_too_deep_or_naming_no_shard_is_a_checkpoint_error(tmp_path):
+    """A folder checkpoint's JSON (config, safetensors index) past Python's recursion limit, and an index
+    whose shards are not file names beside it."""
+    config = tmp_path / "config.json"
+    config.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=f"{config}: cannot read the config .nested too deep"):
+        read_json(config, "the config")
+    index = tmp_path / "model.safetensors.index.json"
+    for shard in (3, None, "../model.safetensors", ""):
+        index.write_text(json.dumps({"weight_map": {"weight": shard}}))
+        with pytest.raises(CheckpointError, match=f"{index}: the weight_map gives 'weight' the shard"):
+            TensorSource.from_index(index)
+
+
+def test_a_fused_tensor_stored_as_a_scalar_keeps_its_shape_for_the_loader_to_refuse(tmp_path):
+    """A BFL single file whose fused qkv is a scalar: the mapped key reports the stored shape (which the
+    loader refuses, naming the file), not a ValueError from splitting it into rows."""
+    save_file({"qkv": np.array(1.0, np.float32)}, str(tmp_path / "fused.safetensors"))
+    source = MappedSource(TensorSource.from_file(tmp_path / "fused.safetensors"), {"q": Rows("qkv", 0, 3)})
+    assert source.shape("q") == ()
 
 
 def test_valid_files_load(tmp_path):

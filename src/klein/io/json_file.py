@@ -17,6 +17,8 @@ def read_json(path: str | Path, what: str) -> dict:
         raise CheckpointError(f"{path}: cannot read {what} (no such file)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read {what} ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: cannot read {what} (nested too deep to be one)") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")
     return value

@@ -42,9 +42,11 @@ class Rows(Whole):
     count: int = 1
 
     def shape(self, source) -> tuple[int, ...]:
-        rows, *rest = source.shape(self.key)
-        # An indivisible tensor keeps its own shape, which the loader then reports as wrong.
-        return (rows // self.count, *rest) if rows % self.count == 0 else (rows, *rest)
+        stored = source.shape(self.key)
+        # An indivisible (or scalar) tensor keeps its own shape, which the loader then reports as wrong.
+        if not stored or stored[0] % self.count:
+            return stored
+        return (stored[0] // self.count, *stored[1:])
 
     def read(self, source) -> np.ndarray:
         block = source.shape(self.key)[0] // self.count

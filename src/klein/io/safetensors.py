@@ -59,6 +59,12 @@ class TensorSource:
         weight_map = read_json(index, "the safetensors index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: not a safetensors index (no weight_map object)")
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise CheckpointError(
+                    f"{index}: the weight_map gives {key!r:.80} the shard {name!r:.80}, not a file name "
+                    f"in {index.parent}"
+                )
         files = {key: index.parent / name for key, name in weight_map.items()}
         for path in sorted(set(files.values())):
             if not path.is_file():
