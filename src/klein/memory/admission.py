@@ -46,7 +46,7 @@ def under_cap(cap: int, weights: int, own: int, limit: int, where: str) -> tuple
     the residency policy holds and `own`, klein's own process where it shares the memory the cap bounds
     (`process.footprint`: on the CPU), or `limit` where that is less. The words carry the figures, so that
     a refusal says what the cap was spent on."""
-    left = cap - weights - own
+    left = max(0, cap - weights - own)  # nothing left, rather than less than nothing
     if left >= limit:
         return limit, where
     counted = f"the weights ({_gib(weights)})"

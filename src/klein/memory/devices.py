@@ -87,18 +87,25 @@ def usable(memory: int) -> int:
 
 def find(name: str) -> str:
     """The device table's name for `name`, read without case, spaces or punctuation ("RTX 4090", "rtx4090":
-    "rtx-4090"); an `InputError` naming the nearest names otherwise."""
+    "rtx-4090"), or the one name it is part of ("h100": "h100-80gb"); an `InputError` naming the nearest
+    names otherwise."""
     wanted = _plain(name)
-    for known in DEVICES:
-        if _plain(known) == wanted:
-            return known
     plain = {_plain(known): known for known in DEVICES}
-    close = [plain[p] for p in difflib.get_close_matches(wanted, list(plain), n=3, cutoff=0.6)]
-    close += [known for p, known in plain.items() if wanted and wanted in p and known not in close]
+    around = [p for p in plain if wanted and wanted in p]
+    if wanted in plain or len(around) == 1:
+        return plain[wanted if wanted in plain else around[0]]
+    # Names around the one typed ("3060") or inside it ("rtx4090ti") first, then the most alike.
+    inside = sorted(around + [p for p in plain if wanted and p in wanted], key=lambda p: _unlike(p, wanted))
+    alike = difflib.get_close_matches(wanted, list(plain), n=3, cutoff=0.6)
+    close = [plain[p] for p in dict.fromkeys(inside + alike)]
     hint = (
         f"did you mean {' or '.join(close[:3])}?" if close else "klein plan --help lists the devices it knows"
     )
     raise InputError(f"unknown device {name!r:.40}; {hint}")
+
+
+def _unlike(a: str, b: str) -> float:
+    return -difflib.SequenceMatcher(None, a, b).ratio()
 
 
 def _plain(name: str) -> str:
