@@ -30,8 +30,9 @@ from klein.request.variants import SIZES, name_of
 FILE_FORMATS = ("Q8_0", "Q4_K", "NVFP4")
 """The quantized transformer downloads suggested, beside a Qwen3 GGUF of `TEXT_ENCODER_FORMAT`."""
 TEXT_ENCODER_FORMAT = "Q4_K"
-SCALES = tuple(k / 8 for k in range(7, 1, -1))
-"""Smaller sizes tried, as fractions of each side: 7/8 down to 1/4."""
+SCALES = (*(k / 8 for k in range(7, 3, -1)), *(2.0**-k for k in range(2, 11)))
+"""Smaller sizes tried, as fractions of each side: by eighths to 1/2, then halved down to 1/1024 (a far too
+large request, 65536 px a side, comes down to what fits too)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,21 +156,22 @@ def _smaller(size: tuple[int, int]) -> list[tuple[int, int]]:
         return max(resolve.MIN_SIDE, int(px * scale) // step * step)
 
     found = [(side(size[0], scale), side(size[1], scale)) for scale in SCALES]
-    return [s for i, s in enumerate(found) if s != size and s not in found[:i]]
+    return [s for s in dict.fromkeys(found) if s != size]
 
 
 def smaller_requests(work: plan.Workload, peak_of: Callable[[plan.Workload], int], limit: int) -> list[str]:
     """For a request refused at admission (`klein.memory.admission.check`): the largest of each smaller form
     of its workload `work` whose peak (`peak_of`: the admission's own estimate) fits `limit`, in words any
     front end shows: a smaller size, fewer images, smaller references or none."""
+    images = _most(work.images - 1, lambda n: peak_of(dataclasses.replace(work, images=n)) <= limit)
     ladders = [
         [(dict(height=h, width=w), f"{w}x{h} px") for w, h in _smaller((work.width, work.height))],
-        [(dict(images=n), f"{n} image{'s' * (n > 1)} at a time") for n in range(work.images - 1, 0, -1)],
+        [(dict(images=images), f"{images} image{'s' * (images > 1)} at a time")] if images else [],
     ]
     if work.reference_tokens:
-        tokens = [(int(work.reference_tokens * scale * scale), scale) for scale in SCALES]
+        scales = [(int(work.reference_tokens * k * k), k) for k in SCALES if k >= 1 / 8]
         ladders.append(
-            [(dict(reference_tokens=t), f"references at {k:.0%} of their sides") for t, k in tokens]
+            [(dict(reference_tokens=t), f"references at {k:.0%} of their sides") for t, k in scales]
         )
         ladders.append([(dict(reference_tokens=0), "no references")])
     found = []
@@ -180,6 +182,15 @@ def smaller_requests(work: plan.Workload, peak_of: Callable[[plan.Workload], int
                 found.append(f"{words} ({_gib(peak)})")
                 break
     return found
+
+
+def _most(most: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in 1..`most` that `fits` (which holds up to some n and not beyond), 0 if none."""
+    low, high = 0, most
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
 
 
 def describe(found: list[Suggestion], limit: int) -> str:
