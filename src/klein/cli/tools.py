@@ -22,8 +22,10 @@ is allocated): weights and the reference KV cache exactly, peak activations as a
 peak under each residency policy (all: every model resident; sequential: the text encoder and the
 transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
 the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks
-on a device of --device-memory bytes or a named --device (default: what this machine's first device has
-free now), or --memory-cap where that is less. On this machine's CPU, whose memory is the device's, the
+on a named --device or a device of --device-memory, planned as a named card of that memory (default:
+what this machine's first device has free now), or --memory-cap where that is less. Where nothing fits, what
+would, each planned with its peak: a quantized download, the smaller model, fewer or smaller references,
+a smaller size, a larger --memory-cap. On this machine's CPU, whose memory is the device's, the
 plan counts klein's own process too (Python, JAX, compiled programs, the tokenizer: about 1 GiB). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
 capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
 GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
