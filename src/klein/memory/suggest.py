@@ -63,8 +63,8 @@ def suggestions(asked: dict, limit: int, memory: int | None = None) -> list[Sugg
             suggestion = dataclasses.replace(suggestion, then=_first_request_change(asked | change, limit))
         found.append(suggestion)
     found += filter(None, (_largest(ladder, asked, limit) for ladder in _requests(asked)))
-    if memory is not None and current.peak <= memory:
-        cap = math.ceil(current.peak / 2**30 * 100) / 100
+    cap = math.ceil(current.peak / 2**30 * 100) / 100  # GiB, as --memory-cap reads it
+    if memory is not None and current.peak <= int(cap * 2**30) <= memory:
         found.append(_planned(asked, f"--memory-cap {cap:.2f}GiB", int(cap * 2**30)))
     return found
 
