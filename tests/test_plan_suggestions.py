@@ -10,7 +10,8 @@ import pytest
 
 from klein import InputError
 from klein.cli import main as cli
-from klein.memory import admission, devices, plan, suggest
+from klein.errors import CannotFitError
+from klein.memory import admission, devices, plan, residency, suggest
 from tests.test_cli import assert_clean_error, run_klein
 
 GiB = 2**30
@@ -188,3 +189,17 @@ def test_a_refused_request_hears_the_largest_smaller_forms_that_fit():
         InputError, match=r"1.5 MiB more than the 3.0 MiB allowed; ask for less.*these fit: 768x768 px"
     ):
         admission.check(work, lambda w: dataclasses.replace(memory, step=peak(w)), limit, "allowed")
+
+
+def test_a_load_that_fits_under_no_policy_says_what_the_weights_alone_need():
+    """`auto` loads the roomiest policy where its weights (and the process) fit, for smaller requests: a
+    refusal says how much that is, and where the plan of what would fit is."""
+    sizes = dict(text_encoder=10 * GiB, transformer=17 * GiB, vae=GiB)
+    sizes |= dict(transformer_streamed=12 * GiB, text_encoder_streamed=7 * GiB)
+    assert residency.peaks(sizes, 3 * GiB) == {"all": 31 * GiB, "sequential": 21 * GiB, "stream": 9 * GiB}
+    with pytest.raises(
+        CannotFitError,
+        match=r"more than the 6.00 GiB free; under stream the weights and klein's own alone need 7.00 GiB; "
+        r"use a smaller model, a quantized or FP8 transformer file \(klein plan lists what would fit",
+    ):
+        residency.choose("auto", sizes, 2 * GiB, 6 * GiB, "free", process=GiB)

@@ -351,8 +351,7 @@ def _computing(models, compute: str):
 
 
 def _describe_compute(compute: str, whose: str) -> str:
-    if compute == "auto":
-        return "compute: auto (picked from the device as the model loads; planned as bf16)"
+    """The compute line: what the plan assumes the blocks' products are, and `whose` choice that is."""
     if compute == "bf16":
         return f"compute: bf16 ({whose}: the transformer blocks' products in bf16)"
     return f"compute: {compute} ({whose}: the transformer blocks' products in 8 bits, their weights one byte each)"
