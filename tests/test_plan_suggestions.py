@@ -199,7 +199,7 @@ def test_a_load_that_fits_under_no_policy_says_what_the_weights_alone_need():
     assert residency.peaks(sizes, 3 * GiB) == {"all": 31 * GiB, "sequential": 21 * GiB, "stream": 9 * GiB}
     with pytest.raises(
         CannotFitError,
-        match=r"more than the 6.00 GiB free; under stream the weights and klein's own alone need 7.00 GiB; "
+        match=r"more than the 6.00 GiB free; under stream the weights and klein's own process alone need 7.00 GiB; "
         r"use a smaller model, a quantized or FP8 transformer file \(klein plan lists what would fit",
     ):
         residency.choose("auto", sizes, 2 * GiB, 6 * GiB, "free", process=GiB)

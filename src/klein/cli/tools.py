@@ -23,9 +23,9 @@ peak under each residency policy (all: every model resident; sequential: the tex
 transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
 the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks
 on a named --device or a device of --device-memory, planned as a named card of that memory (default:
-what this machine's first device has free now), or --memory-cap where that is less. Where nothing fits, what
-would, each planned with its peak: a quantized download, the smaller model, fewer or smaller references,
-a smaller size, a larger --memory-cap. On this machine's CPU, whose memory is the device's, the
+what this machine's first device has free now), or --memory-cap where that is less. Where nothing fits,
+what would, each planned with its peak: a quantized download, the smaller model, fewer or smaller
+references, a smaller size, a larger --memory-cap. On this machine's CPU, whose memory is the device's, the
 plan counts klein's own process too (Python, JAX, compiled programs, the tokenizer: about 1 GiB). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
 capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
 GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
@@ -369,10 +369,7 @@ def _device_memory(flags) -> tuple[int, str, int | None]:
     machine's first device has free (`klein.memory.admission.memory_for_plan`, as a load judges it); or
     --memory-cap where that is less."""
     if flags.device is not None:
-        room, where = (
-            devices.limit(flags.device),
-            f"{flags.device}, less {devices.RESERVED_GIB} GiB for the runtime",
-        )
+        room, where = _card(flags.device)
     elif flags.device_memory is not None:
         room, where = _given(flags.device_memory)
     else:
@@ -388,9 +385,12 @@ def _device_memory(flags) -> tuple[int, str, int | None]:
 
 def _given(memory: int) -> tuple[int, str]:
     """(bytes a device of `memory` bytes leaves, where from): as a named device's (`devices.usable`)."""
-    return devices.usable(
-        memory
-    ), f"{memory / 2**30:.2f} GiB given, less {devices.RESERVED_GIB} GiB for the runtime"
+    where = f"{memory / 2**30:.2f} GiB given, less {devices.RESERVED_GIB} GiB for the runtime"
+    return devices.usable(memory), where
+
+
+def _card(name: str) -> tuple[int, str]:
+    return devices.limit(name), f"{name}, less {devices.RESERVED_GIB} GiB for the runtime"
 
 
 BENCH_DESCRIPTION = """\

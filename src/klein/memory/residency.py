@@ -90,7 +90,7 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
     if policy == AUTO and planned[roomiest] - request <= limit:
         return roomiest
     estimates = ", ".join(f"{name} {_gib(peak)}" for name, peak in planned.items())
-    held = "the weights and klein's own" if process else "the weights"
+    held = "the weights and klein's own process" if process else "the weights"
     alone = f"{held} alone need {_gib(planned[roomiest] - request)}"  # what loads, for smaller requests
     advice = (
         f"use --residency {fitting[0]}"
