@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from klein import GenerationRequest, InputError, sharding
-from klein.memory import plan, process, residency
+from klein.memory import admission, plan, process, residency
 from klein.pipeline.flux2_klein import load_pipeline
 from tests.test_cli import assert_clean_error, run_klein
 
@@ -55,21 +55,44 @@ def test_check_refuses_what_generate_would_without_running_anything(pipe):
 
 def test_a_memory_cap_leaves_a_request_what_the_weights_and_the_process_leave(pipe):
     """Under `memory_cap` a request may use the cap less the resident weights and, on the CPU, klein's own
-    process: a cap without room for the process refuses what fits beside it."""
+    process: a cap without room for the process refuses what fits beside it, and says what the cap held."""
     held = residency.resident_weights(pipe.residency, pipe.weight_bytes)
     own = process.footprint("cpu")
     request = GenerationRequest.create(prompt="x", height=64, width=64)
     try:
         pipe.memory_cap = held + own + 64 * 2**20
         pipe.check(request)
-        with pytest.raises(InputError, match="needs about .* more than the 64.0 MiB left of the memory cap"):
+        spent = (
+            rf"more than the 64.0 MiB left of the {admission._gib(pipe.memory_cap)} memory cap beside the "
+            rf"weights \({admission._gib(held)}\) and klein's own process \({own / 2**30:.2f} GiB resident"
+        )
+        with pytest.raises(InputError, match=spent):
             pipe.check(request, [(2048, 2048)] * 3)
         pipe.memory_cap = held + 64 * 2**20
-        with pytest.raises(InputError, match="left of the memory cap"):
+        with pytest.raises(
+            InputError, match=r"more than the 0.0 MiB left of the .* memory cap beside the weights"
+        ):
             pipe.check(request)
     finally:
         pipe.memory_cap = None
     pipe.check(request)
+
+
+def test_a_refusal_names_the_largest_smaller_requests_that_fit_and_they_do(pipe):
+    """What the refusal offers is judged as the request would be: each offered size is admitted."""
+    request = GenerationRequest.create(prompt="x", height=1024, width=1024, num_images_per_prompt=2)
+    pipe.memory_limit = 256 * 2**20  # one 1024x1024 image (its decode 0.20 GiB) fits; two do not
+    try:
+        with pytest.raises(InputError, match="these fit: ") as refused:
+            pipe.check(request)
+        offered = str(refused.value).split("these fit: ")[1]
+        size, images = offered.split(", ")[:2]
+        width, height = (int(n) for n in size.split(" px")[0].split("x"))
+        assert width < 1024 and images.startswith("1 image at a time")
+        pipe.check(GenerationRequest.create(prompt="x", height=height, width=width, num_images_per_prompt=2))
+        pipe.check(GenerationRequest.create(prompt="x", height=1024, width=1024))
+    finally:
+        pipe.memory_limit = None
 
 
 def test_a_decode_that_fits_only_in_tiles_runs_tiled(pipe):

@@ -105,7 +105,10 @@ def test_klein_plan_command(capsys):
     assert "compute: bf16" in out  # auto on this CPU
     assert cli.main([*args, "--compute", "int8"]) == 0  # the blocks in a byte per weight, the rest bf16
     out = capsys.readouterr().out
-    assert "transformer weights          2.20 GiB" in out and "compute: int8 (the transformer" in out
+    assert (
+        "transformer weights          2.20 GiB" in out
+        and "compute: int8 (as --compute asks: the transformer" in out
+    )
     assert cli.main(["plan", "--model", "klein-9b-kv", "--size", "big"]) == 2
     assert "expected WIDTHxHEIGHT" in capsys.readouterr().err
 

@@ -22,8 +22,10 @@ is allocated): weights and the reference KV cache exactly, peak activations as a
 peak under each residency policy (all: every model resident; sequential: the text encoder and the
 transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
 the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks
-on a device of --device-memory bytes or a named --device (default: what this machine's first device has
-free now), or --memory-cap where that is less. On this machine's CPU, whose memory is the device's, the
+on a named --device or a device of --device-memory, planned as a named card of that memory (default:
+what this machine's first device has free now), or --memory-cap where that is less. Where nothing fits,
+what would, each planned with its peak: a quantized download, the smaller model, fewer or smaller
+references, a smaller size, a larger --memory-cap. On this machine's CPU, whose memory is the device's, the
 plan counts klein's own process too (Python, JAX, compiled programs, the tokenizer: about 1 GiB). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
 capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
 GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
@@ -91,10 +93,18 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument(
-        "--device-memory", type=_bytes, metavar="SIZE", help="device memory, e.g. 24GiB or 16GB"
+        "--device-memory",
+        type=lambda text: size(text, _device_memory_size),
+        metavar="SIZE",
+        help="a device's memory as its box says, e.g. 12GB or 24GiB (GB as memory is counted, 2^30 bytes): "
+        f"planned as a named device of that memory, less {devices.RESERVED_GIB} GiB for the runtime and "
+        "--compute auto as 8-bit products",
     )
     memory.add_argument(
-        "--device", choices=tuple(devices.DEVICES), metavar="NAME", help="a device by name (see above)"
+        "--device",
+        type=lambda text: size(text, devices.find),
+        metavar="NAME",
+        help="a device by name (see above; rtx4090 and RTX 4090 read as rtx-4090)",
     )
     add(
         "--memory-cap",
@@ -121,17 +131,12 @@ def plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bytes(text: str) -> int:
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    number = text.strip().lower().rstrip("bgikm")
-    unit = text.strip().lower()[len(number) :]
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB or 16GB, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"the device memory must be positive, got {text!r}")
-    return int(value)
+def _device_memory_size(text: str) -> int:
+    """--device-memory as bytes: a size read as --memory-cap reads it (`klein.request.kinds.parse_size`)."""
+    value = kinds.parse_size(text)
+    if value <= devices.RESERVED_GIB * 2**30:
+        raise InputError(f"expected a device's memory above {devices.RESERVED_GIB} GiB, got {text!r}")
+    return value
 
 
 def _pixels(text: str) -> tuple[int, int]:
@@ -153,24 +158,23 @@ def plan_command(flags: argparse.Namespace) -> int:
     mesh = flags.mesh or "single"
     variant, models, dtype = _plan_files(flags)
     named = flags.device is not None or flags.device_memory is not None
-    compute = _named_compute(flags) if named else _compute(flags.compute, _local_device())
+    compute, shown = _named_compute(flags) if named else (_compute(flags.compute, _local_device()),) * 2
     models = _computing(models, compute)
-    limit, where = _device_memory(flags)
+    limit, where, room = _device_memory(flags)
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
     local_cpu = not named and _local_device().platform == "cpu"
-    memory = plan.plan(
-        variant,
-        mesh,
-        flags.refs,
-        flags.size,
-        flags.ref_size,
-        flags.batch,
-        dtype,
-        models,
-        "cpu" if local_cpu else "accelerator",
+    asked = dict(
+        variant=variant,
+        mesh=mesh,
+        refs=flags.refs,
+        size=flags.size,
+        ref_size=flags.ref_size,
+        batch=flags.batch,
+        dtype=dtype,
+        models=models,
+        platform="cpu" if local_cpu else "accelerator",
     )
-    report = dict(plan.as_json(memory, limit, where), compute=compute)
-    text = plan.describe(memory, limit, where) + "\n" + _describe_compute(compute)
+    memory, report, text = _plan_report(asked, (limit, where, room), shown, _whose(flags))
     report["programs"] = warmup.programs(flags.refs, memory.workload.cached)
     text += "\n" + warmup.describe_programs(flags.refs, memory.workload.cached)
     if flags.compiled:
@@ -202,17 +206,17 @@ def _target_command(flags: argparse.Namespace) -> int:
     compute = _compute(flags.compute, mesh.devices.flat[0])
     models = _computing(models, compute)
     platform = mesh.devices.flat[0].platform  # "gpu" for NVIDIA cards: their programs are planned
-    memory = plan.plan(
-        variant, spec, flags.refs, flags.size, flags.ref_size, flags.batch, dtype, models, platform
-    )
-    limit, where = flags.device_memory, "given"
-    if limit is None:
+    asked = dict(variant=variant, mesh=spec, refs=flags.refs, size=flags.size, ref_size=flags.ref_size)
+    asked |= dict(batch=flags.batch, dtype=dtype, models=models, platform=platform)
+    if flags.device_memory is None:
         limit, where = on.device_memory, f"{on.name}, HBM per device"
+    else:
+        limit, where = _given(flags.device_memory)
+    whose = "as --compute asks" if flags.compute != "auto" else f"--compute auto on {on.name}"
+    memory, report, text = _plan_report(asked, (limit, where, None), compute, whose)
     used = f"{mesh.devices.size} of {len(topology.devices(flags.target))}"
-    heading = f"{flags.target}: {on.name}, mesh {spec} on {used} devices"
-    report = dict(plan.as_json(memory, limit, where), target=flags.target, chip=dataclasses.asdict(on))
-    report["compute"] = compute
-    text = heading + "\n" + plan.describe(memory, limit, where) + "\n" + _describe_compute(compute)
+    report |= dict(target=flags.target, chip=dataclasses.asdict(on))
+    text = f"{flags.target}: {on.name}, mesh {spec} on {used} devices\n{text}"
     if flags.compiled:
         analyses = compiled.analyse(models, memory.workload, dtype, mesh, compute=compute)
         stages = {name: dataclasses.asdict(analysis) for name, analysis in analyses.items()}
@@ -226,6 +230,24 @@ def _target_command(flags: argparse.Namespace) -> int:
         text += "\n" + roofline.describe(times, on, memory.workload.images)
     print(json.dumps(report, indent=2) if flags.json else text)
     return 0
+
+
+def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str):
+    """(the plan of `asked`, `klein.memory.plan.plan`'s arguments; its JSON report; its text): the plan
+    against `device` (bytes it may take, where from, the device's own bytes where a cap made them less),
+    what would fit where nothing does (`klein.memory.suggest`), and the compute planned, `whose` it is."""
+    from klein.memory import plan, suggest
+
+    limit, where, room = device
+    memory = plan.plan(**asked)
+    found = suggest.suggestions(asked, limit, room)
+    report = dict(plan.as_json(memory, limit, where), compute=compute, suggestions=suggest.as_json(found))
+    lines = (
+        plan.describe(memory, limit, where),
+        suggest.describe(found, limit),
+        _describe_compute(compute, whose),
+    )
+    return memory, report, "\n".join(filter(None, lines))
 
 
 def _plan_files(flags: argparse.Namespace):
@@ -297,12 +319,28 @@ def _compute(option: str, device) -> str:
     return compute_of(option, device)
 
 
-def _named_compute(flags) -> str:
-    """`--compute` on a named device: auto is what that device multiplies fastest; a bare size says nothing
-    of the device, so auto stays auto there (planned as bf16)."""
-    if flags.compute == "auto" and flags.device is not None:
-        return devices.DEVICES[flags.device].compute
-    return flags.compute
+def _named_compute(flags) -> tuple[str, str]:
+    """(`--compute` as planned on a named device, as the plan names it): auto is what that device multiplies
+    fastest; on a device given by its memory, 8-bit products (fp8 or int8, the same bytes), as on every card
+    and TPU klein knows (`devices.GIVEN_COMPUTE`), so that a size plans as a card of that size does."""
+    if flags.compute != "auto":
+        return flags.compute, flags.compute
+    if flags.device is not None:
+        return (devices.DEVICES[flags.device].compute,) * 2
+    return devices.GIVEN_COMPUTE, "fp8 or int8"
+
+
+def _whose(flags) -> str:
+    """Whose `--compute auto` the plan took, for `_describe_compute`."""
+    if flags.compute != "auto":
+        return "as --compute asks"
+    if flags.device is not None:
+        card = devices.DEVICES[flags.device]
+        capability = f", compute capability {card.capability}" if card.capability else ""
+        return f"--compute auto on {flags.device}{capability}"
+    if flags.device_memory is not None:
+        return "--compute auto on a GPU or TPU given by its memory, as on a named card of that memory"
+    return f"--compute auto on this machine's {_local_device().platform}"
 
 
 def _computing(models, compute: str):
@@ -312,12 +350,11 @@ def _computing(models, compute: str):
     return dataclasses.replace(models, compute=compute if compute in products.EIGHT_BIT else products.BF16)
 
 
-def _describe_compute(compute: str) -> str:
-    if compute == "auto":
-        return "compute: auto (picked from the device as the model loads; planned as bf16)"
+def _describe_compute(compute: str, whose: str) -> str:
+    """The compute line: what the plan assumes the blocks' products are, and `whose` choice that is."""
     if compute == "bf16":
-        return "compute: bf16 (the transformer blocks' products in bf16)"
-    return f"compute: {compute} (the transformer blocks' products in 8 bits, their weights one byte each)"
+        return f"compute: bf16 ({whose}: the transformer blocks' products in bf16)"
+    return f"compute: {compute} ({whose}: the transformer blocks' products in 8 bits, their weights one byte each)"
 
 
 def _local_device():
@@ -326,18 +363,30 @@ def _local_device():
     return jax.local_devices()[0]
 
 
-def _device_memory(flags) -> tuple[int, str]:
-    """(bytes the plan may take, where from): the named device's or this machine's, or --memory-cap where
-    that is less (`klein.memory.admission.memory_for_plan`, as a load judges it)."""
-    if flags.device_memory is not None or flags.device is not None:
-        named = (flags.device_memory, "given") if flags.device is None else _card(flags.device)
-        capped = flags.memory_cap is not None and flags.memory_cap < named[0]
-        return (flags.memory_cap, "allowed (memory cap)") if capped else named
-    import jax
+def _device_memory(flags) -> tuple[int, str, int | None]:
+    """(bytes the plan may take, where from, the device's own bytes where --memory-cap made the first less):
+    the named device's, the given memory's less what the runtime keeps (as a named device's), or what this
+    machine's first device has free (`klein.memory.admission.memory_for_plan`, as a load judges it); or
+    --memory-cap where that is less."""
+    if flags.device is not None:
+        room, where = _card(flags.device)
+    elif flags.device_memory is not None:
+        room, where = _given(flags.device_memory)
+    else:
+        import jax
 
-    from klein.memory.admission import memory_for_plan
+        from klein.memory.admission import memory_for_plan
 
-    return memory_for_plan(jax.local_devices()[:1], flags.memory_cap)
+        room, where = memory_for_plan(jax.local_devices()[:1])
+    if flags.memory_cap is not None and flags.memory_cap < room:
+        return flags.memory_cap, "allowed (memory cap)", room
+    return room, where, None
+
+
+def _given(memory: int) -> tuple[int, str]:
+    """(bytes a device of `memory` bytes leaves, where from): as a named device's (`devices.usable`)."""
+    where = f"{memory / 2**30:.2f} GiB given, less {devices.RESERVED_GIB} GiB for the runtime"
+    return devices.usable(memory), where
 
 
 def _card(name: str) -> tuple[int, str]:

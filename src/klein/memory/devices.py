@@ -5,11 +5,21 @@ Plain data, no jax (`klein --help` lists the names). A card's memory is its nomi
 `RESERVED_GIB` that the driver and runtime keep; its `compute` is what `--compute auto` picks on it
 (`klein.models.products.compute_for`): FP8 from compute capability 8.9 (Ada, Hopper, Blackwell), INT8 on
 older NVIDIA cards and on TPU v5e / v6e / v5p.
+
+A device given by its memory alone (`klein plan --device-memory 12GB`) means what a card of that memory
+means here: its memory as the box counts it, GB as memory is sold (JEDEC's: 2^30 bytes, so 12GB is the
+12 GiB a 12 GB card has), less the same `RESERVED_GIB`; and `--compute auto` plans it with 8-bit
+products, as every GPU and TPU above multiplies (fp8 and int8 both keep a block weight in one byte, so
+the plan is the same for either). A size and the name of a card of that size give the same plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
+
+from klein.errors import InputError
 
 RESERVED_GIB = 1
 
@@ -60,9 +70,46 @@ DEVICES = {
 }
 
 
+GIVEN_COMPUTE = "int8"
+"""What `--compute auto` is planned as on a device given by its memory: 8-bit products (fp8 or int8, as
+the device multiplies; the same bytes either way)."""
+
+
 def limit(name: str) -> int:
     """Bytes `name` leaves for klein."""
-    return (DEVICES[name].memory_gib - RESERVED_GIB) * 2**30
+    return usable(DEVICES[name].memory_gib * 2**30)
+
+
+def usable(memory: int) -> int:
+    """Bytes a device of `memory` bytes (as the box counts them) leaves for klein: less `RESERVED_GIB`."""
+    return memory - RESERVED_GIB * 2**30
+
+
+def find(name: str) -> str:
+    """The device table's name for `name`, read without case, spaces or punctuation ("RTX 4090", "rtx4090":
+    "rtx-4090"), or the one name it is part of ("h100": "h100-80gb"); an `InputError` naming the nearest
+    names otherwise."""
+    wanted = _plain(name)
+    plain = {_plain(known): known for known in DEVICES}
+    around = [p for p in plain if wanted and wanted in p]
+    if wanted in plain or len(around) == 1:
+        return plain[wanted if wanted in plain else around[0]]
+    # Names around the one typed ("3060") or inside it ("rtx4090ti") first, then the most alike.
+    inside = sorted(around + [p for p in plain if wanted and p in wanted], key=lambda p: _unlike(p, wanted))
+    alike = difflib.get_close_matches(wanted, list(plain), n=3, cutoff=0.6)
+    close = [plain[p] for p in dict.fromkeys(inside + alike)]
+    hint = (
+        f"did you mean {' or '.join(close[:3])}?" if close else "klein plan --help lists the devices it knows"
+    )
+    raise InputError(f"unknown device {name!r:.40}; {hint}")
+
+
+def _unlike(a: str, b: str) -> float:
+    return -difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def _plain(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
 def listing() -> str:

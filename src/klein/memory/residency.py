@@ -90,10 +90,13 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
     if policy == AUTO and planned[roomiest] - request <= limit:
         return roomiest
     estimates = ", ".join(f"{name} {_gib(peak)}" for name, peak in planned.items())
+    held = "the weights and klein's own process" if process else "the weights"
+    alone = f"{held} alone need {_gib(planned[roomiest] - request)}"  # what loads, for smaller requests
     advice = (
         f"use --residency {fitting[0]}"
         if fitting
-        else "use a smaller model or the FP8 transformer file, or a device with more memory"
+        else f"under {roomiest} {alone}; use a smaller model, a quantized or FP8 transformer file (klein plan "
+        "lists what would fit, with its figures), or a device with more memory"
     )
     asked = "no residency policy fits" if policy == AUTO else f"residency {policy} does not fit"
     parts = f"the weights, a {_gib(request)} request and klein's own {_gib(process)}"

@@ -480,8 +480,8 @@ class Flux2KleinPipeline:
         if self.memory_cap is None:
             return limit, where
         held = residency_policy.resident_weights(self.residency, self.weight_bytes)
-        capped = self.memory_cap - held - process.footprint(_local_devices(self.mesh)[0].platform)
-        return (capped, "left of the memory cap beside the weights") if capped < limit else (limit, where)
+        own = process.footprint(_local_devices(self.mesh)[0].platform)
+        return admission.under_cap(self.memory_cap, held, own, limit, where)
 
     def _admit(self, run: Resolved) -> bool:
         """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit. The adapter slots
@@ -492,7 +492,11 @@ class Flux2KleinPipeline:
         plain, tiled = _estimates(self, self.mesh, work, self.dtype.itemsize)
         if plain.peak <= limit:
             return False
-        admission.check(tiled if tiled.peak < plain.peak else plain, limit, where)
+
+        def estimate(work: plan.Workload) -> plan.RequestMemory:  # the tiled decoder's where it is less
+            return min(_estimates(self, self.mesh, work, self.dtype.itemsize), key=lambda m: m.peak)
+
+        admission.check(work, estimate, limit, where)
         return True
 
     def _adapter_bytes(self, run: Resolved) -> int:
