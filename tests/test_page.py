@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import io
 import re
+import time
 from importlib import resources
 from urllib.parse import urlsplit
 
@@ -482,24 +483,67 @@ def test_a_fresh_server_says_once_that_its_first_request_compiles(klein_home, br
         assert not tab.errors, tab.errors
 
 
-def test_a_warming_server_says_so_and_its_first_edit_compiles_nothing(klein_home, browser):
+# Whether the compile notice was ever shown, however briefly.
+RECORD_NOTICE = """
+window.noticeShown = false;
+document.addEventListener("DOMContentLoaded", () => {
+  const notice = document.getElementById("notice");
+  new MutationObserver(() => { if (!notice.hidden) window.noticeShown = true; })
+    .observe(notice, {attributes: true, attributeFilter: ["hidden"]});
+});
+"""
+
+
+def test_an_edit_asked_while_the_server_warms_waits_for_it_and_says_so_apart(klein_home, browser, tmp_path):
+    """Generate pressed while the server compiles ahead: the page says it waits for the warm-up (not the
+    notice for servers that compile on their first request), sends the edit once the warm-up is over, and
+    tells the wait apart from the edit's own time; the size warmed compiles nothing."""
     flags = ("--max-steps", "2", "--warm-size", "128x128")
     with running(klein_home, *flags, warm=True) as url, new_tab(browser, url) as tab:
         assert httpx.get(f"{url}/healthz").json()["status"] == "warming"
         page, status = tab.page, tab.page.locator("#status")
+        page.add_init_script(RECORD_NOTICE)
+        # Until released, the page hears that the server still warms, however fast it is here: the click
+        # below lands in the warm-up, and the wait lasts at least as long as the real one.
+        holding = [True]
+
+        def config(route):
+            answer = route.fetch()
+            route.fulfill(
+                response=answer, json={**answer.json(), "warming": answer.json()["warming"] or holding[0]}
+            )
+
+        page.route("**/v1/config", config)
         page.goto(f"{url}/")
         expect(status).to_contain_text("Warming up")
-        # A request made while it warms waits in the queue and runs once the server is ready.
         page.set_input_files("#ref-input", [png_file("warm.png", 128, 128)])
         expect(page.locator("#refs li")).to_have_count(1)
         page.fill("#prompt", "asked while warming")
         page.click("#generate")
+        expect(status).to_have_text(
+            re.compile(r"^Waiting for the server to warm up .*: [3-9] s$"), timeout=30_000
+        )
+        page.screenshot(path=tmp_path / "waiting.png", full_page=True)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/healthz").json()["status"] == "warming" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [each for each in tab.requests if re.search(r"/v1/(references|jobs)$", each)], tab.requests
+        holding[0] = False
         expect(page.locator("#history li")).to_have_count(1, timeout=GENERATION_TIMEOUT_MS)
-        assert httpx.get(f"{url}/healthz").json()["status"] == "ok"
+
         lines = page.evaluate("window.statusLines")
-        assert any(line.startswith("Warming up") for line in lines), lines
+        assert not page.evaluate("window.noticeShown"), lines
         # The size it warmed: the first edit found every program compiled.
         assert not [line for line in lines if line.startswith("Compiling")], lines
+        # The wait, then the edit's own time: the total of its stages, not the two together.
+        done = status.inner_text()
+        waited, took = re.fullmatch(
+            r"Waited (.+) for the server to warm up; generated in (.+)", done
+        ).groups()
+        assert seconds(waited) >= 3, done
+        assert seconds(took) == seconds(page.locator("#current .timing.total .seconds").inner_text())
+        expect(page.locator("#current .waited")).to_contain_text(f"Waited {waited} for the server")
+        page.screenshot(path=tmp_path / "waited.png", full_page=True)
         assert not tab.errors, tab.errors
 
 

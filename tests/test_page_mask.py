@@ -200,6 +200,11 @@ def test_a_painted_stroke_is_the_mask_sent_and_the_area_repainted(tab):
     far = np.asarray(near) == 0  # more than 16 px from the mask
     inside, outside = np.abs(one - two)[painted].mean(), np.abs(one - two)[far].mean()
     assert inside > 3 * outside, (inside, outside)  # about 107 and 21 on the demo model
+    # As the demo's note says: where the mask keeps the source, not the source but a near-flat colour.
+    expect(page.locator("#current .warning")).to_contain_text(["that area comes out a near-flat colour"])
+    source = pixels(source_file()["buffer"])
+    kept, repainted = (one[area].std(axis=0).mean() for area in (far, painted))
+    assert kept < repainted / 2 and np.abs(one - source)[far].mean() > 25  # about 32, 91 and 50
 
     # Cleared, the mask is not sent: a plain edit through a job, whose image differs from the masked one.
     page.click("#mask-clear")

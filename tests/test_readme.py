@@ -1,6 +1,12 @@
-"""The README's Python examples that need no download run as written, in order, on the demo checkpoint."""
+"""The README as checked against what it describes: its Python examples that need no download run as
+written, in order, twice, on the demo checkpoint; a sample of a command's output is what the command prints;
+a figure it quotes is the one its source holds."""
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -10,19 +16,22 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_the_readme_examples_run_and_their_settings_round_trip(klein_home, tmp_path, monkeypatch):
+def test_the_readme_examples_run_twice_and_their_settings_round_trip(klein_home, tmp_path, monkeypatch):
+    """Run as a script is run again: twice in a row in the same folder, each time from a fresh scope (what a
+    second run meets is the first run's files)."""
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     monkeypatch.chdir(tmp_path)
     blocks = python_blocks()
-    scope: dict = {}
-    for block in blocks[:2]:  # the first two: the quick start and the request round trip
-        exec(compile(block, str(README), "exec"), scope)
-    assert sorted(p.name for p in tmp_path.glob("cat-*.png")) == [f"cat-{i}.png" for i in (0, 1, 2, 3, 7)]
-    assert scope["again"] == scope["out"].settings.request and scope["again"].seed == 7
-    exec(compile(blocks[2], str(README), "exec"), scope)  # inpainting
-    inpainted = sorted(p.name for p in tmp_path.glob("inpainted-*.png"))
-    assert inpainted == ["inpainted-green.png", "inpainted-straw.png"]
-    assert scope["out"].settings.request.strength == 0.8
+    for _ in range(2):
+        scope: dict = {}
+        for block in blocks[:2]:  # the first two: the quick start and the request round trip
+            exec(compile(block, str(README), "exec"), scope)
+        assert sorted(p.name for p in tmp_path.glob("cat-*.png")) == [f"cat-{i}.png" for i in (0, 1, 2, 3, 7)]
+        assert scope["again"] == scope["out"].settings.request and scope["again"].seed == 7
+        exec(compile(blocks[2], str(README), "exec"), scope)  # inpainting
+        inpainted = sorted(p.name for p in tmp_path.glob("inpainted-*.png"))
+        assert inpainted == ["inpainted-green.png", "inpainted-straw.png"]
+        assert scope["out"].settings.request.strength == 0.8
     for block in blocks[3:]:  # the rest need checkpoints, files or a server: they at least parse
         compile(block, str(README), "exec")
 
@@ -40,3 +49,45 @@ def test_the_quick_starts_pngs_stay_out_of_git_status(tmp_path):
     lines = (README.parent / ".gitignore").read_text().splitlines()
     rooted = [line[1:] for line in lines if line.startswith("/") and "*" in line]
     assert all(any(fnmatch.fnmatch(name, pattern) for pattern in rooted) for name in names), (names, rooted)
+
+
+def command_samples() -> list[tuple[str, str]]:
+    """(command, what it printed) of each ```text block that shows a `$ klein ...` command and its output."""
+    blocks = re.findall(r"```text\n\$ (klein [^\n]*)\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "the README shows no command's output any more: drop this test"
+    return blocks
+
+
+# What depends on the machine that runs the command: the memory it has free.
+MACHINE = [
+    (r"more than the [\d.]+ GiB of available host memory", "more than the N GiB of available host memory")
+]
+
+
+def as_compared(text: str) -> str:
+    """The text with its line breaks (the README wraps long lines) and its machine's figures left out."""
+    flat = " ".join(text.split())
+    for pattern, replacement in MACHINE:
+        flat = re.sub(pattern, replacement, flat)
+    return flat
+
+
+def test_a_commands_sample_output_is_what_it_prints(klein_home, tmp_path):
+    for command, shown in command_samples():
+        argv = [sys.executable, "-m", "klein.cli.main", *shlex.split(command)[1:]]
+        env = dict(os.environ, KLEIN_HOME=str(klein_home))
+        ran = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+        # An error sample is the error's lines (the progress before them is drawn on a terminal only).
+        printed = ran.stderr[ran.stderr.find("error: ") :] if shown.startswith("error: ") else ran.stdout
+        assert as_compared(printed) == as_compared(shown), (command, printed)
+
+
+def test_bench_cpus_duration_is_the_one_its_config_gives():
+    """The README and `klein bench --help` say how long bench-cpu takes from one figure, its config's."""
+    from klein.bench.configs import CONFIGS
+    from klein.cli.tools import bench_parser
+
+    minutes = CONFIGS["bench-cpu"].minutes
+    (said,) = re.findall(r"`bench-cpu` \(scaled-down geometry, fp32, about (\d+) minutes", README.read_text())
+    assert int(said) == minutes
+    assert f"bench-cpu (scaled-down geometry, about {minutes} min" in bench_parser().format_help()

@@ -401,7 +401,7 @@ peak and reports each engine's transformer FLOP/s and fraction of it. Prints a M
 writes <config>.json, .md and .png to --out. Needs the test extra (torch, diffusers, matplotlib):
 pip install -e .[test]
 
-configs: bench-cpu (scaled-down geometry, about 10 min on two quiet CPU cores), real-9b and real-4b (true
+configs: bench-cpu (scaled-down geometry, about {minutes} min on two quiet CPU cores), real-9b and real-4b (true
 dimensions, bf16, for an accelerator), tiny (seconds; what CI runs). Random checkpoints are
 written once under $KLEIN_HOME/bench."""
 
@@ -411,7 +411,7 @@ def bench_parser() -> argparse.ArgumentParser:
 
     parser = Parser(
         prog="klein bench",
-        description=BENCH_DESCRIPTION,
+        description=BENCH_DESCRIPTION.format(minutes=CONFIGS["bench-cpu"].minutes),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")

@@ -174,13 +174,13 @@ def _mask_resized(mask_size, source: tuple[int, int]) -> tuple[str, ...]:
 
 
 def _demo_repaint(request: GenerationRequest, model_name: str) -> tuple[str, ...]:
-    """A note when the demo inpaints: its VAE is random, so even the area the mask keeps comes back as
-    noise, and nothing it draws can show that a real checkpoint keeps it."""
+    """A note when the demo inpaints: its VAE is random, so it cannot draw the source back: the area the
+    mask keeps comes out a near-flat colour (the repainted area as noise), which does not look kept."""
     if request.mask_image is None or model_name != DEMO_LABEL:
         return ()
     return (
-        "the demo checkpoint's random weights cannot show inpainting keeping the unmasked area (its VAE "
-        "returns noise there too); a real checkpoint keeps it",
+        "the demo checkpoint's random weights cannot show inpainting keeping the unmasked area: its VAE "
+        "cannot draw the source back, so that area comes out a near-flat colour; a real checkpoint keeps it",
     )
 
 

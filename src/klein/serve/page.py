@@ -27,6 +27,7 @@ ASSETS = {
     "storage.js": JS,
     "mask.js": JS,
     "loras.js": JS,
+    "warmup.js": JS,
 }
 # The files change with the installed version only; revalidating keeps an upgraded server's page fresh.
 HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}

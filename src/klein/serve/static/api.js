@@ -11,13 +11,15 @@ export function setApiKey(key) {
 }
 
 export class ServerError extends Error {
-  // status: the HTTP status, or null for a job that failed after it was accepted.
-  constructor(status, error, retryAfter) {
+  // status: the HTTP status, or null for a job that failed after it was accepted; keySent: whether the
+  // request carried an API key (a 401 then means a wrong key rather than none).
+  constructor(status, error, retryAfter, keySent = false) {
     super(error.message);
     this.status = status;
     this.code = error.code || null;
     this.param = error.param || null;
     this.retryAfter = retryAfter;
+    this.keySent = keySent;
   }
 }
 
@@ -71,7 +73,8 @@ async function retrying(send) {
 // One try: the response, a ServerError for a refusal, or a NetworkError for no answer.
 async function once(path, options = {}) {
   const headers = new Headers(options.headers || {});
-  if (apiKey) headers.set("Authorization", `Bearer ${apiKey}`);
+  const key = apiKey;
+  if (key) headers.set("Authorization", `Bearer ${key}`);
   let response;
   try {
     response = await fetch(path, { ...options, headers });
@@ -80,14 +83,14 @@ async function once(path, options = {}) {
   }
   if (!response.ok) {
     const body = await response.json().catch(() => null); // not JSON: a proxy's page, say
-    throw serverError(response.status, response.statusText, body, response.headers.get("Retry-After"));
+    throw serverError(response.status, response.statusText, body, response.headers.get("Retry-After"), Boolean(key));
   }
   return response;
 }
 
-function serverError(status, statusText, body, retryAfter) {
+function serverError(status, statusText, body, retryAfter, keySent) {
   const error = body && body.error && body.error.message ? body.error : { message: `The server answered ${status} ${statusText}.` };
-  return new ServerError(status, error, retryAfter);
+  return new ServerError(status, error, retryAfter, keySent);
 }
 
 export async function getJSON(path) {
@@ -109,7 +112,8 @@ function sendForm(path, form, onProgress, onSent) {
   return new Promise((resolve, reject) => {
     const request = new XMLHttpRequest();
     request.open("POST", path);
-    if (apiKey) request.setRequestHeader("Authorization", `Bearer ${apiKey}`);
+    const key = apiKey;
+    if (key) request.setRequestHeader("Authorization", `Bearer ${key}`);
     request.responseType = "json";
     request.upload.addEventListener("progress", (event) => {
       if (event.lengthComputable) onProgress(event.loaded / event.total);
@@ -118,7 +122,8 @@ function sendForm(path, form, onProgress, onSent) {
     request.addEventListener("error", () => reject(new NetworkError("the upload got no answer")));
     request.addEventListener("load", () => {
       if (request.status >= 200 && request.status < 300) return resolve(request.response);
-      reject(serverError(request.status, request.statusText, request.response, request.getResponseHeader("Retry-After")));
+      const retryAfter = request.getResponseHeader("Retry-After");
+      reject(serverError(request.status, request.statusText, request.response, retryAfter, Boolean(key)));
     });
     request.send(form);
   });

@@ -3,7 +3,7 @@
 // (/v1/config, /v1/loras, /v1/references, /v1/jobs and the job's events; /v1/images/edits for a repaint), and
 // keeps its results, references and mask in the browser across a reload. This module runs one edit end
 // to end and wires the page together; each part lives in its own module.
-import { $, formatSeconds } from "./dom.js";
+import { $ } from "./dom.js";
 import { ServerError, followJob, getJSON, onRetry, postForm, postJSON } from "./api.js";
 import { InputProblem, clearError, showFailure } from "./errors.js";
 import { loadLoras } from "./loras.js";
@@ -13,23 +13,21 @@ import * as references from "./references.js";
 import * as results from "./results.js";
 import * as settings from "./settings.js";
 import * as storage from "./storage.js";
+import * as warmup from "./warmup.js";
 
 const EMPTY = $("empty").textContent;
 let connected = false;
 let running = false;
 
 const WARMING = "Warming up: the server is compiling the model's programs…";
-const WARMING_POLL_MS = 2000;
 
-// A server compiling ahead answers requests once it is done (they wait in its queue): say so until then.
-async function awaitWarm() {
-  const config = await getJSON("v1/config").catch(() => null);
-  if (config && !config.warming) {
-    progress.knowServer(config);
-    if ($("status").textContent === WARMING) progress.setStatus("");
-    return;
-  }
-  setTimeout(awaitWarm, WARMING_POLL_MS);
+// A server compiling ahead: said in the status line until it has finished (what an edit shows while it
+// waits for it replaces this).
+async function sayWarming(over) {
+  progress.setStatus(WARMING);
+  const config = await over.catch(() => null);
+  if (config) progress.knowServer(config);
+  if ($("status").textContent === WARMING) progress.setStatus("");
 }
 
 async function loadConfig() {
@@ -40,12 +38,14 @@ async function loadConfig() {
     references.setLimits(config);
     progress.knowServer(config);
     await loadLoras();
-    progress.setStatus(config.warming ? WARMING : "");
+    progress.setStatus("");
+    const over = warmup.watch(config);
+    if (over) sayWarming(over);
     connected = true;
     showButton();
-    if (config.warming) setTimeout(awaitWarm, WARMING_POLL_MS);
   } catch (error) {
-    $("model").textContent = error instanceof ServerError && error.status === 401 ? "API key needed" : "not connected";
+    const refused = error instanceof ServerError && error.status === 401;
+    $("model").textContent = refused ? (error.keySent ? "API key refused" : "API key needed") : "not connected";
     progress.setStatus("");
     showFailure(error, loadConfig);
   }
@@ -72,12 +72,13 @@ async function generate() {
     if (repaint && !used.length) {
       throw new InputProblem("A strength repaints the source, the first reference: add one, or empty Strength.", "strength");
     }
+    const waited = await warmup.wait(progress.waitingForWarmUp);
     const { result, upload } = repaint ? await submitRepaint(body, painted) : await submitJob(body);
-    const seconds = (performance.now() - started) / 1000;
-    const entry = results.addResult(body, result, used, upload, seconds, painted);
+    const seconds = (performance.now() - started) / 1000 - waited;
+    const entry = results.addResult(body, result, used, upload, { seconds, waited }, painted);
     settings.showSeedUsed(entry.seed);
     results.showEntry(entry);
-    progress.setStatus(`Done in ${formatSeconds(seconds)}`);
+    progress.done(seconds, waited);
     ok = true;
     keep(entry);
   } catch (error) {

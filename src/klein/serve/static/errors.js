@@ -1,5 +1,6 @@
 // What went wrong, said in the page: one message box (role=alert) above the results, the field at
-// fault marked and focused, and the API key asked for on a 401. Nothing the person entered is reset.
+// fault marked and focused, and the API key asked for on a 401: calmly when none was sent (a keyed
+// server's page opens so), as an error when the key sent was refused. Nothing the person entered is reset.
 import { $ } from "./dom.js";
 import { NetworkError, ServerError, setApiKey } from "./api.js";
 
@@ -25,7 +26,7 @@ const ADVICE = {
 
 export function showFailure(error, retry) {
   if (error instanceof InputProblem) return showError(error.message, error.field);
-  if (error instanceof ServerError && error.status === 401) return askForKey(retry);
+  if (error instanceof ServerError && error.status === 401) return askForKey(retry, error.keySent);
   if (error instanceof NetworkError) {
     return showError(`Could not reach the server (${error.message}). Is klein serve still running?`, null);
   }
@@ -63,10 +64,16 @@ export function clearError() {
   }
 }
 
-function askForKey(retry) {
+// keyRefused: the request carried a key, and the server did not take it.
+function askForKey(retry, keyRefused) {
   $("auth").hidden = false;
-  showError("The server refused the request: it needs an API key.", null);
-  $("api-key").focus();
+  const field = $("api-key");
+  if (keyRefused) {
+    showError("The server did not accept the API key sent: check it and enter it again.", "api-key");
+    field.select();
+  } else {
+    field.focus();
+  }
   $("auth").onsubmit = (event) => {
     event.preventDefault();
     setApiKey($("api-key").value.trim());

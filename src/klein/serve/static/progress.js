@@ -1,16 +1,18 @@
 // How the running edit is going, above the results: a status line, which names the server's stage
-// (encoding, compiling, step k of n, decoding); the progress bar, which follows the bytes of a reference
-// upload, then the denoising steps (a repaint, one request, shows no steps); and, once, a notice that a
-// fresh server's first request compiles the model's programs and so takes much longer than the ones after it.
-import { $, counted } from "./dom.js";
+// (waiting for its warm-up, encoding, compiling, step k of n, decoding) and, at the end, the time taken,
+// apart from the wait for a warm-up; the progress bar, which follows the bytes of a reference upload, then
+// the denoising steps (a repaint, one request, shows no steps); and, once, a notice that a fresh server's
+// first request compiles the model's programs and so takes much longer than the ones after it.
+import { $, counted, formatSeconds } from "./dom.js";
 
 const NOTICE_AFTER_MS = 3000; // a request this slow on a fresh server is compiling
 let compileAhead = false; // the server had finished no job yet, and the notice has not been shown
 let noticeTimer = null;
 
-// From /v1/config: whether the server has finished a job since it started, or compiled ahead.
+// From /v1/config: whether the server has finished a job since it started, or compiles or compiled ahead
+// (then its first request compiles nothing, and an edit waits for the warm-up before it is sent).
 export function knowServer(config) {
-  compileAhead = config.jobs_done === 0 && !config.warmed;
+  compileAhead = config.jobs_done === 0 && !config.warmed && !config.warming;
 }
 
 // fraction: 0 to 1 fills the bar; null leaves it moving without a value (waiting, encoding).
@@ -37,6 +39,17 @@ export function end(ok) {
   if (ok) compileAhead = false;
   $("notice").hidden = true;
   $("progress").hidden = true;
+}
+
+// An edit asked for while the server warms up waits for it, before anything is sent.
+export function waitingForWarmUp(seconds) {
+  setStatus(`Waiting for the server to warm up (compiling the model's programs) before sending: ${Math.floor(seconds)} s`);
+}
+
+// The edit's own time, from sending to the result, and apart from it the wait for the server's warm-up.
+export function done(seconds, waited) {
+  const took = formatSeconds(seconds);
+  setStatus(waited ? `Waited ${formatSeconds(waited)} for the server to warm up; generated in ${took}` : `Done in ${took}`);
 }
 
 export function uploading(count, fraction) {

@@ -21,10 +21,11 @@ export function onResultActions(callbacks) {
 export const hasShown = () => shown !== null;
 
 // A finished job as a history entry: what was asked (request), what ran (the response's `klein`),
-// the references it used (refs: {blob, name, width, height}), what their upload did (upload, or null)
-// the seconds from Generate to the result (upload, queue and transfer included) and, for a repaint with
-// a mask, the mask sent (a PNG blob).
-export function addResult(request, result, refs, upload, seconds, mask = null) {
+// the references it used (refs: {blob, name, width, height}), what their upload did (upload, or null),
+// its time (seconds: from sending to the result, upload, queue and transfer included; waited: the
+// seconds it waited, before that, for the server's warm-up) and, for a repaint with a mask, the mask
+// sent (a PNG blob).
+export function addResult(request, result, refs, upload, { seconds, waited }, mask = null) {
   const klein = result.klein || {};
   const seed = klein.seed ?? request.seed;
   const entry = {
@@ -34,6 +35,7 @@ export function addResult(request, result, refs, upload, seconds, mask = null) {
     mask: mask && { blob: mask, name: "mask.png" },
     upload,
     seconds,
+    waited,
     seed,
     settings: klein.settings || {},
     timings: klein.timings || {},
@@ -120,7 +122,8 @@ function details(entry) {
   const reuse = element("button", "link", "Reuse these settings");
   reuse.type = "button";
   reuse.addEventListener("click", () => actions.reuse(entry));
-  box.append(element("p", "prompt-shown", entry.request.prompt), facts(entry), ...warningLines(entry), cacheLine(entry), timingChart(entry), reuse);
+  const parts = [facts(entry), ...warningLines(entry), cacheLine(entry), ...warmUpLine(entry), timingChart(entry)];
+  box.append(element("p", "prompt-shown", entry.request.prompt), ...parts, reuse);
   return box;
 }
 
@@ -179,8 +182,17 @@ function cacheLine(entry) {
   return line;
 }
 
+// An edit asked for while the server warmed up waited for it before it was sent: that wait is the
+// server's start, not the edit's time, so it is told apart from the stages below.
+function warmUpLine(entry) {
+  if (!entry.waited) return [];
+  const line = element("p", "waited");
+  line.append(element("span", "badge", "Warm-up"), ` Waited ${formatSeconds(entry.waited)} for the server to compile its programs before sending; the times below are this edit's own`);
+  return [line];
+}
+
 // The server's stages, after the upload when this edit uploaded its references; the total is the time
-// from Generate to the result, as "Done in" says.
+// from sending to the result, as the status line says (after a wait for the warm-up, if any).
 function timingChart(entry) {
   const stages = Object.entries(entry.timings).filter(([name, value]) => name !== "total" && typeof value === "number");
   if (entry.upload && entry.upload.seconds) stages.unshift(["upload", entry.upload.seconds]);
@@ -197,7 +209,7 @@ function timingChart(entry) {
     chart.append(row);
   }
   const sum = element("div", "timing total");
-  sum.title = "From Generate to the image: upload, queue and transfer included";
+  sum.title = "From sending to the image: upload, queue and transfer included";
   sum.append(element("dt", null, "total"), element("dd", "seconds", formatSeconds(total)));
   chart.append(sum);
   return chart;
