@@ -85,11 +85,9 @@ def prepare_source(
     """The image to repaint, as diffusers prepares its `image`: more than 1024^2 px of area is resized to
     that area; then the whole image (or, with `padding_mask_crop`, the region around the mask that has the
     image's aspect ratio, grown by that margin) is resized to the image's sides rounded down to multiples
-    of 16 and converted to RGB."""
-    if min(image.size) < TOKEN:
-        raise InputError(
-            f"the image to repaint is {image.width}x{image.height} px; both sides must be >= {TOKEN}"
-        )
+    of 16 and converted to RGB. Sides of at least 16 px, at most `images.MAX_ASPECT` times each other (as a
+    reference's): past that, the area's resize leaves a side of no pixels."""
+    images.check_shape(image, "the image to repaint", TOKEN)
     if image.width * image.height > images.MAX_AREA:
         image = images.resize_to_area(image, images.MAX_AREA)
     width, height = image.width // TOKEN * TOKEN, image.height // TOKEN * TOKEN
