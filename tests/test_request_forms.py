@@ -6,7 +6,6 @@ import io
 import threading
 import types
 
-import numpy as np
 import PIL.Image
 import pytest
 
