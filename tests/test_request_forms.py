@@ -76,3 +76,9 @@ def test_a_job_run_alone_after_its_batch_failed_gets_its_own_time_limit(monkeypa
         cancelled.future.result(30)
     assert raised.value.code == "cancelled"
     worker.stop()
+
+
+def test_a_mask_of_another_shape_than_the_image_crops_without_a_pillow_error():
+    """With padding_mask_crop, a tall mask on a wide image crops a sliver that fitted to 0 px wide."""
+    source = masks.prepare_source(PIL.Image.new("RGB", (128, 16)), PIL.Image.new("L", (16, 4000), 255), 4)
+    assert source.pixels.shape == (16, 128, 3)
