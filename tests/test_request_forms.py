@@ -19,6 +19,7 @@ from klein.errors import InputError
 from klein.io import demo
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.stage_events import StageEvent
+from klein.request import kinds
 from klein.request.loras import LoraUse
 from klein.serve import schema, uploads
 from klein.serve import worker as worker_module
@@ -120,6 +121,8 @@ def test_every_front_end_takes_every_spelling_of_a_lora(tmp_path):
         assert _line(loras, tmp_path).request.loras == want  # a klein batch line
         assert _http(loras).loras == want, loras  # an HTTP JSON body
         assert _form(json.dumps(loras)).loras == want, loras  # a form field, as JSON
+        written = repr(loras)  # klein generate's key=value word: lora_apply="[('ink', 0.8)]"
+        assert GenerationRequest(prompt="a fox", loras=kinds.read_loras("lora_apply", written)).loras == want
 
 
 def test_a_form_field_takes_one_lora_as_text():
