@@ -16,10 +16,10 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from klein.errors import HTTP, InputError, WordedError, worded
 from klein.images import show_pixels
@@ -80,14 +80,13 @@ class _OpenAIBody(BaseModel):
     )
     response_format: Literal["b64_json"] | None = Field("b64_json", description="only b64_json (PNG bytes)")
     references: str | None = Field(None, description="a reference set id from POST /v1/references")
-    loras: list[Any] | None = Field(
+    loras: list[Annotated[Any, WithJsonSchema(LORA_FORMS)]] | None = Field(
         None,
         max_length=MAX_LORAS,
         description="LoRAs to apply to this request's images, by the names GET /v1/loras lists, each at a "
         f'scale from -{MAX_SCALE:g} to {MAX_SCALE:g} (default 1): "ink:0.8", ["ink", 0.8] or '
         '{"name": "ink", "scale": 0.8}, as in Python and klein batch (OpenAI\'s clients: in extra_body; '
         'a form field: that JSON list, or one "ink:0.8")',
-        json_schema_extra={"items": LORA_FORMS},
     )
     model: str | None = Field(
         None, description="accepted as OpenAI's clients send it; the server runs its model"
