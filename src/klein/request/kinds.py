@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from klein.errors import InputError
+from klein.request.loras import is_pair
 
 
 def _literal(text: str) -> object:
@@ -161,8 +162,7 @@ def read_loras(key: str, text: str) -> tuple:
             )
         return (value,)
     if isinstance(value, list | tuple):
-        pair = len(value) == 2 and isinstance(value[0], str) and not isinstance(value[1], str)
-        return (tuple(value),) if pair else tuple(value)
+        return (tuple(value),) if is_pair(value) else tuple(value)
     raise InputError(
         f"{key} must be NAME[:SCALE] or a list of LoRAs like \"['ink:0.8', ('pen', 1)]\", got {text}"
     )

@@ -43,7 +43,7 @@ def as_loras(value, prompts: int) -> LoraSet | tuple[LoraSet, ...]:
     """The request's `loras` in one form: a set (tuple of `LoraUse`), or one set per prompt."""
     if value is None or value == ():
         return ()
-    if isinstance(value, str | Mapping | LoraUse) or _is_pair(value):
+    if isinstance(value, str | Mapping | LoraUse) or is_pair(value):
         value = [value]
     if not isinstance(value, list | tuple):
         raise WordedError(
@@ -51,7 +51,7 @@ def as_loras(value, prompts: int) -> LoraSet | tuple[LoraSet, ...]:
             "loras",
             kind=type(value).__name__,
         )
-    if value and all(isinstance(item, list | tuple) and not _is_pair(item) for item in value):
+    if value and all(isinstance(item, list | tuple) and not is_pair(item) for item in value):
         if len(value) != prompts:
             raise WordedError(
                 "{loras}: {sets} sets given for {prompts} prompts; give one set per prompt",
@@ -97,7 +97,8 @@ def _set(items) -> LoraSet:
     return uses
 
 
-def _is_pair(item) -> bool:
+def is_pair(item) -> bool:
+    """Whether `item` is one LoRA as (name, scale), rather than a list of LoRAs."""
     return isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str) and _number(item[1])
 
 
@@ -114,7 +115,7 @@ def _use(item, index: int) -> LoraUse:
     elif isinstance(item, str):
         name, sep, tail = item.rpartition(":")
         name, scale = (name, _float(tail, item)) if sep else (item, 1.0)
-    elif _is_pair(item):
+    elif is_pair(item):
         name, scale = item
     else:
         raise WordedError(
