@@ -375,7 +375,8 @@ def test_a_group_is_prefilled_once_under_its_loras(pipe, tmp_path):
     assert pipe.counters["references"] - before.get("references", 0) == 3
     assert pipe.counters["prefill"] - before.get("prefill", 0) == 3
     entries = [json.loads(row) for row in (out / "results.jsonl").read_text().splitlines()]
-    assert "no LoRA loaded as 'nope'" in entries[4]["error"]
+    error = entries[4]["error"]  # in a batch file's words: its key, and klein batch's flags
+    assert "loras: no LoRA named 'nope' is offered" in error and "klein batch --lora-dir" in error
     with PIL.Image.open(out / entries[3]["outputs"][0]) as image:
         recorded = json.loads(image.text["lora_apply"])
     assert "ink:0.8" in recorded and {use.split(":")[0] for use in recorded} == {"ink", "pen"}

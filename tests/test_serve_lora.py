@@ -116,7 +116,8 @@ def test_alternating_loras_over_the_openai_client(served):
         ("offered/ink.safetensors", "is a path"),
         ("~root", "is a path"),
         ("C:\\x", "is a path"),
-        ("sketch", "no LoRA named 'sketch' is loaded"),
+        ("sketch", "no LoRA named 'sketch' is offered (offered: ink, pen, wash); GET /v1/loras lists"),
+        ("inc", "no LoRA named 'inc' is offered; did you mean 'ink'?"),
     ],
 )
 def test_names_that_are_paths_or_not_offered_are_refused(served, name, words):
@@ -126,13 +127,16 @@ def test_names_that_are_paths_or_not_offered_are_refused(served, name, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == "loras" and "pipe.load_lora" not in error["message"]
 
 
 def test_a_path_field_is_refused(served):
     url, _, files = served
     body = {**BODY, "loras": [{"name": "ink", "path": str(files["ink"])}]}
     response = httpx.post(url + "/v1/images/generations", json=body, timeout=30)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "path"
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "loras"
+    assert "unknown field 'path' in loras[0]: a LoRA is named, never given as a file" in error["message"]
 
 
 def test_an_edit_names_its_loras_in_a_form_field(served):
@@ -149,9 +153,9 @@ def test_an_edit_names_its_loras_in_a_form_field(served):
     ran = edit.json()["klein"]["settings"]["lora_adapters"]
     assert ran == [{"name": "wash", "scale": 0.5, "sha256": _sha(files["wash"])}]
     bad = httpx.post(
-        url + "/v1/images/edits", files=[("image", image)], data={**fields, "loras": "wash"}, timeout=30
+        url + "/v1/images/edits", files=[("image", image)], data={**fields, "loras": "wash:x"}, timeout=30
     )
-    assert bad.status_code == 400 and "JSON list" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "the scale after ':' must be a number" in bad.json()["error"]["message"]
 
 
 def test_a_batch_naming_more_loras_than_slots_is_split():

@@ -13,6 +13,7 @@ Axes: B batch, H height, W width (pixels); arrays are channels-last RGB.
 import io
 import math
 import os
+import re
 
 import numpy as np
 import PIL.Image
@@ -85,9 +86,19 @@ def _read(
             raise InputError(f"{name} is not a {accepted} image; send one of those formats") from error
         raise InputError(f"{name} is not an image file (or not a format PIL can read)") from error
     except PIL.Image.DecompressionBombError as error:
-        raise InputError(f"{name} is too large to load safely ({error}); use a smaller image") from error
+        raise InputError(_too_large(name, str(error), max_pixels)) from None
     except (OSError, SyntaxError, ValueError) as error:
         raise InputError(f"{name} is truncated or corrupt ({error})") from error
+
+
+def _too_large(name: str, pillow_says: str, max_pixels: int | None) -> str:
+    """klein's words for an image Pillow's own guard refused as it read the header (past twice
+    `PIL.Image.MAX_IMAGE_PIXELS`, before klein's check could see its size): its pixel count, which
+    Pillow's message states, and the limit."""
+    counted = re.search(r"\((\d+) pixels\)", pillow_says)
+    limit = max_pixels or 2 * (PIL.Image.MAX_IMAGE_PIXELS or 0)
+    size = f"{show_pixels(int(counted.group(1)))}, more" if counted else "more"
+    return f"{name} is {size} than the {show_pixels(limit)} allowed; send a smaller image"
 
 
 def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> np.ndarray:
@@ -97,7 +108,7 @@ def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> 
     (no resize) down to multiples of 16; convert to RGB; scale to [-1, 1]. `name` (e.g. the file path)
     appears in error messages.
     """
-    _check_reference(image, name)
+    check_shape(image, name, MIN_SIDE)
     if image.width * image.height > MAX_AREA:
         image = resize_to_area(image, MAX_AREA)
     image = image.crop(_centre_crop_box(image.width, image.height))
@@ -110,11 +121,13 @@ def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> 
     return 2.0 * pixels - 1.0
 
 
-def _check_reference(image: PIL.Image.Image, name: str) -> None:
+def check_shape(image: PIL.Image.Image, name: str, min_side: int) -> None:
+    """An `InputError` for an image with a side under `min_side` px or an aspect ratio past `MAX_ASPECT`:
+    resized to the pipeline's area, a longer one would leave a side of no pixels (or of a token's few)."""
     width, height = image.size
-    if width < MIN_SIDE or height < MIN_SIDE:
+    if width < min_side or height < min_side:
         raise InputError(
-            f"{name} is {width}x{height} px (width x height); both sides must be at least {MIN_SIDE} px"
+            f"{name} is {width}x{height} px (width x height); both sides must be at least {min_side} px"
         )
     aspect = max(width / height, height / width)
     if aspect > MAX_ASPECT:

@@ -85,11 +85,9 @@ def prepare_source(
     """The image to repaint, as diffusers prepares its `image`: more than 1024^2 px of area is resized to
     that area; then the whole image (or, with `padding_mask_crop`, the region around the mask that has the
     image's aspect ratio, grown by that margin) is resized to the image's sides rounded down to multiples
-    of 16 and converted to RGB."""
-    if min(image.size) < TOKEN:
-        raise InputError(
-            f"the image to repaint is {image.width}x{image.height} px; both sides must be >= {TOKEN}"
-        )
+    of 16 and converted to RGB. Sides of at least 16 px, at most `images.MAX_ASPECT` times each other (as a
+    reference's): past that, the area's resize leaves a side of no pixels."""
+    images.check_shape(image, "the image to repaint", TOKEN)
     if image.width * image.height > images.MAX_AREA:
         image = images.resize_to_area(image, images.MAX_AREA)
     width, height = image.width // TOKEN * TOKEN, image.height // TOKEN * TOKEN
@@ -163,8 +161,9 @@ def _fill(picture: PIL.Image.Image, width: int, height: int) -> PIL.Image.Image:
     """Resize keeping the aspect ratio to fit inside width x height, centred on an RGB canvas, the bands
     left over filled by stretching the picture's edge rows or columns (diffusers' resize mode "fill")."""
     wide = width / height < picture.width / picture.height
-    fit_w = width if wide else picture.width * height // picture.height
-    fit_h = picture.height * width // picture.width if wide else height
+    # At least a pixel: a crop far narrower than the canvas (a mask of another shape than the image's).
+    fit_w = width if wide else max(picture.width * height // picture.height, 1)
+    fit_h = max(picture.height * width // picture.width, 1) if wide else height
     fitted = picture.resize((fit_w, fit_h), PIL.Image.Resampling.LANCZOS)
     canvas = PIL.Image.new("RGB", (width, height))
     canvas.paste(fitted, box=(width // 2 - fit_w // 2, height // 2 - fit_h // 2))
@@ -204,8 +203,8 @@ def _cover(picture: PIL.Image.Image, width: int, height: int) -> PIL.Image.Image
     """Resize keeping the aspect ratio to cover width x height, centred on an RGB canvas of that size
     (diffusers' resize mode "crop")."""
     narrow = width / height > picture.width / picture.height
-    fit_w = width if narrow else picture.width * height // picture.height
-    fit_h = height if not narrow else picture.height * width // picture.width
+    fit_w = width if narrow else max(picture.width * height // picture.height, 1)
+    fit_h = height if not narrow else max(picture.height * width // picture.width, 1)
     fitted = picture.resize((fit_w, fit_h), PIL.Image.Resampling.LANCZOS)
     canvas = PIL.Image.new("RGB", (width, height))
     canvas.paste(fitted, box=(width // 2 - fit_w // 2, height // 2 - fit_h // 2))

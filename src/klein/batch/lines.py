@@ -16,7 +16,7 @@ import json
 import urllib.parse
 from pathlib import Path
 
-from klein.errors import InputError
+from klein.errors import BATCH, InputError, worded
 from klein.request.kinds import settings_of, short_name
 from klein.request.request import GenerationRequest
 
@@ -101,7 +101,7 @@ def parse_line(number: int, raw: str, folder: Path) -> Line | BadLine:
             fields["mask_image"] = _local_file(fields["mask_image"], folder, "mask")
         request = GenerationRequest.create(**fields, image=images)
     except InputError as error:
-        return BadLine(number, str(error))
+        return BadLine(number, worded(error, BATCH))
     digest = hashlib.sha256(raw.strip().encode()).hexdigest()
     return Line(number, request, tuple(str(item) for item in named), digest)
 

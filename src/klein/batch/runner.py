@@ -14,7 +14,7 @@ from pathlib import Path
 
 from klein.batch import manifest, outputs
 from klein.batch.lines import Line
-from klein.errors import InputError
+from klein.errors import BATCH, InputError, worded
 
 
 class Runner:
@@ -33,7 +33,7 @@ class Runner:
             references = self._encode(group[0])
         except InputError as error:
             for line in group:
-                yield manifest.failed(line.number, f"references: {error}")
+                yield manifest.failed(line.number, f"references: {worded(error, BATCH)}")
             return
         for line in group:
             yield self._generate(line, references)
@@ -53,7 +53,7 @@ class Runner:
         try:
             result = self.pipe.generate(request)
         except InputError as error:
-            return manifest.failed(line.number, str(error))
+            return manifest.failed(line.number, worded(error, BATCH))
         settings = outputs.ran(line, result)
         paths = outputs.write(self.out, line, result.images, settings, self.version, self.made_by)
         recorded = {

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from klein.errors import InputError
 from klein.lora.files import parse_spec
+from klein.lora.registry import named_files
 from klein.request import kinds
 from klein.request.kinds import settings_of, short_name
 from klein.request.loading import LoadOptions
+from klein.request.loras import check_known
 from klein.request.request import GenerationRequest
 
 
@@ -187,6 +189,7 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
     generation = GenerationRequest.create(**_take(values, GENERATION))
     request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
     _check(request)
+    _check_offered(generation, request.loading)
     return request
 
 
@@ -195,14 +198,21 @@ def _offer_files(values: dict) -> None:
     under its name (as --lora-named NAME=FILE) and applied by it; names stay names."""
     applied, named = [], list(values.get("lora_named", ()))
     for spec in values.get("loras", ()):
-        name, scale = parse_spec(spec)
-        path = Path(name).expanduser()
-        if path.is_file():
-            name = path.stem
-            named.append(f"{name}={path}")
-        applied.append(f"{name}:{scale!r}")
+        file, scale = parse_spec(spec) if isinstance(spec, str) else (None, None)
+        path = Path(file).expanduser() if file else None
+        if path is not None and path.is_file():
+            named.append(f"{path.stem}={path}")
+            spec = f"{path.stem}:{scale!r}"
+        applied.append(spec)  # a name (in any spelling): the request reads it
     if applied:
         values["loras"], values["lora_named"] = tuple(applied), tuple(dict.fromkeys(named))
+
+
+def _check_offered(generation: GenerationRequest, loading: LoadOptions) -> None:
+    """The LoRAs the request applies are among those --lora-dir and --lora-named offer: known before the
+    model loads (the names are the files'), so a misspelt one costs no load."""
+    if any(generation.lora_sets):
+        check_known(generation.lora_sets, named_files(loading.lora_dir, loading.lora_named))
 
 
 def _take(values: dict, declared) -> dict:

@@ -14,7 +14,7 @@ import time
 import warnings
 
 from klein.cli import flags, output, tools
-from klein.errors import InputError, KleinError
+from klein.errors import CLI, InputError, KleinError, worded
 from klein.io import png
 from klein.request.loading import LoadOptions
 from klein.version import version
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = output.show_warning
             return _dispatch(argv)
     except KleinError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {worded(error, CLI)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -63,9 +63,24 @@ def parse_spec(spec) -> tuple[str, float]:
     return text, 1.0
 
 
+MAX_SCALE = 100.0
+"""The largest strength of a LoRA, merged or per request, either sign. LoRAs are used at about 0 to 2
+(at most a few); at 100 an update is already a hundred times what it was trained at, and a bound well
+inside float32 keeps a scale that is finite to JSON or Python (1e39) from becoming inf on the device
+(an image of NaNs, black, without a word)."""
+
+
+def good_scale(value) -> bool:
+    """Whether `value` is a LoRA strength klein takes: a number within +-`MAX_SCALE`."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and abs(value) <= MAX_SCALE
+
+
 def _scale(value, spec) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InputError(f"LoRA {spec!r}: the scale must be a finite number, got {value!r}")
+    if not good_scale(value):
+        raise InputError(
+            f"LoRA {spec!r}: the scale must be a number from -{MAX_SCALE:g} to {MAX_SCALE:g}, got {value!r:.50}"
+        )
     return float(value)
 
 

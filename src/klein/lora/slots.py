@@ -23,6 +23,7 @@ from klein.lora.loading import lora_updates, read_lora
 from klein.lora.targets import kernel_shape
 from klein.models.stacks import as_bits
 from klein.models.transformer_config import TransformerConfig
+from klein.request.loras import check_known
 
 RANK_STEP = 8
 """Slot ranks are multiples of this, so that loading a LoRA of a slightly larger rank seldom changes the
@@ -156,10 +157,8 @@ class AdapterSlots:
     def check_batch(self, sets: Sequence[Sequence]) -> list[str]:
         """The distinct LoRAs of a batch whose rows use `sets`, or an `InputError` if one is not loaded or
         they need more slots than there are."""
+        check_known(sets, self.names)
         needed = list(dict.fromkeys(use.name for uses in sets for use in uses))
-        unknown = [name for name in needed if name not in self._loaded]
-        if unknown:
-            raise InputError(f"no LoRA loaded as {unknown[0]!r}; loaded: {', '.join(self.names) or 'none'}")
         if len(needed) > self.slots:
             raise InputError(
                 f"{len(needed)} LoRAs at once, more than the {self.slots} adapter slots; run fewer together"

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from klein.errors import InputError
+from klein.request.loras import is_pair
 
 
 def _literal(text: str) -> object:
@@ -150,9 +151,26 @@ def _write_loras(value: tuple) -> str:
     return json.dumps([f"{use.name}:{use.scale!r}" for use in value], ensure_ascii=False)
 
 
+def read_loras(key: str, text: str) -> tuple:
+    """LoRAs as a key=value word gives them: one "NAME:SCALE", or a list in any spelling
+    `klein.request.loras` reads ("['ink:0.8', ('pen', 1)]"), which checks them."""
+    value = _literal(text)
+    if isinstance(value, str):
+        if value.lstrip().startswith(("[", "(")):
+            raise InputError(
+                f"{key}={text} is not a valid Python list; quote each name, e.g. {key}=\"['ink:0.8']\""
+            )
+        return (value,)
+    if isinstance(value, list | tuple):
+        return (tuple(value),) if is_pair(value) else tuple(value)
+    raise InputError(
+        f"{key} must be NAME[:SCALE] or a list of LoRAs like \"['ink:0.8', ('pen', 1)]\", got {text}"
+    )
+
+
 TEXT = Kind("text", read_text)
 PATHS = Kind("paths", read_paths, _write_paths)
-LORAS = Kind("loras", read_paths, _write_loras)
+LORAS = Kind("loras", read_loras, _write_loras)
 """LoRAs by name with a scale each, "NAME:SCALE"; given once per LoRA, as paths are."""
 PATH = Kind("path", read_path, _write_path)
 INT = Kind("int", read_int)

@@ -2,19 +2,33 @@
 strength, applied unmerged to that request's images alone (docs/design.md, "LoRA per request").
 
 A request names them as one set for every prompt, or one set per prompt (a batch of requests run
-together). Spellings: `"ink"`, `"ink:0.8"`, `("ink", 0.8)`, `{"name": "ink", "scale": 0.8}` or a
-`LoraUse`. A name is a name, never a path: what a name means is the pipeline's (or the operator's) to say.
+together). Spellings, the same in every front end (Python's `loras=`, `klein batch` lines, HTTP bodies
+and form fields, `klein generate --lora-apply` for the text one): `"ink"`, `"ink:0.8"`, `("ink", 0.8)`
+(a JSON list `["ink", 0.8]`), `{"name": "ink", "scale": 0.8}` or a `LoraUse`. A scale is a number within
++-`MAX_SCALE`. A name is a name, never a path: what a name means is the pipeline's (or the operator's) to
+say. Mistakes are `WordedError`s, in the words of the front end that shows them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
-from klein.errors import InputError
+from klein.errors import WordedError, did_you_mean
+from klein.lora.files import MAX_SCALE, good_scale
 
 LoraSet = tuple["LoraUse", ...]
+KEYS = ("name", "scale")
+"""The keys of a LoRA given as a mapping."""
+_OTHER_KEYS = {
+    "weight": "scale",
+    "strength": "scale",
+    "multiplier": "scale",
+    "adapter_name": "name",
+    "lora": "name",
+}
+"""Other tools' names of `KEYS` (diffusers' adapter weights, ComfyUI's strength, kohya's multiplier)."""
+SPELLINGS = "a name, 'name:scale', [name, scale] or {{'name': ..., 'scale': ...}}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,13 +43,22 @@ def as_loras(value, prompts: int) -> LoraSet | tuple[LoraSet, ...]:
     """The request's `loras` in one form: a set (tuple of `LoraUse`), or one set per prompt."""
     if value is None or value == ():
         return ()
-    if isinstance(value, str | Mapping | LoraUse) or _is_pair(value):
+    if isinstance(value, str | Mapping | LoraUse) or is_pair(value):
         value = [value]
     if not isinstance(value, list | tuple):
-        raise InputError(f"loras must be a list of LoRA names with scales, got {type(value).__name__}")
-    if value and all(isinstance(item, list | tuple) and not _is_pair(item) for item in value):
+        raise WordedError(
+            "{loras} must be a list of LoRAs, each " + SPELLINGS + "; got {kind}",
+            "loras",
+            kind=type(value).__name__,
+        )
+    if value and all(isinstance(item, list | tuple) and not is_pair(item) for item in value):
         if len(value) != prompts:
-            raise InputError(f"loras: {len(value)} sets given for {prompts} prompts; give one set per prompt")
+            raise WordedError(
+                "{loras}: {sets} sets given for {prompts} prompts; give one set per prompt",
+                "loras",
+                sets=len(value),
+                prompts=prompts,
+            )
         return tuple(_set(item) for item in value)
     return _set(value)
 
@@ -47,16 +70,35 @@ def per_prompt(loras, prompts: int) -> tuple[LoraSet, ...]:
     return (loras,) * prompts
 
 
+def check_known(sets, known: Collection[str]) -> None:
+    """A `WordedError` for the first LoRA of `sets` whose name is not among the `known` (loaded or offered)
+    names, with the nearest of them."""
+    unknown = next((use.name for uses in sets for use in uses if use.name not in known), None)
+    if unknown is not None:
+        raise WordedError(
+            "{loras}: no LoRA named {name!r:.100} is {loaded}{hint} ({loaded}: {known}); {offered}",
+            "loras",
+            name=unknown,
+            hint=did_you_mean(unknown, known),
+            known=", ".join(sorted(known)) or "none",
+        )
+
+
 def _set(items) -> LoraSet:
-    uses = tuple(_use(item) for item in items)
+    uses = tuple(_use(item, index) for index, item in enumerate(items))
     names = [use.name for use in uses]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
-        raise InputError(f"loras: {twice[0]!r} is named twice in one set; give it once with its scale")
+        raise WordedError(
+            "{loras}: {name!r:.100} is named twice in one set; give it once with its scale",
+            "loras",
+            name=twice[0],
+        )
     return uses
 
 
-def _is_pair(item) -> bool:
+def is_pair(item) -> bool:
+    """Whether `item` is one LoRA as (name, scale), rather than a list of LoRAs."""
     return isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str) and _number(item[1])
 
 
@@ -64,31 +106,69 @@ def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _use(item) -> LoraUse:
+def _use(item, index: int) -> LoraUse:
     if isinstance(item, LoraUse):
         name, scale = item.name, item.scale
     elif isinstance(item, Mapping):
-        unknown = set(item) - {"name", "scale"}
-        if unknown or "name" not in item:
-            raise InputError(f"loras: each LoRA is {{'name': ..., 'scale': ...}}, got keys {sorted(item)}")
+        _check_keys(item, index)
         name, scale = item["name"], item.get("scale", 1.0)
     elif isinstance(item, str):
         name, sep, tail = item.rpartition(":")
         name, scale = (name, _float(tail, item)) if sep else (item, 1.0)
-    elif _is_pair(item):
+    elif is_pair(item):
         name, scale = item
     else:
-        raise InputError(f"loras: a LoRA is a name, 'name:scale' or (name, scale), got {item!r:.100}")
-    if not isinstance(name, str) or not name:
-        raise InputError(f"loras: a LoRA's name must be a non-empty string, got {name!r:.100}")
-    if _path_like(name):
-        raise InputError(
-            f"loras: {name!r:.100} is a path; a request names a loaded LoRA (pipe.load_lora, or the server's "
-            "GET /v1/loras), never a file"
+        raise WordedError(
+            "{loras}[{index}]: a LoRA is " + SPELLINGS + ", got {item!r:.100}",
+            "loras",
+            index=index,
+            item=item,
         )
-    if not _number(scale) or not math.isfinite(scale):
-        raise InputError(f"loras: the scale of {name!r} must be a finite number, got {scale!r:.50}")
+    if not isinstance(name, str) or not name:
+        raise WordedError(
+            "{loras}[{index}]: a LoRA's name must be a non-empty string, got {name!r:.100}",
+            "loras",
+            index=index,
+            name=name,
+        )
+    if _path_like(name):
+        raise WordedError("{loras}: {name!r:.100} {a_path}", "loras", name=name)
+    if not good_scale(scale):
+        raise WordedError(
+            "{loras}: the scale of {name!r:.100} must be a number from -{most:g} to {most:g}, got {scale!r:.50}",
+            "loras",
+            name=name,
+            most=MAX_SCALE,
+            scale=scale,
+        )
     return LoraUse(name, float(scale))
+
+
+def _check_keys(item: Mapping, index: int) -> None:
+    """A mapping's keys are `KEYS`, its name given: an unknown key is named with the nearest known one."""
+    unknown = [key for key in item if key not in KEYS]
+    if unknown:
+        key = str(unknown[0])
+        hint = f"; did you mean {_OTHER_KEYS[key]!r}?" if key in _OTHER_KEYS else did_you_mean(key, KEYS)
+        if key in ("path", "file"):
+            after = ": a LoRA is named, never given as a file; {offered}"
+        else:
+            after = "{hint}" if hint else "; a LoRA's {key}s are {keys}"
+        raise WordedError(
+            "unknown {key} {name!r:.60} in {loras}[{index}]" + after,
+            "loras",
+            name=key,
+            index=index,
+            hint=hint,
+            keys=" and ".join(map(repr, KEYS)),
+        )
+    if "name" not in item:
+        raise WordedError(
+            "{loras}[{index}]: a LoRA's {key}s are {keys}; 'name' is missing",
+            "loras",
+            index=index,
+            keys=" and ".join(map(repr, KEYS)),
+        )
 
 
 def _path_like(name: str) -> bool:
@@ -99,4 +179,6 @@ def _float(text: str, item: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise InputError(f"loras: {item!r}: the scale after ':' must be a number") from None
+        raise WordedError(
+            "{loras}: {item!r:.100}: the scale after ':' must be a number", "loras", item=item
+        ) from None

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from klein.errors import InputError
 from klein.models.vae import PIXELS_PER_TOKEN
+from klein.request.loras import check_known
 from klein.request.modes import Conditioning, Mode, repaint_words
 from klein.request.request import GenerationRequest
 from klein.request.variants import DEMO_LABEL, KV_CHECKPOINT, Variant
@@ -124,12 +125,7 @@ def _check_loras(request: GenerationRequest, conditioning: Conditioning, adapter
     references' keys and values are computed once, under one set of weights)."""
     sets = request.lora_sets
     if adapters is not None:
-        unknown = next((use.name for uses in sets for use in uses if use.name not in adapters), None)
-        if unknown is not None:
-            loaded = ", ".join(sorted(adapters)) or "none"
-            raise InputError(
-                f"no LoRA named {unknown!r} is loaded (loaded: {loaded}); load it with pipe.load_lora"
-            )
+        check_known(sets, adapters)
     if conditioning is Conditioning.CACHED and len({frozenset(uses) for uses in sets}) > 1:
         raise InputError(
             "cached references (kv) are computed under one set of LoRAs: give every prompt the same loras, "

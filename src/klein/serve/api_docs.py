@@ -67,9 +67,10 @@ _MASK_FILE = {
 
 _LORAS_FIELD = {
     "type": "string",
-    "description": 'LoRAs by the names GET /v1/loras lists, as JSON text: [{"name": "ink", "scale": 0.8}]',
+    "description": "LoRAs by the names GET /v1/loras lists: one as text, ink:0.8, or the JSON a body "
+    'takes: ["ink:0.8", ["pen", 1], {"name": "wash", "scale": 0.5}]',
 }
-"""A form field is text: the body's list of LoRA objects travels as its JSON."""
+"""A form field is text: one LoRA as its text, or the body's list as its JSON."""
 
 
 def _multipart(properties: dict, required: list[str]) -> dict:

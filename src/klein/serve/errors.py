@@ -3,12 +3,13 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": field | null, "code": "..."}}
 
 `ApiError` carries the status with it; `from_input_error` maps klein's own `InputError`s (raised by the
-request type, image preparation, admission, the reference store) onto a status and code.
+request type, image preparation, admission, the reference store) onto a status and code, a
+`klein.errors.WordedError` in HTTP's words with the field at fault.
 """
 
 from __future__ import annotations
 
-from klein.errors import CannotFitError, InputError
+from klein.errors import HTTP, CannotFitError, InputError, WordedError, worded
 
 
 class ApiError(Exception):
@@ -29,6 +30,8 @@ def from_input_error(error: InputError) -> ApiError:
         return ApiError(422, str(error), "cannot_fit")
     if isinstance(error, UnknownReferences):
         return ApiError(404, str(error), "unknown_reference", "references")
+    if isinstance(error, WordedError):
+        return ApiError(400, worded(error, HTTP), "invalid_value", error.field)
     return ApiError(400, str(error), "invalid_request")
 
 

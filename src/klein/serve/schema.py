@@ -16,13 +16,14 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from klein.errors import InputError
+from klein.errors import HTTP, InputError, WordedError, worded
 from klein.images import show_pixels
+from klein.lora.files import MAX_SCALE
 from klein.pipeline.prompts import MAX_LENGTH
 from klein.request import kinds
 from klein.request.kinds import settings_of, short_name
@@ -39,13 +40,25 @@ MAX_LORAS = 8
 """The most LoRAs one request may name."""
 
 
-class LoraBody(BaseModel):
-    """One LoRA a request applies: a name the server offers (GET /v1/loras), never a path."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(min_length=1, max_length=64, description="a LoRA name GET /v1/loras lists")
-    scale: float = Field(1.0, allow_inf_nan=False, description="its strength (default 1; 0 turns it off)")
+LORA_FORMS = {
+    "anyOf": [
+        {"type": "string", "description": '"NAME" or "NAME:SCALE"', "examples": ["ink:0.8"]},
+        {
+            "type": "array",
+            "prefixItems": [{"type": "string"}, {"type": "number"}],
+            "minItems": 2,
+            "maxItems": 2,
+            "description": "[NAME, SCALE]",
+        },
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "scale": {"type": "number", "default": 1.0}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+    ]
+}
+"""The spellings of one LoRA, as /docs shows them; `klein.request.loras` reads them, as every front end's."""
 
 
 class _OpenAIBody(BaseModel):
@@ -67,11 +80,13 @@ class _OpenAIBody(BaseModel):
     )
     response_format: Literal["b64_json"] | None = Field("b64_json", description="only b64_json (PNG bytes)")
     references: str | None = Field(None, description="a reference set id from POST /v1/references")
-    loras: list[LoraBody] | None = Field(
+    loras: list[Annotated[Any, WithJsonSchema(LORA_FORMS)]] | None = Field(
         None,
         max_length=MAX_LORAS,
         description="LoRAs to apply to this request's images, by the names GET /v1/loras lists, each at a "
-        'scale: [{"name": "ink", "scale": 0.8}] (OpenAI\'s clients: in extra_body)',
+        f'scale from -{MAX_SCALE:g} to {MAX_SCALE:g} (default 1): "ink:0.8", ["ink", 0.8] or '
+        '{"name": "ink", "scale": 0.8}, as in Python and klein batch (OpenAI\'s clients: in extra_body; '
+        'a form field: that JSON list, or one "ink:0.8")',
     )
     model: str | None = Field(
         None, description="accepted as OpenAI's clients send it; the server runs its model"
@@ -113,20 +128,19 @@ ImageBody = pydantic.create_model(
 
 
 # Form fields are text: how each typed one reads (klein's setting kinds, the same as key=value words).
-_FORM_READERS = {"n": kinds.read_int, "loras": lambda key, text: _json_list(key, text)}
+_FORM_READERS = {"n": kinds.read_int, "loras": lambda key, text: _loras_field(text)}
 _FORM_READERS |= {
     field.name: spec.kind.read for field, spec in settings_of(GenerationRequest) if field.name in SETTINGS
 }
 
 
-def _json_list(key: str, text: str) -> list:
+def _loras_field(text: str) -> list:
+    """A form's `loras`: JSON as a body's (a list, or one LoRA), or one LoRA's text, "ink:0.8"."""
     try:
         value = json.loads(text)
     except ValueError:
-        value = None
-    if not isinstance(value, list):
-        raise InputError(f'{key} must be a JSON list, e.g. [{{"name": "ink", "scale": 0.8}}]')
-    return value
+        return [text]
+    return value if isinstance(value, list) else [value]
 
 
 def from_form(fields: dict[str, str]) -> ImageBody:
@@ -216,10 +230,12 @@ def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
             height=height,
             width=width,
             **{name: getattr(body, name) for name in SETTINGS},
-            loras=tuple((lora.name, lora.scale) for lora in body.loras or ()),
+            loras=body.loras or (),
         )
     except InputError as error:
-        raise ApiError(400, str(error), "invalid_value") from None
+        raise ApiError(
+            400, worded(error, HTTP), "invalid_value", error.field if isinstance(error, WordedError) else None
+        ) from None
 
 
 def ignored(body: ImageBody, model_name: str) -> tuple[str, ...]:

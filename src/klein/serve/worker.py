@@ -18,7 +18,8 @@ starts compiling; step; done / error) for `/v1/jobs`.
   meanwhile wait in the queue. If it fails the error is logged and the jobs run: they compile as they come.
 - With `max_batch` > 1, queued jobs whose `batch_key` equals the next job's join it, up to `max_batch`
   images, and run together through `run_batch` (`klein.serve.batching`); if the batch fails as a whole,
-  each job runs alone, so one job's error stays its own.
+  each job runs alone, so one job's error stays its own (and its time limit: it runs from when the job
+  starts alone, so another client's cancel that ended the batch does not eat this job's time).
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ class Job:
     spec: Any = None
     """What the job does (a `Generation`), for `run_batch`."""
     stopping: errors.ApiError | None = None
-    """Set to stop the job at its next step (cancelled, or past its time limit)."""
+    """Set to stop the job at its next step (cancelled)."""
     deadline: float | None = None
-    """`time.monotonic()` past which the running job stops (`--job-timeout`)."""
+    """`time.monotonic()` past which the running job stops (`--job-timeout`), counted from when it
+    started: alone, or in its batch."""
     on_finish: Callable[[Job], None] | None = None
 
     def step(self, event) -> None:
@@ -80,15 +82,16 @@ class Job:
             self.events.append(("stage", _stage(event)))
 
     def _stop_if_asked(self) -> None:
-        if self.stopping is None and self.deadline is not None and time.monotonic() > self.deadline:
-            self.stopping = errors.ApiError(
+        if self.stopping is not None:
+            raise self.stopping
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            # Not kept in `stopping`: run alone after its batch failed, the job has a new deadline.
+            raise errors.ApiError(
                 504,
                 "the job ran past the server's --job-timeout and was stopped; ask for fewer steps or "
                 "smaller images, or raise --job-timeout",
                 "job_timeout",
             )
-        if self.stopping is not None:
-            raise self.stopping
 
     @property
     def finished(self) -> bool:
@@ -246,8 +249,6 @@ class Worker:
                 batch = [job, *self._companions(job)]
                 for each in batch:
                     each.status = "running"
-                    if self.job_timeout is not None:
-                        each.deadline = time.monotonic() + self.job_timeout
             if len(batch) == 1:
                 self._run(job)
             else:
@@ -265,8 +266,17 @@ class Worker:
                 images += job.images
         return taken
 
+    def _start_clock(self, job: Job) -> None:
+        """The job's time limit runs from now: as it starts, alone or in a batch, and again when it runs
+        alone after its batch failed (the batch's time is not its own: another job's cancel may have
+        ended the batch)."""
+        if self.job_timeout is not None:
+            job.deadline = time.monotonic() + self.job_timeout
+
     def _run_batch(self, jobs: list[Job]) -> None:
         started = time.perf_counter()
+        for job in jobs:
+            self._start_clock(job)
         try:
             results = self.run_batch(jobs)
         except Exception:  # e.g. the batch cannot fit where each job alone can: run them one by one
@@ -283,6 +293,7 @@ class Worker:
     def _run(self, job: Job) -> None:
         started = time.perf_counter()
         self.metrics.observe("queue_wait", started - job.submitted)
+        self._start_clock(job)
         try:
             if job.stopping is not None:  # cancelled while its batch ran
                 raise job.stopping
