@@ -17,7 +17,6 @@ import torch
 import klein
 from klein import InputError
 from klein.memory import residency
-from klein.pipeline import diffusers_surface
 from tests.support.pictures import ellipse_mask, picture
 from tests.test_readme import python_blocks
 
@@ -79,6 +78,17 @@ def test_a_script_file_runs_in_its_own_process_and_its_bar_reads_well(tiny_pipel
     )
     assert not [line for line in drawn if ": :" in line or "?stage/s" in line]
     assert any("| 4/4 [" in line for line in drawn)  # 2 steps and 2 stages, counted once steps are known
+
+
+def test_the_bar_names_the_stage_before_the_steps_without_tqdms_empty_counts(tiny_pipelines, capfd):
+    pipe = klein.load_pipeline(tiny_pipelines("distilled")[0])
+    pipe(prompt="a bar", image=[picture(64, 64, 5)], height=32, width=32, num_inference_steps=2, seed=0)
+    drawn = [line.strip() for line in capfd.readouterr().err.replace("\r", "\n").split("\n") if line.strip()]
+    early = [line for line in drawn if line.startswith(("encoding prompt", "encoding references"))]
+    assert early and all(
+        re.fullmatch(r"encoding (prompt|references)( \(compiling\))?: \d\d:\d\d", x) for x in early
+    )
+    assert any("| 5/5 [" in line for line in drawn)
 
 
 def test_the_kv_script_runs_as_written(tiny_pipelines, tmp_path):
@@ -198,7 +208,8 @@ def test_offloading_is_a_residency_policy_with_the_same_images(tiny_pipelines, t
 
 
 def test_torch_dtypes_are_read_by_name_without_torch():
-    read = diffusers_surface.dtype_name
+    from klein.pipeline.diffusers_surface import dtype_name as read
+
     assert read(torch.bfloat16) == read("bfloat16") == read("torch.bfloat16") == "bfloat16"
     assert read(torch.float32) == read(torch.float) == read(np.float32) == "float32"
     assert read(None) is None and read("auto") is None
