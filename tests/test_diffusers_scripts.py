@@ -157,6 +157,11 @@ def test_the_inpainting_script_runs_as_written_and_is_kleins_source_first_call(t
     assert want.settings.request.strength == 1.0 and len(want.settings.request.image) == 2
 
 
+@pytest.fixture(scope="module")
+def inpainting(tiny_pipelines):
+    return klein.Flux2KleinInpaintPipeline.from_pretrained(tiny_pipelines("distilled")[0])
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -168,10 +173,9 @@ def test_the_inpainting_script_runs_as_written_and_is_kleins_source_first_call(t
         ),
     ],
 )
-def test_the_inpainting_call_refuses_what_diffusers_refuses(tiny_pipelines, call, match):
-    pipe = klein.Flux2KleinInpaintPipeline.from_pretrained(tiny_pipelines("distilled")[0])
+def test_the_inpainting_call_refuses_what_diffusers_refuses(inpainting, call, match):
     with pytest.raises(InputError, match=match):
-        pipe(prompt="a ball", num_inference_steps=2, **call)
+        inpainting(prompt="a ball", num_inference_steps=2, **call)
 
 
 @pytest.mark.parametrize(
