@@ -5,6 +5,9 @@ from klein.errors import CannotFitError, CheckpointError, InputError, KleinError
 __all__ = [
     "CannotFitError",
     "CheckpointError",
+    "Flux2KleinInpaintPipeline",
+    "Flux2KleinKVPipeline",
+    "Flux2KleinPipeline",
     "GenerationRequest",
     "InputError",
     "KleinError",
@@ -12,19 +15,21 @@ __all__ = [
     "load_pipeline",
 ]
 
+_LAZY = {
+    "load_pipeline": "klein.pipeline.flux2_klein",
+    "Flux2KleinPipeline": "klein.pipeline.flux2_klein",
+    "Flux2KleinKVPipeline": "klein.pipeline.diffusers_pipelines",
+    "Flux2KleinInpaintPipeline": "klein.pipeline.diffusers_pipelines",
+    "References": "klein.request.references",
+    "GenerationRequest": "klein.request.request",
+}
+"""Where each name is defined: imported on first use so that `import klein` (and `klein --help`) does not
+load JAX. diffusers' pipeline names are here, so that a diffusers script runs with `from klein import`."""
+
 
 def __getattr__(name: str):
-    # Imported on first use so that `import klein` (and `klein --help`) does not load JAX.
-    if name == "load_pipeline":
-        from klein.pipeline.flux2_klein import load_pipeline
+    if name in _LAZY:
+        import importlib
 
-        return load_pipeline
-    if name == "References":
-        from klein.request.references import References
-
-        return References
-    if name == "GenerationRequest":
-        from klein.request.request import GenerationRequest
-
-        return GenerationRequest
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'klein' has no attribute {name!r}")

@@ -201,6 +201,11 @@ def constrain(x: jax.Array, axes: tuple) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, partition_spec(axes, mesh, x.shape))
 
 
+def local_devices(mesh: Mesh | None) -> list:
+    """The devices of this process that a program on `mesh` runs on (None: jax's first device)."""
+    return mesh.local_devices if mesh is not None else jax.local_devices()[:1]
+
+
 def platform() -> str:
     """The platform of the program being traced: the devices of the mesh in JAX's context (a TPU slice
     compiled from this machine is a TPU program), else the default backend."""

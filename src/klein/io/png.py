@@ -31,13 +31,30 @@ class OutputPlan:
     stamp: str
 
 
-def plan_outputs(out: str | None, count: int, overwrite: bool) -> OutputPlan:
-    """Check `--out` before any model work: the folder exists and is writable, and nothing is in the way."""
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """How a front end names the output and the leave to replace files, for its messages."""
+
+    out: str
+    """`--out`, or Python's path argument."""
+    overwrite: str
+    """What to pass to replace existing files."""
+
+
+CLI = Words("--out", "--overwrite")
+PYTHON = Words("path", "save(..., overwrite=True)")
+
+
+def plan_outputs(out: str | None, count: int, overwrite: bool, words: Words = CLI) -> OutputPlan:
+    """Check `--out` (`words.out`) before any model work: the folder exists and is writable, and nothing
+    is in the way."""
     path = Path(out).expanduser() if out is not None else None
     if path is None or path.is_dir() or out.endswith(("/", os.sep)):
         folder, file = path or Path.cwd(), None
     elif path.suffix.lower() != ".png":
-        raise InputError(f"--out {out}: klein writes PNG files; give a name ending in .png, or a folder")
+        raise InputError(
+            f"{words.out} {out}: klein writes PNG files; give a name ending in .png, or a folder"
+        )
     else:
         folder, file = path.parent, path
     if not folder.is_dir():
@@ -48,7 +65,8 @@ def plan_outputs(out: str | None, count: int, overwrite: bool) -> OutputPlan:
         taken = [target for target in numbered(file, count) if target.exists()]
         if taken:
             raise InputError(
-                f"{taken[0]} already exists; pass --overwrite to replace it, or choose another --out"
+                f"{taken[0]} already exists; pass {words.overwrite} to replace it, or choose another "
+                f"{words.out}"
             )
     return OutputPlan(folder, file, overwrite, time.strftime("%Y%m%d-%H%M%S"))
 

@@ -47,6 +47,9 @@ SUMMARIES = {
 }
 STREAMS = frozenset({"stream"})
 """The policies that keep the transformer's blocks in host memory."""
+PROMPT_CACHE_BYTES = 256 * 2**20
+"""Default prompt-cache budget under a policy that moves the text encoder (about 20 klein-9b prompts):
+a new prompt alone brings it back."""
 
 
 def on(platform: str, sizes: dict[str, int]) -> dict[str, int]:

@@ -1,7 +1,9 @@
 """Running a resolved request: the stages (text, references, denoising, decoding) over the models.
 
-Owns `flux2_klein` (`load_pipeline`, `Flux2KleinPipeline`), loading the parts of a checkpoint and telling
-its variant (`components`, `checkpoints`), the prompt template and tokenizer (`prompts`), the step functions
+Owns `flux2_klein` (`load_pipeline`, `Flux2KleinPipeline`), diffusers' methods around a call
+(`diffusers_surface`: `from_pretrained`, `.to`, offloading) and its other class names
+(`diffusers_pipelines`), loading the parts of a checkpoint and telling its variant (`components`,
+`checkpoints`), the prompt template and tokenizer (`prompts`), the step functions
 (`denoise`), the weights' place on the device (`device_weights`), the byte-bounded caches (`cache`), the
 stage clock (`timing`) and XLA's memory analysis of the programs, compiled from abstract arrays for
 `klein plan --compiled` (`compiled`). May import `klein.request`, `klein.memory`, `klein.models`, `klein.io`,

@@ -56,6 +56,14 @@ class Weights:
                 leaf.delete()
         self._state = None
 
+    def reread(self, read: Callable[[], nnx.Module]) -> None:
+        """Drop the weights, on the device and off it, and read them with `read` from now on (weights
+        placed otherwise: a residency policy that streams layers, chosen after loading)."""
+        for leaf in jax.tree.leaves(self._state):
+            leaf.delete()
+        self._state = self._host = None
+        self._read = read
+
 
 def _split(module: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     """(graph, weights), each weight committed to where it is: a jitted program is keyed on whether its

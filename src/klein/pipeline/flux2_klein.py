@@ -43,6 +43,7 @@ from klein.pipeline import cache_keys, compilation_cache, components, denoise, w
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.device_weights import Weights
+from klein.pipeline.diffusers_surface import DiffusersSurface
 from klein.pipeline.progress_bar import CallBar
 from klein.pipeline.stage_events import StageEvent
 from klein.pipeline.timing import Stages
@@ -112,20 +113,17 @@ class GenerationOutput:
         if self.settings.request.output_type == "latent":
             raise InputError("latents are not images: save needs output_type 'pil' or 'np'")
         pictures = self.images if isinstance(self.images, list) else images.from_float01(self.images)
-        plan = png.plan_outputs(str(path), len(pictures), overwrite)
+        plan = png.plan_outputs(str(path), len(pictures), overwrite, png.PYTHON)
         metadata = [png.png_metadata(self.settings.metadata(i, version())) for i in range(len(pictures))]
         return png.write_images(pictures, plan, metadata, self.seed)
 
 
-PROMPT_CACHE_BYTES = 256 * 2**20
-"""Default prompt-cache budget under a residency policy that moves the text encoder (about 20 klein-9b
-prompts)."""
 ROPE_CACHE_BYTES = 64 * 2**20
 """RoPE tables kept by position ids (sizes repeat across requests): a 1024^2 image's tables and a
 prompt's, several times over; four 1024^2 references' alone may not fit, and are rebuilt (milliseconds)."""
 
 
-class Flux2KleinPipeline:
+class Flux2KleinPipeline(DiffusersSurface):
     def __init__(
         self,
         located: components.Located,
@@ -173,7 +171,7 @@ class Flux2KleinPipeline:
         self.adapters = AdapterSlots(self.config, dtype, self._place_adapter)
         """LoRAs loaded by name (`load_lora`) that requests apply unmerged (`GenerationRequest.loras`)."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
-        self.prompt_cache = None if policy == "all" else ByteBudgetCache(PROMPT_CACHE_BYTES)
+        self.prompt_cache = None if policy == "all" else ByteBudgetCache(residency_policy.PROMPT_CACHE_BYTES)
         """None, or a cache whose `get(key, compute)` returns compute()'s value, kept or not: then
         `encode_prompt` reuses each prompt's embeddings under `cache_keys.prompt_key`. Under a policy that
         moves the text encoder off the device, a byte-bounded one by default: a new prompt alone brings it
@@ -189,6 +187,10 @@ class Flux2KleinPipeline:
         resident weights and, on a CPU, the process (`klein.memory.process`) leave of it; None: no cap."""
         self._budget: tuple[int, tuple, str] | None = None
         """With `own_memory`: (bytes for requests and caches, the caches counted against them, whence)."""
+
+    @classmethod
+    def _from_options(cls, options: LoadOptions):
+        return load(options, kind=cls)
 
     def _hold(self, name: str):
         """`() -> (graphdef, state)` of model `name`, on the device, after moving off the models the
@@ -323,10 +325,6 @@ class Flux2KleinPipeline:
             if bar:
                 bar.close()
         return out if options.return_dict else (out.images,)
-
-    def set_progress_bar_config(self, **options) -> None:
-        """tqdm options for the bar each call draws, as diffusers' method: `disable=True` turns it off."""
-        self._bar_options = dict(options)
 
     def generate(self, request: GenerationRequest, progress=None, *, on_step_end=None) -> GenerationOutput:
         """Run `request`. `progress(event)` as each stage starts, starts compiling and ends, and after
@@ -464,7 +462,7 @@ class Flux2KleinPipeline:
 
     def _free(self) -> tuple[int, str]:
         """(bytes a request may use beside the weights the residency policy holds, where from), now."""
-        free, where = admission.available_bytes(_local_devices(self.mesh))
+        free, where = admission.available_bytes(sharding.local_devices(self.mesh))
         # Free memory counts the weights held now; the policy may hold more (or less) while this runs.
         held = sum(self.weight_bytes[name] for name, model in self._models.items() if model.resident)
         return free + held - residency_policy.resident_weights(self.residency, self.weight_bytes), where
@@ -480,7 +478,7 @@ class Flux2KleinPipeline:
         if self.memory_cap is None:
             return limit, where
         held = residency_policy.resident_weights(self.residency, self.weight_bytes)
-        own = process.footprint(_local_devices(self.mesh)[0].platform)
+        own = process.footprint(sharding.local_devices(self.mesh)[0].platform)
         return admission.under_cap(self.memory_cap, held, own, limit, where)
 
     def _admit(self, run: Resolved) -> bool:
@@ -647,14 +645,10 @@ def _prepare(images, first: int = 1) -> list[np.ndarray]:
     return [images_prepare(_as_pil(p), f"reference image {i + first}") for i, p in enumerate(images)]
 
 
-def _local_devices(mesh) -> list:
-    return mesh.local_devices if mesh is not None else jax.local_devices()[:1]
-
-
 def _estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
     """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
     located checkpoint it loads) on `mesh` (`klein.memory.plan.request_memory`)."""
-    programs = plan.programs_on(_local_devices(mesh)[0].platform, itemsize)
+    programs = plan.programs_on(sharding.local_devices(mesh)[0].platform, itemsize)
     return tuple(
         plan.request_memory(
             models.config,
@@ -768,8 +762,10 @@ def load_pipeline(
     return pipe
 
 
-def load(options: LoadOptions) -> Flux2KleinPipeline:
-    """The pipeline `options` describe (`klein.request.loading.LoadOptions`; `load_pipeline` names them)."""
+def load(options: LoadOptions, kind: type | None = None) -> Flux2KleinPipeline:
+    """The pipeline `options` describe (`klein.request.loading.LoadOptions`; `load_pipeline` names them), a
+    `kind` (default `Flux2KleinPipeline`); `pipe.readers(policy)` read each model as `policy` places it."""
+    kind = kind or Flux2KleinPipeline
     read = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
     offered = {
         name: read_lora(path) for name, path in named_files(options.lora_dir, options.lora_named).items()
@@ -779,7 +775,7 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
     located = locate(options, device_mesh)
     jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
-    compute = compute_of(options.compute, _local_devices(device_mesh)[0])
+    compute = compute_of(options.compute, sharding.local_devices(device_mesh)[0])
     # GGUF / NVFP4 files keep their Linears quantized (unless dequantised): counted at their bytes.
     stored = plan.Models(
         located.config,
@@ -800,29 +796,33 @@ def load(options: LoadOptions) -> Flux2KleinPipeline:
         compute=compute,
         quantized=stored.quantized,
     )
-    platform = _local_devices(device_mesh)[0].platform
+    platform = sharding.local_devices(device_mesh)[0].platform
     sizes = residency_policy.on(platform, sizes)
-    limit, where = admission.memory_for_plan(_local_devices(device_mesh), options.memory_cap)
+    limit, where = admission.memory_for_plan(sharding.local_devices(device_mesh), options.memory_cap)
     typical = plan.typical_request(located.variant)
     # The decode runs tiled where only that fits (`_admit`).
     request = min(memory.peak for memory in _estimates(located, device_mesh, typical, jdtype.itemsize))
     own = process.footprint(platform)
     policy = residency_policy.choose(options.residency, sizes, request, limit, where, own)
-    # Under `stream` the stacked layers are read straight into host memory.
-    host = residency_policy.STACKS if policy in residency_policy.STREAMS else {}
-    models = {
-        residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
-            located, jdtype, dequantize, device_mesh, host.get(residency_policy.TRANSFORMER, ()), compute
-        ),
-        residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
-        residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
-            located, jdtype, dequantize, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
-        ),
-    }
+
+    def readers(policy: str) -> dict:  # under `stream` the stacked layers are read into host memory
+        host = residency_policy.STACKS if policy in residency_policy.STREAMS else {}
+        return {
+            residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
+                located, jdtype, dequantize, device_mesh, host.get(residency_policy.TRANSFORMER, ()), compute
+            ),
+            residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
+            residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
+                located, jdtype, dequantize, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
+            ),
+        }
+
     first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now
+    models = readers(policy)
     weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
     tokenizer_ = components.load_tokenizer_part(located)
-    pipe = Flux2KleinPipeline(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes, compute)
+    pipe = kind(located, weights, tokenizer_, jdtype, device_mesh, policy, sizes, compute)
+    pipe.readers = readers
     pipe.memory_cap = options.memory_cap
     if read:
         pipe.set_loras(read)
