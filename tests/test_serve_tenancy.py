@@ -10,12 +10,14 @@ import re
 import time
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import pytest
 
 from klein.io import demo
 from klein.models.transformer_config import TransformerConfig
+from klein.pipeline.cache import ByteBudgetCache
 from klein.serve.errors import ApiError
 from klein.serve.worker import Job
 from tests.support import lora_files as lf
@@ -203,3 +205,18 @@ def test_the_fronts_job_table_and_reference_store_are_each_keys_own(monkeypatch)
         kept.images(theirs, "alpha")
     assert raised.value.code == "unknown_reference"
     assert kept.held() == {"beta": 3072, "alpha": 3 * 3072}
+
+
+def test_the_cache_keeps_each_owners_share_and_lends_the_room_left():
+    cache = ByteBudgetCache(budget=1200, shares=2)  # 600 bytes each; keys that hold no text
+    block = jnp.zeros((75,), jnp.float32)  # 300 bytes
+    cache.put(1, block, 1.0, owner="beta")
+    for key in (11, 12, 13):  # alpha takes 900: 300 of them the room beta leaves
+        cache.put(key, block, 1.0, owner="alpha")
+    assert cache.held() == {"beta": 300, "alpha": 900} and cache.stats.evictions == 0
+    cache.put(2, block, 1.0, owner="beta")  # beta within its share: alpha, past its own, gives way
+    assert 11 not in cache and cache.held() == {"beta": 600, "alpha": 600}
+    cache.put(14, block, 1.0, owner="alpha")  # alpha at its share: its own oldest leaves, not beta's
+    assert 12 not in cache and 1 in cache and 2 in cache and cache.held() == {"beta": 600, "alpha": 600}
+    cache.put(15, jnp.zeros((200,), jnp.float32), 1.0, owner="alpha")  # 800 bytes, over a share: not kept
+    assert 15 not in cache and cache.stats.too_large == 1
