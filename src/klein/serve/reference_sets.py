@@ -153,6 +153,14 @@ class ReferenceSets:
             (self.cache.peek(k) for k in self.cache.keys() if cache_keys.of_set(k, digests, owner)), None
         )
 
+    def _kept_latents(self, owner, digests) -> list:
+        """Each image's latents, from an encoding of the set still held; `UnknownReferences` if none is
+        (evicted since the request was checked)."""
+        entry = self._encoding(owner, digests)
+        if entry is None:
+            raise UnknownReferences(_evicted(set_id(digests)))
+        return split_latents(entry.value, self.pipe.vae_config.pixels_per_token)
+
     def _all_latents(self, owner, digests) -> bool:
         return all(self._latents_key(owner, d) in self.cache for d in digests)
 
@@ -190,25 +198,21 @@ class ReferenceSets:
         # Compilation is booked apart (klein.pipeline.timing): an entry's cost is what a hit saves next time.
         timings = {"references": 0.0, "prefill": 0.0}
         clock = StageClock(timings)
-        latents, saved = [], 0.0
+        latents, saved, kept = [], 0.0, None
         for index, digest in enumerate(digests):
             entry = self.cache.lookup(self._latents_key(owner, digest))
             if entry is not None:
                 saved += entry.seconds
+                latents.append(entry.value)
             elif digest in pixels:
                 before = timings["references"]
                 with clock("references"):
                     z = jax.block_until_ready(self.pipe.encode_reference_latents(pixels[digest]))
-                entry = self.cache.put(
-                    self._latents_key(owner, digest), z, timings["references"] - before, owner
-                )
+                self.cache.put(self._latents_key(owner, digest), z, timings["references"] - before, owner)
+                latents.append(z)
             else:
-                entry = self._encoding(owner, digests)
-                if entry is None:  # evicted since the request was checked
-                    raise UnknownReferences(_evicted(set_id(digests)))
-                latents.append(split_latents(entry.value, self.pipe.vae_config.pixels_per_token)[index])
-                continue
-            latents.append(entry.value)
+                kept = kept or self._kept_latents(owner, digests)
+                latents.append(kept[index])
         with clock("prefill"):
             references = self.pipe.references_from_latents(latents, self.cached, loras)
             jax.block_until_ready(arrays(references))
