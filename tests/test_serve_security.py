@@ -127,7 +127,7 @@ def test_a_key_over_its_jobs_at_once_gets_429_until_one_finishes(keyed):
     assert other.status_code == 200, other.text
     job = first.json()["id"]
     deadline = time.monotonic() + 300
-    while httpx.get(f"{url}/v1/jobs/{job}", headers=bearer("gamma-key")).json()["status"] != "done":
+    while httpx.get(f"{url}/v1/jobs/{job}", headers=bearer("beta-key")).json()["status"] != "done":
         assert time.monotonic() < deadline, "the first job did not finish"
         time.sleep(0.1)
     third = httpx.post(url + "/v1/images/generations", json=SHORT, headers=bearer("beta-key"), timeout=300)

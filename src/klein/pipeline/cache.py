@@ -10,6 +10,12 @@ prompt, position ids), which are host memory but can be as large as the value.
 An entry larger than the whole budget is computed, used and not kept. The worker thread computes and
 stores; the event loop may look up or remove (GET / DELETE /v1/references), so the bookkeeping holds a
 lock; computing happens outside it.
+
+Shares (`klein serve` with API keys): each entry has an owner, and each of `shares` owners is sure of
+`budget / shares` bytes. An owner may use the room the others leave, but what it puts evicts its own
+entries once it holds more than its share, and others' only where they hold more than theirs
+(`victim`), so one owner's entries never push another below its share. With one share (no keys) this is
+plain least-recently-used.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class Entry:
     """Device bytes, and the key's (`key_bytes`)."""
     seconds: float
     """What computing the value took (compilation aside, where the caller books it apart): what a hit saves."""
+    owner: Hashable = None
+    """Whose share it counts against."""
 
 
 @dataclasses.dataclass
@@ -70,13 +78,16 @@ class Stats:
 
 
 class ByteBudgetCache:
-    """Keys -> device values, never holding more than `budget` bytes; least recently used leave first."""
+    """Keys -> device values, never holding more than `budget` bytes; least recently used leave first,
+    within each owner's share (`shares` owners)."""
 
-    def __init__(self, budget: int):
-        self.budget = budget
+    def __init__(self, budget: int, shares: int = 1):
+        self.budget, self.share = budget, budget // shares
         self.bytes = 0
         self.stats = Stats()
         self._entries: collections.OrderedDict[Hashable, Entry] = collections.OrderedDict()
+        self._held: collections.Counter[Hashable] = collections.Counter()
+        """Bytes held by each owner."""
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -105,20 +116,27 @@ class ByteBudgetCache:
             self._entries.move_to_end(key)
             return entry
 
-    def put(self, key: Hashable, value: Any, seconds: float) -> Entry:
-        """Keep `value` (unless it alone exceeds the budget), evicting the least recently used first."""
-        entry = Entry(value, device_bytes(value) + key_bytes(key), seconds)
+    def held(self) -> dict[Hashable, int]:
+        """Bytes held by each owner that holds any."""
+        with self._lock:
+            return {owner: size for owner, size in self._held.items() if size}
+
+    def put(self, key: Hashable, value: Any, seconds: float, owner: Hashable = None) -> Entry:
+        """Keep `value` as `owner`'s (unless it alone exceeds a share), evicting the least recently used
+        first, as `victim` chooses."""
+        entry = Entry(value, device_bytes(value) + key_bytes(key), seconds, owner)
         with self._lock:
             self.remove(key)
-            if entry.size > self.budget:
+            if entry.size > self.share:
                 self.stats.too_large += 1
                 return entry
             while self.bytes + entry.size > self.budget:
-                _, old = self._entries.popitem(last=False)
-                self.bytes -= old.size
+                chosen = victim(self._entries.items(), self._held, owner, entry.size, self.share)
+                self.remove(next(iter(self._entries)) if chosen is None else chosen)
                 self.stats.evictions += 1
             self._entries[key] = entry
             self.bytes += entry.size
+            self._held[owner] += entry.size
             return entry
 
     def remove(self, key: Hashable) -> bool:
@@ -126,6 +144,7 @@ class ByteBudgetCache:
             entry = self._entries.pop(key, None)
             if entry is not None:
                 self.bytes -= entry.size
+                self._held[entry.owner] -= entry.size
             return entry is not None
 
     def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
@@ -137,3 +156,12 @@ class ByteBudgetCache:
             jax.block_until_ready(arrays(value))
             entry = self.put(key, value, time.perf_counter() - started)
         return entry.value
+
+
+def victim(entries, held: dict, owner: Hashable, size: int, share: int) -> Hashable:
+    """The key to evict for `owner` to add `size` bytes: its own least recently used entry if it would
+    then hold more than its `share`, else the least recently used of an owner holding more than its share
+    (there is one when the budget is `share` times the owners), else None. `entries`: (key, entry) with
+    `.owner` and `.size`, least recently used first; `held`: bytes by owner."""
+    over = {owner} if held.get(owner, 0) + size > share else {o for o, b in held.items() if b > share}
+    return next((key for key, entry in entries if entry.owner in over), None)

@@ -8,9 +8,10 @@ latents. Hence:
   prepared (`REFERENCE`, centre-cropped; `SOURCE`, resized, for repainting). It names the image in
   reference ids and in served PNGs' metadata.
 - `set_id(digests)`: a reference set, by its images' digests in order (the id `/v1/references` answers).
-- `latents_key(digest, model_id)`: an image's VAE latents, under the model and dtype that encoded them.
-- `set_key(digests, weights_id, cached)`: a set's `References`; its keys/values (`cached`) depend on the
-  transformer's weights, LoRAs included (`Flux2KleinPipeline.weights_id`).
+- `latents_key(digest, model_id, owner)`: an image's VAE latents, under the model and dtype that encoded
+  them, and the API key whose they are (`klein serve`: keys share no entry, so none can see another's).
+- `set_key(digests, weights_id, cached, owner)`: a set's `References`; its keys/values (`cached`) depend
+  on the transformer's weights, LoRAs included (`Flux2KleinPipeline.weights_id`).
 - `adapted_weights_id(weights_id, adapters)`: the weights a request runs under, its unmerged LoRAs
   (`GenerationRequest.loras`) included: a reference's keys/values computed under one LoRA set are not
   another's, so the `weights_id` of a set's key is this one.
@@ -41,17 +42,17 @@ def set_id(digests: tuple[str, ...]) -> str:
     return hashlib.sha256("|".join(digests).encode()).hexdigest()[:32]
 
 
-def latents_key(digest: str, model_id: str) -> tuple:
-    return ("latents", digest, model_id)
+def latents_key(digest: str, model_id: str, owner: str | None = None) -> tuple:
+    return ("latents", owner, digest, model_id)
 
 
-def set_key(digests: tuple[str, ...], weights_id: str, cached: bool) -> tuple:
-    return ("set", digests, weights_id, cached)
+def set_key(digests: tuple[str, ...], weights_id: str, cached: bool, owner: str | None = None) -> tuple:
+    return ("set", owner, digests, weights_id, cached)
 
 
-def of_set(key, digests: tuple[str, ...]) -> bool:
-    """Whether `key` is a `set_key` of these images, under any weights (any LoRAs)."""
-    return isinstance(key, tuple) and key[:2] == ("set", digests)
+def of_set(key, digests: tuple[str, ...], owner: str | None = None) -> bool:
+    """Whether `key` is a `set_key` of these images and owner, under any weights (any LoRAs)."""
+    return isinstance(key, tuple) and key[:3] == ("set", owner, digests)
 
 
 def prompt_key(weights_id: str, prompt: str) -> tuple:

@@ -5,6 +5,10 @@ a synchronous request whose client goes away while its job still waits drops the
 OpenAI's JSON error shape (`klein.serve.errors`). What every request passes first (Host, Origin, the API
 key, its rate, the body cap) is `klein.serve.guard`'s; a route that makes a job takes one of its key's
 job slots (`klein.serve.quotas`), and one that uploads images checks the queue before decoding them.
+
+With API keys, what a request makes is its key's (`quotas.owner`): a job, and a reference set, are found
+by id by that key only; another key's id is answered as an unknown one. Keys share the worker, the
+queue and the budgets, each of which it holds a share of (the reference cache, event streams).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.guard import Guard
 from klein.serve.metrics import CONTENT_TYPE
-from klein.serve.quotas import Quotas
+from klein.serve.quotas import Quotas, owner, shares
 from klein.serve.service import Service
 from klein.serve.streams import EventStreams
 from klein.serve.worker import Job
@@ -121,8 +125,9 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
     @app.post("/v1/images/generations", responses=api_docs.responses(api_docs.ImagesResponse))
     async def generations(body: schema.ImageBody, request: Request):
         notes = schema.ignored(body, service.model_name)
-        work = Generation(schema.to_request(body, options), reference_id=body.references, notes=notes)
-        job = await _submitted(quotas, request, lambda: service.submit_generation(work))
+        generation_request, whose = schema.to_request(body, options), owner(request.scope)
+        work = Generation(generation_request, reference_id=body.references, notes=notes, owner=whose)
+        job = await _submitted(quotas, request, lambda: _generation(service, work))
         return await _wait(service.worker, job, request)
 
     @app.post(
@@ -151,8 +156,8 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
             if body.references is None:
                 images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
             notes = schema.ignored(body, service.model_name)
-            work = Generation(generation_request, images, body.references, notes)
-            return await service.submit_generation(work)
+            work = Generation(generation_request, images, body.references, notes, owner(request.scope))
+            return await _generation(service, work)
 
         return await _wait(service.worker, await _submitted(quotas, request, submit), request)
 
@@ -170,20 +175,20 @@ def _references(app: FastAPI, service: Service, quotas: Quotas) -> None:
         async def submit() -> Job:
             service.worker.check_room()  # before any image is decoded
             images = tuple(await uploads.prepare(form.images, service.options))
-            return await service.submit_references(images)
+            return await service.submit_references(images, owner(request.scope))
 
         return await _wait(service.worker, await _submitted(quotas, request, submit), request)
 
     @app.get("/v1/references/{reference_id}")
-    async def get_references(reference_id: str):
-        found = service.sets.describe(reference_id)
+    async def get_references(reference_id: str, request: Request):
+        found = service.sets.describe(reference_id, owner(request.scope))
         if found is None:
             raise _unknown_reference(reference_id)
         return found
 
     @app.delete("/v1/references/{reference_id}")
-    async def delete_references(reference_id: str):
-        if not service.sets.delete(reference_id):
+    async def delete_references(reference_id: str, request: Request):
+        if not service.sets.delete(reference_id, owner(request.scope)):
             raise _unknown_reference(reference_id)
         return {"id": reference_id, "deleted": True}
 
@@ -192,19 +197,20 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def create_job(body: schema.ImageBody, request: Request):
         notes = schema.ignored(body, service.model_name)
-        work = Generation(schema.to_request(body, service.options), reference_id=body.references, notes=notes)
-        job = await _submitted(quotas, request, lambda: service.submit_generation(work, keep=True))
+        generation_request, whose = schema.to_request(body, service.options), owner(request.scope)
+        work = Generation(generation_request, reference_id=body.references, notes=notes, owner=whose)
+        job = await _submitted(quotas, request, lambda: _generation(service, work, keep=True))
         return {"id": job.id, "status": job.status}
 
     @app.get("/v1/jobs/{job_id}")
-    async def get_job(job_id: str):
-        return service.worker.jobs.get(job_id).view()
+    async def get_job(job_id: str, request: Request):
+        return service.worker.jobs.get(job_id, owner(request.scope)).view()
 
     @app.delete("/v1/jobs/{job_id}")
-    async def delete_job(job_id: str):
+    async def delete_job(job_id: str, request: Request):
         """Cancel a queued job, stop a running one at its next step (202: GET it until "cancelled"), or
         drop a finished one's result."""
-        job = service.worker.jobs.get(job_id)
+        job = service.worker.jobs.get(job_id, owner(request.scope))
         if job.finished:
             service.worker.jobs.remove(job_id, "was deleted (DELETE /v1/jobs/ID)")
             return {"id": job_id, "status": job.status, "deleted": True}
@@ -213,19 +219,39 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
             return {"id": job_id, "status": job.status}
         return JSONResponse({"id": job_id, "status": "cancelling"}, 202)
 
-    streams = EventStreams(service.options.max_event_streams)
+    streams = EventStreams(service.options.max_event_streams, shares(service.options.access))
     service.metrics.watch_streams(lambda: streams.open)
+    service.metrics.watch_keys(event_streams=lambda: dict(streams.held))
 
     @app.get("/v1/jobs/{job_id}/events")
-    async def job_events(job_id: str):
+    async def job_events(job_id: str, request: Request):
         """Server-sent events: queued, a stage as each stage starts (or starts compiling), one step per
         denoising step, then done, error or cancelled."""
-        job = service.worker.jobs.get(job_id)
-        return StreamingResponse(streams.stream(job), media_type="text/event-stream")
+        whose = owner(request.scope)
+        job = service.worker.jobs.get(job_id, whose)
+        return StreamingResponse(streams.stream(job, whose), media_type="text/event-stream")
+
+
+async def _generation(service: Service, work: Generation, keep: bool = False) -> Job:
+    """`service.submit_generation` of a client's request, refused first (400) if it repaints a source
+    named by a reference id: a set's images were prepared as references (centre-cropped) where the same
+    image sent as a file is prepared as a source (resized), so the same request would give two images.
+    (The replicas' front names uploaded sources by id itself, after this.)"""
+    if work.reference_id is not None and work.request.repaints:
+        raise ApiError(
+            400,
+            "a repaint (mask or strength) takes its source as an image file, not a reference id (a set's "
+            "images are centre-cropped, a source is resized): send the images as 'image' to "
+            "POST /v1/images/edits",
+            "invalid_value",
+            "references",
+        )
+    return await service.submit_generation(work, keep)
 
 
 async def _submitted(quotas: Quotas, request: Request, submit) -> Job:
-    """The job `submit()` makes, holding one of the request's API key's job slots from before `submit`
+    """The job `submit()` makes, the request's API key's (`Job.owner`: set before anything else runs on
+    the loop, so before its id is answered), holding one of the key's job slots from before `submit`
     decodes anything until the job finishes (a 429 when the key has none free)."""
     release = quotas.job(request.scope.get("state", {}).get("api_key"))
     try:
@@ -233,6 +259,7 @@ async def _submitted(quotas: Quotas, request: Request, submit) -> Job:
     except BaseException:
         release()
         raise
+    job.owner = owner(request.scope)
     job.future.add_done_callback(lambda _: release())
     return job
 

@@ -27,34 +27,37 @@ class Generation:
     reference_id: str | None = None
     notes: tuple[str, ...] = ()
     """Fields of the body the server accepted but ignored, for the response's `warnings`."""
+    owner: str | None = None
+    """The label of the API key that sent it (None without keys): whose reference sets it names."""
 
     @property
     def batch_key(self) -> tuple:
         """Generations with equal keys can run as one batch: same size, steps, guidance and references;
         any LoRAs (each image runs under its own), but with references one LoRA set (their keys and values
-        on a KV checkpoint are computed once, under one set). A repaint runs alone: its mask and strength
-        are its own, and its noise is also its start."""
+        on a KV checkpoint are computed once, under one set) and one owner's. A repaint runs alone: its
+        mask and strength are its own, and its noise is also its start."""
         r = self.request
         if r.repaints:
             return (id(self),)
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         loras = frozenset(r.lora_sets[0]) if refs is not None else None
-        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs, loras)
+        owner = self.owner if refs is not None else None
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs, loras, owner)
 
     def reference_sizes(self, sets: ReferenceSets) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each reference; `UnknownReferences` for an id the cache cannot serve."""
         if self.images:
             return tuple(image.pixels.shape[:2] for image in self.images)
         if self.reference_id is not None:
-            return sets.sizes(self.reference_id)
+            return sets.sizes(self.reference_id, self.owner)
         return ()
 
     def references(self, sets: ReferenceSets) -> Encoded | None:
         loras = self.request.lora_sets[0]
         if self.images:
-            return sets.encode(list(self.images), loras)
+            return sets.encode(list(self.images), loras, self.owner)
         if self.reference_id is not None:
-            return sets.resolve(self.reference_id, loras)
+            return sets.resolve(self.reference_id, loras, self.owner)
         return None
 
 
@@ -91,9 +94,9 @@ def respond(
     }
 
 
-def encode_references(sets: ReferenceSets, images: tuple[PreparedImage, ...]) -> dict:
-    """POST /v1/references: encode (or find) a set; the contract's reference object."""
-    encoded = sets.encode(list(images))
+def encode_references(sets: ReferenceSets, images: tuple[PreparedImage, ...], owner=None) -> dict:
+    """POST /v1/references: encode (or find) a set of `owner`'s; the contract's reference object."""
+    encoded = sets.encode(list(images), owner=owner)
     sizes = [image.pixels.shape[:2] for image in images]
     return describe(encoded.id, sizes, encoded.bytes, encoded.hit)
 

@@ -7,8 +7,10 @@ dropped (the queue bounds how many wait). What a result holds is counted as its 
 `EVENT_BYTES` for each event (the step events and the result's small fields).
 
 An id that is gone is remembered, with why, among the last `GONE` such ids (a few dozen bytes each), so
-that it is answered "expired" rather than "unknown". The worker thread finishes jobs while the event loop
-reads the table, so its bookkeeping holds a lock.
+that it is answered "expired" rather than "unknown". A job is its owner's (`Job.owner`, the label of the
+API key that made it; None without keys): asked for by another key, a job, gone or not, is answered as
+an unknown id is, so that a key learns nothing of another's. The worker thread finishes jobs while the
+event loop reads the table, so its bookkeeping holds a lock.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class JobTable:
         self._jobs: dict[str, object] = {}
         self._done: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
         """Finished jobs, oldest first: (when it finished, its bytes)."""
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._gone: collections.OrderedDict[str, tuple[str, str | None]] = collections.OrderedDict()
+        """Id -> (why it is gone, its owner)."""
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -55,15 +58,16 @@ class JobTable:
         if job.finished:  # it finished before it was added
             self._finished(job)
 
-    def get(self, job_id: str):
-        """The job, or a 404 `ApiError` saying whether it is unknown, expired or deleted."""
+    def get(self, job_id: str, owner: str | None = None):
+        """`owner`'s job, or a 404 `ApiError` saying whether it is unknown (or another's), expired or
+        deleted."""
         self._sweep()
         with self._lock:
             job = self._jobs.get(job_id)
-            why = self._gone.get(job_id)
-        if job is not None:
+            why, whose = self._gone.get(job_id, (None, None))
+        if job is not None and job.owner == owner:
             return job
-        if why is not None:
+        if why is not None and whose == owner:
             raise ApiError(404, f"job {job_id} {why}", "job_expired", "id")
         raise ApiError(404, f"unknown job id {job_id!r:.80}", "unknown_job", "id")
 
@@ -103,10 +107,10 @@ class JobTable:
                 self.expired += 1
 
     def _drop(self, job_id: str, why: str) -> None:
-        """Forget a job (the lock held), remembering why."""
-        self._jobs.pop(job_id, None)
+        """Forget a job (the lock held), remembering why and whose."""
+        job = self._jobs.pop(job_id, None)
         _, size = self._done.pop(job_id, (0.0, 0))
         self.bytes -= size
-        self._gone[job_id] = why
+        self._gone[job_id] = (why, job.owner if job is not None else None)
         while len(self._gone) > GONE:
             self._gone.popitem(last=False)

@@ -9,7 +9,10 @@ klein_reference_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evicti
 the same for klein_prompt_cache_ and klein_rope_cache_ (the pipeline's RoPE tables),
 klein_result_store_{bytes,budget_bytes,entries,expired_total} (kept /v1/jobs results), klein_event_streams
 (open event streams), and klein_stage_seconds{stage} (a histogram) for queue_wait and each pipeline stage.
-The queue depth and the stores' figures are read when scraped (`watch`), not copied.
+With API keys, what each key holds of its shares: klein_key_reference_cache_bytes{key} and
+klein_key_event_streams{key}, `key` being the key's label (where it came from: `--api-key-file line 3`,
+`KLEIN_API_KEY`), never the key nor the file's path. The queue depth and the stores' figures are read
+when scraped (`watch`, `watch_keys`), not copied.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class Metrics:
     def watch_streams(self, open_streams: Callable[[], int]) -> None:
         self._live.streams = open_streams
 
+    def watch_keys(self, **figures: Callable[[], dict]) -> None:
+        """Read these when scraped: each a figure by API key label ({label: value}; None, no key, is left
+        out), as klein_key_NAME{key}."""
+        self._live.keys.update(figures)
+
     def count_request(self, status: str, seconds: float) -> None:
         self._requests.labels(status).inc()
         self._latency.labels(status).observe(seconds)
@@ -89,12 +97,21 @@ class _Live(Collector):
         self.streams: Callable[[], int] = lambda: 0
         self.caches: dict = {}
         self.results = None
+        self.keys: dict[str, Callable[[], dict]] = {}
 
     def collect(self):
         yield GaugeMetricFamily("klein_queue_depth", "requests waiting for the worker", self.queue_depth())
         yield GaugeMetricFamily("klein_event_streams", "open job event streams", self.streams())
         if self.results is not None:
             yield from self._results(self.results)
+        for name, figure in self.keys.items():
+            family = GaugeMetricFamily(
+                f"klein_key_{name}", f"{name.replace('_', ' ')} by API key", labels=["key"]
+            )
+            for label, value in sorted(figure().items(), key=lambda item: str(item[0])):
+                if label is not None:
+                    family.add_metric([label], value)
+            yield family
         for prefix, cache in self.caches.items():
             stats = cache.stats
             for name, help_, value in (

@@ -1,5 +1,6 @@
 """Per-key limits of `klein serve`: requests a minute and jobs at once (`KEY rpm=N jobs=N`), each
-exceeded one a 429 with Retry-After.
+exceeded one a 429 with Retry-After; and the shares of what keys hold on the server (the reference cache,
+event streams): one each (`shares`).
 
 Requests a minute are a token bucket per key: N tokens, refilled at N a minute, so a key may burst up to
 N requests and then goes at N a minute. Jobs at once count a key's jobs from their submission until they
@@ -16,7 +17,20 @@ from collections.abc import Callable
 
 from klein.errors import counted
 from klein.serve.errors import ApiError
-from klein.serve.security import ApiKey
+from klein.serve.security import Access, ApiKey
+
+
+def shares(access: Access) -> int:
+    """Into how many shares the server's reference cache and event streams are cut: one for each key (one
+    without keys), so that no key's uploads or streams can take what another needs."""
+    return max(1, len(access.keys))
+
+
+def owner(scope) -> str | None:
+    """Whose a request's jobs and reference sets are: the label of its API key (`guard` leaves the key in
+    the scope's state), None without keys. A label names where the key came from, never the key."""
+    key = scope.get("state", {}).get("api_key")
+    return key.label if key is not None else None
 
 
 class Quotas:

@@ -3,12 +3,19 @@
 A prepared image (float32[H, W, 3], `klein.images.prepare_reference`, or `klein.masks.prepare_source` for
 the image an edit repaints) is known by its digest (`klein.pipeline.cache_keys.image_digest`: shape,
 bytes and preparation); a set by the ordered tuple of those digests, and its id is derived from that
-tuple alone, so the same images in the same order give the same id whoever sends them and however
+tuple alone, so the same images in the same order give the same id however they are sent
 (`/v1/references` or `/v1/images/edits`). Cache entries (keys in `klein.pipeline.cache_keys`):
 
 - an image's VAE latents float[H/16, W/16, C], under the model and dtype: reusable in any set;
 - a set's `References` (tokens, and the prefill's keys/values when `cached`), which depend on the order
-  and on the weights (LoRAs included), so a weights change cannot hit them.
+  and on the weights (LoRAs included), so a weights change cannot hit them. Its tokens are its images'
+  latents: a set whose latents were evicted is prefilled again from them under other LoRAs, so a set
+  that is described (`cached` or not) is one a request can use.
+
+Owners (`klein serve` with API keys; None without): ids, and every cache entry, are the owner's. A key
+that computes another's id from the images' bytes finds nothing, and shares no entry with another
+(a hit would tell it that the other sent the same image); each key has its share of the cache
+(`ByteBudgetCache` shares) and of the id table.
 
 Encoding runs on the serving worker thread, which owns the pipeline; `describe` and `delete` may run on
 the event loop, so the id table holds a lock.
@@ -64,129 +71,171 @@ class Encoded:
 
 
 class ReferenceSets:
-    """Encodes reference sets through a `ByteBudgetCache` and remembers which digests each id names."""
+    """Encodes reference sets through a `ByteBudgetCache` and remembers which digests each owner's id
+    names. `owner`: the label of the API key a request came with (None without keys)."""
 
     def __init__(self, pipe, cache: ByteBudgetCache, cached: bool):
         self.pipe, self.cache, self.cached = pipe, cache, cached
         """`cached`: encode with the prefill's keys/values (KV checkpoints)."""
-        self._ids: collections.OrderedDict[str, tuple[tuple[str, ...], tuple[tuple[int, int], ...]]] = (
-            collections.OrderedDict()
-        )
+        self._ids: dict[str | None, collections.OrderedDict[str, tuple]] = {}
+        """Owner -> id -> (digests, sizes), least recently used first."""
         self._lock = threading.Lock()
 
-    def _set_key(self, digests: tuple[str, ...], loras=()):
+    def _set_key(self, owner, digests: tuple[str, ...], loras=()):
         """A set's key: its keys/values (`cached`) are those of the weights with the request's unmerged
         LoRAs applied, so each LoRA set has its own entry and none is served another's."""
         weights = self.pipe.adapted_weights_id(loras) if self.cached else self.pipe.weights_id
-        return cache_keys.set_key(digests, weights, self.cached)
+        return cache_keys.set_key(digests, weights, self.cached, owner)
 
-    def _latents_key(self, digest: str):
-        return cache_keys.latents_key(digest, self.pipe.model_id)
+    def _latents_key(self, owner, digest: str):
+        return cache_keys.latents_key(digest, self.pipe.model_id, owner)
 
-    def encode(self, images: list[PreparedImage], loras=()) -> Encoded:
+    def encode(self, images: list[PreparedImage], loras=(), owner=None) -> Encoded:
         """The set of these images, from the cache or computed (and then kept if it fits), prefilled under
         the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s) on a KV checkpoint."""
         digests = tuple(image.digest for image in images)
         sizes = tuple(image.pixels.shape[:2] for image in images)
-        self._remember(set_id(digests), digests, sizes)
-        hit = self._cached_set(digests, loras)
+        self._remember(owner, set_id(digests), digests, sizes)
+        hit = self._cached_set(owner, digests, loras)
         if hit is not None:
             return hit
-        return self._compute(digests, {i.digest: i.pixels for i in images}, loras)
+        return self._compute(owner, digests, {i.digest: i.pixels for i in images}, loras)
 
-    def resolve(self, reference_id: str, loras=()) -> Encoded:
+    def resolve(self, reference_id: str, loras=(), owner=None) -> Encoded:
         """The set an id names; `UnknownReferences` if the id is unknown or its encodings were evicted."""
-        digests, _ = self._usable(reference_id)
-        hit = self._cached_set(digests, loras)
+        digests, _ = self._usable(owner, reference_id)
+        hit = self._cached_set(owner, digests, loras)
         if hit is not None:
             return hit
-        return self._compute(digests, {}, loras)
+        return self._compute(owner, digests, {}, loras)
 
-    def sizes(self, reference_id: str) -> tuple[tuple[int, int], ...]:
+    def sizes(self, reference_id: str, owner=None) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each image of the set an id names; `UnknownReferences` as `resolve`."""
-        return self._usable(reference_id)[1]
+        return self._usable(owner, reference_id)[1]
 
-    def _usable(self, reference_id: str) -> tuple:
-        """(digests, sizes) of an id whose set, or else every image's latents, the cache still holds."""
+    def _known(self, owner, reference_id: str) -> tuple | None:
+        """(digests, sizes) of an id of `owner`'s (now its most recently used), or None: another owner's
+        ids are not looked at, so a key that computes another's id from the images' bytes finds nothing."""
         with self._lock:
-            known = self._ids.get(reference_id)
+            own = self._ids.get(owner, {})
+            known = own.get(reference_id)
             if known is not None:
-                self._ids.move_to_end(reference_id)
+                own.move_to_end(reference_id)
+            return known
+
+    def _usable(self, owner, reference_id: str) -> tuple:
+        """(digests, sizes) of an id whose set, or else every image's latents, the cache still holds."""
+        known = self._known(owner, reference_id)
         if known is None:
             raise UnknownReferences(
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
             )
-        if not self._held(known[0]):
-            raise UnknownReferences(
-                f"reference set {reference_id} was evicted from the cache (--cache-bytes); upload the "
-                "images again (POST /v1/references, or send them with the edit)"
-            )
+        if self._encoding(owner, known[0]) is None and not self._all_latents(owner, known[0]):
+            raise UnknownReferences(_evicted(reference_id))
         return known
 
-    def describe(self, reference_id: str) -> dict | None:
-        """The contract's reference object, or None when the id cannot be used (unknown or evicted)."""
-        known = self._ids.get(reference_id)
+    def describe(self, reference_id: str, owner=None) -> dict | None:
+        """The contract's reference object, or None when the id cannot be used (unknown or evicted):
+        a set that is described can be used, under any LoRAs."""
+        known = self._known(owner, reference_id)
         if known is None:
             return None
         digests, sizes = known
-        if not self._held(digests):
+        entry = self._encoding(owner, digests)
+        if entry is None and not self._all_latents(owner, digests):
             return None
-        entry = self.cache.peek(self._set_key(digests))
         return describe(reference_id, sizes, entry.size if entry else 0, entry is not None)
 
-    def _held(self, digests) -> bool:
-        """Whether the cache can still serve this set: the set itself, or every image's latents."""
-        return self._set_key(digests) in self.cache or all(
-            self._latents_key(d) in self.cache for d in digests
+    def _encoding(self, owner, digests):
+        """An encoding of the set held under any weights (any LoRAs), or None: its tokens are every image's
+        latents, from which the set is prefilled again under other LoRAs (`_compute`)."""
+        return next(
+            (self.cache.peek(k) for k in self.cache.keys() if cache_keys.of_set(k, digests, owner)), None
         )
 
-    def delete(self, reference_id: str) -> bool:
+    def _kept_latents(self, owner, digests) -> list:
+        """Each image's latents, from an encoding of the set still held; `UnknownReferences` if none is
+        (evicted since the request was checked)."""
+        entry = self._encoding(owner, digests)
+        if entry is None:
+            raise UnknownReferences(_evicted(set_id(digests)))
+        return split_latents(entry.value, self.pipe.vae_config.pixels_per_token)
+
+    def _all_latents(self, owner, digests) -> bool:
+        return all(self._latents_key(owner, d) in self.cache for d in digests)
+
+    def delete(self, reference_id: str, owner=None) -> bool:
         """Forget an id and drop its set's encodings under every LoRA set (per-image latents may serve other
         sets and stay)."""
         with self._lock:
-            known = self._ids.pop(reference_id, None)
+            known = self._ids.get(owner, {}).pop(reference_id, None)
         if known is None:
             return False
         digests, _ = known
         for key in self.cache.keys():
-            if cache_keys.of_set(key, digests):
+            if cache_keys.of_set(key, digests, owner):
                 self.cache.remove(key)
         return True
 
-    def _remember(self, reference_id, digests, sizes) -> None:
+    def _remember(self, owner, reference_id, digests, sizes) -> None:
+        """Remember an id among the owner's last `MAX_IDS` (one key's uploads do not push out another's)."""
         with self._lock:
-            self._ids[reference_id] = (digests, sizes)
-            self._ids.move_to_end(reference_id)
-            while len(self._ids) > MAX_IDS:
-                self._ids.popitem(last=False)
+            own = self._ids.setdefault(owner, collections.OrderedDict())
+            own[reference_id] = (digests, sizes)
+            own.move_to_end(reference_id)
+            while len(own) > MAX_IDS:
+                own.popitem(last=False)
 
-    def _cached_set(self, digests, loras=()) -> Encoded | None:
-        entry = self.cache.lookup(self._set_key(digests, loras))
+    def _cached_set(self, owner, digests, loras=()) -> Encoded | None:
+        entry = self.cache.lookup(self._set_key(owner, digests, loras))
         if entry is None:
             return None
         return Encoded(set_id(digests), entry.value, True, entry.seconds, entry.size, {}, digests)
 
-    def _compute(self, digests, pixels: dict[str, np.ndarray], loras=()) -> Encoded:
+    def _compute(self, owner, digests, pixels: dict[str, np.ndarray], loras=()) -> Encoded:
+        """Encode the set: each image's latents from the cache, else from its pixels, else (the pixels not
+        sent, the latents evicted) from an encoding of the set still held; then the set from them."""
         # Compilation is booked apart (klein.pipeline.timing): an entry's cost is what a hit saves next time.
         timings = {"references": 0.0, "prefill": 0.0}
         clock = StageClock(timings)
-        latents, saved = [], 0.0
-        for digest in digests:
-            entry = self.cache.lookup(self._latents_key(digest))
-            if entry is None:
+        latents, saved, kept = [], 0.0, None
+        for index, digest in enumerate(digests):
+            entry = self.cache.lookup(self._latents_key(owner, digest))
+            if entry is not None:
+                saved += entry.seconds
+                latents.append(entry.value)
+            elif digest in pixels:
                 before = timings["references"]
                 with clock("references"):
                     z = jax.block_until_ready(self.pipe.encode_reference_latents(pixels[digest]))
-                entry = self.cache.put(self._latents_key(digest), z, timings["references"] - before)
+                self.cache.put(self._latents_key(owner, digest), z, timings["references"] - before, owner)
+                latents.append(z)
             else:
-                saved += entry.seconds
-            latents.append(entry.value)
+                kept = kept or self._kept_latents(owner, digests)
+                latents.append(kept[index])
         with clock("prefill"):
             references = self.pipe.references_from_latents(latents, self.cached, loras)
             jax.block_until_ready(arrays(references))
         cost = saved + timings["references"] + timings["prefill"]
-        entry = self.cache.put(self._set_key(digests, loras), references, cost)
+        entry = self.cache.put(self._set_key(owner, digests, loras), references, cost, owner)
         return Encoded(set_id(digests), references, False, saved, entry.size, timings, digests)
+
+
+def split_latents(references: References, pixels_per_token: int) -> list:
+    """Each image's latents float[H/16, W/16, C] back from a set's tokens (their concatenation in order)."""
+    latents, start = [], 0
+    for height, width in references.pixel_sizes:
+        rows, columns = height // pixels_per_token, width // pixels_per_token
+        latents.append(references.tokens[start : start + rows * columns].reshape(rows, columns, -1))
+        start += rows * columns
+    return latents
+
+
+def _evicted(reference_id: str) -> str:
+    return (
+        f"reference set {reference_id} was evicted from the cache (--cache-bytes); upload the images again "
+        "(POST /v1/references, or send them with the edit)"
+    )
 
 
 def describe(reference_id: str, sizes, size_bytes: int, cached: bool) -> dict:

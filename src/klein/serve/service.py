@@ -22,7 +22,7 @@ from klein.errors import InputError
 from klein.pipeline import warmup
 from klein.pipeline.cache import ByteBudgetCache
 from klein.request.resolve import MIN_SIDE, MULTIPLE, caches_references, typical
-from klein.serve import batching, errors, generation
+from klein.serve import batching, errors, generation, quotas
 from klein.serve.jobs import JobTable
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
@@ -37,7 +37,7 @@ class Service:
         """Compiling the shapes `warm` names; done compiling them."""
         self.metrics = Metrics()
         pipe.adapters.limit(options.lora_bytes)
-        self.reference_cache = ByteBudgetCache(options.cache_bytes)
+        self.reference_cache = ByteBudgetCache(options.cache_bytes, quotas.shares(options.access))
         self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes)
         pipe.prompt_cache = self.prompt_cache
         cached = caches_references(pipe.variant, pipe.name)
@@ -55,6 +55,7 @@ class Service:
         )
         caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
         self.metrics.watch(lambda: self.worker.depth, {**caches, "rope_cache": pipe.rope_cache}, jobs)
+        self.metrics.watch_keys(reference_cache_bytes=self.reference_cache.held)
 
     def _warm(self, shapes: tuple[warmup.Shape, ...]) -> None:
         def log(line: str) -> None:
@@ -89,8 +90,9 @@ class Service:
         run = functools.partial(self._generate, work)
         return self.worker.submit(run, work.batch_key, images, work, keep)
 
-    async def submit_references(self, images: tuple[PreparedImage, ...]) -> Job:
-        return self.worker.submit(lambda job: generation.encode_references(self.sets, images))
+    async def submit_references(self, images: tuple[PreparedImage, ...], owner: str | None = None) -> Job:
+        """Encode a set of `owner`'s (the label of the API key that sent it; None without keys)."""
+        return self.worker.submit(lambda job: generation.encode_references(self.sets, images, owner))
 
     def _generate(self, work: generation.Generation, job: Job) -> dict:
         result = generation.run(self.pipe, self.sets, work, job.step, self.version)

@@ -2,14 +2,18 @@
 
 Each stream holds a connection and polls its job on the event loop for as long as the job runs (a queued
 job's stream may stay open for minutes), so streams are counted, and one past `--max-event-streams` is
-refused at once with 429 and Retry-After. A stream's slot is given back however it ends: the job's last
-event sent, the client gone (the task reading it is cancelled), or the response dropped unread.
+refused at once with 429 and Retry-After. With API keys, each key may hold its share of the slots
+(`--max-event-streams` / keys, rounded up), so that one key cannot lock the others out. A stream's slot is
+given back however it ends: the job's last event sent, the client gone (the task reading it is
+cancelled), or the response dropped unread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import math
 
 from klein.serve.errors import ApiError
 
@@ -18,29 +22,36 @@ RETRY_AFTER = 5  # seconds: streams end when their jobs do, which takes a job's 
 
 
 class EventStreams:
-    def __init__(self, cap: int):
-        self.cap = cap
+    def __init__(self, cap: int, shares: int = 1):
+        self.cap, self.share = cap, math.ceil(cap / shares)
         self.open = 0
+        self.held: collections.Counter[str | None] = collections.Counter()
+        """Streams open by owner (the API key's label)."""
 
-    def stream(self, job) -> _Stream:
-        """The job's event stream, or 429 when `cap` streams are open."""
-        if self.open >= self.cap:
+    def stream(self, job, owner: str | None = None) -> _Stream:
+        """The job's event stream, or 429 when `cap` streams are open, or `owner`'s share of them."""
+        if self.open >= self.cap or self.held[owner] >= self.share:
+            full = (
+                f"{self.cap} event streams are open (--max-event-streams)"
+                if self.open >= self.cap
+                else f"this API key has {self.share} event streams open, its share of --max-event-streams"
+            )
             raise ApiError(
                 429,
-                f"{self.cap} event streams are open (--max-event-streams); retry in {RETRY_AFTER} s, or poll "
-                "GET /v1/jobs/ID",
+                f"{full}; retry in {RETRY_AFTER} s, or poll GET /v1/jobs/ID",
                 "too_many_streams",
                 headers={"Retry-After": str(RETRY_AFTER)},
             )
         self.open += 1
-        return _Stream(self, job)
+        self.held[owner] += 1
+        return _Stream(self, job, owner)
 
 
 class _Stream:
     """An async iterator of the job's events as SSE text, holding one of `streams`' slots until it ends."""
 
-    def __init__(self, streams: EventStreams, job):
-        self._streams, self._events, self._held = streams, _events(job), True
+    def __init__(self, streams: EventStreams, job, owner):
+        self._streams, self._events, self._owner, self._held = streams, _events(job), owner, True
 
     def __aiter__(self):
         return self
@@ -56,6 +67,7 @@ class _Stream:
         if self._held:
             self._held = False
             self._streams.open -= 1
+            self._streams.held[self._owner] -= 1
 
     def __del__(self):  # a response dropped before it was read
         self._release()

@@ -65,6 +65,8 @@ class Job:
     """`time.monotonic()` past which the running job stops (`--job-timeout`), counted from when it
     started: alone, or in its batch."""
     on_finish: Callable[[Job], None] | None = None
+    owner: str | None = None
+    """The label of the API key that made it (None without keys): only that key finds it by id."""
 
     def step(self, event) -> None:
         """The pipeline's progress callback (`klein.pipeline.stage_events.StageEvent`): a "stage" event as

@@ -5,7 +5,8 @@ Routing: a request goes out with its set id and its LoRAs' names as `multiplexed
 (`affinity.routing_key`), the key the replicas' router (`router.ReferenceRouter`, `--routing references`,
 the default) homes sets by and sends LoRAs to the replica holding them; under `--routing load` no key
 goes out and Serve's default router (power of two choices over queue lengths) decides alone. Uploaded images are kept in
-the front's `ReferenceStore`, so a set id works on any replica.
+the front's `ReferenceStore`, so a set id works on any replica; each is its API key's there and on every
+replica (`Generation.owner`), as on a single server.
 
 Jobs live here: a replica streams each generation's events (accepted or refused, running, steps, the
 result) and the front keeps them for `/v1/jobs` and for the synchronous routes, as a single server's
@@ -30,6 +31,7 @@ from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
+from klein.serve.quotas import shares
 from klein.serve.replicas.affinity import routing_key
 from klein.serve.replicas.restarts import FrontJobTable
 from klein.serve.replicas.store import ReferenceStore
@@ -118,11 +120,12 @@ class Front:
         """`about`: a replica's `config()`, `health()` and `loras()`, and the replica count."""
         self.handle, self.options, self.version, self.routing = handle, options, version, routing
         self.metrics = Metrics()
-        self.sets = ReferenceStore(options.cache_bytes)
+        self.sets = ReferenceStore(options.cache_bytes, shares(options.access))
         self._config, self._health, self.replicas = about["config"], about["health"], about["replicas"]
         self._loras = about["loras"]
         self.worker = Jobs(options, options.max_queue * self.replicas)
         self.metrics.watch(lambda: self.worker.depth, {}, self.worker.jobs)
+        self.metrics.watch_keys(reference_store_bytes=self.sets.held)
 
     @property
     def model_name(self) -> str:
@@ -160,8 +163,8 @@ class Front:
     async def submit_generation(self, work: Generation, keep: bool = False) -> Job:
         """Send a generation to a replica; its job once the replica has accepted it (what it refuses is
         raised here, as a single server refuses before queueing); with `keep`, findable by id."""
-        key = self.sets.put(work.images) if work.images else work.reference_id
-        images = (self.sets.images(key),) if key is not None else ()
+        key = self.sets.put(work.images, work.owner) if work.images else work.reference_id
+        images = (self.sets.images(key, work.owner),) if key is not None else ()
         sent = dataclasses.replace(work, images=(), reference_id=key)
         loras = {use.name for uses in work.request.lora_sets for use in uses}
 
@@ -228,15 +231,15 @@ class Front:
             self.metrics.count_job("error")
             job.finish(error=refused(data))
 
-    async def submit_references(self, images) -> Job:
-        """Keep the images and have the replica that will serve the set encode it now."""
-        key = self.sets.put(images)
+    async def submit_references(self, images, owner: str | None = None) -> Job:
+        """Keep the images as `owner`'s and have the replica that will serve the set encode it now."""
+        key = self.sets.put(images, owner)
         job = Job(None, id=self.worker.jobs.new_id())
-        call = self._to(key).references.remote((self.sets.images(key),))
-        asyncio.get_running_loop().create_task(self._encoded(job, key, call))
+        call = self._to(key).references.remote((self.sets.images(key, owner),), owner)
+        asyncio.get_running_loop().create_task(self._encoded(job, key, owner, call))
         return job
 
-    async def _encoded(self, job: Job, key: str, call) -> None:
+    async def _encoded(self, job: Job, key: str, owner: str | None, call) -> None:
         try:
             answer = await call
         except LOST:
@@ -245,7 +248,7 @@ class Front:
             return job.finish(error=busy())
         if "error" in answer:
             return job.finish(error=refused(answer["error"]))
-        self.sets.described(key, answer)
+        self.sets.described(key, answer, owner)
         job.finish(result=answer)
 
 

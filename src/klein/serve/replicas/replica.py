@@ -51,15 +51,15 @@ class Replica:
 
     async def _with_references(self, work: Generation, images) -> Generation:
         """The work with its set by id where this replica still holds it, else with its images."""
-        if self.service.sets.describe(work.reference_id) is not None:
+        if self.service.sets.describe(work.reference_id, work.owner) is not None:
             return work
         return dataclasses.replace(work, images=tuple(await images), reference_id=None)
 
-    async def references(self, images: tuple) -> dict:
+    async def references(self, images: tuple, owner: str | None = None) -> dict:
         """POST /v1/references on the replica that will serve the set: encoded now, as `klein serve`
-        does, so that the first edit finds it; the reference object, or ("error", fields)."""
+        does, so that the first edit finds it, as `owner`'s; the reference object, or ("error", fields)."""
         try:
-            job = await self.service.submit_references(tuple(await images[0]))
+            job = await self.service.submit_references(tuple(await images[0]), owner)
             return await asyncio.wrap_future(job.future)
         except ApiError as error:
             return {"error": fields(error)}

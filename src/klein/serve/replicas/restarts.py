@@ -30,9 +30,9 @@ class FrontJobTable(JobTable):
     def new_id(self) -> str:
         return f"{self.token}-{uuid.uuid4().hex}"
 
-    def get(self, job_id: str):
+    def get(self, job_id: str, owner: str | None = None):
         try:
-            return super().get(job_id)
+            return super().get(job_id, owner)
         except ApiError as error:
             issued = _ISSUED.fullmatch(job_id)
             if error.code == "unknown_job" and issued and issued.group(1) != self.token:

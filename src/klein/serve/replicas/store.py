@@ -3,8 +3,9 @@ any replica can encode a set it has not seen (a set's first request there, a res
 its cache dropped) and an id from `POST /v1/references` works on every replica.
 
 Ids are those of a single `klein serve` (`klein.pipeline.cache_keys.set_id`, from the images' content
-hashes). Sets are kept least recently used first out, within a byte budget of prepared pixels
-(--cache-bytes) and `MAX_IDS` ids.
+hashes), and as there each owner's (the API key's label; None without keys): another key's id is not
+found. Sets are kept least recently used first out, within a byte budget of prepared pixels
+(--cache-bytes) of which each key has its share (`klein.pipeline.cache.victim`), and `MAX_IDS` ids a key.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 
 import ray
 
+from klein.pipeline.cache import victim
 from klein.pipeline.cache_keys import set_id
 from klein.serve.errors import ApiError
 from klein.serve.reference_sets import MAX_IDS, PreparedImage, describe
@@ -23,34 +25,54 @@ from klein.serve.reference_sets import MAX_IDS, PreparedImage, describe
 class _Set:
     images: ray.ObjectRef
     sizes: tuple[tuple[int, int], ...]
-    bytes: int
+    size: int
+    owner: str | None
     described: dict | None = None
     """The reference object the replica that encoded it answered (`POST /v1/references`)."""
 
 
 class ReferenceStore:
-    def __init__(self, budget: int):
-        self.budget, self.bytes = budget, 0
-        self._sets: collections.OrderedDict[str, _Set] = collections.OrderedDict()
+    def __init__(self, budget: int, shares: int = 1):
+        self.budget, self.share, self.bytes = budget, budget // shares, 0
+        self._sets: collections.OrderedDict[tuple[str | None, str], _Set] = collections.OrderedDict()
+        """(owner, id) -> set, least recently used first."""
+        self._held: collections.Counter[str | None] = collections.Counter()
 
-    def put(self, images: tuple[PreparedImage, ...]) -> str:
-        """Keep a set's images (again: most recently used); its id."""
-        key = set_id(tuple(image.digest for image in images))
-        if key in self._sets:
-            self._sets.move_to_end(key)
-            return key
+    def held(self) -> dict:
+        """Bytes of pixels kept by each owner that keeps any."""
+        return {owner: size for owner, size in self._held.items() if size}
+
+    def put(self, images: tuple[PreparedImage, ...], owner: str | None = None) -> str:
+        """Keep a set's images as `owner`'s (again: most recently used); its id."""
+        reference_id = set_id(tuple(image.digest for image in images))
+        if (owner, reference_id) in self._sets:
+            self._sets.move_to_end((owner, reference_id))
+            return reference_id
         size = sum(image.pixels.nbytes for image in images)
         sizes = tuple(image.pixels.shape[:2] for image in images)
-        self._sets[key] = _Set(ray.put(images), sizes, size)
+        while self.bytes + size > self.budget:  # a set alone over its share is kept, past the budget
+            chosen = victim(self._sets.items(), self._held, owner, size, self.share)
+            if chosen is None:
+                break
+            self._drop(chosen)
+        self._sets[owner, reference_id] = _Set(ray.put(images), sizes, size, owner)
         self.bytes += size
-        while len(self._sets) > 1 and (self.bytes > self.budget or len(self._sets) > MAX_IDS):
-            _, old = self._sets.popitem(last=False)
-            self.bytes -= old.bytes
-        return key
+        self._held[owner] += size
+        own = [key for key in self._sets if key[0] == owner]
+        for key in own[: max(0, len(own) - MAX_IDS)]:
+            self._drop(key)
+        return reference_id
 
-    def images(self, key: str) -> ray.ObjectRef:
-        """The images of a set by id; a 404 `ApiError` for an id the front does not hold."""
-        found = self._sets.get(key)
+    def _drop(self, key) -> _Set | None:
+        found = self._sets.pop(key, None)
+        if found is not None:
+            self.bytes -= found.size
+            self._held[found.owner] -= found.size
+        return found
+
+    def images(self, key: str, owner: str | None = None) -> ray.ObjectRef:
+        """The images of `owner`'s set by id; a 404 `ApiError` for an id the front does not hold."""
+        found = self._sets.get((owner, key))
         if found is None:
             raise ApiError(
                 404,
@@ -60,22 +82,19 @@ class ReferenceStore:
                 "unknown_reference",
                 "references",
             )
-        self._sets.move_to_end(key)
+        self._sets.move_to_end((owner, key))
         return found.images
 
-    def described(self, key: str, answer: dict) -> None:
-        if key in self._sets:
-            self._sets[key].described = answer
+    def described(self, key: str, answer: dict, owner: str | None = None) -> None:
+        if (owner, key) in self._sets:
+            self._sets[owner, key].described = answer
 
-    def describe(self, key: str) -> dict | None:
-        found = self._sets.get(key)
+    def describe(self, key: str, owner: str | None = None) -> dict | None:
+        found = self._sets.get((owner, key))
         if found is None:
             return None
         return found.described or describe(key, found.sizes, 0, False)
 
-    def delete(self, key: str) -> bool:
-        """Forget a set (the replicas' caches drop its encodings as they need room)."""
-        found = self._sets.pop(key, None)
-        if found is not None:
-            self.bytes -= found.bytes
-        return found is not None
+    def delete(self, key: str, owner: str | None = None) -> bool:
+        """Forget `owner`'s set (the replicas' caches drop its encodings as they need room)."""
+        return self._drop((owner, key)) is not None
