@@ -1,0 +1,482 @@
+"""`klein serve` driven by generated sequences of requests (Hypothesis's stateful testing), two API keys,
+a reference cache small enough to evict: uploads, reads and deletes of reference sets, generations and
+edits with and without references, LoRAs and masks, async jobs read, streamed and cancelled, and requests
+that are wrong in the ways clients get them wrong. After every answer:
+
+- no 5xx, ever: not as an answer, not as a job's error, not as an event stream's last event;
+- no cross-key visibility: a reference id or job that key A got is, for key B that never got it, 404 on
+  every route (GET, DELETE, events, naming it in a generation), exactly as an unknown id is;
+- `cached: true` from GET /v1/references/{id} means a generation naming it, under any LoRAs, succeeds;
+- an id its owner deleted is 404 for the owner (until the owner uploads it again).
+
+The server is the app `klein serve` runs (`create_app` over a `Service`), driven in-process with the
+demo checkpoint (a KV one: reference sets are prefilled, per LoRA set), two LoRAs offered by name, and a
+fresh `Service` for each sequence, so that every sequence starts from an empty server and a failure
+shrinks to the shortest sequence that shows it. Generations are 16x16 px with one step, references
+64x64 px: after the first few compilations a request takes milliseconds. `SETTINGS` fixes how many
+sequences run (derandomized: CI runs the same ones every time); on 2 cores the test takes about a
+minute, its programs' compilation included.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+import uuid
+
+import PIL.Image
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    multiple,
+    rule,
+    run_state_machine_as_test,
+)
+from starlette.testclient import TestClient
+
+from klein.io import demo
+from klein.models.transformer_config import TransformerConfig
+from klein.serve.app import create_app
+from klein.serve.options import ServeOptions
+from klein.serve.security import Access, ApiKey
+from klein.serve.service import Service
+from tests.support import lora_files as lf
+from tests.support.serve_process import png
+
+SETTINGS = settings(
+    max_examples=40,
+    stateful_step_count=20,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+KEYS = {"alpha": "alpha-key", "beta": "beta-key"}
+ACCESS = Access(keys=tuple(ApiKey(secret, name) for name, secret in KEYS.items()))
+BUDGETS = (48 * 2**10, 64 * 2**10, 96 * 2**10, 160 * 2**10)
+"""--cache-bytes of a sequence's server. A one-image set's latents are 8 KiB and its prefilled set 24 KiB,
+a two-image set's 48 KiB: each budget holds one to four sets, and evicts."""
+SIZE = {"size": "16x16", "num_inference_steps": 1}
+FORM = {"size": "16x16", "num_inference_steps": "1"}
+PICTURES = tuple(png(seed) for seed in (1, 2, 3))  # 64x64 px
+LORAS = (
+    [],
+    [{"name": "ink", "scale": 0.8}],
+    [{"name": "pen", "scale": 1.0}, {"name": "ink", "scale": 0.5}],
+)
+FINISHED = ("done", "error", "cancelled")
+
+
+def _mask() -> bytes:
+    """OpenAI's mask: its fully transparent pixels (the left half) are repainted."""
+    mask = PIL.Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (0, 0, 32, 64))
+    buffer = io.BytesIO()
+    mask.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _tall() -> bytes:
+    """An edit source of 4 Mpx (within the default --max-pixels) and an aspect of 16384:1."""
+    buffer = io.BytesIO()
+    PIL.Image.new("RGB", (16, 262144), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+MASK, TALL = _mask(), _tall()
+
+# Requests that are wrong: each must be refused with a 4xx, whatever came before it.
+BAD_BODIES = (
+    {"prompt": ""},
+    {"prompt": "a fox", **SIZE, "num_inference_steps": 0},
+    {"prompt": "a fox", "size": "17x16"},
+    {"prompt": "a fox", **SIZE, "n": 0},
+    {"prompt": "a fox", **SIZE, "colour": "red"},
+    {"prompt": "a fox", **SIZE, "loras": [{"name": "sketch"}]},
+    {"prompt": "a fox", **SIZE, "loras": [{"name": "../ink"}]},
+    {"prompt": "a fox", **SIZE, "loras": [{"name": "ink", "weight": 1}]},
+    {"prompt": "a fox", **SIZE, "loras": "ink"},
+    {"prompt": "a fox", **SIZE, "references": "0" * 32},
+    {"prompt": "a fox", **SIZE, "references": ""},
+)
+# Requests at the edge of valid: refused with a 4xx or served, never a 5xx.
+EDGE_BODIES = (
+    {"prompt": "a fox", **SIZE, "loras": [{"name": "ink", "scale": 1e39}]},
+    {"prompt": "a fox", **SIZE, "loras": [{"name": "ink", "scale": -3.0}, {"name": "ink", "scale": 2.0}]},
+    {"prompt": "a fox", **SIZE, "n": 2, "seed": 2**32},
+)
+BAD_UPLOADS = (
+    [],
+    [("image", ("a.txt", b"not an image", "text/plain"))],
+    [("image", ("small.png", png(4, 16, 16), "image/png"))],
+    [("image", ("wide.png", png(5, 1024, 64), "image/png"))],
+    [("image", (f"{i}.png", PICTURES[i % 3], "image/png")) for i in range(3)],  # over --max-references
+    [("file", ("a.png", PICTURES[0], "image/png"))],
+)
+
+
+def _lora_files(folder) -> tuple[str, ...]:
+    """--lora-named flags for two random LoRAs of the demo's shapes."""
+    shapes = lf.linear_shapes(TransformerConfig.from_diffusers(demo.TRANSFORMER), "bfl")
+    ink = lf.write_bfl(folder / "ink.safetensors", lf.random_lora(shapes, 4, 2))
+    pen = lf.write_bfl(folder / "pen.safetensors", lf.random_lora(shapes, 4, 3))
+    return (f"ink={ink}", f"pen={pen}")
+
+
+@pytest.fixture(scope="module")
+def served_pipe(klein_home, tmp_path_factory):
+    """The demo pipeline as `klein serve --lora-named ink=... --lora-named pen=...` loads it."""
+    from klein.pipeline.flux2_klein import load
+    from klein.request.loading import LoadOptions
+
+    named = _lora_files(tmp_path_factory.mktemp("sequence-loras"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KLEIN_HOME", str(klein_home))
+        pipe = load(LoadOptions(lora_named=named))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class _Tracebacks(logging.Handler):
+    """The tracebacks the server logs (a job that failed with a 500 is logged, not raised)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.lines.append(logging.Formatter().formatException(record.exc_info))
+
+
+class ServerSequences(RuleBasedStateMachine):
+    """The model: which ids each key got (and deleted), and who made each job."""
+
+    references = Bundle("references")
+    jobs = Bundle("jobs")
+
+    def __init__(self, pipe, counts: dict):
+        super().__init__()
+        self.pipe, self.counts = pipe, counts
+        counts["sequences"] += 1
+        self.got: dict[str, set[str]] = {key: set() for key in KEYS}
+        """Reference ids each key was given (by an upload, a generation or a job's result)."""
+        self.deleted: dict[str, set[str]] = {key: set() for key in KEYS}
+        """Ids each key deleted and was not given again since."""
+        self.owner: dict[str, str] = {}
+        """Job id -> the key that made it."""
+        self.gone: set[str] = set()
+        """Jobs their owner deleted."""
+        self.service = self.client = None
+        self.tracebacks = _Tracebacks()
+        logging.getLogger("klein.serve").addHandler(self.tracebacks)
+
+    @initialize(budget=st.sampled_from(BUDGETS))
+    def start(self, budget):
+        options = ServeOptions(cache_bytes=budget, max_references=2, access=ACCESS)
+        self.service = Service(self.pipe, options, "test")
+        self.client = TestClient(create_app(self.service), base_url="http://127.0.0.1")
+
+    def teardown(self):
+        logging.getLogger("klein.serve").removeHandler(self.tracebacks)
+        if self.service is not None:
+            self.service.worker.stop()
+            self.service.worker.join()
+            self.client.close()
+
+    # The requests, checked for a 5xx.
+
+    def call(self, method: str, path: str, key: str | None, **kwargs):
+        self.counts["requests"] += 1
+        headers = {"Authorization": f"Bearer {KEYS[key]}"} if key else {}
+        try:
+            answer = self.client.request(method, path, headers=headers, **kwargs)
+        except Exception as error:  # the app raised: uvicorn would answer 500
+            raise AssertionError(f"{method} {path} as {key}: the app raised {error!r}") from error
+        assert answer.status_code < 500, self.failure(f"{method} {path} as {key}", answer)
+        return answer
+
+    def failure(self, what: str, answer) -> str:
+        logged = self.tracebacks.lines[-1] if self.tracebacks.lines else "(no traceback logged)"
+        return f"{what}: {answer.status_code} {answer.text[:300]}\nthe server logged:\n{logged}"
+
+    def received(self, key: str, answer) -> None:
+        """Note the reference id a generation's answer (or a job's result) gives `key`."""
+        klein = (answer or {}).get("klein") or {}
+        given = (klein.get("references") or {}).get("id")
+        if given:
+            self.got[key].add(given)
+            self.deleted[key].discard(given)
+
+    def not_its_own(self, key: str, reference_id: str) -> str | None:
+        """Why `key` must get 404 for `reference_id`, exactly as for an unknown id; None if it may not."""
+        if reference_id in self.deleted[key]:
+            return f"{key} deleted it"
+        if reference_id not in self.got[key]:
+            return f"{key} was never given it: another key's, or none"
+        return None
+
+    def job_not_its_own(self, key: str, job_id: str) -> str | None:
+        if self.owner[job_id] != key:
+            return f"{self.owner[job_id]}'s job"
+        if job_id in self.gone:
+            return f"{key} deleted it"
+        return None
+
+    def generate(self, key: str, body: dict, path: str = "/v1/images/generations"):
+        answer = self.call("POST", path, key, json=body)
+        if answer.status_code == 200:
+            self.received(key, answer.json())
+        return answer
+
+    def drain(self) -> None:
+        """Wait for every job to finish: what the cache holds is then the sequence's doing alone."""
+        deadline = time.monotonic() + 300
+        for job_id, key in self.owner.items():
+            while job_id not in self.gone:
+                view = self.call("GET", f"/v1/jobs/{job_id}", key)
+                if view.status_code != 200 or view.json()["status"] in FINISHED:
+                    break
+                assert time.monotonic() < deadline, f"job {job_id} did not finish"
+                time.sleep(0.01)
+
+    # Reference sets.
+
+    @rule(
+        target=references,
+        key=st.sampled_from(list(KEYS)),
+        pictures=st.lists(st.sampled_from(range(len(PICTURES))), min_size=1, max_size=2),
+    )
+    def upload(self, key, pictures):
+        files = [("image", (f"{i}.png", PICTURES[i], "image/png")) for i in pictures]
+        answer = self.call("POST", "/v1/references", key, files=files)
+        if answer.status_code == 429:  # the queue is full of jobs
+            return multiple()
+        assert answer.status_code == 200, self.failure("upload", answer)
+        reference_id = answer.json()["id"]
+        self.got[key].add(reference_id)
+        self.deleted[key].discard(reference_id)
+        return reference_id
+
+    @rule(key=st.sampled_from(list(KEYS)), files=st.sampled_from(BAD_UPLOADS))
+    def bad_upload(self, key, files):
+        answer = self.call("POST", "/v1/references", key, files=files or None, data={} if files else None)
+        assert 400 <= answer.status_code < 500, self.failure("a bad upload", answer)
+
+    @rule(key=st.sampled_from(list(KEYS)), reference_id=references, loras=st.sampled_from(LORAS))
+    def read_then_use(self, key, reference_id, loras):
+        self.drain()
+        answer = self.call("GET", f"/v1/references/{reference_id}", key)
+        why = self.not_its_own(key, reference_id)
+        if why:
+            assert answer.status_code == 404, self.failure(
+                f"GET reference set {reference_id} as {key} ({why})", answer
+            )
+            return
+        assert answer.status_code in (200, 404), self.failure("GET a reference set", answer)
+        if answer.status_code == 200 and answer.json()["cached"]:
+            body = {"prompt": "a fox", **SIZE, "references": reference_id, "loras": loras}
+            used = self.generate(key, body)
+            assert used.status_code == 200, self.failure(
+                f"cached: true, then a generation naming it {body}", used
+            )
+
+    @rule(key=st.sampled_from(list(KEYS)), reference_id=references)
+    def delete_reference(self, key, reference_id):
+        answer = self.call("DELETE", f"/v1/references/{reference_id}", key)
+        why = self.not_its_own(key, reference_id)
+        if why:
+            assert answer.status_code == 404, self.failure(
+                f"DELETE reference set {reference_id} as {key} ({why})", answer
+            )
+        else:
+            assert answer.status_code in (200, 404), self.failure("DELETE a reference set", answer)
+            self.got[key].discard(reference_id)
+            self.deleted[key].add(reference_id)
+
+    # Generations and edits.
+
+    @rule(
+        key=st.sampled_from(list(KEYS)),
+        reference_id=st.one_of(st.none(), references, st.just("f" * 32)),
+        loras=st.sampled_from(LORAS),
+        n=st.integers(1, 2),
+    )
+    def generation(self, key, reference_id, loras, n):
+        body = {"prompt": "a fox", **SIZE, "n": n, "loras": loras}
+        if reference_id is not None:
+            body["references"] = reference_id
+        self.check_use(key, reference_id, self.generate(key, body), "a generation")
+
+    def check_use(self, key, reference_id, answer, what):
+        why = reference_id and self.not_its_own(key, reference_id)
+        if reference_id is None:
+            assert answer.status_code in (200, 429), self.failure(what, answer)
+        elif why:
+            assert answer.status_code == 404, self.failure(
+                f"{what} naming {reference_id} as {key} ({why})", answer
+            )
+        else:
+            assert answer.status_code in (200, 404, 429), self.failure(what, answer)
+
+    @rule(
+        key=st.sampled_from(list(KEYS)),
+        source=st.one_of(st.lists(st.sampled_from(range(len(PICTURES))), min_size=1, max_size=2), references),
+        mask=st.booleans(),
+        loras=st.sampled_from(LORAS),
+    )
+    def edit(self, key, source, mask, loras):
+        fields = {"prompt": "a hat", **FORM, "loras": json.dumps(loras)}
+        files = [("mask", ("mask.png", MASK, "image/png"))] if mask else []
+        if isinstance(source, str):
+            fields["references"] = source
+        else:
+            files = [("image", (f"{i}.png", PICTURES[i], "image/png")) for i in source] + files
+        answer = self.call("POST", "/v1/images/edits", key, data=fields, files=files or None)
+        if answer.status_code == 200:
+            self.received(key, answer.json())
+        if isinstance(source, str):
+            if mask:  # a reference id as the repainted source: served, or refused with a 4xx
+                why = self.not_its_own(key, source)
+                if why:
+                    assert answer.status_code == 404, self.failure(
+                        f"an edit naming {source} as {key} ({why})", answer
+                    )
+                return
+            self.check_use(key, source, answer, "an edit")
+        else:
+            assert answer.status_code in (200, 429), self.failure(
+                f"an edit with {source} mask={mask}", answer
+            )
+
+    @rule(
+        key=st.sampled_from(list(KEYS)), body=st.sampled_from(BAD_BODIES), route=st.sampled_from(("g", "j"))
+    )
+    def bad_request(self, key, body, route):
+        path = "/v1/images/generations" if route == "g" else "/v1/jobs"
+        answer = self.call("POST", path, key, json=body)
+        assert 400 <= answer.status_code < 500, self.failure(f"bad request {body}", answer)
+
+    @rule(key=st.sampled_from(list(KEYS)), body=st.sampled_from(EDGE_BODIES))
+    def edge_request(self, key, body):
+        self.generate(key, body)
+
+    @rule(
+        key=st.sampled_from(list(KEYS)),
+        form=st.sampled_from(
+            ("no image", "mask only", "two masks", "text mask", "tall source", "image and id")
+        ),
+    )
+    def bad_edit(self, key, form):
+        picture = ("image", ("a.png", PICTURES[0], "image/png"))
+        mask = ("mask", ("mask.png", MASK, "image/png"))
+        fields = {"prompt": "a hat", **FORM}
+        files = {
+            "no image": [],
+            "mask only": [mask],
+            "two masks": [picture, mask, mask],
+            "text mask": [picture, ("mask", ("mask.png", b"not a png", "image/png"))],
+            "tall source": [("image", ("tall.png", TALL, "image/png")), mask],
+            "image and id": [picture],
+        }[form]
+        if form == "image and id":
+            fields["references"] = "f" * 32
+        answer = self.call("POST", "/v1/images/edits", key, data=fields, files=files or None)
+        assert 400 <= answer.status_code < 500, self.failure(f"a bad edit ({form})", answer)
+
+    @rule()
+    def no_key(self):
+        for method, path in (
+            ("GET", "/v1/config"),
+            ("POST", "/v1/jobs"),
+            ("GET", f"/v1/jobs/{uuid.uuid4().hex}"),
+        ):
+            answer = self.call(method, path, None, json={"prompt": "a fox", **SIZE})
+            assert answer.status_code == 401, self.failure(f"{method} {path} without a key", answer)
+
+    # Jobs.
+
+    @rule(
+        target=jobs,
+        key=st.sampled_from(list(KEYS)),
+        reference_id=st.one_of(st.none(), references),
+        loras=st.sampled_from(LORAS),
+        steps=st.integers(1, 3),
+    )
+    def create_job(self, key, reference_id, loras, steps):
+        body = {"prompt": "a fox", **SIZE, "num_inference_steps": steps, "loras": loras}
+        if reference_id is not None:
+            body["references"] = reference_id
+        answer = self.call("POST", "/v1/jobs", key, json=body)
+        if answer.status_code != 202:
+            self.check_use(key, reference_id, answer, "a job")
+            return multiple()
+        job_id = answer.json()["id"]
+        self.owner[job_id] = key
+        return job_id
+
+    @rule(key=st.sampled_from(list(KEYS)), job_id=jobs)
+    def read_job(self, key, job_id):
+        answer = self.call("GET", f"/v1/jobs/{job_id}", key)
+        why = self.job_not_its_own(key, job_id)
+        if why:
+            assert answer.status_code == 404, self.failure(f"GET job {job_id} as {key} ({why})", answer)
+            return
+        assert answer.status_code == 200, self.failure(f"GET its own job as {key}", answer)
+        view = answer.json()
+        assert (view["error"] or {}).get("type") != "server_error", self.failure(f"job {job_id}", answer)
+        self.received(key, view["result"])
+
+    @rule(key=st.sampled_from(list(KEYS)), job_id=jobs)
+    def job_events(self, key, job_id):
+        answer = self.call("GET", f"/v1/jobs/{job_id}/events", key)
+        why = self.job_not_its_own(key, job_id)
+        if why:
+            assert answer.status_code == 404, self.failure(
+                f"GET events of job {job_id} as {key} ({why})", answer
+            )
+            return
+        assert answer.status_code in (200, 429), self.failure(f"GET events of its own job as {key}", answer)
+        assert '"type": "server_error"' not in answer.text, self.failure(f"job {job_id}'s events", answer)
+
+    @rule(key=st.sampled_from(list(KEYS)), job_id=jobs)
+    def delete_job(self, key, job_id):
+        answer = self.call("DELETE", f"/v1/jobs/{job_id}", key)
+        why = self.job_not_its_own(key, job_id)
+        if why:
+            assert answer.status_code == 404, self.failure(f"DELETE job {job_id} as {key} ({why})", answer)
+            return
+        assert answer.status_code in (200, 202), self.failure(f"DELETE its own job as {key}", answer)
+        if answer.json().get("deleted"):
+            self.gone.add(job_id)
+
+    @rule(key=st.sampled_from(list(KEYS)))
+    def unknown_job(self, key):
+        for method, path in (
+            ("GET", "/v1/jobs/{}"),
+            ("GET", "/v1/jobs/{}/events"),
+            ("DELETE", "/v1/jobs/{}"),
+        ):
+            answer = self.call(method, path.format(uuid.uuid4().hex), key)
+            assert answer.status_code == 404, self.failure(f"{method} an unknown job", answer)
+
+    @rule()
+    def wait(self):
+        self.drain()
+
+
+def test_generated_sequences_keep_the_servers_invariants(served_pipe):
+    counts = {"sequences": 0, "requests": 0}
+    started = time.perf_counter()
+    try:
+        run_state_machine_as_test(lambda: ServerSequences(served_pipe, counts), settings=SETTINGS)
+    finally:
+        print(
+            f"{counts['sequences']} sequences, {counts['requests']} requests in {time.perf_counter() - started:.0f} s"
+        )
