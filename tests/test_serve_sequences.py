@@ -58,9 +58,9 @@ SETTINGS = settings(
 )
 KEYS = {"alpha": "alpha-key", "beta": "beta-key"}
 ACCESS = Access(keys=tuple(ApiKey(secret, name) for name, secret in KEYS.items()))
-BUDGETS = (48 * 2**10, 64 * 2**10, 96 * 2**10, 160 * 2**10)
+BUDGETS = (64 * 2**10, 96 * 2**10, 160 * 2**10, 256 * 2**10)
 """--cache-bytes of a sequence's server. A one-image set's latents are 8 KiB and its prefilled set 24 KiB,
-a two-image set's 48 KiB: each budget holds one to four sets, and evicts."""
+a two-image set's 48 KiB: each budget holds two to seven one-image sets, and evicts."""
 SIZE = {"size": "16x16", "num_inference_steps": 1}
 FORM = {"size": "16x16", "num_inference_steps": "1"}
 PICTURES = tuple(png(seed) for seed in (1, 2, 3))  # 64x64 px
