@@ -258,11 +258,12 @@ class ServerSequences(RuleBasedStateMachine):
         return answer
 
     def failure(self, what: str, answer) -> str:
-        logged = self.tracebacks.lines[-1] if self.tracebacks.lines else "(no traceback logged)"
-        return f"{what}: {answer.status_code} {answer.text[:300]}\nthe server logged:\n{logged}"
+        logged = self.tracebacks.lines[-1] if self.tracebacks.lines else "none"
+        return f"{what}: {answer.status_code} {answer.text[:300]}\nthe server's last traceback: {logged}"
 
     def received(self, key: str, answer) -> None:
-        """Note the reference id a generation's answer (or a job's result) gives `key`."""
+        """Note the reference id a generation's answer (or a job's result) gives `key`, once the answer
+        is checked (an id another key's request named is not its own by being answered)."""
         klein = (answer or {}).get("klein") or {}
         given = (klein.get("references") or {}).get("id")
         if given:
@@ -284,12 +285,6 @@ class ServerSequences(RuleBasedStateMachine):
             return f"{key} deleted it"
         return None
 
-    def generate(self, key: str, body: dict, path: str = "/v1/images/generations"):
-        answer = self.call("POST", path, key, json=body)
-        if answer.status_code == 200:
-            self.received(key, answer.json())
-        return answer
-
     def drain(self) -> None:
         """Wait for every job to finish: what the cache holds is then the sequence's doing alone."""
         deadline = time.monotonic() + 300
@@ -310,7 +305,7 @@ class ServerSequences(RuleBasedStateMachine):
     )
     def upload(self, key, pictures):
         files = [("image", (f"{i}.png", PICTURES[i], "image/png")) for i in pictures]
-        answer = self.call("POST", "/v1/references", key, files=files)
+        answer = self.call("POST", UPLOADS, key, files=files)
         if answer.status_code == 429:  # the queue is full of jobs
             return multiple()
         assert answer.status_code == 200, self.failure("upload", answer)
@@ -332,7 +327,7 @@ class ServerSequences(RuleBasedStateMachine):
         assert answer.status_code in (200, 404), self.failure("GET a reference set", answer)
         if answer.status_code == 200 and answer.json()["cached"]:
             body = {"prompt": "a fox", **SIZE, "references": reference_id, "loras": loras}
-            used = self.generate(key, body)
+            used = self.call("POST", GENERATIONS, key, json=body)
             assert used.status_code == 200, self.failure(
                 f"cached: true, then a generation naming it {body}", used
             )
@@ -362,9 +357,11 @@ class ServerSequences(RuleBasedStateMachine):
         body = {"prompt": "a fox", **SIZE, "n": n, "loras": loras}
         if reference_id is not None:
             body["references"] = reference_id
-        self.check_use(key, reference_id, self.generate(key, body), "a generation")
+        answer = self.call("POST", GENERATIONS, key, json=body)
+        self.check_use(key, reference_id, answer, "a generation")
 
     def check_use(self, key, reference_id, answer, what):
+        """Check the answer to a request naming `reference_id` (or none), then note what it gave."""
         why = reference_id and self.not_its_own(key, reference_id)
         if reference_id is None:
             assert answer.status_code in (200, 429), self.failure(what, answer)
@@ -374,6 +371,8 @@ class ServerSequences(RuleBasedStateMachine):
             )
         else:
             assert answer.status_code in (200, 404, 429), self.failure(what, answer)
+        if answer.status_code == 200:
+            self.received(key, answer.json())
 
     @rule(
         key=st.sampled_from(list(KEYS)),
@@ -388,22 +387,18 @@ class ServerSequences(RuleBasedStateMachine):
             fields["references"] = source
         else:
             files = [("image", (f"{i}.png", PICTURES[i], "image/png")) for i in source] + files
-        answer = self.call("POST", "/v1/images/edits", key, data=fields, files=files or None)
-        if answer.status_code == 200:
-            self.received(key, answer.json())
-        if isinstance(source, str):
-            if mask:  # a reference id as the repainted source: served, or refused with a 4xx
-                why = self.not_its_own(key, source)
-                if why:
-                    assert answer.status_code == 404, self.failure(
-                        f"an edit naming {source} as {key} ({why})", answer
-                    )
-                return
-            self.check_use(key, source, answer, "an edit")
+        answer = self.call("POST", EDITS, key, data=fields, files=files or None)
+        if isinstance(source, str) and mask:  # a reference id as the repainted source: served or refused
+            why = self.not_its_own(key, source)
+            if why:
+                assert answer.status_code == 404, self.failure(
+                    f"an edit naming {source} as {key} ({why})", answer
+                )
+            elif answer.status_code == 200:
+                self.received(key, answer.json())
         else:
-            assert answer.status_code in (200, 429), self.failure(
-                f"an edit with {source} mask={mask}", answer
-            )
+            what = "an edit" if isinstance(source, str) else f"an edit of pictures {source}"
+            self.check_use(key, source if isinstance(source, str) else None, answer, what)
 
     @rule(key=st.sampled_from(list(KEYS)), case=st.sampled_from(sorted(WRONG)))
     def wrong_request(self, key, case):
@@ -431,9 +426,15 @@ class ServerSequences(RuleBasedStateMachine):
         body = {"prompt": "a fox", **SIZE, "num_inference_steps": steps, "loras": loras}
         if reference_id is not None:
             body["references"] = reference_id
-        answer = self.call("POST", "/v1/jobs", key, json=body)
+        answer = self.call("POST", JOBS, key, json=body)
+        why = reference_id and self.not_its_own(key, reference_id)
+        if why:
+            assert answer.status_code == 404, self.failure(
+                f"a job naming {reference_id} as {key} ({why})", answer
+            )
+            return multiple()
+        assert answer.status_code in (202, 404, 429), self.failure("a job", answer)
         if answer.status_code != 202:
-            self.check_use(key, reference_id, answer, "a job")
             return multiple()
         job_id = answer.json()["id"]
         self.owner[job_id] = key
@@ -503,25 +504,32 @@ def _replay(pipe, budget: int, steps) -> None:
         machine.teardown()
 
 
-def test_another_keys_reference_set_is_unknown_on_every_route(served_pipe):
+@pytest.mark.parametrize(
+    "route",
+    [
+        lambda machine, theirs: machine.read_then_use("beta", theirs, []),
+        lambda machine, theirs: machine.delete_reference("beta", theirs),
+        lambda machine, theirs: machine.generation("beta", theirs, [], 1),
+        lambda machine, theirs: machine.edit("beta", theirs, False, []),
+        lambda machine, theirs: machine.edit("beta", theirs, True, []),
+        lambda machine, theirs: machine.create_job("beta", theirs, [], 1),
+    ],
+    ids=["GET", "DELETE", "generation", "edit", "repaint", "job"],
+)
+def test_another_keys_reference_set_is_unknown(served_pipe, route):
     def steps(machine):
         theirs = machine.upload("alpha", [0])
-        machine.read_then_use("beta", theirs, [])
-        machine.delete_reference("beta", theirs)
-        machine.generation("beta", theirs, [], 1)
-        machine.edit("beta", theirs, False, [])
-        machine.create_job("beta", theirs, [], 1)
-        machine.read_then_use("alpha", theirs, LORAS[1])
+        route(machine, theirs)
+        machine.read_then_use("alpha", theirs, LORAS[1])  # still there, and usable
 
     _replay(served_pipe, BUDGETS[-1], steps)
 
 
-def test_another_keys_job_is_unknown_on_every_route(served_pipe):
+@pytest.mark.parametrize("route", ["read_job", "job_events", "delete_job"])
+def test_another_keys_job_is_unknown(served_pipe, route):
     def steps(machine):
         theirs = machine.create_job("alpha", None, [], 1)
-        machine.read_job("beta", theirs)
-        machine.job_events("beta", theirs)
-        machine.delete_job("beta", theirs)
+        getattr(machine, route)("beta", theirs)
         machine.read_job("alpha", theirs)
 
     _replay(served_pipe, BUDGETS[-1], steps)
