@@ -16,9 +16,9 @@ fresh `Service` for each sequence, so that every sequence starts from an empty s
 shrinks to the shortest sequence that shows it. Generations are 16x16 px with one step, references
 64x64 px: after the first few compilations a request takes milliseconds. `SETTINGS` fixes how many
 sequences run (derandomized: CI runs the same ones every time): 44 sequences (40 and Hypothesis's own),
-about 700 requests, measured at 90 s of CPU time for this file on the 2-core machine, the programs'
-compilation included (130 s there of wall time, beside other work). Sequences the search may not reach
-in that budget are pinned below as tests of their own.
+about 700 requests, in 51 s on a 2-core machine with little else running; this file, the programs'
+compilation included, in 61 s (88 s of CPU time: XLA uses both cores). Sequences the search may not
+reach in that budget are pinned below as tests of their own.
 """
 
 from __future__ import annotations
