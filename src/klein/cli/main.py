@@ -13,7 +13,7 @@ import textwrap
 import time
 import warnings
 
-from klein.cli import flags, output, tools
+from klein.cli import flags, interrupts, output, tools
 from klein.errors import InputError, KleinError
 from klein.io import png
 from klein.request.loading import LoadOptions
@@ -126,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     except KleinError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # the `finally` blocks have run: nothing is left worth waiting for
+        interrupts.exit_now()
     except BrokenPipeError:  # the reader went away (`klein plan --json | head`): nothing left to say
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's final flush is silent
         return 0
@@ -143,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
         parsed = generate_parser().parse_intermixed_args(argv[1:])
-        return generate(flags.build_request(parsed))
+        with interrupts.stoppable():
+            return generate(flags.build_request(parsed))
     if argv[:1] == ["serve"]:
         from klein.cli import serve as cli_serve
 
@@ -151,7 +151,8 @@ def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["batch"]:
         from klein.cli import batch as cli_batch
 
-        return cli_batch.batch_command(cli_batch.batch_parser().parse_args(argv[1:]))
+        with interrupts.stoppable():
+            return cli_batch.batch_command(cli_batch.batch_parser().parse_args(argv[1:]))
     if argv[:1] == ["plan"]:
         return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
