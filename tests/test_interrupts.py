@@ -1,5 +1,5 @@
 """Ctrl+C stops `klein generate` and `klein batch` within seconds at any stage, exit 130, no file left behind;
-`klein serve` stops cleanly, exit 0. Each run is a subprocess sent SIGINT once its stderr shows the stage.
+`klein serve` stops cleanly, exit 0, or at once past its grace, exit 130. Each run is a subprocess sent SIGINT once its stderr shows the stage.
 
 Each run costs a JAX start-up and the demo's load (~5-10 s on two cores), so these are slow tests.
 """
@@ -16,6 +16,8 @@ import time
 import pytest
 
 from klein.cli import interrupts
+from klein.cli import serve as cli_serve
+from tests.support import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -60,18 +62,22 @@ class Running:
 
     def interrupt(self, presses: int = 1) -> tuple[int, float]:
         """Ctrl+C `presses` times; (exit code, seconds from the last to the process's end)."""
-        for _ in range(presses):
-            sent = time.monotonic()
-            self.process.send_signal(signal.SIGINT)
-            time.sleep(0.2 if presses > 1 else 0)
-        try:
-            code = self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        took = time.monotonic() - sent
+        code, took = self.interrupt_process(self.process, presses)
         self._reader.join(timeout=5)
         return code, took
+
+    @staticmethod
+    def interrupt_process(process: subprocess.Popen, presses: int = 1) -> tuple[int, float]:
+        for _ in range(presses):
+            sent = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            time.sleep(0.2 if presses > 1 else 0)
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        return code, time.monotonic() - sent
 
 
 def _generate(klein_home, out, *size):
@@ -130,3 +136,20 @@ def test_ctrl_c_stops_a_batch(klein_home, tmp_path):
     assert took < STOPPED_WITHIN, f"took {took:.1f} s to stop:\n{run.stderr}"
     assert not [path.name for path in out.iterdir() if path.suffix in (".png", ".tmp")]
     assert all(json.loads(line) for line in (out / "results.jsonl").read_text().splitlines())
+
+
+def test_ctrl_c_stops_serve_cleanly(klein_home):
+    """An idle server stopped by Ctrl+C, as its --help says: exit 0, at once."""
+    process, _ = serve_process.start(klein_home)
+    code, took = Running.interrupt_process(process)
+    assert code == 0, serve_process.log_of(process)
+    assert took < STOPPED_WITHIN
+    assert "Traceback" not in serve_process.log_of(process)
+
+
+def test_ctrl_c_stops_serve_while_it_compiles_ahead(klein_home):
+    """Warming (compiling ahead in its worker thread) for longer than the grace: stopped at once past it."""
+    process, _ = serve_process.start(klein_home, "--warm-size", "2048x2048", warm=True)
+    code, took = Running.interrupt_process(process)
+    assert code == interrupts.EXIT_INTERRUPTED, serve_process.log_of(process)
+    assert took < cli_serve.GRACE + STOPPED_WITHIN - interrupts.GRACE
