@@ -19,6 +19,7 @@ from klein.request import kinds
 from klein.request.kinds import settings_of, short_name
 from klein.request.loading import LoadOptions
 from klein.request.request import GenerationRequest
+from klein.request.resolve import parse_size
 
 
 class Parser(argparse.ArgumentParser):
@@ -114,6 +115,10 @@ def _add_flags(add, declared) -> None:
 
 def add_generation_flags(add) -> None:
     _add_flags(add, GENERATION)
+    add("--size", metavar="WxH", help=SIZE_HELP)
+
+
+SIZE_HELP = "output width x height in px, e.g. 1024x768: --width and --height in one (the HTTP API's size)"
 
 
 def add_model_flags(add) -> None:
@@ -144,6 +149,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     **_keys(LOADING),
     "out": ("out", kinds.read_text),
     "overwrite": ("overwrite", kinds.read_bool),
+    "size": ("size", kinds.read_text),
 }
 FLAGS = {field.name: _flag(field, spec) for field, spec in (*GENERATION, *LOADING)}
 """Field -> its flag, for the flags' diffusers spellings (--num_inference_steps means --steps)."""
@@ -184,10 +190,21 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
     _offer_files(values)
+    _split_size(values)
     generation = GenerationRequest.create(**_take(values, GENERATION))
     request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
     _check(request)
     return request
+
+
+def _split_size(values: dict) -> None:
+    """--size WxH (size=WxH) into the width and height it gives."""
+    text = values.pop("size", None)
+    if text is None:
+        return
+    if "width" in values or "height" in values:
+        raise InputError("--size gives the width and the height: pass --size WxH or --width and --height")
+    values["width"], values["height"] = parse_size(text, "--size")
 
 
 def _offer_files(values: dict) -> None:
