@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from klein.errors import InputError
+from klein.images import show_pixels
 from klein.lora.files import parse_spec
 from klein.request import kinds
 from klein.request.kinds import settings_of, short_name
 from klein.request.loading import LoadOptions
 from klein.request.request import GenerationRequest
 from klein.request.resolve import parse_size
+from klein.serve.options import ServeOptions
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,6 +58,10 @@ def _did_you_mean(word: str, known) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+MAX_MINUTES = 60.0
+"""Default --max-minutes: a run estimated longer is refused unless asked for (`klein.cli.limits`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """Everything `klein generate` was asked to do: the generation itself, the model to load, where the
@@ -68,6 +74,8 @@ class GenerateRequest:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    max_pixels: int = ServeOptions.max_pixels
+    max_minutes: float = MAX_MINUTES
 
 
 # The generation settings and the loading options, derived from their types: (field, setting) of every
@@ -119,6 +127,23 @@ def add_generation_flags(add) -> None:
 
 
 SIZE_HELP = "output width x height in px, e.g. 1024x768: --width and --height in one (the HTTP API's size)"
+
+
+def add_limit_flags(add) -> None:
+    """The sizes and times a run may take, as `klein serve` has them (--max-pixels, its default)."""
+    add(
+        "--max-pixels",
+        type=int,
+        metavar="N",
+        help=f"largest output, width x height (default: {show_pixels(ServeOptions.max_pixels)}, klein serve's)",
+    )
+    add(
+        "--max-minutes",
+        type=float,
+        metavar="MINUTES",
+        help="refuse a run estimated longer (by its FLOPs over this device's peak; the estimate is shown "
+        f"from a minute on) (default: {MAX_MINUTES:g})",
+    )
 
 
 def add_model_flags(add) -> None:

@@ -34,8 +34,8 @@ GRACE = 3.0
 @contextlib.contextmanager
 def stoppable(grace: float = GRACE, stopping: str = "stopping") -> Iterator[None]:
     """Within: a Ctrl+C prints `stopping` and is a KeyboardInterrupt as usual, and the process exits 130
-    `grace` seconds later if it has not by then, or at once on a second Ctrl+C. Leaving normally ends the
-    watch; leaving by an exception keeps it, so that an exit stuck in XLA ends in time too."""
+    `grace` seconds later if it has not by then, or at once on a second Ctrl+C. Leaving ends the watch,
+    unless by that KeyboardInterrupt: then it goes on, so that an exit stuck in XLA ends in time too."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
@@ -47,10 +47,17 @@ def stoppable(grace: float = GRACE, stopping: str = "stopping") -> Iterator[None
         target=_watch, args=(read, grace, stopping, ended), name="klein-interrupts", daemon=True
     )
     watcher.start()
-    yield  # an exception from within skips the rest: the watch goes on until the process exits
-    ended.set()
-    signal.set_wakeup_fd(previous)
-    os.close(write)  # wakes the watcher, which closes `read`
+    interrupted = False
+    try:
+        yield
+    except KeyboardInterrupt:
+        interrupted = True  # the watch goes on until the process exits
+        raise
+    finally:
+        if not interrupted:
+            ended.set()
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # wakes the watcher, which closes `read`
 
 
 def _watch(read: int, grace: float, stopping: str, ended: threading.Event) -> None:

@@ -13,7 +13,7 @@ import textwrap
 import time
 import warnings
 
-from klein.cli import flags, interrupts, output, tools
+from klein.cli import flags, interrupts, limits, output, tools
 from klein.errors import InputError, KleinError
 from klein.io import png
 from klein.request.loading import LoadOptions
@@ -110,6 +110,7 @@ def generate_parser() -> argparse.ArgumentParser:
     )
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
     flags.add_model_flags(add)
+    flags.add_limit_flags(add)
     add("--coordinator", metavar="HOST:PORT|auto", help="multi-process run: process 0's address (or auto)")
     add("--num-processes", type=int, help="multi-process run: how many processes")
     add("--process-id", type=int, help="multi-process run: this process's index (0 writes the images)")
@@ -172,7 +173,9 @@ def generate(request: flags.GenerateRequest) -> int:
     """Run one `klein generate` request: load, generate, write, report."""
     started = time.perf_counter()
     plan = png.plan_outputs(request.out, request.generation.num_images_per_prompt, bool(request.overwrite))
+    limits.check_pixels(request.generation.height, request.generation.width, request.max_pixels)
     pipe, pictures, load_seconds = _load(request)
+    limits.check_time(pipe, request.generation, request.max_minutes)
     progress = output.Progress()
     try:
         result = pipe(pictures, progress=progress)
