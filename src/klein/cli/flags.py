@@ -174,7 +174,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     **_keys(LOADING),
     "out": ("out", kinds.read_text),
     "overwrite": ("overwrite", kinds.read_bool),
-    "size": ("size", kinds.read_text),
+    "size": ("size", lambda key, text: _checked_size(key, text)),
 }
 FLAGS = {field.name: _flag(field, spec) for field, spec in (*GENERATION, *LOADING)}
 """Field -> its flag, for the flags' diffusers spellings (--num_inference_steps means --steps)."""
@@ -220,6 +220,12 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
     request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
     _check(request)
     return request
+
+
+def _checked_size(key: str, text: str) -> str:
+    """size=WxH, refused here in the key's words if it is not one; `_split_size` splits it."""
+    parse_size(text, key)
+    return text
 
 
 def _split_size(values: dict) -> None:

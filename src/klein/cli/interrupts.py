@@ -65,9 +65,9 @@ def _watch(read: int, grace: float, stopping: str, ended: threading.Event) -> No
     while True:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _, _ = select.select([read], [], [], timeout)  # the GIL is free meanwhile
-        if not ready:
+        if not ready and not ended.is_set():
             exit_now()  # the grace is over
-        signals = os.read(read, 64)
+        signals = os.read(read, 64) if ready else b""
         if ended.is_set() or not signals:
             os.close(read)
             return

@@ -68,7 +68,8 @@ examples:
   klein generate --model black-forest-labs/FLUX.2-klein-4B --lora style.safetensors:0.8 \\
       --lora detail.safetensors --prompt "a red fox in snow"   # two LoRAs merged at load
 
-exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback)"""
+exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback),
+130 stopped by Ctrl+C (within seconds, compiling included; no partial file is left)"""
 
 
 def _top_parser() -> argparse.ArgumentParser:
