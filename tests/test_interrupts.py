@@ -31,6 +31,8 @@ COMPILING = r"compiling \(first run\)\]"
 3072x3072 for tens of seconds without returning to Python, then the first step's run (SETTLE)."""
 SETTLE = 5
 """Seconds from COMPILING to well inside XLA's compilation."""
+LARGE = ["--size", "3072x3072", "--max-pixels", str(3072 * 3072)]
+"""An image XLA compiles and steps through for tens of seconds at a time (past klein serve's size limit)."""
 STOPPED_WITHIN = interrupts.GRACE + 4
 """Seconds from Ctrl+C to the process's end: the grace, and time for the exit itself on a loaded machine."""
 
@@ -100,7 +102,7 @@ def test_ctrl_c_while_loading(klein_home, tmp_path):
 def test_ctrl_c_while_compiling_a_large_image(klein_home, tmp_path):
     """The KeyboardInterrupt alone would wait for XLA (and then for the interpreter's exit, which waits for
     the step in flight)."""
-    run = _generate(klein_home, tmp_path, "--height", "3072", "--width", "3072")
+    run = _generate(klein_home, tmp_path, *LARGE)
     run.wait_for(COMPILING)
     time.sleep(SETTLE)
     _assert_stopped(run, *run.interrupt(), tmp_path)
@@ -113,7 +115,7 @@ def test_ctrl_c_between_steps(klein_home, tmp_path):
 
 
 def test_second_ctrl_c_stops_at_once(klein_home, tmp_path):
-    run = _generate(klein_home, tmp_path, "--height", "3072", "--width", "3072")
+    run = _generate(klein_home, tmp_path, *LARGE)
     run.wait_for(COMPILING)
     time.sleep(SETTLE)
     code, took = run.interrupt(presses=2)
