@@ -30,6 +30,8 @@ def test_size_gives_width_and_height(argv):
         (["--size", "8x512"], "--size 8x512: width and height must be at least 16 px"),
         (["--size", "512x512", "--width", "64"], "pass --size WxH or --width and --height"),
         (["--size", "512x512", "size=64x64"], "size is given twice"),
+        (["--max-pixels", "0"], "--max-pixels must be a positive number, got 0"),
+        (["--max-minutes", "-1"], "--max-minutes must be a positive number, got -1"),
     ],
 )
 def test_size_mistakes_name_the_flag(argv, message):

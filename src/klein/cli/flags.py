@@ -259,7 +259,10 @@ def _take(values: dict, declared) -> dict:
 
 
 def _check(request: GenerateRequest) -> None:
-    """Reject inconsistent process flags before any model work."""
+    """Reject inconsistent process flags and limits that allow nothing before any model work."""
+    for flag, value in (("--max-pixels", request.max_pixels), ("--max-minutes", request.max_minutes)):
+        if value <= 0:
+            raise InputError(f"{flag} must be a positive number, got {value:g}")
     explicit = request.coordinator not in (None, "auto")
     if explicit != (request.num_processes is not None) or explicit != (request.process_id is not None):
         raise InputError(
