@@ -11,6 +11,7 @@ longer, never shorter: a refusal is never wrong about a run being long.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 
 from klein.errors import InputError
@@ -86,5 +87,7 @@ def _show(seconds: float) -> str:
 
 
 def _minutes_above(seconds: float) -> str:
-    """A --max-minutes that lets the run through."""
-    return f"{seconds / 60 * 1.01:.2g}" if seconds < 60 else str(int(seconds / 60) + 1)
+    """A --max-minutes that lets the run through: its minutes rounded up to two significant digits."""
+    minutes = seconds / 60
+    scale = 10.0 ** (1 - math.floor(math.log10(minutes)))
+    return f"{math.ceil(minutes * scale) / scale:g}"
