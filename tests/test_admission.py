@@ -127,8 +127,12 @@ def test_a_decode_that_fits_only_in_tiles_runs_tiled(pipe):
     assert np.isfinite(tiled_image).all() and tiled_image.std() > 0
 
 
-@pytest.mark.parametrize("args", [["--height", "65536", "--width", "65536"], ["--num-images", "5000"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--height", "65536", "--width", "65536", "--max-pixels", str(65536**2)], ["--num-images", "5000"]],
+)
 def test_cli_refuses_what_cannot_fit(klein_home, tmp_path, args):
-    result = run_klein(klein_home, "generate", "--prompt", "x", *args, cwd=tmp_path)
+    unlimited = ["--max-minutes", "1e9"]  # the memory check, past the estimate's (tests/test_cli_limits.py)
+    result = run_klein(klein_home, "generate", "--prompt", "x", *args, *unlimited, cwd=tmp_path)
     assert_clean_error(result, "needs about", "GiB of available host memory", "ask for less")
     assert list(tmp_path.iterdir()) == []

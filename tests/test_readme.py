@@ -60,7 +60,11 @@ def command_samples() -> list[tuple[str, str]]:
 
 # What depends on the machine that runs the command: the memory it has free.
 MACHINE = [
-    (r"more than the [\d.]+ GiB of available host memory", "more than the N GiB of available host memory")
+    (
+        r"[\d.]+ GiB more than the [\d.]+ GiB of available host memory",
+        "N GiB more than the N GiB of available host memory",
+    ),
+    (r"at this memory these fit: .*$", "at this memory these fit: ..."),
 ]
 
 

@@ -2,7 +2,7 @@
 process or, with --ray, on Ray Data; every model flag of `klein generate`.
 
 Exit codes: 0 every line done, 3 the run finished with failed lines (listed in results.jsonl), 2 bad
-arguments or a bad line under --fail-fast, 1 internal error.
+arguments or a bad line under --fail-fast, 1 internal error, 130 stopped by Ctrl+C (`klein.cli.interrupts`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ became of every line, and which model, LoRAs and settings made each output. A ki
 than those that made DIR's outputs is refused unless --force.
 
 Bad lines are reported with their numbers and the run goes on (--fail-fast stops at the first).
-Exit codes: 0 every line done, 3 some lines failed, 2 bad arguments, 1 internal error."""
+Exit codes: 0 every line done, 3 some lines failed, 2 bad arguments, 1 internal error, 130 stopped by
+Ctrl+C (the lines done are kept: --resume continues)."""
 
 EXAMPLES = """\
 examples:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from klein.errors import InputError
+from klein.images import show_pixels
 from klein.lora.files import parse_spec
 from klein.lora.registry import named_files
 from klein.request import kinds
@@ -21,6 +22,8 @@ from klein.request.kinds import settings_of, short_name
 from klein.request.loading import LoadOptions
 from klein.request.loras import check_known
 from klein.request.request import GenerationRequest
+from klein.request.resolve import parse_size
+from klein.serve.options import ServeOptions
 
 
 class Parser(argparse.ArgumentParser):
@@ -57,6 +60,10 @@ def _did_you_mean(word: str, known) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+MAX_MINUTES = 60.0
+"""Default --max-minutes: a run estimated longer is refused unless asked for (`klein.cli.limits`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """Everything `klein generate` was asked to do: the generation itself, the model to load, where the
@@ -69,6 +76,8 @@ class GenerateRequest:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    max_pixels: int = ServeOptions.max_pixels
+    max_minutes: float = MAX_MINUTES
 
 
 # The generation settings and the loading options, derived from their types: (field, setting) of every
@@ -116,6 +125,27 @@ def _add_flags(add, declared) -> None:
 
 def add_generation_flags(add) -> None:
     _add_flags(add, GENERATION)
+    add("--size", metavar="WxH", help=SIZE_HELP)
+
+
+SIZE_HELP = "output width x height in px, e.g. 1024x768: --width and --height in one (the HTTP API's size)"
+
+
+def add_limit_flags(add) -> None:
+    """The sizes and times a run may take, as `klein serve` has them (--max-pixels, its default)."""
+    add(
+        "--max-pixels",
+        type=int,
+        metavar="N",
+        help=f"largest output, width x height (default: {show_pixels(ServeOptions.max_pixels)}, klein serve's)",
+    )
+    add(
+        "--max-minutes",
+        type=float,
+        metavar="MINUTES",
+        help="refuse a run estimated longer (by its FLOPs over this device's peak; the estimate is shown "
+        f"from a minute on) (default: {MAX_MINUTES:g})",
+    )
 
 
 def add_model_flags(add) -> None:
@@ -146,6 +176,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     **_keys(LOADING),
     "out": ("out", kinds.read_text),
     "overwrite": ("overwrite", kinds.read_bool),
+    "size": ("size", lambda key, text: _checked_size(key, text)),
 }
 FLAGS = {field.name: _flag(field, spec) for field, spec in (*GENERATION, *LOADING)}
 """Field -> its flag, for the flags' diffusers spellings (--num_inference_steps means --steps)."""
@@ -186,11 +217,28 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
     _offer_files(values)
+    _split_size(values)
     generation = GenerationRequest.create(**_take(values, GENERATION))
     request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
     _check(request)
     _check_offered(generation, request.loading)
     return request
+
+
+def _checked_size(key: str, text: str) -> str:
+    """size=WxH, refused here in the key's words if it is not one; `_split_size` splits it."""
+    parse_size(text, key)
+    return text
+
+
+def _split_size(values: dict) -> None:
+    """--size WxH (size=WxH) into the width and height it gives."""
+    text = values.pop("size", None)
+    if text is None:
+        return
+    if "width" in values or "height" in values:
+        raise InputError("--size gives the width and the height: pass --size WxH or --width and --height")
+    values["width"], values["height"] = parse_size(text, "--size")
 
 
 def _offer_files(values: dict) -> None:
@@ -221,7 +269,10 @@ def _take(values: dict, declared) -> dict:
 
 
 def _check(request: GenerateRequest) -> None:
-    """Reject inconsistent process flags before any model work."""
+    """Reject inconsistent process flags and limits that allow nothing before any model work."""
+    for flag, value in (("--max-pixels", request.max_pixels), ("--max-minutes", request.max_minutes)):
+        if value <= 0:
+            raise InputError(f"{flag} must be a positive number, got {value:g}")
     explicit = request.coordinator not in (None, "auto")
     if explicit != (request.num_processes is not None) or explicit != (request.process_id is not None):
         raise InputError(

@@ -13,7 +13,7 @@ import textwrap
 import time
 import warnings
 
-from klein.cli import flags, output, tools
+from klein.cli import flags, interrupts, limits, output, tools
 from klein.errors import CLI, InputError, KleinError, worded
 from klein.io import png
 from klein.request.loading import LoadOptions
@@ -68,7 +68,8 @@ examples:
   klein generate --model black-forest-labs/FLUX.2-klein-4B --lora style.safetensors:0.8 \\
       --lora detail.safetensors --prompt "a red fox in snow"   # two LoRAs merged at load
 
-exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback)"""
+exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_DEBUG=1 shows the traceback),
+130 stopped by Ctrl+C (within seconds, compiling included; no partial file is left)"""
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -110,6 +111,7 @@ def generate_parser() -> argparse.ArgumentParser:
     )
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
     flags.add_model_flags(add)
+    flags.add_limit_flags(add)
     add("--coordinator", metavar="HOST:PORT|auto", help="multi-process run: process 0's address (or auto)")
     add("--num-processes", type=int, help="multi-process run: how many processes")
     add("--process-id", type=int, help="multi-process run: this process's index (0 writes the images)")
@@ -126,9 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     except KleinError as error:
         print(f"error: {worded(error, CLI)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # the `finally` blocks have run: nothing is left worth waiting for
+        interrupts.exit_now()
     except BrokenPipeError:  # the reader went away (`klein plan --json | head`): nothing left to say
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's final flush is silent
         return 0
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
         parsed = generate_parser().parse_intermixed_args(argv[1:])
-        return generate(flags.build_request(parsed))
+        with interrupts.stoppable():
+            return generate(flags.build_request(parsed))
     if argv[:1] == ["serve"]:
         from klein.cli import serve as cli_serve
 
@@ -151,7 +153,8 @@ def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["batch"]:
         from klein.cli import batch as cli_batch
 
-        return cli_batch.batch_command(cli_batch.batch_parser().parse_args(argv[1:]))
+        with interrupts.stoppable():
+            return cli_batch.batch_command(cli_batch.batch_parser().parse_args(argv[1:]))
     if argv[:1] == ["plan"]:
         return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
@@ -171,7 +174,9 @@ def generate(request: flags.GenerateRequest) -> int:
     """Run one `klein generate` request: load, generate, write, report."""
     started = time.perf_counter()
     plan = png.plan_outputs(request.out, request.generation.num_images_per_prompt, bool(request.overwrite))
+    limits.check_pixels(request.generation.height, request.generation.width, request.max_pixels)
     pipe, pictures, load_seconds = _load(request)
+    limits.check_time(pipe, request.generation, request.max_minutes)
     progress = output.Progress()
     try:
         result = pipe(pictures, progress=progress)

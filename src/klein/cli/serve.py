@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import signal
 import sys
 
-from klein.cli import extras
+from klein.cli import extras, interrupts
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
 from klein.images import MIN_SIDE as MIN_REFERENCE_SIDE
@@ -21,6 +22,9 @@ from klein.request.resolve import DEFAULT_SIZE, MULTIPLE
 from klein.serve import security
 from klein.serve.options import ServeOptions, show_size
 from klein.version import version
+
+GRACE = 10.0
+"""Seconds a Ctrl+C leaves the running job (or the compiling ahead) to finish before klein stops at once."""
 
 DESCRIPTION = """\
 Serve an OpenAI-compatible images API (POST /v1/images/generations, /v1/images/edits), reference
@@ -42,9 +46,12 @@ examples:
   klein serve --host 0.0.0.0 --api-key-file keys.txt          # a key a line: KEY [rpm=N] [jobs=N]
   klein serve --replicas 2 --model black-forest-labs/FLUX.2-klein-9b-kv  # 2 replicas on a local Ray
   curl -s localhost:8000/v1/images/generations -H 'Content-Type: application/json' \\
-      -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'
+      -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'"""
+EXAMPLES += f"""
 
-SIGTERM (or Ctrl+C) stops gracefully: nothing new is accepted, the running job finishes, exit 0."""
+SIGTERM stops gracefully: nothing new is accepted, the running job finishes, exit 0. Ctrl+C too, but gives
+the running job (or the compiling ahead) {GRACE:g} s: past them, or at a second Ctrl+C, klein stops at once,
+exit 130 (the running job's client gets no answer)."""
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -251,6 +258,12 @@ def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> in
     from klein.serve.server import serve
 
     print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)
-    pipe = load(loading)
-    pipe.memory_limit = flags.memory_limit
-    return serve(pipe, options, flags.host, flags.port, version(), warm_shapes(flags, options))
+    stopping = f"stopping: nothing new is accepted; the running job has {GRACE:g} s to finish"
+    with interrupts.stoppable(GRACE, stopping):
+        pipe = load(loading)
+        pipe.memory_limit = flags.memory_limit
+        # While it serves, uvicorn's handler takes Ctrl+C (a graceful stop, as SIGTERM's) and raises it again
+        # once stopped, to the handler it found: ignored, rather than a KeyboardInterrupt (exit 130) after a
+        # clean stop. The watch of `stoppable` still sees every Ctrl+C.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return serve(pipe, options, flags.host, flags.port, version(), warm_shapes(flags, options))

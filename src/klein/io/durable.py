@@ -1,12 +1,41 @@
 """Writes that survive a crash or a power cut: a file's bytes reach the disk (fsync) before it is renamed
 into place, and the rename itself is made durable by syncing its folder. Without the first, a crash just
 after a rename can leave a whole-looking name over empty or partial contents (ext4's delayed allocation).
+
+The temporary files such writes go through are known here while they exist, so that a process told to stop
+at once (a second Ctrl+C, `klein.cli.interrupts`) removes them before it exits instead of leaving them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
+
+_temporaries: set[Path] = set()
+"""The temporary files of the writes under way (`temporary`)."""
+
+
+@contextlib.contextmanager
+def temporary(path: Path) -> Iterator[Path]:
+    """A fresh temporary name beside `path` (in its folder, so the rename into place stays on one
+    filesystem), removed on leaving whatever happened, or by `remove_temporaries` on an exit at once."""
+    name = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    _temporaries.add(name)
+    try:
+        yield name
+    finally:
+        name.unlink(missing_ok=True)
+        _temporaries.discard(name)
+
+
+def remove_temporaries() -> None:
+    """Remove the temporary files of the writes under way: the process is about to exit without finishing
+    them."""
+    for name in list(_temporaries):
+        name.unlink(missing_ok=True)
 
 
 def flush(stream) -> None:

@@ -8,7 +8,6 @@ rename. A failure never leaves a half-written PNG.
 
 import dataclasses
 import os
-import secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -108,9 +107,7 @@ def write_png(image: PIL.Image.Image, path: Path, info: PngInfo, overwrite: bool
     """Write `image` to `path` atomically; False (and nothing written) if `path` exists and not `overwrite`."""
     if not overwrite and path.exists():
         return False
-    # A random temporary name in the same folder, so the final rename / link stays on one filesystem.
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
+    with durable.temporary(path) as temporary:
         with open(temporary, "xb") as stream:
             image.save(stream, format="PNG", pnginfo=info)
             durable.flush(stream)
@@ -118,8 +115,6 @@ def write_png(image: PIL.Image.Image, path: Path, info: PngInfo, overwrite: bool
         if published:
             durable.sync_folder(path.parent)
         return published
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _publish(temporary: Path, path: Path, overwrite: bool) -> bool:

@@ -133,8 +133,9 @@ def describe_programs(references: int, cached: bool) -> str:
     """`programs` in words, for `klein plan`."""
     counts = programs(references, cached)
     parts = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+    run = f"an editing run of 0-{references} references" if references else "a run without references"
     return (
-        f"programs: an editing run of 0-{references} references at this size meets {sum(counts.values())} "
+        f"programs: {run} at this size meets {sum(counts.values())} "
         f"large programs ({parts}), each compiled once (klein serve compiles them ahead); another output "
         "size, reference size or number of images compiles its own"
     )

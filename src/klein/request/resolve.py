@@ -15,6 +15,7 @@ its result; none of them decides any of these again (docs/design.md, "The reques
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from collections.abc import Callable, Collection, Sequence
 
@@ -244,6 +245,21 @@ def output_size(
         )
     rounded_height, rounded_width = (side // MULTIPLE * MULTIPLE for side in requested)
     return rounded_height, rounded_width, (rounded_height, rounded_width) != requested
+
+
+def parse_size(text: str, name: str, also: str = "") -> tuple[int, int]:
+    """ "WxH" -> (width, height) in px, each side at least MIN_SIDE: the HTTP API's `size` and `klein
+    generate --size`, `name` naming it in the mistake's message and `also` the front end's other forms."""
+    match = re.fullmatch(r"(\d{1,6})x(\d{1,6})", text.strip())
+    if not match:
+        raise InputError(f'{name} must be "WxH" in px (e.g. "512x512"){also}, got {text!r:.40}')
+    width, height = int(match.group(1)), int(match.group(2))
+    if min(width, height) < MIN_SIDE:
+        raise InputError(
+            f"{name} {text}: width and height must be at least {MIN_SIDE} px (they are rounded down to "
+            f"multiples of {MULTIPLE})"
+        )
+    return width, height
 
 
 def _conditioning(request: GenerationRequest, variant: Variant, model_name: str, has_references: bool):

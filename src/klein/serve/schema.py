@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import re
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -25,7 +24,7 @@ from klein.errors import HTTP, InputError, WordedError, worded
 from klein.images import show_pixels
 from klein.lora.files import MAX_SCALE
 from klein.pipeline.prompts import MAX_LENGTH
-from klein.request import kinds
+from klein.request import kinds, resolve
 from klein.request.kinds import settings_of, short_name
 from klein.request.request import GenerationRequest
 from klein.request.resolve import MIN_SIDE, MULTIPLE
@@ -255,23 +254,10 @@ def parse_size(size: str | None, max_pixels: int) -> tuple[int | None, int | Non
     """(width, height) of "WxH"; (None, None) for "auto" or no size (the first reference's, else 1024)."""
     if size is None or size == "auto":
         return None, None
-    match = re.fullmatch(r"(\d{1,6})x(\d{1,6})", size)
-    if not match:
-        raise ApiError(
-            400,
-            f'size must be "WxH" in px (e.g. "512x512") or "auto", got {size!r:.40}',
-            "invalid_size",
-            "size",
-        )
-    width, height = int(match.group(1)), int(match.group(2))
-    if min(width, height) < MIN_SIDE:
-        raise ApiError(
-            400,
-            f"size {size}: width and height must be at least {MIN_SIDE} px (they are rounded down to "
-            f"multiples of {MULTIPLE})",
-            "invalid_size",
-            "size",
-        )
+    try:
+        width, height = resolve.parse_size(size, "size", also=' or "auto"')
+    except InputError as error:
+        raise ApiError(400, str(error), "invalid_size", "size") from None
     if width * height > max_pixels:
         raise ApiError(
             400,

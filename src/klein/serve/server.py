@@ -39,6 +39,9 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
         host=host,
         port=port,
         lifespan="off",
+        # asyncio's loop leaves Python's signal wake-up pipe alone (uvloop takes it while it runs), so that
+        # `klein.cli.interrupts` sees a Ctrl+C that uvicorn handles too, and stops at once past its grace.
+        loop="asyncio",
         log_level="info",
         # Past this many connections uvicorn answers 503 at once, rather than taking sockets and memory
         # without bound; idle keep-alive connections are closed after the timeout.

@@ -1,0 +1,97 @@
+"""Ctrl+C that stops a command within seconds, whatever it is doing.
+
+Python runs a signal's handler only when the main thread comes back to the interpreter. While that thread
+is inside XLA (compiling a program, or waiting for a denoising step of a large image, which can take
+minutes) or inside the interpreter's exit (which waits for the computation in flight), the
+KeyboardInterrupt of a Ctrl+C waits with it. So the commands run `stoppable()`: the C-level handler also
+writes the signal to a pipe (`signal.set_wakeup_fd`) that wakes a watcher thread at once. The main thread
+gets `grace` seconds to unwind by itself (the KeyboardInterrupt runs the `finally` blocks that remove
+temporary files, then `klein.cli.main` exits 130 by `exit_now`); past them, or at a second Ctrl+C, the watcher removes the
+temporary files of the writes under way (`klein.io.durable`) and exits at once with 130. Outputs are written
+whole or not at all (`klein.io.png`), so either way no half-written file is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import NoReturn
+
+from klein.io import durable
+
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as a shell reports a command Ctrl+C stopped."""
+GRACE = 3.0
+"""Seconds the main thread has, after a Ctrl+C, to unwind by itself."""
+
+
+@contextlib.contextmanager
+def stoppable(grace: float = GRACE, stopping: str = "stopping") -> Iterator[None]:
+    """Within: a Ctrl+C prints `stopping` and is a KeyboardInterrupt as usual, and the process exits 130
+    `grace` seconds later if it has not by then, or at once on a second Ctrl+C. Leaving ends the watch,
+    unless by that KeyboardInterrupt: then it goes on, so that an exit stuck in XLA ends in time too."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)  # the C handler must never block on a full pipe
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    ended = threading.Event()
+    watcher = threading.Thread(
+        target=_watch, args=(read, grace, stopping, ended), name="klein-interrupts", daemon=True
+    )
+    watcher.start()
+    interrupted = False
+    try:
+        yield
+    except KeyboardInterrupt:
+        interrupted = True  # the watch goes on until the process exits
+        raise
+    finally:
+        if not interrupted:
+            ended.set()
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # wakes the watcher, which closes `read`
+
+
+def _watch(read: int, grace: float, stopping: str, ended: threading.Event) -> None:
+    deadline = None
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([read], [], [], timeout)  # the GIL is free meanwhile
+        if not ready and not ended.is_set():
+            exit_now()  # the grace is over
+        signals = os.read(read, 64) if ready else b""
+        if ended.is_set() or not signals:
+            os.close(read)
+            return
+        for number in signals:
+            if number != signal.SIGINT:
+                continue
+            if deadline is not None:
+                exit_now()  # a second Ctrl+C
+            deadline = time.monotonic() + grace
+            _say(f"{stopping} (Ctrl+C again to stop at once)")
+
+
+def exit_now() -> NoReturn:
+    """Remove the temporary files of the writes under way and exit 130 without waiting for anything: not
+    for the computation in flight, which the interpreter's exit would (and a second Ctrl+C meanwhile would
+    end the process by the signal, not with 130)."""
+    durable.remove_temporaries()
+    _say("interrupted")
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()  # the paths already reported
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"\n{line}\n")
+        sys.stderr.flush()
