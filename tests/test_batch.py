@@ -277,6 +277,22 @@ def test_resume_checks_a_finished_output_without_its_entry_by_its_own_metadata(
     assert [json.loads(row)["made_by"] for row in (out / "results.jsonl").read_text().splitlines()] == made
 
 
+def test_a_line_larger_than_max_pixels_is_a_bad_line_and_the_others_run(klein_home, tmp_path):
+    """klein batch has klein generate's (and klein serve's) size limit: a line past it is refused before any
+    model work, naming the flag that lets it through, and the other lines run."""
+    rows = [{"prompt": "huge", "height": 4096, "width": 4096}, {"prompt": "small", "height": 64, "width": 64}]
+    path = tmp_path / "sizes.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ran = run_batch(klein_home, path, "--out", tmp_path / "out")
+    assert ran.returncode == 3, ran.stderr
+    message = "line 1: an output of 4096x4096 px is more than the 2048x2048 px allowed (--max-pixels)"
+    assert message in ran.stderr and "--max-pixels 16777216" in ran.stderr
+    entries = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert sorted(entry["status"] for entry in entries) == ["done", "error"], entries
+    assert len(pngs(tmp_path / "out")) == 1
+    assert run_batch(klein_home, path, "--out", tmp_path / "zero", "--max-pixels", "0").returncode == 2
+
+
 def test_a_misspelt_key_is_answered_with_the_nearest_one(tmp_path):
     bad = lines.parse_line(3, '{"prompt": "x", "stepz": 2}', tmp_path)
     assert str(bad) == "line 3: unknown key 'stepz'; did you mean 'steps'?"

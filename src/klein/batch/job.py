@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -17,8 +18,9 @@ from tqdm import tqdm
 from klein.batch import manifest, plan, provenance
 from klein.batch.lines import BadLine, Line, read_lines
 from klein.batch.manifest import Manifest
-from klein.errors import InputError
+from klein.errors import BATCH, InputError, worded
 from klein.request.loading import LoadOptions
+from klein.request.request import GenerationRequest
 
 
 @dataclasses.dataclass
@@ -64,10 +66,12 @@ def run(
     *,
     loading: LoadOptions,
     force: bool = False,
+    check: Callable[[GenerationRequest], None] | None = None,
 ) -> Summary:
     """Run every line of `requests` not finished in `out` with the pipeline `loading` loads (`executor`
-    loads it); the counts. `force`: resume a folder whose outputs another model or LoRA set made."""
-    read = read_lines(requests)
+    loads it); the counts. `force`: resume a folder whose outputs another model or LoRA set made. `check`:
+    what the command refuses of a request before any model work (an `InputError`: the line is a bad line)."""
+    read = [_checked(line, check) for line in read_lines(requests)]
     bad = [line for line in read if isinstance(line, BadLine)]
     if bad and fail_fast:
         raise InputError(f"{bad[0]} (--fail-fast)")
@@ -110,3 +114,14 @@ def _execute(
                 raise InputError(f"{message} (--fail-fast)")
             tqdm.write(f"error: {message}", file=sys.stderr)
     summary.encodings = executor.encodings
+
+
+def _checked(line: Line | BadLine, check) -> Line | BadLine:
+    """`line`, or the bad line `check` makes of its request."""
+    if check is None or isinstance(line, BadLine):
+        return line
+    try:
+        check(line.request)
+    except InputError as error:
+        return BadLine(line.number, worded(error, BATCH))
+    return line

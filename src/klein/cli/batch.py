@@ -11,9 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from klein.cli import extras
+from klein.cli import extras, limits
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
+from klein.serve.options import ServeOptions
 from klein.version import version
 
 EXIT_FAILED_LINES = 3
@@ -30,7 +31,8 @@ became of every line, and which model, LoRAs and settings made each output. A ki
 --resume: finished lines are skipped; a resume with other model flags (model, LoRAs, variant, dtype)
 than those that made DIR's outputs is refused unless --force.
 
-Bad lines are reported with their numbers and the run goes on (--fail-fast stops at the first).
+Bad lines are reported with their numbers and the run goes on (--fail-fast stops at the first); a line
+whose output is larger than --max-pixels (klein serve's limit, and klein generate's) is a bad line.
 Exit codes: 0 every line done, 3 some lines failed, 2 bad arguments, 1 internal error, 130 stopped by
 Ctrl+C (the lines done are kept: --resume continues)."""
 
@@ -67,6 +69,7 @@ def batch_parser() -> argparse.ArgumentParser:
     )
     add("--ray-address", metavar="ADDRESS", help="with --ray: join this Ray cluster (default: a local Ray)")
     add("--workers", type=int, metavar="N", help="with --ray: actors (default: one per GPU, else one)")
+    cli_flags.add_max_pixels(add)
     cli_flags.add_model_flags(add)
     return parser
 
@@ -78,6 +81,9 @@ def batch_command(flags: argparse.Namespace) -> int:
         raise InputError(f"{flags.requests}: no such file")
     if flags.force and not flags.resume:
         raise InputError("--force goes with --resume")
+    max_pixels = ServeOptions.max_pixels if flags.max_pixels is None else flags.max_pixels
+    if max_pixels <= 0:
+        raise InputError(f"--max-pixels must be a positive number, got {max_pixels}")
     summary = job.run(
         flags.requests,
         flags.out,
@@ -86,6 +92,7 @@ def batch_command(flags: argparse.Namespace) -> int:
         flags.fail_fast,
         loading=cli_flags.load_options(flags),
         force=flags.force,
+        check=lambda request: limits.check_pixels(request.height, request.width, max_pixels),
     )
     print(summary.describe(flags.out), file=sys.stderr)
     return EXIT_FAILED_LINES if summary.failed else 0

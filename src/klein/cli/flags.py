@@ -133,18 +133,22 @@ SIZE_HELP = "output width x height in px, e.g. 1024x768: --width and --height in
 
 def add_limit_flags(add) -> None:
     """The sizes and times a run may take, as `klein serve` has them (--max-pixels, its default)."""
-    add(
-        "--max-pixels",
-        type=int,
-        metavar="N",
-        help=f"largest output, width x height (default: {show_pixels(ServeOptions.max_pixels)}, klein serve's)",
-    )
+    add_max_pixels(add)
     add(
         "--max-minutes",
         type=float,
         metavar="MINUTES",
         help="refuse a run estimated longer (by its FLOPs over this device's peak; the estimate is shown "
         f"from a minute on) (default: {MAX_MINUTES:g})",
+    )
+
+
+def add_max_pixels(add) -> None:
+    add(
+        "--max-pixels",
+        type=int,
+        metavar="N",
+        help=f"largest output, width x height (default: {show_pixels(ServeOptions.max_pixels)}, klein serve's)",
     )
 
 
