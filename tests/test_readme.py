@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -95,3 +97,31 @@ def test_bench_cpus_duration_is_the_one_its_config_gives():
     (said,) = re.findall(r"`bench-cpu` \(scaled-down geometry, fp32, about (\d+) minutes", README.read_text())
     assert int(said) == minutes
     assert f"bench-cpu (scaled-down geometry, about {minutes} min" in bench_parser().format_help()
+
+
+def _table_after(text: str, marker: str) -> list[list[str]]:
+    """The cells of each body row of the first table after `marker` in `text`."""
+    rest = text[text.index(marker) :]
+    rows = re.search(r"\n(\|.*\|\n\|[-| ]+\|\n(?:\|.*\|\n)+)", rest).group(1).splitlines()[2:]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+@pytest.mark.parametrize(
+    "marker, source, source_marker",
+    [
+        ("[docs/benchmarks/bench-cpu.md]", "docs/benchmarks/bench-cpu.md", "Matmul peak"),
+        (
+            "docs/benchmarks/quantized-real-size-cpu.md):",
+            "docs/benchmarks/quantized-real-size-cpu.md",
+            "## Results",
+        ),
+    ],
+)
+def test_the_readmes_measured_tables_are_those_of_their_benchmark_files(marker, source, source_marker):
+    """A table of measured figures in the README is its benchmark file's, row for row: each README row's
+    figures (every cell after the first, which may be shortened) are the file's row's, in order."""
+    shown = _table_after(README.read_text(), marker)
+    measured = _table_after((README.parent / source).read_text(), source_marker)
+    assert len(shown) == len(measured), (source, len(shown), len(measured))
+    for readme_row, file_row in zip(shown, measured, strict=True):
+        assert file_row[1 : len(readme_row)] == readme_row[1:], (readme_row, file_row)
