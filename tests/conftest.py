@@ -18,6 +18,10 @@ LONGEST_FIRST = (
     "test_tpu_compile.py",
     "test_parity_grid.py",
     "test_serve_memory.py",
+    "test_serve_tenancy.py",
+    "test_diffusers_scripts.py",
+    "test_interrupts.py",
+    "test_serve_replicas.py",
 )
 
 

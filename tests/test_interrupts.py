@@ -130,7 +130,7 @@ def test_ctrl_c_stops_a_batch(klein_home, tmp_path):
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"prompt": "a red fox", "height": 4096, "width": 4096}) + "\n")
     out = tmp_path / "out"
-    run = Running(klein_home, "batch", requests, "--out", out, cwd=tmp_path)
+    run = Running(klein_home, "batch", requests, "--out", out, "--max-pixels", str(4096 * 4096), cwd=tmp_path)
     run.wait_for(r"batch: +0%")  # then the load, the line's tracing and XLA's compilation
     time.sleep(5 * SETTLE)
     code, took = run.interrupt()

@@ -17,6 +17,7 @@ import pytest
 import ray  # noqa: F401  (in the test extra: a broken install fails here rather than skipping the module)
 
 from tests.support.serve_process import png, start, stop
+from tests.test_serve_tenancy import ALPHA, BETA, SHORT, error, generate, key_file, upload
 
 SETS, REPEATS = 4, 10
 STEPS = {"num_inference_steps": 2}
@@ -55,6 +56,35 @@ def client_of(url: str) -> openai.OpenAI:
 
 def picture(seed: int) -> tuple[str, io.BytesIO, str]:
     return (f"{seed}.png", io.BytesIO(png(seed)), "image/png")
+
+
+def test_behind_replicas_another_keys_job_and_set_are_unknown_ids(klein_home, tmp_path_factory):
+    """`klein serve --replicas 2` with two API keys (a local Ray, started and stopped here, first in this
+    file, so that no two Serve applications run at once): the front checks the owner of every job and set, and a
+    replica encodes each key's set as that key's (tests/test_serve_tenancy.py: the same on one server)."""
+    process, url = start(klein_home, "--replicas", "2", "--api-key-file", str(key_file(tmp_path_factory)))
+    try:
+        mine = upload(url, ALPHA, 4411)["id"]
+        assert httpx.get(f"{url}/v1/references/{mine}", headers=BETA, timeout=30).status_code == 404
+        used = generate(url, BETA, references=mine)
+        assert used.status_code == 404 and error(used)["code"] == "unknown_reference", used.text
+        job = httpx.post(url + "/v1/jobs", json={**SHORT, "references": mine}, headers=ALPHA, timeout=120)
+        assert job.status_code == 202, job.text
+        job_id = job.json()["id"]
+        for method, path in [("GET", ""), ("GET", "/events"), ("DELETE", "")]:
+            answer = httpx.request(method, f"{url}/v1/jobs/{job_id}{path}", headers=BETA, timeout=30)
+            assert answer.status_code == 404 and error(answer)["code"] == "unknown_job", answer.text
+        deadline = time.monotonic() + 300
+        while (own := httpx.get(f"{url}/v1/jobs/{job_id}", headers=ALPHA, timeout=30).json())[
+            "status"
+        ] != "done":
+            assert own["status"] in ("queued", "running") and time.monotonic() < deadline, own
+            time.sleep(0.2)
+        assert own["result"]["klein"]["references"]["id"] == mine
+        theirs = upload(url, BETA, 4411)
+        assert theirs["id"] == mine and theirs["cached"] is False  # encoded afresh, as beta's
+    finally:
+        assert stop(process) == 0
 
 
 def test_a_sets_requests_stay_on_the_replica_that_holds_it(url):

@@ -175,34 +175,6 @@ def test_one_keys_uploads_do_not_evict_another_keys_sets(small_cache):
     assert generate(small_cache, BETA, references=theirs).json()["klein"]["references"]["cache"] == "hit"
 
 
-def test_behind_replicas_another_keys_job_and_set_are_unknown_ids(klein_home, tmp_path_factory):
-    """`klein serve --replicas 2` (a local Ray, started and stopped here): the front checks the owner of
-    every job and set, and a replica encodes each key's set as that key's."""
-    process, url = start(klein_home, "--replicas", "2", "--api-key-file", str(key_file(tmp_path_factory)))
-    try:
-        mine = upload(url, ALPHA, 4411)["id"]
-        assert httpx.get(f"{url}/v1/references/{mine}", headers=BETA, timeout=30).status_code == 404
-        used = generate(url, BETA, references=mine)
-        assert used.status_code == 404 and error(used)["code"] == "unknown_reference", used.text
-        job = httpx.post(url + "/v1/jobs", json={**SHORT, "references": mine}, headers=ALPHA, timeout=120)
-        assert job.status_code == 202, job.text
-        job_id = job.json()["id"]
-        for method, path in [("GET", ""), ("GET", "/events"), ("DELETE", "")]:
-            answer = httpx.request(method, f"{url}/v1/jobs/{job_id}{path}", headers=BETA, timeout=30)
-            assert answer.status_code == 404 and error(answer)["code"] == "unknown_job", answer.text
-        deadline = time.monotonic() + 300
-        while (own := httpx.get(f"{url}/v1/jobs/{job_id}", headers=ALPHA, timeout=30).json())[
-            "status"
-        ] != "done":
-            assert own["status"] in ("queued", "running") and time.monotonic() < deadline, own
-            time.sleep(0.2)
-        assert own["result"]["klein"]["references"]["id"] == mine
-        theirs = upload(url, BETA, 4411)
-        assert theirs["id"] == mine and theirs["cached"] is False  # encoded afresh, as beta's
-    finally:
-        assert stop(process) == 0
-
-
 def test_the_fronts_job_table_and_reference_store_are_each_keys_own(monkeypatch):
     """The replicas' front: its job table answers another key as an unknown id (not "front restarted"),
     and its store keeps each key's sets apart, within shares of its budget."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from klein.cli import extras, limits
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
-from klein.serve.options import ServeOptions
+from klein.request.resolve import MAX_PIXELS
 from klein.version import version
 
 EXIT_FAILED_LINES = 3
@@ -81,7 +81,7 @@ def batch_command(flags: argparse.Namespace) -> int:
         raise InputError(f"{flags.requests}: no such file")
     if flags.force and not flags.resume:
         raise InputError("--force goes with --resume")
-    max_pixels = ServeOptions.max_pixels if flags.max_pixels is None else flags.max_pixels
+    max_pixels = MAX_PIXELS if flags.max_pixels is None else flags.max_pixels
     if max_pixels <= 0:
         raise InputError(f"--max-pixels must be a positive number, got {max_pixels}")
     summary = job.run(

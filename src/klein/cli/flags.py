@@ -22,8 +22,7 @@ from klein.request.kinds import settings_of, short_name
 from klein.request.loading import LoadOptions
 from klein.request.loras import check_known
 from klein.request.request import GenerationRequest
-from klein.request.resolve import parse_size
-from klein.serve.options import ServeOptions
+from klein.request.resolve import MAX_PIXELS, parse_size
 
 
 class Parser(argparse.ArgumentParser):
@@ -76,7 +75,7 @@ class GenerateRequest:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    max_pixels: int = ServeOptions.max_pixels
+    max_pixels: int = MAX_PIXELS
     max_minutes: float = MAX_MINUTES
 
 
@@ -148,7 +147,7 @@ def add_max_pixels(add) -> None:
         "--max-pixels",
         type=int,
         metavar="N",
-        help=f"largest output, width x height (default: {show_pixels(ServeOptions.max_pixels)}, klein serve's)",
+        help=f"largest output, width x height (default: {show_pixels(MAX_PIXELS)}, klein serve's)",
     )
 
 

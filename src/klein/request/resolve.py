@@ -31,6 +31,9 @@ MULTIPLE = PIXELS_PER_TOKEN
 MIN_SIDE = MULTIPLE
 DEFAULT_SIZE = 1024
 """Output side when neither the request nor a reference gives one."""
+MAX_PIXELS = 4 * 2**20
+"""Largest output (width x height) a front end generates unless told otherwise: 4 MP (`klein serve
+--max-pixels`, `klein generate` / `klein batch --max-pixels`)."""
 DEFAULT_STRENGTH = 0.8
 """How far a masked source is repainted when the request does not say (diffusers' default)."""
 

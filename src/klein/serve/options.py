@@ -7,6 +7,7 @@ import dataclasses
 
 from klein.errors import InputError
 from klein.request.kinds import UNITS
+from klein.request.resolve import MAX_PIXELS
 from klein.serve.security import Access
 
 
@@ -29,7 +30,7 @@ class ServeOptions:
     max_upload_bytes: int = 50 * 2**20
     """Largest request body (all files and fields together)."""
     max_references: int = 4
-    max_pixels: int = 4 * 2**20
+    max_pixels: int = MAX_PIXELS
     """Largest image (width x height) accepted, uploaded or generated: 4 MP."""
     max_steps: int = 50
     max_batch: int = 1
