@@ -43,6 +43,10 @@ class Words:
     """Where the names a request may use come from."""
     a_path: str
     """What to say of a request's LoRA that is a path (after its name)."""
+    prompt: str
+    """What gives the prompt."""
+    guidance: str
+    """What sets the guidance scale."""
 
 
 PYTHON = Words(
@@ -51,6 +55,8 @@ PYTHON = Words(
     key="key",
     offered="load one with pipe.load_lora(name, file)",
     a_path="is a path; a request names a LoRA loaded with pipe.load_lora(name, file), never a file",
+    prompt="prompt=",
+    guidance="guidance_scale=",
 )
 CLI = Words(
     loaded="offered",
@@ -59,6 +65,8 @@ CLI = Words(
     offered="offer one with --lora-dir DIR or --lora-named NAME=FILE, or give --lora-apply the file",
     a_path="is no file, and a name cannot be a path: give --lora-apply a LoRA file, or a name that "
     "--lora-dir or --lora-named offers",
+    prompt="--prompt",
+    guidance="--guidance",
 )
 BATCH = Words(
     loaded="offered",
@@ -66,6 +74,8 @@ BATCH = Words(
     key="key",
     offered="offer one with klein batch --lora-dir DIR or --lora-named NAME=FILE",
     a_path="is a path; a line names a LoRA that --lora-dir or --lora-named offers, never a file",
+    prompt="prompt",
+    guidance="guidance",
 )
 HTTP = Words(
     loaded="offered",
@@ -73,7 +83,20 @@ HTTP = Words(
     key="field",
     offered="GET /v1/loras lists the names this server offers",
     a_path="is a path; a request names a LoRA that GET /v1/loras lists, never a file",
+    prompt="prompt",
+    guidance="guidance_scale",
 )
+
+
+NO_NEGATIVE_PROMPT = (
+    "klein takes no negative prompt: describe what you want in {prompt}; on the base models (klein-base-4b, "
+    "klein-base-9b) {guidance} sets how strongly the prompt is followed, against an empty one"
+)
+"""What each front end says to diffusers' `negative_prompt`, in its `Words`."""
+
+
+def no_negative_prompt(words: Words) -> str:
+    return NO_NEGATIVE_PROMPT.format(**dataclasses.asdict(words))
 
 
 class WordedError(InputError):

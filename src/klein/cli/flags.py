@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from klein.errors import InputError
+from klein.errors import CLI, InputError, no_negative_prompt
 from klein.images import show_pixels
 from klein.lora.files import parse_spec
 from klein.lora.registry import named_files
@@ -39,16 +39,10 @@ class Parser(argparse.ArgumentParser):
         raise InputError(f"{message} (see {self.prog} --help)")
 
 
-NO_NEGATIVE_PROMPT = (
-    "klein takes no negative prompt: describe what you want in --prompt; on the base models "
-    "(klein-base-4b, klein-base-9b) --guidance sets how strongly the prompt is followed, against an empty one"
-)
-
-
 def _hint(name: str, known) -> str:
     """What a user of diffusers' names (num_inference_steps, negative_prompt) should pass instead."""
     if name == "negative_prompt":
-        return "; " + NO_NEGATIVE_PROMPT
+        return "; " + no_negative_prompt(CLI)
     field = KEYS.get(name, (None,))[0]
     flag = FLAGS.get(field)
     return f"; did you mean {flag}?" if flag in known else ""
@@ -196,7 +190,7 @@ def parse_assignments(tokens: Sequence[str]) -> dict[str, object]:
             )
         if key.strip() not in KEYS:
             hint = (
-                "; " + NO_NEGATIVE_PROMPT
+                "; " + no_negative_prompt(CLI)
                 if key.strip() == "negative_prompt"
                 else _did_you_mean(key.strip(), KEYS)
             )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from klein.errors import InputError
+from klein.errors import PYTHON, InputError, no_negative_prompt
 from klein.models.qwen3 import PROMPT_LAYERS, PROMPT_TOKENS
 
 _REFUSED = {
@@ -23,9 +23,7 @@ _REFUSED = {
     "negative_prompt_embeds": "klein's guidance (base models) runs against the empty prompt; pass "
     "guidance_scale=, and the text as prompt=",
     "image_reference": "pass the source first and the references after it: image=[source, *references]",
-    "negative_prompt": "klein takes no negative prompt: describe what you want in prompt=; on the base "
-    "models (klein-base-4b, klein-base-9b) guidance_scale= sets how strongly the prompt is followed, "
-    "against an empty one",
+    "negative_prompt": no_negative_prompt(PYTHON),
 }
 
 

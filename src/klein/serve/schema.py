@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from klein.errors import HTTP, InputError, WordedError, worded
+from klein.errors import HTTP, InputError, WordedError, no_negative_prompt, worded
 from klein.images import show_pixels
 from klein.lora.files import MAX_SCALE
 from klein.pipeline.prompts import MAX_LENGTH
@@ -194,7 +194,7 @@ _ALIASES = {
 }
 _ALIASES |= {"num_images_per_prompt": "n", "height": "size", "width": "size", "image": "references"}
 _NOT_HERE = {
-    "negative_prompt": "klein takes no negative prompt (the base model's guidance runs against an empty one)",
+    "negative_prompt": no_negative_prompt(HTTP),
 }
 
 
