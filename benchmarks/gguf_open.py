@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quantized_files import write_gguf_qwen3, write_gguf_transformer  # noqa: E402
 
 from klein.models.qwen3_config import Qwen3Config  # noqa: E402
-from klein.request.variants import SIZES  # noqa: E402
+from klein.models.variants import SIZES  # noqa: E402
 
 QWEN3_06B = Qwen3Config(
     vocab_size=151936,

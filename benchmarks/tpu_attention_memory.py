@@ -16,8 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from klein.aot import topology  # noqa: E402
 from klein.models import attention as A  # noqa: E402
-from klein.pipeline import topology  # noqa: E402
 from klein.sharding import use  # noqa: E402
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host's own device; the slice is compiled for, not used
 
+from klein.aot import compiled, topology  # noqa: E402
 from klein.bench import roofline  # noqa: E402
 from klein.memory import plan  # noqa: E402
-from klein.pipeline import compiled, topology  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SLICES = (("tpu7x:2x2x1", "context=2"), ("v6e:2x4", "tensor=8"))

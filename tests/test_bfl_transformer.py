@@ -15,8 +15,8 @@ from klein.io.bfl_transformer_keys import bfl_key, bfl_layout, config_from_bfl
 from klein.io.transformer_checkpoint import expected_transformer_keys
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
+from klein.models.variants import VARIANTS
 from klein.pipeline.checkpoints import variant_of_file
-from klein.request.variants import VARIANTS
 from tests.support.bfl_files import to_bfl, write_safetensors
 from tests.support.compare import assert_close
 from tests.support.single_file_cases import both_outputs

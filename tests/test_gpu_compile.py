@@ -1,5 +1,5 @@
 """NVIDIA GPU programs compiled on this machine without a GPU or its driver (jax's CUDA plugin and cuDNN
-from the `gpu-plan` extra, the card described by `klein.pipeline.gpu_targets`): klein-9b-kv's cached
+from the `gpu-plan` extra, the card described by `klein.aot.gpu_targets`): klein-9b-kv's cached
 denoising step and its prefill at 1024^2 with 2 references of 1024^2 for an H100 attend with cuDNN's
 fused kernel (no score buffer of queries by keys), multiply their weights in bf16 (no float32 copy of
 one), and fit the card, with a roofline time from the card's bf16 peak; `klein plan --target h100`
@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from klein.aot import compiled, topology
 from klein.bench import roofline
 from klein.cli import main as cli
 from klein.memory import plan
-from klein.pipeline import compiled, topology
 from klein.sharding import use
 from tests.support.hlo import dims_of, dot_operands
 

@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from klein.aot import compiled, topology
 from klein.memory import plan
 from klein.models import products
-from klein.pipeline import compiled, topology
 from klein.sharding import use
 from tests.support.hlo import operations
 

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from klein import InputError, sharding
+from klein.aot import compiled
 from klein.cli import main as cli
 from klein.io import demo
 from klein.memory import admission, process
@@ -15,7 +16,6 @@ from klein.memory.plan import FLUX2_VAE, Workload, plan, request_memory
 from klein.models import transformer as T
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
-from klein.pipeline import compiled
 from klein.request.loading import LoadOptions
 
 GiB = 2**30

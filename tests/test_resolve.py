@@ -3,10 +3,10 @@
 import pytest
 
 from klein.errors import InputError
+from klein.models.variants import DEMO_LABEL, VARIANTS
 from klein.request.modes import Conditioning
 from klein.request.request import GenerationRequest, Settings
 from klein.request.resolve import resolve, typical
-from klein.request.variants import DEMO_LABEL, VARIANTS
 
 TEXT, REFS, CACHED = Conditioning.TEXT, Conditioning.REFERENCES, Conditioning.CACHED
 REJECTED = "rejected"

@@ -4,9 +4,9 @@ attention and the other stages at the bf16 one (pure arithmetic: no program is c
 import pytest
 
 from klein import sharding
+from klein.aot import gpu_targets
 from klein.bench import flops, roofline
 from klein.memory import plan
-from klein.pipeline import gpu_targets
 
 MODELS = plan.published("klein-9b-kv", "bfloat16")
 WORK = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload

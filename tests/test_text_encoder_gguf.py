@@ -19,14 +19,13 @@ from klein.io.gguf_header import read_header
 from klein.io.text_encoder_checkpoint import abstract_text_encoder, load_text_encoder, read_config
 from klein.io.text_encoder_gguf import gguf_names, load_text_encoder_gguf, read_gguf_config
 from klein.memory import stored
-from klein.models import gguf_blocks, stacks
+from klein.models import gguf_blocks, stacks, variants
 from klein.models.layers import Linear
 from klein.models.qwen3 import prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
 from klein.pipeline import components
 from klein.pipeline.flux2_klein import load_pipeline, locate
 from klein.pipeline.prompts import load_tokenizer, tokenize_prompts
-from klein.request import variants
 from klein.request.loading import LoadOptions
 from tests.support.qwen3_gguf import MIXED, T, dequantised_folder, write_qwen3_gguf
 from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens

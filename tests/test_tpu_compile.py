@@ -14,11 +14,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from klein import sharding
+from klein.aot import compiled, topology
 from klein.bench import flops, roofline
 from klein.cli import main as cli
 from klein.memory import plan
 from klein.models.attention import attention
-from klein.pipeline import compiled, topology
 from klein.sharding import use
 
 # Skipped where the tpu extra is not installed, except in CI, which installs it: there a broken install

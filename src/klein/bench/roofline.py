@@ -2,7 +2,7 @@
 
 Each stage takes the longer of its work over the chip's peak bf16 FLOP/s (klein's FLOP model,
 `klein.bench.flops`, split over the devices that share it) and its bytes over the HBM bandwidth (XLA's
-arguments and outputs of the compiled program per device, `klein.pipeline.compiled`: every weight and input
+arguments and outputs of the compiled program per device, `klein.aot.compiled`: every weight and input
 read once, every output written once). Collectives, the vector units and the kernels' efficiency are left
 out, so a real run is slower; the figures compare stages, meshes and modes with each other.
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 from klein import sharding
+from klein.aot import gpu_targets
 from klein.bench import flops
 from klein.memory import plan
-from klein.pipeline import gpu_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ CHIPS = (
         int8_flops=394 * TB,
     ),
     # NVIDIA's dense tensor-core figures (without sparsity; FP32 accumulation for the GeForce card), and the
-    # memory a card reports to CUDA (`klein.pipeline.gpu_targets`).
+    # memory a card reports to CUDA (`klein.aot.gpu_targets`).
     *(
         Chip(
             name,

@@ -198,7 +198,7 @@ def generate(request: flags.GenerateRequest) -> int:
 
 def _loading(request: flags.GenerateRequest) -> LoadOptions:
     """The seed's usage asks for klein-9B with use_kv=True and means the klein-9b-kv checkpoint."""
-    from klein.request.variants import kv_checkpoint_for
+    from klein.models.variants import kv_checkpoint_for
 
     model = request.loading.model
     if request.generation.use_kv and model is not None and kv_checkpoint_for(model) != model:

@@ -40,9 +40,9 @@ and cuDNN (pip install klein[gpu-plan]) for a card.
 devices (memory, what --compute auto multiplies there):
 {devices}"""
 
-# The slices `klein plan --target` is tested with (`klein.pipeline.topology.TARGETS`), named without importing jax.
+# The slices `klein plan --target` is tested with (`klein.aot.topology.TARGETS`), named without importing jax.
 TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
-GPU_TARGETS = ("h100", "h200", "l40s", "rtx-4090")  # `klein.pipeline.topology.GPU_TARGETS`
+GPU_TARGETS = ("h100", "h200", "l40s", "rtx-4090")  # `klein.aot.topology.GPU_TARGETS`
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -194,9 +194,9 @@ def _target_command(flags: argparse.Namespace) -> int:
     and each stage compiled for the target with its roofline time."""
     import json
 
+    from klein.aot import compiled, topology
     from klein.bench import roofline
     from klein.memory import plan
-    from klein.pipeline import compiled, topology
 
     if flags.device is not None:
         raise InputError("--target names the device already; drop --device")
@@ -273,7 +273,7 @@ def _existing(name: str, flag: str) -> Path:
 def _plan_model(model: str, dtype: str | None):
     """(name, `klein.memory.plan.Models` or None for a published variant, dtype) of --model: what
     `klein generate --model` takes (a variant name, a published repo id, a folder) or a transformer file."""
-    from klein.request.variants import VARIANTS
+    from klein.models.variants import VARIANTS
 
     published = {v.repo_id.lower(): name for name, v in VARIANTS.items() if v.repo_id}
     path = Path(model).expanduser()
@@ -303,10 +303,10 @@ def _plan_model(model: str, dtype: str | None):
 
 
 def _compiled(memory, models, dtype: str, compute: str) -> dict:
-    """Each stage's compiled memory analysis (`klein.pipeline.compiled`) with the transformer's products
+    """Each stage's compiled memory analysis (`klein.aot.compiled`) with the transformer's products
     made as `compute` says, as a dict of dicts of bytes."""
     from klein import dtypes
-    from klein.pipeline import compiled
+    from klein.aot import compiled
 
     stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype), compute=compute)
     return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from klein.errors import CheckpointError
 from klein.io import demo
-from klein.request import variants
+from klein.models import variants
 
 DEMO = "demo"
 

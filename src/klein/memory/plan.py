@@ -52,11 +52,11 @@ from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
+from klein.models.variants import VARIANTS, Variant
 from klein.request import resolve
 from klein.request.modes import Conditioning
 from klein.request.request import GenerationRequest
 from klein.request.resolve import Resolved
-from klein.request.variants import VARIANTS, Variant
 
 FLUX2_VAE = VAEConfig.flux2()
 TEXT_TOKENS = 512
@@ -694,7 +694,7 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
 def describe_compiled(
     p: MemoryPlan, stages: dict[str, dict[str, int]], where: str = "on this machine"
 ) -> str:
-    """Each compiled stage's memory (`klein.pipeline.compiled`: XLA's analysis, per device) beside the
+    """Each compiled stage's memory (`klein.aot.compiled`: XLA's analysis, per device) beside the
     planner's estimate; `where`: what it was compiled for."""
     estimates = dict(text=p.memory.text, prefill=p.memory.prefill, step=p.memory.step, decode=p.memory.decode)
     lines = [f"compiled {where} (XLA memory analysis per device) against the estimate, beyond the weights:"]
@@ -709,7 +709,7 @@ def describe_compiled(
 
 
 def beyond_weights(stage: str, analysis: dict[str, int]) -> int:
-    """The bytes of a compiled `stage` (`klein.pipeline.compiled`, as a dict) that its estimate plans: its
+    """The bytes of a compiled `stage` (`klein.aot.compiled`, as a dict) that its estimate plans: its
     temporaries and outputs; the prefill's outputs are the reference KV, planned apart (`reference_kv`)."""
     return analysis["temporaries"] + (0 if stage == "prefill" else analysis["outputs"])
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from klein.errors import InputError
 from klein.memory import plan, residency
+from klein.models.variants import SIZES, name_of
 from klein.request import resolve
-from klein.request.variants import SIZES, name_of
 
 FILE_FORMATS = ("Q8_0", "Q4_K", "NVFP4")
 """The quantized transformer downloads suggested, beside a Qwen3 GGUF of `TEXT_ENCODER_FORMAT`."""

@@ -1,5 +1,6 @@
 """The models as pure math (Flax NNX): the FLUX.2 [klein] transformer (`transformer`, `blocks`, `layers`,
-`attention`, `rope`, `stacks`), the Qwen3 text encoder (`qwen3`) and the VAE (`vae`), with their configs.
+`attention`, `rope`, `stacks`), the Qwen3 text encoder (`qwen3`) and the VAE (`vae`), with their configs, and the published variants
+(`variants`: which configs, steps and guidance each checkpoint has).
 
 Axes, one legend for every module of the package: B batch; T text tokens, N image tokens, R reference
 tokens (all references of a request), S a joint sequence of them; C latent channels per token (128), J

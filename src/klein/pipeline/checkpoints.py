@@ -8,8 +8,8 @@ from pathlib import Path
 
 from klein.errors import CheckpointError
 from klein.io.json_file import read_json
+from klein.models import variants
 from klein.models.transformer_config import TransformerConfig
-from klein.request import variants
 
 
 def detect(folder: Path, transformer: TransformerConfig) -> variants.Variant:

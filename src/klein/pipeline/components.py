@@ -28,7 +28,7 @@ from klein.io.transformer_checkpoint import read_config as read_transformer_conf
 from klein.io.transformer_file import file_config, load_transformer_file
 from klein.io.vae_checkpoint import load_vae, load_vae_file
 from klein.io.vae_checkpoint import read_config as read_vae_config
-from klein.models import products
+from klein.models import products, variants
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer import Flux2Transformer
@@ -36,7 +36,6 @@ from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 from klein.pipeline import checkpoints
 from klein.pipeline import prompts as text
-from klein.request import variants
 
 
 @dataclasses.dataclass(frozen=True)

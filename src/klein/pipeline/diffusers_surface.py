@@ -28,9 +28,9 @@ from klein import sharding
 from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.memory import residency as residency_policy
+from klein.models.variants import VARIANTS
 from klein.pipeline.cache import ByteBudgetCache
 from klein.request.loading import LoadOptions
-from klein.request.variants import VARIANTS
 
 _TORCH_PLATFORMS = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu", "xla": "tpu"}
 """torch's (and jax's) device types, as jax names the platform of a device."""

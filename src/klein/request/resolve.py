@@ -21,10 +21,10 @@ from collections.abc import Callable, Collection, Sequence
 
 from klein.errors import InputError
 from klein.models.vae import PIXELS_PER_TOKEN
+from klein.models.variants import DEMO_LABEL, KV_CHECKPOINT, Variant
 from klein.request.loras import check_known
 from klein.request.modes import Conditioning, Mode, repaint_words
 from klein.request.request import GenerationRequest
-from klein.request.variants import DEMO_LABEL, KV_CHECKPOINT, Variant
 
 MULTIPLE = PIXELS_PER_TOKEN
 """Output sides are multiples of this many px (one transformer token is a square patch of that side)."""

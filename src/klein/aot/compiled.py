@@ -4,7 +4,7 @@ memory analysis of it (arguments, outputs, temporaries), for `klein plan --compi
 
 The programs are the pipeline's own (`klein.models`, `klein.pipeline.denoise`), over weights shaped and stored as
 the loader stores them (`klein.io.loading.stored_state`), on the local backend; or, given a device mesh (a TPU
-slice's or NVIDIA cards', `klein.pipeline.topology`), for that mesh's devices, with weights and inputs sharded as the loader
+slice's or NVIDIA cards', `klein.aot.topology`), for that mesh's devices, with weights and inputs sharded as the loader
 and the pipeline place them, so that XLA's analysis is per device.
 """
 

@@ -4,9 +4,9 @@ them, and the device mesh `klein plan --target` lays over them. The one place th
 
 `jax.experimental.topologies.get_topology_desc` gives the devices of a named TPU slice ("v6e:2x4", libtpu
 from the `tpu` extra) or of NVIDIA cards ("h100", "h100:8" for eight on one host: jax's CUDA plugin from
-the `gpu-plan` extra, given the card's description, `klein.pipeline.gpu_targets`, and needing no driver);
+the `gpu-plan` extra, given the card's description, `klein.aot.gpu_targets`, and needing no driver);
 programs lowered with shardings on a mesh of them compile for that target (nothing runs, nothing is
-allocated), which is how `klein.pipeline.compiled` measures their memory on a CPU host. Without the
+allocated), which is how `klein.aot.compiled` measures their memory on a CPU host. Without the
 extra this refuses with the instruction to install it.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from klein import sharding
+from klein.aot import gpu_targets
 from klein.errors import InputError
-from klein.pipeline import gpu_targets
 
 TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
 """Slices `klein plan --target` is tested with; any name libtpu knows works."""
