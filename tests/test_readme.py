@@ -1,6 +1,6 @@
-"""The README as checked against what it describes: its Python examples that need no download run as
-written, in order, twice, on the demo checkpoint; a sample of a command's output is what the command prints;
-a figure it quotes is the one its source holds."""
+"""The README and the documentation pages as checked against what they describe: their Python examples
+that need no download run as written, in order, twice, on the demo checkpoint; a sample of a command's
+output is what the command prints; a figure they quote is the one its source holds."""
 
 import os
 import re
@@ -11,11 +11,36 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def site_pages() -> list[Path]:
+    """The documentation site's pages (docs/), in the order of mkdocs.yml's navigation."""
+    nav = re.findall(r"^\s*- (?:[^:\n]+: )?(\S+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    return [ROOT / "docs" / name for name in nav]
+
+
+def documents() -> list[Path]:
+    """What a reader reads: the README, then the site's pages as its navigation orders them."""
+    return [README, *site_pages()]
+
+
+def everything_said() -> str:
+    return "\n".join(path.read_text() for path in documents())
+
+
+def python_examples() -> list[tuple[Path, str]]:
+    """(file, code) of each ```python block, in reading order (the README's first)."""
+    return [
+        (path, block)
+        for path in documents()
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+    ]
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    return [block for _, block in python_examples()]
 
 
 def test_the_readme_examples_run_twice_and_their_settings_round_trip(klein_home, tmp_path, monkeypatch):
@@ -23,19 +48,20 @@ def test_the_readme_examples_run_twice_and_their_settings_round_trip(klein_home,
     second run meets is the first run's files)."""
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     monkeypatch.chdir(tmp_path)
-    blocks = python_blocks()
+    blocks = python_examples()
     for _ in range(2):
         scope: dict = {}
-        for block in blocks[:2]:  # the first two: the quick start and the request round trip
-            exec(compile(block, str(README), "exec"), scope)
+        for path, block in blocks[:2]:  # the first two: the quick start and the request round trip
+            exec(compile(block, str(path), "exec"), scope)
         assert sorted(p.name for p in tmp_path.glob("cat-*.png")) == [f"cat-{i}.png" for i in (0, 1, 2, 3, 7)]
         assert scope["again"] == scope["out"].settings.request and scope["again"].seed == 7
-        exec(compile(blocks[2], str(README), "exec"), scope)  # inpainting
+        path, block = blocks[2]
+        exec(compile(block, str(path), "exec"), scope)  # inpainting
         inpainted = sorted(p.name for p in tmp_path.glob("inpainted-*.png"))
         assert inpainted == ["inpainted-green.png", "inpainted-straw.png"]
         assert scope["out"].settings.request.strength == 0.8
-    for block in blocks[3:]:  # the rest need checkpoints, files or a server: they at least parse
-        compile(block, str(README), "exec")
+    for path, block in blocks[3:]:  # the rest need checkpoints, files or a server: they at least parse
+        compile(block, str(path), "exec")
 
 
 def test_the_quick_starts_pngs_stay_out_of_git_status(tmp_path):
@@ -48,15 +74,15 @@ def test_the_quick_starts_pngs_stay_out_of_git_status(tmp_path):
 
     stamp = png.plan_outputs(str(tmp_path), 1, False).stamp
     names = [path.name for path in itertools.islice(png.fresh_names(Path("."), f"klein-{stamp}-7"), 2)]
-    lines = (README.parent / ".gitignore").read_text().splitlines()
+    lines = (ROOT / ".gitignore").read_text().splitlines()
     rooted = [line[1:] for line in lines if line.startswith("/") and "*" in line]
     assert all(any(fnmatch.fnmatch(name, pattern) for pattern in rooted) for name in names), (names, rooted)
 
 
 def command_samples() -> list[tuple[str, str]]:
     """(command, what it printed) of each ```text block that shows a `$ klein ...` command and its output."""
-    blocks = re.findall(r"```text\n\$ (klein [^\n]*)\n(.*?)```", README.read_text(), re.S)
-    assert blocks, "the README shows no command's output any more: drop this test"
+    blocks = re.findall(r"```text\n\$ (klein [^\n]*)\n(.*?)```", everything_said(), re.S)
+    assert blocks, "the documents show no command's output any more: drop this test"
     return blocks
 
 
@@ -71,7 +97,7 @@ MACHINE = [
 
 
 def as_compared(text: str) -> str:
-    """The text with its line breaks (the README wraps long lines) and its machine's figures left out."""
+    """The text with its line breaks (the documents wrap long lines) and its machine's figures left out."""
     flat = " ".join(text.split())
     for pattern, replacement in MACHINE:
         flat = re.sub(pattern, replacement, flat)
@@ -95,12 +121,12 @@ def shows(sample: str, printed: str) -> bool:
 
 
 def test_bench_cpus_duration_is_the_one_its_config_gives():
-    """The README and `klein bench --help` say how long bench-cpu takes from one figure, its config's."""
+    """The documents and `klein bench --help` say how long bench-cpu takes from one figure, its config's."""
     from klein.bench.configs import CONFIGS
     from klein.cli.tools import bench_parser
 
     minutes = CONFIGS["bench-cpu"].minutes
-    (said,) = re.findall(r"`bench-cpu` \(scaled-down geometry, fp32, about (\d+) minutes", README.read_text())
+    (said,) = re.findall(r"`bench-cpu` \(scaled-down geometry, fp32, about (\d+) minutes", everything_said())
     assert int(said) == minutes
     assert f"bench-cpu (scaled-down geometry, about {minutes} min" in bench_parser().format_help()
 
@@ -115,19 +141,19 @@ def _table_after(text: str, marker: str) -> list[list[str]]:
 @pytest.mark.parametrize(
     "marker, source, source_marker",
     [
-        ("[docs/benchmarks/bench-cpu.md]", "docs/benchmarks/bench-cpu.md", "Matmul peak"),
+        ("[benchmarks/bench-cpu.md](benchmarks/bench-cpu.md)", "docs/benchmarks/bench-cpu.md", "Matmul peak"),
         (
-            "docs/benchmarks/quantized-real-size-cpu.md):",
+            "(benchmarks/quantized-real-size-cpu.md)):",
             "docs/benchmarks/quantized-real-size-cpu.md",
             "## Results",
         ),
     ],
 )
-def test_the_readmes_measured_tables_are_those_of_their_benchmark_files(marker, source, source_marker):
-    """A table of measured figures in the README is its benchmark file's, row for row: each README row's
+def test_the_documents_measured_tables_are_those_of_their_benchmark_files(marker, source, source_marker):
+    """A table of measured figures in the documents is its benchmark file's, row for row: each shown row's
     figures (every cell after the first, which may be shortened) are the file's row's, in order."""
-    shown = _table_after(README.read_text(), marker)
-    measured = _table_after((README.parent / source).read_text(), source_marker)
+    shown = _table_after(everything_said(), marker)
+    measured = _table_after((ROOT / source).read_text(), source_marker)
     assert len(shown) == len(measured), (source, len(shown), len(measured))
     for readme_row, file_row in zip(shown, measured, strict=True):
         assert file_row[1 : len(readme_row)] == readme_row[1:], (readme_row, file_row)
