@@ -1,0 +1,335 @@
+"""The devices klein knows, each card or TPU chip once: its memory, compute capability, peak FLOP/s per
+precision, memory bandwidth and what XLA needs to compile for it. Every command names a device the same
+way (`klein plan --device NAME`, `klein plan --target NAME`), the roofline reads its peaks and bandwidth,
+the planner its memory, `compute="auto"` what it multiplies fastest.
+
+Plain data, no jax (`klein --help` lists the names). The names are `--device`'s, which carry a card's
+memory where it is sold in several (a100-40gb, a100-80gb; h100-80gb, the SXM card); `--target`'s own
+names before them (`ALIASES`) are still read, with a note. A name is read without case, spaces or
+punctuation ("RTX 4090", "rtx4090": rtx-4090), or as the one name it is part of ("4090").
+
+Where each figure comes from: a card's memory (`memory_gib`) is the one on its box, GB as memory is sold
+(JEDEC's: 2^30 bytes); `memory_bytes` what the device shows its programs (what CUDA reports on an NVIDIA
+card, Google's published HBM for a TPU chip); peaks are dense (without sparsity), per chip, from the
+`source` page (NVIDIA's GeForce card with FP32 accumulation, from the Ada whitepaper), and NVIDIA's
+target figures (`GpuTarget`) are NVIDIA's published specifications, the H100 and H200 as in XLA's own
+target specs. A TPU chip's compiler description is libtpu's, of a named slice of it (`slice`).
+
+A device's memory for a plan is its box's less `RESERVED_GIB` that the driver and runtime keep, never
+more than its programs see; `klein plan --device-memory 12GB` is a device of that box, with the 8-bit
+products (`GIVEN_COMPUTE`) every GPU and TPU here multiplies (fp8 and int8 both keep a block weight in
+one byte), so a size and the name of a card of that size give the same plan where the card shows its
+programs the memory on its box.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+
+from klein.errors import InputError
+
+RESERVED_GIB = 1
+GIB, GB, TB, MIB = 2**30, 10**9, 1e12, 2**20
+BF16, FP8, INT8 = "bf16", "fp8", "int8"
+FP8_FROM = (8, 9)
+"""The compute capability of NVIDIA's first FP8 tensor cores (Ada; Hopper and Blackwell after it)."""
+GIVEN_COMPUTE = INT8
+"""What `--compute auto` is planned as on a device given by its memory: 8-bit products (fp8 or int8, as
+the device multiplies; the same bytes either way)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """What XLA's GPU compiler reads of a card beyond the table's other columns (`klein.aot.gpu_targets`):
+    it picks kernels by them."""
+
+    sms: int
+    clock_ghz: float
+    """Boost clock."""
+    l2_bytes: int
+    shared_per_sm: int
+    shared_per_block_optin: int
+    threads_per_sm: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gib: int
+    """Per chip, as its box says (GB as memory is sold: GiB)."""
+    capability: str = ""
+    """An NVIDIA card's compute capability ("8.9"); empty for a TPU chip."""
+    label: str = ""
+    """The device in words, for the roofline and estimates."""
+    device_kind: str = ""
+    """`jax.Device.device_kind` of its devices, where known."""
+    memory_bytes: int = 0
+    """Per chip, what its programs see (0: not known here)."""
+    bandwidth: float = 0.0
+    """Memory bytes per second per chip."""
+    bf16_flops: float = 0.0
+    """Peak dense bf16 FLOP/s per chip (0: not known here)."""
+    fp8_flops: float = 0.0
+    """Peak dense FP8 FLOP/s per chip (0: no FP8 units, or not published)."""
+    int8_flops: float = 0.0
+    """Peak dense INT8 OP/s per chip (0: not published)."""
+    devices_per_chip: int = 1
+    """JAX's devices per chip (TPU7x: a device per TensorCore, two a chip)."""
+    source: str = ""
+    gpu: GpuTarget | None = None
+    """XLA's description of an NVIDIA card, where klein has one (`klein plan --target` compiles for it)."""
+    slice: str = ""
+    """A TPU chip's slice as libtpu names it, the one `klein plan --target` is tested with."""
+
+    @property
+    def compute(self) -> str:
+        """What `--compute auto` multiplies there (`auto_compute`)."""
+        return _fastest("gpu" if self.capability else "tpu", self.capability, self.fp8_flops)
+
+    @property
+    def limit(self) -> int:
+        """Bytes a device of it leaves klein: its box less `RESERVED_GIB`, at most what its programs see."""
+        box = usable(self.memory_gib * GIB // self.devices_per_chip)
+        return min(box, self.device_memory) if self.memory_bytes else box
+
+    @property
+    def device_memory(self) -> int:
+        return self.memory_bytes // self.devices_per_chip
+
+    @property
+    def device_flops(self) -> float:
+        return self.bf16_flops / self.devices_per_chip
+
+    def device_flops_for(self, compute: str) -> float:
+        """Peak per device of the products `compute` ("bf16", "fp8", "int8") makes (bf16's where that one
+        is not published)."""
+        peak = {FP8: self.fp8_flops, INT8: self.int8_flops}.get(compute) or self.bf16_flops
+        return peak / self.devices_per_chip
+
+    @property
+    def device_bandwidth(self) -> float:
+        return self.bandwidth / self.devices_per_chip
+
+
+_HOPPER = GpuTarget(132, 1.98, 50 * MIB, 233472, 232448, 2048)
+_ADA = dict(shared_per_sm=102400, shared_per_block_optin=101376, threads_per_sm=1536)
+_TABLE = (
+    # 8 and 12 GB consumer cards: what most people who download a quantized file own.
+    Device("rtx-3060-ti", 8, "8.6"),
+    Device("rtx-3070", 8, "8.6"),
+    Device("rtx-4060", 8, "8.9"),
+    Device("rtx-4060-ti", 8, "8.9"),
+    Device("rtx-5060", 8, "12.0"),
+    Device("rtx-3080", 10, "8.6"),
+    Device("rtx-3060", 12, "8.6"),
+    Device("rtx-3080-12gb", 12, "8.6"),
+    Device("rtx-4070", 12, "8.9"),
+    Device("rtx-4070-super", 12, "8.9"),
+    Device("rtx-4070-ti", 12, "8.9"),
+    Device("rtx-5070", 12, "12.0"),
+    Device("rtx-4060-ti-16gb", 16, "8.9"),
+    Device("rtx-4080", 16, "8.9"),
+    Device("rtx-5080", 16, "12.0"),
+    Device("rtx-3090", 24, "8.6"),
+    Device(
+        "rtx-4090",
+        24,
+        "8.9",
+        label="NVIDIA GeForce RTX 4090",
+        device_kind="NVIDIA GeForce RTX 4090",
+        memory_bytes=24564 * MIB,
+        bandwidth=1008 * GB,
+        bf16_flops=165 * TB,
+        fp8_flops=330 * TB,
+        int8_flops=661 * TB,
+        source="NVIDIA Ada GPU architecture whitepaper",
+        gpu=GpuTarget(128, 2.52, 72 * MIB, **_ADA),
+    ),
+    Device("rtx-5090", 32, "12.0"),
+    Device("l4", 24, "8.9"),
+    Device(
+        "l40s",
+        48,
+        "8.9",
+        label="NVIDIA L40S",
+        device_kind="NVIDIA L40S",
+        memory_bytes=46068 * MIB,  # ECC on, as NVIDIA ships it
+        bandwidth=864 * GB,
+        bf16_flops=362 * TB,
+        fp8_flops=733 * TB,
+        int8_flops=733 * TB,
+        source="nvidia.com/en-us/data-center/l40s",
+        gpu=GpuTarget(142, 2.52, 96 * MIB, **_ADA),
+    ),
+    Device("a100-40gb", 40, "8.0"),
+    Device("a100-80gb", 80, "8.0"),
+    Device(
+        "h100-80gb",
+        80,
+        "9.0",
+        label="NVIDIA H100 SXM",
+        device_kind="NVIDIA H100 80GB HBM3",
+        memory_bytes=84942979072,
+        bandwidth=3.35232 * TB,
+        bf16_flops=989 * TB,
+        fp8_flops=1979 * TB,
+        int8_flops=1979 * TB,
+        source="nvidia.com/en-us/data-center/h100",
+        gpu=_HOPPER,
+    ),
+    Device(
+        "h200",
+        141,
+        "9.0",
+        label="NVIDIA H200",
+        device_kind="NVIDIA H200",
+        memory_bytes=151397597184,
+        bandwidth=4.8 * TB,
+        bf16_flops=989 * TB,
+        fp8_flops=1979 * TB,
+        int8_flops=1979 * TB,
+        source="nvidia.com/en-us/data-center/h200",
+        gpu=_HOPPER,
+    ),
+    Device(
+        "tpu-v5e",
+        16,
+        label="TPU v5e",
+        device_kind="TPU v5 lite",
+        memory_bytes=16 * GB,
+        bandwidth=819 * GB,
+        bf16_flops=197 * TB,
+        int8_flops=394 * TB,
+        source="cloud.google.com/tpu/docs/v5e",
+        slice="v5e:2x4",
+    ),
+    Device(
+        "tpu-v6e",
+        32,
+        label="TPU v6e (Trillium)",
+        device_kind="TPU v6 lite",
+        memory_bytes=32 * GB,
+        bandwidth=1640 * GB,
+        bf16_flops=918 * TB,
+        int8_flops=1836 * TB,
+        source="cloud.google.com/tpu/docs/v6e",
+        slice="v6e:2x4",
+    ),
+    Device(
+        "tpu-v5p",
+        95,
+        label="TPU v5p",
+        device_kind="TPU v5",
+        memory_bytes=95 * GIB,
+        bandwidth=2765 * GB,
+        bf16_flops=459 * TB,
+        int8_flops=918 * TB,
+        source="cloud.google.com/tpu/docs/v5p",
+        slice="v5p:2x2x1",
+    ),
+    Device(
+        "tpu7x",
+        192,
+        label="TPU7x (Ironwood)",
+        device_kind="TPU7x",
+        memory_bytes=192 * GIB,
+        bandwidth=7.37 * TB,
+        bf16_flops=2307 * TB,
+        fp8_flops=4614 * TB,
+        devices_per_chip=2,
+        source="cloud.google.com/tpu/docs/tpu7x",
+        slice="tpu7x:2x2x1",
+    ),
+)
+DEVICES = {device.name: device for device in _TABLE}
+ALIASES = {"h100": "h100-80gb"}
+"""Names `klein plan --target` knew its cards by before there was one table; read with a note."""
+TARGETS = tuple(name for name, device in DEVICES.items() if device.gpu)
+"""The cards `klein plan --target` compiles for, each alone or as NAME:COUNT on one host."""
+SLICES = tuple(device.slice for device in _TABLE if device.slice)
+"""TPU slices `klein plan --target` is tested with; any name libtpu knows works."""
+
+
+def auto_compute(device) -> str:
+    """What `compute="auto"` picks on the jax `device`: the product its hardware multiplies fastest. FP8 on
+    GPUs with FP8 tensor cores (`FP8_FROM`) and on TPUs with an FP8 peak (TPU7x); INT8 on other GPUs and
+    TPUs (v5e / v6e multiply int8 at twice their bf16 rate); bf16 on CPUs, which have neither (XLA:CPU
+    widens float8 products and its int8 product is slower than its bf16 one here, and quantising the
+    activations costs more: docs/design.md)."""
+    chip = of_kind(device.device_kind)
+    capability = str(getattr(device, "compute_capability", "") or "0.0")
+    return _fastest(device.platform, capability, chip.fp8_flops if chip else 0.0)
+
+
+def _fastest(platform: str, capability: str, fp8_flops: float) -> str:
+    if platform == "gpu":
+        return FP8 if tuple(int(n) for n in capability.split(".")[:2]) >= FP8_FROM else INT8
+    if platform == "tpu":
+        return FP8 if fp8_flops else INT8
+    return BF16
+
+
+def of_kind(device_kind: str) -> Device | None:
+    """The device whose devices report `device_kind` (`jax.Device.device_kind`), if the table has it."""
+    return next((device for device in _TABLE if device.device_kind == device_kind), None)
+
+
+def usable(memory: int) -> int:
+    """Bytes a device of `memory` bytes (as the box counts them) leaves for klein: less `RESERVED_GIB`."""
+    return memory - RESERVED_GIB * GIB
+
+
+def known(name: str) -> str | None:
+    """The table's name for `name` (`find`), or None where it names no device."""
+    wanted = _plain(name)
+    plain = _plain_names()
+    around = [p for p in plain if wanted and wanted in p and plain[p] not in ALIASES]
+    if wanted in plain or len(around) == 1:
+        found = plain[wanted if wanted in plain else around[0]]
+        return ALIASES.get(found, found)
+    return None
+
+
+def find(name: str) -> str:
+    """The table's name for `name`, read without case, spaces or punctuation ("RTX 4090", "rtx4090":
+    "rtx-4090"), an old name (`ALIASES`), or the one name it is part of ("4090"); an `InputError` naming
+    the nearest names otherwise."""
+    found = known(name)
+    if found is not None:
+        return found
+    wanted, plain = _plain(name), _plain_names()
+    # Names around the one typed ("3060") or inside it ("rtx4090ti") first, then the most alike.
+    around = [p for p in plain if wanted and (wanted in p or p in wanted)]
+    inside = sorted(around, key=lambda p: -difflib.SequenceMatcher(None, p, wanted).ratio())
+    alike = difflib.get_close_matches(wanted, list(plain), n=3, cutoff=0.6)
+    close = list(dict.fromkeys(ALIASES.get(plain[p], plain[p]) for p in inside + alike))
+    hint = (
+        f"did you mean {' or '.join(close[:3])}?" if close else "klein plan --help lists the devices it knows"
+    )
+    raise InputError(f"unknown device {name!r:.40}; {hint}")
+
+
+def renamed(name: str) -> str:
+    """A note where `name` is an old name ("`h100` is now called `h100-80gb`"), else ""."""
+    old = next((alias for alias in ALIASES if _plain(alias) == _plain(name)), None)
+    return f"note: `{old}` is now called `{ALIASES[old]}`" if old else ""
+
+
+def _plain_names() -> dict[str, str]:
+    return {_plain(known): known for known in (*DEVICES, *ALIASES)}
+
+
+def _plain(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def listing() -> str:
+    """The devices for `--help`, a line per memory per device: "  8 GB: rtx-3060-ti (int8), ..."."""
+    sizes: dict[int, list[str]] = {}
+    for name, device in DEVICES.items():
+        sizes.setdefault(device.memory_gib // device.devices_per_chip, []).append(
+            f"{name} ({device.compute})"
+        )
+    return "\n".join(f"  {size:>3} GB: {', '.join(names)}" for size, names in sorted(sizes.items()))
