@@ -56,32 +56,32 @@ class GpuTarget:
 
 @dataclasses.dataclass(frozen=True)
 class Device:
+    """A card or TPU chip; a figure not known here is 0 or empty. Memory, bandwidth and peaks are per chip."""
+
     name: str
     memory_gib: int
-    """Per chip, as its box says (GB as memory is sold: GiB)."""
+    """As its box says (GB as memory is sold: GiB)."""
     capability: str = ""
     """An NVIDIA card's compute capability ("8.9"); empty for a TPU chip."""
     label: str = ""
     """The device in words, for the roofline and estimates."""
     device_kind: str = ""
-    """`jax.Device.device_kind` of its devices, where known."""
+    """`jax.Device.device_kind` of its devices."""
     memory_bytes: int = 0
-    """Per chip, what its programs see (0: not known here)."""
+    """What its programs see."""
     bandwidth: float = 0.0
-    """Memory bytes per second per chip."""
+    """Memory bytes per second."""
     bf16_flops: float = 0.0
-    """Peak dense bf16 FLOP/s per chip (0: not known here)."""
     fp8_flops: float = 0.0
-    """Peak dense FP8 FLOP/s per chip (0: no FP8 units, or not published)."""
+    """0 also where it has no FP8 units."""
     int8_flops: float = 0.0
-    """Peak dense INT8 OP/s per chip (0: not published)."""
     devices_per_chip: int = 1
     """JAX's devices per chip (TPU7x: a device per TensorCore, two a chip)."""
     source: str = ""
     gpu: GpuTarget | None = None
-    """XLA's description of an NVIDIA card, where klein has one (`klein plan --target` compiles for it)."""
+    """XLA's description of an NVIDIA card (`klein plan --target` compiles for the cards that have one)."""
     slice: str = ""
-    """A TPU chip's slice as libtpu names it, the one `klein plan --target` is tested with."""
+    """A slice of a TPU chip as libtpu names it, the one `klein plan --target` is tested with."""
 
     @property
     def compute(self) -> str:
@@ -117,132 +117,33 @@ _HOPPER = GpuTarget(132, 1.98, 50 * MIB, 233472, 232448, 2048)
 _ADA = dict(shared_per_sm=102400, shared_per_block_optin=101376, threads_per_sm=1536)
 _TABLE = (
     # 8 and 12 GB consumer cards: what most people who download a quantized file own.
-    Device("rtx-3060-ti", 8, "8.6"),
-    Device("rtx-3070", 8, "8.6"),
-    Device("rtx-4060", 8, "8.9"),
-    Device("rtx-4060-ti", 8, "8.9"),
-    Device("rtx-5060", 8, "12.0"),
-    Device("rtx-3080", 10, "8.6"),
-    Device("rtx-3060", 12, "8.6"),
-    Device("rtx-3080-12gb", 12, "8.6"),
-    Device("rtx-4070", 12, "8.9"),
-    Device("rtx-4070-super", 12, "8.9"),
-    Device("rtx-4070-ti", 12, "8.9"),
-    Device("rtx-5070", 12, "12.0"),
-    Device("rtx-4060-ti-16gb", 16, "8.9"),
-    Device("rtx-4080", 16, "8.9"),
-    Device("rtx-5080", 16, "12.0"),
+    Device("rtx-3060-ti", 8, "8.6"), Device("rtx-3070", 8, "8.6"), Device("rtx-4060", 8, "8.9"),
+    Device("rtx-4060-ti", 8, "8.9"), Device("rtx-5060", 8, "12.0"), Device("rtx-3080", 10, "8.6"),
+    Device("rtx-3060", 12, "8.6"), Device("rtx-3080-12gb", 12, "8.6"), Device("rtx-4070", 12, "8.9"),
+    Device("rtx-4070-super", 12, "8.9"), Device("rtx-4070-ti", 12, "8.9"), Device("rtx-5070", 12, "12.0"),
+    Device("rtx-4060-ti-16gb", 16, "8.9"), Device("rtx-4080", 16, "8.9"), Device("rtx-5080", 16, "12.0"),
     Device("rtx-3090", 24, "8.6"),
-    Device(
-        "rtx-4090",
-        24,
-        "8.9",
-        label="NVIDIA GeForce RTX 4090",
-        device_kind="NVIDIA GeForce RTX 4090",
-        memory_bytes=24564 * MIB,
-        bandwidth=1008 * GB,
-        bf16_flops=165 * TB,
-        fp8_flops=330 * TB,
-        int8_flops=661 * TB,
-        source="NVIDIA Ada GPU architecture whitepaper",
-        gpu=GpuTarget(128, 2.52, 72 * MIB, **_ADA),
-    ),
-    Device("rtx-5090", 32, "12.0"),
-    Device("l4", 24, "8.9"),
-    Device(
-        "l40s",
-        48,
-        "8.9",
-        label="NVIDIA L40S",
-        device_kind="NVIDIA L40S",
-        memory_bytes=46068 * MIB,  # ECC on, as NVIDIA ships it
-        bandwidth=864 * GB,
-        bf16_flops=362 * TB,
-        fp8_flops=733 * TB,
-        int8_flops=733 * TB,
-        source="nvidia.com/en-us/data-center/l40s",
-        gpu=GpuTarget(142, 2.52, 96 * MIB, **_ADA),
-    ),
-    Device("a100-40gb", 40, "8.0"),
-    Device("a100-80gb", 80, "8.0"),
-    Device(
-        "h100-80gb",
-        80,
-        "9.0",
-        label="NVIDIA H100 SXM",
-        device_kind="NVIDIA H100 80GB HBM3",
-        memory_bytes=84942979072,
-        bandwidth=3.35232 * TB,
-        bf16_flops=989 * TB,
-        fp8_flops=1979 * TB,
-        int8_flops=1979 * TB,
-        source="nvidia.com/en-us/data-center/h100",
-        gpu=_HOPPER,
-    ),
-    Device(
-        "h200",
-        141,
-        "9.0",
-        label="NVIDIA H200",
-        device_kind="NVIDIA H200",
-        memory_bytes=151397597184,
-        bandwidth=4.8 * TB,
-        bf16_flops=989 * TB,
-        fp8_flops=1979 * TB,
-        int8_flops=1979 * TB,
-        source="nvidia.com/en-us/data-center/h200",
-        gpu=_HOPPER,
-    ),
-    Device(
-        "tpu-v5e",
-        16,
-        label="TPU v5e",
-        device_kind="TPU v5 lite",
-        memory_bytes=16 * GB,
-        bandwidth=819 * GB,
-        bf16_flops=197 * TB,
-        int8_flops=394 * TB,
-        source="cloud.google.com/tpu/docs/v5e",
-        slice="v5e:2x4",
-    ),
-    Device(
-        "tpu-v6e",
-        32,
-        label="TPU v6e (Trillium)",
-        device_kind="TPU v6 lite",
-        memory_bytes=32 * GB,
-        bandwidth=1640 * GB,
-        bf16_flops=918 * TB,
-        int8_flops=1836 * TB,
-        source="cloud.google.com/tpu/docs/v6e",
-        slice="v6e:2x4",
-    ),
-    Device(
-        "tpu-v5p",
-        95,
-        label="TPU v5p",
-        device_kind="TPU v5",
-        memory_bytes=95 * GIB,
-        bandwidth=2765 * GB,
-        bf16_flops=459 * TB,
-        int8_flops=918 * TB,
-        source="cloud.google.com/tpu/docs/v5p",
-        slice="v5p:2x2x1",
-    ),
-    Device(
-        "tpu7x",
-        192,
-        label="TPU7x (Ironwood)",
-        device_kind="TPU7x",
-        memory_bytes=192 * GIB,
-        bandwidth=7.37 * TB,
-        bf16_flops=2307 * TB,
-        fp8_flops=4614 * TB,
-        devices_per_chip=2,
-        source="cloud.google.com/tpu/docs/tpu7x",
-        slice="tpu7x:2x2x1",
-    ),
-)
+    Device("rtx-4090", 24, "8.9", "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 4090", 24564 * MIB,
+           1008 * GB, 165 * TB, 330 * TB, 661 * TB, source="NVIDIA Ada GPU architecture whitepaper",
+           gpu=GpuTarget(128, 2.52, 72 * MIB, **_ADA)),
+    Device("rtx-5090", 32, "12.0"), Device("l4", 24, "8.9"),
+    Device("l40s", 48, "8.9", "NVIDIA L40S", "NVIDIA L40S", 46068 * MIB,  # ECC on, as NVIDIA ships it
+           864 * GB, 362 * TB, 733 * TB, 733 * TB, source="nvidia.com/en-us/data-center/l40s",
+           gpu=GpuTarget(142, 2.52, 96 * MIB, **_ADA)),
+    Device("a100-40gb", 40, "8.0"), Device("a100-80gb", 80, "8.0"),
+    Device("h100-80gb", 80, "9.0", "NVIDIA H100 SXM", "NVIDIA H100 80GB HBM3", 84942979072,
+           3.35232 * TB, 989 * TB, 1979 * TB, 1979 * TB, source="nvidia.com/en-us/data-center/h100", gpu=_HOPPER),
+    Device("h200", 141, "9.0", "NVIDIA H200", "NVIDIA H200", 151397597184,
+           4.8 * TB, 989 * TB, 1979 * TB, 1979 * TB, source="nvidia.com/en-us/data-center/h200", gpu=_HOPPER),
+    Device("tpu-v5e", 16, "", "TPU v5e", "TPU v5 lite", 16 * GB, 819 * GB, 197 * TB, int8_flops=394 * TB,
+           source="cloud.google.com/tpu/docs/v5e", slice="v5e:2x4"),
+    Device("tpu-v6e", 32, "", "TPU v6e (Trillium)", "TPU v6 lite", 32 * GB, 1640 * GB, 918 * TB,
+           int8_flops=1836 * TB, source="cloud.google.com/tpu/docs/v6e", slice="v6e:2x4"),
+    Device("tpu-v5p", 95, "", "TPU v5p", "TPU v5", 95 * GIB, 2765 * GB, 459 * TB, int8_flops=918 * TB,
+           source="cloud.google.com/tpu/docs/v5p", slice="v5p:2x2x1"),
+    Device("tpu7x", 192, "", "TPU7x (Ironwood)", "TPU7x", 192 * GIB, 7.37 * TB, 2307 * TB, 4614 * TB,
+           devices_per_chip=2, source="cloud.google.com/tpu/docs/tpu7x", slice="tpu7x:2x2x1"),
+)  # fmt: skip
 DEVICES = {device.name: device for device in _TABLE}
 ALIASES = {"h100": "h100-80gb"}
 """Names `klein plan --target` knew its cards by before there was one table; read with a note."""
