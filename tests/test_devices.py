@@ -6,8 +6,10 @@ import ast
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from jax.experimental import topologies
 
 from klein import devices
 from klein.aot import topology
@@ -87,4 +89,14 @@ def test_device_and_target_read_the_same_names(name, monkeypatch, capsys):
         assert f"--target {name}: name a slice of {entry.name}, e.g. {entry.slice}" in error
         assert cli.main(["plan", "--target", f"{name}:2x2", "--compiled"]) == 2
         assert f"compiling for {name}:2x2 needs libtpu" in capsys.readouterr().err
+        # With libtpu, the slice is asked of it by libtpu's own name ("tpu-v6e:2x2": "v6e:2x2").
+        asked = []
+        monkeypatch.setattr(topology, "available", lambda: True)
+        monkeypatch.setattr(
+            topologies,
+            "get_topology_desc",
+            lambda topology_name, platform: asked.append(topology_name) or SimpleNamespace(devices=[]),
+        )
+        assert topology.devices(f"{name}:2x2") == []
+        assert asked == [entry.slice.replace(entry.slice.partition(":")[2], "2x2")]
     assert "Traceback" not in error and "unknown" not in error

@@ -397,12 +397,18 @@ def _device_memory(flags) -> tuple[int, str, int | None]:
 
 def _given(memory: int) -> tuple[int, str]:
     """(bytes a device of `memory` bytes leaves, where from): as a named device's (`devices.usable`)."""
-    where = f"{memory / 2**30:.2f} GiB given, less {devices.RESERVED_GIB} GiB for the runtime"
+    where = f"{memory / 2**30:.2f} GiB given, {_reserved()}"
     return devices.usable(memory), where
 
 
 def _card(name: str) -> tuple[int, str]:
-    return devices.DEVICES[name].limit, f"{name}, less {devices.RESERVED_GIB} GiB for the runtime"
+    card = devices.DEVICES[name]
+    seen = card.memory_bytes and card.limit == card.device_memory
+    return card.limit, f"{name}, {'as its programs see it' if seen else _reserved()}"
+
+
+def _reserved() -> str:
+    return f"less {devices.RESERVED_GIB} GiB for the runtime"
 
 
 BENCH_DESCRIPTION = """\
