@@ -3,12 +3,12 @@ them, and the device mesh `klein plan --target` lays over them. The one place th
 `--target` name is.
 
 `jax.experimental.topologies.get_topology_desc` gives the devices of a named TPU slice ("v6e:2x4", libtpu
-from the `tpu` extra) or of NVIDIA cards ("h100", "h100:8" for eight on one host: jax's CUDA plugin from
-the `gpu-plan` extra, given the card's description, `klein.aot.gpu_targets`, and needing no driver;
-a name is the device table's, `klein.devices`, as `--device` reads it: "tpu-v6e:2x4" is libtpu's "v6e:2x4");
-programs lowered with shardings on a mesh of them compile for that target (nothing runs, nothing is
-allocated), which is how `klein.aot.compiled` measures their memory on a CPU host. Without the
-extra this refuses with the instruction to install it.
+from the `tpu` extra) or of NVIDIA cards ("h100-80gb", "h100-80gb:8" for eight on one host: jax's CUDA
+plugin from the `gpu-plan` extra, given the card's description, `klein.aot.gpu_targets`, and needing no
+driver). Cards and chips are named as `--device` names them (`klein.devices`; "tpu-v6e:2x4" is libtpu's
+"v6e:2x4"); programs lowered with shardings on a mesh of them compile for that target (nothing runs,
+nothing is allocated), which is how `klein.aot.compiled` measures their memory on a CPU host. Without
+the extra this refuses with the instruction to install it.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def gpu(target: str) -> tuple[table.Device | None, int]:
 
 
 def _libtpu_name(target: str) -> str:
-    """`target` as libtpu names it: the table's name of a TPU chip made libtpu's ("tpu-v6e:2x4": "v6e:2x4")."""
+    """`target` as libtpu names it: a TPU chip's name in the table made libtpu's ("tpu-v6e:2x4" "v6e:2x4")."""
     typed, _, shape = target.partition(":")
     name = table.known(typed)
     chip = table.DEVICES[name] if name else None

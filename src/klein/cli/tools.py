@@ -30,11 +30,11 @@ plan counts klein's own process too (Python, JAX, compiled programs, the tokeniz
 capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
 GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
 
---target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}; NAME:COUNT for several on
-one host) to plan for from this machine, without them: the mesh goes over its devices (default: all of
-them on tensor), the limit is a device's memory, and with --compiled each stage is compiled for that
-target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s and memory bandwidth;
-compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
+--target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}, named as --device names them;
+NAME:COUNT for several on one host) to plan for from this machine, without them: the mesh goes over its
+devices (default: all of them on tensor), the limit is a device's memory, and with --compiled each stage
+is compiled for that target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s and
+memory bandwidth; compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
 and cuDNN (pip install klein[gpu-plan]) for a card.
 
 devices (memory, what --compute auto multiplies there):
