@@ -1,25 +1,20 @@
-"""The devices klein knows, each card or TPU chip once: its memory, compute capability, peak FLOP/s per
-precision, memory bandwidth and what XLA needs to compile for it. Every command names a device the same
-way (`klein plan --device NAME`, `klein plan --target NAME`), the roofline reads its peaks and bandwidth,
-the planner its memory, `compute="auto"` what it multiplies fastest.
+"""The devices klein knows, each card or TPU chip once: its memory, compute capability, peaks per precision,
+bandwidth and what XLA needs to compile for it. `klein plan --device` and `--target` name a device the same
+way, the roofline reads its peaks and bandwidth, the planner its memory, `compute="auto"` its fastest product.
 
 Plain data, no jax (`klein --help` lists the names). The names are `--device`'s, which carry a card's
-memory where it is sold in several (a100-40gb, a100-80gb; h100-80gb, the SXM card); `--target`'s own
-names before them (`ALIASES`) are still read, with a note. A name is read without case, spaces or
-punctuation ("RTX 4090", "rtx4090": rtx-4090), or as the one name it is part of ("4090").
+memory where it is sold in several (a100-40gb, a100-80gb; h100-80gb, the SXM card); `--target`'s older
+names (`ALIASES`) are read with a note. A name is read without case, spaces or punctuation ("RTX 4090",
+"rtx4090": rtx-4090), or as the one name it is part of ("4090").
 
-Where each figure comes from: a card's memory (`memory_gib`) is the one on its box, GB as memory is sold
-(JEDEC's: 2^30 bytes); `memory_bytes` what the device shows its programs (what CUDA reports on an NVIDIA
-card, Google's published HBM for a TPU chip); peaks are dense (without sparsity), per chip, from the
-`source` page (NVIDIA's GeForce card with FP32 accumulation, from the Ada whitepaper), and NVIDIA's
-target figures (`GpuTarget`) are NVIDIA's published specifications, the H100 and H200 as in XLA's own
-target specs. A TPU chip's compiler description is libtpu's, of a named slice of it (`slice`).
-
-A device's memory for a plan is its box's less `RESERVED_GIB` that the driver and runtime keep, never
-more than its programs see; `klein plan --device-memory 12GB` is a device of that box, with the 8-bit
-products (`GIVEN_COMPUTE`) every GPU and TPU here multiplies (fp8 and int8 both keep a block weight in
-one byte), so a size and the name of a card of that size give the same plan where the card shows its
-programs the memory on its box.
+The figures: `memory_gib` is the box's, GB as memory is sold (2^30 bytes); `memory_bytes` what the
+device's programs see (what CUDA reports on an NVIDIA card, Google's published HBM for a TPU chip); peaks
+are dense, per chip, from the `source` page (the GeForce card's with FP32 accumulation); `GpuTarget`'s are
+NVIDIA's published specifications, the H100's and H200's as in XLA's own target specs. A TPU chip's
+compiler description is libtpu's, of a slice of it (`slice`). A plan counts a device's box less
+`RESERVED_GIB` for the driver and runtime, never more than its programs see; a device given by its memory
+(`--device-memory 12GB`) is planned as a card of that box, with the 8-bit products (`GIVEN_COMPUTE`) every
+GPU and TPU here multiplies (fp8 and int8 both keep a block weight in one byte).
 """
 
 from __future__ import annotations
