@@ -10,7 +10,8 @@ the measured runs.
 
 import dataclasses
 
-from klein.memory import devices, plan
+from klein import devices
+from klein.memory import plan
 from klein.models import products
 
 CARDS = {
@@ -42,7 +43,7 @@ def planned(variant: str, refs: int, transformer, text_encoder, compute: str = p
 
 def auto_on(card: str, variant: str, refs: int, transformer, text_encoder) -> str:
     on = planned(variant, refs, transformer, text_encoder, devices.DEVICES[card].compute)
-    limit = devices.limit(card)
+    limit = devices.DEVICES[card].limit
     return next((name for name, peak in on.policies.items() if peak <= limit), "nothing fits")
 
 

@@ -10,6 +10,7 @@ Compiled analyses are kept in --raw, so that a second run only recomputes the re
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host's own device; the slice is compiled for, not used
 
+from klein import devices  # noqa: E402
 from klein.aot import compiled, topology  # noqa: E402
 from klein.bench import roofline  # noqa: E402
 from klein.memory import plan  # noqa: E402
@@ -70,7 +72,7 @@ def analyses(raw: dict, target: str, spec: str, variant: str, refs: int) -> dict
 def case_report(raw: dict, target: str, spec: str, variant: str, refs: int) -> dict:
     """Per-device memory and roofline of one case, in bytes and seconds."""
     mesh, spec = topology.mesh(target, spec)
-    on = roofline.chip(mesh.devices.flat[0].device_kind)
+    on = devices.of_kind(mesh.devices.flat[0].device_kind)
     p = plan.plan(variant, spec, refs)
     models = plan.published(variant, "bfloat16")
     stages = analyses(raw, target, spec, variant, 0 if variant == "klein-9b-kv" and refs == 0 else refs)
@@ -97,7 +99,7 @@ def report(raw: dict) -> dict:
     """Every slice's cases, and the KV speed-up the roofline predicts beside maxdiffusion's measured one."""
     out = dict(
         note="compiled for the slice from a CPU host (libtpu 0.0.42.1, jax 0.10.2) and estimated (roofline); not run",
-        chips=[vars(c) for c in roofline.CHIPS],
+        chips=[dataclasses.asdict(c) for c in devices.DEVICES.values() if c.bf16_flops],
         slices=[],
     )
     for target, spec in SLICES:

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from klein import devices
 from klein.aot import compiled, topology
 from klein.bench import roofline
 from klein.cli import main as cli
@@ -78,7 +79,7 @@ def test_klein_9b_kv_attends_with_cudnn_in_bf16_on_an_h100(h100_9b_kv):
         assert len(operands) > 20 and widened_weights(hlo) == [], stage
         # The products' large operands are the bf16 weights and activations as stored.
         assert {t for t, d in operands if math.prod(d) >= 2**20} == {"bf16"}, stage
-    card = roofline.chip(mesh.devices.flat[0].device_kind)
+    card = devices.of_kind(mesh.devices.flat[0].device_kind)
     for stage in stages.values():
         assert stage.arguments + stage.outputs + stage.temporaries < card.device_memory
     kv = 2 * 4096 * 32 * 2 * 4096 * 2  # tokens x layers x (k, v) x width x bf16
@@ -140,7 +141,7 @@ def test_plan_target_h100_plans_against_the_card(capsys):
 @needs_plugin
 def test_the_h100_roofline_of_the_cached_step_is_its_flops_over_the_bf16_peak(h100_9b_kv):
     mesh, stages, _ = h100_9b_kv
-    card = roofline.chip(mesh.devices.flat[0].device_kind)
+    card = devices.of_kind(mesh.devices.flat[0].device_kind)
     assert (card.bf16_flops, card.fp8_flops) == (989e12, 1979e12)
     work = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
     models = plan.published("klein-9b-kv", "bfloat16")

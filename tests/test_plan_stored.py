@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from klein import sharding
+from klein import devices, sharding
 from klein.cli import main as cli
 from klein.io import demo
 from klein.io.gguf_file import GGUFSource
 from klein.io.safetensors import TensorSource
 from klein.io.transformer_file import file_config
-from klein.memory import devices, plan, stored
+from klein.memory import plan, stored
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.flux2_klein import load_pipeline
@@ -203,8 +203,8 @@ def test_a_files_header_plans_as_its_format(written):
 
 
 def test_named_cards_know_their_memory_and_8_bit_products():
-    assert devices.limit("rtx-4060") == 7 * 2**30 and devices.DEVICES["rtx-4060"].compute == "fp8"
-    assert devices.limit("rtx-3060") == 11 * 2**30 and devices.DEVICES["rtx-3060"].compute == "int8"
+    assert devices.DEVICES["rtx-4060"].limit == 7 * 2**30 and devices.DEVICES["rtx-4060"].compute == "fp8"
+    assert devices.DEVICES["rtx-3060"].limit == 11 * 2**30 and devices.DEVICES["rtx-3060"].compute == "int8"
     assert devices.DEVICES["rtx-3080"].memory_gib == 10 and devices.DEVICES["rtx-4070"].memory_gib == 12
     assert "8 GB: rtx-3060-ti (int8)" in devices.listing()
 
@@ -227,10 +227,10 @@ def test_klein_plan_on_an_8_gb_card(klein_home, tmp_path, capsys):
 def test_auto_on_a_12_gb_card_follows_the_stored_form():
     q4 = plan.in_format(plan.published("klein-9b-kv", "bfloat16"), "Q4_0", "Q4_K")
     planned = plan.plan("klein-9b-kv", refs=1, size=(1024, 1024), models=q4)
-    fitting = [name for name, peak in planned.policies.items() if peak <= devices.limit("rtx-3060")]
+    fitting = [name for name, peak in planned.policies.items() if peak <= devices.DEVICES["rtx-3060"].limit]
     assert fitting[0] == "sequential"
     bf16 = plan.plan("klein-9b-kv", refs=1, size=(1024, 1024))
-    assert [n for n, p in bf16.policies.items() if p <= devices.limit("rtx-3060")] == ["stream"]
+    assert [n for n, p in bf16.policies.items() if p <= devices.DEVICES["rtx-3060"].limit] == ["stream"]
 
 
 def test_plan_refuses_a_missing_or_wrong_file(written, capsys):

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from klein import InputError
+from klein import InputError, devices
 from klein.cli import main as cli
 from klein.errors import CannotFitError
-from klein.memory import admission, devices, plan, residency, suggest
+from klein.memory import admission, plan, residency, suggest
 from tests.test_cli import assert_clean_error, run_klein
 
 GiB = 2**30
@@ -123,7 +123,9 @@ def test_a_device_memory_plans_as_the_named_card_of_that_memory(card, capsys):
     by_name, by_size = reports["--device"], reports["--device-memory"]
     for key in ("policies", "auto", "weights", "request_bytes"):
         assert by_name[key] == by_size[key], key
-    assert by_name["device_memory"]["bytes"] == by_size["device_memory"]["bytes"] == devices.limit(card)
+    assert (
+        by_name["device_memory"]["bytes"] == by_size["device_memory"]["bytes"] == devices.DEVICES[card].limit
+    )
     assert by_name["compute"] == devices.DEVICES[card].compute and by_size["compute"] == "fp8 or int8"
     assert f"compute: {by_name['compute']} (--compute auto on {card}, compute capability" in texts["--device"]
     assert (
@@ -138,8 +140,10 @@ def test_device_names_are_read_as_typed_and_a_mistake_names_the_nearest(klein_ho
     for typed in ("rtx4090", "RTX 4090", "Rtx_4090"):
         assert devices.find(typed) == "rtx-4090"
         assert cli.main(["plan", "--model", "klein-4b", "--device", typed, "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["device_memory"]["bytes"] == devices.limit("rtx-4090")
-    assert devices.find("h100") == "h100-80gb"  # the one name it is part of
+        assert (
+            json.loads(capsys.readouterr().out)["device_memory"]["bytes"] == devices.DEVICES["rtx-4090"].limit
+        )
+    assert devices.find("h100") == "h100-80gb"  # an old name (`devices.ALIASES`)
     with pytest.raises(InputError, match="did you mean rtx-3060 or rtx-3060-ti"):
         devices.find("3060")
     result = run_klein(klein_home, "plan", "--device", "rtx-4090-ti", cwd=tmp_path)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from klein import devices
 from klein.errors import InputError
 from klein.models import products
 from klein.models.layers import Linear, quantised, store
@@ -156,7 +157,7 @@ def _device(platform, kind, capability=None):
     ],
 )
 def test_auto_picks_what_the_device_multiplies_fastest(device, compute):
-    assert products.compute_for(device) == compute
+    assert devices.auto_compute(device) == compute
 
 
 def test_an_unknown_compute_is_refused_before_anything_loads():

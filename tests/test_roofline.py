@@ -3,8 +3,7 @@ attention and the other stages at the bf16 one (pure arithmetic: no program is c
 
 import pytest
 
-from klein import sharding
-from klein.aot import gpu_targets
+from klein import devices, sharding
 from klein.bench import flops, roofline
 from klein.memory import plan
 
@@ -22,7 +21,7 @@ def compute_times(chip, compute):
 
 @pytest.mark.parametrize("compute, peak", [("fp8", 1979e12), ("int8", 1979e12)])
 def test_8_bit_products_run_at_their_peak_and_the_rest_at_bf16s(compute, peak):
-    h100 = roofline.chip(gpu_targets.CARDS["h100"].device_kind)
+    h100 = devices.DEVICES["h100-80gb"]
     bf16, eight = compute_times(h100, "bf16"), compute_times(h100, compute)
     work = roofline.stage_flops(MODELS, WORK)
     shares = roofline.product_shares(MODELS, WORK)
@@ -44,6 +43,6 @@ def test_the_step_share_is_the_linears_part_of_the_flop_model():
 
 
 def test_a_chip_without_a_published_8_bit_peak_is_given_its_bf16_one():
-    ironwood = roofline.chip("TPU7x")
+    ironwood = devices.DEVICES["tpu7x"]
     assert ironwood.int8_flops == 0 and ironwood.device_flops_for("int8") == ironwood.device_flops
     assert ironwood.device_flops_for("fp8") == pytest.approx(4614e12 / 2)  # two TensorCores a chip

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from klein import sharding
+from klein import devices, sharding
 from klein.aot import compiled, topology
 from klein.bench import flops, roofline
 from klein.cli import main as cli
@@ -36,7 +36,7 @@ def test_klein_9b_kv_at_1024_with_4_references_fits_a_v6e_8():
     """Two compiles of real 9b programs: about a minute of one core (58 s alone on a 2-core AMD EPYC)."""
     mesh, spec = topology.mesh(TARGET, None)
     assert spec == "tensor=8"
-    chip = roofline.chip(mesh.devices.flat[0].device_kind)
+    chip = devices.of_kind(mesh.devices.flat[0].device_kind)
     work = plan.plan("klein-9b-kv", spec, refs=4, size=(1024, 1024)).workload
     assert work.cached and work.reference_tokens == 4 * 4096
     models = plan.published("klein-9b-kv", "bfloat16")
@@ -85,7 +85,7 @@ def test_roofline_table():
     """Stage times from canned analyses: the longer of compute and memory, the step once per step."""
     models = plan.published("klein-9b-kv", "bfloat16")
     p = plan.plan("klein-9b-kv", "tensor=8", refs=1)
-    chip = roofline.chip("TPU v6 lite")
+    chip = devices.DEVICES["tpu-v6e"]
     stages = {name: dict(arguments=2**30, outputs=0) for name in ("text", "prefill", "step", "decode")}
     times = roofline.times(models, p.workload, 4, sharding.abstract_mesh("tensor=8"), stages, chip)
     assert times["step"].runs == 4 and times["text"].runs == 1

@@ -3,11 +3,12 @@ them, and the device mesh `klein plan --target` lays over them. The one place th
 `--target` name is.
 
 `jax.experimental.topologies.get_topology_desc` gives the devices of a named TPU slice ("v6e:2x4", libtpu
-from the `tpu` extra) or of NVIDIA cards ("h100", "h100:8" for eight on one host: jax's CUDA plugin from
-the `gpu-plan` extra, given the card's description, `klein.aot.gpu_targets`, and needing no driver);
-programs lowered with shardings on a mesh of them compile for that target (nothing runs, nothing is
-allocated), which is how `klein.aot.compiled` measures their memory on a CPU host. Without the
-extra this refuses with the instruction to install it.
+from the `tpu` extra) or of NVIDIA cards ("h100-80gb", "h100-80gb:8" for eight on one host: jax's CUDA
+plugin from the `gpu-plan` extra, given the card's description, `klein.aot.gpu_targets`, and needing no
+driver). Cards and chips are named as `--device` names them (`klein.devices`; "tpu-v6e:2x4" is libtpu's
+"v6e:2x4"); programs lowered with shardings on a mesh of them compile for that target (nothing runs,
+nothing is allocated), which is how `klein.aot.compiled` measures their memory on a CPU host. Without
+the extra this refuses with the instruction to install it.
 """
 
 from __future__ import annotations
@@ -19,22 +20,19 @@ import os
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from klein import devices as table
 from klein import sharding
 from klein.aot import gpu_targets
 from klein.errors import InputError
 
-TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
-"""Slices `klein plan --target` is tested with; any name libtpu knows works."""
-GPU_TARGETS = tuple(gpu_targets.CARDS)
-"""Cards, each alone or as NAME:COUNT on one host."""
-
 
 def devices(target: str) -> list:
     """The devices of `target`: a TPU slice (e.g. "v6e:2x4") as libtpu describes it, or NVIDIA cards
-    ("h100", "h100:8")."""
+    ("h100-80gb", "h100-80gb:8")."""
     card, count = gpu(target)
     if card is not None:
         return _gpu_devices(target, card, count)
+    libtpu_name = _libtpu_name(target)
     if not available():
         raise InputError(
             f"compiling for {target} needs libtpu, which this environment lacks: pip install klein[tpu]"
@@ -46,11 +44,11 @@ def devices(target: str) -> list:
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        return list(topologies.get_topology_desc(topology_name=target, platform="tpu").devices)
+        return list(topologies.get_topology_desc(topology_name=libtpu_name, platform="tpu").devices)
     except Exception as error:  # libtpu's own error type for a name it does not know
         raise InputError(
             f"--target {target!r}: libtpu knows no such slice ({str(error).splitlines()[0]}); e.g. "
-            f"{', '.join(TARGETS)}"
+            f"{', '.join(table.SLICES)}; or a card: {', '.join(table.TARGETS)}"
         ) from None
 
 
@@ -87,17 +85,36 @@ def gpu_available() -> bool:
         return False
 
 
-def gpu(target: str) -> tuple[gpu_targets.Card | None, int]:
+def gpu(target: str) -> tuple[table.Device | None, int]:
     """(the card `target` names, how many of it), or (None, 0) for a name that is not a GPU's."""
-    name, _, count = target.lower().partition(":")
-    if name not in gpu_targets.CARDS:
+    typed, _, count = target.partition(":")
+    name = table.known(typed)
+    card = table.DEVICES.get(name) if name else None
+    if card is None or not card.capability:
         return None, 0
+    if card.gpu is None:
+        raise InputError(
+            f"--target {typed}: klein has no compiler description of {name}; it compiles for "
+            f"{', '.join(table.TARGETS)} (plan {name} with --device {name})"
+        )
     if count and not (count.isdigit() and int(count) > 0):
-        raise InputError(f"--target {target!r}: expected {name} or {name}:COUNT (cards on one host)")
-    return gpu_targets.CARDS[name], int(count or 1)
+        raise InputError(f"--target {target!r}: expected {typed} or {typed}:COUNT (cards on one host)")
+    return card, int(count or 1)
 
 
-def _gpu_devices(target: str, card: gpu_targets.Card, count: int) -> list:
+def _libtpu_name(target: str) -> str:
+    """`target` as libtpu names it: a TPU chip's name in the table made libtpu's ("tpu-v6e:2x4" "v6e:2x4")."""
+    typed, _, shape = target.partition(":")
+    name = table.known(typed)
+    chip = table.DEVICES[name] if name else None
+    if chip is None or not chip.slice:
+        return target
+    if not shape:
+        raise InputError(f"--target {typed}: name a slice of {name}, e.g. {chip.slice}")
+    return f"{chip.slice.partition(':')[0]}:{shape}"
+
+
+def _gpu_devices(target: str, card: table.Device, count: int) -> list:
     if not gpu_available():
         raise InputError(
             f"compiling for {target} needs jax's CUDA plugin and cuDNN, which this environment lacks: "

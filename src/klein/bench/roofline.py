@@ -6,10 +6,10 @@ arguments and outputs of the compiled program per device, `klein.aot.compiled`: 
 read once, every output written once). Collectives, the vector units and the kernels' efficiency are left
 out, so a real run is slower; the figures compare stages, meshes and modes with each other.
 
-The chip figures are per chip from Google's and NVIDIA's published specifications (`CHIPS`, with the page
-each comes from; docs/design.md, "TPU attention" and "GPU programs from any machine", repeat the tables); a
-device is one TensorCore where JAX shows each of a chip's cores as a device (TPU7x: two per chip), else the
-chip. Under 8-bit compute (`--compute fp8 | int8`) the transformer's block products run at the chip's
+The chip figures are the device table's (`klein.devices`: per chip, from Google's and NVIDIA's published
+specifications, with the page each comes from; docs/design.md, "TPU attention" and "GPU programs from any
+machine", repeat the tables); a device is one TensorCore where JAX shows each of a chip's cores as a
+device (TPU7x: two per chip), else the chip. Under 8-bit compute (`--compute fp8 | int8`) the transformer's block products run at the chip's
 FP8 / INT8 peak and its attention at the bf16 one (`klein.bench.flops.product_share`); a chip without
 that peak is given the bf16 one.
 """
@@ -19,117 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 from klein import sharding
-from klein.aot import gpu_targets
 from klein.bench import flops
+from klein.devices import GB, GIB, TB, Device
 from klein.memory import plan
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    name: str
-    device_kind: str
-    """`jax.Device.device_kind` of its devices."""
-    bf16_flops: float
-    """Peak dense bf16 FLOP/s per chip."""
-    hbm_bytes: float
-    hbm_bandwidth: float
-    """Bytes per second per chip."""
-    devices_per_chip: int
-    source: str
-    fp8_flops: float = 0.0
-    """Peak dense FP8 FLOP/s per chip (0: no FP8 units)."""
-    int8_flops: float = 0.0
-    """Peak dense INT8 OP/s per chip (0: not published)."""
-
-    @property
-    def device_flops(self) -> float:
-        return self.bf16_flops / self.devices_per_chip
-
-    def device_flops_for(self, compute: str) -> float:
-        """Peak per device of the products `compute` ("bf16", "fp8", "int8") makes."""
-        peak = {"fp8": self.fp8_flops, "int8": self.int8_flops}.get(compute) or self.bf16_flops
-        return peak / self.devices_per_chip
-
-    @property
-    def device_bandwidth(self) -> float:
-        return self.hbm_bandwidth / self.devices_per_chip
-
-    @property
-    def device_memory(self) -> int:
-        return int(self.hbm_bytes / self.devices_per_chip)
-
-
-GIB, GB, TB = 2**30, 1e9, 1e12
-CHIPS = (
-    Chip(
-        "TPU7x (Ironwood)",
-        "TPU7x",
-        2307 * TB,
-        192 * GIB,
-        7.37 * TB,
-        2,
-        "cloud.google.com/tpu/docs/tpu7x",
-        fp8_flops=4614 * TB,
-    ),
-    Chip(
-        "TPU v6e (Trillium)",
-        "TPU v6 lite",
-        918 * TB,
-        32 * GB,
-        1640 * GB,
-        1,
-        "cloud.google.com/tpu/docs/v6e",
-        int8_flops=1836 * TB,
-    ),
-    Chip(
-        "TPU v5p",
-        "TPU v5",
-        459 * TB,
-        95 * GIB,
-        2765 * GB,
-        1,
-        "cloud.google.com/tpu/docs/v5p",
-        int8_flops=918 * TB,
-    ),
-    Chip(
-        "TPU v5e",
-        "TPU v5 lite",
-        197 * TB,
-        16 * GB,
-        819 * GB,
-        1,
-        "cloud.google.com/tpu/docs/v5e",
-        int8_flops=394 * TB,
-    ),
-    # NVIDIA's dense tensor-core figures (without sparsity; FP32 accumulation for the GeForce card), and the
-    # memory a card reports to CUDA (`klein.aot.gpu_targets`).
-    *(
-        Chip(
-            name,
-            gpu_targets.CARDS[card].device_kind,
-            bf16 * TB,
-            gpu_targets.CARDS[card].memory_bytes,
-            gpu_targets.CARDS[card].bandwidth,
-            1,
-            source,
-            fp8 * TB,
-            int8 * TB,
-        )
-        for name, card, bf16, fp8, int8, source in (
-            ("NVIDIA H100 SXM", "h100", 989, 1979, 1979, "nvidia.com/en-us/data-center/h100"),
-            ("NVIDIA H200", "h200", 989, 1979, 1979, "nvidia.com/en-us/data-center/h200"),
-            ("NVIDIA L40S", "l40s", 362, 733, 733, "nvidia.com/en-us/data-center/l40s"),
-            ("NVIDIA GeForce RTX 4090", "rtx-4090", 165, 330, 661, "NVIDIA Ada GPU architecture whitepaper"),
-        )
-    ),
-)
-
-
-def chip(device_kind: str) -> Chip:
-    for known in CHIPS:
-        if known.device_kind == device_kind:
-            return known
-    raise KeyError(f"no figures for {device_kind!r}; known: {', '.join(c.device_kind for c in CHIPS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +88,7 @@ def sharers(mesh, stage: str, images: int) -> int:
 
 
 def times(
-    models, work, steps: int, mesh, analyses: dict[str, dict[str, int]], on: Chip, compute: str = "bf16"
+    models, work, steps: int, mesh, analyses: dict[str, dict[str, int]], on: Device, compute: str = "bf16"
 ) -> dict[str, StageTime]:
     """Each compiled stage's roofline time on `on`'s devices of `mesh`; `analyses`: per stage, XLA's
     per-device "arguments" and "outputs" in bytes; `compute`: the transformer blocks' products."""
@@ -222,11 +114,11 @@ def per_image(stage_times: dict[str, StageTime], images: int) -> float:
     return sum(t.seconds * t.runs for t in stage_times.values()) / images
 
 
-def describe(stage_times: dict[str, StageTime], on: Chip, images: int) -> str:
+def describe(stage_times: dict[str, StageTime], on: Device, images: int) -> str:
     """The roofline table of `klein plan --target --compiled`, with the chip figures it used."""
     fp8 = f" ({on.fp8_flops / on.devices_per_chip / TB:.0f} FP8)" if on.fp8_flops else ""
     lines = [
-        f"roofline per device ({on.name}: {on.device_flops / TB:.0f} TFLOP/s bf16{fp8}, "
+        f"roofline per device ({on.label}: {on.device_flops / TB:.0f} TFLOP/s bf16{fp8}, "
         f"{on.device_bandwidth / GB:.0f} GB/s HBM per device; {on.source}); estimated, not run:",
         f"  {'stage':<9}{'TFLOP':>9}{'GiB moved':>11}{'compute':>10}{'memory':>10}{'runs':>6}",
     ]

@@ -3,7 +3,7 @@ has, and its default), and a run whose estimated time passes --max-minutes; both
 
 The estimate is a floor: klein's FLOP model of the request's stages (`klein.bench.roofline.stage_flops`:
 the text encoder, every denoising step, the decoder) over the device's peak, the published one of a known
-chip (`klein.bench.roofline.CHIPS`) or else this machine's measured matrix-product rate (`klein.bench.peak`,
+chip (`klein.devices`) or else this machine's measured matrix-product rate (`klein.bench.peak`,
 a fraction of a second). References, guidance and the kernels' efficiency are left out, so a run takes
 longer, never shorter: a refusal is never wrong about a run being long.
 """
@@ -69,15 +69,15 @@ def _peak(dtype: str) -> tuple[float, str]:
     """(FLOP/s, the device in words): published for a known chip, else measured here (once a process)."""
     import jax
 
-    from klein.bench import peak, roofline
+    from klein import devices
+    from klein.bench import peak
 
     device = jax.devices()[0]
-    try:
-        chip = roofline.chip(device.device_kind)
-    except KeyError:
+    chip = devices.of_kind(device.device_kind)
+    if chip is None or not chip.bf16_flops:
         rate = peak.matmul_flops_per_second(dtype, MEASURED_SIDE, repeats=3)
         return rate, f"this {device.platform.upper()} (measured {rate / 1e9:.0f} GFLOP/s)"
-    return chip.device_flops, f"{chip.name} ({chip.device_flops / 1e12:.0f} TFLOP/s bf16)"
+    return chip.device_flops, f"{chip.label} ({chip.device_flops / 1e12:.0f} TFLOP/s bf16)"
 
 
 def _show(seconds: float) -> str:

@@ -9,10 +9,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from klein import devices
 from klein.cli.flags import Parser, size
 from klein.dtypes import DTYPES
 from klein.errors import InputError
-from klein.memory import devices
 from klein.request import kinds
 from klein.request.loading import COMPUTE, memory_cap
 
@@ -30,26 +30,22 @@ plan counts klein's own process too (Python, JAX, compiled programs, the tokeniz
 capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
 GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
 
---target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}; NAME:COUNT for several on
-one host) to plan for from this machine, without them: the mesh goes over its devices (default: all of
-them on tensor), the limit is a device's memory, and with --compiled each stage is compiled for that
-target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s and memory bandwidth;
-compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
+--target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}, named as --device names them;
+NAME:COUNT for several on one host) to plan for from this machine, without them: the mesh goes over its
+devices (default: all of them on tensor), the limit is a device's memory, and with --compiled each stage
+is compiled for that target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s and
+memory bandwidth; compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
 and cuDNN (pip install klein[gpu-plan]) for a card.
 
 devices (memory, what --compute auto multiplies there):
 {devices}"""
-
-# The slices `klein plan --target` is tested with (`klein.aot.topology.TARGETS`), named without importing jax.
-TARGETS = ("tpu7x:2x2x1", "v6e:2x4", "v5e:2x4", "v5p:2x2x1")
-GPU_TARGETS = ("h100", "h200", "l40s", "rtx-4090")  # `klein.aot.topology.GPU_TARGETS`
 
 
 def plan_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="klein plan",
         description=PLAN_DESCRIPTION.format(
-            devices=devices.listing(), targets=", ".join(TARGETS), gpus=", ".join(GPU_TARGETS)
+            devices=devices.listing(), targets=", ".join(devices.SLICES), gpus=", ".join(devices.TARGETS)
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -79,8 +75,8 @@ def plan_parser() -> argparse.ArgumentParser:
     add(
         "--target",
         metavar="NAME",
-        help=f"a TPU slice or NVIDIA cards to plan and compile for, e.g. {', '.join(TARGETS)}, "
-        f"{', '.join(GPU_TARGETS)}, h100:8",
+        help=f"a TPU slice or NVIDIA cards to plan and compile for, e.g. {', '.join(devices.SLICES)}, "
+        f"{', '.join(devices.TARGETS)}, h100-80gb:8",
     )
     add("--refs", type=int, default=0, help="reference images (default: 0)")
     add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
@@ -102,7 +98,7 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     memory.add_argument(
         "--device",
-        type=lambda text: size(text, devices.find),
+        type=lambda text: size(text, _device),
         metavar="NAME",
         help="a device by name (see above; rtx4090 and RTX 4090 read as rtx-4090)",
     )
@@ -137,6 +133,19 @@ def _device_memory_size(text: str) -> int:
     if value <= devices.RESERVED_GIB * 2**30:
         raise InputError(f"expected a device's memory above {devices.RESERVED_GIB} GiB, got {text!r}")
     return value
+
+
+def _device(name: str) -> str:
+    """--device's name in the device table, noting an old name on stderr."""
+    found = devices.find(name)
+    _note_renamed(name)
+    return found
+
+
+def _note_renamed(name: str) -> None:
+    """Say so on stderr where `name` (of --device or --target) is a card's old name."""
+    if devices.renamed(name):
+        print(devices.renamed(name), file=sys.stderr)
 
 
 def _pixels(text: str) -> tuple[int, int]:
@@ -200,8 +209,11 @@ def _target_command(flags: argparse.Namespace) -> int:
 
     if flags.device is not None:
         raise InputError("--target names the device already; drop --device")
+    _note_renamed(flags.target.partition(":")[0])
     mesh, spec = topology.mesh(flags.target, flags.mesh)
-    on = roofline.chip(mesh.devices.flat[0].device_kind)
+    on = devices.of_kind(mesh.devices.flat[0].device_kind)
+    if on is None:
+        raise InputError(f"--target {flags.target}: klein has no published figures of its chip")
     variant, models, dtype = _plan_files(flags)
     compute = _compute(flags.compute, mesh.devices.flat[0])
     models = _computing(models, compute)
@@ -209,14 +221,14 @@ def _target_command(flags: argparse.Namespace) -> int:
     asked = dict(variant=variant, mesh=spec, refs=flags.refs, size=flags.size, ref_size=flags.ref_size)
     asked |= dict(batch=flags.batch, dtype=dtype, models=models, platform=platform)
     if flags.device_memory is None:
-        limit, where = on.device_memory, f"{on.name}, HBM per device"
+        limit, where = on.device_memory, f"{on.label}, HBM per device"
     else:
         limit, where = _given(flags.device_memory)
-    whose = "as --compute asks" if flags.compute != "auto" else f"--compute auto on {on.name}"
+    whose = "as --compute asks" if flags.compute != "auto" else f"--compute auto on {on.label}"
     memory, report, text = _plan_report(asked, (limit, where, None), compute, whose)
     used = f"{mesh.devices.size} of {len(topology.devices(flags.target))}"
     report |= dict(target=flags.target, chip=dataclasses.asdict(on))
-    text = f"{flags.target}: {on.name}, mesh {spec} on {used} devices\n{text}"
+    text = f"{flags.target}: {on.label}, mesh {spec} on {used} devices\n{text}"
     if flags.compiled:
         analyses = compiled.analyse(models, memory.workload, dtype, mesh, compute=compute)
         stages = {name: dataclasses.asdict(analysis) for name, analysis in analyses.items()}
@@ -322,7 +334,7 @@ def _compute(option: str, device) -> str:
 def _named_compute(flags) -> tuple[str, str]:
     """(`--compute` as planned on a named device, as the plan names it): auto is what that device multiplies
     fastest; on a device given by its memory, 8-bit products (fp8 or int8, the same bytes), as on every card
-    and TPU klein knows (`devices.GIVEN_COMPUTE`), so that a size plans as a card of that size does."""
+    and TPU klein knows (`klein.devices.GIVEN_COMPUTE`), so that a size plans as a card of that size does."""
     if flags.compute != "auto":
         return flags.compute, flags.compute
     if flags.device is not None:
@@ -385,12 +397,18 @@ def _device_memory(flags) -> tuple[int, str, int | None]:
 
 def _given(memory: int) -> tuple[int, str]:
     """(bytes a device of `memory` bytes leaves, where from): as a named device's (`devices.usable`)."""
-    where = f"{memory / 2**30:.2f} GiB given, less {devices.RESERVED_GIB} GiB for the runtime"
+    where = f"{memory / 2**30:.2f} GiB given, {_reserved()}"
     return devices.usable(memory), where
 
 
 def _card(name: str) -> tuple[int, str]:
-    return devices.limit(name), f"{name}, less {devices.RESERVED_GIB} GiB for the runtime"
+    card = devices.DEVICES[name]
+    seen = card.memory_bytes and card.limit == card.device_memory
+    return card.limit, f"{name}, {'as its programs see it' if seen else _reserved()}"
+
+
+def _reserved() -> str:
+    return f"less {devices.RESERVED_GIB} GiB for the runtime"
 
 
 BENCH_DESCRIPTION = """\

@@ -204,21 +204,6 @@ def scales_of(values, compute: str, axis: int):
     return xp.where(largest > 0, largest * reciprocal, np.float32(1)).astype(np.float32)
 
 
-def compute_for(device) -> str:
-    """What `compute="auto"` picks on `device`: the product its hardware multiplies fastest. FP8 on GPUs
-    with FP8 tensor cores (compute capability 8.9 and later: Ada, Hopper, Blackwell) and TPU v7; INT8 on
-    other GPUs and TPUs (v5e / v6e multiply int8 at twice their bf16 rate); bf16 on CPUs, which have
-    neither (XLA:CPU widens float8 products and its int8 product is slower than its bf16 one here, and
-    quantising the activations costs more: docs/design.md)."""
-    if device.platform == "gpu":
-        major, minor = (int(n) for n in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
-        return FP8 if (major, minor) >= (8, 9) else INT8
-    if device.platform == "tpu":
-        kind = device.device_kind.lower()
-        return FP8 if "v7" in kind or "7x" in kind else INT8
-    return BF16
-
-
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`jax.lax.dot_general` in the inputs' dtype (or `preferred_element_type`), accumulated in float32
     without a widened copy of the operands where the backend can (`in_place`); takes `nnx.Linear`'s

@@ -25,7 +25,7 @@ import PIL.Image
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from klein import dtypes, images, masks, sampling, sharding
+from klein import devices, dtypes, images, masks, sampling, sharding
 from klein.errors import InputError
 from klein.images import prepare_reference as images_prepare
 from klein.io import png
@@ -731,7 +731,7 @@ def load_pipeline(
 
     compute: how the transformer blocks' products are made: "bf16", "fp8" (FP8 weights, activations
     quantised per token, float32 accumulation) or "int8" (W8A8, int32 accumulation); "auto" (the default)
-    what the device multiplies fastest (`klein.models.products.compute_for`: bf16 on CPUs).
+    what the device multiplies fastest (`klein.devices.auto_compute`: bf16 on CPUs).
 
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).
@@ -833,7 +833,7 @@ def load(options: LoadOptions, kind: type | None = None) -> Flux2KleinPipeline:
 
 def compute_of(option: str, device) -> str:
     """The `compute` option as it runs on `device`: "auto" made the device's fastest product."""
-    return products.compute_for(device) if option == AUTO else option
+    return devices.auto_compute(device) if option == AUTO else option
 
 
 def locate(options: LoadOptions, mesh=None) -> components.Located:
