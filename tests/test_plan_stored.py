@@ -21,7 +21,7 @@ from klein.io.block_forms import layer_bytes
 from klein.io.gguf_file import GGUFSource
 from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_gguf import EMBEDDING
-from klein.io.transformer_file import file_config
+from klein.io.transformer_file import file_config, load_transformer_file
 from klein.memory import devices, plan, stored
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -203,6 +203,24 @@ def test_a_files_header_plans_as_its_format(written):
     other = models(text=Qwen3Config.qwen3_4b())
     with pytest.raises(Exception, match="token embedding is 512 x 256"):
         plan.with_files(other, text_encoder=written["qwen3"])
+
+
+def test_the_planner_counts_the_blocks_the_loader_keeps(written):
+    """A stack with one layer stored as floats is widened at load (`klein.io.block_forms`): the planner
+    counts it in the dtype too, not at its other layers' blocks; it counts as blocks what the loader keeps so."""
+    tensors = files.transformer_types(TINY, files.T.Q4_0)
+    tensors["single_blocks.1.linear1.weight"] = (tensors["single_blocks.1.linear1.weight"][0], files.T.BF16)
+    path = written["q4_0"].with_name("one-layer-bf16.gguf")
+    files.write_gguf(path, "flux", tensors, lambda writer: None)
+    planned = plan.with_files(models(), transformer=path).quantized["transformer"]
+    loaded = load_transformer_file(path)
+    kept = {module for module, linear in nnx.iter_modules(loaded) if getattr(linear, "blocks", None)}
+    assert set(planned) == kept
+    assert ("single_transformer_blocks", "attn", "to_qkv_mlp_proj") not in planned
+    assert (
+        len(planned)
+        == len(plan.with_files(models(), transformer=written["q4_0"]).quantized["transformer"]) - 1
+    )
 
 
 def test_named_cards_know_their_memory_and_8_bit_products():

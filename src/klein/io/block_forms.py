@@ -4,13 +4,12 @@ bytes they take there, and how a layer of a stack of mixed GGUF types is laid ou
 One description of a file's stored forms for every model read from a quantized file and for the planner:
 each reader (the transformer, `klein.io.transformer_file.kept_forms`; the Qwen3 text encoder,
 `klein.io.text_encoder_gguf.kept_forms`) names each Linear's stored layers, `kept_blocks` says which are
-kept and in which form, and `layer_bytes` what they hold in memory (`klein.memory.stored` counts them so,
-the loaders fill them so). A Linear is kept as blocks where every layer of its stack is stored in a block
-format. A stack of one format holds that
-format's rows; a stack that mixes ggml types (llama.cpp's Q4_K_M files give some layers of `attn_v` and
-`ffn_down` Q6_K among Q4_K) holds each layer's rows zero-padded to the widest type's and tagged with a
-final byte, the index of the layer's type in the stack's tuple of types (`klein.models.products.MIXED`),
-so a stack is still one array the layer loop slices. A stack with a layer stored as floats (or as FP8) is
+kept and in which form, and `layer_bytes` what they hold in memory (the loaders fill them so,
+`klein.memory.stored` counts them so). A Linear is kept as blocks where every layer of its stack is stored
+in a block format. A stack of one format holds that format's rows; a stack that mixes ggml types
+(llama.cpp's Q4_K_M files give some layers of `attn_v` and `ffn_down` Q6_K among Q4_K) holds each layer's
+rows zero-padded to the widest type's and tagged with a final byte, the index of the layer's type in the
+stack's tuple of types (`klein.models.products.MIXED`), so a stack is still one array the layer loop slices. A stack with a layer stored as floats (or as FP8) is
 widened to the compute dtype at load.
 """
 
