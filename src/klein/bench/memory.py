@@ -2,8 +2,8 @@
 
 Linux lets a process reset its own high-water mark (write 5 to /proc/self/clear_refs, read VmHWM from
 /proc/self/status with `klein.memory.process.proc_bytes`), so each run gets its own peak. Elsewhere the
-lifetime peak (ru_maxrss) is the best available. Both engines live in one process: the peak includes every loaded weight, and the growth
-over the RSS at the start is what the run itself needed.
+lifetime peak (ru_maxrss) is the best available. Both engines live in one process: the peak includes every
+loaded weight, and the growth over the RSS at the start is what the run itself needed.
 """
 
 from __future__ import annotations
