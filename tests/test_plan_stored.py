@@ -17,9 +17,11 @@ from flax import nnx
 from klein import devices, sharding
 from klein.cli import main as cli
 from klein.io import demo
+from klein.io.block_forms import layer_bytes
 from klein.io.gguf_file import GGUFSource
 from klein.io.safetensors import TensorSource
-from klein.io.transformer_file import file_config
+from klein.io.text_encoder_gguf import EMBEDDING
+from klein.io.transformer_file import file_config, load_transformer_file
 from klein.memory import plan, stored
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -84,9 +86,10 @@ def test_transformer_bytes_are_the_stored_models_params(itemsize, fp8, compute):
 
 
 def test_format_table_is_ggmls_and_a_q4_0_plan_is_smaller_by_its_ratio():
-    for name, rate in stored.FORMATS.items():
+    for name in stored.FORMATS.values():
         if name in gguf.GGMLQuantizationType.__members__:
             values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+            rate = Fraction(layer_bytes(name, 1, values), values)  # as the planner counts a row of blocks
             assert rate == Fraction(size, values), name
     bf16 = plan.published("klein-9b-kv", "bfloat16")
     q4 = plan.in_format(bf16, "Q4_0", "Q4_0")
@@ -189,7 +192,7 @@ def test_a_files_header_plans_as_its_format(written):
     assert text == plan.in_format(base, text_encoder="Q4_K").quantized["text_encoder"]
     # Its embedding is kept as its blocks; a stack of two types (llama.cpp's Q4_K_M mixes in Q6_K) too, each
     # layer at Q6_K's row width (210 bytes per 256 values) and a byte naming its type.
-    assert text[stored.EMBEDDING] == stored.FORMATS["Q4_K"] and len(text) == 8
+    assert text[EMBEDDING] == Fraction(layer_bytes("Q4_K", 1, 256), 256) and len(text) == 8
     tensors = files.qwen3_types(TINY_TEXT, files.T.Q4_K)
     tensors["blk.3.ffn_down.weight"] = (tensors["blk.3.ffn_down.weight"][0], files.T.Q6_K)
     files.write_gguf(written["qwen3"].with_name("mixed-stack.gguf"), "qwen3", tensors, lambda writer: None)
@@ -200,6 +203,24 @@ def test_a_files_header_plans_as_its_format(written):
     other = models(text=Qwen3Config.qwen3_4b())
     with pytest.raises(Exception, match="token embedding is 512 x 256"):
         plan.with_files(other, text_encoder=written["qwen3"])
+
+
+def test_the_planner_counts_the_blocks_the_loader_keeps(written):
+    """A stack with one layer stored as floats is widened at load (`klein.io.block_forms`): the planner
+    counts it in the dtype too, not at its other layers' blocks; it counts as blocks what the loader keeps so."""
+    tensors = files.transformer_types(TINY, files.T.Q4_0)
+    tensors["single_blocks.1.linear1.weight"] = (tensors["single_blocks.1.linear1.weight"][0], files.T.BF16)
+    path = written["q4_0"].with_name("one-layer-bf16.gguf")
+    files.write_gguf(path, "flux", tensors, lambda writer: None)
+    planned = plan.with_files(models(), transformer=path).quantized["transformer"]
+    loaded = load_transformer_file(path)
+    kept = {module for module, linear in nnx.iter_modules(loaded) if getattr(linear, "blocks", None)}
+    assert set(planned) == kept
+    assert ("single_transformer_blocks", "attn", "to_qkv_mlp_proj") not in planned
+    assert (
+        len(planned)
+        == len(plan.with_files(models(), transformer=written["q4_0"]).quantized["transformer"]) - 1
+    )
 
 
 def test_named_cards_know_their_memory_and_8_bit_products():

@@ -18,7 +18,7 @@ from flax import nnx
 from klein.io import block_forms
 from klein.io.mapped import Whole
 from klein.io.transformer_checkpoint import abstract_transformer
-from klein.io.transformer_file import file_config, load_transformer_file
+from klein.io.transformer_file import file_config, kept_forms, load_transformer_file
 from klein.memory import stored as stored_bytes
 from klein.models import gguf_blocks, nvfp4, products
 from klein.models import transformer as T
@@ -221,7 +221,7 @@ def test_gguf_weights_are_the_files_bytes(gguf_parts, kept):
     assert kept == in_file + mixed.nbytes
     # The planner counts the padded rows.
     abstract = abstract_transformer(file_config(parts["transformer"]))
-    rate = stored_bytes.transformer_file(parts["transformer"], abstract)[
+    rate = stored_bytes.rates(abstract, kept_forms(parts["transformer"]))[
         ("single_transformer_blocks", "attn", "to_out")
     ]
     assert rate * len(q8) * products.unpacked_width("Q8_0", q8.shape[1]) == mixed[0].nbytes

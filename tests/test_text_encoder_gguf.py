@@ -17,7 +17,7 @@ from klein.errors import CheckpointError, InputError
 from klein.io import demo
 from klein.io.gguf_header import read_header
 from klein.io.text_encoder_checkpoint import abstract_text_encoder, load_text_encoder, read_config
-from klein.io.text_encoder_gguf import gguf_names, load_text_encoder_gguf, read_gguf_config
+from klein.io.text_encoder_gguf import gguf_names, kept_forms, load_text_encoder_gguf, read_gguf_config
 from klein.memory import stored
 from klein.models import gguf_blocks, stacks, variants
 from klein.models.layers import Linear
@@ -141,7 +141,7 @@ def test_stacks_of_mixed_types_are_kept_as_padded_blocks(tiny, ids, tmp_path):
     path = write_qwen3_gguf(tmp_path / "Qwen3-tiny-Q4_K_M.gguf", tiny[0], _q4_0_mix(28))
     kept, widened = load_text_encoder_gguf(path), load_text_encoder_gguf(path, dequantize=True)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    planned = stored.text_encoder_file(path, abstract_text_encoder(kept.config, 27), 27)
+    planned = stored.rates(abstract_text_encoder(kept.config, 27), kept_forms(path, kept.config, (27,)))
     modules = dict(nnx.iter_modules(kept))
     for name, module, blocks in [
         ("attn_v", ("self_attn", "v_proj"), ("Q8_0", "Q4_0")),

@@ -1,9 +1,9 @@
 """Peak resident memory of this process over a block of code.
 
 Linux lets a process reset its own high-water mark (write 5 to /proc/self/clear_refs, read VmHWM from
-/proc/self/status), so each run gets its own peak. Elsewhere the lifetime peak (ru_maxrss) is the best
-available. Both engines live in one process: the peak includes every loaded weight, and the growth
-over the RSS at the start is what the run itself needed.
+/proc/self/status with `klein.memory.process.proc_bytes`), so each run gets its own peak. Elsewhere the
+lifetime peak (ru_maxrss) is the best available. Both engines live in one process: the peak includes every
+loaded weight, and the growth over the RSS at the start is what the run itself needed.
 """
 
 from __future__ import annotations
@@ -12,18 +12,10 @@ import resource
 import sys
 from pathlib import Path
 
-_STATUS = Path("/proc/self/status")
+from klein.memory.process import proc_bytes
+
+_STATUS = "/proc/self/status"
 _CLEAR_REFS = Path("/proc/self/clear_refs")
-
-
-def _status_kb(field: str) -> int | None:
-    try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 class PeakRSS:
@@ -35,13 +27,13 @@ class PeakRSS:
             self._reset = True
         except OSError:
             self._reset = False
-        self.start = 1024 * (_status_kb("VmRSS") or 0)
+        self.start = proc_bytes(_STATUS, "VmRSS") or 0
         return self
 
     def __exit__(self, *exc) -> None:
-        hwm = _status_kb("VmHWM") if self._reset else None
+        hwm = proc_bytes(_STATUS, "VmHWM") if self._reset else None
         if hwm is not None:
-            self.peak = 1024 * hwm
+            self.peak = hwm
         else:
             # ru_maxrss is in kB on Linux, in bytes on macOS.
             scale = 1 if sys.platform == "darwin" else 1024

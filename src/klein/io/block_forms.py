@@ -1,13 +1,15 @@
-"""Which Linears of a checkpoint keep their file's quantisation blocks in memory (GGUF, NVFP4), and how a
-layer of a stack of mixed GGUF types is laid out.
+"""Which Linears of a checkpoint keep their file's quantisation blocks in memory (GGUF, NVFP4), how many
+bytes they take there, and how a layer of a stack of mixed GGUF types is laid out.
 
-One rule for every model read from a quantized file (the transformer, `klein.io.transformer_file`; the
-Qwen3 text encoder, `klein.io.text_encoder_gguf`; the planner, `klein.memory.stored`): a Linear is kept as
-blocks where every layer of its stack is stored in a block format. A stack of one format holds that
-format's rows; a stack that mixes ggml types (llama.cpp's Q4_K_M files give some layers of `attn_v` and
-`ffn_down` Q6_K among Q4_K) holds each layer's rows zero-padded to the widest type's and tagged with a
-final byte, the index of the layer's type in the stack's tuple of types (`klein.models.products.MIXED`),
-so a stack is still one array the layer loop slices. A stack with a layer stored as floats (or as FP8) is
+One description of a file's stored forms for every model read from a quantized file and for the planner:
+each reader (the transformer, `klein.io.transformer_file.kept_forms`; the Qwen3 text encoder,
+`klein.io.text_encoder_gguf.kept_forms`) names each Linear's stored layers, `kept_blocks` says which are
+kept and in which form, and `layer_bytes` what they hold in memory (the loaders fill them so,
+`klein.memory.stored` counts them so). A Linear is kept as blocks where every layer of its stack is stored
+in a block format. A stack of one format holds that format's rows; a stack that mixes ggml types
+(llama.cpp's Q4_K_M files give some layers of `attn_v` and `ffn_down` Q6_K among Q4_K) holds each layer's
+rows zero-padded to the widest type's and tagged with a final byte, the index of the layer's type in the
+stack's tuple of types (`klein.models.products.MIXED`), so a stack is still one array the layer loop slices. A stack with a layer stored as floats (or as FP8) is
 widened to the compute dtype at load.
 """
 
@@ -18,14 +20,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from klein.io.gguf_file import GGUFSource
+from klein.io.gguf_header import Header
 from klein.models import gguf_blocks, products
 
 
-def gguf_formats(source: GGUFSource) -> dict[str, str]:
+def gguf_formats(header: Header) -> dict[str, str]:
     """Stored layer (tensor name without `.weight`) -> ggml type, for a GGUF file's quantised tensors."""
-    types = {key: source.type_name(key) for key in source.keys()}
-    return {key.removesuffix(".weight"): kind for key, kind in types.items() if kind in gguf_blocks.TYPES}
+    types = {name.removesuffix(".weight"): kind.name for name, kind in header.types.items()}
+    return {layer: kind for layer, kind in types.items() if kind in gguf_blocks.TYPES}
+
+
+def layer_bytes(blocks: str | tuple[str, ...], rows: int, columns: int) -> int:
+    """Bytes a layer of `rows` rows of `columns` values kept as `blocks` holds in memory: its rows of blocks
+    (`products.packed_width`: a mixed stack's padded and tagged, `Tagged`) and the float32 per-tensor scale
+    of an NVFP4 layer (the Linear's `weight_scale`)."""
+    return products.packed_width(blocks, columns) * rows + 4 * (blocks == products.NVFP4)
 
 
 def stack_blocks(kinds: Sequence[str | None]) -> str | tuple[str, ...] | None:

@@ -36,8 +36,8 @@ class GGUFSource:
 
     def __init__(self, path: str | Path):
         self._path = Path(path)
-        self._header = read_header(self._path)
-        for name, kind in self._header.types.items():
+        self.header = read_header(self._path)
+        for name, kind in self.header.types.items():
             if kind not in SUPPORTED:
                 raise CheckpointError(
                     f"{self._path}: tensor '{name}' has GGUF type {kind.name}, which klein does not read "
@@ -45,34 +45,30 @@ class GGUFSource:
                 )
 
     def keys(self) -> set[str]:
-        return set(self._header.shapes)
+        return set(self.header.shapes)
 
     def file_of(self, key: str) -> Path:
         return self._path
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self._header.shapes[key]
+        return self.header.shapes[key]
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
         """Tensor `key` (or `rows` of its first axis, whole quantisation blocks each) as float32."""
-        return gguf.quants.dequantize(self.stored(key, rows), self._header.types[key])
+        return gguf.quants.dequantize(self.stored(key, rows), self.header.types[key])
 
     def stored(self, key: str, rows: slice | None = None) -> np.ndarray:
         """Tensor `key` (or `rows` of its first axis) as stored (a quantised one: uint8 rows of blocks), read
         from the file with plain reads: no memory map, whose pages would stay in the process's resident
         memory until the file is closed, as much again as the weights read."""
-        shape, dtype = self.blocks.shape(key), _FLOATS.get(self._header.types[key], np.dtype(np.uint8))
+        shape, dtype = self.blocks.shape(key), _FLOATS.get(self.header.types[key], np.dtype(np.uint8))
         if dtype != np.uint8:
-            shape = self._header.shapes[key]
+            shape = self.header.shapes[key]
         start, stop, _ = (rows or slice(None)).indices(shape[0])
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
-        offset = self._header.offsets[key] + start * row_bytes
+        offset = self.header.offsets[key] + start * row_bytes
         data = np.fromfile(self._path, np.uint8, count=(stop - start) * row_bytes, offset=offset)
         return data.view(dtype).reshape(stop - start, *shape[1:])
-
-    def type_name(self, key: str) -> str:
-        """The ggml type of tensor `key` (`gguf.GGMLQuantizationType` name: F16, Q4_K, ...)."""
-        return self._header.types[key].name
 
     @property
     def blocks(self) -> Blocks:
@@ -86,7 +82,7 @@ class Blocks:
         self._source = source
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self._source._header.stored_shape(key)
+        return self._source.header.stored_shape(key)
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
         return self._source.stored(key, rows)

@@ -40,6 +40,8 @@ from klein.models.qwen3_config import Qwen3Config
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3]
 _EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
 _EMBEDDING_KEY = "model.embed_tokens.weight"
+EMBEDDING = ("model", "embed_tokens")
+"""The token embedding's module path."""
 ROWS = 8192  # rows of a tensor widened at a time (Qwen3-8B embedding: 128 MiB of float32)
 
 
@@ -58,11 +60,10 @@ def load_text_encoder_gguf(
     source = GGUFSource(path)
     names = gguf_names(config)
     plan = checkpoint_keys(abstract_text_encoder(config, num_layers), STACKED)
-    stored = {module: {names[key].removesuffix(".weight") for key in keys} for module, keys in plan.items()}
-    formats = gguf_formats(source)
-    forms = {} if dequantize else kept_blocks(stored, formats)
+    formats = gguf_formats(source.header)
+    forms = {} if dequantize else _kept(plan, names, formats)
+    embedding = forms.pop(EMBEDDING, None)
     as_blocks = {key: blocks for module, blocks in forms.items() for key in plan[(*module, "kernel")]}
-    embedding = None if dequantize else formats.get(_EMBEDDING.removesuffix(".weight"))
     if embedding is not None:
         as_blocks[_EMBEDDING_KEY] = embedding
     table = {key: _piece(name, as_blocks.get(key), formats, dtype) for key, name in names.items()}
@@ -73,6 +74,33 @@ def load_text_encoder_gguf(
     return load_module(
         abstract, MappedSource(source, table), dtype=dtype, stacked=STACKED, skip=skip, place=place
     )
+
+
+def kept_forms(
+    path: str | Path, config: Qwen3Config, layers: Sequence[int] = PROMPT_LAYERS
+) -> dict[tuple, str | tuple[str, ...]]:
+    """Module path -> `blocks` of the Linears of the first max(`layers`) decoder layers and of the token
+    embedding (`EMBEDDING`) that the Qwen3 GGUF at `path`, read as a text encoder of `config`, keeps as
+    their blocks, from its header alone: what `load_text_encoder_gguf` keeps, and the planner counts
+    (`klein.memory.stored`)."""
+    header = qwen3_header(path)
+    found, needed = _embedding(header), (config.vocab_size, config.hidden_size)
+    if found != needed:
+        raise CheckpointError(
+            f"{path}: its token embedding is {found[0]} x {found[1]}, where this model's text encoder needs "
+            f"{needed[0]} x {needed[1]}: a text encoder of another size (klein-4b takes Qwen3-4B, "
+            f"klein-9b Qwen3-8B)"
+        )
+    plan = checkpoint_keys(abstract_text_encoder(config, max(layers)), STACKED)
+    return _kept(plan, gguf_names(config), gguf_formats(header))
+
+
+def _kept(plan: dict[tuple, list[str]], names: dict[str, str], formats: dict[str, str]) -> dict:
+    """The modules of `plan` (`checkpoint_keys`) a file of `formats` keeps as blocks
+    (`klein.io.block_forms.kept_blocks`, by the file's `names`), and the embedding where it is quantised."""
+    stored = {module: {names[key].removesuffix(".weight") for key in keys} for module, keys in plan.items()}
+    embedding = formats.get(_EMBEDDING.removesuffix(".weight"))
+    return kept_blocks(stored, formats) | ({EMBEDDING: embedding} if embedding else {})
 
 
 def _piece(name: str, blocks, formats: dict[str, str], dtype):
@@ -121,8 +149,7 @@ def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) ->
     """The `Qwen3Config` of a Qwen3 GGUF, from its metadata and the embedding's shape (no weight is read);
     refused, as a folder's, unless the decoder has the layers the prompt embedding reads."""
     header = qwen3_header(path)
-    if _EMBEDDING not in header.shapes:
-        raise CheckpointError(f"{path}: no tensor {_EMBEDDING!r}: not a whole Qwen3 checkpoint")
+    vocab_size = _embedding(header)[0]
 
     def field(name: str, read=header.integer, default=None, least: float = 1):
         """Metadata `name` (of this architecture) as `read` gives it, at least `least` (a size: positive)."""
@@ -141,7 +168,7 @@ def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) ->
         raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported (Qwen3 has none)")
     hidden, heads = field(gguf.Keys.LLM.EMBEDDING_LENGTH), field(gguf.Keys.Attention.HEAD_COUNT)
     config = Qwen3Config(
-        vocab_size=header.shapes[_EMBEDDING][0],
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=field(gguf.Keys.LLM.FEED_FORWARD_LENGTH),
         num_hidden_layers=field(gguf.Keys.LLM.BLOCK_COUNT),
@@ -154,6 +181,13 @@ def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) ->
     )
     check_layers(config, layers, path)
     return config
+
+
+def _embedding(header: Header) -> tuple[int, ...]:
+    """The shape of the token embedding, which every whole Qwen3 checkpoint has."""
+    if _EMBEDDING not in header.shapes:
+        raise CheckpointError(f"{header.path}: no tensor {_EMBEDDING!r}: not a whole Qwen3 checkpoint")
+    return header.shapes[_EMBEDDING]
 
 
 def _decimal(value) -> float:

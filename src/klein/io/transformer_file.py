@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from pathlib import Path
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -54,10 +55,38 @@ _MARKER = "single_stream_modulation.lin.weight"
 
 def file_config(path: str | Path) -> TransformerConfig:
     """The config of a single-file transformer, from its tensor shapes alone (no weight is read)."""
-    path = Path(path)
+    return _header(Path(path)).config
+
+
+def kept_forms(path: str | Path) -> dict[tuple, str | tuple[str, ...]]:
+    """Module path -> `blocks` of the Linears the transformer file at `path` keeps as its quantisation
+    blocks (`klein.io.block_forms.kept_blocks`), from its header alone: what `load_transformer_file` keeps,
+    and the planner counts (`klein.memory.stored`)."""
+    header = _header(Path(path))
+    return header.kept(checkpoint_keys(abstract_transformer(header.config), STACKED, key_map))
+
+
+class _Header(NamedTuple):
+    """What a transformer file's header says: its tensors, key prefix, quantised layers (stored layer ->
+    format, `_formats`), stored shapes in BFL names, and the config they give."""
+
+    source: object
+    prefix: str
+    formats: dict[str, str]
+    stored: dict[str, tuple]
+    config: TransformerConfig
+
+    def kept(self, plan: dict[tuple, list[str]]) -> dict[tuple, str | tuple[str, ...]]:
+        """The Linears of `plan` (`checkpoint_keys`) kept as blocks, with their `blocks`."""
+        return kept_blocks(_stored_layers(plan, self.prefix), self.formats)
+
+
+def _header(path: Path) -> _Header:
     source = _open(path)
     prefix = _prefix(source.keys(), path)
-    return bfl.config_from_bfl(_stored_shapes(source, prefix, _formats(source, path)), str(path))
+    formats = _formats(source, path)
+    stored = _stored_shapes(source, prefix, formats)
+    return _Header(source, prefix, formats, stored, bfl.config_from_bfl(stored, str(path)))
 
 
 def _formats(source, path: Path) -> dict[str, str]:
@@ -65,7 +94,7 @@ def _formats(source, path: Path) -> dict[str, str]:
     header, the ggml type of a GGUF file's quantised Linear weights."""
     if isinstance(source, TensorSource):
         return quantised_layers(source, str(path))
-    return gguf_formats(source)
+    return gguf_formats(source.header)
 
 
 def _stored_shapes(source, prefix: str, formats: dict[str, str]) -> dict[str, tuple]:
@@ -91,12 +120,8 @@ def load_transformer_file(
     blocks' products are made (`klein.models.products`); `place` puts each weight on its device(s) (see
     `klein.io.loading.load_module`)."""
     path = Path(path)
-    source = _open(path)
     # 1. What the file holds: naming, config (from the shapes), quantised layers; checked in BFL names.
-    prefix = _prefix(source.keys(), path)
-    formats = _formats(source, path)
-    stored = _stored_shapes(source, prefix, formats)
-    cfg = bfl.config_from_bfl(stored, str(path))
+    header = source, prefix, formats, stored, cfg = _header(path)
     fp8 = frozenset(layer for layer, fmt in formats.items() if fmt == FP8)
     nvfp4 = frozenset(layer for layer, fmt in formats.items() if fmt == nvfp4_file.FORMAT)
     plain = abstract_transformer(cfg)
@@ -107,7 +132,7 @@ def load_transformer_file(
     # form (or 8-bit for 8-bit products), the compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
     kept = set() if dequantize else _modules_in(plan, prefix, lambda layer: layer in fp8)
-    blocks = {} if dequantize else kept_blocks(_stored_layers(plan, prefix), formats)
+    blocks = {} if dequantize else header.kept(plan)
     forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()), blocks)
     abstract = abstract_transformer(cfg, dtype, forms)
     # 3. Read every diffusers key from its BFL tensor; quantised weights of the other modules are

@@ -42,7 +42,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from klein import dtypes, sharding
-from klein.errors import InputError, counted
+from klein.errors import CheckpointError, InputError, counted
+from klein.io import text_encoder_gguf, transformer_file
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
 from klein.memory import gpu_estimate, process, residency, stored
@@ -341,7 +342,7 @@ class Models:
     """How the blocks' products are made: an 8-bit one stores their kernels in 8 bits."""
     quantized: dict = dataclasses.field(default_factory=dict)
     """Per model ("transformer", "text_encoder"): module path -> bytes per weight of the Linears its file
-    keeps quantized (`klein.memory.stored`)."""
+    keeps as blocks (`with_forms`, `in_format`)."""
 
 
 def published(variant: str, dtype: str) -> Models:
@@ -439,15 +440,29 @@ def _stack(module, prefix: str, table, mesh, floats, files) -> tuple[int, int]:
 
 
 def with_files(models: Models, transformer: Path | None = None, text_encoder: Path | None = None) -> Models:
-    """`models` with the bytes per weight of the Linears a quantized `transformer` file (GGUF, NVFP4) and
-    `text_encoder` file (a Qwen3 GGUF) keep quantized, read from their headers (`klein.memory.stored`); a
-    file that keeps no Linear quantized (a folder, bf16 or FP8 safetensors) adds nothing."""
-    files = dict(models.quantized)
-    abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
-    if transformer is not None and Path(transformer).is_file():
-        files[residency.TRANSFORMER] = stored.transformer_file(Path(transformer), abstract)
-    if text_encoder is not None and Path(text_encoder).is_file():
-        files[residency.TEXT_ENCODER] = stored.text_encoder_file(Path(text_encoder), text, max(PROMPT_LAYERS))
+    """`models` with the Linears a quantized `transformer` file (GGUF, NVFP4) and `text_encoder` file (a
+    Qwen3 GGUF) keep as their blocks, as io reads them from the headers for their loaders (`kept_forms`); a
+    file that keeps no Linear so (a folder, bf16 or FP8 safetensors) adds nothing."""
+    forms = {}
+    try:
+        if transformer is not None and Path(transformer).is_file():
+            forms[residency.TRANSFORMER] = transformer_file.kept_forms(transformer)
+        if text_encoder is not None and Path(text_encoder).is_file():
+            gguf = Path(text_encoder).suffix.lower() == ".gguf"  # else safetensors, widened at load
+            kept = text_encoder_gguf.kept_forms(text_encoder, models.text_encoder) if gguf else {}
+            forms[residency.TEXT_ENCODER] = kept
+    except CheckpointError as exc:  # files the user named
+        raise InputError(str(exc)) from None
+    return with_forms(models, forms)
+
+
+def with_forms(models: Models, forms: dict[str, dict]) -> Models:
+    """`models` with the Linears io describes each model's file as keeping as blocks (model -> module path ->
+    `blocks`: `klein.io.transformer_file.kept_forms`, `klein.io.text_encoder_gguf.kept_forms`), counted at
+    the bytes they hold (`klein.memory.stored.rates`)."""
+    abstract = _abstract_models(models.transformer, models.text_encoder, models.vae)
+    modules = {residency.TRANSFORMER: abstract[0], residency.TEXT_ENCODER: abstract[1]}
+    files = dict(models.quantized) | {name: stored.rates(modules[name], kept) for name, kept in forms.items()}
     # An NVFP4 file's FP8 tensors are its block scales, counted with its blocks: no Linear ships as FP8.
     fp8 = models.fp8 and not files.get(residency.TRANSFORMER)
     return dataclasses.replace(models, quantized=files, fp8=fp8)
@@ -456,13 +471,13 @@ def with_files(models: Models, transformer: Path | None = None, text_encoder: Pa
 def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:
     """`models` as the usual downloads in a stored format (`klein.memory.stored.FORMATS`) hold them: the
     transformer's Linears but its embedders and final layer, the text encoder's Linears and embedding."""
-    files = dict(models.quantized)
     abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
+    forms = {}
     if transformer is not None:
-        files[residency.TRANSFORMER] = stored.uniform(abstract, transformer, stored.TRANSFORMER_KEPT)
+        forms[residency.TRANSFORMER] = stored.uniform(abstract, transformer, stored.TRANSFORMER_KEPT)
     if text_encoder is not None:
-        files[residency.TEXT_ENCODER] = stored.uniform(text, text_encoder)
-    return dataclasses.replace(models, quantized=files)
+        forms[residency.TEXT_ENCODER] = stored.uniform(text, text_encoder)
+    return with_forms(models, forms)
 
 
 def typical_request(variant) -> Workload:
