@@ -12,6 +12,7 @@ import dataclasses
 
 from klein.memory import devices, plan
 from klein.models import products
+from klein.request import planning
 
 CARDS = {
     "8 GB (RTX 4060)": "rtx-4060",
@@ -37,7 +38,7 @@ ROWS = [
 def planned(variant: str, refs: int, transformer, text_encoder, compute: str = products.BF16):
     models = plan.in_format(plan.published(variant, "bfloat16"), transformer, text_encoder)
     models = dataclasses.replace(models, compute=compute)
-    return plan.plan(variant, refs=refs, size=(1024, 1024), models=models)
+    return planning.plan(variant, refs=refs, size=(1024, 1024), models=models)
 
 
 def auto_on(card: str, variant: str, refs: int, transformer, text_encoder) -> str:

@@ -7,9 +7,10 @@ from klein import sharding
 from klein.aot import gpu_targets
 from klein.bench import flops, roofline
 from klein.memory import plan
+from klein.request import planning
 
 MODELS = plan.published("klein-9b-kv", "bfloat16")
-WORK = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
+WORK = planning.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
 MOVED = {stage: {"arguments": 0, "outputs": 0} for stage in ("text", "prefill", "step", "decode")}
 
 

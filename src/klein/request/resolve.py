@@ -20,9 +20,10 @@ import secrets
 from collections.abc import Callable, Collection, Sequence
 
 from klein.errors import InputError
+from klein.lora.registry import check_known
+from klein.memory.plan import Workload
 from klein.models.vae import PIXELS_PER_TOKEN
 from klein.models.variants import DEMO_LABEL, KV_CHECKPOINT, Variant
-from klein.request.loras import check_known
 from klein.request.modes import Conditioning, Mode, repaint_words
 from klein.request.request import GenerationRequest
 
@@ -67,6 +68,20 @@ class Resolved:
     def prompts(self) -> int:
         """Distinct prompts the text encoder runs over, the negative prompt of CFG included."""
         return len(self.request.prompts) + self.mode.guided
+
+    @property
+    def workload(self) -> Workload:
+        """What the request asks of memory, in numbers: what the planner and admission plan
+        (`klein.memory.plan`)."""
+        return Workload(
+            images=self.images,
+            prompts=self.prompts,
+            height=self.request.height,
+            width=self.request.width,
+            reference_tokens=self.reference_tokens,
+            cached=self.mode.conditioning is Conditioning.CACHED,
+            guided=self.mode.guided,
+        )
 
 
 def resolve(

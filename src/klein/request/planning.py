@@ -1,0 +1,211 @@
+"""`klein plan`'s question: `batch` images of a size with `refs` references of a size, for a published variant
+or a checkpoint's files on a mesh, resolved as any request is (`klein.request.resolve`) and planned from its
+workload (`klein.memory.plan`); where it has no room on a device ("nothing fits"), the smaller forms of the
+same question that would (`suggestions`), each planned by the planner itself rather than written down here.
+
+One change at a time, each as the flags of `klein plan` (and `klein generate`) that make it, so that a
+line is the command to run:
+- the checkpoint as a quantized download (a GGUF Q8_0 or Q4_K, or an NVFP4, transformer beside a Q4_K
+  Qwen3 GGUF, counted as `klein.memory.plan.in_format` counts the usual files), or BFL's FP8 transformer
+  file: for a published size, whose downloads these are;
+- the smaller model (the 4b of a 9b variant);
+- fewer references, smaller references, a smaller output size, fewer images: the most that fits, from
+  `klein.memory.suggest.SCALES` of each side (a few plans; each takes milliseconds once the first has
+  built the models' shapes);
+- a larger memory cap, where a cap rather than the device leaves no room.
+A checkpoint that does not fit alone comes with the first request change that makes it fit. Each is
+planned under the policy `auto` takes (`klein.memory.residency`): the first that fits, else the roomiest
+(under `stream`, the device holds about two of a model's layers at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from klein.errors import InputError, counted
+from klein.memory import plan as planner
+from klein.memory import residency
+from klein.memory.suggest import smaller_sides
+from klein.models.variants import SIZES, name_of
+from klein.request.request import GenerationRequest
+from klein.request.resolve import MIN_SIDE, resolve
+
+FILE_FORMATS = ("Q8_0", "Q4_K", "NVFP4")
+"""The quantized transformer downloads suggested, beside a Qwen3 GGUF of `TEXT_ENCODER_FORMAT`."""
+TEXT_ENCODER_FORMAT = "Q4_K"
+
+
+def plan(
+    variant: str,
+    mesh: str = "single",
+    refs: int = 0,
+    size: tuple[int, int] = (1024, 1024),
+    ref_size: tuple[int, int] | None = None,
+    batch: int = 1,
+    dtype: str = "bfloat16",
+    models: planner.Models | None = None,
+    platform: str = "accelerator",
+) -> planner.MemoryPlan:
+    """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
+    published `variant`, or for the checkpoint `models` describes (`klein.memory.plan.plan`, which says
+    what `platform` changes): the request resolved as the pipeline resolves one, its workload planned."""
+    models = models or planner.published(variant, dtype)
+    ref_size = ref_size or size
+    if batch < 1 or refs < 0 or min(*size, *ref_size) < MIN_SIDE:
+        raise InputError(f"plan needs batch >= 1, refs >= 0 and sizes of at least {MIN_SIDE}x{MIN_SIDE} px")
+    request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
+    run = resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
+    asked = (
+        f"{batch} x {size[0]}x{size[1]} px, {counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px"
+    )
+    return planner.plan(variant, models, run.workload, f"{asked}, {dtype}", mesh, dtype, platform)
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    change: str
+    """The change as the flags that make it, e.g. "--refs 1"."""
+    policy: str
+    """The residency policy `auto` takes with it: the first that fits, else the roomiest."""
+    peak: int
+    """Its planned peak bytes per device under `policy`."""
+    fits: bool
+    then: Suggestion | None = None
+    """For a checkpoint that does not fit alone: the request change that makes it fit, with its figures."""
+
+
+def suggestions(asked: dict, limit: int, memory: int | None = None) -> list[Suggestion]:
+    """What would fit in `limit` bytes where the plan of `asked` (`plan`'s arguments, as keywords)
+    does not; none where it fits. `memory`: the device's own bytes, where a memory cap made `limit` less."""
+    current = _planned(asked, "", limit)
+    if current.fits:
+        return []
+    found = []
+    for change, words in _checkpoints(asked):
+        suggestion = _planned(asked | change, words, limit)
+        if suggestion is None or suggestion.peak >= current.peak:
+            continue  # no smaller than the checkpoint asked for
+        if not suggestion.fits:
+            suggestion = dataclasses.replace(suggestion, then=_first_request_change(asked | change, limit))
+        found.append(suggestion)
+    found += filter(None, (_largest(ladder, asked, limit) for ladder in _requests(asked)))
+    cap = math.ceil(current.peak / 2**30 * 100) / 100  # GiB, as --memory-cap reads it
+    if memory is not None and current.peak <= int(cap * 2**30) <= memory:
+        found.append(_planned(asked, f"--memory-cap {cap:.2f}GiB", int(cap * 2**30)))
+    return found
+
+
+def _planned(asked: dict, change: str, limit: int) -> Suggestion | None:
+    """`asked` planned against `limit`, as `auto` picks its policy; None where it cannot be planned (a
+    smaller model whose heads a mesh does not divide)."""
+    try:
+        peaks = plan(**asked).policies
+    except InputError:
+        return None
+    fitting = [name for name, peak in peaks.items() if peak <= limit]
+    policy = fitting[0] if fitting else min(peaks, key=peaks.get)
+    return Suggestion(change, policy, peaks[policy], bool(fitting))
+
+
+def _largest(ladder: list[tuple[dict, str]], asked: dict, limit: int) -> Suggestion | None:
+    """The first change of `ladder` (least reduced first) that fits, if any."""
+    for change, words in ladder:
+        suggestion = _planned(asked | change, words, limit)
+        if suggestion is not None and suggestion.fits:
+            return suggestion
+    return None
+
+
+def _first_request_change(asked: dict, limit: int) -> Suggestion | None:
+    return next(filter(None, (_largest(ladder, asked, limit) for ladder in _requests(asked))), None)
+
+
+def _checkpoints(asked: dict) -> list[tuple[dict, str]]:
+    """The downloads of the same model that hold fewer bytes, and the smaller model: (plan arguments that
+    change, words)."""
+    models = asked["models"]
+    size = models.variant.size
+    if size is None:
+        return []  # a checkpoint of no published size: nobody publishes quantized files of it
+    quantized = models.quantized
+    text = None if residency.TEXT_ENCODER in quantized else TEXT_ENCODER_FORMAT
+    beside = f" and a Qwen3 {text} GGUF (--text-encoder FILE)" if text else ""
+    found = []
+    if residency.TRANSFORMER not in quantized:
+        for fmt in FILE_FORMATS:
+            kind = "an NVFP4 safetensors" if fmt == "NVFP4" else f"a {fmt} GGUF"
+            found.append(
+                (
+                    dict(models=planner.in_format(models, fmt, text)),
+                    f"{kind} transformer (--transformer FILE){beside}",
+                )
+            )
+        if not models.fp8:
+            found.append(
+                (
+                    dict(models=dataclasses.replace(models, fp8=True)),
+                    "BFL's FP8 transformer file (--transformer FILE)",
+                )
+            )
+    elif text:
+        found.append(
+            (dict(models=planner.in_format(models, text_encoder=text)), beside.removeprefix(" and "))
+        )
+    if size is not SIZES["4b"]:
+        smaller = name_of(SIZES["4b"], kv=False, distilled=models.variant.distilled)
+        published = planner.published(smaller, asked["dtype"])
+        change = dict(variant=smaller, models=dataclasses.replace(published, compute=models.compute))
+        found.append((change, f"the smaller model (--model {smaller})"))
+    return found
+
+
+def _requests(asked: dict) -> list[list[tuple[dict, str]]]:
+    """Per kind of request change, its candidates from the least reduced to the most: (plan arguments that
+    change, the flags)."""
+    refs, batch, size = asked["refs"], asked["batch"], asked["size"]
+    ladders = []
+    if refs:
+        ladders.append([(dict(refs=n), f"--refs {n}") for n in range(refs - 1, -1, -1)])
+        ref_size = asked["ref_size"] or size
+        ladders.append([(dict(ref_size=s), f"--ref-size {s[0]}x{s[1]}") for s in smaller_sides(ref_size)])
+    # Without --ref-size the references follow --size, as they do in the plan asked for.
+    follow = " (references too)" if refs and asked["ref_size"] is None else ""
+    ladders.append([(dict(size=s), f"--size {s[0]}x{s[1]}{follow}") for s in smaller_sides(size)])
+    if batch > 1:
+        ladders.append([(dict(batch=n), f"--batch {n}") for n in range(batch - 1, 0, -1)])
+    return ladders
+
+
+def describe(found: list[Suggestion], limit: int) -> str:
+    """The suggestions for people: each change, its peak and policy, whether it fits `limit`."""
+    if not found:
+        return ""
+    lines = [f"what would fit in {_gib(limit)}, one change at a time (auto's policy and its peak):"]
+    for s in found:
+        lines.append(f"  {s.change}: {_figures(s)}")
+        if s.then is not None:
+            lines.append(f"    with {s.then.change}: {_figures(s.then)}")
+    return "\n".join(lines)
+
+
+def as_json(found: list[Suggestion]) -> list[dict]:
+    """The suggestions for tools: bytes and flags."""
+    return [
+        dict(
+            change=s.change,
+            policy=s.policy,
+            peak_bytes=s.peak,
+            fits=s.fits,
+            then=None if s.then is None else as_json([s.then])[0],
+        )
+        for s in found
+    ]
+
+
+def _figures(s: Suggestion) -> str:
+    return f"{s.policy} {_gib(s.peak)}, {'fits' if s.fits else 'does not fit alone'}"
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB" if value >= 2**27 else f"{value / 2**20:.1f} MiB"
