@@ -1,6 +1,6 @@
-"""What the planner says when nothing fits (`klein.memory.suggest`), one meaning of a device's memory whether
-it is given as a size or a card's name, card names read as people type them, and a memory cap's refusal
-that says what the cap was spent on. Every device's memory here is given: nothing depends on what this
+"""What the planner says when nothing fits (`klein.request.planning.suggestions`), one meaning of a device's
+memory whether it is given as a size or a card's name, card names read as people type them, and a memory cap's
+refusal that says what the cap was spent on. Every device's memory here is given: nothing depends on what this
 machine has free."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 from klein import InputError
 from klein.cli import main as cli
 from klein.errors import CannotFitError
-from klein.memory import admission, devices, plan, residency, suggest
+from klein.memory import admission, devices, plan, residency
 from klein.request import planning
 from tests.test_cli import assert_clean_error, run_klein
 
@@ -178,7 +178,7 @@ def test_a_refused_request_hears_the_largest_smaller_forms_that_fit():
         return w.images * w.height * w.width + 64 * w.reference_tokens
 
     limit = 3 * 2**20
-    found = suggest.smaller_requests(work, peak, limit)
+    found = admission.smaller_requests(work, peak, limit)
     assert found == [
         "768x768 px (2.8 MiB)",  # 4 x 768^2 + 64 x 8192 = 2.75 MiB; 896^2 does not fit
         "2 images at a time (2.5 MiB)",

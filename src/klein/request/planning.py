@@ -1,16 +1,13 @@
-"""`klein plan`'s question: `batch` images of a size with `refs` references of a size, for a published variant
-or a checkpoint's files on a mesh, resolved as any request is (`klein.request.resolve`) and planned from its
-workload (`klein.memory.plan`); where it has no room on a device ("nothing fits"), the smaller forms of the
-same question that would (`suggestions`), each planned by the planner itself rather than written down here.
-
-One change at a time, each as the flags of `klein plan` (and `klein generate`) that make it, so that a
-line is the command to run:
+"""`klein plan`'s question, `batch` images of a size with `refs` references of a size, resolved as any request
+is (`klein.request.resolve`) and planned from its workload (`klein.memory.plan`); where it has no room on a
+device ("nothing fits"), the smaller forms of it that would (`suggestions`), one change at a time, each
+planned by the planner itself and given as the flags of `klein plan` (and `klein generate`) that make it:
 - the checkpoint as a quantized download (a GGUF Q8_0 or Q4_K, or an NVFP4, transformer beside a Q4_K
   Qwen3 GGUF, counted as `klein.memory.plan.in_format` counts the usual files), or BFL's FP8 transformer
   file: for a published size, whose downloads these are;
 - the smaller model (the 4b of a 9b variant);
 - fewer references, smaller references, a smaller output size, fewer images: the most that fits, from
-  `klein.memory.suggest.SCALES` of each side (a few plans; each takes milliseconds once the first has
+  `klein.memory.admission.SCALES` of each side (a few plans; each takes milliseconds once the first has
   built the models' shapes);
 - a larger memory cap, where a cap rather than the device leaves no room.
 A checkpoint that does not fit alone comes with the first request change that makes it fit. Each is
@@ -26,7 +23,7 @@ import math
 from klein.errors import InputError, counted
 from klein.memory import plan as planner
 from klein.memory import residency
-from klein.memory.suggest import smaller_sides
+from klein.memory.admission import gib, smaller_sides
 from klein.models.variants import SIZES, name_of
 from klein.request.request import GenerationRequest
 from klein.request.resolve import MIN_SIDE, resolve
@@ -56,10 +53,9 @@ def plan(
         raise InputError(f"plan needs batch >= 1, refs >= 0 and sizes of at least {MIN_SIDE}x{MIN_SIDE} px")
     request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
     run = resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
-    asked = (
-        f"{batch} x {size[0]}x{size[1]} px, {counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px"
-    )
-    return planner.plan(variant, models, run.workload, f"{asked}, {dtype}", mesh, dtype, platform)
+    references = f"{counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px"
+    asked = f"{batch} x {size[0]}x{size[1]} px, {references}, {dtype}"
+    return planner.plan(variant, models, run.workload, asked, mesh, dtype, platform)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +177,7 @@ def describe(found: list[Suggestion], limit: int) -> str:
     """The suggestions for people: each change, its peak and policy, whether it fits `limit`."""
     if not found:
         return ""
-    lines = [f"what would fit in {_gib(limit)}, one change at a time (auto's policy and its peak):"]
+    lines = [f"what would fit in {gib(limit)}, one change at a time (auto's policy and its peak):"]
     for s in found:
         lines.append(f"  {s.change}: {_figures(s)}")
         if s.then is not None:
@@ -204,8 +200,4 @@ def as_json(found: list[Suggestion]) -> list[dict]:
 
 
 def _figures(s: Suggestion) -> str:
-    return f"{s.policy} {_gib(s.peak)}, {'fits' if s.fits else 'does not fit alone'}"
-
-
-def _gib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB" if value >= 2**27 else f"{value / 2**20:.1f} MiB"
+    return f"{s.policy} {gib(s.peak)}, {'fits' if s.fits else 'does not fit alone'}"

@@ -61,24 +61,15 @@ class Resolved:
     steps before it are skipped, and the source noised to that step is where the steps start)."""
 
     @property
-    def reference_tokens(self) -> int:
-        return sum((h // MULTIPLE) * (w // MULTIPLE) for h, w in self.reference_sizes)
-
-    @property
-    def prompts(self) -> int:
-        """Distinct prompts the text encoder runs over, the negative prompt of CFG included."""
-        return len(self.request.prompts) + self.mode.guided
-
-    @property
     def workload(self) -> Workload:
-        """What the request asks of memory, in numbers: what the planner and admission plan
-        (`klein.memory.plan`)."""
+        """The request in numbers, all that its memory depends on (`klein.memory.plan`): the prompts
+        the text encoder runs over count the negative prompt of CFG."""
         return Workload(
             images=self.images,
-            prompts=self.prompts,
+            prompts=len(self.request.prompts) + self.mode.guided,
             height=self.request.height,
             width=self.request.width,
-            reference_tokens=self.reference_tokens,
+            reference_tokens=sum((h // MULTIPLE) * (w // MULTIPLE) for h, w in self.reference_sizes),
             cached=self.mode.conditioning is Conditioning.CACHED,
             guided=self.mode.guided,
         )
