@@ -13,6 +13,7 @@ import dataclasses
 from klein import devices
 from klein.memory import plan
 from klein.models import products
+from klein.request import planning
 
 CARDS = {
     "8 GB (RTX 4060)": "rtx-4060",
@@ -38,7 +39,7 @@ ROWS = [
 def planned(variant: str, refs: int, transformer, text_encoder, compute: str = products.BF16):
     models = plan.in_format(plan.published(variant, "bfloat16"), transformer, text_encoder)
     models = dataclasses.replace(models, compute=compute)
-    return plan.plan(variant, refs=refs, size=(1024, 1024), models=models)
+    return planning.plan(variant, refs=refs, size=(1024, 1024), models=models)
 
 
 def auto_on(card: str, variant: str, refs: int, transformer, text_encoder) -> str:

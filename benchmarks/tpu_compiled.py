@@ -23,6 +23,7 @@ from klein import devices  # noqa: E402
 from klein.aot import compiled, topology  # noqa: E402
 from klein.bench import roofline  # noqa: E402
 from klein.memory import plan  # noqa: E402
+from klein.request import planning  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SLICES = (("tpu7x:2x2x1", "context=2"), ("v6e:2x4", "tensor=8"))
@@ -49,7 +50,7 @@ def compile_all(raw: dict, save, slices) -> None:
             if name in raw:
                 continue
             started = time.perf_counter()
-            work = plan.plan(variant, spec, refs).workload
+            work = planning.plan(variant, spec, refs).workload
             analyses = compiled.analyse(plan.published(variant, "bfloat16"), work, "bfloat16", mesh, stages)
             raw[name] = {stage: vars(a) for stage, a in analyses.items()}
             raw[name]["seconds"] = round(time.perf_counter() - started, 1)
@@ -73,7 +74,7 @@ def case_report(raw: dict, target: str, spec: str, variant: str, refs: int) -> d
     """Per-device memory and roofline of one case, in bytes and seconds."""
     mesh, spec = topology.mesh(target, spec)
     on = devices.of_kind(mesh.devices.flat[0].device_kind)
-    p = plan.plan(variant, spec, refs)
+    p = planning.plan(variant, spec, refs)
     models = plan.published(variant, "bfloat16")
     stages = analyses(raw, target, spec, variant, 0 if variant == "klein-9b-kv" and refs == 0 else refs)
     times = roofline.times(models, p.workload, models.variant.steps, mesh, stages, on)

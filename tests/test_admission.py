@@ -63,8 +63,8 @@ def test_a_memory_cap_leaves_a_request_what_the_weights_and_the_process_leave(pi
         pipe.memory_cap = held + own + 64 * 2**20
         pipe.check(request)
         spent = (
-            rf"more than the 64.0 MiB left of the {admission._gib(pipe.memory_cap)} memory cap beside the "
-            rf"weights \({admission._gib(held)}\) and klein's own process \({own / 2**30:.2f} GiB resident"
+            rf"more than the 64.0 MiB left of the {admission.gib(pipe.memory_cap)} memory cap beside the "
+            rf"weights \({admission.gib(held)}\) and klein's own process \({own / 2**30:.2f} GiB resident"
         )
         with pytest.raises(InputError, match=spent):
             pipe.check(request, [(2048, 2048)] * 3)

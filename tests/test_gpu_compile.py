@@ -22,6 +22,7 @@ from klein.aot import compiled, topology
 from klein.bench import roofline
 from klein.cli import main as cli
 from klein.memory import plan
+from klein.request import planning
 from klein.sharding import use
 from tests.support.hlo import dims_of, dot_operands
 
@@ -57,7 +58,7 @@ def h100_9b_kv():
     compiled for one H100: (mesh, analyses, optimised HLO texts). About 25 s of one core, 11 of them the
     text encoder and the decoder."""
     mesh, spec = topology.mesh("h100", None)
-    work = plan.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
+    work = planning.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
     assert work.cached and work.reference_tokens == 2 * 4096
     programs = {}
     models = plan.published("klein-9b-kv", "bfloat16")
@@ -95,8 +96,8 @@ def test_the_planner_estimates_every_h100_stage_within_15_percent(h100_9b_kv):
     (docs/design.md, "GPU programs from any machine")."""
     _, stages, _ = h100_9b_kv
     compiled_bytes = {name: plan.beyond_weights(name, vars(a)) for name, a in stages.items()}
-    gpu = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024), platform="gpu").memory.parts()
-    other = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).memory.parts()
+    gpu = planning.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024), platform="gpu").memory.parts()
+    other = planning.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).memory.parts()
     parts = dict(text="text_encoder", prefill="kv_prefill", step="denoise_step", decode="decode")
     ratios = {name: gpu[parts[name]] / used for name, used in compiled_bytes.items()}
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
@@ -143,7 +144,7 @@ def test_the_h100_roofline_of_the_cached_step_is_its_flops_over_the_bf16_peak(h1
     mesh, stages, _ = h100_9b_kv
     card = devices.of_kind(mesh.devices.flat[0].device_kind)
     assert (card.bf16_flops, card.fp8_flops) == (989e12, 1979e12)
-    work = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
+    work = planning.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
     models = plan.published("klein-9b-kv", "bfloat16")
     analyses = {name: vars(a) for name, a in stages.items()}
     times = roofline.times(models, work, 4, mesh, analyses, card)

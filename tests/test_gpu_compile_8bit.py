@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from klein.aot import compiled, topology
 from klein.memory import plan
 from klein.models import products
+from klein.request import planning
 from klein.sharding import use
 from tests.support.hlo import operations
 
@@ -65,7 +66,7 @@ def h100_9b_kv_8bit():
     """klein-9b-kv's cached step, 1024^2 with 2 references, compiled for one H100 with each 8-bit
     compute and bf16 (to compare): {compute: (analysis, optimised HLO)}. About 11 s of one core each."""
     mesh, spec = topology.mesh("h100", None)
-    work = plan.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
+    work = planning.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
     models = plan.published("klein-9b-kv", "bfloat16")
     out = {}
     for compute in (products.FP8, products.INT8, products.BF16):

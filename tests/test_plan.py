@@ -12,11 +12,12 @@ from klein.aot import compiled
 from klein.cli import main as cli
 from klein.io import demo
 from klein.memory import admission, process
-from klein.memory.plan import FLUX2_VAE, Workload, plan, request_memory
+from klein.memory.plan import FLUX2_VAE, Workload, request_memory
 from klein.models import transformer as T
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.request.loading import LoadOptions
+from klein.request.planning import plan
 
 GiB = 2**30
 PARAMS_9B = 9.08e9  # docs/design.md: 9b is about 9.08 B parameters

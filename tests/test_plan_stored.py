@@ -26,6 +26,7 @@ from klein.memory import plan, stored
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.flux2_klein import load_pipeline
+from klein.request import planning
 from tests.test_cli import run_klein
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -93,7 +94,7 @@ def test_format_table_is_ggmls_and_a_q4_0_plan_is_smaller_by_its_ratio():
             assert rate == Fraction(size, values), name
     bf16 = plan.published("klein-9b-kv", "bfloat16")
     q4 = plan.in_format(bf16, "Q4_0", "Q4_0")
-    full, quantized = (plan.plan("klein-9b-kv", size=(64, 64), models=m) for m in (bf16, q4))
+    full, quantized = (planning.plan("klein-9b-kv", size=(64, 64), models=m) for m in (bf16, q4))
     # The quantized Linears at 18 / 32 bytes where bf16 takes 2: the embedders and final layer stay bf16.
     abstract, text = plan._abstract_models(bf16.transformer, bf16.text_encoder)[:2]
     kept = sum(
@@ -247,10 +248,10 @@ def test_klein_plan_on_an_8_gb_card(klein_home, tmp_path, capsys):
 
 def test_auto_on_a_12_gb_card_follows_the_stored_form():
     q4 = plan.in_format(plan.published("klein-9b-kv", "bfloat16"), "Q4_0", "Q4_K")
-    planned = plan.plan("klein-9b-kv", refs=1, size=(1024, 1024), models=q4)
+    planned = planning.plan("klein-9b-kv", refs=1, size=(1024, 1024), models=q4)
     fitting = [name for name, peak in planned.policies.items() if peak <= devices.DEVICES["rtx-3060"].limit]
     assert fitting[0] == "sequential"
-    bf16 = plan.plan("klein-9b-kv", refs=1, size=(1024, 1024))
+    bf16 = planning.plan("klein-9b-kv", refs=1, size=(1024, 1024))
     assert [n for n, p in bf16.policies.items() if p <= devices.DEVICES["rtx-3060"].limit] == ["stream"]
 
 

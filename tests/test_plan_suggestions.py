@@ -1,6 +1,6 @@
-"""What the planner says when nothing fits (`klein.memory.suggest`), one meaning of a device's memory whether
-it is given as a size or a card's name, card names read as people type them, and a memory cap's refusal
-that says what the cap was spent on. Every device's memory here is given: nothing depends on what this
+"""What the planner says when nothing fits (`klein.request.planning.suggestions`), one meaning of a device's
+memory whether it is given as a size or a card's name, card names read as people type them, and a memory cap's
+refusal that says what the cap was spent on. Every device's memory here is given: nothing depends on what this
 machine has free."""
 
 import dataclasses
@@ -11,7 +11,8 @@ import pytest
 from klein import InputError, devices
 from klein.cli import main as cli
 from klein.errors import CannotFitError
-from klein.memory import admission, plan, residency, suggest
+from klein.memory import admission, plan, residency
+from klein.request import planning
 from tests.test_cli import assert_clean_error, run_klein
 
 GiB = 2**30
@@ -22,7 +23,7 @@ def published(variant: str, compute: str) -> plan.Models:
 
 
 def asked(variant="klein-9b-kv", compute="fp8", **changes) -> dict:
-    """`plan.plan`'s arguments, as `klein plan` passes them for a named card."""
+    """`planning.plan`'s arguments, as `klein plan` passes them for a named card."""
     args = dict(variant=variant, mesh="single", refs=0, size=(1024, 1024), ref_size=None, batch=1)
     args |= dict(dtype="bfloat16", models=published(variant, compute), platform="accelerator")
     return args | changes
@@ -55,12 +56,12 @@ def test_nothing_fits_on_an_8_gb_card_lists_what_would_with_the_planner_s_figure
         | dict(variant="klein-4b", models=published("klein-4b", "fp8")),
     }
     for change, arguments in expected.items():
-        policy, peak = auto(plan.plan(**arguments).policies, limit)
+        policy, peak = auto(planning.plan(**arguments).policies, limit)
         assert (found[change]["policy"], found[change]["peak_bytes"]) == (policy, peak), change
         assert found[change]["fits"] and peak <= limit
     q4 = next(s for change, s in found.items() if change.startswith("a Q4_K GGUF transformer"))
     policy, peak = auto(
-        plan.plan(**base | dict(models=plan.in_format(base["models"], "Q4_K", "Q4_K"))).policies, limit
+        planning.plan(**base | dict(models=plan.in_format(base["models"], "Q4_K", "Q4_K"))).policies, limit
     )
     assert (q4["policy"], q4["peak_bytes"], q4["fits"]) == ("stream", peak, False) and peak > limit
     assert q4["then"]["change"] == "--refs 1" and q4["then"]["fits"]
@@ -75,7 +76,7 @@ def test_each_smaller_request_is_the_largest_that_fits():
     """The size, the references and their number go down only as far as they must: one step larger does
     not fit."""
     limit = 7 * GiB
-    found = {s.change: s for s in suggest.suggestions(asked(refs=2), limit)}
+    found = {s.change: s for s in planning.suggestions(asked(refs=2), limit)}
     larger = {
         "--refs 0": dict(refs=1),
         "--ref-size 640x640": dict(ref_size=(768, 768)),
@@ -83,11 +84,11 @@ def test_each_smaller_request_is_the_largest_that_fits():
     }
     for change, step in larger.items():
         assert found[change].fits
-        assert min(plan.plan(**asked(refs=2) | step).policies.values()) > limit, change
+        assert min(planning.plan(**asked(refs=2) | step).policies.values()) > limit, change
 
 
 def test_a_plan_that_fits_suggests_nothing(capsys):
-    assert suggest.suggestions(asked(refs=2), 23 * GiB) == []
+    assert planning.suggestions(asked(refs=2), 23 * GiB) == []
     assert cli.main(["plan", "--model", "klein-9b-kv", "--refs", "2", "--device", "rtx-4090", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["suggestions"] == []
 
@@ -96,15 +97,15 @@ def test_a_memory_cap_that_leaves_no_room_suggests_the_cap_that_would():
     """Below the device's own memory a cap is what leaves no room: the suggested cap is the least that fits,
     and under it auto has a policy."""
     base = asked("klein-4b")
-    found = {s.change: s for s in suggest.suggestions(base, 3 * GiB, memory=23 * GiB)}
+    found = {s.change: s for s in planning.suggestions(base, 3 * GiB, memory=23 * GiB)}
     cap = next(change for change in found if change.startswith("--memory-cap "))
     assert found[cap].fits
-    least = min(plan.plan(**base).policies.values())
+    least = min(planning.plan(**base).policies.values())
     cap_bytes = float(cap.removeprefix("--memory-cap ").removesuffix("GiB")) * GiB
     assert least <= cap_bytes < least + 0.01 * GiB
     # Without the device's memory (or with less than the cap would need) no cap is suggested.
     assert not any(
-        c.startswith("--memory-cap") for c in (s.change for s in suggest.suggestions(base, 3 * GiB))
+        c.startswith("--memory-cap") for c in (s.change for s in planning.suggestions(base, 3 * GiB))
     )
 
 
@@ -181,7 +182,7 @@ def test_a_refused_request_hears_the_largest_smaller_forms_that_fit():
         return w.images * w.height * w.width + 64 * w.reference_tokens
 
     limit = 3 * 2**20
-    found = suggest.smaller_requests(work, peak, limit)
+    found = admission.smaller_requests(work, peak, limit)
     assert found == [
         "768x768 px (2.8 MiB)",  # 4 x 768^2 + 64 x 8192 = 2.75 MiB; 896^2 does not fit
         "2 images at a time (2.5 MiB)",

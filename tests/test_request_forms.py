@@ -162,7 +162,7 @@ def test_a_misspelt_key_of_a_lora_is_named_where_it_is():
 
 def test_an_unknown_lora_name_gets_the_nearest_in_each_front_ends_words():
     from klein.errors import CLI, HTTP, PYTHON, WordedError, worded
-    from klein.request.loras import check_known
+    from klein.lora.registry import check_known
 
     sets = GenerationRequest(prompt="a fox", loras=["inc:0.8"]).lora_sets
     with pytest.raises(WordedError) as raised:

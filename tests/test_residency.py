@@ -22,6 +22,7 @@ from klein.models import transformer as T
 from klein.models.stacks import as_float
 from klein.pipeline import device_weights
 from klein.pipeline.flux2_klein import load_pipeline
+from klein.request import resolve
 from tests.support.compare import max_abs
 from tests.test_cli import run_klein
 
@@ -246,7 +247,7 @@ def test_auto_chooses_the_first_policy_that_fits_before_reading_weights(klein_ho
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))
     every = load_pipeline("demo", residency="all")
     sizes = every.weight_bytes
-    work = plan.typical_request(every.variant)
+    work = resolve.typical(every.variant).workload
     request = min(
         plan.request_memory(
             every.config,

@@ -53,7 +53,7 @@ def test_how_references_enter(variant, references, use_kv, expected):
     run = resolve(request, VARIANTS[variant], "the model", sizes)
     assert run.mode.conditioning is expected
     assert run.request.use_kv == (expected is CACHED)
-    assert run.reference_tokens == references * 4 * 6
+    assert run.workload.reference_tokens == references * 4 * 6
 
 
 @pytest.mark.parametrize("variant,scale,guidance,steps", GUIDANCE)
@@ -62,7 +62,7 @@ def test_guidance_and_steps(variant, scale, guidance, steps):
     assert run.request.guidance_scale == guidance
     assert run.mode.guided is (guidance is not None)
     assert run.request.num_inference_steps == steps
-    assert run.prompts == 2 + run.mode.guided  # the negative prompt with CFG
+    assert run.workload.prompts == 2 + run.mode.guided  # the negative prompt with CFG
 
 
 def test_size_seed_and_batch():
@@ -103,9 +103,15 @@ def test_encoded_references_decide_their_mode_and_must_agree_with_use_kv():
 
 
 def test_a_pipeline_is_planned_for_one_1024_image_with_cfg_where_it_runs():
-    assert typical(VARIANTS["klein-base-9b"]).prompts == 2
-    run = typical(VARIANTS["klein-9b-kv"])
-    assert (run.prompts, run.images, run.request.height, run.reference_tokens) == (1, 1, 1024, 0)
+    assert typical(VARIANTS["klein-base-9b"]).workload.prompts == 2
+    work = typical(VARIANTS["klein-9b-kv"]).workload
+    assert (work.prompts, work.images, work.height, work.reference_tokens, work.cached) == (
+        1,
+        1,
+        1024,
+        0,
+        False,
+    )
 
 
 # steps, strength -> the first step that runs (diffusers' get_timesteps: int(steps - steps * strength)),

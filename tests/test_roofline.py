@@ -6,9 +6,10 @@ import pytest
 from klein import devices, sharding
 from klein.bench import flops, roofline
 from klein.memory import plan
+from klein.request import planning
 
 MODELS = plan.published("klein-9b-kv", "bfloat16")
-WORK = plan.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
+WORK = planning.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).workload
 MOVED = {stage: {"arguments": 0, "outputs": 0} for stage in ("text", "prefill", "step", "decode")}
 
 

@@ -19,6 +19,7 @@ from klein.bench import flops, roofline
 from klein.cli import main as cli
 from klein.memory import plan
 from klein.models.attention import attention
+from klein.request import planning
 from klein.sharding import use
 
 # Skipped where the tpu extra is not installed, except in CI, which installs it: there a broken install
@@ -37,7 +38,7 @@ def test_klein_9b_kv_at_1024_with_4_references_fits_a_v6e_8():
     mesh, spec = topology.mesh(TARGET, None)
     assert spec == "tensor=8"
     chip = devices.of_kind(mesh.devices.flat[0].device_kind)
-    work = plan.plan("klein-9b-kv", spec, refs=4, size=(1024, 1024)).workload
+    work = planning.plan("klein-9b-kv", spec, refs=4, size=(1024, 1024)).workload
     assert work.cached and work.reference_tokens == 4 * 4096
     models = plan.published("klein-9b-kv", "bfloat16")
     stages = compiled.analyse(models, work, "bfloat16", mesh, only=("prefill", "step"))
@@ -84,7 +85,7 @@ def test_klein_plan_target(capsys):
 def test_roofline_table():
     """Stage times from canned analyses: the longer of compute and memory, the step once per step."""
     models = plan.published("klein-9b-kv", "bfloat16")
-    p = plan.plan("klein-9b-kv", "tensor=8", refs=1)
+    p = planning.plan("klein-9b-kv", "tensor=8", refs=1)
     chip = devices.DEVICES["tpu-v6e"]
     stages = {name: dict(arguments=2**30, outputs=0) for name in ("text", "prefill", "step", "decode")}
     times = roofline.times(models, p.workload, 4, sharding.abstract_mesh("tensor=8"), stages, chip)

@@ -4,5 +4,6 @@
 them), `plan` decides what is left to do and groups it by reference set, `outputs` names and writes the
 PNGs atomically, `manifest` keeps `results.jsonl`, `runner` is one worker's pipeline over one group at a
 time (each set encoded once), and `local` runs every group in this process (`ray_data` on a Ray cluster).
-A front end: imports the pipeline and below; the command line starts it (docs/design.md, "Batch").
+A front end: imports `klein.ray_runtime`, the pipeline and below, no other front end; the command line
+starts it (docs/design.md, "Batch").
 """

@@ -16,11 +16,10 @@ from pathlib import Path
 from klein.errors import CLI, InputError, no_negative_prompt
 from klein.images import show_pixels
 from klein.lora.files import parse_spec
-from klein.lora.registry import named_files
+from klein.lora.registry import check_known, named_files
 from klein.request import kinds
 from klein.request.kinds import settings_of, short_name
 from klein.request.loading import LoadOptions
-from klein.request.loras import check_known
 from klein.request.request import GenerationRequest
 from klein.request.resolve import MAX_PIXELS, parse_size
 

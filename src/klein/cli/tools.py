@@ -245,18 +245,20 @@ def _target_command(flags: argparse.Namespace) -> int:
 
 
 def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str):
-    """(the plan of `asked`, `klein.memory.plan.plan`'s arguments; its JSON report; its text): the plan
+    """(the plan of `asked`, `klein.request.planning.plan`'s arguments; its JSON report; its text): the plan
     against `device` (bytes it may take, where from, the device's own bytes where a cap made them less),
-    what would fit where nothing does (`klein.memory.suggest`), and the compute planned, `whose` it is."""
-    from klein.memory import plan, suggest
+    what would fit where nothing does (`klein.request.planning.suggestions`), and the compute planned,
+    `whose` it is."""
+    from klein.memory import plan
+    from klein.request import planning
 
     limit, where, room = device
-    memory = plan.plan(**asked)
-    found = suggest.suggestions(asked, limit, room)
-    report = dict(plan.as_json(memory, limit, where), compute=compute, suggestions=suggest.as_json(found))
+    memory = planning.plan(**asked)
+    found = planning.suggestions(asked, limit, room)
+    report = dict(plan.as_json(memory, limit, where), compute=compute, suggestions=planning.as_json(found))
     lines = (
         plan.describe(memory, limit, where),
-        suggest.describe(found, limit),
+        planning.describe(found, limit),
         _describe_compute(compute, whose),
     )
     return memory, report, "\n".join(filter(None, lines))

@@ -1,6 +1,6 @@
 """The LoRAs an operator makes available by name (`--lora-dir DIR`, `--lora-named NAME=FILE`): the one place
 where a LoRA name becomes a file. Requests only ever name them (`klein.request.loras`), so no request can
-open a file.
+open a file; `check_known` refuses a name that is not among those offered (or loaded).
 
 A folder gives each `.safetensors` file in it (not below it) under its file name without the suffix; a
 named file, its name. Names are short words of letters, digits, `.`, `_` and `-`, so that none can be
@@ -10,9 +10,10 @@ mistaken for a path.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 
-from klein.errors import InputError
+from klein.errors import InputError, WordedError, did_you_mean
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A LoRA name: what a request may name and a listing shows."""
@@ -47,3 +48,17 @@ def _add(found: dict[str, Path], name: str, path: Path, where: str) -> None:
     if name in found:
         raise InputError(f"{where}: the name {name!r} is taken twice ({found[name]} and {path}); rename one")
     found[name] = path
+
+
+def check_known(sets, known: Collection[str]) -> None:
+    """A `WordedError` for the first LoRA of `sets` whose name is not among the `known` (loaded or offered)
+    names, with the nearest of them."""
+    unknown = next((use.name for uses in sets for use in uses if use.name not in known), None)
+    if unknown is not None:
+        raise WordedError(
+            "{loras}: no LoRA named {name!r:.100} is {loaded}{hint} ({loaded}: {known}); {offered}",
+            "loras",
+            name=unknown,
+            hint=did_you_mean(unknown, known),
+            known=", ".join(sorted(known)) or "none",
+        )

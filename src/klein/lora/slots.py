@@ -20,10 +20,10 @@ import numpy as np
 from klein.errors import InputError
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
+from klein.lora.registry import check_known
 from klein.lora.targets import kernel_shape
 from klein.models.stacks import as_bits
 from klein.models.transformer_config import TransformerConfig
-from klein.request.loras import check_known
 
 RANK_STEP = 8
 """Slot ranks are multiples of this, so that loading a LoRA of a slightly larger rank seldom changes the

@@ -3,16 +3,19 @@
 The request's bytes come from the planner's estimator (`klein.memory.plan.request_memory`, the same one
 `klein plan` prints); what the device can give comes from `device.memory_stats()` where the backend
 reports it, else (CPU) from the host's available memory; a memory cap (`LoadOptions.memory_cap`) bounds
-both.
+both. A refusal names the smaller forms of the request that would fit (`smaller_requests`), sides tried at
+`SCALES` (`smaller_sides`, which `klein plan`'s suggestions try too: `klein.request.planning`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from klein.errors import CannotFitError
-from klein.memory import process, suggest
+from klein.memory import process
 from klein.memory.plan import RequestMemory, Workload
+from klein.models.vae import PIXELS_PER_TOKEN
 
 
 def available_bytes(devices) -> tuple[int, str]:
@@ -49,13 +52,13 @@ def under_cap(cap: int, weights: int, own: int, limit: int, where: str) -> tuple
     left = max(0, cap - weights - own)  # nothing left, rather than less than nothing
     if left >= limit:
         return limit, where
-    counted = f"the weights ({_gib(weights)})"
+    counted = f"the weights ({gib(weights)})"
     if own:
         counted += (
-            f" and klein's own process ({_gib(own)} resident: Python, JAX, compiled programs, the tokenizer, "
+            f" and klein's own process ({gib(own)} resident: Python, JAX, compiled programs, the tokenizer, "
             "counted as they share the CPU's memory)"
         )
-    return left, f"left of the {_gib(cap)} memory cap beside {counted}"
+    return left, f"left of the {gib(cap)} memory cap beside {counted}"
 
 
 def _host_available() -> int:
@@ -70,20 +73,70 @@ def _host_available() -> int:
 def check(work: Workload, estimate: Callable[[Workload], RequestMemory], limit: int, where: str) -> None:
     """A `CannotFitError` (an `InputError`) when `work`'s memory (`estimate`, the planner's) does not fit
     `limit`: with the estimate, the limit, what to reduce and the largest smaller forms of the same request
-    that fit (`klein.memory.suggest.smaller_requests`), each with its figure."""
+    that fit (`smaller_requests`), each with its figure."""
     memory = estimate(work)
     if memory.peak <= limit:
         return
     parts = sorted(memory.parts().items(), key=lambda item: -item[1])
-    terms = ", ".join(f"{name.replace('_', ' ')} {_gib(value)}" for name, value in parts if value)
-    fitting = suggest.smaller_requests(work, lambda smaller: estimate(smaller).peak, limit)
+    terms = ", ".join(f"{name.replace('_', ' ')} {gib(value)}" for name, value in parts if value)
+    fitting = smaller_requests(work, lambda smaller: estimate(smaller).peak, limit)
     fits = f"; at this memory these fit: {', '.join(fitting)}" if fitting else ""
     raise CannotFitError(
-        f"this request needs about {_gib(memory.peak)} of device memory beyond the loaded weights "
-        f"({terms}), {_gib(memory.peak - limit)} more than the {_gib(limit)} {where}; ask for less: smaller "
+        f"this request needs about {gib(memory.peak)} of device memory beyond the loaded weights "
+        f"({terms}), {gib(memory.peak - limit)} more than the {gib(limit)} {where}; ask for less: smaller "
         f"or fewer images (height, width, num_images_per_prompt) or fewer or smaller references{fits}"
     )
 
 
-def _gib(value: int) -> str:
+SCALES = (*(k / 8 for k in range(7, 3, -1)), *(2.0**-k for k in range(2, 11)))
+"""Smaller sizes tried, as fractions of each side: by eighths to 1/2, then halved down to 1/1024 (a far too
+large request, 65536 px a side, comes down to what fits too)."""
+
+
+def smaller_sides(size: tuple[int, int]) -> list[tuple[int, int]]:
+    """`size` (width, height px) at each of `SCALES`, in whole tokens, no smaller than a token."""
+
+    def side(px: int, scale: float) -> int:
+        return max(PIXELS_PER_TOKEN, int(px * scale) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)
+
+    found = [(side(size[0], scale), side(size[1], scale)) for scale in SCALES]
+    return [s for s in dict.fromkeys(found) if s != size]
+
+
+def smaller_requests(work: Workload, peak_of: Callable[[Workload], int], limit: int) -> list[str]:
+    """For a request refused at admission (`check`): the largest of each smaller form of its workload `work`
+    whose peak (`peak_of`: the admission's own estimate) fits `limit`, in words any front end shows: a
+    smaller size, fewer images, smaller references or none."""
+    images = _most(work.images - 1, lambda n: peak_of(dataclasses.replace(work, images=n)) <= limit)
+    ladders = [
+        [(dict(height=h, width=w), f"{w}x{h} px") for w, h in smaller_sides((work.width, work.height))],
+        [(dict(images=images), f"{images} image{'s' * (images > 1)} at a time")] if images else [],
+    ]
+    if work.reference_tokens:
+        scales = [(int(work.reference_tokens * k * k), k) for k in SCALES if k >= 1 / 8]
+        ladders.append(
+            [(dict(reference_tokens=t), f"references at {k:.0%} of their sides") for t, k in scales]
+        )
+        ladders.append([(dict(reference_tokens=0), "no references")])
+    found = []
+    for ladder in ladders:
+        for change, words in ladder:
+            peak = peak_of(dataclasses.replace(work, **change))
+            if peak <= limit:
+                found.append(f"{words} ({gib(peak)})")
+                break
+    return found
+
+
+def _most(most: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in 1..`most` that `fits` (which holds up to some n and not beyond), 0 if none."""
+    low, high = 0, most
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def gib(value: int) -> str:
+    """Bytes in a refusal or a suggestion: GiB, or MiB below an eighth of one."""
     return f"{value / 2**30:.2f} GiB" if value >= 2**27 else f"{value / 2**20:.1f} MiB"

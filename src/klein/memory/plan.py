@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from klein import dtypes, sharding
-from klein.errors import CheckpointError, InputError, counted
+from klein.errors import CheckpointError, InputError
 from klein.io import text_encoder_gguf, transformer_file
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
@@ -54,10 +54,6 @@ from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 from klein.models.variants import VARIANTS, Variant
-from klein.request import resolve
-from klein.request.modes import Conditioning
-from klein.request.request import GenerationRequest
-from klein.request.resolve import Resolved
 
 FLUX2_VAE = VAEConfig.flux2()
 TEXT_TOKENS = 512
@@ -82,19 +78,6 @@ class Workload:
     """KV editing: a prefill over the references, then steps over the cached keys and values."""
     guided: bool
     """Classifier-free guidance: every step runs the batch twice (prompt and negative)."""
-
-    @classmethod
-    def of(cls, run: Resolved) -> Workload:
-        """The workload of a resolved request."""
-        return cls(
-            images=run.images,
-            prompts=run.prompts,
-            height=run.request.height,
-            width=run.request.width,
-            reference_tokens=run.reference_tokens,
-            cached=run.mode.conditioning is Conditioning.CACHED,
-            guided=run.mode.guided,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,31 +262,23 @@ class MemoryPlan:
 
 def plan(
     variant: str,
+    models: Models,
+    work: Workload,
+    request: str,
     mesh: str = "single",
-    refs: int = 0,
-    size: tuple[int, int] = (1024, 1024),
-    ref_size: tuple[int, int] | None = None,
-    batch: int = 1,
     dtype: str = "bfloat16",
-    models: Models | None = None,
     platform: str = "accelerator",
 ) -> MemoryPlan:
-    """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
-    published `variant`, or for the checkpoint `models` describes (its configs, read from its files);
-    `platform`: whose programs (`programs_on`): "cpu" for this machine's CPU, which copies the layers it
-    runs (`copies_on`) and whose one memory holds streamed layers and the process itself too
-    (`residency.on`, `klein.memory.process`), "gpu" for an NVIDIA card, else an accelerator's (a TPU's)."""
-    models = models or published(variant, dtype)
+    """Plan `work` (`request` describes it, in words) for the checkpoint `models` describes (its configs,
+    read from its files, or a published `variant`'s: `published`); `klein plan`'s question in its flags
+    becomes a workload above, where requests are resolved (`klein.request.planning`). `platform`: whose
+    programs (`programs_on`): "cpu" for this machine's CPU, which copies the layers it runs (`copies_on`)
+    and whose one memory holds streamed layers and the process itself too (`residency.on`,
+    `klein.memory.process`), "gpu" for an NVIDIA card, else an accelerator's (a TPU's)."""
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
-    ref_size = ref_size or size
-    if batch < 1 or refs < 0 or min(*size, *ref_size) < resolve.MIN_SIDE:
-        side = resolve.MIN_SIDE
-        raise InputError(f"plan needs batch >= 1, refs >= 0 and sizes of at least {side}x{side} px")
     _check_fits(abstract, variant, cfg, text_config)
-    request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
-    run = resolve.resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
-    work, e = Workload.of(run), dtypes.itemsize(dtype)
+    e = dtypes.itemsize(dtype)
     held = model_bytes(
         cfg, text_config, models.vae, abstract, e, models.fp8, models.compute, models.quantized
     )
@@ -312,8 +287,7 @@ def plan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
         devices=math.prod(abstract.shape.values()),
-        request=f"{batch} x {size[0]}x{size[1]} px, {counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px, "
-        f"{dtype}",
+        request=request,
         transformer_params=_weights(_abstract_models(cfg, text_config)[0], (), abstract)[1],
         streamed={name: sizes[residency.streamed(name)] for name in residency.STACKS},
         transformer=sizes["transformer"],
@@ -478,11 +452,6 @@ def in_format(models: Models, transformer: str | None = None, text_encoder: str 
     if text_encoder is not None:
         forms[residency.TEXT_ENCODER] = stored.uniform(text, text_encoder)
     return with_forms(models, forms)
-
-
-def typical_request(variant) -> Workload:
-    """What a pipeline is planned for before it knows its requests (`klein.request.resolve.typical`)."""
-    return Workload.of(resolve.typical(variant))
 
 
 def _check_fits(mesh, variant: str, cfg, text_config) -> None:

@@ -20,7 +20,9 @@ Off the device a model's weights live in host memory, or nowhere (`klein.pipelin
 from __future__ import annotations
 
 from klein.errors import CannotFitError
-from klein.request.loading import AUTO
+
+AUTO = "auto"
+"""The policy that picks the first of `POLICIES` that fits (`choose`): the default."""
 
 TEXT_ENCODER, TRANSFORMER, VAE = "text_encoder", "transformer", "vae"
 MODELS = (TEXT_ENCODER, TRANSFORMER, VAE)

@@ -5,7 +5,7 @@ Owns `flux2_klein` (`load_pipeline`, `Flux2KleinPipeline`), diffusers' methods a
 (`diffusers_pipelines`), loading the parts of a checkpoint and telling its variant (`components`,
 `checkpoints`), the prompt template and tokenizer (`prompts`), the step functions
 (`denoise`), the weights' place on the device (`device_weights`), the byte-bounded caches (`cache`), the
-stage clock (`timing`). May import `klein.request`, `klein.memory`, `klein.models`, `klein.io`,
-`klein.lora` and the shared top-level modules (`images`, `sampling`, `sharding`, `dtypes`, `errors`); never
-a front end (`klein.cli`, `klein.serve`, `klein.bench`).
+stage clock (`timing`). May import everything below it (`images`, `masks`, `sampling`, `request`,
+`memory`, `lora`, `io`, `models`, `sharding`, `dtypes`, `version`, `errors`); never `klein.aot` nor a
+front end.
 """

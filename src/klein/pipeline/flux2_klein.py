@@ -52,7 +52,7 @@ from klein.request.loading import AUTO, LoadOptions
 from klein.request.modes import Conditioning, Mode
 from klein.request.references import References
 from klein.request.request import GenerationRequest, Settings, as_images
-from klein.request.resolve import Resolved, caches_references, resolve
+from klein.request.resolve import Resolved, caches_references, resolve, typical
 from klein.version import version
 
 
@@ -484,7 +484,7 @@ class Flux2KleinPipeline(DiffusersSurface):
     def _admit(self, run: Resolved) -> bool:
         """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit. The adapter slots
         of unmerged LoRAs count once they are (or this request would put them) on the device."""
-        work = plan.Workload.of(run)
+        work = run.workload
         limit, where = self._limit()
         limit -= self._adapter_bytes(run)
         plain, tiled = _estimates(self, self.mesh, work, self.dtype.itemsize)
@@ -799,9 +799,9 @@ def load(options: LoadOptions, kind: type | None = None) -> Flux2KleinPipeline:
     platform = sharding.local_devices(device_mesh)[0].platform
     sizes = residency_policy.on(platform, sizes)
     limit, where = admission.memory_for_plan(sharding.local_devices(device_mesh), options.memory_cap)
-    typical = plan.typical_request(located.variant)
+    work = typical(located.variant).workload
     # The decode runs tiled where only that fits (`_admit`).
-    request = min(memory.peak for memory in _estimates(located, device_mesh, typical, jdtype.itemsize))
+    request = min(memory.peak for memory in _estimates(located, device_mesh, work, jdtype.itemsize))
     own = process.footprint(platform)
     policy = residency_policy.choose(options.residency, sizes, request, limit, where, own)
 

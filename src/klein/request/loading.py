@@ -12,11 +12,11 @@ import dataclasses
 
 from klein.dtypes import DTYPES
 from klein.errors import InputError
+from klein.memory.residency import AUTO, POLICIES
 from klein.request import kinds
 from klein.request.kinds import setting, settings_of
 
-AUTO = "auto"
-RESIDENCY = (AUTO, "all", "sequential", "stream")
+RESIDENCY = (AUTO, *POLICIES)
 """Residency policies (`klein.memory.residency`): auto picks the first of the others that fits."""
 COMPUTE = (AUTO, "bf16", "fp8", "int8")
 """How the transformer's block products are made (`klein.models.products`): auto picks from the device."""

@@ -12,7 +12,7 @@ say. Mistakes are `WordedError`s, in the words of the front end that shows them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 from klein.errors import WordedError, did_you_mean
 from klein.lora.files import MAX_SCALE, good_scale
@@ -68,20 +68,6 @@ def per_prompt(loras, prompts: int) -> tuple[LoraSet, ...]:
     if loras and isinstance(loras[0], tuple):
         return loras
     return (loras,) * prompts
-
-
-def check_known(sets, known: Collection[str]) -> None:
-    """A `WordedError` for the first LoRA of `sets` whose name is not among the `known` (loaded or offered)
-    names, with the nearest of them."""
-    unknown = next((use.name for uses in sets for use in uses if use.name not in known), None)
-    if unknown is not None:
-        raise WordedError(
-            "{loras}: no LoRA named {name!r:.100} is {loaded}{hint} ({loaded}: {known}); {offered}",
-            "loras",
-            name=unknown,
-            hint=did_you_mean(unknown, known),
-            known=", ".join(sorted(known)) or "none",
-        )
 
 
 def _set(items) -> LoraSet:

@@ -20,9 +20,10 @@ import secrets
 from collections.abc import Callable, Collection, Sequence
 
 from klein.errors import InputError
+from klein.lora.registry import check_known
+from klein.memory.plan import Workload
 from klein.models.vae import PIXELS_PER_TOKEN
 from klein.models.variants import DEMO_LABEL, KV_CHECKPOINT, Variant
-from klein.request.loras import check_known
 from klein.request.modes import Conditioning, Mode, repaint_words
 from klein.request.request import GenerationRequest
 
@@ -60,13 +61,18 @@ class Resolved:
     steps before it are skipped, and the source noised to that step is where the steps start)."""
 
     @property
-    def reference_tokens(self) -> int:
-        return sum((h // MULTIPLE) * (w // MULTIPLE) for h, w in self.reference_sizes)
-
-    @property
-    def prompts(self) -> int:
-        """Distinct prompts the text encoder runs over, the negative prompt of CFG included."""
-        return len(self.request.prompts) + self.mode.guided
+    def workload(self) -> Workload:
+        """The request in numbers, all that its memory depends on (`klein.memory.plan`): the prompts
+        the text encoder runs over count the negative prompt of CFG."""
+        return Workload(
+            images=self.images,
+            prompts=len(self.request.prompts) + self.mode.guided,
+            height=self.request.height,
+            width=self.request.width,
+            reference_tokens=sum((h // MULTIPLE) * (w // MULTIPLE) for h, w in self.reference_sizes),
+            cached=self.mode.conditioning is Conditioning.CACHED,
+            guided=self.mode.guided,
+        )
 
 
 def resolve(

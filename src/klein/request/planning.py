@@ -1,15 +1,14 @@
-"""What would fit: where a plan has no room on a device (`klein plan`'s "nothing fits"), the smaller forms of
-the same request and checkpoint that would, each planned by the planner itself (`klein.memory.plan.plan`)
-rather than written down here.
-
-One change at a time, each as the flags of `klein plan` (and `klein generate`) that make it, so that a
-line is the command to run:
+"""`klein plan`'s question, `batch` images of a size with `refs` references of a size, resolved as any request
+is (`klein.request.resolve`) and planned from its workload (`klein.memory.plan`); where it has no room on a
+device ("nothing fits"), the smaller forms of it that would (`suggestions`), one change at a time, each
+planned by the planner itself and given as the flags of `klein plan` (and `klein generate`) that make it:
 - the checkpoint as a quantized download (a GGUF Q8_0 or Q4_K, or an NVFP4, transformer beside a Q4_K
-  Qwen3 GGUF, counted as `plan.in_format` counts the usual files), or BFL's FP8 transformer file: for a
-  published size, whose downloads these are;
+  Qwen3 GGUF, counted as `klein.memory.plan.in_format` counts the usual files), or BFL's FP8 transformer
+  file: for a published size, whose downloads these are;
 - the smaller model (the 4b of a 9b variant);
 - fewer references, smaller references, a smaller output size, fewer images: the most that fits, from
-  `SCALES` of each side (a few plans; each takes milliseconds once the first has built the models' shapes);
+  `klein.memory.admission.SCALES` of each side (a few plans; each takes milliseconds once the first has
+  built the models' shapes);
 - a larger memory cap, where a cap rather than the device leaves no room.
 A checkpoint that does not fit alone comes with the first request change that makes it fit. Each is
 planned under the policy `auto` takes (`klein.memory.residency`): the first that fits, else the roomiest
@@ -20,19 +19,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
-from klein.errors import InputError
-from klein.memory import plan, residency
+from klein.errors import InputError, counted
+from klein.memory import plan as planner
+from klein.memory import residency
+from klein.memory.admission import gib, smaller_sides
 from klein.models.variants import SIZES, name_of
-from klein.request import resolve
+from klein.request.request import GenerationRequest
+from klein.request.resolve import MIN_SIDE, resolve
 
 FILE_FORMATS = ("Q8_0", "Q4_K", "NVFP4")
 """The quantized transformer downloads suggested, beside a Qwen3 GGUF of `TEXT_ENCODER_FORMAT`."""
 TEXT_ENCODER_FORMAT = "Q4_K"
-SCALES = (*(k / 8 for k in range(7, 3, -1)), *(2.0**-k for k in range(2, 11)))
-"""Smaller sizes tried, as fractions of each side: by eighths to 1/2, then halved down to 1/1024 (a far too
-large request, 65536 px a side, comes down to what fits too)."""
+
+
+def plan(
+    variant: str,
+    mesh: str = "single",
+    refs: int = 0,
+    size: tuple[int, int] = (1024, 1024),
+    ref_size: tuple[int, int] | None = None,
+    batch: int = 1,
+    dtype: str = "bfloat16",
+    models: planner.Models | None = None,
+    platform: str = "accelerator",
+) -> planner.MemoryPlan:
+    """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
+    published `variant`, or for the checkpoint `models` describes (`klein.memory.plan.plan`, which says
+    what `platform` changes): the request resolved as the pipeline resolves one, its workload planned."""
+    models = models or planner.published(variant, dtype)
+    ref_size = ref_size or size
+    if batch < 1 or refs < 0 or min(*size, *ref_size) < MIN_SIDE:
+        raise InputError(f"plan needs batch >= 1, refs >= 0 and sizes of at least {MIN_SIDE}x{MIN_SIDE} px")
+    request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
+    run = resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
+    references = f"{counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px"
+    asked = f"{batch} x {size[0]}x{size[1]} px, {references}, {dtype}"
+    return planner.plan(variant, models, run.workload, asked, mesh, dtype, platform)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +72,7 @@ class Suggestion:
 
 
 def suggestions(asked: dict, limit: int, memory: int | None = None) -> list[Suggestion]:
-    """What would fit in `limit` bytes where the plan of `asked` (`plan.plan`'s arguments, as keywords)
+    """What would fit in `limit` bytes where the plan of `asked` (`plan`'s arguments, as keywords)
     does not; none where it fits. `memory`: the device's own bytes, where a memory cap made `limit` less."""
     current = _planned(asked, "", limit)
     if current.fits:
@@ -73,7 +96,7 @@ def _planned(asked: dict, change: str, limit: int) -> Suggestion | None:
     """`asked` planned against `limit`, as `auto` picks its policy; None where it cannot be planned (a
     smaller model whose heads a mesh does not divide)."""
     try:
-        peaks = plan.plan(**asked).policies
+        peaks = plan(**asked).policies
     except InputError:
         return None
     fitting = [name for name, peak in peaks.items() if peak <= limit]
@@ -110,7 +133,7 @@ def _checkpoints(asked: dict) -> list[tuple[dict, str]]:
             kind = "an NVFP4 safetensors" if fmt == "NVFP4" else f"a {fmt} GGUF"
             found.append(
                 (
-                    dict(models=plan.in_format(models, fmt, text)),
+                    dict(models=planner.in_format(models, fmt, text)),
                     f"{kind} transformer (--transformer FILE){beside}",
                 )
             )
@@ -122,10 +145,12 @@ def _checkpoints(asked: dict) -> list[tuple[dict, str]]:
                 )
             )
     elif text:
-        found.append((dict(models=plan.in_format(models, text_encoder=text)), beside.removeprefix(" and ")))
+        found.append(
+            (dict(models=planner.in_format(models, text_encoder=text)), beside.removeprefix(" and "))
+        )
     if size is not SIZES["4b"]:
         smaller = name_of(SIZES["4b"], kv=False, distilled=models.variant.distilled)
-        published = plan.published(smaller, asked["dtype"])
+        published = planner.published(smaller, asked["dtype"])
         change = dict(variant=smaller, models=dataclasses.replace(published, compute=models.compute))
         found.append((change, f"the smaller model (--model {smaller})"))
     return found
@@ -139,65 +164,20 @@ def _requests(asked: dict) -> list[list[tuple[dict, str]]]:
     if refs:
         ladders.append([(dict(refs=n), f"--refs {n}") for n in range(refs - 1, -1, -1)])
         ref_size = asked["ref_size"] or size
-        ladders.append([(dict(ref_size=s), f"--ref-size {s[0]}x{s[1]}") for s in _smaller(ref_size)])
+        ladders.append([(dict(ref_size=s), f"--ref-size {s[0]}x{s[1]}") for s in smaller_sides(ref_size)])
     # Without --ref-size the references follow --size, as they do in the plan asked for.
     follow = " (references too)" if refs and asked["ref_size"] is None else ""
-    ladders.append([(dict(size=s), f"--size {s[0]}x{s[1]}{follow}") for s in _smaller(size)])
+    ladders.append([(dict(size=s), f"--size {s[0]}x{s[1]}{follow}") for s in smaller_sides(size)])
     if batch > 1:
         ladders.append([(dict(batch=n), f"--batch {n}") for n in range(batch - 1, 0, -1)])
     return ladders
-
-
-def _smaller(size: tuple[int, int]) -> list[tuple[int, int]]:
-    """`size` (width, height px) at each of `SCALES`, in whole tokens, no smaller than a token."""
-    step = resolve.MULTIPLE
-
-    def side(px: int, scale: float) -> int:
-        return max(resolve.MIN_SIDE, int(px * scale) // step * step)
-
-    found = [(side(size[0], scale), side(size[1], scale)) for scale in SCALES]
-    return [s for s in dict.fromkeys(found) if s != size]
-
-
-def smaller_requests(work: plan.Workload, peak_of: Callable[[plan.Workload], int], limit: int) -> list[str]:
-    """For a request refused at admission (`klein.memory.admission.check`): the largest of each smaller form
-    of its workload `work` whose peak (`peak_of`: the admission's own estimate) fits `limit`, in words any
-    front end shows: a smaller size, fewer images, smaller references or none."""
-    images = _most(work.images - 1, lambda n: peak_of(dataclasses.replace(work, images=n)) <= limit)
-    ladders = [
-        [(dict(height=h, width=w), f"{w}x{h} px") for w, h in _smaller((work.width, work.height))],
-        [(dict(images=images), f"{images} image{'s' * (images > 1)} at a time")] if images else [],
-    ]
-    if work.reference_tokens:
-        scales = [(int(work.reference_tokens * k * k), k) for k in SCALES if k >= 1 / 8]
-        ladders.append(
-            [(dict(reference_tokens=t), f"references at {k:.0%} of their sides") for t, k in scales]
-        )
-        ladders.append([(dict(reference_tokens=0), "no references")])
-    found = []
-    for ladder in ladders:
-        for change, words in ladder:
-            peak = peak_of(dataclasses.replace(work, **change))
-            if peak <= limit:
-                found.append(f"{words} ({_gib(peak)})")
-                break
-    return found
-
-
-def _most(most: int, fits: Callable[[int], bool]) -> int:
-    """The largest n in 1..`most` that `fits` (which holds up to some n and not beyond), 0 if none."""
-    low, high = 0, most
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
 
 
 def describe(found: list[Suggestion], limit: int) -> str:
     """The suggestions for people: each change, its peak and policy, whether it fits `limit`."""
     if not found:
         return ""
-    lines = [f"what would fit in {_gib(limit)}, one change at a time (auto's policy and its peak):"]
+    lines = [f"what would fit in {gib(limit)}, one change at a time (auto's policy and its peak):"]
     for s in found:
         lines.append(f"  {s.change}: {_figures(s)}")
         if s.then is not None:
@@ -220,8 +200,4 @@ def as_json(found: list[Suggestion]) -> list[dict]:
 
 
 def _figures(s: Suggestion) -> str:
-    return f"{s.policy} {_gib(s.peak)}, {'fits' if s.fits else 'does not fit alone'}"
-
-
-def _gib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB" if value >= 2**27 else f"{value / 2**20:.1f} MiB"
+    return f"{s.policy} {gib(s.peak)}, {'fits' if s.fits else 'does not fit alone'}"
