@@ -9,24 +9,39 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-# Files whose tests take minutes: under pytest-xdist (`-n 2`, a file per worker) they start first, so
-# that the workers finish together instead of one waiting out the longest file at the end.
+# Files whose tests take minutes, longest first (as CI's 2-core runs time them): under pytest-xdist
+# (`-n 2 --dist loadfile`, a file per worker) they start first, in this order, so that the workers finish
+# together on the many short files instead of one waiting out a long file at the end.
 LONGEST_FIRST = (
     "test_sharding.py",
-    "test_bench.py",
-    "test_serve_lifecycle.py",
-    "test_tpu_compile.py",
-    "test_parity_grid.py",
-    "test_serve_memory.py",
-    "test_serve_tenancy.py",
     "test_diffusers_scripts.py",
-    "test_interrupts.py",
     "test_serve_replicas.py",
+    "test_interrupts.py",
+    "test_tpu_compile.py",
+    "test_serve_memory.py",
+    "test_batch.py",
+    "test_page.py",
+    "test_serve_lifecycle.py",
+    "test_bench.py",
+    "test_parity_grid.py",
+    "test_serve_tenancy.py",
+    "test_serve_sequences.py",
+    "test_readme.py",
+    "test_bf16_parity.py",
 )
 
 
+def pytest_configure(config):
+    # xdist's loadfile sends out the files with the most tests first unless told not to (--loadscope-reorder,
+    # on by default), which put the long files of few tests last (test_serve_memory.py has two) for one
+    # worker to finish alone: the order is LONGEST_FIRST's, then the files' own.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: otherwise file order
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: otherwise file order
 
 
 @pytest.fixture(scope="session")

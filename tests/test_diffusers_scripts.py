@@ -182,7 +182,9 @@ def test_the_inpainting_call_refuses_what_diffusers_refuses(inpainting, call, ma
     "method, policy",
     [("enable_model_cpu_offload", "sequential"), ("enable_sequential_cpu_offload", "stream")],
 )
-def test_offloading_is_a_residency_policy_with_the_same_images(tiny_pipelines, tmp_path, method, policy):
+def test_offloading_is_a_residency_policy_with_the_same_images(
+    tiny_pipelines, pipes, tmp_path, method, policy
+):
     scope = run_script(
         f"""
         import torch
@@ -200,7 +202,8 @@ def test_offloading_is_a_residency_policy_with_the_same_images(tiny_pipelines, t
     pipe = scope["pipe"]
     assert pipe.residency == policy and pipe.prompt_cache is not None
     assert not pipe._models[residency.TEXT_ENCODER].resident  # it left when the transformer came
-    all_resident = klein.load_pipeline(tiny_pipelines("distilled")[0], dtype="float32", residency="all")
+    all_resident = pipes("distilled")  # the module's: float32, every model resident
+    assert (all_resident.dtype.name, all_resident.residency) == ("float32", "all")
     want = all_resident("a red fox", height=32, width=32, num_inference_steps=2, seed=1, output_type="np")
     assert np.abs(np.asarray(scope["image"], np.float32) / 255 - want.images[0]).max() <= 1 / 255
     if policy == "stream":

@@ -48,9 +48,11 @@ def keyed(klein_home, tmp_path_factory):
     stop(process)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def small_cache(klein_home, tmp_path_factory):
-    """The URL of a fresh server with two keys, a reference cache of `CACHE_BYTES` and a LoRA "ink"."""
+    """The URL of a server with two keys, a reference cache of `CACHE_BYTES` and a LoRA "ink", shared by
+    the tests of eviction: each uploads images of its own, and what each asserts of a key's sets holds
+    whatever the other key's sets are (a key's share is its own)."""
     folder = tmp_path_factory.mktemp("ink")
     shapes = lf.linear_shapes(TransformerConfig.from_diffusers(demo.TRANSFORMER), "bfl")
     ink = lf.write_bfl(folder / "ink.safetensors", lf.random_lora(shapes, 4, 2))
