@@ -38,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.sharding import PartitionSpec
 
 from klein import sharding
@@ -162,7 +163,7 @@ def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
 
 def _blocked(q, k, v, q_rank, k_rank):
     """Tiles of QUERY_BLOCK x KEY_BLOCK on one device; see the module docstring."""
-    b, sq, h, dh = q.shape
+    _, sq, h, dh = q.shape
     sk, groups = k.shape[1], h // k.shape[2]
     q_size = min(QUERY_BLOCK, sq)
     q_count = -(-sq // q_size)
@@ -176,9 +177,8 @@ def _blocked(q, k, v, q_rank, k_rank):
         q_rank = jnp.zeros((q_count,))
     # Padded query rows attend like any other and are dropped at the end.
     q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size, 0)
-    q = q.reshape(b, q_count, q_size, -1, groups, dh).transpose(1, 0, 3, 4, 2, 5)
-    q = q.reshape(q_count, b, -1, groups * q_size, dh)  # [Q, B, K, G * q, Dh]: a key head's queries
-    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, Sk, Dh]
+    q = rearrange(q, "b (n q) (k g) d -> n b k (g q) d", n=q_count, g=groups)  # a key head's queries
+    k, v = (rearrange(x, "b s k d -> b k s d") for x in (k, v))
     # Key blocks are cut once, before the loop over query blocks; no key is padded.
     blocks = [
         (k[:, :, s : s + k_size], v[:, :, s : s + k_size], k_rank[:, s : s + k_size] if masked else None)
@@ -193,8 +193,7 @@ def _blocked(q, k, v, q_rank, k_rank):
         return _finish(*carry, q.dtype)
 
     out = jax.lax.map(one, (q, q_rank))
-    out = out.reshape(q_count, b, -1, groups, q_size, dh).transpose(1, 0, 4, 2, 3, 5)
-    return out.reshape(b, q_count * q_size, h, dh)[:, :sq]
+    return rearrange(out, "n b k (g q) d -> b (n q) (k g) d", g=groups)[:, :sq]
 
 
 def _tile(carry, q_block, k_block, v_block, k_rank, q_rank, masked: bool):
@@ -238,4 +237,4 @@ def _pad(x, size: int, value):
 
 def _blocks(rank, count: int):
     """int[B, count * n] -> int[count, B, n]."""
-    return rank.reshape(rank.shape[0], count, -1).transpose(1, 0, 2)
+    return rearrange(rank, "b (count n) -> count b n", count=count)
