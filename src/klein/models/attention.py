@@ -35,6 +35,7 @@ such calls there (`isolated_span_attention`).
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,72 @@ def attention(q, k, v, q_rank=None, k_rank=None, *, causal: bool = False) -> jnp
     # Splash's static causal mask knows no offset: its queries stay whole along their tokens.
     split_tokens = not (causal and _splash(q, platform))
     return _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens)
+
+
+class Keys(NamedTuple):
+    """What a transformer layer's queries see, as data for `attend`.
+
+    rank: int32[1, keys], 0 for a key and `MASKED` for padding; None when nothing is padded (the
+    unmasked kernel). isolated: joint tokens [start, stop) that see only each other (the references of
+    KV editing in one pass), or None. cached: one layer's reference (k, v) float[R, H, Dh], spliced into
+    the keys and values after the first `cached_at` joint tokens (the text), or None."""
+
+    rank: jnp.ndarray | None = None
+    isolated: tuple[int, int] | None = None
+    cached: tuple[jnp.ndarray, jnp.ndarray] | None = None
+    cached_at: int = 0
+
+
+def attend(q, k, v, keys: Keys):
+    """Attention of queries q float[B, Sq, H, Dh] over the joint keys and values k, v float[B, S, H, Dh]
+    (and the cached ones) as `keys` says."""
+    if keys.cached is not None:
+        k, v = (_splice(x, cached, keys.cached_at) for x, cached in zip((k, v), keys.cached, strict=True))
+    if keys.isolated is not None:
+        return isolated_span_attention(q, k, v, *keys.isolated, keys.rank)
+    if keys.rank is None:
+        return attention(q, k, v)
+    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), keys.rank)
+
+
+def _splice(x, cached, at: int):
+    """x float[B, S, H, Dh] with cached float[R, H, Dh] (the same for every image) after its first `at`
+    tokens."""
+    cached = jnp.broadcast_to(cached, (x.shape[0], *cached.shape))
+    return jnp.concatenate([x[:, :at], cached, x[:, at:]], axis=1)
+
+
+class Padded(NamedTuple):
+    """A token stream padded to a multiple of the context size: tokens [B, S', ...], rope [S', Dh],
+    rank int32[S'] (0 for its tokens, MASKED for the padding), and `real` = S."""
+
+    tokens: jnp.ndarray
+    rope: tuple
+    rank: jnp.ndarray
+    real: int
+
+
+def padded(tokens, rope) -> Padded:
+    """Tokens [B, S, ...] and their rope tables [S, Dh] with zero tokens appended up to a multiple of the
+    context size (`sharding.context_ways`), so that the stream splits over the devices whatever its length;
+    the padding's keys rank `MASKED` (no query sees them) and its outputs are dropped by the caller."""
+    real = tokens.shape[1]
+    extra = -real % sharding.context_ways()
+    rank = jnp.concatenate([jnp.zeros(real, jnp.int32), jnp.full(extra, MASKED, jnp.int32)])
+    return Padded(_pad_tokens(tokens, extra), tuple(_pad_tokens(t, extra, 0) for t in rope), rank, real)
+
+
+def _pad_tokens(x, extra: int, axis: int = 1):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths) if extra else x
+
+
+def key_rank(*streams: Padded):
+    """int32[1, S] over the concatenated streams, or None when none is padded (the unmasked kernel)."""
+    if all(s.tokens.shape[1] == s.real for s in streams):
+        return None
+    return jnp.concatenate([s.rank for s in streams])[None]
 
 
 def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.ndarray:
