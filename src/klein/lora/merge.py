@@ -6,11 +6,12 @@ layer. The sum is formed in float32 and cast to the kernel's compute dtype once,
 rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
 touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
 A kernel stored for 8-bit products is float[L?, O, I] (`klein.models.layers.Linear`'s `weight`) and is
-merged in that layout, then quantised again for its products, once, here: rounded to the compute dtype,
-then to 8 bits with a scale per output channel (`klein.models.products.quantise`), so the product reads it
-as any kernel stored for it and knows nothing of LoRAs. A kernel kept as a file's quantisation blocks (GGUF, NVFP4: uint8[L?, O, bytes]) is
-widened like an FP8 one, whole stack, to float[L?, O, I] in the compute dtype: a LoRA costs such a stack
-its compression until the LoRAs are taken out again.
+merged in that layout, then quantised again for its products, once, here: the sum rounded to the compute
+dtype, then to 8 bits with a scale per output channel (`klein.models.products.quantise`), so that the
+product reads it as any kernel stored for it and knows nothing of LoRAs. A kernel kept as a file's
+quantisation blocks (GGUF, NVFP4: uint8[L?, O, bytes]) is widened like an FP8 one, whole stack, to
+float[L?, O, I] in the compute dtype: a LoRA costs such a stack its compression until the LoRAs are taken
+out again.
 A merged kernel lives where the original did: a stack the residency policy `stream` keeps in host memory
 is merged there, one layer at a time through the device, and never comes to the device whole.
 

@@ -110,7 +110,7 @@ def product(x, weight: Weight, dtype, low_rank=None):
             return dot_general(x.astype(dtype), kernel.astype(dtype), dims)
         total = dot_general(x.astype(dtype), kernel.astype(dtype), dims, preferred_element_type=jnp.float32)
         return (total * (1 if scale is None else scale) + extra).astype(dtype)
-    accumulator = EIGHT_BIT[compute][2]
+    _, _, accumulator = EIGHT_BIT[compute]
     if weight.input_scale is None:
         values, tokens = quantise(x, compute, -1)
     else:
