@@ -13,8 +13,11 @@ from flax import nnx
 
 from klein import devices
 from klein.errors import InputError
+from klein.lora.merge import merge_kernel
+from klein.lora.targets import Update
 from klein.models import products
 from klein.models.layers import Linear, quantised, store
+from klein.models.stacks import as_float
 from klein.pipeline.flux2_klein import load_pipeline
 from tests.support import lora_files
 
@@ -116,9 +119,8 @@ def test_an_fp8_product_with_the_files_activation_scale_is_its_definition():
 
 
 @pytest.mark.parametrize("compute", ["fp8", "int8"])
-def test_a_stored_linear_runs_its_columns_and_a_widened_kernel_as_quantised(compute):
-    """A Linear stored 8-bit with per-channel scales: `columns` is the slice of the whole product; a kernel
-    widened since (a merged LoRA) is quantised per channel inside the product, equal to storing it so."""
+def test_a_stored_linear_runs_its_columns(compute):
+    """A Linear stored 8-bit with per-channel scales: `columns` is the slice of the whole product."""
     x, weight = _inputs(2)
     layer = Linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
     store(layer, {(): quantised(compute)})
@@ -129,14 +131,25 @@ def test_a_stored_linear_runs_its_columns_and_a_widened_kernel_as_quantised(comp
     np.testing.assert_array_equal(
         np.asarray(layer.columns(jnp.asarray(x), 100, 300), np.float32), whole[..., 100:300]
     )
-    layer.weight, layer.weight_scale = (
-        nnx.Param(jnp.asarray(weight.T, jnp.bfloat16)),
-        nnx.Param(jnp.ones(D_OUT)),
-    )
-    widened = np.asarray(layer(jnp.asarray(x)), np.float32)
-    bf16_kernel, bf16_scale = reference_quantise(weight.astype(ml_dtypes.bfloat16), compute, 0)
-    want = reference_product(x, bf16_kernel, bf16_scale[0], compute)[0].astype(np.float32)
-    assert (np.abs(widened - want) <= np.abs(want) * 2.0**-7).all()
+
+
+@pytest.mark.parametrize("compute", ["fp8", "int8"])
+def test_a_lora_merged_into_an_8_bit_stack_is_quantised_again_once_at_merge(compute):
+    """A LoRA merged into a stack stored for 8-bit products (`weight` [L, out, in], scales per channel) is
+    quantised again by the merge, per output channel, from the sum rounded to the compute dtype: the
+    product then reads it as any kernel stored for it, and quantises no weight as it runs."""
+    _, weight = _inputs(3)
+    kernel, scale = reference_quantise(np.stack([weight.T, 2 * weight.T]), compute, -1)
+    rng = np.random.default_rng(4)
+    down, up = rng.standard_normal((4, D_IN)), rng.standard_normal((D_OUT, 4)) * 0.01
+    updates = [(Update(("k",), 1, down.astype(np.float32), up.astype(np.float32), 0.5), 0.7)]
+    got, got_scale = merge_kernel(kernel, scale[..., 0], updates, jnp.bfloat16, out_in=True, compute=compute)
+    widened, ones = merge_kernel(kernel, scale[..., 0], updates, jnp.bfloat16, out_in=True)
+    np.testing.assert_array_equal(ones, np.ones((2, D_OUT), np.float32))
+    want, want_scale = reference_quantise(np.asarray(as_float(widened)), compute, -1)
+    np.testing.assert_array_equal(np.asarray(as_float(got)).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(got_scale, want_scale[..., 0])
+    assert not np.array_equal(want[1].view(np.uint8), kernel[1].view(np.uint8))  # the update shows
 
 
 def _device(platform, kind, capability=None):
@@ -192,7 +205,7 @@ def test_the_demo_computes_in_8_bits_close_to_bf16(klein_home, bf16_image, tmp_p
     image = _image(pipe)
     error = np.abs(image - bf16_image)
     assert 0 < error.mean() < 3.0, error.mean()  # 8-bit differs from bf16, and only a little
-    if residency == "all":  # a LoRA merges into the widened layers, which are quantised as they run
+    if residency == "all":  # a LoRA merges into the 8-bit layers, quantised again as they are merged
         shapes = lora_files.linear_shapes(pipe.config, "peft")
         lora = lora_files.write_peft(tmp_path / "a.safetensors", lora_files.random_lora(shapes, 4, 0))
         pipe.set_loras([(lora, 1.0)])

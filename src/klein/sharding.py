@@ -131,6 +131,21 @@ def ways(mesh, logical: str) -> int:
     return mesh.shape[axis] if axis else 1
 
 
+def context_ways() -> int:
+    """Devices the token streams split over in the mesh of JAX's context (1 without one)."""
+    return ways(jax.sharding.get_abstract_mesh(), "seq")
+
+
+def covering(first: int, count: int, total: int) -> tuple[int, int]:
+    """Rows [start, stop) of a sequence of `total` holding rows [first, first + count), as many as a
+    multiple of the context size (`context_ways`: context parallelism splits them evenly) where the
+    sequence allows: the rows a layer computes when only some of its outputs are read."""
+    multiple = context_ways()
+    size = min(-(-count // multiple) * multiple, total)
+    start = min(first, total - size)
+    return start, start + size
+
+
 def partition_spec(axes: tuple, mesh, shape: tuple | None = None) -> PartitionSpec:
     """PartitionSpec of logical `axes` (trailing dimensions left out are replicated); with `shape`,
     dimensions a mesh axis does not divide stay whole."""

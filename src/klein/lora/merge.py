@@ -6,9 +6,12 @@ layer. The sum is formed in float32 and cast to the kernel's compute dtype once,
 rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
 touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
 A kernel stored for 8-bit products is float[L?, O, I] (`klein.models.layers.Linear`'s `weight`) and is
-merged in that layout. A kernel kept as a file's quantisation blocks (GGUF, NVFP4: uint8[L?, O, bytes]) is
-widened like an FP8 one, whole stack, to float[L?, O, I] in the compute dtype: a LoRA costs such a stack
-its compression until the LoRAs are taken out again.
+merged in that layout, then quantised again for its products, once, here: the sum rounded to the compute
+dtype, then to 8 bits with a scale per output channel (`klein.models.products.quantise`), so that the
+product reads it as any kernel stored for it and knows nothing of LoRAs. A kernel kept as a file's
+quantisation blocks (GGUF, NVFP4: uint8[L?, O, bytes]) is widened like an FP8 one, whole stack, to
+float[L?, O, I] in the compute dtype: a LoRA costs such a stack its compression until the LoRAs are taken
+out again.
 A merged kernel lives where the original did: a stack the residency policy `stream` keeps in host memory
 is merged there, one layer at a time through the device, and never comes to the device whole.
 
@@ -33,6 +36,8 @@ from klein.models.stacks import as_bits, as_float
 
 Weighted = tuple[Update, float]
 """An update and the user's strength for its LoRA."""
+_EIGHT_BIT = {np.dtype(operand): compute for compute, (operand, _, _) in products.EIGHT_BIT.items()}
+"""The 8-bit product a kernel of each dtype is stored for."""
 
 
 def merge_kernel(
@@ -43,10 +48,14 @@ def merge_kernel(
     sharding=None,
     out_in: bool = False,
     blocks: str | tuple[str, ...] | None = None,
-) -> jax.Array:
-    """kernel float[L?, I, O] ([L?, O, I] if `out_in`; 8-bit with weight_scale float32[L?] or [L?, O], else
-    weight_scale None; rows of quantisation blocks of format `blocks` [L?, O, bytes]) plus the updates, in
-    `dtype`, placed with `sharding`; a stack in its stored form (`klein.models.stacks.as_bits`).
+    compute: str | None = None,
+) -> tuple[jax.Array, np.ndarray | None]:
+    """(kernel, scale): kernel float[L?, I, O] ([L?, O, I] if `out_in`; 8-bit with weight_scale float32[L?]
+    or [L?, O], else weight_scale None; rows of quantisation blocks of format `blocks` [L?, O, bytes]) plus
+    the updates, in `dtype`, placed with `sharding`, a stack in its stored form
+    (`klein.models.stacks.as_bits`); and the scale that now goes with it: None without a weight_scale, else
+    ones. For a kernel stored for an 8-bit `compute` (`products.EIGHT_BIT`), the sum in `dtype` quantised
+    again for it: 8-bit [L?, O, I] and its scales float32[L?, O], one per output channel.
 
     A stack is merged layer by layer: each layer the updates touch is formed on the device by one program
     (`_merged`), wherever its stack lives, so the device holds at most one layer in float32 besides the
@@ -59,27 +68,33 @@ def merge_kernel(
         if blocks is None
         else (*kernel.shape[:-1], products.unpacked_width(blocks, kernel.shape[-1]))
     )
+    stored = dtype if compute is None else products.EIGHT_BIT[compute][0]
     if kernel.ndim == 2:
         down, up = _low_rank(updates, shape, out_in)
-        return jax.device_put(_merged(kernel, scales, down, up, dtype, out_in, blocks), sharding)
+        merged, scale = _merged(kernel, scales, down, up, dtype, out_in, blocks, compute)
+        return jax.device_put(merged, sharding), None if weight_scale is None else np.asarray(scale)
     if weight_scale is None and blocks is None:  # the layers no update touches stay as they are
         start, touched = kernel, sorted({update.layer for update, _ in updates})
-    else:  # FP8 or blocks: every layer of the stack is widened
-        start, touched = np.zeros(shape, dtype), range(len(kernel))
+    else:  # 8-bit or blocks: every layer of the stack is widened (and quantised again)
+        start, touched = np.zeros(shape, stored), range(len(kernel))
+    layer_scales = []
 
     def merged(layer: int) -> jax.Array:
         down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], shape[1:], out_in)
-        return _merged(kernel[layer], scales[layer], down, up, dtype, out_in, blocks)
+        merged, scale = _merged(kernel[layer], scales[layer], down, up, dtype, out_in, blocks, compute)
+        layer_scales.append(scale)
+        return merged
 
     if sharding is not None and sharding.memory_kind == "pinned_host":
         out = np.array(start) if start is kernel else start  # the kept original is not written to
         for layer in touched:
             out[layer] = jax.device_get(merged(layer))
-        return jax.device_put(as_bits(out), sharding)
-    out = jax.device_put(as_bits(start), sharding)
-    for layer in touched:
-        out = _set_layer(out, layer, merged(layer))
-    return out
+        out = jax.device_put(as_bits(out), sharding)
+    else:
+        out = jax.device_put(as_bits(start), sharding)
+        for layer in touched:
+            out = _set_layer(out, layer, merged(layer))
+    return out, None if weight_scale is None else np.stack(jax.device_get(layer_scales))
 
 
 def _low_rank(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -91,18 +106,24 @@ def _low_rank(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> 
     return np.concatenate(downs), np.concatenate(ups, axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _merged(kernel, scale, down, up, dtype, out_in, blocks):
-    """One kernel (or layer) widened to float32 (from its blocks if `blocks` names their format), times
-    its scale, plus `up @ down`, in `dtype`."""
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _merged(kernel, scale, down, up, dtype, out_in, blocks, compute):
+    """(kernel, scale) of one kernel (or layer) widened to float32 (from its blocks if `blocks` names their
+    format), times its scale, plus `up @ down`, in `dtype`, and ones for its scale; or that sum quantised
+    for an 8-bit `compute` [O, I], and its scales float32[O]."""
     if blocks is not None:
         kernel = products.unpacked(kernel, blocks)
     if out_in:  # scale [O] multiplies rows
         delta = jnp.matmul(up, down, precision=jax.lax.Precision.HIGHEST)
-        scale = scale[:, None] if scale.ndim else scale
+        factor = scale[:, None] if scale.ndim else scale
     else:
         delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
-    return (kernel.astype(jnp.float32) * scale + delta).astype(dtype)
+        factor = scale
+    merged = (kernel.astype(jnp.float32) * factor + delta).astype(dtype)
+    if compute is None:
+        return merged, jnp.ones_like(scale)
+    kernel, scale = products.quantise(merged.astype(jnp.float32), compute, -1)
+    return kernel, scale[:, 0]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -157,8 +178,12 @@ class MergedWeights:
                 dtype = self._dtype if scale is not None or path in blocks else kernel.dtype
                 sharding = flat[path].get_value().sharding
                 out_in = path[-1] == "weight"
-                merged = merge_kernel(kernel, scale, by_path[path], dtype, sharding, out_in, blocks.get(path))
-                _set(flat, path, merged, None if scale is None else np.ones_like(scale))
+                # A kernel stored [out, in] and not as blocks is stored for an 8-bit product: its dtype says which.
+                compute = _EIGHT_BIT.get(np.dtype(kernel.dtype)) if out_in and path not in blocks else None
+                merged = merge_kernel(
+                    kernel, scale, by_path[path], dtype, sharding, out_in, blocks.get(path), compute
+                )
+                _set(flat, path, *merged)
             else:
                 _set(flat, path, kernel, scale)
                 del self._base[path]  # back to the original: nothing left to keep

@@ -35,9 +35,11 @@ such calls there (`isolated_span_attention`).
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.sharding import PartitionSpec
 
 from klein import sharding
@@ -60,6 +62,72 @@ def attention(q, k, v, q_rank=None, k_rank=None, *, causal: bool = False) -> jnp
     # Splash's static causal mask knows no offset: its queries stay whole along their tokens.
     split_tokens = not (causal and _splash(q, platform))
     return _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens)
+
+
+class Keys(NamedTuple):
+    """What a transformer layer's queries see, as data for `attend`.
+
+    rank: int32[1, keys], 0 for a key and `MASKED` for padding; None when nothing is padded (the
+    unmasked kernel). isolated: joint tokens [start, stop) that see only each other (the references of
+    KV editing in one pass), or None. cached: one layer's reference (k, v) float[R, H, Dh], spliced into
+    the keys and values after the first `cached_at` joint tokens (the text), or None."""
+
+    rank: jnp.ndarray | None = None
+    isolated: tuple[int, int] | None = None
+    cached: tuple[jnp.ndarray, jnp.ndarray] | None = None
+    cached_at: int = 0
+
+
+def attend(q, k, v, keys: Keys):
+    """Attention of queries q float[B, Sq, H, Dh] over the joint keys and values k, v float[B, S, H, Dh]
+    (and the cached ones) as `keys` says."""
+    if keys.cached is not None:
+        k, v = (_splice(x, cached, keys.cached_at) for x, cached in zip((k, v), keys.cached, strict=True))
+    if keys.isolated is not None:
+        return isolated_span_attention(q, k, v, *keys.isolated, keys.rank)
+    if keys.rank is None:
+        return attention(q, k, v)
+    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), keys.rank)
+
+
+def _splice(x, cached, at: int):
+    """x float[B, S, H, Dh] with cached float[R, H, Dh] (the same for every image) after its first `at`
+    tokens."""
+    cached = jnp.broadcast_to(cached, (x.shape[0], *cached.shape))
+    return jnp.concatenate([x[:, :at], cached, x[:, at:]], axis=1)
+
+
+class Padded(NamedTuple):
+    """A token stream padded to a multiple of the context size: tokens [B, S', ...], rope [S', Dh],
+    rank int32[S'] (0 for its tokens, MASKED for the padding), and `real` = S."""
+
+    tokens: jnp.ndarray
+    rope: tuple
+    rank: jnp.ndarray
+    real: int
+
+
+def padded(tokens, rope) -> Padded:
+    """Tokens [B, S, ...] and their rope tables [S, Dh] with zero tokens appended up to a multiple of the
+    context size (`sharding.context_ways`), so that the stream splits over the devices whatever its length;
+    the padding's keys rank `MASKED` (no query sees them) and its outputs are dropped by the caller."""
+    real = tokens.shape[1]
+    extra = -real % sharding.context_ways()
+    rank = jnp.concatenate([jnp.zeros(real, jnp.int32), jnp.full(extra, MASKED, jnp.int32)])
+    return Padded(_pad_tokens(tokens, extra), tuple(_pad_tokens(t, extra, 0) for t in rope), rank, real)
+
+
+def _pad_tokens(x, extra: int, axis: int = 1):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths) if extra else x
+
+
+def key_rank(*streams: Padded):
+    """int32[1, S] over the concatenated streams, or None when none is padded (the unmasked kernel)."""
+    if all(s.tokens.shape[1] == s.real for s in streams):
+        return None
+    return jnp.concatenate([s.rank for s in streams])[None]
 
 
 def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.ndarray:
@@ -162,7 +230,7 @@ def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
 
 def _blocked(q, k, v, q_rank, k_rank):
     """Tiles of QUERY_BLOCK x KEY_BLOCK on one device; see the module docstring."""
-    b, sq, h, dh = q.shape
+    _, sq, h, dh = q.shape
     sk, groups = k.shape[1], h // k.shape[2]
     q_size = min(QUERY_BLOCK, sq)
     q_count = -(-sq // q_size)
@@ -176,9 +244,8 @@ def _blocked(q, k, v, q_rank, k_rank):
         q_rank = jnp.zeros((q_count,))
     # Padded query rows attend like any other and are dropped at the end.
     q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size, 0)
-    q = q.reshape(b, q_count, q_size, -1, groups, dh).transpose(1, 0, 3, 4, 2, 5)
-    q = q.reshape(q_count, b, -1, groups * q_size, dh)  # [Q, B, K, G * q, Dh]: a key head's queries
-    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, Sk, Dh]
+    q = rearrange(q, "b (n q) (k g) d -> n b k (g q) d", n=q_count, g=groups)  # a key head's queries
+    k, v = (rearrange(x, "b s k d -> b k s d") for x in (k, v))
     # Key blocks are cut once, before the loop over query blocks; no key is padded.
     blocks = [
         (k[:, :, s : s + k_size], v[:, :, s : s + k_size], k_rank[:, s : s + k_size] if masked else None)
@@ -193,8 +260,7 @@ def _blocked(q, k, v, q_rank, k_rank):
         return _finish(*carry, q.dtype)
 
     out = jax.lax.map(one, (q, q_rank))
-    out = out.reshape(q_count, b, -1, groups, q_size, dh).transpose(1, 0, 4, 2, 3, 5)
-    return out.reshape(b, q_count * q_size, h, dh)[:, :sq]
+    return rearrange(out, "n b k (g q) d -> b (n q) (k g) d", g=groups)[:, :sq]
 
 
 def _tile(carry, q_block, k_block, v_block, k_rank, q_rank, masked: bool):
@@ -238,4 +304,4 @@ def _pad(x, size: int, value):
 
 def _blocks(rank, count: int):
     """int[B, count * n] -> int[count, B, n]."""
-    return rank.reshape(rank.shape[0], count, -1).transpose(1, 0, 2)
+    return rearrange(rank, "b (count n) -> count b n", count=count)

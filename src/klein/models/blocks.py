@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax.numpy as jnp
+from einops import rearrange
 from flax import nnx
 
 from klein.models.layers import FeedForward, RMSNorm, linear, modulate, split_modulation, swiglu
@@ -22,11 +23,11 @@ Attend = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
 
 
 def _heads(x: jnp.ndarray, head_dim: int) -> jnp.ndarray:
-    return x.reshape(*x.shape[:-1], -1, head_dim)
+    return rearrange(x, "... (h d) -> ... h d", d=head_dim)
 
 
 def _merge_heads(x: jnp.ndarray) -> jnp.ndarray:
-    return x.reshape(*x.shape[:-2], -1)
+    return rearrange(x, "... h d -> ... (h d)")
 
 
 class DoubleAttention(nnx.Module):

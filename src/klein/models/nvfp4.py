@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 
 BLOCK, BLOCK_BYTES = 16, 9
 TILE_ROWS, TILE_BLOCKS = 128, 4
@@ -37,7 +38,7 @@ def block_scales(swizzled: np.ndarray, rows: int, blocks: int) -> np.ndarray:
     tiles_down, tiles_across = _up(rows, TILE_ROWS) // TILE_ROWS, _up(blocks, TILE_BLOCKS) // TILE_BLOCKS
     # byte index = ((tile_down * tiles_across + tile_across) * 32 + r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
     tiles = np.asarray(swizzled).view(np.uint8).reshape(tiles_down, tiles_across, 32, 4, TILE_BLOCKS)
-    logical = tiles.transpose(0, 3, 2, 1, 4).reshape(tiles_down * TILE_ROWS, tiles_across * TILE_BLOCKS)
+    logical = rearrange(tiles, "down across r32 r4 c -> (down r4 r32) (across c)")
     return logical[:rows, :blocks]
 
 

@@ -102,7 +102,7 @@ def product(x, weight: Weight, dtype, low_rank=None):
     kernel, scale, compute, out_in = weight.array, weight.scale, weight.compute, weight.out_in
     # A block format's kernel is its bytes, unless a merged LoRA widened it already.
     if weight.blocks is not None and jnp.dtype(kernel.dtype).itemsize == 1:
-        kernel = unpacked(kernel, weight.blocks, jnp.float32 if compute in EIGHT_BIT else dtype)
+        kernel = unpacked(kernel, weight.blocks, dtype)
     dims = (((x.ndim - 1,), (1 if out_in else 0,)), ((), ()))
     extra = 0 if low_rank is None else low_rank
     if compute not in EIGHT_BIT:
@@ -110,13 +110,7 @@ def product(x, weight: Weight, dtype, low_rank=None):
             return dot_general(x.astype(dtype), kernel.astype(dtype), dims)
         total = dot_general(x.astype(dtype), kernel.astype(dtype), dims, preferred_element_type=jnp.float32)
         return (total * (1 if scale is None else scale) + extra).astype(dtype)
-    operand, _, accumulator = EIGHT_BIT[compute]
-    if kernel.dtype != operand:  # widened since it was stored (a merged LoRA): quantised as it runs
-        wide = kernel.astype(jnp.float32)
-        if scale is not None:
-            wide = wide * (scale[:, None] if out_in and scale.ndim else scale)
-        kernel, scale = quantise(wide, compute, 1 if out_in else 0)
-        scale = scale[:, 0] if out_in else scale[0]
+    _, _, accumulator = EIGHT_BIT[compute]
     if weight.input_scale is None:
         values, tokens = quantise(x, compute, -1)
     else:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from flax import nnx
 
 from klein.models import gguf_blocks, stacks
@@ -179,9 +180,8 @@ def prompt_embeddings(
 ) -> jax.Array:
     """The FLUX.2 [klein] prompt embedding: float[B, T, E * D], hidden states of `layers` side by side."""
     states = hidden_states(encoder, input_ids, attention_mask, layers)
-    s, b, length, d = states.shape
     # Feature index s * D + d holds hidden_states[layers[s]][..., d], as in diffusers' stack/permute.
-    return states.transpose(1, 2, 0, 3).reshape(b, length, s * d)
+    return rearrange(states, "s b t d -> b t (s d)")
 
 
 def _slots(encoder: Qwen3TextEncoder, layers: Sequence[int]) -> np.ndarray:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 BLOCK = 512
@@ -41,10 +42,10 @@ def attention(q, k, v, q_rank=None, k_rank=None, causal: bool = False, interpret
     q_seg = jnp.pad(q_seg, ((0, 0), (0, sq_pad - sq)))
     kernel = _kernel(sq_pad, sk_pad, q.shape[2], block_q, block_kv, causal, interpret)
     # Splash does not scale the scores; heads lead and the head dim is minor inside it.
-    q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), sq_pad).transpose(0, 2, 1, 3)
-    k, v = (_pad(x, sk_pad).transpose(0, 2, 1, 3) for x in (k, v))
+    q = rearrange(_pad(q * jnp.asarray(dh**-0.5, q.dtype), sq_pad), "b s h d -> b h s d")
+    k, v = (rearrange(_pad(x, sk_pad), "b s h d -> b h s d") for x in (k, v))
     segments = splash.SegmentIds(jnp.broadcast_to(q_seg, (b, sq_pad)), jnp.broadcast_to(kv_seg, (b, sk_pad)))
-    out = jax.vmap(kernel)(q, k, v, segments).transpose(0, 2, 1, 3)[:, :sq]
+    out = rearrange(jax.vmap(kernel)(q, k, v, segments), "b h s d -> b s h d")[:, :sq]
     return jnp.where(_sees_a_key(q_rank, k_rank)[..., None, None], out, 0).astype(q.dtype)
 
 

@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from flax import nnx
 
 from klein.errors import CheckpointError
@@ -385,17 +386,12 @@ class AutoencoderKLFlux2(nnx.Module):
 
 def patchify(z: jax.Array) -> jax.Array:
     """float[B, y, x, C] -> float[B, y/2, x/2, 4C], channel `4 * c + 2 * dy + dx` (diffusers' order)."""
-    b, h, w, c = z.shape
-    z = z.reshape(b, h // _PATCH, _PATCH, w // _PATCH, _PATCH, c)
-    return z.transpose(0, 1, 3, 5, 2, 4).reshape(b, h // _PATCH, w // _PATCH, c * _PATCH * _PATCH)
+    return rearrange(z, "b (h ph) (w pw) c -> b h w (c ph pw)", ph=_PATCH, pw=_PATCH)
 
 
 def unpatchify(x: jax.Array) -> jax.Array:
     """Inverse of `patchify`: float[B, y/2, x/2, 4C] -> float[B, y, x, C]."""
-    b, h, w, c4 = x.shape
-    c = c4 // (_PATCH * _PATCH)
-    x = x.reshape(b, h, w, c, _PATCH, _PATCH).transpose(0, 1, 4, 2, 5, 3)
-    return x.reshape(b, h * _PATCH, w * _PATCH, c)
+    return rearrange(x, "b h w (c ph pw) -> b (h ph) (w pw) c", ph=_PATCH, pw=_PATCH)
 
 
 def encode_latents(vae: AutoencoderKLFlux2, images: jax.Array) -> jax.Array:
