@@ -133,7 +133,7 @@ def test_no_module_imports_itself_back():
 def test_the_checks_see_imports_inside_functions_and_a_forbidden_one():
     """The reader finds a lazy import (the command line loads the pipeline inside a function), and the
     check flags what the server once did: take its PNG writer from the command line."""
-    assert "klein.pipeline.flux2_klein" in GRAPH["klein.cli.main"]
+    assert "klein.pipeline.loading" in GRAPH["klein.cli.main"]
     planted = dict(
         GRAPH, **{"klein.serve.generation": GRAPH["klein.serve.generation"] | {"klein.cli.output"}}
     )

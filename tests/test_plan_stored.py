@@ -23,7 +23,7 @@ from klein.io.transformer_file import file_config
 from klein.memory import devices, plan, stored
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.test_cli import run_klein
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -14,7 +14,7 @@ from flax import nnx
 from klein.errors import InputError
 from klein.models import products
 from klein.models.layers import Linear, quantised, store
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support import lora_files
 
 TOP = {"fp8": 448.0, "int8": 127.0}

@@ -108,7 +108,7 @@ def _executor(flags: argparse.Namespace):
         raise InputError(f"--workers must be a positive number, got {flags.workers}")
     extras.require("ray", "ray", "--ray")
     from klein.batch.ray_data import RayData
-    from klein.pipeline.loading import locate
+    from klein.pipeline.reading import locate
 
     loading = cli_flags.load_options(flags)
     locate(loading)  # a wrong --model is refused here, not by each actor in turn

@@ -257,7 +257,7 @@ def _check_unloaded(generation) -> None:
 
 def _check_kv_checkpoint(request: flags.GenerateRequest) -> None:
     """use_kv on a checkpoint that cannot cache references: its configs tell, before any weight is read."""
-    from klein.pipeline.loading import locate
+    from klein.pipeline.reading import locate
     from klein.request.resolve import conditioning
 
     located = locate(_loading(request))

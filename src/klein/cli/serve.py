@@ -218,7 +218,7 @@ def serve_command(flags: argparse.Namespace) -> int:
     if flags.replicas < 1:
         raise InputError(f"--replicas must be a positive number, got {flags.replicas}")
     extras.require("ray", "ray", "--replicas")
-    from klein.pipeline.loading import locate
+    from klein.pipeline.reading import locate
     from klein.serve.replicas.cluster import serve_replicas
 
     locate(loading)  # a wrong --model is refused here, not by each replica in turn

@@ -313,8 +313,8 @@ def _compiled(memory, models, dtype: str, compute: str) -> dict:
 
 
 def _compute(option: str, device) -> str:
-    """`--compute` as it would run on `device` (`klein.pipeline.loading.compute_of`)."""
-    from klein.pipeline.loading import compute_of
+    """`--compute` as it would run on `device` (`klein.pipeline.reading.compute_of`)."""
+    from klein.pipeline.reading import compute_of
 
     return compute_of(option, device)
 

@@ -31,21 +31,19 @@ class Loras:
         self.weights = MergedWeights(
             lambda: weights()[1], dtype, lambda: layers.block_formats(nnx.merge(*weights()))
         )
-        self.merged: tuple[LoraInfo, ...] = ()
-        """The LoRAs merged into the weights, with their scales."""
         self.slots = AdapterSlots(cfg, dtype, self._place)
         """LoRAs loaded by name, applied unmerged by the requests that name them."""
 
-    def set(self, loras: Sequence = ()) -> None:
+    def set(self, loras: Sequence = ()) -> tuple[LoraInfo, ...]:
         """Merge exactly `loras` (specs as `read_lora` takes them, with scales), in place of the set before;
-        every file is read and checked before any weight changes."""
+        every file is read and checked before any weight changes. Returns them as merged, with scales."""
         if loras:
             _one_process()
         read = [read_lora(spec) for spec in loras]
         self.weights.merge(
             [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.cfg)]
         )
-        self.merged = tuple(lora.info for lora in read)
+        return tuple(lora.info for lora in read)
 
     def load(self, name: str, lora) -> LoraInfo:
         """Read the LoRA `lora` names under `name`, for requests to apply unmerged."""

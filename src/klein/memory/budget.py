@@ -1,11 +1,12 @@
 """The bytes a request may add to a pipeline's loaded weights, and whether a request fits them: admission
 as a pipeline runs it, before any device work (docs/design.md, "Admission").
 
-The bytes are the first of: a set `limit` (`pipe.memory_limit`); the memory free when the pipeline took
-it as its own (`own`: a server, before its first job) less what its caches have come to hold; what the
-device has free now. Free memory counts the weights on the device now, and the residency policy may hold
-more or fewer while a request runs, so those are added back and the policy's taken instead. A `cap`
-(`LoadOptions.memory_cap`) bounds the bytes beside the policy's weights and, on a CPU, klein's process.
+The bytes are the first of: a limit the pipeline is given (`pipe.memory_limit`); the memory free when the
+pipeline took it as its own (`own`: a server, before its first job) less what its caches have come to
+hold; what the device has free now. Free memory counts the weights on the device now, and the residency
+policy may hold more or fewer while a request runs, so those are added back and the policy's taken
+instead. A cap (`pipe.memory_cap`, `LoadOptions.memory_cap`) bounds the bytes beside the policy's weights
+and, on a CPU, klein's own process.
 """
 
 from __future__ import annotations
@@ -47,10 +48,6 @@ class Budget:
 
     def __init__(self, models, mesh, itemsize: int, weights: Callable[[], tuple[int, int]]):
         self.models, self.mesh, self.itemsize, self._weights = models, mesh, itemsize, weights
-        self.limit: int | None = None
-        """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
-        self.cap: int | None = None
-        """Bytes klein may hold in all per device; None: no cap."""
         self._owned: tuple[int, tuple, str] | None = None
         """With `own`: (bytes for requests and caches, the caches counted against them, whence)."""
 
@@ -68,34 +65,36 @@ class Budget:
         now, held = self._weights()
         return free + now - held, where
 
-    def room(self) -> tuple[int, str]:
-        """(bytes a request may use beside the weights, where that figure comes from)."""
-        if self.limit is not None:
-            return self.limit, "allowed (memory_limit)"
+    def room(self, limit: int | None = None, cap: int | None = None) -> tuple[int, str]:
+        """(bytes a request may use beside the weights, where that figure comes from), given a `limit` on
+        them and a `cap` on all klein holds per device (bytes, or None)."""
+        if limit is not None:
+            return limit, "allowed (memory_limit)"
         if self._owned is not None:
             budget, caches, where = self._owned
-            limit = budget - sum(cache.bytes for cache in caches)
+            room = budget - sum(cache.bytes for cache in caches)
         else:
-            limit, where = self._free()
-        if self.cap is None:
-            return limit, where
+            room, where = self._free()
+        if cap is None:
+            return room, where
         own = process.footprint(sharding.local_devices(self.mesh)[0].platform)
-        return admission.under_cap(self.cap, self._weights()[1], own, limit, where)
+        return admission.under_cap(cap, self._weights()[1], own, room, where)
 
-    def admit(self, work: plan.Workload, adapters: int = 0, placed: bool = False) -> bool:
-        """Refuse `work` if it cannot fit (`klein.memory.admission.check`); True when only the tiled
-        decoder makes it fit. `adapters`: the bytes of the adapter slots of unmerged LoRAs the request is
-        charged, `placed` when they are on the device already, where a live reading of free memory
-        counts them."""
-        limit, where = self.room()
-        if not (placed and self.limit is None and self._owned is None):
-            limit -= adapters
-        plain, tiled = estimates(self.models, self.mesh, work, self.itemsize)
-        if plain.peak <= limit:
+    def admit(
+        self, work: plan.Workload, limit=None, cap=None, adapters: int = 0, placed: bool = False
+    ) -> bool:
+        """Refuse `work` if it cannot fit the `room(limit, cap)` (`klein.memory.admission.check`); True when
+        only the tiled decoder makes it fit. `adapters`: the bytes of the adapter slots of unmerged LoRAs
+        the request is charged, `placed` when they are on the device already, where a live reading of
+        free memory counts them."""
+        room, where = self.room(limit, cap)
+        if not (placed and limit is None and self._owned is None):
+            room -= adapters
+        if estimates(self.models, self.mesh, work, self.itemsize)[0].peak <= room:
             return False
 
         def estimate(work: plan.Workload) -> plan.RequestMemory:  # the tiled decoder's where it is less
             return min(estimates(self.models, self.mesh, work, self.itemsize), key=lambda m: m.peak)
 
-        admission.check(work, estimate, limit, where)
+        admission.check(work, estimate, room, where)
         return True

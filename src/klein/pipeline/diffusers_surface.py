@@ -30,6 +30,7 @@ from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.memory import residency as residency_policy
 from klein.models.variants import VARIANTS
+from klein.pipeline import reading
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.output import GenerationOutput
 from klein.pipeline.progress_bar import CallBar
@@ -218,15 +219,10 @@ class DiffusersSurface:
         if "loras" in options:
             options["lora"] = options.pop("loras")
         model = None if pretrained_model_name_or_path is None else str(pretrained_model_name_or_path)
-        pipe = cls._from_options(LoadOptions(model=model, **options))
+        pipe = cls(reading.read(LoadOptions(model=model, **options)))
         if device is not None:
             check_device(pipe.devices, device, f"device_map={device!r}")
         return pipe
-
-    @classmethod
-    def _from_options(cls, options: LoadOptions):
-        """The pipeline `options` describe, of this class (`klein.pipeline.loading.load`)."""
-        raise NotImplementedError
 
     def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput | tuple:
         """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields, by

@@ -8,12 +8,13 @@ the denoising steps of that mode (`klein.pipeline.denoise`), decoding. Each stag
 shape (`klein.pipeline.programs`). The call mirrors diffusers' Flux2Klein pipelines so that users feel at
 home and tests can compare call for call. LoRAs are merged into the transformer's weights or applied
 unmerged per request (`klein.lora.applied`); `weights_id` names the weights in use. Loading is
-`klein.pipeline.loading`'s (`load_pipeline`, named here too).
+`klein.pipeline.loading`'s (`load_pipeline`), moving models on and off the device `klein.memory.residency`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 import warnings
 from collections import Counter
@@ -31,23 +32,19 @@ from klein.lora.files import LoraInfo
 from klein.memory import plan
 from klein.memory import residency as residency_policy
 from klein.memory.budget import Budget, planning_mesh
-from klein.models import products
-from klein.pipeline import cache_keys, components, denoise
+from klein.pipeline import cache_keys, denoise
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.diffusers_surface import DiffusersSurface
-from klein.pipeline.loading import load, load_pipeline
 from klein.pipeline.output import GenerationOutput
 from klein.pipeline.programs import Programs
+from klein.pipeline.reading import Loaded
 from klein.pipeline.stage_events import StageEvent
 from klein.pipeline.timing import Stages
-from klein.request.loading import LoadOptions
 from klein.request.modes import Conditioning
 from klein.request.references import References
 from klein.request.request import GenerationRequest, Settings, as_images
 from klein.request.resolve import Resolved, caches_references, resolve
-
-__all__ = ["Flux2KleinPipeline", "GenerationOutput", "load_pipeline"]
 
 ROPE_CACHE_BYTES = 64 * 2**20
 """RoPE tables kept by position ids (sizes repeat across requests): a 1024^2 image's tables and a
@@ -55,38 +52,35 @@ prompt's, several times over; four 1024^2 references' alone may not fit, and are
 
 
 class Flux2KleinPipeline(DiffusersSurface):
-    def __init__(
-        self,
-        located: components.Located,
-        models: dict,
-        tokenizer,
-        dtype,
-        mesh,
-        policy: str,
-        sizes: dict,
-        compute: str = products.BF16,
-    ):
-        """`models`: the text encoder, transformer and VAE weights (`klein.pipeline.device_weights.Weights`) by name;
-        `policy`: the residency policy that moves them (`klein.memory.residency`); `sizes`: each model's weight
-        bytes per device; `compute`: how the transformer blocks' products are made (`klein.models.products`)."""
-        self.compute = compute
-        self.name, self.variant, self.dtype, self.tokenizer = located.name, located.variant, dtype, tokenizer
-        self.config, self.text_config, self.vae_config = (
-            located.config,
-            located.text_config,
-            located.vae_config,
-        )
-        self.mesh, self.residency, self._models, self.weight_bytes = mesh, policy, models, sizes
-        self._programs = Programs(self._hold, mesh)
-        self._loras = Loras(self.config, dtype, self._hold(residency_policy.TRANSFORMER), mesh)
+    def __init__(self, loaded: Loaded):
+        """The pipeline of the parts `loaded` (`klein.pipeline.reading.read`; `klein.pipeline.loading.load`)."""
+        located, models, self.mesh, self.dtype = loaded.located, loaded.models, loaded.mesh, loaded.dtype
+        self.compute, self.readers, self.tokenizer = loaded.compute, loaded.readers, loaded.tokenizer
+        self.name, self.variant, self.config = located.name, located.variant, located.config
+        self.text_config, self.vae_config = located.text_config, located.vae_config
+        self.residency, self._models, self.weight_bytes = loaded.policy, models, loaded.sizes
+        policy = functools.partial(getattr, self, "residency")  # read at each use: offloading changes it
+        hold = functools.partial(residency_policy.hold, models, policy)
+        self._programs = Programs(hold, self.mesh)
+        self._loras = Loras(self.config, self.dtype, hold(residency_policy.TRANSFORMER), self.mesh)
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
         models[residency_policy.TRANSFORMER].loaded = lambda state: self._loras.weights.merge_again()
+        self.loras: tuple[LoraInfo, ...] = ()
+        """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
         self.adapters = self._loras.slots
         """LoRAs loaded by name (`load_lora`) that requests apply unmerged (`GenerationRequest.loras`)."""
-        self.budget = Budget(self, mesh, dtype.itemsize, self._weights_held)
-        """What a request may add to the weights (`memory_limit`, `memory_cap`, `own_memory`)."""
+        held = functools.partial(residency_policy.held, models, policy, self.weight_bytes)
+        self.budget = Budget(self, self.mesh, self.dtype.itemsize, held)
+        """What a request may add to the weights, and whether it fits (`own_memory`)."""
+        self.memory_limit: int | None = None
+        """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
+        self.memory_cap: int | None = loaded.memory_cap
+        """Bytes klein may hold in all per device (`LoadOptions.memory_cap`): a request may use what the
+        resident weights and, on a CPU, the process (`klein.memory.process`) leave of it; None: no cap."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
-        self.prompt_cache = None if policy == "all" else ByteBudgetCache(residency_policy.PROMPT_CACHE_BYTES)
+        self.prompt_cache = (
+            None if self.residency == "all" else ByteBudgetCache(residency_policy.PROMPT_CACHE_BYTES)
+        )
         """None, or a cache whose `get(key, compute)` returns compute()'s value, kept or not: then
         `encode_prompt` reuses each prompt's embeddings under `cache_keys.prompt_key`. Under a policy that
         moves the text encoder off the device, a byte-bounded one by default: a new prompt alone brings it
@@ -95,49 +89,10 @@ class Flux2KleinPipeline(DiffusersSurface):
         """RoPE tables by position ids, the only device arrays the pipeline keeps beyond the weights."""
         self._bar_options: dict = {}
         """tqdm options of each call's progress bar (`set_progress_bar_config`)."""
-
-    @classmethod
-    def _from_options(cls, options: LoadOptions):
-        return load(options, kind=cls)
-
-    def _hold(self, name: str):
-        """`() -> (graphdef, state)` of model `name`, on the device, after moving off the models the
-        residency policy does not hold beside it."""
-
-        def weights():
-            beside = set().union(
-                *(together for together in residency_policy.POLICIES[self.residency] if name in together)
-            )
-            for other, model in self._models.items():
-                if other not in beside:
-                    model.release()
-            return self._models[name].get()
-
-        return weights
-
-    def _weights_held(self) -> tuple[int, int]:
-        """(weight bytes on the device now, weight bytes the residency policy holds while a request runs)."""
-        now = sum(self.weight_bytes[name] for name, model in self._models.items() if model.resident)
-        return now, residency_policy.resident_weights(self.residency, self.weight_bytes)
-
-    @property
-    def memory_limit(self) -> int | None:
-        """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
-        return self.budget.limit
-
-    @memory_limit.setter
-    def memory_limit(self, value: int | None) -> None:
-        self.budget.limit = value
-
-    @property
-    def memory_cap(self) -> int | None:
-        """Bytes klein may hold in all per device (`LoadOptions.memory_cap`): a request may use what the
-        resident weights and, on a CPU, the process (`klein.memory.process`) leave of it; None: no cap."""
-        return self.budget.cap
-
-    @memory_cap.setter
-    def memory_cap(self, value: int | None) -> None:
-        self.budget.cap = value
+        if loaded.loras:
+            self.set_loras(loaded.loras)
+        for name, lora in loaded.offered.items():
+            self.load_lora(name, lora)
 
     def own_memory(self, caches=()) -> None:
         """Judge every later request against the memory free now (beyond the weights), less what the
@@ -152,11 +107,6 @@ class Flux2KleinPipeline(DiffusersSurface):
         """Identity of the loaded models before any LoRA: model, variant and dtype (what VAE latents
         depend on)."""
         return f"{self.name}|{self.variant.name}|{np.dtype(self.dtype).name}"
-
-    @property
-    def loras(self) -> tuple[LoraInfo, ...]:
-        """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
-        return self._loras.merged
 
     @property
     def weights_id(self) -> str:
@@ -177,7 +127,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         `"path:scale"`, `(path, scale)` or a `klein.lora.loading.Lora`. Every file is read and checked
         before any weight changes. Cached references encoded under other weights are prefilled again when
         a request uses them (`weights_id`)."""
-        self._loras.set(loras)
+        self.loras = self._loras.set(loras)
 
     def load_lora(self, name: str, lora) -> LoraInfo:
         """Load the LoRA file `lora` (a path or repo id, as `set_loras` takes it) under `name`, for requests
@@ -230,7 +180,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         # 1. References, prepared on the host: their sizes decide the output size. A source to repaint
         #    (inpainting, image-to-image) is the first, prepared as diffusers prepares it (`klein.masks`).
         mask = None if request.mask_image is None else masks.as_mask(request.mask_image)
-        source = self._source(request, mask)
+        source = _source(request, mask)
         prepared = _prepared(request.image, source)
         sizes = request.references.pixel_sizes if request.references else tuple(a.shape[:2] for a in prepared)
         # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
@@ -278,13 +228,6 @@ class Flux2KleinPipeline(DiffusersSurface):
             run.notes + cut,
             self._loras.used(run.request.lora_sets),
         )
-
-    @staticmethod
-    def _source(request: GenerationRequest, mask) -> masks.Source | None:
-        """The prepared image to repaint, when the request repaints one given as an image."""
-        if not (request.repaints and request.image):
-            return None
-        return masks.prepare_source(images.as_pil(request.image[0]), mask, request.padding_mask_crop)
 
     def _references(self, request: GenerationRequest, prepared, run: Resolved, stages: Stages):
         """The request's references, encoded from `prepared` or given, with keys and values under its
@@ -334,7 +277,9 @@ class Flux2KleinPipeline(DiffusersSurface):
         of unmerged LoRAs count once they are (or this request would put them) on the device."""
         slots = self.adapters
         charged = slots.device_bytes if slots.placed or any(run.request.lora_sets) else 0
-        return self.budget.admit(plan.Workload.of(run), charged, slots.placed)
+        return self.budget.admit(
+            plan.Workload.of(run), self.memory_limit, self.memory_cap, charged, slots.placed
+        )
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
@@ -431,6 +376,13 @@ class Flux2KleinPipeline(DiffusersSurface):
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress(StageEvent("denoise", i + 1 - first, steps - first))
         return x[: run.images]
+
+
+def _source(request: GenerationRequest, mask) -> masks.Source | None:
+    """The prepared image to repaint, when the request repaints one given as an image."""
+    if not (request.repaints and request.image):
+        return None
+    return masks.prepare_source(images.as_pil(request.image[0]), mask, request.padding_mask_crop)
 
 
 def _prepared(pictures, source: masks.Source | None) -> list[np.ndarray]:

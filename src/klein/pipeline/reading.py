@@ -1,0 +1,132 @@
+"""What loading a pipeline reads and decides before the pipeline exists: every part found and its config
+read, the memory planned, a residency policy chosen, then the weights read as that policy places them
+(docs/design.md, "Residency and memory"). `read` leaves them in a `Loaded`, which `Flux2KleinPipeline`
+is made from (`klein.pipeline.loading.load`, and diffusers' `from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from klein import dtypes, sharding
+from klein.lora.loading import read_lora
+from klein.lora.registry import named_files
+from klein.memory import admission, plan, process
+from klein.memory import residency as residency_policy
+from klein.memory.budget import estimates, planning_mesh
+from klein.models import products
+from klein.pipeline import compilation_cache, components
+from klein.pipeline.device_weights import Weights
+from klein.request.loading import AUTO, LoadOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A pipeline's parts as `read` leaves them."""
+
+    located: components.Located
+    models: dict
+    """The text encoder, transformer and VAE weights (`klein.pipeline.device_weights.Weights`) by name."""
+    tokenizer: object
+    dtype: object
+    mesh: object
+    policy: str
+    """The residency policy that moves the models (`klein.memory.residency`)."""
+    sizes: dict
+    """Each model's weight bytes per device."""
+    compute: str
+    """How the transformer blocks' products are made (`klein.models.products`)."""
+    readers: Callable[[str], dict]
+    """`readers(policy)`: a reader of each model, as `policy` places it."""
+    memory_cap: int | None
+    loras: list
+    """The LoRAs to merge (`set_loras`), read and checked."""
+    offered: dict
+    """LoRAs to load by name (`load_lora`), read and checked."""
+
+
+def read(options: LoadOptions) -> Loaded:
+    """The parts of the pipeline `options` describe (`klein.request.loading.LoadOptions`): a bad LoRA file,
+    or weights that fit under no residency policy, fail before any weight is read."""
+    merged = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
+    offered = {
+        name: read_lora(path) for name, path in named_files(options.lora_dir, options.lora_named).items()
+    }
+    device_mesh = sharding.make_mesh(options.mesh)
+    compilation_cache.enable()
+    located = locate(options, device_mesh)
+    jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
+    dequantize = options.dequantize
+    devices = sharding.local_devices(device_mesh)
+    compute = compute_of(options.compute, devices[0])
+    # GGUF / NVFP4 files keep their Linears quantized (unless dequantised): counted at their bytes.
+    stored = plan.Models(
+        located.config,
+        located.text_config,
+        located.vae_config,
+        located.variant,
+        located.fp8 and not dequantize,
+    )
+    if not dequantize:
+        stored = plan.with_files(stored, located.transformer, located.text_encoder)
+    sizes = plan.model_bytes(
+        located.config,
+        located.text_config,
+        located.vae_config,
+        planning_mesh(device_mesh),
+        jdtype.itemsize,
+        fp8=stored.fp8,
+        compute=compute,
+        quantized=stored.quantized,
+    )
+    sizes = residency_policy.on(devices[0].platform, sizes)
+    limit, where = admission.memory_for_plan(devices, options.memory_cap)
+    typical = plan.typical_request(located.variant)
+    # The decode runs tiled where only that fits (`Budget.admit`).
+    request = min(memory.peak for memory in estimates(located, device_mesh, typical, jdtype.itemsize))
+    own = process.footprint(devices[0].platform)
+    policy = residency_policy.choose(options.residency, sizes, request, limit, where, own)
+
+    def readers(policy: str) -> dict:  # under `stream` the stacked layers are read into host memory
+        host = residency_policy.STACKS if policy in residency_policy.STREAMS else {}
+        return {
+            residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
+                located, jdtype, dequantize, device_mesh, host.get(residency_policy.TRANSFORMER, ()), compute
+            ),
+            residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
+            residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
+                located, jdtype, dequantize, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
+            ),
+        }
+
+    first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now
+    models = readers(policy)
+    weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
+    tokenizer = components.load_tokenizer_part(located)
+    return Loaded(
+        located,
+        weights,
+        tokenizer,
+        jdtype,
+        device_mesh,
+        policy,
+        sizes,
+        compute,
+        readers,
+        options.memory_cap,
+        merged,
+        offered,
+    )
+
+
+def compute_of(option: str, device) -> str:
+    """The `compute` option as it runs on `device`: "auto" made the device's fastest product."""
+    return products.compute_for(device) if option == AUTO else option
+
+
+def locate(options: LoadOptions, mesh=None) -> components.Located:
+    """Every part `options` name, found and its config read, no weight touched: what `load` does first,
+    and what a front end that loads elsewhere (Ray replicas) checks before it starts them."""
+    parts = components.Parts(options.transformer, options.text_encoder, options.vae, options.tokenizer)
+    return components.locate(options.model, parts, options.variant, mesh)
