@@ -12,8 +12,7 @@ from collections.abc import Callable
 from klein import dtypes, sharding
 from klein.lora.loading import read_lora
 from klein.lora.registry import named_files
-from klein.memory import admission, plan, process
-from klein.memory import residency as residency_policy
+from klein.memory import admission, plan, process, residency
 from klein.memory.budget import estimates, planning_mesh
 from klein.models import products
 from klein.pipeline import compilation_cache, components
@@ -49,74 +48,53 @@ class Loaded:
 def read(options: LoadOptions) -> Loaded:
     """The parts of the pipeline `options` describe (`klein.request.loading.LoadOptions`): a bad LoRA file,
     or weights that fit under no residency policy, fail before any weight is read."""
-    merged = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
-    offered = {
+    loras = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
+    named = {
         name: read_lora(path) for name, path in named_files(options.lora_dir, options.lora_named).items()
     }
-    device_mesh = sharding.make_mesh(options.mesh)
+    mesh = sharding.make_mesh(options.mesh)
     compilation_cache.enable()
-    located = locate(options, device_mesh)
-    jdtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
+    located = locate(options, mesh)
+    dtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
-    devices = sharding.local_devices(device_mesh)
+    devices = sharding.local_devices(mesh)
     compute = compute_of(options.compute, devices[0])
     # GGUF / NVFP4 files keep their Linears quantized (unless dequantised): counted at their bytes.
-    stored = plan.Models(
-        located.config,
-        located.text_config,
-        located.vae_config,
-        located.variant,
-        located.fp8 and not dequantize,
-    )
+    configs = (located.config, located.text_config, located.vae_config)
+    stored = plan.Models(*configs, located.variant, located.fp8 and not dequantize)
     if not dequantize:
         stored = plan.with_files(stored, located.transformer, located.text_encoder)
+    fp8, quantized = stored.fp8, stored.quantized
     sizes = plan.model_bytes(
-        located.config,
-        located.text_config,
-        located.vae_config,
-        planning_mesh(device_mesh),
-        jdtype.itemsize,
-        fp8=stored.fp8,
-        compute=compute,
-        quantized=stored.quantized,
+        *configs, planning_mesh(mesh), dtype.itemsize, fp8=fp8, compute=compute, quantized=quantized
     )
-    sizes = residency_policy.on(devices[0].platform, sizes)
+    sizes = residency.on(devices[0].platform, sizes)
     limit, where = admission.memory_for_plan(devices, options.memory_cap)
     typical = plan.typical_request(located.variant)
     # The decode runs tiled where only that fits (`Budget.admit`).
-    request = min(memory.peak for memory in estimates(located, device_mesh, typical, jdtype.itemsize))
+    request = min(memory.peak for memory in estimates(located, mesh, typical, dtype.itemsize))
     own = process.footprint(devices[0].platform)
-    policy = residency_policy.choose(options.residency, sizes, request, limit, where, own)
+    policy = residency.choose(options.residency, sizes, request, limit, where, own)
 
     def readers(policy: str) -> dict:  # under `stream` the stacked layers are read into host memory
-        host = residency_policy.STACKS if policy in residency_policy.STREAMS else {}
+        host = residency.STACKS if policy in residency.STREAMS else {}
         return {
-            residency_policy.TRANSFORMER: lambda: components.load_transformer_part(
-                located, jdtype, dequantize, device_mesh, host.get(residency_policy.TRANSFORMER, ()), compute
+            residency.TRANSFORMER: lambda: components.load_transformer_part(
+                located, dtype, dequantize, mesh, host.get(residency.TRANSFORMER, ()), compute
             ),
-            residency_policy.VAE: lambda: components.load_vae_part(located, jdtype, device_mesh),
-            residency_policy.TEXT_ENCODER: lambda: components.load_text_encoder_part(
-                located, jdtype, dequantize, device_mesh, host.get(residency_policy.TEXT_ENCODER, ())
+            residency.VAE: lambda: components.load_vae_part(located, dtype, mesh),
+            residency.TEXT_ENCODER: lambda: components.load_text_encoder_part(
+                located, dtype, dequantize, mesh, host.get(residency.TEXT_ENCODER, ())
             ),
         }
 
-    first = residency_policy.POLICIES[policy][0]  # what the first request needs first: loaded now
+    first = residency.POLICIES[policy][0]  # what the first request needs first: loaded now
     models = readers(policy)
     weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
     tokenizer = components.load_tokenizer_part(located)
+    cap = options.memory_cap
     return Loaded(
-        located,
-        weights,
-        tokenizer,
-        jdtype,
-        device_mesh,
-        policy,
-        sizes,
-        compute,
-        readers,
-        options.memory_cap,
-        merged,
-        offered,
+        located, weights, tokenizer, dtype, mesh, policy, sizes, compute, readers, cap, loras, named
     )
 
 
