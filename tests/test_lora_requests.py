@@ -13,7 +13,7 @@ import pytest
 from klein.errors import CannotFitError, InputError
 from klein.lora.slots import AdapterSlots
 from klein.memory import plan
-from klein.memory.budget import estimates
+from klein.memory.admission import estimates
 from klein.pipeline.compilations import Compilations
 from klein.request.loras import LoraUse
 from klein.request.request import GenerationRequest

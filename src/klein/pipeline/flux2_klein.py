@@ -3,7 +3,7 @@
 `generate` runs a `GenerationRequest` as numbered stages, each through one helper that times it, waits
 for the device and counts the work (`klein.pipeline.timing.Stages`): references prepared on the host, the request
 resolved once (mode, size, steps, guidance, seed), admission against the device's memory
-(`klein.memory.budget`), reference encoding (VAE, and the prefill for cached references), text encoding,
+(`klein.memory.admission`), reference encoding (VAE, and the prefill for cached references), text encoding,
 the denoising steps of that mode (`klein.pipeline.denoise`), decoding. Each stage is jitted once per input
 shape (`klein.pipeline.programs`). The call mirrors diffusers' Flux2Klein pipelines so that users feel at
 home and tests can compare call for call. LoRAs are merged into the transformer's weights or applied
@@ -31,7 +31,7 @@ from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import plan
 from klein.memory import residency as residency_policy
-from klein.memory.budget import Budget, planning_mesh
+from klein.memory.admission import Budget, planning_mesh
 from klein.pipeline import cache_keys, denoise
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache

@@ -13,7 +13,7 @@ from klein import dtypes, sharding
 from klein.lora.loading import read_lora
 from klein.lora.registry import named_files
 from klein.memory import admission, plan, process, residency
-from klein.memory.budget import estimates, planning_mesh
+from klein.memory.admission import estimates, planning_mesh
 from klein.models import products
 from klein.pipeline import compilation_cache, components
 from klein.pipeline.device_weights import Weights
