@@ -10,7 +10,7 @@ import numpy as np
 from klein import sharding
 from klein.memory import plan
 from klein.pipeline import denoise
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.request.modes import Conditioning, Mode
 
 
@@ -31,9 +31,9 @@ def main() -> None:
         x = jnp.zeros((batch, g * g, 128), jnp.float32)
         txt = jnp.zeros((batch, 512, pipe.config.joint_attention_dim), jnp.float32)
         ropes, _ = denoise.step_inputs(pipe._rope, Conditioning.TEXT, (g, g), 512, None)
-        step = pipe._steps[Mode(Conditioning.TEXT, False)]
+        step = pipe._programs.steps[Mode(Conditioning.TEXT, False)]
         got = measured(step, x, txt, np.float32(1), np.float32(0.5), ropes, (), jnp.float32(1))
-        decode = measured(pipe._decode, jnp.zeros((batch, g, g, 128), jnp.float32))
+        decode = measured(pipe._programs.decode, jnp.zeros((batch, g, g, 128), jnp.float32))
         for stage, mine, xla in (("denoise step", est.step, got), ("decode", est.decode, decode)):
             print(
                 f"| {stage} | {size}^2 | {batch} | {mine / 2**20:.1f} | {xla / 2**20:.1f} | {mine / xla:.2f} |"

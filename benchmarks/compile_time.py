@@ -92,7 +92,7 @@ CHILD = """
 import json, sys, time
 from klein.pipeline import warmup
 from klein.pipeline.compilations import Compilations
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 import PIL.Image
 started, model, size, warm = float(sys.argv[1]), sys.argv[2] or None, int(sys.argv[3]), sys.argv[4] == "1"
 shapes = warmup.shapes(references=1, height=size, width=size) if warm else False

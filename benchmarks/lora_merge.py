@@ -19,7 +19,7 @@ from klein.io.transformer_checkpoint import expected_transformer_keys
 from klein.lora.merge import merge_kernel
 from klein.lora.targets import Update
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support import lora_files
 from tests.support.tiny_pipeline import build_pipeline
 
@@ -88,7 +88,7 @@ def fixture(rank: int) -> dict[str, float]:
             pipe.set_loras(loras)
             times[f"set_loras: {label}, s"] = time.perf_counter() - started
             if loras:
-                times["host copy of touched kernels, KB"] = pipe._weights.base_bytes / 1e3
+                times["host copy of touched kernels, KB"] = pipe._loras.weights.base_bytes / 1e3
         return times
 
 

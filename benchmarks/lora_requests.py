@@ -21,7 +21,7 @@ import numpy as np
 
 from klein.models import adapters, products
 from klein.models.transformer_config import KLEIN_4B
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support import lora_files
 
 REQUESTS, LORAS, SLOTS = 16, 4, 4

@@ -42,7 +42,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    import klein.pipeline.flux2_klein  # noqa: F401 (what `klein generate` imports before loading)
+    import klein.pipeline.loading  # noqa: F401 (what `klein generate` imports before loading)
     from klein.memory import process
     from klein.pipeline import components
 

@@ -36,7 +36,7 @@ from klein.models import layers, products, stacks
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import KLEIN_4B
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.sampling import image_ids, text_ids
 
 PATHS = ("bf16", "fp8", "int8")

@@ -77,7 +77,7 @@ def tiny_pipelines(tmp_path_factory):
 def pipes(tiny_pipelines):
     """Build-once per test module: klein's pipeline of a `tiny_pipelines` kind, progress bars off. Per
     module, not per session: tests change a pipeline's state (LoRAs, caches)."""
-    from klein.pipeline.flux2_klein import load_pipeline
+    from klein.pipeline.loading import load_pipeline
 
     loaded = {}
 

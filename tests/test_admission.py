@@ -6,7 +6,7 @@ import pytest
 
 from klein import GenerationRequest, InputError, sharding
 from klein.memory import admission, plan, process, residency
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.test_cli import assert_clean_error, run_klein
 
 

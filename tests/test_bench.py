@@ -16,7 +16,7 @@ from klein.bench.configs import CONFIGS
 from klein.cli import main as cli
 from klein.io import demo
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from klein.bench.configs import _transformer
 from klein.io.transformer_checkpoint import load_transformer
 from klein.models import transformer as T
 from klein.models.transformer_config import KLEIN_4B
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support.compare import max_abs
 from tests.support.pictures import picture
 from tests.support.transformer_inputs import make_case, ropes

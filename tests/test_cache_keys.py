@@ -14,7 +14,7 @@ from klein.io import demo as demo_checkpoint
 from klein.masks import prepare_source
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.cache import ByteBudgetCache
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.request.request import GenerationRequest
 from klein.serve.generation import Generation
 from klein.serve.reference_sets import PreparedImage, ReferenceSets

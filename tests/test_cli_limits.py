@@ -69,7 +69,7 @@ def test_max_pixels_lets_a_large_output_through(klein_home):
 
 @pytest.fixture(scope="module")
 def demo_pipe(klein_home):
-    from klein.pipeline.flux2_klein import load
+    from klein.pipeline.loading import load
     from klein.request.loading import LoadOptions
 
     with pytest.MonkeyPatch.context() as patch:

@@ -8,7 +8,7 @@ import pytest
 from klein.cli.main import main
 from klein.io import paths
 from klein.pipeline import compilation_cache
-from klein.pipeline.flux2_klein import load
+from klein.pipeline.loading import load
 from klein.request.loading import LoadOptions
 
 DIR, MIN_SECONDS = "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs"

@@ -8,7 +8,7 @@ import torch
 
 from klein import InputError
 from klein.pipeline import prompts
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.request import diffusers_args
 from tests.support.pictures import picture
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from klein.cli import main as cli
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 
 
 @pytest.fixture(scope="module")

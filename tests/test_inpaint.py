@@ -14,7 +14,7 @@ from diffusers.pipelines.flux2 import pipeline_flux2_klein_inpaint
 
 from klein import GenerationRequest, InputError
 from klein.pipeline import denoise
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support.compare import max_abs
 from tests.support.pictures import ellipse_mask, picture
 

@@ -171,7 +171,7 @@ def test_the_checks_see_imports_inside_functions_and_each_wrong_one():
     flag what the server once did (take its PNG writer from the command line), a sibling front end, and the
     planner resolving a request (klein.memory.plan once imported klein.request.resolve), with the circle of
     packages that closes."""
-    assert "klein.pipeline.flux2_klein" in GRAPH["klein.cli.main"]
+    assert "klein.pipeline.loading" in GRAPH["klein.cli.main"]
 
     def planted(module: str, target: str) -> dict[str, set[str]]:
         return dict(GRAPH, **{module: GRAPH[module] | {target}})

@@ -11,7 +11,7 @@ from flax import nnx
 
 from klein.io.transformer_file import load_transformer_file
 from klein.models.stacks import as_float
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support import lora_files as lf
 from tests.support.bfl_files import quantize_fp8, to_bfl, write_gguf, write_safetensors
 from tests.support.compare import max_abs
@@ -160,7 +160,7 @@ def test_bfl_names_equal_weights_merged_by_hand(pipes, tmp_path, names):
     hand = write_safetensors(tmp_path / "hand-merged.safetensors", merged)
     want = _kernels(nnx.state(load_transformer_file(hand)))
     ours.set_loras([(file, 0.6)])
-    got = _kernels(ours._weights.state)
+    got = _kernels(ours._loras.weights.state)
     ours.set_loras([])
     assert got.keys() == want.keys()
     for path in want:
@@ -173,7 +173,7 @@ def test_bfl_names_equal_weights_merged_by_hand(pipes, tmp_path, names):
 
 def test_switching_equals_a_fresh_load_and_empty_restores(pipes, loras):
     ours, _, folder = pipes("distilled")
-    before = _kernels(ours._weights.state)
+    before = _kernels(ours._loras.weights.state)
     a, b = loras["bfl"]
     ours.set_loras([(a, 0.7), (b, 0.4)])
     ours.set_loras([(b, 0.5)])
@@ -184,8 +184,8 @@ def test_switching_equals_a_fresh_load_and_empty_restores(pipes, loras):
         switched, fresh("a red fox", latents=LATENTS, output_type="np", **T2I).images, atol=1e-6
     )
     ours.set_loras([])
-    after = _kernels(ours._weights.state)
-    assert all(np.array_equal(before[p], after[p]) for p in before) and ours._weights.base_bytes == 0
+    after = _kernels(ours._loras.weights.state)
+    assert all(np.array_equal(before[p], after[p]) for p in before) and ours._loras.weights.base_bytes == 0
     assert ours.weights_id == fresh.weights_id.split("|lora:")[0]
 
 
@@ -222,13 +222,13 @@ def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
     the others stay FP8; an empty set restores the FP8 weights exactly."""
     parts = _fp8_parts(pipes, tmp_path)
     fp8 = load_pipeline(**parts)
-    original = {p: _stored(v) for p, v in nnx.to_flat_state(fp8._weights.state)}
+    original = {p: _stored(v) for p, v in nnx.to_flat_state(fp8._loras.weights.state)}
     qkv = "double_blocks.0.img_attn.qkv"
     lora = lf.random_lora({qkv: lf.linear_shapes(fp8.config, "bfl")[qkv]}, 4, 1)
     spec = [(lf.write_bfl(tmp_path / "qkv.safetensors", lora), 0.7)]
     fp8.set_loras(spec)
-    widened = _kernels(load_pipeline(**parts, dequantize=True, loras=spec)._weights.state)
-    state = {p: _stored(v) for p, v in nnx.to_flat_state(fp8._weights.state)}
+    widened = _kernels(load_pipeline(**parts, dequantize=True, loras=spec)._loras.weights.state)
+    state = {p: _stored(v) for p, v in nnx.to_flat_state(fp8._loras.weights.state)}
     touched = {
         p for p in state if p[:3] in {("transformer_blocks", "attn", n) for n in ("to_q", "to_k", "to_v")}
     }
@@ -242,7 +242,7 @@ def test_fp8_base_is_widened_where_touched_and_restored(pipes, loras, tmp_path):
     image = fp8("a red fox", latents=LATENTS, output_type="np", **T2I).images
     assert np.isfinite(image).all()
     fp8.set_loras([])
-    for path, value in nnx.to_flat_state(fp8._weights.state):
+    for path, value in nnx.to_flat_state(fp8._loras.weights.state):
         assert _stored(value).dtype == original[path].dtype
         np.testing.assert_array_equal(_stored(value), original[path])
 
@@ -282,12 +282,12 @@ def test_gguf_base_merges_after_dequantisation(pipes, tmp_path):
     q8 = {k: gguf.GGMLQuantizationType.Q8_0 for k, v in bfl.items() if v.ndim == 2}
     parts = dict(transformer=write_gguf(tmp_path / "klein-tiny-Q8_0.gguf", bfl, q8), text_encoder=folder)
     parts["vae"] = folder / "vae"
-    plain = _kernels(load_pipeline(**parts, dtype="float32", dequantize=True)._weights.state)
+    plain = _kernels(load_pipeline(**parts, dtype="float32", dequantize=True)._loras.weights.state)
     shapes = lf.linear_shapes(pipes("distilled")[0].config, "bfl")
     lora = lf.random_lora({m: shapes[m] for m in ("img_in", "double_blocks.1.txt_attn.qkv")}, 4, 2)
     file = lf.write_bfl(tmp_path / "lora.safetensors", lora)
     merged = _kernels(
-        load_pipeline(**parts, dtype="float32", dequantize=True, loras=[(file, 0.5)])._weights.state
+        load_pipeline(**parts, dtype="float32", dequantize=True, loras=[(file, 0.5)])._loras.weights.state
     )
     want = dict(plain)
     down, up = lora["img_in"]

@@ -12,8 +12,8 @@ import pytest
 
 from klein.errors import CannotFitError, InputError
 from klein.lora.slots import AdapterSlots
+from klein.memory.admission import estimates
 from klein.pipeline.compilations import Compilations
-from klein.pipeline.flux2_klein import _estimates
 from klein.request.loras import LoraUse
 from klein.request.request import GenerationRequest
 from tests.support import lora_files as lf
@@ -213,7 +213,7 @@ def test_admission_counts_the_adapter_slots(pipes, layouts):
     pipe = pipes("distilled")
     plain = GenerationRequest(prompt="a red fox", height=48, width=64, num_inference_steps=2)
     run = pipe._resolve(plain, ())
-    peak = min(m.peak for m in _estimates(pipe, None, run.workload, 4))
+    peak = min(m.peak for m in estimates(pipe, None, run.workload, 4))
     adapted = dataclasses.replace(plain, loras=[("bfl", 1.0)])
     try:
         pipe.memory_limit = peak + pipe.adapters.device_bytes

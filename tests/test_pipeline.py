@@ -7,7 +7,7 @@ import torch
 from skimage.metrics import structural_similarity
 
 from klein import InputError
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support.compare import max_abs
 from tests.support.pictures import picture
 

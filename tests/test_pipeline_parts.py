@@ -8,7 +8,7 @@ import pytest
 
 from klein.cli import main as cli
 from klein.errors import InputError
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support.bfl_files import to_bfl, write_safetensors
 from tests.test_pipeline import compare
 

@@ -25,7 +25,7 @@ from klein.io.transformer_file import file_config, load_transformer_file
 from klein.memory import plan, stored
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.request import planning
 from tests.test_cli import run_klein
 

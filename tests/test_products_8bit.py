@@ -18,7 +18,7 @@ from klein.lora.targets import Update
 from klein.models import products
 from klein.models.layers import Linear, quantised, store
 from klein.models.stacks import as_float
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support import lora_files
 
 TOP = {"fp8": 448.0, "int8": 127.0}

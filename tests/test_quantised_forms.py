@@ -22,7 +22,7 @@ from klein.io.transformer_file import file_config, kept_forms, load_transformer_
 from klein.memory import stored as stored_bytes
 from klein.models import gguf_blocks, nvfp4, products
 from klein.models import transformer as T
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support import lora_files
 from tests.support.bfl_files import to_bfl, write_gguf, write_safetensors
 from tests.support.transformer_inputs import jx, make_case, ropes

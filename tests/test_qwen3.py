@@ -19,7 +19,7 @@ from klein.io.loading import expected_shapes
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, load_text_encoder, skipped_keys
 from klein.models.qwen3 import hidden_states, prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.pipeline.prompts import load_tokenizer, tokenize_prompts
 from tests.support.compare import max_abs
 from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens

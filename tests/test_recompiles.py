@@ -20,7 +20,7 @@ from klein.errors import InputError
 from klein.images import prepare_reference
 from klein.pipeline import device_weights, warmup
 from klein.pipeline.compilations import Compilations
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.serve.app import create_app
 from klein.serve.generation import Generation
 from klein.serve.options import ServeOptions

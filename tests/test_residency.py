@@ -21,7 +21,7 @@ from klein.memory import admission, plan, process, residency
 from klein.models import transformer as T
 from klein.models.stacks import as_float
 from klein.pipeline import device_weights
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.request import resolve
 from tests.support.compare import max_abs
 from tests.test_cli import run_klein
@@ -128,7 +128,7 @@ def placed_weights(pipe) -> dict:
     """path -> (the transformer's weight as stored, its memory kind)."""
     return {
         path: (np.asarray(v.get_value()), v.get_value().sharding.memory_kind)
-        for path, v in nnx.to_flat_state(pipe._weights.state)
+        for path, v in nnx.to_flat_state(pipe._loras.weights.state)
     }
 
 
@@ -164,14 +164,16 @@ def test_loras_under_stream_merge_in_host_memory_to_the_images_of_all(
     for path, (value, kind) in original.items():
         assert restored[path][1] == kind and restored[path][0].dtype == value.dtype
         np.testing.assert_array_equal(restored[path][0], value, err_msg=str(path))
-    assert stream._weights.base_bytes == 0
+    assert stream._loras.weights.base_bytes == 0
 
 
 def test_a_merge_under_stream_never_runs_a_program_on_a_whole_stack(demo_pipes, demo_loras, monkeypatch):
     """Every program of the merge takes one layer at a time, never a stack nor anything in host memory: on
     a GPU such a program would bring the stack to the device whole."""
     pipe = demo_pipes["stream"]
-    whole = {v.get_value().shape for p, v in nnx.to_flat_state(pipe._weights.state) if p[-1] == "kernel"}
+    whole = {
+        v.get_value().shape for p, v in nnx.to_flat_state(pipe._loras.weights.state) if p[-1] == "kernel"
+    }
     whole = {shape for shape in whole if len(shape) == 3}
     seen = []
 

@@ -9,7 +9,7 @@ import pytest
 from klein import GenerationRequest
 from klein.images import prepare_reference
 from klein.pipeline.cache import ByteBudgetCache, device_bytes
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.serve.reference_sets import PreparedImage, ReferenceSets
 
 

@@ -12,7 +12,7 @@ import PIL.Image
 import pytest
 
 from klein.masks import from_alpha
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from tests.support.pictures import ellipse_mask, picture
 
 STEPS = {"num_inference_steps": 2}

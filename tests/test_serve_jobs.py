@@ -11,7 +11,7 @@ import pytest
 
 from klein import GenerationRequest
 from klein.memory import admission
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.pipeline.stage_events import StageEvent
 from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
@@ -166,14 +166,16 @@ def test_admission_uses_the_budget_read_at_start_not_a_reading_beside_a_running_
     try:
         monkeypatch.setattr(admission, "available_bytes", lambda devices: (0, "free now"))
         service.check(work)  # judged against the budget read when the service started
-        budget, caches, _ = demo._budget
+        budget, caches, _ = demo.budget._owned
         assert budget > 0 and demo.rope_cache in caches and service.reference_cache in caches
         # What the caches hold comes out of that budget: a budget they fill leaves a request nothing.
-        monkeypatch.setattr(demo, "_budget", (sum(c.bytes for c in caches) + 1, caches, "free at start"))
+        monkeypatch.setattr(
+            demo.budget, "_owned", (sum(c.bytes for c in caches) + 1, caches, "free at start")
+        )
         with pytest.raises(ApiError, match="free at start") as raised:
             service.check(work)
         assert raised.value.status == 422
-        monkeypatch.setattr(demo, "_budget", None)  # without a budget read at start: the live reading
+        monkeypatch.setattr(demo.budget, "_owned", None)  # without a budget read at start: the live reading
         with pytest.raises(ApiError, match="free now"):
             service.check(work)
     finally:

@@ -199,7 +199,7 @@ def _lora_files(folder) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def served_pipe(klein_home, tmp_path_factory):
     """The demo pipeline as `klein serve --lora-named ink=... --lora-named pen=...` loads it."""
-    from klein.pipeline.flux2_klein import load
+    from klein.pipeline.loading import load
     from klein.request.loading import LoadOptions
 
     named = _lora_files(tmp_path_factory.mktemp("sequence-loras"))

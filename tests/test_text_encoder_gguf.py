@@ -24,8 +24,9 @@ from klein.models.layers import Linear
 from klein.models.qwen3 import prompt_embeddings
 from klein.models.qwen3_config import Qwen3Config
 from klein.pipeline import components
-from klein.pipeline.flux2_klein import load_pipeline, locate
+from klein.pipeline.loading import load_pipeline
 from klein.pipeline.prompts import load_tokenizer, tokenize_prompts
+from klein.pipeline.reading import locate
 from klein.request.loading import LoadOptions
 from tests.support.qwen3_gguf import MIXED, T, dequantised_folder, write_qwen3_gguf
 from tests.support.tiny_text_encoder import build_text_encoder, build_tokenizer, hf_chat_tokens

@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "load_pipeline": "klein.pipeline.flux2_klein",
+    "load_pipeline": "klein.pipeline.loading",
     "Flux2KleinPipeline": "klein.pipeline.flux2_klein",
     "Flux2KleinKVPipeline": "klein.pipeline.diffusers_pipelines",
     "Flux2KleinInpaintPipeline": "klein.pipeline.diffusers_pipelines",

@@ -121,6 +121,16 @@ def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> 
     return 2.0 * pixels - 1.0
 
 
+def prepare_references(pictures, first: int = 1) -> list[np.ndarray]:
+    """Reference images (PIL images or paths) -> float32[H, W, 3] arrays; messages number them from `first`."""
+    return [prepare_reference(as_pil(p), f"reference image {i + first}") for i, p in enumerate(pictures)]
+
+
+def as_pil(image) -> PIL.Image.Image:
+    """An image as a request holds it (a PIL image or a path) as a PIL image."""
+    return image if isinstance(image, PIL.Image.Image) else load_image(image)
+
+
 def check_shape(image: PIL.Image.Image, name: str, min_side: int) -> None:
     """An `InputError` for an image with a side under `min_side` px or an aspect ratio past `MAX_ASPECT`:
     resized to the pipeline's area, a longer one would leave a side of no pixels (or of a token's few)."""

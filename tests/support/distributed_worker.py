@@ -29,7 +29,7 @@ def main(mesh: str, out: str, *distributed: str) -> None:
         sharding.start_processes(coordinator, int(num_processes), int(process_id))
     import jax
 
-    from klein.pipeline.flux2_klein import load_pipeline
+    from klein.pipeline.loading import load_pipeline
 
     pipe = load_pipeline("demo", mesh=mesh)
     refs = pipe.encode_references(references(), use_kv=True)

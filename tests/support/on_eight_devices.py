@@ -27,7 +27,7 @@ from klein.models import transformer as T
 from klein.models.layers import Linear, packed, store
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
-from klein.pipeline.flux2_klein import load_pipeline
+from klein.pipeline.loading import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
 from tests.support import lora_files
 from tests.support.compare import max_abs
@@ -298,25 +298,28 @@ def pipelines():
 @pytest.mark.parametrize("mode", list(MODES))
 def test_pipeline_sharded_equals_single_device(pipelines, mode):
     single, sharded = pipelines
-    compiled = sum(step._jit._cache_size() for step in sharded._steps.values())
+    compiled = sum(step._jit._cache_size() for step in sharded._programs.steps.values())
     kwargs = dict(num_inference_steps=2, num_images_per_prompt=2, seed=1, output_type="np", **MODES[mode])
     want, got = (p("a cat on a sofa", **kwargs).images for p in pipelines)
     err = max_abs(got, want)
     print(f"pipeline {PIPELINE_MESH} {mode}: max abs error {err:.2e}")
     assert err < TOL
-    assert sum(step._jit._cache_size() for step in sharded._steps.values()) == compiled + 1  # one program
+    assert (
+        sum(step._jit._cache_size() for step in sharded._programs.steps.values()) == compiled + 1
+    )  # one program
 
 
 def test_pipeline_weights_are_loaded_into_shards(pipelines):
     _, sharded = pipelines
-    transformer = sharded._prefill.state
+    transformer = sharded._programs.prefill.state
     assert transformer["transformer_blocks"]["attn"]["to_q"]["kernel"].get_value().sharding.spec == P(
         None, "fsdp"
     )
-    encoder = sharded._text.state["model"]["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
+    encoder = sharded._programs.text.state["model"]["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
     assert encoder.sharding.spec == P(None, "fsdp")
     assert all(
-        v.get_value().sharding.is_fully_replicated for _, v in nnx.to_flat_state(sharded._decode.state)
+        v.get_value().sharding.is_fully_replicated
+        for _, v in nnx.to_flat_state(sharded._programs.decode.state)
     )
     leaves = [v.get_value() for _, v in nnx.to_flat_state(transformer)]
     device = jax.devices()[0]
@@ -365,7 +368,7 @@ def test_cli_generate_on_a_mesh(pipelines, tmp_path, monkeypatch):
         asked.append(options.mesh)
         return sharded
 
-    monkeypatch.setattr("klein.pipeline.flux2_klein.load", loaded)
+    monkeypatch.setattr("klein.pipeline.loading.load", loaded)
     args = ["--prompt", "a cat", "--steps", "2", "--height", "64", "--width", "64", "--num-images", "2"]
     assert (
         cli.main(
@@ -392,7 +395,7 @@ def test_pipeline_lora_sharded_equals_single_device(pipelines, tmp_path):
     try:
         want, got = (p("a cat on a sofa", **kwargs).images for p in pipelines)
         assert max_abs(got, want) < TOL and max_abs(got, plain) > 100 * TOL
-        kernel = sharded._prefill.state["transformer_blocks"]["attn"]["to_q"]["kernel"].get_value()
+        kernel = sharded._programs.prefill.state["transformer_blocks"]["attn"]["to_q"]["kernel"].get_value()
         assert kernel.sharding.spec == P(None, "fsdp")
     finally:
         for pipe in pipelines:

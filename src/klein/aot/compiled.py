@@ -166,7 +166,7 @@ class _Placer:
         if stage not in self.only:
             return
         graphdef, state = stored
-        # The weights are the program's arguments, as in the pipeline (`klein.pipeline.flux2_klein.Compiled`).
+        # The weights are the program's arguments, as in the pipeline (`klein.pipeline.programs.Compiled`).
         program = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
         with sharding.use(self.mesh):
             executable = program.lower(state, *args).compile()

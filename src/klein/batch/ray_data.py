@@ -26,7 +26,7 @@ class _Worker:
     """One actor of the pool: a pipeline, run over whole groups."""
 
     def __init__(self, groups: list[list[Line]], loading, out: str, version: str, made_by: dict):
-        from klein.pipeline.flux2_klein import load
+        from klein.pipeline.loading import load
 
         self.groups, self.id = groups, uuid.uuid4().hex
         self.runner = Runner(load(loading), Path(out), version, made_by)

@@ -27,7 +27,7 @@ class KleinEngine:
     name = "klein"
 
     def __init__(self, folder: Path, config: BenchConfig):
-        from klein.pipeline.flux2_klein import load_pipeline
+        from klein.pipeline.loading import load_pipeline
 
         self.pipe = load_pipeline(folder, dtype=config.checkpoint.dtype)
         self.pipe.set_progress_bar_config(disable=True)  # the report shows its own progress

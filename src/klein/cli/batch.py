@@ -108,7 +108,7 @@ def _executor(flags: argparse.Namespace):
         raise InputError(f"--workers must be a positive number, got {flags.workers}")
     extras.require("ray", "ray", "--ray")
     from klein.batch.ray_data import RayData
-    from klein.pipeline.flux2_klein import locate
+    from klein.pipeline.reading import locate
 
     loading = cli_flags.load_options(flags)
     locate(loading)  # a wrong --model is refused here, not by each actor in turn
@@ -119,7 +119,7 @@ def _local(flags: argparse.Namespace):
     from klein.batch.local import Local
 
     def load():
-        from klein.pipeline.flux2_klein import load as load_pipeline
+        from klein.pipeline.loading import load as load_pipeline
 
         return load_pipeline(cli_flags.load_options(flags))
 

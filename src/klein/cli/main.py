@@ -215,7 +215,7 @@ def _load(request: flags.GenerateRequest):
     from klein import sharding
     from klein.images import load_image
     from klein.masks import as_mask, check_not_black
-    from klein.pipeline.flux2_klein import load
+    from klein.pipeline.loading import load
 
     if request.coordinator is not None:
         coordinator = None if request.coordinator == "auto" else request.coordinator
@@ -257,7 +257,7 @@ def _check_unloaded(generation) -> None:
 
 def _check_kv_checkpoint(request: flags.GenerateRequest) -> None:
     """use_kv on a checkpoint that cannot cache references: its configs tell, before any weight is read."""
-    from klein.pipeline.flux2_klein import locate
+    from klein.pipeline.reading import locate
     from klein.request.resolve import conditioning
 
     located = locate(_loading(request))

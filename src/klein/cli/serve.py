@@ -218,7 +218,7 @@ def serve_command(flags: argparse.Namespace) -> int:
     if flags.replicas < 1:
         raise InputError(f"--replicas must be a positive number, got {flags.replicas}")
     extras.require("ray", "ray", "--replicas")
-    from klein.pipeline.flux2_klein import locate
+    from klein.pipeline.reading import locate
     from klein.serve.replicas.cluster import serve_replicas
 
     locate(loading)  # a wrong --model is refused here, not by each replica in turn
@@ -254,7 +254,7 @@ def _access(flags: argparse.Namespace) -> security.Access:
 
 def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> int:
     """One pipeline in this process (`klein.serve.server`)."""
-    from klein.pipeline.flux2_klein import load
+    from klein.pipeline.loading import load
     from klein.serve.server import serve
 
     print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)

@@ -327,8 +327,8 @@ def _compiled(memory, models, dtype: str, compute: str) -> dict:
 
 
 def _compute(option: str, device) -> str:
-    """`--compute` as it would run on `device` (`klein.pipeline.flux2_klein.compute_of`)."""
-    from klein.pipeline.flux2_klein import compute_of
+    """`--compute` as it would run on `device` (`klein.pipeline.reading.compute_of`)."""
+    from klein.pipeline.reading import compute_of
 
     return compute_of(option, device)
 

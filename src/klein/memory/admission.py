@@ -5,6 +5,11 @@ The request's bytes come from the planner's estimator (`klein.memory.plan.reques
 reports it, else (CPU) from the host's available memory; a memory cap (`LoadOptions.memory_cap`) bounds
 both. A refusal names the smaller forms of the request that would fit (`smaller_requests`), sides tried at
 `SCALES` (`smaller_sides`, which `klein plan`'s suggestions try too: `klein.request.planning`).
+A pipeline holds a `Budget`: the bytes a request may add to its weights are the first of a limit it
+is given (`pipe.memory_limit`); the memory free when it took it as its own (`Budget.own`: a server, before
+its first job) less what its caches have come to hold; what the device has free now. Free memory counts
+the weights on the device now, and the residency policy may hold more or fewer while a request runs, so
+those are added back and the policy's taken instead.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from klein import sharding
 from klein.errors import CannotFitError
-from klein.memory import process
+from klein.memory import plan, process
 from klein.memory.plan import RequestMemory, Workload
 from klein.models.vae import PIXELS_PER_TOKEN
 
@@ -135,6 +141,81 @@ def _most(most: int, fits: Callable[[int], bool]) -> int:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
+
+
+def planning_mesh(mesh):
+    """The shape of `mesh` (None: one device), as the planner reads it."""
+    return mesh.abstract_mesh if mesh is not None else sharding.abstract_mesh("single")
+
+
+def estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
+    """(plain decode, tiled decode) estimates of `work` for the configs of `models` (anything with a
+    `config`, `text_config` and `vae_config`: a pipeline, or the located checkpoint it loads) on `mesh`
+    (`klein.memory.plan.request_memory`)."""
+    programs = plan.programs_on(sharding.local_devices(mesh)[0].platform, itemsize)
+    configs, shape = (models.config, models.text_config, models.vae_config), planning_mesh(mesh)
+    return tuple(
+        plan.request_memory(*configs, shape, work, itemsize, tiled_decode=tiled, programs=programs)
+        for tiled in (False, True)
+    )
+
+
+class Budget:
+    """Admission for the models of `models` on `mesh`, computing with `itemsize`-byte floats. `weights()`:
+    (weight bytes on the device now, weight bytes the residency policy holds while a request runs)."""
+
+    def __init__(self, models, mesh, itemsize: int, weights: Callable[[], tuple[int, int]]):
+        self.models, self.mesh, self.itemsize, self._weights = models, mesh, itemsize, weights
+        self._owned: tuple[int, tuple, str] | None = None
+        """With `own`: (bytes for requests and caches, the caches counted against them, whence)."""
+
+    def own(self, caches) -> None:
+        """Judge every later request against the memory free now, less what `caches` (`ByteBudgetCache`s,
+        or None) come to hold."""
+        caches = tuple({id(c): c for c in caches if c is not None}.values())
+        free, where = self._free()
+        held = sum(cache.bytes for cache in caches)
+        self._owned = (free + held, caches, f"{where} when the server started, less its caches")
+
+    def _free(self) -> tuple[int, str]:
+        """(bytes a request may use beside the weights the residency policy holds, where from), now."""
+        free, where = available_bytes(sharding.local_devices(self.mesh))
+        now, held = self._weights()
+        return free + now - held, where
+
+    def _room(self, limit: int | None = None, cap: int | None = None) -> tuple[int, str]:
+        """(bytes a request may use beside the weights, where that figure comes from), given a `limit` on
+        them and a `cap` on all klein holds per device (bytes, or None)."""
+        if limit is not None:
+            return limit, "allowed (memory_limit)"
+        if self._owned is not None:
+            budget, caches, where = self._owned
+            room = budget - sum(cache.bytes for cache in caches)
+        else:
+            room, where = self._free()
+        if cap is None:
+            return room, where
+        own = process.footprint(sharding.local_devices(self.mesh)[0].platform)
+        return under_cap(cap, self._weights()[1], own, room, where)
+
+    def admit(
+        self, work: plan.Workload, limit=None, cap=None, adapters: int = 0, placed: bool = False
+    ) -> bool:
+        """Refuse `work` if it cannot fit the `_room(limit, cap)` (`check`); True when
+        only the tiled decoder makes it fit. `adapters`: the bytes of the adapter slots of unmerged LoRAs
+        the request is charged, `placed` when they are on the device already, where a live reading of
+        free memory counts them."""
+        room, where = self._room(limit, cap)
+        if not (placed and limit is None and self._owned is None):
+            room -= adapters
+        if estimates(self.models, self.mesh, work, self.itemsize)[0].peak <= room:
+            return False
+
+        def estimate(work: plan.Workload) -> plan.RequestMemory:  # the tiled decoder's where it is less
+            return min(estimates(self.models, self.mesh, work, self.itemsize), key=lambda m: m.peak)
+
+        check(work, estimate, room, where)
+        return True
 
 
 def gib(value: int) -> str:

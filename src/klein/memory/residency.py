@@ -73,6 +73,28 @@ def resident_weights(policy: str, sizes: dict[str, int]) -> int:
     return max(sum(held[model] for model in together) for together in POLICIES[policy])
 
 
+def hold(models: dict, policy, name: str):
+    """`() -> (graphdef, state)` of model `name` of `models` (`klein.pipeline.device_weights.Weights` by
+    name) on the device, after moving off the models the policy `policy()` (read at each call: offloading
+    changes it) does not hold beside it."""
+
+    def weights():
+        beside = set().union(*(together for together in POLICIES[policy()] if name in together))
+        for other, model in models.items():
+            if other not in beside:
+                model.release()
+        return models[name].get()
+
+    return weights
+
+
+def held(models: dict, policy, sizes: dict[str, int]) -> tuple[int, int]:
+    """(weight bytes of `models` on the device now, the most the policy `policy()` holds while a request
+    runs)."""
+    now = sum(sizes[name] for name, model in models.items() if model.resident)
+    return now, resident_weights(policy(), sizes)
+
+
 def peaks(sizes: dict[str, int], request: int) -> dict[str, int]:
     """Planned peak bytes under each policy: its largest resident set plus `request`'s own bytes."""
     return {policy: resident_weights(policy, sizes) + request for policy in POLICIES}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein import sampling
+from klein.errors import InputError
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.request.modes import Conditioning, Mode
@@ -150,3 +151,30 @@ def _start(source, noise, sigma):
 def _keep_unmasked(x, source, noise, mask, sigma_next):
     kept = sampling.noised(source, noise, sigma_next)
     return ((1 - mask) * kept + mask * x.astype(jnp.float32)).astype(x.dtype)
+
+
+def batch_rows(adapted, batch: int, guided: bool):
+    """The rows of unmerged LoRAs for the transformer's batch: padding images (`pad_batch`) use
+    none, and under CFG the negatives run under their image's LoRAs, as the batch is doubled."""
+    if adapted is None:
+        return None
+    bank, rows = adapted
+    rows = np.pad(rows, [(0, batch - len(rows)), (0, 0)])
+    return bank, np.concatenate([rows, rows]) if guided else rows
+
+
+def step_end(callback, step: int, sigma: float, x, images: int):
+    """Hand the step's latents to a diffusers-style callback; take back the latents it returns."""
+    outputs = callback(step, float(sigma) * 1000, np.asarray(x[:images], np.float32)) or {}
+    if not isinstance(outputs, dict):
+        raise InputError(f"callback_on_step_end must return a dict (or None), got {type(outputs).__name__}")
+    latents = outputs.get("latents")
+    if latents is None:
+        return x
+    latents = np.asarray(latents, np.float32)
+    if latents.shape != (images, *x.shape[1:]):
+        raise InputError(
+            f"callback_on_step_end returned latents of shape {latents.shape}; they must keep the shape "
+            f"{(images, *x.shape[1:])}"
+        )
+    return x.at[:images].set(jnp.asarray(latents, x.dtype))

@@ -18,6 +18,7 @@ arguments are `klein.request.diffusers_args`'). klein decides each of these once
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Mapping
@@ -29,8 +30,13 @@ from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.memory import residency as residency_policy
 from klein.models.variants import VARIANTS
+from klein.pipeline import reading
 from klein.pipeline.cache import ByteBudgetCache
+from klein.pipeline.output import GenerationOutput
+from klein.pipeline.progress_bar import CallBar
+from klein.request import diffusers_args
 from klein.request.loading import LoadOptions
+from klein.request.request import GenerationRequest
 
 _TORCH_PLATFORMS = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu", "xla": "tpu"}
 """torch's (and jax's) device types, as jax names the platform of a device."""
@@ -199,7 +205,7 @@ def _listing(devices) -> str:
 
 
 class DiffusersSurface:
-    """diffusers' loading, device and offloading methods of `Flux2KleinPipeline`."""
+    """diffusers' call, loading, device and offloading methods of `Flux2KleinPipeline`."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path=None, **kwargs):
@@ -213,15 +219,35 @@ class DiffusersSurface:
         if "loras" in options:
             options["lora"] = options.pop("loras")
         model = None if pretrained_model_name_or_path is None else str(pretrained_model_name_or_path)
-        pipe = cls._from_options(LoadOptions(model=model, **options))
+        pipe = cls(reading.read(LoadOptions(model=model, **options)))
         if device is not None:
             check_device(pipe.devices, device, f"device_map={device!r}")
         return pipe
 
-    @classmethod
-    def _from_options(cls, options: LoadOptions):
-        """The pipeline `options` describe, of this class (`klein.pipeline.flux2_klein.load`)."""
-        raise NotImplementedError
+    def __call__(self, prompt=None, *, progress=None, **settings) -> GenerationOutput | tuple:
+        """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields, by
+        keyword as diffusers' scripts pass them (`pipe(prompt=..., image=[...], num_inference_steps=...)`)
+        or with the prompt first. diffusers' other arguments (`generator`, `return_dict`,
+        `callback_on_step_end`, ...) are read or refused by `klein.request.diffusers_args`.
+        `progress(event)` hears of every stage and step (`klein.pipeline.stage_events.StageEvent`); without
+        one, a tqdm bar on stderr shows them (`set_progress_bar_config`)."""
+        settings, options = diffusers_args.split(settings)
+        if isinstance(prompt, GenerationRequest):
+            request = dataclasses.replace(prompt, **settings) if settings else prompt
+        else:
+            request = GenerationRequest.create(prompt=prompt, **settings)
+        bar = None if progress is not None or self._bar_options.get("disable") else CallBar(self._bar_options)
+        step_end = options.callback_on_step_end
+        try:
+            out = self.generate(
+                request,
+                progress or bar,
+                on_step_end=step_end and (lambda i, t, latents: step_end(self, i, t, {"latents": latents})),
+            )
+        finally:
+            if bar:
+                bar.close()
+        return out if options.return_dict else (out.images,)
 
     def to(self, *args, device=None, dtype=None, silence_dtype_warnings: bool = False):
         """diffusers' `.to(device)`, `.to(dtype)` or both: returns the pipeline, which is already where

@@ -122,6 +122,20 @@ def token_count(tokenizer: PromptTokenizer, prompt: str) -> int:
     return len(backend.encode(render_prompt(tokenizer, prompt)).ids)
 
 
+def notes(tokenizer: PromptTokenizer, prompts: Sequence[str]) -> tuple[str, ...]:
+    """A note for each prompt longer than the text encoder reads: it truncates them to `MAX_LENGTH`
+    tokens, as diffusers does."""
+    notes = []
+    for prompt in dict.fromkeys(prompts):
+        count = token_count(tokenizer, prompt)
+        if count > MAX_LENGTH:
+            notes.append(
+                f"prompt {prompt[:30]!r}... is {count} tokens with its chat template; the text encoder "
+                f"reads {MAX_LENGTH}, so {count - MAX_LENGTH} were cut ({tokenizer.truncation_side} end)"
+            )
+    return tuple(notes)
+
+
 def _check_prompts(prompts) -> list[str]:
     if isinstance(prompts, str):
         return [prompts]

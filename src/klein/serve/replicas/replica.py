@@ -24,7 +24,7 @@ class Replica:
     def __init__(self, loading, options: ServeOptions, memory_limit: int | None, version: str, warm=()):
         """`warm`: the shapes its worker compiles ahead (`klein.pipeline.warmup`) before its first job, as
         a single server's does: the replica answers at once, its health saying "warming" until then."""
-        from klein.pipeline.flux2_klein import load
+        from klein.pipeline.loading import load
 
         pipe = load(loading)
         pipe.memory_limit = memory_limit

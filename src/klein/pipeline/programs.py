@@ -1,0 +1,85 @@
+"""The stages' programs: each a model function jitted once per input shape, over weights the residency
+policy may move between calls."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from klein import sharding
+from klein.memory import residency
+from klein.models import adapters, qwen3
+from klein.models import transformer as T
+from klein.models import vae as vae_model
+from klein.pipeline import denoise
+from klein.request.modes import Mode
+
+
+class Programs:
+    """The programs of a pipeline's stages, over the models `hold(name)` brings to the device
+    (`() -> (graphdef, state)`): the text encoder's; the VAE's (encoding, decoding plain and tiled, the
+    VAE's latents); the transformer's (the prefill, and one step per mode)."""
+
+    def __init__(self, hold, mesh):
+        vae, transformer = hold(residency.VAE), hold(residency.TRANSFORMER)
+        self.text = Compiled(qwen3.prompt_embeddings, hold(residency.TEXT_ENCODER), mesh)
+        self.encode = Compiled(vae_model.encode_latents, vae, mesh)
+        self.decode, self.decode_tiled, self.vae_latents = (
+            Compiled(_replicated(fn), vae, mesh)
+            for fn in (vae_model.decode_latents, vae_model.decode_latents_tiled, vae_model.vae_latents)
+        )
+        self.prefill = Compiled(T.prefill, transformer, mesh)
+        self.steps = {
+            Mode(conditioning, guided): Compiled(
+                denoise.step_function(Mode(conditioning, guided)), transformer, mesh
+            )
+            for conditioning in denoise.VELOCITY
+            for guided in (False, True)
+        }
+
+
+class Compiled:
+    """`fn(module, *args)` jitted over (weights, args) with the module graph static.
+
+    Weights are arguments rather than closed-over constants, so XLA neither embeds nor copies them,
+    and one compilation per input shape serves every call. They are asked for at every call
+    (`weights()` -> (graphdef, state)), so that the residency policy can move them in between. With a
+    mesh, tracing sees it, so the model's logical sharding constraints resolve against it.
+    """
+
+    def __init__(self, fn, weights, mesh=None):
+        self._weights = weights
+        self._mesh = mesh
+        self._jit = jax.jit(
+            lambda graphdef, state, bank, *args: adapters.run(fn, nnx.merge(graphdef, state), bank, *args),
+            static_argnums=0,
+        )
+
+    @property
+    def state(self) -> nnx.State:
+        return self._weights()[1]
+
+    def __call__(self, *args, adapted=None):
+        """`adapted`: None, or (bank, rows) of unmerged LoRAs (`klein.models.adapters.run`), arguments
+        like the weights: a program with adapters serves every LoRA set and strength."""
+        graphdef, state = self._weights()
+        with sharding.use(self._mesh):
+            if self._mesh is None:
+                args, adapted = jax.tree.map(_committed, (args, adapted))
+            return self._jit(graphdef, state, adapted, *args)
+
+
+def _committed(value):
+    """`value`, if an array, committed to its device (no copy). jax keys a program on whether its
+    arguments are committed, and that depends on where an array came from (a step's output is, fresh
+    noise is not): left to chance, the second step of a request would build a program the first did not.
+    On a mesh the pipeline places its inputs itself, and an array committed to one device would clash."""
+    if isinstance(value, jax.Array) and not value.committed:
+        return jax.device_put(value, value.sharding)
+    return value
+
+
+def _replicated(fn):
+    """`fn(vae, latents)` with its output on every device: pixels are wanted whole on the host (of every
+    process)."""
+    return lambda vae, latents: sharding.constrain(fn(vae, latents), ())

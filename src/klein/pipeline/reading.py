@@ -1,0 +1,111 @@
+"""What loading a pipeline reads and decides before the pipeline exists: every part found and its config
+read, the memory planned, a residency policy chosen, then the weights read as that policy places them
+(docs/design.md, "Residency and memory"). `read` leaves them in a `Loaded`, which `Flux2KleinPipeline`
+is made from (`klein.pipeline.loading.load`, and diffusers' `from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from klein import devices as klein_devices
+from klein import dtypes, sharding
+from klein.lora.loading import read_lora
+from klein.lora.registry import named_files
+from klein.memory import admission, plan, process, residency
+from klein.memory.admission import estimates, planning_mesh
+from klein.pipeline import compilation_cache, components
+from klein.pipeline.device_weights import Weights
+from klein.request import resolve
+from klein.request.loading import AUTO, LoadOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A pipeline's parts as `read` leaves them."""
+
+    located: components.Located
+    models: dict
+    """The text encoder, transformer and VAE weights (`klein.pipeline.device_weights.Weights`) by name."""
+    tokenizer: object
+    dtype: object
+    mesh: object
+    policy: str
+    """The residency policy that moves the models (`klein.memory.residency`)."""
+    sizes: dict
+    """Each model's weight bytes per device."""
+    compute: str
+    """How the transformer blocks' products are made (`klein.models.products`)."""
+    readers: Callable[[str], dict]
+    """`readers(policy)`: a reader of each model, as `policy` places it."""
+    memory_cap: int | None
+    loras: list
+    """The LoRAs to merge (`set_loras`), read and checked."""
+    offered: dict
+    """LoRAs to load by name (`load_lora`), read and checked."""
+
+
+def read(options: LoadOptions) -> Loaded:
+    """The parts of the pipeline `options` describe (`klein.request.loading.LoadOptions`): a bad LoRA file,
+    or weights that fit under no residency policy, fail before any weight is read."""
+    loras = [read_lora(spec) for spec in options.lora]  # a bad LoRA file fails before the model loads
+    named = {
+        name: read_lora(path) for name, path in named_files(options.lora_dir, options.lora_named).items()
+    }
+    mesh = sharding.make_mesh(options.mesh)
+    compilation_cache.enable()
+    located = locate(options, mesh)
+    dtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
+    dequantize = options.dequantize
+    devices = sharding.local_devices(mesh)
+    compute = compute_of(options.compute, devices[0])
+    # GGUF / NVFP4 files keep their Linears quantized (unless dequantised): counted at their bytes.
+    configs = (located.config, located.text_config, located.vae_config)
+    stored = plan.Models(*configs, located.variant, located.fp8 and not dequantize)
+    if not dequantize:
+        stored = plan.with_forms(stored, located.kept)
+    fp8, quantized = stored.fp8, stored.quantized
+    sizes = plan.model_bytes(
+        *configs, planning_mesh(mesh), dtype.itemsize, fp8=fp8, compute=compute, quantized=quantized
+    )
+    sizes = residency.on(devices[0].platform, sizes)
+    limit, where = admission.memory_for_plan(devices, options.memory_cap)
+    typical = resolve.typical(located.variant).workload
+    # The decode runs tiled where only that fits (`Budget.admit`).
+    request = min(memory.peak for memory in estimates(located, mesh, typical, dtype.itemsize))
+    own = process.footprint(devices[0].platform)
+    policy = residency.choose(options.residency, sizes, request, limit, where, own)
+
+    def readers(policy: str) -> dict:  # under `stream` the stacked layers are read into host memory
+        host = residency.STACKS if policy in residency.STREAMS else {}
+        return {
+            residency.TRANSFORMER: lambda: components.load_transformer_part(
+                located, dtype, dequantize, mesh, host.get(residency.TRANSFORMER, ()), compute
+            ),
+            residency.VAE: lambda: components.load_vae_part(located, dtype, mesh),
+            residency.TEXT_ENCODER: lambda: components.load_text_encoder_part(
+                located, dtype, dequantize, mesh, host.get(residency.TEXT_ENCODER, ())
+            ),
+        }
+
+    first = residency.POLICIES[policy][0]  # what the first request needs first: loaded now
+    models = readers(policy)
+    weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
+    tokenizer = components.load_tokenizer_part(located)
+    cap = options.memory_cap
+    return Loaded(
+        located, weights, tokenizer, dtype, mesh, policy, sizes, compute, readers, cap, loras, named
+    )
+
+
+def compute_of(option: str, device) -> str:
+    """The `compute` option as it runs on `device`: "auto" made the device's fastest product."""
+    return klein_devices.auto_compute(device) if option == AUTO else option
+
+
+def locate(options: LoadOptions, mesh=None) -> components.Located:
+    """Every part `options` name, found and its config read, no weight touched: what `load` does first,
+    and what a front end that loads elsewhere (Ray replicas) checks before it starts them."""
+    parts = components.Parts(options.transformer, options.text_encoder, options.vae, options.tokenizer)
+    return components.locate(options.model, parts, options.variant, mesh)
