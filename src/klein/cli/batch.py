@@ -48,7 +48,6 @@ def batch_parser() -> argparse.ArgumentParser:
         prog="klein batch",
         description=DESCRIPTION,
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
     add("requests", metavar="REQUESTS.jsonl", type=Path, help="one JSON request per line")

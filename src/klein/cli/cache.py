@@ -21,9 +21,7 @@ jax_compilation_cache_max_size is set). Clearing is safe: programs are compiled 
 
 
 def cache_parser() -> argparse.ArgumentParser:
-    parser = cli_flags.Parser(
-        prog="klein cache", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli_flags.Parser(prog="klein cache", description=DESCRIPTION)
     parser.add_argument(
         "action", nargs="?", choices=("show", "clear"), default="show", help="show (default) or clear"
     )

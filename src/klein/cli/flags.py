@@ -26,7 +26,10 @@ from klein.request.resolve import MAX_PIXELS, parse_size
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error,
-    with the nearest known flag for a misspelt one."""
+    with the nearest known flag for a misspelt one; descriptions are shown as written."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(self, message: str):
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
@@ -187,17 +190,14 @@ def parse_assignments(tokens: Sequence[str]) -> dict[str, object]:
             raise InputError(
                 f'unexpected argument {token!r}: settings look like prompt="a cat" or --prompt "a cat"'
             )
-        if key.strip() not in KEYS:
-            hint = (
-                "; " + no_negative_prompt(CLI)
-                if key.strip() == "negative_prompt"
-                else _did_you_mean(key.strip(), KEYS)
-            )
+        name = key.strip()
+        if name not in KEYS:
+            hint = _hint(name, ()) or _did_you_mean(name, KEYS)
             raise InputError(f"unknown setting {key!r}{hint or '; known settings: ' + ', '.join(KEYS)}")
-        field, read = KEYS[key.strip()]
+        field, read = KEYS[name]
         if field in values:
             raise InputError(f"{key} is given twice")
-        values[field] = read(key.strip(), text)
+        values[field] = read(name, text)
     return values
 
 

@@ -1,14 +1,10 @@
 """Ctrl+C that stops a command within seconds, whatever it is doing.
 
-Python runs a signal's handler only when the main thread comes back to the interpreter. While that thread
-is inside XLA (compiling a program, or waiting for a denoising step of a large image, which can take
-minutes) or inside the interpreter's exit (which waits for the computation in flight), the
-KeyboardInterrupt of a Ctrl+C waits with it. So the commands run `stoppable()`: the C-level handler also
-writes the signal to a pipe (`signal.set_wakeup_fd`) that wakes a watcher thread at once. The main thread
-gets `grace` seconds to unwind by itself (the KeyboardInterrupt runs the `finally` blocks that remove
-temporary files, then `klein.cli.main` exits 130 by `exit_now`); past them, or at a second Ctrl+C, the watcher removes the
-temporary files of the writes under way (`klein.io.durable`) and exits at once with 130. Outputs are written
-whole or not at all (`klein.io.png`), so either way no half-written file is left.
+Python runs a signal's handler only when the main thread comes back to the interpreter, which inside XLA may
+take minutes; so under `stoppable()` the C-level handler also wakes a watcher thread (`signal.set_wakeup_fd`).
+The main thread gets `grace` seconds to unwind by itself (exit 130 by `exit_now`); past them, or at a second
+Ctrl+C, the watcher removes the temporary files of the writes under way (`klein.io.durable`) and exits at
+once with 130 (docs/design/serving.md).
 """
 
 from __future__ import annotations

@@ -73,9 +73,7 @@ exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_D
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    parser = flags.Parser(
-        prog="klein", description=TOP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = flags.Parser(prog="klein", description=TOP_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"klein {version()}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
@@ -99,7 +97,6 @@ def generate_parser() -> argparse.ArgumentParser:
             keys=textwrap.fill(", ".join(flags.KEYS), 95, initial_indent="  ", subsequent_indent="  ")
         ),
         epilog=GENERATE_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
     add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')

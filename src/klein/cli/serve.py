@@ -59,7 +59,6 @@ def serve_parser() -> argparse.ArgumentParser:
         prog="klein serve",
         description=DESCRIPTION,
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
     cli_flags.add_model_flags(add)

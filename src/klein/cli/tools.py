@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from klein import devices
+from klein import devices, dtypes
 from klein.cli.flags import Parser, size
 from klein.dtypes import DTYPES
 from klein.errors import InputError
@@ -47,7 +47,6 @@ def plan_parser() -> argparse.ArgumentParser:
         description=PLAN_DESCRIPTION.format(
             devices=devices.listing(), targets=", ".join(devices.SLICES), gpus=", ".join(devices.TARGETS)
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
     add(
@@ -165,24 +164,14 @@ def plan_command(flags: argparse.Namespace) -> int:
     if flags.target is not None:
         return _target_command(flags)
     mesh = flags.mesh or "single"
-    variant, models, dtype = _plan_files(flags)
+    files = _plan_files(flags)
     named = flags.device is not None or flags.device_memory is not None
     compute, shown = _named_compute(flags) if named else (_compute(flags.compute, _local_device()),) * 2
-    models = _computing(models, compute)
     limit, where, room = _device_memory(flags)
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
     local_cpu = not named and _local_device().platform == "cpu"
-    asked = dict(
-        variant=variant,
-        mesh=mesh,
-        refs=flags.refs,
-        size=flags.size,
-        ref_size=flags.ref_size,
-        batch=flags.batch,
-        dtype=dtype,
-        models=models,
-        platform="cpu" if local_cpu else "accelerator",
-    )
+    asked = _asked(flags, files, compute, mesh, "cpu" if local_cpu else "accelerator")
+    models, dtype = asked["models"], asked["dtype"]
     memory, report, text = _plan_report(asked, (limit, where, room), shown, _whose(flags))
     report["programs"] = warmup.programs(flags.refs, memory.workload.cached)
     text += "\n" + warmup.describe_programs(flags.refs, memory.workload.cached)
@@ -191,7 +180,7 @@ def plan_command(flags: argparse.Namespace) -> int:
             raise InputError(
                 "--compiled compiles for this machine's one device; drop --mesh (or name a --target)"
             )
-        stages = _compiled(memory, models, dtype, compute)
+        stages = _compiled(memory, models, dtypes.dtype(dtype), compute)
         report["compiled"] = stages
         text += "\n" + plan.describe_compiled(memory, stages)
     print(json.dumps(report, indent=2) if flags.json else text)
@@ -203,7 +192,7 @@ def _target_command(flags: argparse.Namespace) -> int:
     and each stage compiled for the target with its roofline time."""
     import json
 
-    from klein.aot import compiled, topology
+    from klein.aot import topology
     from klein.bench import roofline
     from klein.memory import plan
 
@@ -214,12 +203,11 @@ def _target_command(flags: argparse.Namespace) -> int:
     on = devices.of_kind(mesh.devices.flat[0].device_kind)
     if on is None:
         raise InputError(f"--target {flags.target}: klein has no published figures of its chip")
-    variant, models, dtype = _plan_files(flags)
+    files = _plan_files(flags)
     compute = _compute(flags.compute, mesh.devices.flat[0])
-    models = _computing(models, compute)
-    platform = mesh.devices.flat[0].platform  # "gpu" for NVIDIA cards: their programs are planned
-    asked = dict(variant=variant, mesh=spec, refs=flags.refs, size=flags.size, ref_size=flags.ref_size)
-    asked |= dict(batch=flags.batch, dtype=dtype, models=models, platform=platform)
+    # The platform is "gpu" for NVIDIA cards: their programs are planned.
+    asked = _asked(flags, files, compute, spec, mesh.devices.flat[0].platform)
+    models, dtype = asked["models"], asked["dtype"]
     if flags.device_memory is None:
         limit, where = on.device_memory, f"{on.label}, HBM per device"
     else:
@@ -230,8 +218,7 @@ def _target_command(flags: argparse.Namespace) -> int:
     report |= dict(target=flags.target, chip=dataclasses.asdict(on))
     text = f"{flags.target}: {on.label}, mesh {spec} on {used} devices\n{text}"
     if flags.compiled:
-        analyses = compiled.analyse(models, memory.workload, dtype, mesh, compute=compute)
-        stages = {name: dataclasses.asdict(analysis) for name, analysis in analyses.items()}
+        stages = _compiled(memory, models, dtype, compute, mesh)
         times = roofline.times(models, memory.workload, models.variant.steps, mesh, stages, on, compute)
         report["compiled"] = stages
         report["roofline"] = dict(
@@ -242,6 +229,17 @@ def _target_command(flags: argparse.Namespace) -> int:
         text += "\n" + roofline.describe(times, on, memory.workload.images)
     print(json.dumps(report, indent=2) if flags.json else text)
     return 0
+
+
+def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, platform: str) -> dict:
+    """`klein.request.planning.plan`'s arguments: the flags' request on `mesh`, with `files` (`_plan_files`)
+    computing `compute` (8-bit products keep the blocks' kernels in one byte)."""
+    from klein.models import products
+
+    variant, models, dtype = files
+    models = dataclasses.replace(models, compute=compute if compute in products.EIGHT_BIT else products.BF16)
+    request = dict(refs=flags.refs, size=flags.size, ref_size=flags.ref_size, batch=flags.batch)
+    return dict(variant=variant, mesh=mesh, **request, dtype=dtype, models=models, platform=platform)
 
 
 def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str):
@@ -316,13 +314,12 @@ def _plan_model(model: str, dtype: str | None):
     return located.variant.name, models, dtype or located.stored_dtype.name
 
 
-def _compiled(memory, models, dtype: str, compute: str) -> dict:
-    """Each stage's compiled memory analysis (`klein.aot.compiled`) with the transformer's products
-    made as `compute` says, as a dict of dicts of bytes."""
-    from klein import dtypes
+def _compiled(memory, models, dtype, compute: str, mesh=None) -> dict:
+    """Each stage's compiled memory analysis (`klein.aot.compiled`), on `mesh` if given, with the
+    transformer's products made as `compute` says, as a dict of dicts of bytes."""
     from klein.aot import compiled
 
-    stages = compiled.analyse(models, memory.workload, dtypes.dtype(dtype), compute=compute)
+    stages = compiled.analyse(models, memory.workload, dtype, mesh, compute=compute)
     return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
 
 
@@ -355,13 +352,6 @@ def _whose(flags) -> str:
     if flags.device_memory is not None:
         return "--compute auto on a GPU or TPU given by its memory, as on a named card of that memory"
     return f"--compute auto on this machine's {_local_device().platform}"
-
-
-def _computing(models, compute: str):
-    """`models` as planned with `compute`: 8-bit products keep the blocks' kernels in one byte."""
-    from klein.models import products
-
-    return dataclasses.replace(models, compute=compute if compute in products.EIGHT_BIT else products.BF16)
 
 
 def _describe_compute(compute: str, whose: str) -> str:
@@ -432,7 +422,6 @@ def bench_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="klein bench",
         description=BENCH_DESCRIPTION.format(minutes=CONFIGS["bench-cpu"].minutes),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")
     parser.add_argument(

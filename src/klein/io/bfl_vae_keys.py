@@ -13,12 +13,11 @@ import re
 
 from klein.io.mapped import Squeezed, Whole
 
-# (diffusers pattern, BFL replacement), first match wins; "{up}" is filled in for the reversed decoder levels.
+# (diffusers pattern, BFL replacement), first match wins; "{up}" is filled in for the reversed decoder levels,
+# and a resnet's `conv_shortcut` is BFL's `nin_shortcut`.
 _RULES = (
-    (r"^(encoder\.down)_blocks\.(\d+)\.resnets\.(\d+)\.conv_shortcut\.", r"\1.\2.block.\3.nin_shortcut."),
     (r"^(encoder\.down)_blocks\.(\d+)\.resnets\.(\d+)\.", r"\1.\2.block.\3."),
     (r"^(encoder\.down)_blocks\.(\d+)\.downsamplers\.0\.", r"\1.\2.downsample."),
-    (r"^decoder\.up_blocks\.\d+\.resnets\.(\d+)\.conv_shortcut\.", r"decoder.up.{up}.block.\1.nin_shortcut."),
     (r"^decoder\.up_blocks\.\d+\.resnets\.(\d+)\.", r"decoder.up.{up}.block.\1."),
     (r"^decoder\.up_blocks\.\d+\.upsamplers\.0\.", r"decoder.up.{up}.upsample."),
     (r"^(encoder|decoder)\.mid_block\.resnets\.0\.", r"\1.mid.block_1."),
@@ -38,7 +37,7 @@ def bfl_vae_key(key: str, levels: int) -> str:
     """The BFL name of diffusers key `key` of a VAE whose decoder has `levels` resolution levels."""
     for pattern, replacement in _RULES:
         if re.match(pattern, key):
-            renamed = re.sub(pattern, replacement, key)
+            renamed = re.sub(pattern, replacement, key).replace(".conv_shortcut.", ".nin_shortcut.")
             up = _UP_LEVEL.match(key)
             return renamed.replace("{up}", str(levels - 1 - int(up[1]))) if up else renamed
     return key

@@ -1,16 +1,11 @@
 """Which Linears of a checkpoint keep their file's quantisation blocks in memory (GGUF, NVFP4), how many
 bytes they take there, and how a layer of a stack of mixed GGUF types is laid out.
 
-One description of a file's stored forms for every model read from a quantized file and for the planner:
-each reader (the transformer, `klein.io.transformer_file.kept_forms`; the Qwen3 text encoder,
-`klein.io.text_encoder_gguf.kept_forms`) names each Linear's stored layers, `kept_blocks` says which are
-kept and in which form, and `layer_bytes` what they hold in memory (the loaders fill them so,
-`klein.memory.stored` counts them so). A Linear is kept as blocks where every layer of its stack is stored
-in a block format. A stack of one format holds that format's rows; a stack that mixes ggml types
-(llama.cpp's Q4_K_M files give some layers of `attn_v` and `ffn_down` Q6_K among Q4_K) holds each layer's
-rows zero-padded to the widest type's and tagged with a final byte, the index of the layer's type in the
-stack's tuple of types (`klein.models.products.MIXED`), so a stack is still one array the layer loop slices. A stack with a layer stored as floats (or as FP8) is
-widened to the compute dtype at load.
+One description for every reader (`klein.io.transformer_file.kept_forms`,
+`klein.io.text_encoder_gguf.kept_forms`) and for the planner (`klein.memory.stored`). A Linear is kept as
+blocks where every layer of its stack is stored in a block format; a stack mixing ggml types holds each
+layer's rows zero-padded to the widest type's and tagged with the index of its type (`products.MIXED`,
+docs/design/checkpoints.md); a stack with a float (or FP8) layer is widened to the compute dtype at load.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from klein.io.gguf_header import Header
+from klein.io.mapped import Through
 from klein.models import gguf_blocks, products
 
 
@@ -62,17 +58,12 @@ def kept_blocks(
 
 
 @dataclasses.dataclass(frozen=True)
-class Tagged:
+class Tagged(Through):
     """A layer of a mixed stack (`blocks`, a tuple of ggml types): `piece`'s rows of blocks of type `kind`
     uint8[rows, bytes], zero-padded to the stack's row width and ending in the index of `kind`."""
 
-    piece: object
     blocks: tuple[str, ...]
     kind: str
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return self.piece.keys
 
     def shape(self, source) -> tuple[int, ...]:
         *rows, width = self.piece.shape(source)

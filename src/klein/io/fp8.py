@@ -1,16 +1,10 @@
 """FP8 single files: BFL's `-fp8` checkpoints (e.g. `flux-2-klein-9b-fp8.safetensors`) and ComfyUI files
 in the same layout.
 
-The file declares its FP8 layers as ComfyUI does (`klein.io.comfy_quant`: `_quantization_metadata` in the
-header, or `<layer>.comfy_quant` tensors). Each listed layer stores `<layer>.weight` as F8_E4M3 and a float32
-per-tensor `<layer>.weight_scale` (shape () or (1,)); the weight is `float(weight) * weight_scale`. An
-optional `<layer>.input_scale` (per tensor) is the activations' scale for FP8 products: read where the
-transformer computes in FP8 (`compute="fp8"`) and every layer of a stack gives one, else unread (activations
-are then quantised per token as they come, `klein.models.products`).
-`SIDE_TENSORS` are the keys besides `weight` that a quantised layer may carry.
-The same declaration may name a layer's format "nvfp4" (`klein.io.nvfp4_file`), and a file that declares
-nothing may hold NVFP4 layers as NVIDIA ModelOpt exports them: `quantised_layers` returns every layer's
-format.
+The file declares its quantised layers as ComfyUI does (`klein.io.comfy_quant`), FP8 or NVFP4
+(`klein.io.nvfp4_file`; a file that declares nothing may hold ModelOpt's NVFP4 layers). An FP8 layer stores
+`<layer>.weight` F8_E4M3 and a float32 per-tensor `<layer>.weight_scale`, optionally `<layer>.input_scale`,
+the activations' scale for FP8 products; `SIDE_TENSORS` are the keys besides `weight` it may carry.
 """
 
 from __future__ import annotations
@@ -22,11 +16,6 @@ from klein.io.safetensors import TensorSource
 FORMAT = "float8_e4m3fn"
 _STORED = "F8_E4M3"
 SIDE_TENSORS = ("weight_scale", "input_scale", "comfy_quant")
-
-
-def fp8_layers(source: TensorSource, where: str) -> frozenset[str]:
-    """Stored layer names (keys without `.weight`) declared FP8, checked against the tensors."""
-    return frozenset(layer for layer, fmt in quantised_layers(source, where).items() if fmt == FORMAT)
 
 
 def quantised_layers(source: TensorSource, where: str) -> dict[str, str]:

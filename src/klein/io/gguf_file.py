@@ -1,14 +1,9 @@
-"""Reading GGUF files (community quantisations of FLUX.2 [klein] for ComfyUI-GGUF and stable-diffusion.cpp,
-and of its Qwen3 text encoder: `klein.io.text_encoder_gguf`).
+"""Reading GGUF files (community quantisations of FLUX.2 [klein] and of its Qwen3 text encoder).
 
-A file is opened by its header alone (`klein.io.gguf_header`: no `gguf.GGUFReader`, which takes seconds to
-open a file with a tokenizer in its metadata and maps every tensor), and each tensor is read from the file
-at its offset when it is asked for. Tensors keep the names they are stored under. `get` dequantises a
-tensor to float32 on the host (F32 / F16 / BF16 ones, and every tensor where the weights are widened at
-load) with `gguf.quants.dequantize`, llama.cpp's definition; `GGUFSource.blocks` reads a quantised tensor
-as it is stored, rows of blocks uint8[rows, bytes], which the models keep in memory and widen one layer at
-a time inside their products (`klein.models.gguf_blocks`): a Q4_K klein-9b holds ~5 GB of weights, not 18.
-Shapes are reported in PyTorch order (GGUF lists dimensions innermost first).
+A file is opened by its header alone (`klein.io.gguf_header`) and each tensor read at its offset when asked
+for, under its stored name, its shape in PyTorch order. `get` dequantises to float32 with
+`gguf.quants.dequantize`; `GGUFSource.blocks` reads a quantised tensor as stored, uint8[rows, bytes] rows of
+blocks, which the models keep in memory and widen inside their products (`klein.models.gguf_blocks`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """A GGUF file's header: its metadata and the names, shapes, types and data offsets of its tensors, no
 tensor read.
 
-`gguf.GGUFReader` makes a NumPy view of every part of every metadata value as it opens a file: a Qwen3
-GGUF's 151936 tokens and 151387 merges take it over a million views (16.9 s here, against 0.7 s with `struct`:
-`benchmarks/gguf_header.py`, AMD EPYC, 2 cores shared), and it maps every tensor as well. So every GGUF
-klein opens is read with this header alone: a text encoder is located, its configuration read and its
-tokenizer rebuilt from it, the planner sizes a file's tensors from it, and `klein.io.gguf_file` reads each
-tensor's bytes at the offset it gives. The layout is GGUF's (version 2 and 3, little-endian): magic, version,
-tensor count, metadata count, the metadata (key, type, value), the tensor infos (name, dimensions innermost
-first, type, offset), then the aligned tensor data.
-
-Every count and length in a header is checked against the bytes left before it is used, arrays nest at most
-`MAX_DEPTH` deep, and the tensors must lie, aligned and apart, inside the file: a damaged or hostile header is
-a `CheckpointError` naming the file and what is wrong, never a loop over 2^63 items, a recursion past
-Python's limit, or a tensor read from outside the file. Metadata values are typed only as the file says;
-readers ask for a key as the type they need (`Header.integer`, `Header.strings`, ...), which refuses a value
-of another type with the same kind of message.
+Read with `struct`: `gguf.GGUFReader` makes a NumPy view of every part of every metadata value (16.9 s
+against 0.7 s for Qwen3's vocabulary, docs/design/checkpoints.md). Every count and length is checked against
+the bytes left before it is used, arrays nest at most `MAX_DEPTH` deep, and the tensors must lie, aligned
+and apart, inside the file: a damaged or hostile header is a `CheckpointError` naming the file and what is
+wrong. Readers ask for a metadata key as the type they need (`Header.integer`, `Header.strings`, ...).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Qwen's tokenizer rebuilt from a GGUF file's own metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
 
-llama.cpp's converter stores the byte-level BPE vocabulary by id (`tokens`, with a `token_type` each), its
-`merges`, the pre-tokenizer's name (`pre`) and the special token ids. For `pre = "qwen2"` that is the
-pipeline of Qwen's `tokenizer.json`: NFC, the Qwen2 split pattern, byte-level BPE, its added tokens matched
-whole (CONTROL ones special, USER_DEFINED ones not: `<think>` is added but not special in Qwen3). Ids the
-converter filled up to the embedding's size (UNUSED `[PAD...]`) are not tokens of Qwen's vocabulary.
+For `pre = "qwen2"` the vocabulary, merges and special ids llama.cpp's converter stores are the pipeline of
+Qwen's `tokenizer.json` (docs/design/checkpoints.md): CONTROL tokens special, USER_DEFINED ones (`<think>`)
+plain added tokens, the UNUSED `[PAD...]` ids the converter filled the vocabulary with left out.
 """
 
 from __future__ import annotations

@@ -89,34 +89,39 @@ class Scalar(Whole):
 
 
 @dataclasses.dataclass(frozen=True)
-class Dequantized:
-    """`piece` (an FP8 weight, or rows of one) times its float32 per-tensor scale, widened to float32."""
+class Through:
+    """A piece that reads another, `piece`: its stored keys and, unless it says otherwise, its shape."""
 
     piece: Whole
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.piece.keys
+
+    def shape(self, source) -> tuple[int, ...]:
+        return self.piece.shape(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dequantized(Through):
+    """`piece` (an FP8 weight, or rows of one) times its float32 per-tensor scale, widened to float32."""
+
     scale_key: str
 
     @property
     def keys(self) -> tuple[str, ...]:
         return (*self.piece.keys, self.scale_key)
 
-    def shape(self, source) -> tuple[int, ...]:
-        return self.piece.shape(source)
-
     def read(self, source) -> np.ndarray:
         return self.piece.read(source).astype(np.float32) * Scalar(self.scale_key).read(source)
 
 
 @dataclasses.dataclass(frozen=True)
-class Viewed:
+class Viewed(Through):
     """`piece` read from `view(source)`: the source's tensors in another form (a GGUF file's blocks as
     stored, `klein.io.gguf_file.GGUFSource.blocks`; an NVFP4 file's, `klein.io.nvfp4_file`)."""
 
-    piece: Whole
     view: Callable
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return self.piece.keys
 
     def shape(self, source) -> tuple[int, ...]:
         return self.piece.shape(self.view(source))

@@ -1,23 +1,11 @@
 """Reading NVFP4 layers of safetensors files, in the two layouts they are published in.
 
-A layer stores `<layer>.weight` uint8[out, in / 2] (two E2M1 values a byte), `<layer>.weight_scale` (its
-float8 E4M3 scale per 16 values) and `<layer>.weight_scale_2` (float32 per tensor); `klein.models.nvfp4`
-says what they mean. Two tools lay the bytes out differently:
-- ComfyUI (comfy-kitchen's `TensorCoreNVFP4Layout`; BFL's `flux-2-klein-*-nvfp4.safetensors`, ComfyUI's
-  mixed-precision files, ModelOpt exports post-processed for ComfyUI): the first value of a pair in the high
-  nibble, the block scales padded and swizzled in cuBLAS's 128 x 4 tiles ([out rounded up to 128, in / 16
-  rounded up to 4]). Such a file declares its layers (`klein.io.comfy_quant`: "nvfp4").
-- NVIDIA ModelOpt's export (`NVFP4QTensor`; its quantisation config is beside the file, in
-  `hf_quant_config.json` / `config.json`): the first value in the low nibble, the scales row-major,
-  [out, in / 16]. Such a file declares nothing: klein reads a layer so when the file has no ComfyUI
-  declaration at all and the layer has all three tensors, the scales at exactly that shape.
-The file's declaration, not the scales' size, tells them apart: where out is a multiple of 128 and in / 16
-of 4 both layouts take the same bytes, and ComfyUI's loader reads a declared layer as swizzled whatever
-it holds. A declared layer whose scales have the row-major shape but not the swizzled size is refused.
-The transformer keeps the layers 4-bit: `Blocks` presents
-each weight as klein's rows of blocks (the per-tensor scale is read as the Linear's `weight_scale`);
-`Values` presents it dequantised to float32, for the layers whose stack is not NVFP4 throughout and for
-`dequantize=True`.
+A layer stores `<layer>.weight` uint8[out, in / 2] (two E2M1 values a byte), `<layer>.weight_scale` (E4M3
+per 16 values) and `<layer>.weight_scale_2` (float32 per tensor; `klein.models.nvfp4`). ComfyUI's files
+(BFL's downloads) declare their layers (`klein.io.comfy_quant`) and swizzle the block scales into cuBLAS's
+128 x 4 tiles; NVIDIA ModelOpt's exports declare nothing and keep them row-major: the declaration, not the
+scales' size, tells them apart (docs/design/checkpoints.md). `Blocks` presents each weight as klein's rows
+of blocks, `Values` dequantised to float32 (a stack not NVFP4 throughout, `dequantize=True`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ rename. A failure never leaves a half-written PNG.
 """
 
 import dataclasses
+import itertools
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -80,10 +81,7 @@ def numbered(file: Path, count: int) -> list[Path]:
 def fresh_names(folder: Path, stem: str) -> Iterator[Path]:
     """`stem.png`, `stem-1.png`, `stem-2.png`, ...: the writer takes the first names that are free."""
     yield folder / f"{stem}.png"
-    index = 1
-    while True:
-        yield folder / f"{stem}-{index}.png"
-        index += 1
+    yield from (folder / f"{stem}-{index}.png" for index in itertools.count(1))
 
 
 def write_images(

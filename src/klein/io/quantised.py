@@ -12,25 +12,17 @@ import dataclasses
 
 import numpy as np
 
-from klein.io.mapped import Whole
+from klein.io.mapped import Through, Whole
 from klein.models import products
 
 SCALE = ".weight_scale"
 
 
 @dataclasses.dataclass(frozen=True)
-class Quantised:
+class Quantised(Through):
     """`piece` (a weight float[out, in]) quantised per output channel for `compute`."""
 
-    piece: Whole
     compute: str
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return self.piece.keys
-
-    def shape(self, source) -> tuple[int, ...]:
-        return self.piece.shape(source)
 
     def read(self, source) -> np.ndarray:
         return products.quantise(np.asarray(self.piece.read(source)), self.compute, 1)[0]

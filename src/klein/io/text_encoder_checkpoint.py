@@ -37,10 +37,7 @@ def load_text_encoder(
     abstract = abstract_text_encoder(config, num_layers, dtype)
     skipped = skipped_keys(config, num_layers)
     source = TensorSource.from_folder(folder, "model")
-    encoder = load_module(
-        abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__, place=place
-    )
-    return encoder
+    return load_module(abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__, place=place)
 
 
 def read_config(folder: str | Path, layers: Sequence[int] = PROMPT_LAYERS) -> Qwen3Config:

@@ -1,17 +1,9 @@
 """Loading the Qwen3 text encoder from a GGUF file in llama.cpp's naming (as ComfyUI users download it).
 
-llama.cpp's converter writes a Qwen3 checkpoint's tensors under its own names (`token_embd.weight`,
-`blk.N.attn_q.weight`, ...) in their PyTorch layout, without the Q/K row permutation it applies to Llama
-(`Qwen3Model` derives from `Qwen2Model`, which keeps transformers' rotate-half order, llama.cpp's NEOX rope).
-The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3`, and the shape comes
-from the file's metadata (`qwen3.block_count`, ...), read without `gguf`'s slow reader
-(`klein.io.gguf_header`). Only the layers the prompt embedding reads are loaded, as from a folder
-(`klein.io.text_encoder_checkpoint`). The Linears whose stack is quantised in every layer stay as their
-blocks in memory, widened inside each product as the transformer's are (`klein.io.block_forms`: a stack
-mixing ggml types, as Q4_K_M files mix Q6_K into `attn_v` and `ffn_down`, too), and a quantised token
-embedding stays as its blocks too, each prompt widening the rows it gathers (`klein.models.stacks.rows`:
-Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16); the norms and a float embedding are dequantised to
-float32 as they are read (`klein.io.gguf_file`) and cast to the compute dtype.
+The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3` and the shape read
+from the file's metadata (`klein.io.gguf_header`); only the layers the prompt embedding reads are loaded.
+Quantised Linears and a quantised token embedding stay as their blocks (`klein.io.block_forms`), widened
+inside each product; the rest is widened as it is read (docs/design/checkpoints.md, "Checkpoint layouts").
 """
 
 from __future__ import annotations

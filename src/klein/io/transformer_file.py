@@ -1,21 +1,11 @@
 """Loading the FLUX.2 transformer from one file, as downloaded from Black Forest Labs or the community.
 
-Formats, told apart by the file itself:
-- BFL safetensors (`flux-2-klein-9b.safetensors`): BFL key names (`klein.io.bfl_transformer_keys`) and no
-  config, which is read off the tensor shapes. ComfyUI's `model.diffusion_model.` key prefix is accepted.
-- BFL FP8 safetensors (`flux-2-klein-9b-fp8.safetensors`, `klein.io.fp8`): float8 weights stay float8 in
-  device memory, each Linear scales them inside its matmul; or, with `dequantize=True`, they are widened to
-  `dtype` at load (twice the memory in bf16, no per-step cast). A Linear of a scanned stack stays FP8 only
-  if it is FP8 in every layer.
-- BFL / ComfyUI NVFP4 safetensors (`flux-2-klein-9b-nvfp4.safetensors`, `klein.io.nvfp4_file`): 4-bit
-  weights stay 4-bit in memory as rows of blocks beside a per-tensor scale, widened inside each product.
-- GGUF (`*.gguf`, `klein.io.gguf_file`): BFL key names; quantised weights stay as their blocks in memory,
-  widened inside each product; F16 / BF16 / F32 tensors are cast to `dtype`.
-A Linear of a scanned stack keeps a stored form only if it has that form in every layer (GGUF blocks: of
-any ggml types, `klein.io.block_forms`); `dequantize=True` widens every weight to `dtype` at load instead
-(memory of an unquantised model).
-For 8-bit products (`compute`) the blocks' weights are quantised as they are read
-(`klein.io.transformer_checkpoint.stored_forms`); FP8 ones stay as shipped for FP8 products.
+The file itself tells its format: BFL safetensors (`klein.io.bfl_transformer_keys`; no config, it is read
+off the tensor shapes; ComfyUI's `model.diffusion_model.` prefix accepted), their FP8 (`klein.io.fp8`) and
+NVFP4 (`klein.io.nvfp4_file`) versions, or GGUF (`klein.io.gguf_file`). A Linear of a scanned stack keeps
+its stored form only if it has that form in every layer (`klein.io.block_forms`), else it is widened to
+`dtype` at load, as every weight is under `dequantize=True`; for 8-bit products (`compute`) the blocks'
+weights are quantised as they are read (`klein.io.transformer_checkpoint.stored_forms`).
 """
 
 from __future__ import annotations
