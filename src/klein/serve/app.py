@@ -74,31 +74,27 @@ def _documented(app: FastAPI, options):
 def _errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
-        return JSONResponse(error.body(), error.status, headers=error.headers)
+        return error.response()
 
     @app.exception_handler(body_cap.TooLarge)
     async def too_large(request, error: body_cap.TooLarge):
-        return JSONResponse(error.error.body(), 413)
+        return error.error.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
-        problem = schema.not_json(request.headers.get("content-type")) or schema.from_validation(
-            error.errors()
-        )
-        return JSONResponse(problem.body(), problem.status)
+        content_type = request.headers.get("content-type")
+        return (schema.not_json(content_type) or schema.from_validation(error.errors())).response()
 
     @app.exception_handler(Exception)
     async def internal(request, error: Exception):  # a bug: uvicorn logs the traceback, the client gets JSON
-        problem = errors.internal(error)
-        return JSONResponse(problem.body(), problem.status)
+        return errors.internal(error).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-        body = ApiError(
+        return ApiError(
             error.status_code, f"{request.method} {request.url.path}: {error.detail}", code
-        ).body()
-        return JSONResponse(body, error.status_code)
+        ).response()
 
 
 def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
@@ -124,9 +120,7 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
 
     @app.post("/v1/images/generations", responses=api_docs.responses(api_docs.ImagesResponse))
     async def generations(body: schema.ImageBody, request: Request):
-        notes = schema.ignored(body, service.model_name)
-        generation_request, whose = schema.to_request(body, options), owner(request.scope)
-        work = Generation(generation_request, reference_id=body.references, notes=notes, owner=whose)
+        work = _work(service, body, request)
         job = await _submitted(quotas, request, lambda: _generation(service, work))
         return await _wait(service.worker, job, request)
 
@@ -196,9 +190,7 @@ def _references(app: FastAPI, service: Service, quotas: Quotas) -> None:
 def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def create_job(body: schema.ImageBody, request: Request):
-        notes = schema.ignored(body, service.model_name)
-        generation_request, whose = schema.to_request(body, service.options), owner(request.scope)
-        work = Generation(generation_request, reference_id=body.references, notes=notes, owner=whose)
+        work = _work(service, body, request)
         job = await _submitted(quotas, request, lambda: _generation(service, work, keep=True))
         return {"id": job.id, "status": job.status}
 
@@ -230,6 +222,14 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
         whose = owner(request.scope)
         job = service.worker.jobs.get(job_id, whose)
         return StreamingResponse(streams.stream(job, whose), media_type="text/event-stream")
+
+
+def _work(service: Service, body: schema.ImageBody, request: Request) -> Generation:
+    """The generation a JSON body asks for (its references by id)."""
+    notes = schema.ignored(body, service.model_name)
+    return Generation(
+        schema.to_request(body, service.options), (), body.references, notes, owner(request.scope)
+    )
 
 
 async def _generation(service: Service, work: Generation, keep: bool = False) -> Job:

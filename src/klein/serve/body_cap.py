@@ -29,11 +29,10 @@ class TooLarge(HTTPException):
 
 def limit(headers: Headers, max_upload_bytes: int) -> tuple[int, str]:
     """(bytes allowed, what allows them) for a request's body."""
-    if headers.get("content-type", "").lower().startswith("multipart/"):
+    multipart = headers.get("content-type", "").lower().startswith("multipart/")
+    if multipart or MAX_JSON_BYTES >= max_upload_bytes:
         return max_upload_bytes, "--max-upload-bytes"
-    if MAX_JSON_BYTES < max_upload_bytes:
-        return MAX_JSON_BYTES, "a body that is not multipart"
-    return max_upload_bytes, "--max-upload-bytes"
+    return MAX_JSON_BYTES, "a body that is not multipart"
 
 
 def declared(headers: Headers, allowed: int) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from klein.serve import body_cap
@@ -50,13 +50,12 @@ class Guard:
         try:
             answer = self._admit(scope, headers)
         except ApiError as error:
-            answer = JSONResponse(error.body(), error.status, headers=error.headers)
+            answer = error.response()
         if answer is not None:
             return await answer(scope, receive, counted)
         allowed, what = body_cap.limit(headers, self.service.options.max_upload_bytes)
         if body_cap.declared(headers, allowed):
-            error = body_cap.TooLarge(allowed, what).error
-            return await JSONResponse(error.body(), 413)(scope, receive, counted)
+            return await body_cap.TooLarge(allowed, what).error.response()(scope, receive, counted)
         return await self.app(scope, body_cap.capped(receive, allowed, what), counted)
 
     def _admit(self, scope, headers: Headers) -> Response | None:

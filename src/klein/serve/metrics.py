@@ -80,6 +80,11 @@ class Metrics:
     def observe(self, stage: str, seconds: float) -> None:
         self._stages.labels(stage).observe(seconds)
 
+    def observe_timings(self, body: dict) -> None:
+        """Each stage's seconds of a response body's `klein.timings`."""
+        for stage, seconds in body["klein"]["timings"].items():
+            self.observe(stage, seconds)
+
     @property
     def jobs_done(self) -> int:
         return int(self.registry.get_sample_value("klein_jobs_total", {"status": "done"}) or 0)

@@ -34,9 +34,9 @@ class ServeOptions:
     """Largest image (width x height) accepted, uploaded or generated: 4 MP."""
     max_steps: int = 50
     max_batch: int = 1
+    """Images that queued requests of one shape and reference set may share a batch for; 1: no batching."""
     lora_bytes: int = 2**30
     """Device bytes of the adapter slots of the LoRAs requests name (`--lora-dir`, `--lora-named`)."""
-    """Images that queued requests of one shape and reference set may share a batch for; 1: no batching."""
     max_images: int = 10
     """Largest n (images per request), OpenAI's limit."""
     max_result_bytes: int = 256 * 2**20

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from klein.errors import counted
+from klein.serve import errors
 from klein.serve.errors import ApiError
 from klein.serve.security import Access, ApiKey
 
@@ -76,9 +77,6 @@ class Quotas:
 
 
 def _limited(limit: str, key: ApiKey, retry: int) -> ApiError:
-    return ApiError(
-        429,
-        f"this API key ({key.label}) may make {limit}; retry in {retry} s",
-        "rate_limited",
-        headers={"Retry-After": str(retry)},
+    return errors.retry(
+        429, f"this API key ({key.label}) may make {limit}; retry in {retry} s", "rate_limited", retry
     )

@@ -137,13 +137,11 @@ class ReferenceSets:
     def describe(self, reference_id: str, owner=None) -> dict | None:
         """The contract's reference object, or None when the id cannot be used (unknown or evicted):
         a set that is described can be used, under any LoRAs."""
-        known = self._known(owner, reference_id)
-        if known is None:
+        try:
+            digests, sizes = self._usable(owner, reference_id)
+        except UnknownReferences:
             return None
-        digests, sizes = known
         entry = self._encoding(owner, digests)
-        if entry is None and not self._all_latents(owner, digests):
-            return None
         return describe(reference_id, sizes, entry.size if entry else 0, entry is not None)
 
     def _encoding(self, owner, digests):

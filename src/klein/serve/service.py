@@ -96,15 +96,13 @@ class Service:
 
     def _generate(self, work: generation.Generation, job: Job) -> dict:
         result = generation.run(self.pipe, self.sets, work, job.step, self.version)
-        for stage, seconds in result["klein"]["timings"].items():
-            self.metrics.observe(stage, seconds)
+        self.metrics.observe_timings(result)
         return result
 
     def _generate_batch(self, jobs: list[Job]) -> list[dict]:
         works = [job.spec for job in jobs]
         results = batching.run_batch(self.pipe, self.sets, works, [job.step for job in jobs], self.version)
-        for stage, seconds in results[0]["klein"]["timings"].items():
-            self.metrics.observe(stage, seconds)
+        self.metrics.observe_timings(results[0])
         return results
 
     def loras(self) -> dict:

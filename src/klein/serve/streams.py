@@ -15,7 +15,7 @@ import collections
 import json
 import math
 
-from klein.serve.errors import ApiError
+from klein.serve.errors import retry
 
 EVENT_POLL = 0.05  # seconds between looks at a job's events
 RETRY_AFTER = 5  # seconds: streams end when their jobs do, which takes a job's time
@@ -36,11 +36,11 @@ class EventStreams:
                 if self.open >= self.cap
                 else f"this API key has {self.share} event streams open, its share of --max-event-streams"
             )
-            raise ApiError(
+            raise retry(
                 429,
                 f"{full}; retry in {RETRY_AFTER} s, or poll GET /v1/jobs/ID",
                 "too_many_streams",
-                headers={"Retry-After": str(RETRY_AFTER)},
+                RETRY_AFTER,
             )
         self.open += 1
         self.held[owner] += 1

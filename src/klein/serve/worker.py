@@ -195,13 +195,9 @@ class Worker:
         """A 429 with Retry-After when the queue is full: `submit` asks, and a route before it decodes
         uploaded images."""
         if len(self._queue) >= self.max_queue:
-            retry = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
-            raise errors.ApiError(
-                429,
-                f"the queue is full ({self.max_queue} requests waiting); retry in about {retry} s",
-                "queue_full",
-                headers={"Retry-After": str(retry)},
-            )
+            seconds = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
+            message = f"the queue is full ({self.max_queue} requests waiting); retry in about {seconds} s"
+            raise errors.retry(429, message, "queue_full", seconds)
 
     def abandon(self, job: Job) -> None:
         """Drop `job` if it has not started: its client went away."""
@@ -209,7 +205,7 @@ class Worker:
             if job in self._queue:
                 self._queue.remove(job)
                 self.metrics.count_job("dropped")
-                job.finish(error=errors.ApiError(499, "the client went away", "client_closed"))
+                job.finish(error=errors.client_closed())
 
     def cancel(self, job: Job) -> None:
         """Drop `job` if queued, or have it stop at its next step if running (DELETE /v1/jobs/{id})."""

@@ -46,30 +46,25 @@ WARMING_POLL = 1.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)
 """A replica died, or cannot be reached, while it held the request."""
 APP, REPLICA = "klein", "Replica"
-ROUTINGS = ("references", "load")
 
 
 def lost() -> ApiError:
-    return ApiError(
+    return errors.retry(
         503,
         f"the replica serving this request stopped (Serve restarts it); retry in {RETRY_AFTER} s",
         "replica_lost",
-        headers={"Retry-After": str(RETRY_AFTER)},
+        RETRY_AFTER,
     )
 
 
 def busy() -> ApiError:
-    return ApiError(
-        429,
-        f"every replica is busy and the queue is full; retry in {RETRY_AFTER} s",
-        "queue_full",
-        headers={"Retry-After": str(RETRY_AFTER)},
-    )
+    message = f"every replica is busy and the queue is full; retry in {RETRY_AFTER} s"
+    return errors.retry(429, message, "queue_full", RETRY_AFTER)
 
 
 def refused(data: dict) -> ApiError:
     """A replica's refusal (`replica.fields`) as the `ApiError` it was there."""
-    return ApiError(data["status"], data["message"], data["code"], data["param"], data["headers"])
+    return ApiError(**data)
 
 
 class Jobs:
@@ -198,7 +193,7 @@ class Front:
         except (RequestCancelledError, asyncio.CancelledError):
             if not job.finished:  # not cancelled by DELETE /v1/jobs/{id}: its client went away
                 self.metrics.count_job("dropped")
-            job.finish(error=ApiError(499, "the client went away", "client_closed"))
+            job.finish(error=errors.client_closed())
         except BackPressureError:
             job.finish(error=busy())
         except Exception as error:  # a bug: log it, answer 500
@@ -223,8 +218,7 @@ class Front:
         elif name == "stage":
             job.events.append(("stage", data))
         elif name == "done":
-            for stage, seconds in data["klein"]["timings"].items():
-                self.metrics.observe(stage, seconds)
+            self.metrics.observe_timings(data)
             self.metrics.count_job("done")
             job.finish(result=data)
         elif name == "error":

@@ -12,9 +12,8 @@ so nothing else matches: only the proxy's own plain-text 500s are replaced.
 from __future__ import annotations
 
 from starlette.middleware import Middleware
-from starlette.responses import JSONResponse
 
-from klein.serve.errors import ApiError
+from klein.serve.errors import ApiError, retry
 
 RETRY_AFTER = 5
 """Seconds: Serve starts a new front at once; it answers once the replicas' config is read again."""
@@ -27,12 +26,12 @@ def middlewares() -> list[Middleware]:
 
 
 def front_lost() -> ApiError:
-    return ApiError(
+    return retry(
         503,
         f"the front of klein serve stopped while it held this request (Serve restarts it); its jobs and "
         f"uploads are gone: retry in {RETRY_AFTER} s",
         "front_lost",
-        headers={"Retry-After": str(RETRY_AFTER)},
+        RETRY_AFTER,
     )
 
 
@@ -59,8 +58,7 @@ class FrontLost:
 
         await self.app(scope, receive, watched)
         if not state["started"]:
-            error = front_lost()
-            await JSONResponse(error.body(), error.status, headers=error.headers)(scope, receive, send)
+            await front_lost().response()(scope, receive, send)
 
 
 def _proxy_error(start: dict) -> bool:

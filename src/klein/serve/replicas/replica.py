@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from klein.serve.errors import ApiError
+from klein.serve.errors import FIELDS, ApiError
 from klein.serve.generation import Generation
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
@@ -95,10 +95,4 @@ async def _follow(job: Job):
 
 def fields(error: ApiError) -> dict:
     """An `ApiError` as plain data, to cross to the front."""
-    return {
-        "status": error.status,
-        "message": error.message,
-        "code": error.code,
-        "param": error.param,
-        "headers": error.headers,
-    }
+    return {name: getattr(error, name) for name in FIELDS}
