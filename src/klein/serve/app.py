@@ -1,15 +1,6 @@
-"""The HTTP routes of `klein serve` (the contract: docs/design.md, "Serving"); thin by design.
-
-Handlers parse and validate, submit a job to the worker and await it without blocking the event loop;
-a synchronous request whose client goes away while its job still waits drops the job. Every error is
-OpenAI's JSON error shape (`klein.serve.errors`). What every request passes first (Host, Origin, the API
-key, its rate, the body cap) is `klein.serve.guard`'s; a route that makes a job takes one of its key's
-job slots (`klein.serve.quotas`), and one that uploads images checks the queue before decoding them.
-
-With API keys, what a request makes is its key's (`quotas.owner`): a job, and a reference set, are found
-by id by that key only; another key's id is answered as an unknown one. Keys share the worker, the
-queue and the budgets, each of which it holds a share of (the reference cache, event streams).
-"""
+"""The HTTP routes of `klein serve` (the contract: docs/serving.md), thin by design: handlers parse and
+validate, submit a job to the worker and await it without blocking the event loop; what every request
+passes first is `klein.serve.guard`'s."""
 
 from __future__ import annotations
 
@@ -234,9 +225,7 @@ def _work(service: Service, body: schema.ImageBody, request: Request) -> Generat
 
 async def _generation(service: Service, work: Generation, keep: bool = False) -> Job:
     """`service.submit_generation` of a client's request, refused first (400) if it repaints a source
-    named by a reference id: a set's images were prepared as references (centre-cropped) where the same
-    image sent as a file is prepared as a source (resized), so the same request would give two images.
-    (The replicas' front names uploaded sources by id itself, after this.)"""
+    named by a reference id (why: docs/design/serving.md, "Serving")."""
     if work.reference_id is not None and work.request.repaints:
         raise ApiError(
             400,

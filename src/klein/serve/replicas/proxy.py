@@ -1,13 +1,7 @@
-"""What Serve's HTTP proxy adds in front of the front: klein's error for a request the front dropped.
-
-The front is one Serve replica; if its process dies while it holds a request (killed, out of memory, a
-node lost), Serve's proxy answers that request itself with a plain-text 500 "Internal Server Error", and
-Serve's controller starts a new front. That answer is neither klein's JSON error shape nor a status that
-tells a client to retry: this ASGI middleware, installed in the proxy through Serve's proxy callback
-(`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, set by `klein.serve.replicas.cluster`), turns it into
-klein's 503 with Retry-After (`front_lost`). Every answer of klein's own app is JSON (errors included),
-so nothing else matches: only the proxy's own plain-text 500s are replaced.
-"""
+"""What Serve's HTTP proxy adds in front of the front: a front that dies while it holds a request leaves
+Serve's proxy to answer a plain-text 500; this middleware (installed through Serve's proxy callback)
+makes it klein's JSON 503 with Retry-After (`front_lost`). klein's own answers are JSON, so only those
+500s match."""
 
 from __future__ import annotations
 

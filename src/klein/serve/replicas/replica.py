@@ -1,10 +1,5 @@
-"""One model replica of `klein serve --replicas N`: a Ray Serve deployment holding its own `Service`
-(pipeline, prompt cache, reference cache, worker thread), as a single `klein serve` holds one.
-
-Which replica serves a set is the router's choice (`klein.serve.replicas.router`); a replica only
-keeps what it encodes in its byte-bounded reference cache, and a set it does not hold (a first request
-here, a restart, an eviction) is encoded from the images the front keeps (`klein.serve.replicas.store`).
-"""
+"""One model replica of `klein serve --replicas N`: a Ray Serve deployment holding its own `Service`, as
+a single `klein serve` holds one; a set it does not hold is encoded from the front's images."""
 
 from __future__ import annotations
 
