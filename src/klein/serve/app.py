@@ -140,9 +140,7 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
             images = ()
             if body.references is None:
                 images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
-            notes = schema.ignored(body, service.model_name)
-            work = Generation(generation_request, images, body.references, notes, owner(request.scope))
-            return await _generation(service, work)
+            return await _generation(service, _work(service, body, request, generation_request, images))
 
         return await _wait(service.worker, await _submitted(quotas, request, submit), request)
 
@@ -215,12 +213,12 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
         return StreamingResponse(streams.stream(job, whose), media_type="text/event-stream")
 
 
-def _work(service: Service, body: schema.ImageBody, request: Request) -> Generation:
-    """The generation a JSON body asks for (its references by id)."""
+def _work(service: Service, body: schema.ImageBody, request: Request, asked=None, images=()) -> Generation:
+    """The generation a body asks for (`asked`: its request, if not read from it here): `images`, or its
+    references by id."""
+    asked = schema.to_request(body, service.options) if asked is None else asked
     notes = schema.ignored(body, service.model_name)
-    return Generation(
-        schema.to_request(body, service.options), (), body.references, notes, owner(request.scope)
-    )
+    return Generation(asked, images, body.references, notes, owner(request.scope))
 
 
 async def _generation(service: Service, work: Generation, keep: bool = False) -> Job:
