@@ -83,7 +83,7 @@ class ReferenceSets:
 
     def resolve(self, reference_id: str, loras=(), owner=None) -> Encoded:
         """The set an id names; `UnknownReferences` if the id is unknown or its encodings were evicted."""
-        digests, _ = self._usable(owner, reference_id)
+        digests, _, _ = self._usable(owner, reference_id)
         return self._cached_set(owner, digests, loras) or self._compute(owner, digests, {}, loras)
 
     def sizes(self, reference_id: str, owner=None) -> tuple[tuple[int, int], ...]:
@@ -101,24 +101,25 @@ class ReferenceSets:
             return known
 
     def _usable(self, owner, reference_id: str) -> tuple:
-        """(digests, sizes) of an id whose set, or else every image's latents, the cache still holds."""
+        """(digests, sizes, the set's encoding or None) of an id whose set, or else every image's latents,
+        the cache still holds."""
         known = self._known(owner, reference_id)
         if known is None:
             raise UnknownReferences(
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
             )
-        if self._encoding(owner, known[0]) is None and not self._all_latents(owner, known[0]):
+        entry = self._encoding(owner, known[0])
+        if entry is None and not self._all_latents(owner, known[0]):
             raise UnknownReferences(_evicted(reference_id))
-        return known
+        return (*known, entry)
 
     def describe(self, reference_id: str, owner=None) -> dict | None:
         """The contract's reference object, or None when the id cannot be used (unknown or evicted):
         a set that is described can be used, under any LoRAs."""
         try:
-            digests, sizes = self._usable(owner, reference_id)
+            _, sizes, entry = self._usable(owner, reference_id)
         except UnknownReferences:
             return None
-        entry = self._encoding(owner, digests)
         return describe(reference_id, sizes, entry.size if entry else 0, entry is not None)
 
     def _encoding(self, owner, digests):
