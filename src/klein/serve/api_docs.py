@@ -1,28 +1,17 @@
-"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI) and its files under /static/docs/, and what
-the schema says beyond the routes' signatures.
-
-FastAPI's own /docs loads Swagger UI from a CDN, so offline or behind a firewall it is a blank page; this
-one serves Swagger UI from the package (`swagger-ui/`, its README says the version and source). ReDoc
-has no such copy here, so there is no /redoc. The files hold no data, so they need no API key (they are
-under /static/); /docs and /openapi.json need it as the API does.
-
-The multipart routes read their form themselves (`klein.serve.uploads`), so their bodies are described
-here, file fields as binary, so that "Try it out" can send one; the image routes' answers are described
-by the models below (documentation only: the routes return the dicts `klein.serve.generation` builds).
-The request type bounds steps at 1-1000; the schema says this server's own limits (`with_limits`).
-"""
+"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI, served from the package: FastAPI's loads it
+from a CDN) and its files under /static/docs/, and what the schema says beyond the routes' signatures:
+the multipart bodies, the image routes' answers, this server's limits."""
 
 from __future__ import annotations
 
 import re
-from importlib import resources
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
-from klein.serve.page import HEADERS
+from klein.serve.page import asset
 from klein.serve.schema import ImageBody
 
 ASSETS = {
@@ -50,8 +39,7 @@ def docs(request: Request) -> HTMLResponse:
 def swagger_file(name: str) -> Response:
     if name not in ASSETS:
         raise HTTPException(404, f"no docs file {name!r}; the docs have {', '.join(sorted(ASSETS))}")
-    body = (resources.files("klein.serve") / "swagger-ui" / name).read_bytes()
-    return Response(body, media_type=ASSETS[name], headers=HEADERS)
+    return asset(name, ASSETS, "swagger-ui")
 
 
 _FILES = {"type": "array", "items": {"type": "string", "format": "binary"}}

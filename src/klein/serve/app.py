@@ -1,15 +1,6 @@
-"""The HTTP routes of `klein serve` (the contract: docs/design.md, "Serving"); thin by design.
-
-Handlers parse and validate, submit a job to the worker and await it without blocking the event loop;
-a synchronous request whose client goes away while its job still waits drops the job. Every error is
-OpenAI's JSON error shape (`klein.serve.errors`). What every request passes first (Host, Origin, the API
-key, its rate, the body cap) is `klein.serve.guard`'s; a route that makes a job takes one of its key's
-job slots (`klein.serve.quotas`), and one that uploads images checks the queue before decoding them.
-
-With API keys, what a request makes is its key's (`quotas.owner`): a job, and a reference set, are found
-by id by that key only; another key's id is answered as an unknown one. Keys share the worker, the
-queue and the budgets, each of which it holds a share of (the reference cache, event streams).
-"""
+"""The HTTP routes of `klein serve` (the contract: docs/serving.md), thin by design: handlers parse and
+validate, submit a job to the worker and await it without blocking the event loop; what every request
+passes first is `klein.serve.guard`'s."""
 
 from __future__ import annotations
 
@@ -74,31 +65,27 @@ def _documented(app: FastAPI, options):
 def _errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
-        return JSONResponse(error.body(), error.status, headers=error.headers)
+        return error.response()
 
     @app.exception_handler(body_cap.TooLarge)
     async def too_large(request, error: body_cap.TooLarge):
-        return JSONResponse(error.error.body(), 413)
+        return error.error.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
-        problem = schema.not_json(request.headers.get("content-type")) or schema.from_validation(
-            error.errors()
-        )
-        return JSONResponse(problem.body(), problem.status)
+        content_type = request.headers.get("content-type")
+        return (schema.not_json(content_type) or schema.from_validation(error.errors())).response()
 
     @app.exception_handler(Exception)
     async def internal(request, error: Exception):  # a bug: uvicorn logs the traceback, the client gets JSON
-        problem = errors.internal(error)
-        return JSONResponse(problem.body(), problem.status)
+        return errors.internal(error).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-        body = ApiError(
+        return ApiError(
             error.status_code, f"{request.method} {request.url.path}: {error.detail}", code
-        ).body()
-        return JSONResponse(body, error.status_code)
+        ).response()
 
 
 def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
@@ -124,9 +111,7 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
 
     @app.post("/v1/images/generations", responses=api_docs.responses(api_docs.ImagesResponse))
     async def generations(body: schema.ImageBody, request: Request):
-        notes = schema.ignored(body, service.model_name)
-        generation_request, whose = schema.to_request(body, options), owner(request.scope)
-        work = Generation(generation_request, reference_id=body.references, notes=notes, owner=whose)
+        work = _work(service, body, request)
         job = await _submitted(quotas, request, lambda: _generation(service, work))
         return await _wait(service.worker, job, request)
 
@@ -155,9 +140,7 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
             images = ()
             if body.references is None:
                 images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
-            notes = schema.ignored(body, service.model_name)
-            work = Generation(generation_request, images, body.references, notes, owner(request.scope))
-            return await _generation(service, work)
+            return await _generation(service, _work(service, body, request, generation_request, images))
 
         return await _wait(service.worker, await _submitted(quotas, request, submit), request)
 
@@ -196,9 +179,7 @@ def _references(app: FastAPI, service: Service, quotas: Quotas) -> None:
 def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def create_job(body: schema.ImageBody, request: Request):
-        notes = schema.ignored(body, service.model_name)
-        generation_request, whose = schema.to_request(body, service.options), owner(request.scope)
-        work = Generation(generation_request, reference_id=body.references, notes=notes, owner=whose)
+        work = _work(service, body, request)
         job = await _submitted(quotas, request, lambda: _generation(service, work, keep=True))
         return {"id": job.id, "status": job.status}
 
@@ -232,11 +213,17 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
         return StreamingResponse(streams.stream(job, whose), media_type="text/event-stream")
 
 
+def _work(service: Service, body: schema.ImageBody, request: Request, asked=None, images=()) -> Generation:
+    """The generation a body asks for (`asked`: its request, if not read from it here): `images`, or its
+    references by id."""
+    asked = schema.to_request(body, service.options) if asked is None else asked
+    notes = schema.ignored(body, service.model_name)
+    return Generation(asked, images, body.references, notes, owner(request.scope))
+
+
 async def _generation(service: Service, work: Generation, keep: bool = False) -> Job:
     """`service.submit_generation` of a client's request, refused first (400) if it repaints a source
-    named by a reference id: a set's images were prepared as references (centre-cropped) where the same
-    image sent as a file is prepared as a source (resized), so the same request would give two images.
-    (The replicas' front names uploaded sources by id itself, after this.)"""
+    named by a reference id (why: docs/design/serving.md, "Serving")."""
     if work.reference_id is not None and work.request.repaints:
         raise ApiError(
             400,

@@ -1,13 +1,6 @@
-"""Queued generations with the same size, steps, guidance and reference set, run as one batch.
-
-One reference encoding (and, on KV checkpoints, one prefill) and one denoising loop then serve every
-request of the batch: the prompts are stacked (each repeated for its n images) and each request's own
-noise, drawn from its own seed exactly as it would be alone (`pipe.noise`), is stacked as `latents`.
-Each request gets back its own images, seed, prompt, metadata and notes (another request's cut prompt is
-not named to it). A batched image equals the image the
-request gives alone up to floating-point rounding (batched matrix products may round differently), not
-bit for bit; hence batching is opt-in (`--max-batch`).
-"""
+"""Queued generations of equal `batch_key` run as one batch: prompts stacked, each request's own noise
+(`pipe.noise`, as alone) stacked as `latents`, results split back per request. Batched images equal the
+unbatched ones up to rounding, not bit for bit; hence opt-in (`--max-batch`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Every request body of `klein serve` capped while it streams: 413 beyond the cap, on every route.
-
-A body larger than the cap is refused from its Content-Length before a byte is read, or, sent chunked
-without one, as soon as the bytes read pass the cap: never read whole first. Multipart bodies (image
-uploads) may reach `--max-upload-bytes`; any other body (JSON: a prompt and settings) at most
-`MAX_JSON_BYTES` as well, which is far more than the longest prompt allowed (`schema.MAX_PROMPT_CHARS`).
-"""
+"""Every request body capped while it streams: 413 beyond the cap, from its Content-Length or as soon as
+the bytes read pass it, never read whole first."""
 
 from __future__ import annotations
 
@@ -29,11 +24,10 @@ class TooLarge(HTTPException):
 
 def limit(headers: Headers, max_upload_bytes: int) -> tuple[int, str]:
     """(bytes allowed, what allows them) for a request's body."""
-    if headers.get("content-type", "").lower().startswith("multipart/"):
+    multipart = headers.get("content-type", "").lower().startswith("multipart/")
+    if multipart or MAX_JSON_BYTES >= max_upload_bytes:
         return max_upload_bytes, "--max-upload-bytes"
-    if MAX_JSON_BYTES < max_upload_bytes:
-        return MAX_JSON_BYTES, "a body that is not multipart"
-    return max_upload_bytes, "--max-upload-bytes"
+    return MAX_JSON_BYTES, "a body that is not multipart"
 
 
 def declared(headers: Headers, allowed: int) -> bool:

@@ -9,7 +9,12 @@ request type, image preparation, admission, the reference store) onto a status a
 
 from __future__ import annotations
 
+from starlette.responses import JSONResponse
+
 from klein.errors import HTTP, CannotFitError, InputError, WordedError, worded
+
+FIELDS = ("status", "message", "code", "param", "headers")
+"""What an `ApiError` is, as plain data (a replica's refusal crosses to the front as these)."""
 
 
 class ApiError(Exception):
@@ -21,6 +26,18 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+def retry(status: int, message: str, code: str, seconds: int) -> ApiError:
+    """A refusal that says when to try again (`Retry-After`)."""
+    return ApiError(status, message, code, headers={"Retry-After": str(seconds)})
+
+
+def client_closed() -> ApiError:
+    return ApiError(499, "the client went away", "client_closed")
 
 
 def from_input_error(error: InputError) -> ApiError:

@@ -1,9 +1,5 @@
 """The work of one image request, run on the worker thread: references through the cache, the pipeline,
-PNGs with klein's metadata, and the response body of the contract (docs/design.md, "Serving").
-
-Response: {"created": unix seconds, "data": [{"b64_json": PNG}], "klein": {"seed", "settings",
-"timings": {stage: seconds}, "references": null | {"id", "cache": "hit" | "miss", "saved_seconds"}}}.
-"""
+PNGs with klein's metadata, and the response body of the contract (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -32,10 +28,8 @@ class Generation:
 
     @property
     def batch_key(self) -> tuple:
-        """Generations with equal keys can run as one batch: same size, steps, guidance and references;
-        any LoRAs (each image runs under its own), but with references one LoRA set (their keys and values
-        on a KV checkpoint are computed once, under one set) and one owner's. A repaint runs alone: its
-        mask and strength are its own, and its noise is also its start."""
+        """Generations with equal keys can run as one batch: same size, steps, guidance and references (then
+        one LoRA set, as their keys and values are computed once, and one owner's); a repaint runs alone."""
         r = self.request
         if r.repaints:
             return (id(self),)

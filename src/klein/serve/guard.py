@@ -1,18 +1,11 @@
-"""The door of `klein serve`: what every HTTP request passes before a route sees it, in one place.
-
-In order: the Host check (keyless servers: DNS rebinding), the Origin check (state-changing requests from
-another site), a CORS preflight answered for `--allowed-origins`, the API key (every route but /healthz,
-the page and its files under /static/), the key's requests a minute, then the body cap while the route
-reads it (`body_cap`). The key a request came with is left in `scope["state"]["api_key"]` for the job
-limit and for whose the request's jobs and reference sets are (`quotas`). Every response is counted and timed by status for /metrics (until its last byte: a
-job's event stream counts as long as it runs). Refusals are klein's JSON errors (`klein.serve.errors`).
-"""
+"""The door of `klein serve`: what every HTTP request passes before a route sees it, in one place: Host,
+Origin, CORS preflight, the API key and its rate, the body cap; every response counted for /metrics."""
 
 from __future__ import annotations
 
 import time
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from klein.serve import body_cap
@@ -50,13 +43,12 @@ class Guard:
         try:
             answer = self._admit(scope, headers)
         except ApiError as error:
-            answer = JSONResponse(error.body(), error.status, headers=error.headers)
+            answer = error.response()
         if answer is not None:
             return await answer(scope, receive, counted)
         allowed, what = body_cap.limit(headers, self.service.options.max_upload_bytes)
         if body_cap.declared(headers, allowed):
-            error = body_cap.TooLarge(allowed, what).error
-            return await JSONResponse(error.body(), 413)(scope, receive, counted)
+            return await body_cap.TooLarge(allowed, what).error.response()(scope, receive, counted)
         return await self.app(scope, body_cap.capped(receive, allowed, what), counted)
 
     def _admit(self, scope, headers: Headers) -> Response | None:

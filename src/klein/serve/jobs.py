@@ -1,17 +1,6 @@
-"""The jobs `GET /v1/jobs/{id}` finds: kept by bytes and by age, not by count.
-
-Only jobs submitted to `/v1/jobs` are kept (a synchronous request's job is answered and forgotten). A
-finished job's result is kept `ttl` seconds and, with every other kept result, under `budget` bytes: the
-oldest finished results leave first when a new one would pass it. A job that has not finished is never
-dropped (the queue bounds how many wait). What a result holds is counted as its PNGs' base64 text plus
-`EVENT_BYTES` for each event (the step events and the result's small fields).
-
-An id that is gone is remembered, with why, among the last `GONE` such ids (a few dozen bytes each), so
-that it is answered "expired" rather than "unknown". A job is its owner's (`Job.owner`, the label of the
-API key that made it; None without keys): asked for by another key, a job, gone or not, is answered as
-an unknown id is, so that a key learns nothing of another's. The worker thread finishes jobs while the
-event loop reads the table, so its bookkeeping holds a lock.
-"""
+"""The jobs `GET /v1/jobs/{id}` finds (those of POST /v1/jobs): kept by bytes (`--max-result-bytes`) and
+by age (`--result-ttl`), not by count; a dropped id is remembered to answer "expired", not "unknown", and
+only to its owner. The worker finishes jobs while the event loop reads the table, hence the lock."""
 
 from __future__ import annotations
 

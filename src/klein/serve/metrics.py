@@ -1,22 +1,10 @@
-"""`GET /metrics` through `prometheus_client`, so that klein's figures are scraped as Ray's and any other
-Python service's are (each `Metrics` has its own registry: several services in one process stay apart).
-
-Names: klein_queue_depth, klein_requests_total{status} (HTTP responses by status code),
-klein_request_seconds{status} (a histogram: HTTP request latency, until the response's last byte),
-klein_jobs_total{status} (done, error, dropped: client gone before it started, shutdown),
-klein_batches_total and klein_batched_jobs_total (--max-batch),
-klein_reference_cache_{bytes,budget_bytes,entries,hits_total,misses_total,evictions_total,too_large_total},
-the same for klein_prompt_cache_ and klein_rope_cache_ (the pipeline's RoPE tables),
-klein_result_store_{bytes,budget_bytes,entries,expired_total} (kept /v1/jobs results), klein_event_streams
-(open event streams), and klein_stage_seconds{stage} (a histogram) for queue_wait and each pipeline stage.
-With API keys, what each key holds of its shares: klein_key_reference_cache_bytes{key} and
-klein_key_event_streams{key}, `key` being the key's label (where it came from: `--api-key-file line 3`,
-`KLEIN_API_KEY`), never the key nor the file's path. The queue depth and the stores' figures are read
-when scraped (`watch`, `watch_keys`), not copied.
-"""
+"""`GET /metrics` through `prometheus_client` (each `Metrics` has its own registry: several services in
+one process stay apart). The figures that live elsewhere (queue, caches, results, what each API key holds,
+labelled by the key's label, never the key) are read when scraped (`watch`, `watch_keys`), not copied."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -31,24 +19,17 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        add = {"registry": self.registry}
-        self._requests = Counter("klein_requests", "HTTP responses by status code", ["status"], **add)
-        self._latency = Histogram(
-            "klein_request_seconds",
-            "HTTP request latency, until the last byte",
-            ["status"],
-            buckets=SECONDS,
-            **add,
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, buckets=SECONDS, registry=self.registry)
+        self._requests = counter("klein_requests", "HTTP responses by status code", ["status"])
+        self._latency = histogram(
+            "klein_request_seconds", "HTTP request latency, until the last byte", ["status"]
         )
-        self._jobs = Counter("klein_jobs", "jobs by outcome", ["status"], **add)
-        self._batches = Counter("klein_batches", "batches of several jobs run", **add)
-        self._batched = Counter("klein_batched_jobs", "jobs run in those batches", **add)
-        self._stages = Histogram(
-            "klein_stage_seconds",
-            "seconds per stage (pipeline stages, queue wait)",
-            ["stage"],
-            buckets=SECONDS,
-            **add,
+        self._jobs = counter("klein_jobs", "jobs by outcome", ["status"])
+        self._batches = counter("klein_batches", "batches of several jobs run")
+        self._batched = counter("klein_batched_jobs", "jobs run in those batches")
+        self._stages = histogram(
+            "klein_stage_seconds", "seconds per stage (pipeline stages, queue wait)", ["stage"]
         )
         self._live = _Live()
         self.registry.register(self._live)
@@ -79,6 +60,11 @@ class Metrics:
 
     def observe(self, stage: str, seconds: float) -> None:
         self._stages.labels(stage).observe(seconds)
+
+    def observe_timings(self, body: dict) -> None:
+        """Each stage's seconds of a response body's `klein.timings`."""
+        for stage, seconds in body["klein"]["timings"].items():
+            self.observe(stage, seconds)
 
     @property
     def jobs_done(self) -> int:

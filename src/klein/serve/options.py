@@ -21,39 +21,27 @@ def show_size(value: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
+    """What `klein serve` is told; each field is the flag of its name, described by `klein.cli.serve`
+    (limits in bytes, seconds or counts, each positive), and `access`: `klein.serve.security.Access`."""
+
     cache_bytes: int = 2 * 2**30
-    """Reference cache budget (per-image latents and encoded sets), device bytes."""
     prompt_cache_bytes: int = 256 * 2**20
-    """Prompt-embedding cache budget, device bytes."""
     max_queue: int = 16
-    """Requests waiting for the worker; one more gets 429 with Retry-After."""
     max_upload_bytes: int = 50 * 2**20
-    """Largest request body (all files and fields together)."""
     max_references: int = 4
     max_pixels: int = MAX_PIXELS
-    """Largest image (width x height) accepted, uploaded or generated: 4 MP."""
     max_steps: int = 50
     max_batch: int = 1
     lora_bytes: int = 2**30
-    """Device bytes of the adapter slots of the LoRAs requests name (`--lora-dir`, `--lora-named`)."""
-    """Images that queued requests of one shape and reference set may share a batch for; 1: no batching."""
     max_images: int = 10
-    """Largest n (images per request), OpenAI's limit."""
+    """Largest n (images per request), OpenAI's limit (no flag)."""
     max_result_bytes: int = 256 * 2**20
-    """Finished /v1/jobs results kept (their PNGs' base64 text); the oldest leave first."""
     result_ttl: float = 3600.0
-    """Seconds a finished /v1/jobs result is kept."""
     job_timeout: float = 1800.0
-    """Seconds a job may run; past it, it stops at its next denoising step (504)."""
     max_event_streams: int = 64
-    """Open GET /v1/jobs/{id}/events streams; one more gets 429 with Retry-After."""
     limit_concurrency: int = 256
-    """Connections and tasks uvicorn serves at once; more get 503."""
     keep_alive_timeout: float = 5.0
-    """Seconds uvicorn keeps an idle connection open."""
     access: Access = Access()
-    """API keys and their limits, the bound host, the Host names and web origins allowed
-    (`klein.serve.security`)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

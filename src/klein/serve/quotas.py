@@ -1,12 +1,5 @@
-"""Per-key limits of `klein serve`: requests a minute and jobs at once (`KEY rpm=N jobs=N`), each
-exceeded one a 429 with Retry-After; and the shares of what keys hold on the server (the reference cache,
-event streams): one each (`shares`).
-
-Requests a minute are a token bucket per key: N tokens, refilled at N a minute, so a key may burst up to
-N requests and then goes at N a minute. Jobs at once count a key's jobs from their submission until they
-finish (a synchronous request's, and an asynchronous one's after its 202); the worker thread finishes
-jobs, hence the lock.
-"""
+"""Per-key limits of `klein serve`: requests a minute (a token bucket) and jobs at once (`KEY rpm=N
+jobs=N`), each exceeded one a 429 with Retry-After; and the shares of what keys hold (`shares`)."""
 
 from __future__ import annotations
 
@@ -16,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from klein.errors import counted
+from klein.serve import errors
 from klein.serve.errors import ApiError
 from klein.serve.security import Access, ApiKey
 
@@ -76,9 +70,6 @@ class Quotas:
 
 
 def _limited(limit: str, key: ApiKey, retry: int) -> ApiError:
-    return ApiError(
-        429,
-        f"this API key ({key.label}) may make {limit}; retry in {retry} s",
-        "rate_limited",
-        headers={"Retry-After": str(retry)},
+    return errors.retry(
+        429, f"this API key ({key.label}) may make {limit}; retry in {retry} s", "rate_limited", retry
     )

@@ -1,25 +1,7 @@
-"""Reference sets, content-addressed: uploaded images -> `klein.request.references.References`, through the cache.
-
-A prepared image (float32[H, W, 3], `klein.images.prepare_reference`, or `klein.masks.prepare_source` for
-the image an edit repaints) is known by its digest (`klein.pipeline.cache_keys.image_digest`: shape,
-bytes and preparation); a set by the ordered tuple of those digests, and its id is derived from that
-tuple alone, so the same images in the same order give the same id however they are sent
-(`/v1/references` or `/v1/images/edits`). Cache entries (keys in `klein.pipeline.cache_keys`):
-
-- an image's VAE latents float[H/16, W/16, C], under the model and dtype: reusable in any set;
-- a set's `References` (tokens, and the prefill's keys/values when `cached`), which depend on the order
-  and on the weights (LoRAs included), so a weights change cannot hit them. Its tokens are its images'
-  latents: a set whose latents were evicted is prefilled again from them under other LoRAs, so a set
-  that is described (`cached` or not) is one a request can use.
-
-Owners (`klein serve` with API keys; None without): ids, and every cache entry, are the owner's. A key
-that computes another's id from the images' bytes finds nothing, and shares no entry with another
-(a hit would tell it that the other sent the same image); each key has its share of the cache
-(`ByteBudgetCache` shares) and of the id table.
-
-Encoding runs on the serving worker thread, which owns the pipeline; `describe` and `delete` may run on
-the event loop, so the id table holds a lock.
-"""
+"""Reference sets, content-addressed: uploaded images -> `klein.request.references.References`, through the
+cache. An image is known by its digest, a set by the ordered tuple of digests (its id derives from that
+alone), and ids and cache entries are each owner's (docs/design/serving.md, "Serving"). Encoding runs on
+the worker thread; `describe` and `delete` may run on the event loop, so the id table holds a lock."""
 
 from __future__ import annotations
 
@@ -96,18 +78,13 @@ class ReferenceSets:
         digests = tuple(image.digest for image in images)
         sizes = tuple(image.pixels.shape[:2] for image in images)
         self._remember(owner, set_id(digests), digests, sizes)
-        hit = self._cached_set(owner, digests, loras)
-        if hit is not None:
-            return hit
-        return self._compute(owner, digests, {i.digest: i.pixels for i in images}, loras)
+        pixels = {i.digest: i.pixels for i in images}
+        return self._cached_set(owner, digests, loras) or self._compute(owner, digests, pixels, loras)
 
     def resolve(self, reference_id: str, loras=(), owner=None) -> Encoded:
         """The set an id names; `UnknownReferences` if the id is unknown or its encodings were evicted."""
-        digests, _ = self._usable(owner, reference_id)
-        hit = self._cached_set(owner, digests, loras)
-        if hit is not None:
-            return hit
-        return self._compute(owner, digests, {}, loras)
+        digests, _, _ = self._usable(owner, reference_id)
+        return self._cached_set(owner, digests, loras) or self._compute(owner, digests, {}, loras)
 
     def sizes(self, reference_id: str, owner=None) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each image of the set an id names; `UnknownReferences` as `resolve`."""
@@ -124,25 +101,24 @@ class ReferenceSets:
             return known
 
     def _usable(self, owner, reference_id: str) -> tuple:
-        """(digests, sizes) of an id whose set, or else every image's latents, the cache still holds."""
+        """(digests, sizes, the set's encoding or None) of an id whose set, or else every image's latents,
+        the cache still holds."""
         known = self._known(owner, reference_id)
         if known is None:
             raise UnknownReferences(
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
             )
-        if self._encoding(owner, known[0]) is None and not self._all_latents(owner, known[0]):
+        entry = self._encoding(owner, known[0])
+        if entry is None and not self._all_latents(owner, known[0]):
             raise UnknownReferences(_evicted(reference_id))
-        return known
+        return (*known, entry)
 
     def describe(self, reference_id: str, owner=None) -> dict | None:
         """The contract's reference object, or None when the id cannot be used (unknown or evicted):
         a set that is described can be used, under any LoRAs."""
-        known = self._known(owner, reference_id)
-        if known is None:
-            return None
-        digests, sizes = known
-        entry = self._encoding(owner, digests)
-        if entry is None and not self._all_latents(owner, digests):
+        try:
+            _, sizes, entry = self._usable(owner, reference_id)
+        except UnknownReferences:
             return None
         return describe(reference_id, sizes, entry.size if entry else 0, entry is not None)
 

@@ -1,15 +1,7 @@
-"""Request bodies of the images API -> `klein.GenerationRequest` (the one request type; no copy of it).
-
-`ImageBody` is what OpenAI's images API sends (prompt, n, size "WxH" or "auto", response_format) plus
-klein's own settings (seed, num_inference_steps, guidance_scale, strength: fields derived from the
-request type's declarations) and a reference set id (references), as
-JSON (`/v1/images/generations`, `/v1/jobs`) or as multipart form fields (`/v1/images/edits`, read by
-`from_form`). Types are strict: "3" is not a number in JSON. OpenAI's other fields (`model`, `quality`,
-`style`, `user`, ...) are accepted and, where they ask for something klein does not do, named in the
-response's `warnings`; any other field is refused (400 naming it, with the nearest known field: a typo
-must not run with a default). A prompt is at most `MAX_PROMPT_CHARS` characters; what the text encoder
-does not read of a shorter one is cut by the pipeline, which says so in `warnings`.
-"""
+"""Request bodies of the images API -> `klein.GenerationRequest` (the one request type; no copy of it):
+OpenAI's fields plus klein's settings (derived from the request type's declarations), as JSON or as
+multipart form fields. Types are strict; an unknown field is refused naming the nearest known one (a
+typo must not run with a default)."""
 
 from __future__ import annotations
 
@@ -193,9 +185,7 @@ _ALIASES = {
     name: field for name, field in _ALIASES.items() if field in ImageBody.model_fields and name != field
 }
 _ALIASES |= {"num_images_per_prompt": "n", "height": "size", "width": "size", "image": "references"}
-_NOT_HERE = {
-    "negative_prompt": no_negative_prompt(HTTP),
-}
+_NOT_HERE = {"negative_prompt": no_negative_prompt(HTTP)}
 
 
 def unknown_field(name: str) -> str:

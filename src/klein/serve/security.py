@@ -1,17 +1,6 @@
-"""Who may use `klein serve`: API keys (from a flag, the environment or a file), the exposure rule, and the
-Host and Origin checks against DNS rebinding and cross-site requests.
-
-- A key line is `KEY [rpm=N] [jobs=N]`: the key, then optional limits for it (requests a minute, jobs at
-  once; `klein.serve.quotas`). `KLEIN_API_KEY` and `--api-key-file FILE` (one line per key, `#` comments)
-  keep keys out of the command line, which every local user can read in /proc/PID/cmdline.
-- A non-loopback `--host` needs a key, or `--insecure-no-key` to say it is meant to be open.
-- Without a key, a request whose Host names another host than this server's is refused: a web page that
-  rebinds its own name to 127.0.0.1 sends its name as Host. Only the name is checked: the page chooses
-  its port, but not the name it is reached by.
-- A state-changing request (POST, PUT, PATCH, DELETE) that carries an Origin other than the server's own
-  (the scheme-less host:port of its Host header) or one of `--allowed-origins` is refused, key or not: a
-  browser sends multipart POSTs cross-site without asking first. CORS headers go only to those origins.
-"""
+"""Who may use `klein serve`: API keys (from a flag, the environment or a file, as `KEY [rpm=N] [jobs=N]`
+lines), the exposure rule, and the Host and Origin checks against DNS rebinding and cross-site requests
+(docs/serving.md, "Security")."""
 
 from __future__ import annotations
 

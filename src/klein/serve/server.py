@@ -1,9 +1,5 @@
-"""Running the service under uvicorn, with the graceful stop SIGTERM asks for.
-
-On SIGTERM (or Ctrl+C) the worker stops accepting and fails the jobs still queued (503), uvicorn stops
-listening and waits for the open requests, among them the running job's, which finishes; then the
-worker thread ends and `klein serve` exits 0.
-"""
+"""Running the service under uvicorn, with the graceful stop SIGTERM asks for: queued jobs fail (503),
+the running one finishes, and `klein serve` exits 0."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""What `klein serve` serves: one pipeline, its caches, the worker that owns it, and the metrics.
-
-The HTTP layer (`klein.serve.app`) only parses, submits and awaits; everything that touches the device
-(reference encoding, the prompt cache, generation) runs as a job on the worker thread.
-
-Compiled ahead: given shapes to warm (`klein.pipeline.warmup`), the worker compiles them before its first
-job; until then /healthz says "warming" (503) and /v1/config `"warming": true`, and requests queue.
-
-Memory: the budget requests are admitted against is read once, here, before any job runs
-(`Flux2KleinPipeline.own_memory`), and the caches' bytes are counted against it; /v1/jobs results are
-kept under their own byte budget and expiry (`klein.serve.jobs`).
-"""
+"""What `klein serve` serves: one pipeline, its caches, the worker that owns it, and the metrics
+(docs/design/serving.md, "Serving": compiling ahead, the memory budget read once before any job)."""
 
 from __future__ import annotations
 
@@ -83,8 +73,7 @@ class Service:
 
     async def submit_generation(self, work: generation.Generation, keep: bool = False) -> Job:
         """Queue a generation (refused now, as an `ApiError`, if the worker would refuse it); with `keep`
-        (POST /v1/jobs) its job stays findable by id once finished. Async as the same method of N
-        replicas' front (`klein.serve.replicas.front`) is."""
+        (POST /v1/jobs) findable by id once finished. Async as the replicas' front's is."""
         self.check(work)
         images = work.request.num_images_per_prompt
         run = functools.partial(self._generate, work)
@@ -96,15 +85,13 @@ class Service:
 
     def _generate(self, work: generation.Generation, job: Job) -> dict:
         result = generation.run(self.pipe, self.sets, work, job.step, self.version)
-        for stage, seconds in result["klein"]["timings"].items():
-            self.metrics.observe(stage, seconds)
+        self.metrics.observe_timings(result)
         return result
 
     def _generate_batch(self, jobs: list[Job]) -> list[dict]:
         works = [job.spec for job in jobs]
         results = batching.run_batch(self.pipe, self.sets, works, [job.step for job in jobs], self.version)
-        for stage, seconds in results[0]["klein"]["timings"].items():
-            self.metrics.observe(stage, seconds)
+        self.metrics.observe_timings(results[0])
         return results
 
     def loras(self) -> dict:
@@ -132,9 +119,8 @@ class Service:
         }
 
     def config(self) -> dict:
-        """GET /v1/config: the limits and defaults a client (the web page) needs, how many jobs have
-        finished, and whether the server is compiling ahead (`warming`) or has (`warmed`): a fresh server
-        that did not compiles the model's programs on its first request."""
+        """GET /v1/config: the limits and defaults a client (the web page) needs, jobs done, and whether the
+        server is compiling ahead (`warming`) or has (`warmed`)."""
         variant, options = self.pipe.variant, self.options
         defaults = typical(variant)  # what a request that names no steps or guidance gets
         return {

@@ -1,12 +1,6 @@
-"""GET /v1/jobs/{id}/events: a job's events as server-sent events, with a cap on the streams open at once.
-
-Each stream holds a connection and polls its job on the event loop for as long as the job runs (a queued
-job's stream may stay open for minutes), so streams are counted, and one past `--max-event-streams` is
-refused at once with 429 and Retry-After. With API keys, each key may hold its share of the slots
-(`--max-event-streams` / keys, rounded up), so that one key cannot lock the others out. A stream's slot is
-given back however it ends: the job's last event sent, the client gone (the task reading it is
-cancelled), or the response dropped unread.
-"""
+"""GET /v1/jobs/{id}/events: a job's events as server-sent events. Each stream holds a connection for as
+long as its job runs, so streams are counted (`--max-event-streams`, each API key its share) and a
+stream's slot is given back however it ends."""
 
 from __future__ import annotations
 
@@ -15,7 +9,7 @@ import collections
 import json
 import math
 
-from klein.serve.errors import ApiError
+from klein.serve.errors import retry
 
 EVENT_POLL = 0.05  # seconds between looks at a job's events
 RETRY_AFTER = 5  # seconds: streams end when their jobs do, which takes a job's time
@@ -36,11 +30,11 @@ class EventStreams:
                 if self.open >= self.cap
                 else f"this API key has {self.share} event streams open, its share of --max-event-streams"
             )
-            raise ApiError(
+            raise retry(
                 429,
                 f"{full}; retry in {RETRY_AFTER} s, or poll GET /v1/jobs/ID",
                 "too_many_streams",
-                headers={"Retry-After": str(RETRY_AFTER)},
+                RETRY_AFTER,
             )
         self.open += 1
         self.held[owner] += 1

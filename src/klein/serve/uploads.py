@@ -1,19 +1,6 @@
 """Multipart uploads: the form read within its limits, images decoded safely and prepared off the loop.
-
-- The body is capped while it streams, as every body is (`klein.serve.body_cap`, 413); a body that is
-  not a form is refused (415) with what to send instead.
-- Files come under "image" or "image[]" (what the openai client sends for one or several); at most
-  `--max-references` of them; on an edit, one more under "mask": OpenAI's mask, whose fully
-  transparent pixels mark the area to repaint (`klein.masks.from_alpha`). A text field left empty is as
-  if not sent, as a form left blank sends it (/docs' "Try it out" does). Their bytes stay in memory
-  (Starlette spools large parts to anonymous temporary files); nothing a client sends (file names
-  included) becomes a path.
-- Decoding accepts PNG, JPEG and WEBP only (`klein.images.UPLOAD_FORMATS`: no other Pillow plugin, such as
-  EPS's, which runs Ghostscript, ever sees the bytes), refuses an image over `--max-pixels` from its
-  header, before decoding (decompression bombs), then prepares it as the pipeline does
-  (`klein.images.prepare_reference`, or `klein.masks.prepare_source` for the image an edit with a mask or
-  a strength repaints) in a thread, not on the loop. Routes check the queue before they decode.
-"""
+Only PNG, JPEG and WEBP decoders see a client's bytes, an image over `--max-pixels` is refused from its
+header (decompression bombs), and nothing a client sends becomes a path."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""One worker thread owns the device: jobs wait on a bounded queue and run one at a time.
-
-The pipeline and its tokenizer are used from this thread only; HTTP handlers submit a job (its `work`
-is a function of the job, run on the worker thread) and await its `future` without blocking the event
-loop. A job carries its status, progress and events (queued; stage, as each stage of the pipeline starts or
-starts compiling; step; done / error) for `/v1/jobs`.
-
-- A full queue refuses at once (`QueueFull`, 429 with Retry-After), rather than letting latency grow.
-- `abandon(job)` drops a queued job whose client has gone away; a running job finishes.
-- `cancel(job)` (DELETE /v1/jobs/{id}) drops a queued job, or stops a running one at its next denoising
-  step or stage, as `job_timeout` stops one that runs too long: `Job.step`, the pipeline's progress
-  callback, raises, and the pipeline holds nothing of a request between steps and stages, so it is ready
-  for the next job.
-- A job drops its inputs (`work`, `spec`: the request, its prepared references and mask) when it finishes;
-  only jobs submitted with `keep` (POST /v1/jobs) stay findable, in `jobs` (`klein.serve.jobs.JobTable`).
-- `stop()` (SIGTERM): accept nothing more, fail the queued jobs, let the running job finish; `join`.
-- `first` runs on the thread before any job (compiling ahead: `klein.pipeline.warmup`); jobs submitted
-  meanwhile wait in the queue. If it fails the error is logged and the jobs run: they compile as they come.
-- With `max_batch` > 1, queued jobs whose `batch_key` equals the next job's join it, up to `max_batch`
-  images, and run together through `run_batch` (`klein.serve.batching`); if the batch fails as a whole,
-  each job runs alone, so one job's error stays its own (and its time limit: it runs from when the job
-  starts alone, so another client's cancel that ended the batch does not eat this job's time).
-"""
+"""One worker thread owns the device: jobs wait on a bounded queue and run one at a time (the pipeline
+and its tokenizer are used from this thread only). Queueing, cancelling, time limits, batching and the
+stop on SIGTERM: docs/design/serving.md, "Serving"."""
 
 from __future__ import annotations
 
@@ -62,17 +42,15 @@ class Job:
     stopping: errors.ApiError | None = None
     """Set to stop the job at its next step (cancelled)."""
     deadline: float | None = None
-    """`time.monotonic()` past which the running job stops (`--job-timeout`), counted from when it
-    started: alone, or in its batch."""
+    """`time.monotonic()` past which the running job stops (`--job-timeout`), from when it started."""
     on_finish: Callable[[Job], None] | None = None
     owner: str | None = None
     """The label of the API key that made it (None without keys): only that key finds it by id."""
 
     def step(self, event) -> None:
-        """The pipeline's progress callback (`klein.pipeline.stage_events.StageEvent`): a "stage" event as
-        each stage starts or starts compiling, a "step" event per denoising step. Raises the job's
-        `stopping` error when it must stop: as a stage starts or a step ends, not from inside a
-        compilation (jax's listener calls it) nor once a stage's work is done."""
+        """The pipeline's progress callback (`klein.pipeline.stage_events.StageEvent`): "stage" and "step"
+        events; raises when the job must stop, as a stage starts or a step ends, never from inside a
+        compilation (jax's listener calls it)."""
         if event.finished:
             return
         if not event.compiling:
@@ -81,7 +59,8 @@ class Job:
             self.progress = {"step": event.done, "steps": event.total}
             self.events.append(("step", dict(self.progress)))
         else:
-            self.events.append(("stage", _stage(event)))
+            stage = {"stage": event.stage, "label": event.label, "compiling": event.compiling}
+            self.events.append(("stage", stage))
 
     def _stop_if_asked(self) -> None:
         if self.stopping is not None:
@@ -100,9 +79,8 @@ class Job:
         return self.status in ("done", "error", "cancelled")
 
     def finish(self, result: dict | None = None, error: errors.ApiError | None = None) -> None:
-        """Done with `result`, or failed with `error`: the status, the last event, the future. The inputs
-        are dropped: a finished job holds its result only. A job finishes once: a cancelled job's late
-        result (a replica's) is not its end."""
+        """Done with `result`, or failed with `error`, once (a cancelled job's late result is not its end);
+        the inputs are dropped: a finished job holds its result only."""
         if self.finished:
             return
         self.result, self.error = result, error
@@ -128,11 +106,6 @@ class Job:
 
 
 CANCELLED = "cancelled"
-
-
-def _stage(event) -> dict:
-    """A "stage" event's data: the stage, as the pipeline and as people name it, and whether it compiles."""
-    return {"stage": event.stage, "label": event.label, "compiling": event.compiling}
 
 
 def cancelled(job_id: str) -> errors.ApiError:
@@ -195,13 +168,9 @@ class Worker:
         """A 429 with Retry-After when the queue is full: `submit` asks, and a route before it decodes
         uploaded images."""
         if len(self._queue) >= self.max_queue:
-            retry = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
-            raise errors.ApiError(
-                429,
-                f"the queue is full ({self.max_queue} requests waiting); retry in about {retry} s",
-                "queue_full",
-                headers={"Retry-After": str(retry)},
-            )
+            seconds = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
+            message = f"the queue is full ({self.max_queue} requests waiting); retry in about {seconds} s"
+            raise errors.retry(429, message, "queue_full", seconds)
 
     def abandon(self, job: Job) -> None:
         """Drop `job` if it has not started: its client went away."""
@@ -209,7 +178,7 @@ class Worker:
             if job in self._queue:
                 self._queue.remove(job)
                 self.metrics.count_job("dropped")
-                job.finish(error=errors.ApiError(499, "the client went away", "client_closed"))
+                job.finish(error=errors.client_closed())
 
     def cancel(self, job: Job) -> None:
         """Drop `job` if queued, or have it stop at its next step if running (DELETE /v1/jobs/{id})."""
@@ -269,9 +238,8 @@ class Worker:
         return taken
 
     def _start_clock(self, job: Job) -> None:
-        """The job's time limit runs from now: as it starts, alone or in a batch, and again when it runs
-        alone after its batch failed (the batch's time is not its own: another job's cancel may have
-        ended the batch)."""
+        """The job's time limit runs from now: as it starts, and again alone after its batch failed (another
+        job's cancel may have ended the batch)."""
         if self.job_timeout is not None:
             job.deadline = time.monotonic() + self.job_timeout
 

@@ -1,19 +1,7 @@
 """Which replica a request of `klein serve --replicas N` prefers: the decision `router.ReferenceRouter`
-makes, as data over replica ids, without Ray, so that it can be tested alone.
-
-A request travels under one key (`routing_key`: its reference set id and the names of its LoRAs, sent
-as Serve's `multiplexed_model_id`). The reference set decides first: a set seen before goes to its home
-replica; a new set (or one whose home died) is homed on a replica with the fewest sets. Among replicas
-equally good for the set (a new set's ties), and for a request without references, the LoRAs decide: the
-replicas whose adapter slots hold the most of the request's LoRAs come first, since a LoRA already in a
-slot is not written to the device again (`klein.lora.slots`). Remaining ties are broken at random, and a
-request with neither references nor LoRAs goes to two replicas picked at random, the better of which
-Serve takes (its default policy).
-
-What a replica's slots hold is what the router sent there (`Holdings.sent`, told by Serve once a replica
-accepts a request): the same least-recently-used rule over `SLOTS` names as the replica's own slots, so
-the two agree unless a replica runs with fewer slots (`--lora-bytes`) or restarts (a new replica id).
-"""
+makes, as data over replica ids, without Ray, so that it can be tested alone. A set seen before goes to
+its home replica, a new one to the replica with the fewest sets; then the replicas whose slots hold most
+of the request's LoRAs (docs/design/serving.md, "Replicas")."""
 
 from __future__ import annotations
 

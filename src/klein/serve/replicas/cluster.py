@@ -1,10 +1,5 @@
-"""Starting `klein serve --replicas N`: Ray (a local instance started and stopped with the command, or
-the cluster at --ray-address), Serve's HTTP proxy on host:port, the front and N replicas; then waiting
-for SIGTERM or Ctrl+C, and taking the application down.
-
-Each replica gets a device of its own where the cluster has accelerators, else a share of the CPUs
-(`klein.ray_runtime`, which also forwards klein's variables to the replicas).
-"""
+"""Starting `klein serve --replicas N`: Ray (local, or the cluster at --ray-address), Serve's HTTP proxy,
+the front and N replicas; then waiting for SIGTERM or Ctrl+C, and taking the application down."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """What the HTTP app (`klein.serve.app`) serves in front of N replicas: the methods of
-`klein.serve.service.Service`, each a call through Serve's handle to a `replica.Replica`.
-
-Routing: a request goes out with its set id and its LoRAs' names as `multiplexed_model_id`
-(`affinity.routing_key`), the key the replicas' router (`router.ReferenceRouter`, `--routing references`,
-the default) homes sets by and sends LoRAs to the replica holding them; under `--routing load` no key
-goes out and Serve's default router (power of two choices over queue lengths) decides alone. Uploaded images are kept in
-the front's `ReferenceStore`, so a set id works on any replica; each is its API key's there and on every
-replica (`Generation.owner`), as on a single server.
-
-Jobs live here: a replica streams each generation's events (accepted or refused, running, steps, the
-result) and the front keeps them for `/v1/jobs` and for the synchronous routes, as a single server's
-worker does. Faults: a replica that dies is restarted by Serve's controller; a job that was queued on it
-is sent again (to a live replica, which encodes the set again from the store); one it was running ends
-in 503 with Retry-After (`lost`), never a hang or a 500.
-"""
+`klein.serve.service.Service`, each a call through Serve's handle to a `replica.Replica`. Jobs live here,
+fed by each replica's stream of events; routing and faults: docs/design/serving.md, "Replicas"."""
 
 from __future__ import annotations
 
@@ -46,30 +33,25 @@ WARMING_POLL = 1.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)
 """A replica died, or cannot be reached, while it held the request."""
 APP, REPLICA = "klein", "Replica"
-ROUTINGS = ("references", "load")
 
 
 def lost() -> ApiError:
-    return ApiError(
+    return errors.retry(
         503,
         f"the replica serving this request stopped (Serve restarts it); retry in {RETRY_AFTER} s",
         "replica_lost",
-        headers={"Retry-After": str(RETRY_AFTER)},
+        RETRY_AFTER,
     )
 
 
 def busy() -> ApiError:
-    return ApiError(
-        429,
-        f"every replica is busy and the queue is full; retry in {RETRY_AFTER} s",
-        "queue_full",
-        headers={"Retry-After": str(RETRY_AFTER)},
-    )
+    message = f"every replica is busy and the queue is full; retry in {RETRY_AFTER} s"
+    return errors.retry(429, message, "queue_full", RETRY_AFTER)
 
 
 def refused(data: dict) -> ApiError:
     """A replica's refusal (`replica.fields`) as the `ApiError` it was there."""
-    return ApiError(data["status"], data["message"], data["code"], data["param"], data["headers"])
+    return ApiError(**data)
 
 
 class Jobs:
@@ -135,10 +117,8 @@ class Front:
         return {**self._health, "replicas": self.replicas, "routing": self.routing}
 
     async def follow_warming(self) -> None:
-        """While the replicas compile ahead (`klein serve` without --no-warm), ask them again every
-        `WARMING_POLL` s, so that /healthz says "warming" (503) and /v1/config `"warming": true` until a
-        replica answers ready. Replicas start together and warm the same shapes; a request sent to one still
-        warming waits in its queue, as on a single server."""
+        """While the replicas compile ahead, ask them again every `WARMING_POLL` s, so that /healthz and
+        /v1/config say "warming" until a replica answers ready (all warm the same shapes, together)."""
         while self._health.get("status") == "warming":
             await asyncio.sleep(WARMING_POLL)
             self._health = await self.handle.health.remote()
@@ -198,7 +178,7 @@ class Front:
         except (RequestCancelledError, asyncio.CancelledError):
             if not job.finished:  # not cancelled by DELETE /v1/jobs/{id}: its client went away
                 self.metrics.count_job("dropped")
-            job.finish(error=ApiError(499, "the client went away", "client_closed"))
+            job.finish(error=errors.client_closed())
         except BackPressureError:
             job.finish(error=busy())
         except Exception as error:  # a bug: log it, answer 500
@@ -223,8 +203,7 @@ class Front:
         elif name == "stage":
             job.events.append(("stage", data))
         elif name == "done":
-            for stage, seconds in data["klein"]["timings"].items():
-                self.metrics.observe(stage, seconds)
+            self.metrics.observe_timings(data)
             self.metrics.count_job("done")
             job.finish(result=data)
         elif name == "error":

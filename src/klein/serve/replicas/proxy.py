@@ -1,20 +1,13 @@
-"""What Serve's HTTP proxy adds in front of the front: klein's error for a request the front dropped.
-
-The front is one Serve replica; if its process dies while it holds a request (killed, out of memory, a
-node lost), Serve's proxy answers that request itself with a plain-text 500 "Internal Server Error", and
-Serve's controller starts a new front. That answer is neither klein's JSON error shape nor a status that
-tells a client to retry: this ASGI middleware, installed in the proxy through Serve's proxy callback
-(`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, set by `klein.serve.replicas.cluster`), turns it into
-klein's 503 with Retry-After (`front_lost`). Every answer of klein's own app is JSON (errors included),
-so nothing else matches: only the proxy's own plain-text 500s are replaced.
-"""
+"""What Serve's HTTP proxy adds in front of the front: a front that dies while it holds a request leaves
+Serve's proxy to answer a plain-text 500; this middleware (installed through Serve's proxy callback)
+makes it klein's JSON 503 with Retry-After (`front_lost`). klein's own answers are JSON, so only those
+500s match."""
 
 from __future__ import annotations
 
 from starlette.middleware import Middleware
-from starlette.responses import JSONResponse
 
-from klein.serve.errors import ApiError
+from klein.serve.errors import ApiError, retry
 
 RETRY_AFTER = 5
 """Seconds: Serve starts a new front at once; it answers once the replicas' config is read again."""
@@ -27,12 +20,12 @@ def middlewares() -> list[Middleware]:
 
 
 def front_lost() -> ApiError:
-    return ApiError(
+    return retry(
         503,
         f"the front of klein serve stopped while it held this request (Serve restarts it); its jobs and "
         f"uploads are gone: retry in {RETRY_AFTER} s",
         "front_lost",
-        headers={"Retry-After": str(RETRY_AFTER)},
+        RETRY_AFTER,
     )
 
 
@@ -59,8 +52,7 @@ class FrontLost:
 
         await self.app(scope, receive, watched)
         if not state["started"]:
-            error = front_lost()
-            await JSONResponse(error.body(), error.status, headers=error.headers)(scope, receive, send)
+            await front_lost().response()(scope, receive, send)
 
 
 def _proxy_error(start: dict) -> bool:

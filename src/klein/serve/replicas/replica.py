@@ -1,17 +1,12 @@
-"""One model replica of `klein serve --replicas N`: a Ray Serve deployment holding its own `Service`
-(pipeline, prompt cache, reference cache, worker thread), as a single `klein serve` holds one.
-
-Which replica serves a set is the router's choice (`klein.serve.replicas.router`); a replica only
-keeps what it encodes in its byte-bounded reference cache, and a set it does not hold (a first request
-here, a restart, an eviction) is encoded from the images the front keeps (`klein.serve.replicas.store`).
-"""
+"""One model replica of `klein serve --replicas N`: a Ray Serve deployment holding its own `Service`, as
+a single `klein serve` holds one; a set it does not hold is encoded from the front's images."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
-from klein.serve.errors import ApiError
+from klein.serve.errors import FIELDS, ApiError
 from klein.serve.generation import Generation
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
@@ -95,10 +90,4 @@ async def _follow(job: Job):
 
 def fields(error: ApiError) -> dict:
     """An `ApiError` as plain data, to cross to the front."""
-    return {
-        "status": error.status,
-        "message": error.message,
-        "code": error.code,
-        "param": error.param,
-        "headers": error.headers,
-    }
+    return {name: getattr(error, name) for name in FIELDS}

@@ -1,11 +1,5 @@
-"""The front's job ids across its restarts: each front process issues ids under a token of its own, so
-that an id it did not issue but an earlier front did is answered "the front restarted" (404
-`front_restarted`), not "unknown".
-
-The front keeps jobs and uploads in its memory (`klein.serve.jobs.JobTable`, `store.ReferenceStore`); a
-front that dies is started again by Serve with neither. A client holding an id from before cannot tell a
-typo from a restart unless the id says which process issued it.
-"""
+"""The front's job ids across its restarts: each front issues ids under a token of its own, so that an id
+an earlier front issued is answered "the front restarted" (404 `front_restarted`), not "unknown"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""Affinity routing of `klein serve --replicas N`: a Ray Serve request router (its public `RequestRouter`
-API) that keeps each reference set on one replica and sends LoRAs where they sit in slots already.
-
-The request's key (`affinity.routing_key`: set id and LoRA names) travels as its `multiplexed_model_id`
-(the front sets it); the decision is `affinity.ranks`. Its answer is ranked: the best first, then the
-others, so that when the best is full (`max_ongoing_requests`) Serve's router sends the request to the
-next rank, where the set is encoded too, rather than waiting.
-
-Homes are decided here, when the request is routed, so a set's second request finds it at once; Serve's
-model multiplexing, tried first, learns which replica holds a set from the replica's own report (every
-0.1 s, through the controller), and a request that came sooner went elsewhere and encoded the set again
-(docs/design.md, "Replicas"). A request's LoRAs are counted as held where Serve says the request was
-accepted (`on_request_routed`). The router lives in the front, the one caller of the replicas, so its
-tables see every request.
-"""
+"""Affinity routing of `klein serve --replicas N`: a Ray Serve `RequestRouter` over `affinity.ranks`,
+keyed by the request's `multiplexed_model_id` (`affinity.routing_key`). Homes are decided when a request
+is routed, so a set's second request finds it at once (docs/design/serving.md, "Replicas")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The front's reference sets: each uploaded set's prepared images, kept in Ray's object store, so that
-any replica can encode a set it has not seen (a set's first request there, a restarted replica, a set
-its cache dropped) and an id from `POST /v1/references` works on every replica.
-
-Ids are those of a single `klein serve` (`klein.pipeline.cache_keys.set_id`, from the images' content
-hashes), and as there each owner's (the API key's label; None without keys): another key's id is not
-found. Sets are kept least recently used first out, within a byte budget of prepared pixels
-(--cache-bytes) of which each key has its share (`klein.pipeline.cache.victim`), and `MAX_IDS` ids a key.
-"""
+"""The front's reference sets: each uploaded set's prepared images in Ray's object store, so that any
+replica can encode a set it has not seen; ids and owners as a single `klein serve`'s, least recently used
+out within --cache-bytes of pixels (each key its share) and `MAX_IDS` ids a key."""
 
 from __future__ import annotations
 
