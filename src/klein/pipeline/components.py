@@ -17,7 +17,7 @@ import numpy as np
 
 from klein import dtypes, sharding
 from klein.errors import CheckpointError, InputError
-from klein.io import sources, text_encoder_gguf, transformer_file
+from klein.io import sources
 from klein.io.gguf_tokenizer import holds_tokenizer
 from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_checkpoint import load_text_encoder
@@ -66,9 +66,6 @@ class Located:
     """The float dtype the transformer's weights are stored in (FP8 files: bfloat16, their compute dtype)."""
     fp8: bool
     """Whether the transformer file holds FP8 weights (kept FP8 in memory unless dequantised)."""
-    kept: dict
-    """Per model ("transformer", "text_encoder"): the Linears its file keeps as blocks, as io reads them from
-    the header for the loader (`kept_forms`), for the planner (`klein.memory.plan.with_forms`)."""
 
 
 def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
@@ -86,9 +83,6 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
     _check_text_encoder(encoder, text_config, config, found)
     _check_fits(mesh, config, text_config)
     vae = _part(named["vae"], "vae")
-    kept = {"transformer": transformer_file.kept_forms(transformer)} if transformer.is_file() else {}
-    if encoder.is_file():  # a Qwen3 GGUF
-        kept["text_encoder"] = text_encoder_gguf.kept_forms(encoder, text_config)
     return Located(
         name=str(parts.transformer) if parts.transformer else name,
         variant=found,
@@ -99,7 +93,6 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
         config=config,
         text_config=text_config,
         vae_config=VAEConfig.flux2() if vae.is_file() else read_vae_config(vae / "config.json"),
-        kept=kept,
         **_stored(transformer),
     )
 

@@ -64,7 +64,7 @@ def read(options: LoadOptions) -> Loaded:
     configs = (located.config, located.text_config, located.vae_config)
     stored = plan.Models(*configs, located.variant, located.fp8 and not dequantize)
     if not dequantize:
-        stored = plan.with_forms(stored, located.kept)
+        stored = plan.with_files(stored, located.transformer, located.text_encoder)
     fp8, quantized = stored.fp8, stored.quantized
     sizes = plan.model_bytes(
         *configs, planning_mesh(mesh), dtype.itemsize, fp8=fp8, compute=compute, quantized=quantized
