@@ -111,7 +111,10 @@ def test_streamed_file_is_laid_out_as_save_file(tmp_path, monkeypatch):
     ordered = dict(sorted(shapes.items()))
     for dtype in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
         rng = np.random.default_rng(0)
-        tensors = {key: demo._random(key, shape, rng).astype(dtype) for key, shape in ordered.items()}
+        tensors = {
+            key: np.concatenate(list(demo._random(key, shape, rng, dtype, 2**30)))
+            for key, shape in ordered.items()
+        }
         save_file(tensors, str(tmp_path / "saved.safetensors"), metadata={"format": "pt"})
         monkeypatch.setattr(demo, "DRAW_BYTES", 20)  # blocks of one or two rows
         demo._write_streamed(tmp_path / "streamed.safetensors", ordered, np.random.default_rng(0), dtype)

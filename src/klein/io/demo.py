@@ -1,16 +1,10 @@
 """Random checkpoints in the diffusers layout, and the built-in demo: a tiny klein-9b-kv-shaped one.
 
-The demo lets every mode (text-to-image, editing, KV editing) run offline on any machine in seconds. It
-is written once, on first use, to `$KLEIN_HOME/demo-v2` (default `~/.cache/klein`), with the same files a
-real checkpoint has, and loaded through the same code. Its images are noise-like: the weights are
-random. Weights are drawn from the key/shape lists our own loaders expect, so the folder is complete;
-diffusers loads the same folder (the benchmarks write larger ones with `write_checkpoint`).
-
-A component larger than one shard (2 GiB by default) is written as Hugging Face shards,
-`<prefix>-00001-of-0000N.safetensors` listed in `<prefix>.safetensors.index.json`, one tensor at a time
-and drawn in blocks of rows, so that writing a full-size checkpoint (klein-9b-kv: 17 GiB of transformer)
-holds a few hundred MB, not the component. The draws are the same either way: a component holds the same
-tensors whether it is written as one file or as shards.
+The demo lets every mode run offline on any machine in seconds: written once, on first use, to
+`$KLEIN_HOME/demo-v2` with the files a real checkpoint has, and loaded through the same code (its weights are
+random, its images noise-like). A component larger than one shard is written as Hugging Face shards, drawn
+a block of rows at a time, so that writing a full-size checkpoint holds a few hundred MB; the tensors are
+the same either way.
 """
 
 from __future__ import annotations
@@ -25,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from klein import dtypes
+from klein.io import safetensors
 from klein.io.loading import expected_shapes
 from klein.io.paths import klein_home
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder
@@ -118,12 +112,8 @@ class RandomCheckpoint:
 DEMO = RandomCheckpoint(TRANSFORMER, VAE, text_encoder_config(32, 64, 28, 4, 2, 8))
 
 
-def demo_home() -> Path:
-    return klein_home() / VERSION
-
-
 def ensure_demo() -> Path:
-    return ensure_checkpoint(demo_home(), DEMO)
+    return ensure_checkpoint(klein_home() / VERSION, DEMO)
 
 
 Progress = Callable[[Path, int, int], None]
@@ -206,51 +196,33 @@ def text_encoder_config_of(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict
 
 def tensor_shapes(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict[str, dict[str, tuple]]:
     """Checkpoint keys and shapes of each component ("transformer", "vae", "text_encoder") of `spec`."""
+    vae = VAEConfig.from_diffusers_config(spec.vae)
+    text = Qwen3Config.from_hf_config(text_encoder_config_of(spec, tokenizer_vocab))
+    text_shapes = expected_shapes(abstract_text_encoder(text, text.num_hidden_layers), STACKED)
+    text_shapes["model.norm.weight"] = (text.hidden_size,)
+    if not text.tie_word_embeddings:  # stored apart from the embedding (as Qwen3-8B is); never loaded
+        text_shapes["lm_head.weight"] = (text.vocab_size, text.hidden_size)
     return dict(
-        transformer=_transformer_shapes(spec),
-        vae=_vae_shapes(spec),
-        text_encoder=_text_encoder_shapes(text_encoder_config_of(spec, tokenizer_vocab)),
+        transformer=expected_transformer_keys(TransformerConfig.from_diffusers(spec.transformer)),
+        vae=expected_shapes(nnx.eval_shape(lambda: AutoencoderKLFlux2(vae, rngs=nnx.Rngs(0)))),
+        text_encoder=text_shapes,
     )
 
 
-def _transformer_shapes(spec: RandomCheckpoint) -> dict:
-    return expected_transformer_keys(TransformerConfig.from_diffusers(spec.transformer))
-
-
-def _vae_shapes(spec: RandomCheckpoint) -> dict:
-    cfg = VAEConfig.from_diffusers_config(spec.vae)
-    return expected_shapes(nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0))))
-
-
-def _text_encoder_shapes(config: dict) -> dict:
-    cfg = Qwen3Config.from_hf_config(config)
-    shapes = expected_shapes(abstract_text_encoder(cfg, cfg.num_hidden_layers), STACKED)
-    shapes["model.norm.weight"] = (cfg.hidden_size,)
-    if not cfg.tie_word_embeddings:  # stored apart from the embedding (as Qwen3-8B is); never loaded
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    return shapes
-
-
-def _random(key: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+def _random(key: str, shape: tuple, rng: np.random.Generator, dtype, block_bytes: int) -> Iterator:
+    """Random values of tensor `key` in `dtype`, as consecutive blocks of rows each drawn as float32 of at
+    most about `block_bytes`. The draws come from `rng` in the same order whatever the blocks, so the
+    values are the same."""
     if key.endswith("running_var"):
-        return rng.uniform(0.5, 2.0, shape).astype(np.float32)
-    if len(shape) >= 2:
-        # Uniform with variance 1 / fan_in, as N(0, 1 / fan_in) would have: float32 uniforms are cheap.
-        bound = np.float32(np.sqrt(3.0 / np.prod(shape[1:])))
-        return (rng.random(shape, dtype=np.float32) * 2 - 1) * bound
-    if key.endswith("weight"):
-        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-    return (0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-
-def _random_blocks(key: str, shape: tuple, rng: np.random.Generator, dtype, block_bytes: int) -> Iterator:
-    """`_random(key, shape, rng).astype(dtype)` as consecutive blocks of rows, each drawn as float32 of at
-    most about `block_bytes`. The draws come from `rng` in the same order, so the values are the same."""
-    if key.endswith("running_var") or len(shape) < 2:
-        yield _random(key, shape, rng).astype(dtype)
+        yield rng.uniform(0.5, 2.0, shape).astype(np.float32).astype(dtype)
         return
+    if len(shape) < 2:
+        values = 0.1 * rng.standard_normal(shape)
+        yield (values + 1.0 if key.endswith("weight") else values).astype(np.float32).astype(dtype)
+        return
+    # Uniform with variance 1 / fan_in, as N(0, 1 / fan_in) would have: float32 uniforms are cheap.
     row = int(np.prod(shape[1:]))
-    bound = np.float32(np.sqrt(3.0 / row))  # as `_random`
+    bound = np.float32(np.sqrt(3.0 / row))
     step = max(1, block_bytes // (4 * row))
     for start in range(0, shape[0], step):
         block = (min(step, shape[0] - start), *shape[1:])
@@ -273,20 +245,19 @@ def _write_component(
     keys = sorted(shapes)  # the order of the draws
     sizes = {key: int(np.prod(shapes[key], dtype=np.int64)) * dtype.itemsize for key in keys}
     total = sum(sizes.values())
-    if total <= shard_bytes:  # one file, drawn and written whole (the demo's components)
-        tensors = {key: _random(key, shapes[key], rng).astype(dtype) for key in keys}
-        save_file(tensors, str(folder / f"{prefix}.safetensors"), metadata={"format": "pt"})
-        if progress:
-            progress(folder / f"{prefix}.safetensors", total, total)
-        return
-    shards = _shards(keys, sizes, shard_bytes)
-    names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if total <= shard_bytes:  # one file (the demo's components)
+        shards, names = [keys], [f"{prefix}.safetensors"]
+    else:
+        shards = _shards(keys, sizes, shard_bytes)
+        names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     written = 0
     for name, shard in zip(names, shards, strict=True):
         _write_streamed(folder / name, {key: shapes[key] for key in shard}, rng, dtype)
         written += sum(sizes[key] for key in shard)
         if progress:
             progress(folder / name, written, total)
+    if total <= shard_bytes:
+        return
     weight_map = {key: name for name, shard in zip(names, shards, strict=True) for key in shard}
     _write_json(
         folder / f"{prefix}.safetensors.index.json",
@@ -317,7 +288,7 @@ def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype) -> None:
     for key, shape in shapes.items():
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         header[key] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype.name],
+            "dtype": _NAMES[dtype],
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
@@ -328,7 +299,7 @@ def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype) -> None:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         for key, shape in shapes.items():
-            for block in _random_blocks(key, shape, rng, dtype, DRAW_BYTES):
+            for block in _random(key, shape, rng, dtype, DRAW_BYTES):
                 block.tofile(f)
         # Written, then out of the page cache: tens of GB of shards would otherwise crowd out every other
         # process's cached files (and, while dirty, their memory).
@@ -338,7 +309,7 @@ def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype) -> None:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # every dtype of `klein.dtypes`
+_NAMES = {np.dtype(kind): name for name, kind in safetensors.DTYPES.items()}
 
 
 def _write_tokenizer(folder: Path) -> int:

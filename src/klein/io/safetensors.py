@@ -111,7 +111,7 @@ class TensorSource:
 
 
 # safetensors dtype names -> NumPy dtypes (bfloat16 and float8 from ml_dtypes).
-_DTYPES = {
+DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
     "F16": np.float16,
@@ -139,9 +139,9 @@ def _entry(path: Path, key: str) -> tuple[np.dtype, list[int], int]:
     if not isinstance(entry, dict):
         raise ValueError("the header does not describe it")
     name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(name, str) or name not in _DTYPES:
-        raise ValueError(f"dtype {name!r:.40}, which klein does not read (it reads {', '.join(_DTYPES)})")
-    dtype = np.dtype(_DTYPES[name])
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ValueError(f"dtype {name!r:.40}, which klein does not read (it reads {', '.join(DTYPES)})")
+    dtype = np.dtype(DTYPES[name])
     if not _naturals(shape, None) or not _naturals(offsets, 2) or offsets[0] > offsets[1]:
         raise ValueError(f"a shape {shape!r:.60} and offsets {offsets!r:.60} that the header cannot have")
     if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize or start + offsets[1] > stat.st_size:
