@@ -7,7 +7,6 @@ layers, the final norm and `lm_head` are skipped by name, and any other stray ke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -22,43 +21,41 @@ from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 
 STACKED = ("model.layers",)
+LOADED = max(PROMPT_LAYERS)
+"""The decoder layers loaded: the first, up to the last whose hidden states the prompt embedding reads."""
 
 
-def load_text_encoder(
-    folder: str | Path, dtype=jnp.float32, *, place=None, layers: Sequence[int] = PROMPT_LAYERS
-) -> Qwen3TextEncoder:
-    """Load the first max(layers) decoder layers (and the embedding) of the text encoder in `folder`.
+def load_text_encoder(folder: str | Path, dtype=jnp.float32, *, place=None) -> Qwen3TextEncoder:
+    """Load the first `LOADED` decoder layers (and the embedding) of the text encoder in `folder`.
 
     `place(path, host_array)` puts each weight on its device(s) (see `load_module`).
     """
     folder = Path(folder)
-    config = read_config(folder, layers)
-    num_layers = max(layers)
-    abstract = abstract_text_encoder(config, num_layers, dtype)
-    skipped = skipped_keys(config, num_layers)
+    config = read_config(folder)
+    abstract = abstract_text_encoder(config, LOADED, dtype)
+    skipped = skipped_keys(config, LOADED)
     source = TensorSource.from_folder(folder, "model")
     return load_module(abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__, place=place)
 
 
-def read_config(folder: str | Path, layers: Sequence[int] = PROMPT_LAYERS) -> Qwen3Config:
-    """The `Qwen3Config` of `<folder>/config.json`, refused unless the encoder has the decoder layers whose
-    hidden states the prompt embedding reads (`layers`; docs/design.md, "Text encoder")."""
+def read_config(folder: str | Path) -> Qwen3Config:
+    """The `Qwen3Config` of `<folder>/config.json`, refused without the layers the prompt embedding reads."""
     config = Qwen3Config.from_hf_config(read_json(Path(folder) / "config.json", "the text encoder config"))
-    check_layers(config, layers, folder)
+    check_layers(config, folder)
     return config
 
 
-def check_layers(config: Qwen3Config, layers: Sequence[int], where) -> None:
+def check_layers(config: Qwen3Config, where) -> None:
     """Refuse a text encoder (at `where`, for the message) without the layers the embedding reads."""
     # transformers' hidden_states[num_hidden_layers] is the final norm's output, not a layer's: a layer read
     # must come before the last one. diffusers fails on fewer layers (an IndexError mid-request) and on
     # exactly max(layers) reads the normed output instead; klein refuses both before reading a weight.
-    if max(layers) >= config.num_hidden_layers:
-        read = ", ".join(map(str, layers))
+    if LOADED >= config.num_hidden_layers:
         raise CheckpointError(
             f"{where}: the text encoder has {counted(config.num_hidden_layers, 'decoder layer')}; the "
-            f"prompt embedding reads the hidden states after layers {read}, so it needs at least "
-            f"{max(layers) + 1}. Is this the Qwen3 text encoder of a klein checkpoint (36 layers)?"
+            f"prompt embedding reads the hidden states after layers {', '.join(map(str, PROMPT_LAYERS))}, "
+            f"so it needs at least {LOADED + 1}. Is this the Qwen3 text encoder of a klein checkpoint "
+            f"(36 layers)?"
         )
 
 
@@ -85,12 +82,9 @@ def skipped_keys(config: Qwen3Config, num_layers: int) -> frozenset[str]:
     still reported instead of being swallowed by a pattern.
     """
     layer_zero = "model.layers.0."
-    per_layer = [k[len(layer_zero) :] for k in _expected_keys(config) if k.startswith(layer_zero)]
+    one_layer = expected_shapes(abstract_text_encoder(config, 1), stacked=STACKED)
+    per_layer = [k[len(layer_zero) :] for k in one_layer if k.startswith(layer_zero)]
     later = {
         f"model.layers.{i}.{name}" for i in range(num_layers, config.num_hidden_layers) for name in per_layer
     }
     return frozenset(later | {"model.norm.weight", "lm_head.weight"})
-
-
-def _expected_keys(config: Qwen3Config) -> set[str]:
-    return set(expected_shapes(abstract_text_encoder(config, 1), stacked=STACKED))

@@ -22,9 +22,15 @@ from klein.errors import CheckpointError
 from klein.io.block_forms import gguf_formats, kept_blocks, layer_piece
 from klein.io.gguf_file import GGUFSource
 from klein.io.gguf_header import Header, read_header
-from klein.io.loading import checkpoint_keys, expected_shapes, load_module
+from klein.io.loading import checkpoint_keys, load_module
 from klein.io.mapped import MappedSource, Viewed, Whole
-from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder, check_layers, skipped_keys
+from klein.io.text_encoder_checkpoint import (
+    LOADED,
+    STACKED,
+    abstract_text_encoder,
+    check_layers,
+    skipped_keys,
+)
 from klein.models.layers import packed
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
@@ -38,20 +44,14 @@ ROWS = 8192  # rows of a tensor widened at a time (Qwen3-8B embedding: 128 MiB o
 
 
 def load_text_encoder_gguf(
-    path: str | Path,
-    dtype=jnp.float32,
-    *,
-    place=None,
-    layers: Sequence[int] = PROMPT_LAYERS,
-    dequantize: bool = False,
+    path: str | Path, dtype=jnp.float32, *, place=None, dequantize: bool = False
 ) -> Qwen3TextEncoder:
-    """The first max(layers) decoder layers (and the embedding) of the Qwen3 GGUF at `path`; `place` as for
+    """The first `LOADED` decoder layers (and the embedding) of the Qwen3 GGUF at `path`; `place` as for
     `klein.io.text_encoder_checkpoint.load_text_encoder`; `dequantize` widens every weight to `dtype`."""
-    config = read_gguf_config(path, layers)
-    num_layers = max(layers)
+    config = read_gguf_config(path)
     source = GGUFSource(path)
     names = gguf_names(config)
-    plan = checkpoint_keys(abstract_text_encoder(config, num_layers), STACKED)
+    plan = checkpoint_keys(abstract_text_encoder(config, LOADED), STACKED)
     formats = gguf_formats(source.header)
     forms = {} if dequantize else _kept(plan, names, formats)
     embedding = forms.pop(EMBEDDING, None)
@@ -60,9 +60,9 @@ def load_text_encoder_gguf(
         as_blocks[_EMBEDDING_KEY] = embedding
     table = {key: _piece(name, as_blocks.get(key), formats, dtype) for key, name in names.items()}
     abstract = abstract_text_encoder(
-        config, num_layers, dtype, {m: packed(kind) for m, kind in forms.items()}, embedding
+        config, LOADED, dtype, {m: packed(kind) for m, kind in forms.items()}, embedding
     )
-    skip = skipped_keys(config, num_layers).__contains__
+    skip = skipped_keys(config, LOADED).__contains__
     return load_module(
         abstract, MappedSource(source, table), dtype=dtype, stacked=STACKED, skip=skip, place=place
     )
@@ -137,7 +137,7 @@ def qwen3_header(path: str | Path) -> Header:
     return header
 
 
-def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) -> Qwen3Config:
+def read_gguf_config(path: str | Path) -> Qwen3Config:
     """The `Qwen3Config` of a Qwen3 GGUF, from its metadata and the embedding's shape (no weight is read);
     refused, as a folder's, unless the decoder has the layers the prompt embedding reads."""
     header = qwen3_header(path)
@@ -171,7 +171,7 @@ def read_gguf_config(path: str | Path, layers: Sequence[int] = PROMPT_LAYERS) ->
         rms_norm_eps=_decimal(field(gguf.Keys.Attention.LAYERNORM_RMS_EPS, header.number, least=0)),
         tie_word_embeddings=_OUTPUT not in header.shapes,
     )
-    check_layers(config, layers, path)
+    check_layers(config, path)
     return config
 
 
@@ -192,6 +192,5 @@ def gguf_names(config: Qwen3Config) -> dict[str, str]:
     """The GGUF tensor name of every checkpoint key of a Qwen3 model (`model.layers.3.self_attn.q_proj.weight`
     -> `blk.3.attn_q.weight`), from the `gguf` package's table for `MODEL_ARCH.QWEN3`."""
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
-    # Every key of the checkpoint: those of a one-layer model, and all those a zero-layer one skips.
-    keys = set(expected_shapes(abstract_text_encoder(config, 1), STACKED)) | skipped_keys(config, 0)
+    keys = skipped_keys(config, 0) | {_EMBEDDING_KEY}  # every key of the checkpoint
     return {key: table.get_name(key, try_suffixes=(".weight",)) for key in sorted(keys)}
