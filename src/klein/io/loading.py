@@ -1,14 +1,9 @@
 """Strict loading of PyTorch-layout checkpoints into Flax NNX modules.
 
-A module's own parameter paths name the checkpoint keys: `("attn", "to_q", "kernel")` is
-`attn.to_q.weight`. Differences are declared, not coded per layer:
-- `stacked`: dotted module prefixes whose parameters carry a leading layer axis (scanned layers);
-  layer `i` of `blocks.attn.to_q.kernel` is checkpoint key `blocks.{i}.attn.to_q.weight`. Stacks are
-  kept in their stored form (bf16 and float8 as their bits, `klein.models.stacks`);
-- `key_map`: a function for the few renames left (e.g. diffusers' `to_out.0`);
-- `skip`: a predicate naming checkpoint keys that are deliberately not loaded.
-Every other checkpoint key must be used exactly once and every parameter must be found; anything
-else is a CheckpointError that names the keys. Tensors are read and converted one at a time.
+A module's own parameter paths name the checkpoint keys (`("attn", "to_q", "kernel")` is `attn.to_q.weight`);
+the differences are declared, not coded per layer: `stacked` prefixes (scanned layers, layer `i` of
+`blocks.x.kernel` is `blocks.{i}.x.weight`), a `key_map` for the few renames left, a `skip` predicate. Every
+other key must be used exactly once and every parameter found, else a CheckpointError names the keys.
 """
 
 from __future__ import annotations
@@ -26,6 +21,8 @@ from klein.models.stacks import as_bits
 
 # NNX leaf names -> PyTorch parameter names.
 _LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
+# A kernel's axes, PyTorch layout -> NNX layout: Linear (out, in) -> (in, out), Conv OIHW -> HWIO.
+_KERNEL_AXES = {2: (1, 0), 4: (2, 3, 1, 0)}
 _MAX_LISTED = 20
 
 
@@ -39,17 +36,6 @@ def torch_key(path: tuple, stacked: Iterable[str] = (), key_map: Callable[[str],
             dotted = prefix + ".{}." + dotted[len(prefix) + 1 :]
             break
     return key_map(dotted) if key_map else dotted
-
-
-def from_torch_layout(path: tuple, array: np.ndarray) -> np.ndarray:
-    """PyTorch weight layout -> NNX layout: Linear (out, in) -> (in, out), Conv OIHW -> HWIO."""
-    if path[-1] != "kernel":
-        return array
-    if array.ndim == 2:
-        return array.T
-    if array.ndim == 4:
-        return array.transpose(2, 3, 1, 0)
-    return array
 
 
 def load_module(
@@ -161,15 +147,17 @@ def _read(source, path, keys, layers, abstract, dtype) -> np.ndarray:
     floating = jnp.issubdtype(abstract.dtype, jnp.floating)
     target_dtype = np.dtype(dtype) if floating and dtype is not None else abstract.dtype
     out = _aligned_empty(abstract.shape, target_dtype)
+    want = _torch_shape(path, abstract.shape[1:] if layers else abstract.shape)
+    axes = _kernel_axes(path, len(want))
     for i, key in enumerate(keys):
-        want = abstract.shape[1:] if layers else abstract.shape
         shape = source.shape(key)
-        if _torch_shape(path, want) != shape:
+        if want != shape:
             raise CheckpointError(
                 f"{source.file_of(key)}: tensor '{key}' has shape {shape}, "
-                f"the model expects {_torch_shape(path, want)}; wrong model variant or config?"
+                f"the model expects {want}; wrong model variant or config?"
             )
-        value = from_torch_layout(path, source.get(key)).astype(target_dtype, copy=False)
+        value = source.get(key)
+        value = (value if axes is None else value.transpose(axes)).astype(target_dtype, copy=False)
         if layers:
             out[i] = value
         else:
@@ -187,9 +175,11 @@ def _aligned_empty(shape: tuple, dtype, alignment: int = 64) -> np.ndarray:
     return raw[start : start + size].view(dtype).reshape(shape)
 
 
+def _kernel_axes(path: tuple, ndim: int) -> tuple[int, ...] | None:
+    """The transpose from PyTorch's layout to NNX's of parameter `path`, if it has one."""
+    return _KERNEL_AXES.get(ndim) if path[-1] == "kernel" else None
+
+
 def _torch_shape(path: tuple, shape: tuple) -> tuple:
-    if path[-1] == "kernel" and len(shape) == 2:
-        return (shape[1], shape[0])
-    if path[-1] == "kernel" and len(shape) == 4:
-        return (shape[3], shape[2], shape[0], shape[1])
-    return tuple(shape)
+    axes = _kernel_axes(path, len(shape))
+    return tuple(shape) if axes is None else tuple(shape[axis] for axis in np.argsort(axes))
