@@ -1,11 +1,8 @@
 """Loading the FLUX.2 transformer from one file, as downloaded from Black Forest Labs or the community.
 
-The file itself tells its format: BFL safetensors (`klein.io.bfl_transformer_keys`; no config, it is read
-off the tensor shapes; ComfyUI's `model.diffusion_model.` prefix accepted), their FP8 (`klein.io.fp8`) and
-NVFP4 (`klein.io.nvfp4_file`) versions, or GGUF (`klein.io.gguf_file`). A Linear of a scanned stack keeps
-its stored form only if it has that form in every layer (`klein.io.block_forms`), else it is widened to
-`dtype` at load, as every weight is under `dequantize=True`; for 8-bit products (`compute`) the blocks'
-weights are quantised as they are read (`klein.io.transformer_checkpoint.stored_forms`).
+The file itself tells its format: BFL safetensors (no config: it is read off the tensor shapes), their FP8
+and NVFP4 versions, or GGUF. A Linear of a scanned stack keeps its stored form only if it has that form in
+every layer (`klein.io.block_forms`), else it is widened to `dtype` at load.
 """
 
 from __future__ import annotations
@@ -41,6 +38,8 @@ from klein.models.transformer_config import TransformerConfig
 
 _PREFIXES = ("", "model.diffusion_model.")  # BFL's files; ComfyUI's saved models
 _MARKER = "single_stream_modulation.lin.weight"
+_SIDE_TENSORS = {FP8: SIDE_TENSORS, nvfp4_file.FORMAT: nvfp4_file.SIDE_TENSORS}
+"""The tensors a quantised layer of each format stores beside its weight."""
 
 
 def file_config(path: str | Path) -> TransformerConfig:
@@ -74,17 +73,13 @@ class _Header(NamedTuple):
 def _header(path: Path) -> _Header:
     source = _open(path)
     prefix = _prefix(source.keys(), path)
-    formats = _formats(source, path)
+    # Stored layer -> its quantised format: FP8 or NVFP4 from a safetensors header, a GGUF file's ggml type.
+    if isinstance(source, TensorSource):
+        formats = quantised_layers(source, str(path))
+    else:
+        formats = gguf_formats(source.header)
     stored = _stored_shapes(source, prefix, formats)
     return _Header(source, prefix, formats, stored, bfl.config_from_bfl(stored, str(path)))
-
-
-def _formats(source, path: Path) -> dict[str, str]:
-    """Stored layer (key without `.weight`) -> its quantised format: FP8 or NVFP4 from a safetensors
-    header, the ggml type of a GGUF file's quantised Linear weights."""
-    if isinstance(source, TensorSource):
-        return quantised_layers(source, str(path))
-    return gguf_formats(source.header)
 
 
 def _stored_shapes(source, prefix: str, formats: dict[str, str]) -> dict[str, tuple]:
@@ -115,15 +110,16 @@ def load_transformer_file(
     fp8 = frozenset(layer for layer, fmt in formats.items() if fmt == FP8)
     nvfp4 = frozenset(layer for layer, fmt in formats.items() if fmt == nvfp4_file.FORMAT)
     plain = abstract_transformer(cfg)
-    sides = {f"{layer[len(prefix) :]}.{side}" for layer in fp8 for side in SIDE_TENSORS}
-    sides |= {f"{layer[len(prefix) :]}.{side}" for layer in nvfp4 for side in nvfp4_file.SIDE_TENSORS}
-    _check_layout(stored, expected_shapes(plain, STACKED, key_map), sides, path)
+    sides = {f"{layer}.{side}" for layer, fmt in formats.items() for side in _SIDE_TENSORS.get(fmt, ())}
+    _check_layout(stored, expected_shapes(plain, STACKED, key_map), {k[len(prefix) :] for k in sides}, path)
     # 2. The model to fill: FP8 Linears and Linears of quantisation blocks where the whole stack has that
     # form (or 8-bit for 8-bit products), the compute dtype elsewhere.
     plan = checkpoint_keys(plain, STACKED, key_map)
     kept = set() if dequantize else _modules_in(plan, prefix, lambda layer: layer in fp8)
+    keys = source.keys()
+    scaled = kept & _modules_in(plan, prefix, lambda layer: f"{layer}.input_scale" in keys)
     blocks = {} if dequantize else header.kept(plan)
-    forms = stored_forms(plan, kept, compute, _input_scaled(plan, kept, prefix, source.keys()), blocks)
+    forms = stored_forms(plan, kept, compute, scaled, blocks)
     abstract = abstract_transformer(cfg, dtype, forms)
     # 3. Read every diffusers key from its BFL tensor; quantised weights of the other modules are
     # dequantised, and quantised again per channel where the form says so.
@@ -134,9 +130,7 @@ def load_transformer_file(
     read = _Reading(prefix, fp8, nvfp4, raw, as_blocks, formats, isinstance(source, GGUFSource))
     table = {key: read.piece(key) for key in expected_shapes(abstract, STACKED, key_map)}
     table = quantised_table(table, quantised_keys(plan, forms))
-    unread = {f"{layer}.{side}" for layer in fp8 for side in SIDE_TENSORS if side != "weight_scale"}
-    unread |= {f"{layer}.{side}" for layer in nvfp4 for side in nvfp4_file.SIDE_TENSORS}
-    mapped = MappedSource(source, table, dropped=unread)
+    mapped = MappedSource(source, table, dropped=sides - {f"{layer}.weight_scale" for layer in fp8})
     return load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)
 
 
@@ -203,16 +197,6 @@ def _stored_layers(plan: dict[tuple, list[str]], prefix: str) -> dict[tuple, set
         path: {prefix + bfl.bfl_key(key).key.removesuffix(".weight") for key in keys}
         for path, keys in plan.items()
     }
-
-
-def _input_scaled(plan: dict[tuple, list[str]], kept: set[tuple], prefix: str, keys: set[str]) -> set[tuple]:
-    """Paths of the FP8 Linear modules whose file gives an activation scale (`input_scale`) in every layer."""
-    scaled = set()
-    for module in kept:
-        layers = {prefix + bfl.bfl_key(key).key.removesuffix(".weight") for key in plan[(*module, "kernel")]}
-        if all(f"{layer}.input_scale" in keys for layer in layers):
-            scaled.add(module)
-    return scaled
 
 
 @dataclasses.dataclass(frozen=True)
