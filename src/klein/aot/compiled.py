@@ -1,11 +1,6 @@
-"""The planner checked against the compiler: each stage's real program, lowered and compiled from abstract
-arrays at the requested dimensions (`jax.ShapeDtypeStruct`: no weights, nothing allocated), and XLA's
-memory analysis of it (arguments, outputs, temporaries), for `klein plan --compiled`.
-
-The programs are the pipeline's own (`klein.models`, `klein.pipeline.denoise`), over weights shaped and stored as
-the loader stores them (`klein.io.loading.stored_state`), on the local backend; or, given a device mesh (a TPU
-slice's or NVIDIA cards', `klein.aot.topology`), for that mesh's devices, with weights and inputs sharded as the loader
-and the pipeline place them, so that XLA's analysis is per device.
+"""The planner checked against the compiler (`klein plan --compiled`): each stage's real program compiled from
+abstract arrays (no weights, nothing allocated), for the local backend or a device mesh, and XLA's memory
+analysis of it.
 """
 
 from __future__ import annotations
@@ -21,10 +16,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from klein import sampling, sharding
 from klein.io.loading import checkpoint_keys, stored_state
+from klein.io.text_encoder_checkpoint import LOADED, abstract_text_encoder
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
-from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
 from klein.io.transformer_checkpoint import abstract_transformer, key_map, stored_forms
+from klein.io.vae_checkpoint import abstract_vae
 from klein.memory import plan
 from klein.models import products, qwen3
 from klein.models import transformer as T
@@ -62,11 +58,10 @@ def analyse(
     their weights in 8 bits, as the loader stores them for it)."""
     dtype = np.dtype(dtype)
     place = _Placer(mesh, only, programs)
-    _, _, vae = plan._abstract_models(models.transformer, models.text_encoder, models.vae)
     transformer = place.weights(_transformer(models.transformer, dtype, compute), sharding.TRANSFORMER_PARAMS)
-    text_model = abstract_text_encoder(models.text_encoder, max(qwen3.PROMPT_LAYERS), dtype)
+    text_model = abstract_text_encoder(models.text_encoder, LOADED, dtype)
     text = place.weights(stored_state(text_model, dtype, TEXT_STACKED), sharding.TEXT_ENCODER_PARAMS)
-    decoder = place.weights(stored_state(vae, dtype, ()), ())
+    decoder = place.weights(stored_state(abstract_vae(models.vae), dtype, ()), ())
     cfg = models.transformer
     rope = functools.partial(denoise.rope_of, cfg)
     token = models.vae.pixels_per_token

@@ -1,12 +1,6 @@
 """NVIDIA GPUs described to XLA without owning one: the `GpuTargetConfigProto` that jax's CUDA plugin
-compiles for when it is given no device (deviceless compilation), for the cards `klein plan --target`
-names (`klein.devices.TARGETS`).
-
-XLA's GPU compiler needs a device's description (compute capability, SM count, shared memory and
-registers per SM, L2, memory size and bandwidth, clock) to pick its kernels; the PJRT plugin takes it as
-the text proto of the topology option `target_config` and then needs neither a driver nor libcuda. The
-figures are the device table's (`klein.devices`); what a description leaves out (the per-unit throughput
-tables) only tunes XLA's cost model, not which kernels exist.
+compiles for when it is given no device, for the cards `klein plan --target` names, from the device table
+(`klein.devices`). What it leaves out (per-unit throughput tables) only tunes XLA's cost model.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """TPU slices and NVIDIA GPUs compiled from this machine: a target's devices, described without owning
 them, and the device mesh `klein plan --target` lays over them. The one place that decides what a
-`--target` name is.
-
-`jax.experimental.topologies.get_topology_desc` gives the devices of a named TPU slice ("v6e:2x4", libtpu
-from the `tpu` extra) or of NVIDIA cards ("h100-80gb", "h100-80gb:8" for eight on one host: jax's CUDA
-plugin from the `gpu-plan` extra, given the card's description, `klein.aot.gpu_targets`, and needing no
-driver). Cards and chips are named as `--device` names them (`klein.devices`; "tpu-v6e:2x4" is libtpu's
-"v6e:2x4"); programs lowered with shardings on a mesh of them compile for that target (nothing runs,
-nothing is allocated), which is how `klein.aot.compiled` measures their memory on a CPU host. Without
-the extra this refuses with the instruction to install it.
+`--target` name is (see docs/devices.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Black Forest Labs' own key names for the FLUX.2 transformer (single files such as
 `flux-2-klein-9b-kv.safetensors`), declared against diffusers' names (docs/design.md, "Checkpoint layouts").
-
-BFL fuses the double blocks' q, k, v projections into one `qkv` Linear (rows [q; k; v]), calls RMSNorm
-weights `scale`, and orders the final adaLN Linear's halves (shift, scale) where diffusers has
-(scale, shift). Everything else is a rename. The map goes from diffusers to BFL (`bfl_key`): every
-diffusers key has exactly one source, and `bfl_layout` turns a diffusers layout into the BFL one.
-A BFL file carries no config; `config_from_bfl` reads it off the tensor shapes.
+BFL fuses the double blocks' q, k, v into one `qkv` Linear, calls RMSNorm weights `scale`, and orders the
+final adaLN's halves (shift, scale) where diffusers has (scale, shift); the rest is renames.
 """
 
 from __future__ import annotations

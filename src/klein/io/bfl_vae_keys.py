@@ -1,10 +1,6 @@
 """Black Forest Labs' own key names for the FLUX.2 VAE (`ae.safetensors` of FLUX.2 [dev], ComfyUI's
-`flux2-vae.safetensors`), declared against diffusers' AutoencoderKLFlux2 names.
-
-BFL keeps the original latent-diffusion names: `down.{i}.block.{j}` for diffusers' `down_blocks.{i}.resnets.{j}`,
-`mid.block_1` / `mid.attn_1`, `nin_shortcut`, `norm_out`, and the quant convs inside the encoder and decoder.
-Its decoder counts levels from the lowest resolution (`up.0` is diffusers' last `up_blocks`), and its mid-block
-attention projections are 1x1 convolutions where diffusers has Linears.
+`flux2-vae.safetensors`), declared against diffusers' AutoencoderKLFlux2 names: the original latent-diffusion
+names, a decoder counting levels from the lowest resolution, 1x1 convolutions for the attention's Linears.
 """
 
 from __future__ import annotations

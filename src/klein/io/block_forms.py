@@ -1,11 +1,6 @@
 """Which Linears of a checkpoint keep their file's quantisation blocks in memory (GGUF, NVFP4), how many
-bytes they take there, and how a layer of a stack of mixed GGUF types is laid out.
-
-One description for every reader (`klein.io.transformer_file.kept_forms`,
-`klein.io.text_encoder_gguf.kept_forms`) and for the planner (`klein.memory.stored`). A Linear is kept as
-blocks where every layer of its stack is stored in a block format; a stack mixing ggml types holds each
-layer's rows zero-padded to the widest type's and tagged with the index of its type (`products.MIXED`,
-docs/design/checkpoints.md); a stack with a float (or FP8) layer is widened to the compute dtype at load.
+bytes they take there, and how a layer of a stack of mixed GGUF types is laid out: one description for the
+readers and the planner (`klein.memory.stored`). See docs/design/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from klein import dtypes
@@ -27,9 +26,10 @@ from klein.io.loading import expected_shapes
 from klein.io.paths import klein_home
 from klein.io.text_encoder_checkpoint import STACKED, abstract_text_encoder
 from klein.io.transformer_checkpoint import expected_transformer_keys
+from klein.io.vae_checkpoint import abstract_vae
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
-from klein.models.vae import AutoencoderKLFlux2, VAEConfig
+from klein.models.vae import VAEConfig
 
 # v2: uniform instead of normal weights, much faster to draw (the benchmarks write billions).
 VERSION = "demo-v2"
@@ -196,7 +196,6 @@ def text_encoder_config_of(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict
 
 def tensor_shapes(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict[str, dict[str, tuple]]:
     """Checkpoint keys and shapes of each component ("transformer", "vae", "text_encoder") of `spec`."""
-    vae = VAEConfig.from_diffusers_config(spec.vae)
     text = Qwen3Config.from_hf_config(text_encoder_config_of(spec, tokenizer_vocab))
     text_shapes = expected_shapes(abstract_text_encoder(text, text.num_hidden_layers), STACKED)
     text_shapes["model.norm.weight"] = (text.hidden_size,)
@@ -204,7 +203,7 @@ def tensor_shapes(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict[str, dic
         text_shapes["lm_head.weight"] = (text.vocab_size, text.hidden_size)
     return dict(
         transformer=expected_transformer_keys(TransformerConfig.from_diffusers(spec.transformer)),
-        vae=expected_shapes(nnx.eval_shape(lambda: AutoencoderKLFlux2(vae, rngs=nnx.Rngs(0)))),
+        vae=expected_shapes(abstract_vae(VAEConfig.from_diffusers_config(spec.vae))),
         text_encoder=text_shapes,
     )
 

@@ -1,9 +1,6 @@
 """Writes that survive a crash or a power cut: a file's bytes reach the disk (fsync) before it is renamed
-into place, and the rename itself is made durable by syncing its folder. Without the first, a crash just
-after a rename can leave a whole-looking name over empty or partial contents (ext4's delayed allocation).
-
-The temporary files such writes go through are known here while they exist, so that a process told to stop
-at once (a second Ctrl+C, `klein.cli.interrupts`) removes them before it exits instead of leaving them.
+into place, and the rename itself is made durable by syncing its folder. The temporary files of the writes
+under way are known here, so that a process told to stop at once (`klein.cli.interrupts`) removes them.
 """
 
 from __future__ import annotations

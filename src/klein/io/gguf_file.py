@@ -1,14 +1,10 @@
-"""Reading GGUF files (community quantisations of FLUX.2 [klein] and of its Qwen3 text encoder).
-
-A file is opened by its header alone (`klein.io.gguf_header`) and each tensor read at its offset when asked
-for, under its stored name, its shape in PyTorch order. `get` dequantises to float32 with
-`gguf.quants.dequantize`; `GGUFSource.blocks` reads a quantised tensor as stored, uint8[rows, bytes] rows of
-blocks, which the models keep in memory and widen inside their products (`klein.models.gguf_blocks`).
+"""Reading GGUF files (community quantisations of FLUX.2 [klein] and of its Qwen3 text encoder): opened by
+their header alone (`klein.io.gguf_header`), each tensor read at its offset when asked for, dequantised to
+float32 (`get`) or as stored, rows of quantisation blocks (`GGUFSource.blocks`).
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import gguf
@@ -16,6 +12,7 @@ import numpy as np
 
 from klein.errors import CheckpointError
 from klein.io.gguf_header import read_header
+from klein.io.safetensors import read_rows
 
 _T = gguf.GGMLQuantizationType
 SUPPORTED = (
@@ -53,17 +50,10 @@ class GGUFSource:
         return gguf.quants.dequantize(self.stored(key, rows), self.header.types[key])
 
     def stored(self, key: str, rows: slice | None = None) -> np.ndarray:
-        """Tensor `key` (or `rows` of its first axis) as stored (a quantised one: uint8 rows of blocks), read
-        from the file with plain reads: no memory map, whose pages would stay in the process's resident
-        memory until the file is closed, as much again as the weights read."""
-        shape, dtype = self.blocks.shape(key), _FLOATS.get(self.header.types[key], np.dtype(np.uint8))
-        if dtype != np.uint8:
-            shape = self.header.shapes[key]
-        start, stop, _ = (rows or slice(None)).indices(shape[0])
-        row_bytes = math.prod(shape[1:]) * dtype.itemsize
-        offset = self.header.offsets[key] + start * row_bytes
-        data = np.fromfile(self._path, np.uint8, count=(stop - start) * row_bytes, offset=offset)
-        return data.view(dtype).reshape(stop - start, *shape[1:])
+        """Tensor `key` (or `rows` of its first axis) as stored: a quantised one as uint8 rows of blocks."""
+        dtype = _FLOATS.get(self.header.types[key], np.dtype(np.uint8))
+        shape = self.blocks.shape(key) if dtype == np.uint8 else self.header.shapes[key]
+        return read_rows(self._path, dtype, shape, self.header.offsets[key], rows)
 
     @property
     def blocks(self) -> Blocks:

@@ -1,8 +1,5 @@
-"""Qwen's tokenizer rebuilt from a GGUF file's own metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
-
-For `pre = "qwen2"` the vocabulary, merges and special ids llama.cpp's converter stores are the pipeline of
-Qwen's `tokenizer.json` (docs/design/checkpoints.md): CONTROL tokens special, USER_DEFINED ones (`<think>`)
-plain added tokens, the UNUSED `[PAD...]` ids the converter filled the vocabulary with left out.
+"""Qwen's tokenizer rebuilt from a GGUF file's own metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`),
+which for `pre = "qwen2"` is the pipeline of Qwen's `tokenizer.json` (docs/design/checkpoints.md).
 """
 
 from __future__ import annotations

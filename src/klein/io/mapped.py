@@ -1,11 +1,8 @@
 """A checkpoint seen under the key names a model expects: renamed, split, reordered or dequantised tensors.
 
-Single-file checkpoints name and pack tensors their own way (BFL's fused qkv projections, 1x1 convolutions
-where diffusers has Linears, FP8 weights with separate scales). A `MappedSource` presents such a file to the
-strict loader (`klein.io.loading`) as if it had the model's own keys: each expected key is a small `Piece`
-that says which stored tensor(s) to read and how. Pieces read one tensor, or a block of its rows, at a time,
-so loading still streams. Stored keys that no piece reads keep their own names, so the loader reports them
-as unexpected instead of silently dropping them.
+A `MappedSource` presents a single file (fused qkv, 1x1 convolutions, FP8 with scales) to the strict loader
+as if it had the model's own keys, each a small piece that reads one tensor, or rows of one, at a time;
+stored keys that no piece reads keep their names, so that the loader reports them as unexpected.
 """
 
 from __future__ import annotations

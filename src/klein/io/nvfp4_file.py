@@ -1,11 +1,6 @@
-"""Reading NVFP4 layers of safetensors files, in the two layouts they are published in.
-
-A layer stores `<layer>.weight` uint8[out, in / 2] (two E2M1 values a byte), `<layer>.weight_scale` (E4M3
-per 16 values) and `<layer>.weight_scale_2` (float32 per tensor; `klein.models.nvfp4`). ComfyUI's files
-(BFL's downloads) declare their layers (`klein.io.comfy_quant`) and swizzle the block scales into cuBLAS's
-128 x 4 tiles; NVIDIA ModelOpt's exports declare nothing and keep them row-major: the declaration, not the
-scales' size, tells them apart (docs/design/checkpoints.md). `Blocks` presents each weight as klein's rows
-of blocks, `Values` dequantised to float32 (a stack not NVFP4 throughout, `dequantize=True`).
+"""Reading NVFP4 layers of safetensors files, in the two layouts they are published in: ComfyUI's (declared
+layers, block scales swizzled in cuBLAS's 128 x 4 tiles) and NVIDIA ModelOpt's (nothing declared, row-major
+scales); the declaration, not the scales' size, tells them apart (docs/design/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -98,14 +93,10 @@ class Blocks:
         return rows, columns // nvfp4.BLOCK * nvfp4.BLOCK_BYTES
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
-        packed, scales = (
-            self._source.get(key),
-            self._source.get(f"{key.removesuffix('.weight')}.weight_scale"),
-        )
-        if comfy_quant.declares_any(self._source):
-            blocks = nvfp4.as_blocks(packed, scales)
-        else:
-            blocks = _row_major_blocks(packed, scales)
+        packed = self._source.get(key)
+        scales = self._source.get(f"{key.removesuffix('.weight')}.weight_scale")
+        layout = nvfp4.as_blocks if comfy_quant.declares_any(self._source) else _row_major_blocks
+        blocks = layout(packed, scales)
         return blocks if rows is None else blocks[rows]
 
 

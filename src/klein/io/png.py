@@ -1,9 +1,7 @@
 """PNG files carrying their settings as text metadata, and where the images of one run go.
 
 Files are never clobbered by accident: the output plan is checked before any model work, and each PNG is
-written to a temporary file in the target folder and, once its bytes are on the disk (`klein.io.durable`),
-published with a hard link (which fails if the name was taken meanwhile) or, with overwrite, an atomic
-rename. A failure never leaves a half-written PNG.
+written to a temporary file, synced, then published with a hard link (or, with overwrite, a rename).
 """
 
 import dataclasses

@@ -1,9 +1,6 @@
-"""Weights quantised at load for 8-bit products (`compute="fp8" | "int8"`, `klein.models.products`).
-
-A bf16 (or float32, or dequantised FP8) Linear weight of the transformer's blocks is read as two tensors
-the loader fills the model with: `<layer>.weight` in 8 bits and `<layer>.weight_scale`, one float32 per
-output channel (a row of the PyTorch-layout weight). Both are computed from the stored tensor as it is
-read, one tensor at a time, so the 8-bit model is never held in a wider form beside itself.
+"""Weights quantised at load for 8-bit products (`compute="fp8" | "int8"`, `klein.models.products`): a Linear
+weight is read as `<layer>.weight` in 8 bits and `<layer>.weight_scale` per output channel, both computed as
+the stored tensor is read, so the 8-bit model is never held in a wider form beside itself.
 """
 
 from __future__ import annotations

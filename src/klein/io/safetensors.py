@@ -92,22 +92,26 @@ class TensorSource:
         return merged
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
-        """Tensor `key`, or only `rows` (a contiguous slice) of its first axis, read from the file into a
-        new array. Plain reads, not the memory map: mapped pages would count in the process's resident
-        memory until the file is closed, a second copy of the checkpoint while a model loads."""
+        """Tensor `key`, or only `rows` of its first axis (`read_rows`)."""
         path = self._file_of[key]
         try:
-            dtype, shape, offset = _entry(path, key)
-            if rows is not None:
-                start, stop, step = rows.indices(shape[0] if shape else 0)
-                if step != 1:
-                    raise ValueError("rows must be a contiguous slice")
-                row = math.prod(shape[1:]) * dtype.itemsize
-                offset, shape[0] = offset + start * row, max(stop - start, 0)
-            count = math.prod(shape)
-            return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(shape)
+            return read_rows(path, *_entry(path, key), rows)
         except (KeyError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{key}' ({exc})") from None
+
+
+def read_rows(path: Path, dtype: np.dtype, shape, offset: int, rows: slice | None = None) -> np.ndarray:
+    """The array of `dtype` and `shape` stored at `offset` in `path`, or only `rows` (a contiguous slice) of
+    its first axis, read into a new array. Plain reads, not a memory map: mapped pages would count in the
+    process's resident memory until the file is closed, a second copy of the checkpoint while a model loads."""
+    shape = list(shape)
+    if rows is not None:
+        start, stop, step = rows.indices(shape[0] if shape else 0)
+        if step != 1:
+            raise ValueError("rows must be a contiguous slice")
+        offset += start * math.prod(shape[1:]) * dtype.itemsize
+        shape[0] = max(stop - start, 0)
+    return np.fromfile(path, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
 
 # safetensors dtype names -> NumPy dtypes (bfloat16 and float8 from ml_dtypes).

@@ -1,8 +1,5 @@
-"""Loading the Qwen3 text encoder from a diffusers `text_encoder/` folder.
-
-The folder holds transformers' `config.json` and `model.safetensors` (or shards listed in
-`model.safetensors.index.json`). Only the decoder layers the prompt embedding reads are loaded; the later
-layers, the final norm and `lm_head` are skipped by name, and any other stray key is an error.
+"""Loading the Qwen3 text encoder from a diffusers `text_encoder/` folder: only the decoder layers the prompt
+embedding reads; the later layers, the final norm and `lm_head` are skipped by name.
 """
 
 from __future__ import annotations

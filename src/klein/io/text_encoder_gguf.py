@@ -1,9 +1,6 @@
-"""Loading the Qwen3 text encoder from a GGUF file in llama.cpp's naming (as ComfyUI users download it).
-
-The names are mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3` and the shape read
-from the file's metadata (`klein.io.gguf_header`); only the layers the prompt embedding reads are loaded.
-Quantised Linears and a quantised token embedding stay as their blocks (`klein.io.block_forms`), widened
-inside each product; the rest is widened as it is read (docs/design/checkpoints.md, "Checkpoint layouts").
+"""Loading the Qwen3 text encoder from a GGUF file in llama.cpp's naming (as ComfyUI users download it),
+mapped back with the `gguf` package's own table for `MODEL_ARCH.QWEN3`. Quantised Linears and embedding stay
+as their blocks (docs/design/checkpoints.md, "Checkpoint layouts").
 """
 
 from __future__ import annotations

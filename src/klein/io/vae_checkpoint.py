@@ -46,7 +46,7 @@ def load_vae_file(
     source = TensorSource.from_file(path)
     if _BFL_MARKER in source.keys():
         levels = len(cfg.decoder_channels)
-        table = {key: bfl_vae_keys.piece(key, levels) for key in expected_shapes(_abstract(cfg))}
+        table = {key: bfl_vae_keys.piece(key, levels) for key in expected_shapes(abstract_vae(cfg))}
         source = MappedSource(source, table)
     elif _DIFFUSERS_MARKER not in source.keys():
         raise CheckpointError(
@@ -56,12 +56,15 @@ def load_vae_file(
     return _load(cfg, source, dtype, place)
 
 
-def _abstract(cfg: VAEConfig) -> AutoencoderKLFlux2:
+def abstract_vae(cfg: VAEConfig) -> AutoencoderKLFlux2:
+    """The VAE's parameter shapes, allocating nothing."""
     return nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
 
 
 def _load(cfg: VAEConfig, source, dtype, place) -> AutoencoderKLFlux2:
-    vae = load_module(_abstract(cfg), source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__, place=place)
+    vae = load_module(
+        abstract_vae(cfg), source, dtype=jnp.float32, skip=SKIPPED_KEYS.__contains__, place=place
+    )
     params = nnx.state(vae, nnx.Param)
     nnx.update(vae, jax.tree.map(lambda p: p.astype(dtype), params))
     return vae
