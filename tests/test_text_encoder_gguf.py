@@ -142,7 +142,7 @@ def test_stacks_of_mixed_types_are_kept_as_padded_blocks(tiny, ids, tmp_path):
     path = write_qwen3_gguf(tmp_path / "Qwen3-tiny-Q4_K_M.gguf", tiny[0], _q4_0_mix(28))
     kept, widened = load_text_encoder_gguf(path), load_text_encoder_gguf(path, dequantize=True)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    planned = stored.rates(abstract_text_encoder(kept.config, 27), kept_forms(path, kept.config, (27,)))
+    planned = stored.rates(abstract_text_encoder(kept.config, 27), kept_forms(path, kept.config))
     modules = dict(nnx.iter_modules(kept))
     for name, module, blocks in [
         ("attn_v", ("self_attn", "v_proj"), ("Q8_0", "Q4_0")),

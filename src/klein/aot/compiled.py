@@ -50,12 +50,9 @@ def analyse(
     programs: dict[str, str] | None = None,
     compute: str = products.BF16,
 ) -> dict[str, Analysis]:
-    """Compile every stage `work` runs ("text", "prefill" for cached references, "step", "decode"; those of
-    them in `only`), for the checkpoint `models` describes with weights in `dtype`, and analyse each
-    program's memory; on `mesh` (a `jax.sharding.Mesh`), per device of it. Given `programs`, each stage's
-    optimised HLO text is put in it too (what the compiler made of it: its kernels, its buffers). The
-    transformer blocks' products are made as `compute` says (`klein.models.products`: an 8-bit one keeps
-    their weights in 8 bits, as the loader stores them for it)."""
+    """Compile every stage `work` runs (those of `STAGES` in `only`) for the checkpoint `models` describes,
+    weights in `dtype` and the blocks' products made as `compute` says, and analyse each program's memory;
+    on `mesh`, per device of it. Given `programs`, each stage's optimised HLO text is put in it too."""
     dtype = np.dtype(dtype)
     place = _Placer(mesh, only, programs)
     transformer = place.weights(_transformer(models.transformer, dtype, compute), sharding.TRANSFORMER_PARAMS)
@@ -68,12 +65,13 @@ def analyse(
     h, w = work.height // token, work.width // token
     ids = place.whole(_array((work.prompts, plan.TEXT_TOKENS), jnp.int32))
     place.compile("text", qwen3.prompt_embeddings, text, ids, ids)
-    mode = Mode(_conditioning(work), work.guided)
-    references = None
+    conditioning, references = Conditioning.TEXT, None
     if work.reference_tokens:
+        conditioning = Conditioning.CACHED if work.cached else Conditioning.REFERENCES
         # The references' ids as a 1 x R grid: the rope tables' shapes are all that matter here.
         grid = sampling.image_ids(1, work.reference_tokens, 10)
         references = References(_array((work.reference_tokens, cfg.in_channels), dtype), grid, (), None)
+    mode = Mode(conditioning, work.guided)
     if mode.conditioning is Conditioning.CACHED:
         reference = place.whole(_abstract(denoise.prefill_inputs(rope, references)))
         place.compile("prefill", T.prefill, transformer, *reference)
@@ -89,25 +87,17 @@ def analyse(
     )
     x, txt = jax.eval_shape(functools.partial(denoise.pad_batch, guided=work.guided, ways=ways), x, txt)
     scalar = _array((), jnp.float32)
-    step_args = place.whole((txt, scalar, scalar, _abstract(ropes)))
-    place.compile(
-        "step",
-        denoise.step_function(mode),
-        transformer,
-        place.tokens(x),
-        *step_args,
-        cond,
-        place.whole(scalar),
-    )
+    step = denoise.step_function(mode)
+    inputs = place.whole((txt, scalar, scalar, _abstract(ropes)))
+    place.compile("step", step, transformer, place.tokens(x), *inputs, cond, place.whole(scalar))
     latents = place.whole(_array((work.images, h, w, cfg.in_channels), dtype))
     place.compile("decode", vae_model.decode_latents, decoder, latents)
     return place.analyses
 
 
 def _transformer(cfg, dtype, compute: str):
-    """The transformer's stored state as `load_transformer` stores it for `compute`: its layers compute
-    in the dtype they are built with, the blocks' kernels in 8 bits beside float32 scales for an 8-bit
-    compute (kept as built: dtype None)."""
+    """The transformer's stored state as `load_transformer` stores it for `compute` (an 8-bit compute's
+    kernels kept as built: dtype None)."""
     forms = stored_forms(
         checkpoint_keys(abstract_transformer(cfg), TRANSFORMER_STACKED, key_map), compute=compute
     )
@@ -116,10 +106,8 @@ def _transformer(cfg, dtype, compute: str):
 
 
 class _Placer:
-    """Abstract arrays laid out on `mesh` as the loader and the pipeline place the real ones (weights by
-    the sharding tables, image tokens along `TOKENS`, the reference KV along `REFERENCE_KV`, the rest
-    whole), and the programs of the stages in `only` compiled for it (their analyses, in `analyses`); without
-    a mesh, for the local device, unplaced."""
+    """Abstract arrays laid out on `mesh` as the loader and the pipeline place the real ones, and the programs
+    of the stages in `only` compiled for it (their analyses, in `analyses`); without a mesh, unplaced."""
 
     def __init__(self, mesh, only: tuple[str, ...], programs: dict[str, str] | None):
         self.mesh, self.only, self.programs = mesh, only, programs
@@ -179,9 +167,3 @@ def _array(shape, dtype) -> jax.ShapeDtypeStruct:
 
 def _abstract(tree):
     return jax.tree.map(lambda a: _array(a.shape, a.dtype), tree)
-
-
-def _conditioning(work: plan.Workload) -> Conditioning:
-    if not work.reference_tokens:
-        return Conditioning.TEXT
-    return Conditioning.CACHED if work.cached else Conditioning.REFERENCES

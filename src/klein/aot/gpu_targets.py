@@ -39,12 +39,11 @@ def target_config(card: Device) -> str:
         "registers_per_block_limit": 65536,
     }
     fields = "\n".join(f"  {name}: {value}" for name, value in info.items())
-    cudnn = dict(zip(("major", "minor", "patch"), CUDNN, strict=True))
-    runtime = dict(zip(("major", "minor", "patch"), CUDA_RUNTIME, strict=True))
+    version = "major: {} minor: {} patch: {}".format
     return (
         f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
         'platform_name: "CUDA"\n'
-        f"dnn_version_info {{ {' '.join(f'{k}: {v}' for k, v in cudnn.items())} }}\n"
-        f"runtime_version {{ {' '.join(f'{k}: {v}' for k, v in runtime.items())} }}\n"
+        f"dnn_version_info {{ {version(*CUDNN)} }}\n"
+        f"runtime_version {{ {version(*CUDA_RUNTIME)} }}\n"
         f'device_description_str: "{card.device_kind}"\n'
     )

@@ -106,7 +106,7 @@ def config_from_bfl(shapes: dict[str, tuple[int, ...]], where: str) -> Transform
     try:
         hidden, in_channels = shapes["img_in.weight"]
         head_dim = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
-        cfg = TransformerConfig(
+        return TransformerConfig(
             num_layers=_count(shapes, "double_blocks"),
             num_single_layers=_count(shapes, "single_blocks"),
             num_attention_heads=hidden // head_dim,
@@ -120,7 +120,6 @@ def config_from_bfl(shapes: dict[str, tuple[int, ...]], where: str) -> Transform
         )
     except (KeyError, ValueError, ZeroDivisionError) as exc:
         raise CheckpointError(f"{where}: not a FLUX.2 transformer in BFL layout (no usable {exc})") from None
-    return cfg
 
 
 def _count(shapes, prefix: str) -> int:

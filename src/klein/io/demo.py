@@ -149,20 +149,16 @@ def write_checkpoint(
     shard_bytes: int = SHARD_BYTES,
     progress: Progress | None = None,
 ) -> None:
-    """Write every component of `spec` with random weights to `folder` (which may exist, empty).
-
-    A component of more than `shard_bytes` is written as shards of at most that (see the module
-    docstring); the tensors are the same as in one file.
-    """
+    """Write every component of `spec` with random weights to `folder` (which may exist, empty); one of
+    more than `shard_bytes` as shards of at most that."""
     rng = np.random.default_rng(seed)
     dtype = dtypes.dtype(spec.dtype)
     vocab = _write_tokenizer(folder / "tokenizer")
     text_config = text_encoder_config_of(spec, vocab)
-    shapes = tensor_shapes(spec, vocab)
-    write = dict(rng=rng, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
-    _write_component(folder / "transformer", spec.transformer, shapes["transformer"], **write)
-    _write_component(folder / "vae", spec.vae, shapes["vae"], **write)
-    _write_component(folder / "text_encoder", text_config, shapes["text_encoder"], prefix="model", **write)
+    configs = dict(transformer=spec.transformer, vae=spec.vae, text_encoder=text_config)
+    for name, shapes in tensor_shapes(spec, vocab).items():
+        prefix = "model" if name == "text_encoder" else "diffusion_pytorch_model"
+        _write_component(folder / name, prefix, configs[name], shapes, rng, dtype, shard_bytes, progress)
     _write_json(
         folder / "scheduler" / "scheduler_config.json",
         dict(
@@ -210,8 +206,7 @@ def tensor_shapes(spec: RandomCheckpoint, tokenizer_vocab: int) -> dict[str, dic
 
 def _random(key: str, shape: tuple, rng: np.random.Generator, dtype, block_bytes: int) -> Iterator:
     """Random values of tensor `key` in `dtype`, as consecutive blocks of rows each drawn as float32 of at
-    most about `block_bytes`. The draws come from `rng` in the same order whatever the blocks, so the
-    values are the same."""
+    most about `block_bytes` (the values do not depend on it)."""
     if key.endswith("running_var"):
         yield rng.uniform(0.5, 2.0, shape).astype(np.float32).astype(dtype)
         return
@@ -228,26 +223,16 @@ def _random(key: str, shape: tuple, rng: np.random.Generator, dtype, block_bytes
         yield ((rng.random(block, dtype=np.float32) * 2 - 1) * bound).astype(dtype, copy=False)
 
 
-def _write_component(
-    folder: Path,
-    config: dict,
-    shapes: dict,
-    *,
-    rng,
-    dtype,
-    shard_bytes: int,
-    progress: Progress | None,
-    prefix="diffusion_pytorch_model",
-):
+def _write_component(folder: Path, prefix: str, config: dict, shapes: dict, rng, dtype, limit, progress):
     folder.mkdir(parents=True)
     _write_json(folder / "config.json", config)
     keys = sorted(shapes)  # the order of the draws
     sizes = {key: int(np.prod(shapes[key], dtype=np.int64)) * dtype.itemsize for key in keys}
     total = sum(sizes.values())
-    if total <= shard_bytes:  # one file (the demo's components)
+    if total <= limit:  # one file (the demo's components)
         shards, names = [keys], [f"{prefix}.safetensors"]
     else:
-        shards = _shards(keys, sizes, shard_bytes)
+        shards = _shards(keys, sizes, limit)
         names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     written = 0
     for name, shard in zip(names, shards, strict=True):
@@ -255,7 +240,7 @@ def _write_component(
         written += sum(sizes[key] for key in shard)
         if progress:
             progress(folder / name, written, total)
-    if total <= shard_bytes:
+    if total <= limit:
         return
     weight_map = {key: name for name, shard in zip(names, shards, strict=True) for key in shard}
     _write_json(
@@ -279,9 +264,8 @@ def _shards(keys: list[str], sizes: dict[str, int], limit: int) -> list[list[str
 
 
 def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype) -> None:
-    """A safetensors file of random `shapes` (in key order), as `safetensors.numpy.save_file` lays it out
-    (header padded to 8 bytes, tensors in key order, back to back), each tensor drawn, cast and written
-    one block of rows at a time."""
+    """A safetensors file of random `shapes` (in key order), laid out as `safetensors.numpy.save_file` does,
+    each tensor drawn, cast and written one block of rows at a time."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, shape in shapes.items():

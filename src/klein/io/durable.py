@@ -43,13 +43,9 @@ def flush(stream) -> None:
 
 def sync_folder(folder: Path) -> None:
     """Make the renames and links done in `folder` durable (a no-op where folders cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         handle = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)

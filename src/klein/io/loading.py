@@ -48,17 +48,13 @@ def load_module(
     skip: Callable[[str], bool] = lambda key: False,
     place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
 ) -> nnx.Module:
-    """Fill an abstract module (from `nnx.eval_shape`) with the tensors of `source`.
-
-    Floating-point parameters are cast to `dtype`; with `dtype=None` each keeps the abstract module's
-    own dtype (how FP8 kernels stay float8 next to their float32 scales).
-    `place(path, host_array)` puts one parameter on its device(s); the default, `jax.device_put`, takes
-    the host array as it is on CPU (it is allocated aligned for that): loading holds each weight once.
-    """
+    """Fill an abstract module (from `nnx.eval_shape`) with the tensors of `source`, floating-point ones cast
+    to `dtype` (None: the abstract module's own). `place(path, host_array)` puts one parameter on its
+    device(s); the default, `jax.device_put`, takes the (aligned) host array as it is on CPU."""
     stacked = tuple(stacked)
     graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
-    plan = _plan(flat, stacked, key_map)
+    plan = {path: _keys(path, variable, stacked, key_map) for path, variable in flat}
     _check_keys(plan, source, skip)
     place = place or (lambda path, array: jax.device_put(array))
     loaded = []
@@ -71,9 +67,7 @@ def load_module(
 
 def stored_state(abstract: nnx.Module, dtype, stacked: Iterable[str] = ()) -> tuple[nnx.GraphDef, nnx.State]:
     """(graph, weights as `jax.ShapeDtypeStruct`s) of `abstract` as `load_module` would store it with
-    `dtype`: floating Params cast to it (the VAE's BatchNorm statistics keep float32; dtype None: every
-    weight as the abstract model holds it, 8-bit kernels and their float32 scales), stacks as their
-    bits. Nothing is read or allocated: for compiling the real programs without weights."""
+    `dtype`, stacks as their bits: for compiling the real programs without weights."""
     stacked = tuple(stacked)
     graphdef, state = nnx.split(abstract)
     flat = []
@@ -82,7 +76,7 @@ def stored_state(abstract: nnx.Module, dtype, stacked: Iterable[str] = ()) -> tu
         kind = value.dtype
         if dtype is not None and isinstance(variable, nnx.Param) and jnp.issubdtype(kind, jnp.floating):
             kind = dtype
-        if _plan([(path, variable)], stacked, None)[path][1]:
+        if _keys(path, variable, stacked, None)[1]:
             kind = as_bits(np.empty(0, kind)).dtype
         flat.append((path, variable.replace(jax.ShapeDtypeStruct(value.shape, kind))))
     return graphdef, nnx.from_flat_state(flat)
@@ -93,7 +87,7 @@ def expected_shapes(abstract: nnx.Module, stacked: Iterable[str] = (), key_map=N
     stacked = tuple(stacked)
     out = {}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
-        keys, layers = _plan([(path, variable)], stacked, key_map)[path]
+        keys, layers = _keys(path, variable, stacked, key_map)
         shape = variable.get_value().shape[1:] if layers else variable.get_value().shape
         torch_shape = _torch_shape(path, shape)
         for key in keys:
@@ -105,20 +99,16 @@ def checkpoint_keys(
     abstract: nnx.Module, stacked: Iterable[str] = (), key_map=None
 ) -> dict[tuple, list[str]]:
     """The checkpoint key(s) of every parameter path: one per layer for stacked parameters."""
-    flat = list(nnx.to_flat_state(nnx.state(abstract)))
-    return {path: keys for path, (keys, _) in _plan(flat, tuple(stacked), key_map).items()}
+    flat = nnx.to_flat_state(nnx.state(abstract))
+    return {path: _keys(path, variable, tuple(stacked), key_map)[0] for path, variable in flat}
 
 
-def _plan(flat, stacked, key_map) -> dict[tuple, tuple[list[str], bool]]:
-    plan = {}
-    for path, variable in flat:
-        key = torch_key(path, stacked, key_map)
-        if "{}" in key:
-            count = variable.get_value().shape[0]
-            plan[path] = ([key.format(i) for i in range(count)], True)
-        else:
-            plan[path] = ([key], False)
-    return plan
+def _keys(path: tuple, variable, stacked: tuple, key_map) -> tuple[list[str], bool]:
+    """The checkpoint key(s) of parameter `path` (one per layer of a stack), and whether it is a stack."""
+    key = torch_key(path, stacked, key_map)
+    if "{}" not in key:
+        return [key], False
+    return [key.format(i) for i in range(variable.get_value().shape[0])], True
 
 
 def _check_keys(plan, source: TensorSource, skip) -> None:

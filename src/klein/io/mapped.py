@@ -128,11 +128,8 @@ class Viewed(Through):
 
 
 class MappedSource:
-    """`source` under new keys: `table` maps each new key to the piece that reads it.
-
-    `dropped` names stored keys read by nothing on purpose (e.g. FP8 activation scales).
-    Pieces whose stored tensors are absent are left out, so the loader reports their keys as missing.
-    """
+    """`source` under new keys: `table` maps each new key to the piece that reads it; `dropped` names stored
+    keys read by nothing on purpose. Pieces whose stored tensors are absent are left out (reported missing)."""
 
     def __init__(self, source, table: dict, dropped: Iterable[str] = ()):
         have = source.keys()

@@ -25,9 +25,7 @@ class TensorSource:
     def __init__(self, files: dict[str, Path]):
         # files maps each tensor key to the file that holds it.
         self._file_of = files
-        self._handles: dict[Path, object] = {}
-        for path in sorted(set(files.values())):
-            self._handles[path] = _open(path)
+        self._handles = {path: _open(path) for path in sorted(set(files.values()))}
         for key, path in files.items():
             if key not in self._handles[path].keys():
                 raise CheckpointError(f"{path}: the index lists tensor '{key}' but the file does not hold it")
@@ -132,11 +130,8 @@ DTYPES = {
 
 
 def _entry(path: Path, key: str) -> tuple[np.dtype, list[int], int]:
-    """(dtype, shape, where the data starts) of tensor `key` of `path`, as its header says; a ValueError
-    unless the header gives a dtype klein reads, a shape, and offsets of as many bytes inside the file.
-
-    `safe_open` checks a header as it opens a file, but does not give a tensor's offset: this reads the
-    header again, and checks again what it reads (the file may have been replaced since)."""
+    """(dtype, shape, where the data starts) of tensor `key` of `path`, as its header says (read again: the
+    file may have been replaced since `safe_open` checked it); a ValueError unless all three are sound."""
     stat = path.stat()
     header, start = _parsed(path, stat.st_mtime_ns, stat.st_size)
     entry = header.get(key)

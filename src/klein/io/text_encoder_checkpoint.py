@@ -23,10 +23,8 @@ LOADED = max(PROMPT_LAYERS)
 
 
 def load_text_encoder(folder: str | Path, dtype=jnp.float32, *, place=None) -> Qwen3TextEncoder:
-    """Load the first `LOADED` decoder layers (and the embedding) of the text encoder in `folder`.
-
-    `place(path, host_array)` puts each weight on its device(s) (see `load_module`).
-    """
+    """Load the first `LOADED` decoder layers (and the embedding) of the text encoder in `folder`; `place`
+    puts each weight on its device(s) (see `load_module`)."""
     folder = Path(folder)
     config = read_config(folder)
     abstract = abstract_text_encoder(config, LOADED, dtype)
@@ -73,11 +71,8 @@ def abstract_text_encoder(
 
 
 def skipped_keys(config: Qwen3Config, num_layers: int) -> frozenset[str]:
-    """Checkpoint keys deliberately not loaded: layers >= num_layers, `model.norm` and `lm_head`.
-
-    Named one by one, from the layer keys the model itself expects, so that a stray or misspelt key is
-    still reported instead of being swallowed by a pattern.
-    """
+    """Checkpoint keys deliberately not loaded: layers >= num_layers, `model.norm` and `lm_head`, named one
+    by one so that a stray or misspelt key is still reported instead of being swallowed by a pattern."""
     layer_zero = "model.layers.0."
     one_layer = expected_shapes(abstract_text_encoder(config, 1), stacked=STACKED)
     per_layer = [k[len(layer_zero) :] for k in one_layer if k.startswith(layer_zero)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -29,7 +28,7 @@ from klein.io.text_encoder_checkpoint import (
     skipped_keys,
 )
 from klein.models.layers import packed
-from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
+from klein.models.qwen3 import Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3]
@@ -65,13 +64,9 @@ def load_text_encoder_gguf(
     )
 
 
-def kept_forms(
-    path: str | Path, config: Qwen3Config, layers: Sequence[int] = PROMPT_LAYERS
-) -> dict[tuple, str | tuple[str, ...]]:
-    """Module path -> `blocks` of the Linears of the first max(`layers`) decoder layers and of the token
-    embedding (`EMBEDDING`) that the Qwen3 GGUF at `path`, read as a text encoder of `config`, keeps as
-    their blocks, from its header alone: what `load_text_encoder_gguf` keeps, and the planner counts
-    (`klein.memory.stored`)."""
+def kept_forms(path: str | Path, config: Qwen3Config) -> dict[tuple, str | tuple[str, ...]]:
+    """Module path -> `blocks` of the Linears and token embedding (`EMBEDDING`) that `load_text_encoder_gguf`
+    keeps as their blocks from the Qwen3 GGUF at `path`, read from its header alone (for the planner)."""
     header = qwen3_header(path)
     found, needed = _embedding(header), (config.vocab_size, config.hidden_size)
     if found != needed:
@@ -80,7 +75,7 @@ def kept_forms(
             f"{needed[0]} x {needed[1]}: a text encoder of another size (klein-4b takes Qwen3-4B, "
             f"klein-9b Qwen3-8B)"
         )
-    plan = checkpoint_keys(abstract_text_encoder(config, max(layers)), STACKED)
+    plan = checkpoint_keys(abstract_text_encoder(config, LOADED), STACKED)
     return _kept(plan, gguf_names(config), gguf_formats(header))
 
 

@@ -7,7 +7,6 @@ every layer (`klein.io.block_forms`), else it is widened to `dtype` at load.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from pathlib import Path
 from typing import NamedTuple
@@ -48,9 +47,8 @@ def file_config(path: str | Path) -> TransformerConfig:
 
 
 def kept_forms(path: str | Path) -> dict[tuple, str | tuple[str, ...]]:
-    """Module path -> `blocks` of the Linears the transformer file at `path` keeps as its quantisation
-    blocks (`klein.io.block_forms.kept_blocks`), from its header alone: what `load_transformer_file` keeps,
-    and the planner counts (`klein.memory.stored`)."""
+    """Module path -> `blocks` of the Linears `load_transformer_file` keeps as their quantisation blocks
+    from the file at `path`, read from its header alone (for the planner)."""
     header = _header(Path(path))
     return header.kept(checkpoint_keys(abstract_transformer(header.config), STACKED, key_map))
 
@@ -100,15 +98,13 @@ def load_transformer_file(
     dequantize: bool = False,
     compute: str = products.BF16,
 ) -> Flux2Transformer:
-    """The transformer of a BFL, FP8, NVFP4 or GGUF single file (`klein.pipeline.checkpoints.variant_of_file`
-    tells its variant); `dequantize` widens quantised weights to `dtype` at load; `compute` is how the
-    blocks' products are made (`klein.models.products`); `place` puts each weight on its device(s) (see
-    `klein.io.loading.load_module`)."""
+    """The transformer of a BFL, FP8, NVFP4 or GGUF single file; `dequantize` widens quantised weights to
+    `dtype` at load; `compute` is how the blocks' products are made (`klein.models.products`); `place` as
+    `klein.io.loading.load_module`'s."""
     path = Path(path)
     # 1. What the file holds: naming, config (from the shapes), quantised layers; checked in BFL names.
     header = source, prefix, formats, stored, cfg = _header(path)
     fp8 = frozenset(layer for layer, fmt in formats.items() if fmt == FP8)
-    nvfp4 = frozenset(layer for layer, fmt in formats.items() if fmt == nvfp4_file.FORMAT)
     plain = abstract_transformer(cfg)
     sides = {f"{layer}.{side}" for layer, fmt in formats.items() for side in _SIDE_TENSORS.get(fmt, ())}
     _check_layout(stored, expected_shapes(plain, STACKED, key_map), {k[len(prefix) :] for k in sides}, path)
@@ -127,8 +123,9 @@ def load_transformer_file(
     as_blocks = {
         key: form.blocks for module, form in forms.items() if form.blocks for key in plan[(*module, "kernel")]
     }
-    read = _Reading(prefix, fp8, nvfp4, raw, as_blocks, formats, isinstance(source, GGUFSource))
-    table = {key: read.piece(key) for key in expected_shapes(abstract, STACKED, key_map)}
+    blocks_of = operator.attrgetter("blocks") if isinstance(source, GGUFSource) else nvfp4_file.Blocks
+    wanted = expected_shapes(abstract, STACKED, key_map)
+    table = {key: _piece(key, prefix, formats, raw, as_blocks, blocks_of) for key in wanted}
     table = quantised_table(table, quantised_keys(plan, forms))
     mapped = MappedSource(source, table, dropped=sides - {f"{layer}.weight_scale" for layer in fp8})
     return load_module(abstract, mapped, dtype=None, stacked=STACKED, key_map=key_map, place=place)
@@ -199,35 +196,25 @@ def _stored_layers(plan: dict[tuple, list[str]], prefix: str) -> dict[tuple, set
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reading:
-    """How to read each diffusers key from a file's BFL tensors: `fp8` / `nvfp4` are its stored layers in
-    those formats; weights of `raw` keys are read FP8 as shipped, those of `blocks` (key -> its stack's
-    `blocks`) as quantisation blocks (a GGUF file's if `gguf`, of `formats`' type for their stored layer,
-    `klein.io.block_forms.layer_piece`); other quantised weights are dequantised."""
-
-    prefix: str
-    fp8: frozenset
-    nvfp4: frozenset
-    raw: set
-    blocks: dict
-    formats: dict
-    gguf: bool
-
-    def piece(self, key: str):
-        if key.endswith(".input_scale"):
-            return Scalar(self.prefix + bfl.bfl_key(key).key)
-        if key.endswith(".weight_scale"):
-            stored = self.prefix + bfl.bfl_key(key).key
-            layer = stored.removesuffix(".weight_scale")
-            return Scalar(f"{layer}.{nvfp4_file.TENSOR_SCALE}" if layer in self.nvfp4 else stored)
-        piece = bfl.piece(key, self.prefix)
-        layer = piece.key.removesuffix(".weight")
-        if key in self.blocks:
-            stored = Viewed(piece, operator.attrgetter("blocks") if self.gguf else nvfp4_file.Blocks)
-            return layer_piece(stored, self.blocks[key], self.formats[layer])
-        if layer in self.nvfp4:
-            return Viewed(piece, nvfp4_file.Values)
-        if layer in self.fp8 and key not in self.raw:
-            return Dequantized(piece, f"{layer}.weight_scale")
-        return piece
+def _piece(key: str, prefix: str, formats: dict[str, str], raw: set, blocks: dict, blocks_of):
+    """How to read diffusers key `key` from a file's BFL tensors (`formats`: stored layer -> quantised
+    format): weights of `raw` keys FP8 as shipped, those of `blocks` (key -> its stack's `blocks`) as the
+    quantisation blocks `blocks_of(source)` gives (`klein.io.block_forms.layer_piece`); other quantised
+    weights dequantised."""
+    if key.endswith(".input_scale"):
+        return Scalar(prefix + bfl.bfl_key(key).key)
+    if key.endswith(".weight_scale"):
+        stored = prefix + bfl.bfl_key(key).key
+        layer = stored.removesuffix(".weight_scale")
+        nvfp4 = formats.get(layer) == nvfp4_file.FORMAT
+        return Scalar(f"{layer}.{nvfp4_file.TENSOR_SCALE}" if nvfp4 else stored)
+    piece = bfl.piece(key, prefix)
+    layer = piece.key.removesuffix(".weight")
+    fmt = formats.get(layer)
+    if key in blocks:
+        return layer_piece(Viewed(piece, blocks_of), blocks[key], fmt)
+    if fmt == nvfp4_file.FORMAT:
+        return Viewed(piece, nvfp4_file.Values)
+    if fmt == FP8 and key not in raw:
+        return Dequantized(piece, f"{layer}.weight_scale")
+    return piece

@@ -25,11 +25,8 @@ _DIFFUSERS_MARKER = "encoder.down_blocks.0.resnets.0.conv1.weight"
 
 
 def load_vae(folder: str | Path, dtype=jnp.float32, *, place=None) -> AutoencoderKLFlux2:
-    """Read `<folder>/config.json` and `<folder>/diffusion_pytorch_model*.safetensors`, strictly.
-
-    Weights are cast to `dtype`; the BatchNorm running statistics stay fp32, since in bf16 their
-    3 significant digits would shift every latent. `place` is `load_module`'s.
-    """
+    """Read `<folder>/config.json` and `<folder>/diffusion_pytorch_model*.safetensors`, strictly. The BatchNorm
+    running statistics stay fp32 (in bf16 their 3 significant digits would shift every latent)."""
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
     return _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype, place)
