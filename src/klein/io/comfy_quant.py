@@ -19,21 +19,18 @@ MARKER = ".comfy_quant"
 
 def declared_layers(source: TensorSource, where: str) -> dict[str, str]:
     """Stored layer names (keys without `.weight`) the file declares quantised -> their format."""
-    return {**_from_header(source.metadata().get(HEADER_KEY), where), **_marked(source, where)}
+    raw = source.metadata().get(HEADER_KEY)
+    try:
+        layers = {} if raw is None else json.loads(raw)["layers"]
+        header = {name: _format(conf) for name, conf in layers.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{where}: unreadable {HEADER_KEY} in the safetensors header ({exc})") from None
+    return {**header, **_marked(source, where)}
 
 
 def declares_any(source: TensorSource) -> bool:
     """Whether the file declares its quantised layers in ComfyUI's way at all."""
     return HEADER_KEY in source.metadata() or any(key.endswith(MARKER) for key in source.keys())
-
-
-def _from_header(raw: str | None, where: str) -> dict[str, str]:
-    if raw is None:
-        return {}
-    try:
-        return {name: _format(conf) for name, conf in json.loads(raw)["layers"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{where}: unreadable {HEADER_KEY} in the safetensors header ({exc})") from None
 
 
 def _marked(source: TensorSource, where: str) -> dict[str, str]:

@@ -89,9 +89,7 @@ def expected_shapes(abstract: nnx.Module, stacked: Iterable[str] = (), key_map=N
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
         keys, layers = _keys(path, variable, stacked, key_map)
         shape = variable.get_value().shape[1:] if layers else variable.get_value().shape
-        torch_shape = _torch_shape(path, shape)
-        for key in keys:
-            out[key] = torch_shape
+        out.update(dict.fromkeys(keys, _torch_shape(path, shape)))
     return out
 
 

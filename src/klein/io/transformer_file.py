@@ -55,7 +55,7 @@ def kept_forms(path: str | Path) -> dict[tuple, str | tuple[str, ...]]:
 
 class _Header(NamedTuple):
     """What a transformer file's header says: its tensors, key prefix, quantised layers (stored layer ->
-    format, `_formats`), stored shapes in BFL names, and the config they give."""
+    format), stored shapes in BFL names, and the config they give."""
 
     source: object
     prefix: str
