@@ -19,8 +19,7 @@ from klein.errors import InputError
 
 
 def devices(target: str) -> list:
-    """The devices of `target`: a TPU slice (e.g. "v6e:2x4") as libtpu describes it, or NVIDIA cards
-    ("h100-80gb", "h100-80gb:8")."""
+    """The devices of `target`: a TPU slice ("v6e:2x4") or NVIDIA cards ("h100-80gb", "h100-80gb:8")."""
     card, count = gpu(target)
     if card is not None:
         return _gpu_devices(target, card, count)
@@ -45,9 +44,8 @@ def devices(target: str) -> list:
 
 
 def mesh(target: str, spec: str | None) -> tuple[Mesh, str]:
-    """(the mesh `spec` describes over the first devices of `target`, its spec with explicit sizes). No spec,
-    or a lone axis name, puts every device of the slice on one axis (`tensor` by default: the weights split,
-    and every stage with them); "single" is one device."""
+    """(the mesh `spec` describes over the first devices of `target`, its spec with explicit sizes). No spec
+    (`tensor`) or a lone axis name puts every device on that axis; "single" is one device."""
     slice_devices = devices(target)
     spec = (spec or "tensor").strip()
     if spec == "single":

@@ -23,8 +23,7 @@ def gguf_formats(header: Header) -> dict[str, str]:
 
 def layer_bytes(blocks: str | tuple[str, ...], rows: int, columns: int) -> int:
     """Bytes a layer of `rows` rows of `columns` values kept as `blocks` holds in memory: its rows of blocks
-    (`products.packed_width`: a mixed stack's padded and tagged, `Tagged`) and the float32 per-tensor scale
-    of an NVFP4 layer (the Linear's `weight_scale`)."""
+    (a mixed stack's padded and tagged) and an NVFP4 layer's float32 per-tensor scale."""
     return products.packed_width(blocks, columns) * rows + 4 * (blocks == products.NVFP4)
 
 

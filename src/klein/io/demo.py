@@ -95,9 +95,7 @@ class RandomCheckpoint:
     """What a random diffusers-layout checkpoint holds: each component's config, as its config.json says."""
 
     transformer: dict
-    """diffusers `Flux2Transformer2DModel` config."""
     vae: dict
-    """diffusers `AutoencoderKLFlux2` config."""
     text_encoder: dict
     """transformers Qwen3 config; without `vocab_size`, the tiny tokenizer's vocabulary size."""
     pipeline: str = "Flux2KleinKVPipeline"
@@ -124,8 +122,7 @@ far, the component's tensor bytes)."""
 def ensure_checkpoint(
     home: Path, spec: RandomCheckpoint, *, shard_bytes: int = SHARD_BYTES, progress: Progress | None = None
 ) -> Path:
-    """`home`, written with `spec` on first use (atomically: a half-written folder is never left behind,
-    not even when interrupted)."""
+    """`home`, written with `spec` on first use, atomically (never half-written, even when interrupted)."""
     if (home / "model_index.json").is_file():
         return home
     home.parent.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,7 @@ def temporary(path: Path) -> Iterator[Path]:
 
 
 def remove_temporaries() -> None:
-    """Remove the temporary files of the writes under way: the process is about to exit without finishing
-    them."""
+    """Remove the temporary files of the writes under way (the process exits without finishing them)."""
     for name in list(_temporaries):
         name.unlink(missing_ok=True)
 

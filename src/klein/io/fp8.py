@@ -1,6 +1,6 @@
 """FP8 single files: BFL's `-fp8` checkpoints (e.g. `flux-2-klein-9b-fp8.safetensors`) and ComfyUI files in
 the same layout, which declare their quantised layers as ComfyUI does (`klein.io.comfy_quant`). An FP8 layer
-stores `<layer>.weight` F8_E4M3, a float32 per-tensor `<layer>.weight_scale`, optionally `<layer>.input_scale`.
+stores `<layer>.weight` F8_E4M3, a float32 per-tensor `<layer>.weight_scale`, maybe `<layer>.input_scale`.
 """
 
 from __future__ import annotations

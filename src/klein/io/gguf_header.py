@@ -84,8 +84,7 @@ class Header:
 
 
 def read_header(path: str | Path) -> Header:
-    """The header of the GGUF at `path`; a CheckpointError for a file that is not one, is cut short, or whose
-    header is malformed."""
+    """The header of the GGUF at `path`; a CheckpointError for a file not one, cut short or malformed."""
     path = Path(path)
     try:
         with path.open("rb") as file:

@@ -129,7 +129,7 @@ class Viewed(Through):
 
 class MappedSource:
     """`source` under new keys: `table` maps each new key to the piece that reads it; `dropped` names stored
-    keys read by nothing on purpose. Pieces whose stored tensors are absent are left out (reported missing)."""
+    keys read by nothing on purpose. Pieces whose stored tensors are absent are left out (keys missing)."""
 
     def __init__(self, source, table: dict, dropped: Iterable[str] = ()):
         have = source.keys()

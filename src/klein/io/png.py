@@ -31,12 +31,10 @@ class OutputPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Words:
-    """How a front end names the output and the leave to replace files, for its messages."""
+    """How a front end names, for its messages, the output (`out`) and what to pass to replace files."""
 
     out: str
-    """`--out`, or Python's path argument."""
     overwrite: str
-    """What to pass to replace existing files."""
 
 
 CLI = Words("--out", "--overwrite")
@@ -44,8 +42,7 @@ PYTHON = Words("path", "save(..., overwrite=True)")
 
 
 def plan_outputs(out: str | None, count: int, overwrite: bool, words: Words = CLI) -> OutputPlan:
-    """Check `--out` (`words.out`) before any model work: the folder exists and is writable, and nothing
-    is in the way."""
+    """Check `--out` (`words.out`) before any model work: a writable folder, and nothing in the way."""
     path = Path(out).expanduser() if out is not None else None
     if path is None or path.is_dir() or out.endswith(("/", os.sep)):
         folder, file = path or Path.cwd(), None

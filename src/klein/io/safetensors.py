@@ -99,9 +99,8 @@ class TensorSource:
 
 
 def read_rows(path: Path, dtype: np.dtype, shape, offset: int, rows: slice | None = None) -> np.ndarray:
-    """The array of `dtype` and `shape` stored at `offset` in `path`, or only `rows` (a contiguous slice) of
-    its first axis, read into a new array. Plain reads, not a memory map: mapped pages would count in the
-    process's resident memory until the file is closed, a second copy of the checkpoint while a model loads."""
+    """The array of `dtype` and `shape` at `offset` in `path`, or only `rows` (a contiguous slice) of its
+    first axis. Plain reads, not a memory map, whose pages would count in resident memory until closed."""
     shape = list(shape)
     if rows is not None:
         start, stop, step = rows.indices(shape[0] if shape else 0)

@@ -57,9 +57,8 @@ def check_layers(config: Qwen3Config, where) -> None:
 def abstract_text_encoder(
     config: Qwen3Config, num_layers: int, dtype=jnp.float32, forms=None, embedding: str | None = None
 ) -> Qwen3TextEncoder:
-    """The text encoder's parameter shapes, allocating nothing; its products computed in `dtype`, its
-    Linears stored as `forms` says (module path -> `klein.models.layers.Stored`), its token table as GGUF
-    blocks of ggml type `embedding` if one is named."""
+    """The text encoder's parameter shapes, allocating nothing; its Linears stored as `forms` says (module
+    path -> `klein.models.layers.Stored`), its token table as GGUF blocks of type `embedding` if named."""
 
     def build() -> Qwen3TextEncoder:
         encoder = store(Qwen3TextEncoder(config, num_layers, rngs=nnx.Rngs(0), dtype=dtype), forms or {})

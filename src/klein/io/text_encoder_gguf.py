@@ -130,8 +130,7 @@ def qwen3_header(path: str | Path) -> Header:
 
 
 def read_gguf_config(path: str | Path) -> Qwen3Config:
-    """The `Qwen3Config` of a Qwen3 GGUF, from its metadata and the embedding's shape (no weight is read);
-    refused, as a folder's, unless the decoder has the layers the prompt embedding reads."""
+    """The `Qwen3Config` of a Qwen3 GGUF's header, refused without the layers the prompt embedding reads."""
     header = qwen3_header(path)
     vocab_size = _embedding(header)[0]
 

@@ -78,8 +78,7 @@ def read_config(folder: str | Path) -> TransformerConfig:
 def load_transformer(
     folder: str | Path, dtype=jnp.float32, *, place=None, compute=products.BF16
 ) -> Flux2Transformer:
-    """Strictly load `<folder>/config.json` and its safetensors (single file or sharded); the blocks'
-    weights quantised as they are read for an 8-bit `compute`."""
+    """Strictly load `<folder>/config.json` and its safetensors, the blocks quantised for 8-bit `compute`."""
     folder = Path(folder)
     cfg = read_config(folder)
     source = TensorSource.from_folder(folder, "diffusion_pytorch_model")

@@ -25,8 +25,8 @@ _DIFFUSERS_MARKER = "encoder.down_blocks.0.resnets.0.conv1.weight"
 
 
 def load_vae(folder: str | Path, dtype=jnp.float32, *, place=None) -> AutoencoderKLFlux2:
-    """Read `<folder>/config.json` and `<folder>/diffusion_pytorch_model*.safetensors`, strictly. The BatchNorm
-    running statistics stay fp32 (in bf16 their 3 significant digits would shift every latent)."""
+    """Read `<folder>/config.json` and `<folder>/diffusion_pytorch_model*.safetensors`, strictly. The
+    BatchNorm running statistics stay fp32 (in bf16 their 3 significant digits would shift every latent)."""
     folder = Path(folder)
     cfg = read_config(folder / "config.json")
     return _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype, place)
@@ -35,9 +35,8 @@ def load_vae(folder: str | Path, dtype=jnp.float32, *, place=None) -> Autoencode
 def load_vae_file(
     path: str | Path, dtype=jnp.float32, *, place=None, config: VAEConfig | None = None
 ) -> AutoencoderKLFlux2:
-    """A VAE saved as one safetensors file without a config: BFL's names (`ae.safetensors` of FLUX.2 [dev],
-    ComfyUI's `flux2-vae.safetensors`) or diffusers' names. `config` defaults to the released FLUX.2 VAE,
-    the one every klein variant uses."""
+    """A VAE saved as one safetensors file without a config, in BFL's names (`ae.safetensors`) or diffusers';
+    `config` defaults to the released FLUX.2 VAE, the one every klein variant uses."""
     path = Path(path)
     cfg = config or VAEConfig.flux2()
     source = TensorSource.from_file(path)
