@@ -1,6 +1,5 @@
-"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI, served from the package: FastAPI's loads it
-from a CDN) and its files under /static/docs/, and what the schema says beyond the routes' signatures:
-the multipart bodies, the image routes' answers, this server's limits."""
+"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI from the package, not a CDN), and what the schema
+says beyond the routes' signatures: the multipart bodies, the image routes' answers, this server's limits."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""`GET /metrics` through `prometheus_client` (each `Metrics` has its own registry: several services in
-one process stay apart). The figures that live elsewhere (queue, caches, results, what each API key holds,
-labelled by the key's label, never the key) are read when scraped (`watch`, `watch_keys`), not copied."""
+"""`GET /metrics` through `prometheus_client`, a registry for each `Metrics` (several services in one process
+stay apart); the figures that live elsewhere are read when scraped, not copied."""
 
 from __future__ import annotations
 

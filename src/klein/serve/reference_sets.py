@@ -1,7 +1,5 @@
-"""Reference sets, content-addressed: uploaded images -> `klein.request.references.References`, through the
-cache. An image is known by its digest, a set by the ordered tuple of digests (its id derives from that
-alone), and ids and cache entries are each owner's (docs/design/serving.md, "Serving"). Encoding runs on
-the worker thread; `describe` and `delete` may run on the event loop, so the id table holds a lock."""
+"""Reference sets, content-addressed (docs/design/serving.md, "Serving"): uploaded images -> `References`
+through the cache. `describe` and `delete` run on the event loop, encoding on the worker: hence the lock."""
 
 from __future__ import annotations
 
@@ -109,7 +107,7 @@ class ReferenceSets:
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
             )
         entry = self._encoding(owner, known[0])
-        if entry is None and not self._all_latents(owner, known[0]):
+        if entry is None and not all(self._latents_key(owner, d) in self.cache for d in known[0]):
             raise UnknownReferences(_evicted(reference_id))
         return (*known, entry)
 
@@ -136,9 +134,6 @@ class ReferenceSets:
         if entry is None:
             raise UnknownReferences(_evicted(set_id(digests)))
         return split_latents(entry.value, self.pipe.vae_config.pixels_per_token)
-
-    def _all_latents(self, owner, digests) -> bool:
-        return all(self._latents_key(owner, d) in self.cache for d in digests)
 
     def delete(self, reference_id: str, owner=None) -> bool:
         """Forget an id and drop its set's encodings under every LoRA set (per-image latents may serve other

@@ -1,7 +1,5 @@
-"""Request bodies of the images API -> `klein.GenerationRequest` (the one request type; no copy of it):
-OpenAI's fields plus klein's settings (derived from the request type's declarations), as JSON or as
-multipart form fields. Types are strict; an unknown field is refused naming the nearest known one (a
-typo must not run with a default)."""
+"""Request bodies of the images API (OpenAI's fields and klein's settings, as the request type declares them)
+-> `GenerationRequest`; an unknown field is refused naming the nearest known one: a typo must not run."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Who may use `klein serve`: API keys (from a flag, the environment or a file, as `KEY [rpm=N] [jobs=N]`
-lines), the exposure rule, and the Host and Origin checks against DNS rebinding and cross-site requests
-(docs/serving.md, "Security")."""
+"""Who may use `klein serve` (docs/serving.md, "Security"): API keys, the exposure rule, and the Host and
+Origin checks against DNS rebinding and cross-site requests."""
 
 from __future__ import annotations
 

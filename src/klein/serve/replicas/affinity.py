@@ -1,7 +1,5 @@
-"""Which replica a request of `klein serve --replicas N` prefers: the decision `router.ReferenceRouter`
-makes, as data over replica ids, without Ray, so that it can be tested alone. A set seen before goes to
-its home replica, a new one to the replica with the fewest sets; then the replicas whose slots hold most
-of the request's LoRAs (docs/design/serving.md, "Replicas")."""
+"""Which replica a request of `klein serve --replicas N` prefers (docs/design/serving.md, "Replicas"): the
+decision `router.ReferenceRouter` makes, over replica ids and without Ray, so that it can be tested alone."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What the HTTP app (`klein.serve.app`) serves in front of N replicas: the methods of
-`klein.serve.service.Service`, each a call through Serve's handle to a `replica.Replica`. Jobs live here,
-fed by each replica's stream of events; routing and faults: docs/design/serving.md, "Replicas"."""
+"""What the HTTP app serves in front of N replicas: `Service`'s methods, each a call through Serve's handle
+to a `replica.Replica`; jobs live here, fed by each replica's events (docs/design/serving.md, "Replicas")."""
 
 from __future__ import annotations
 
@@ -47,11 +46,6 @@ def lost() -> ApiError:
 def busy() -> ApiError:
     message = f"every replica is busy and the queue is full; retry in {RETRY_AFTER} s"
     return errors.retry(429, message, "queue_full", RETRY_AFTER)
-
-
-def refused(data: dict) -> ApiError:
-    """A replica's refusal (`replica.fields`) as the `ApiError` it was there."""
-    return ApiError(**data)
 
 
 class Jobs:
@@ -153,7 +147,7 @@ class Front:
 
         call, (name, data) = await _accepted(send)
         if name == "error":
-            raise refused(data)
+            raise ApiError(**data)
         job = Job(None, spec=sent, id=self.worker.jobs.new_id())
         job.events.append(("queued", {"position": self.worker.depth}))
         self.worker.add(job, call, keep)
@@ -192,23 +186,20 @@ class Front:
 
     async def _record(self, job: Job, call) -> None:
         async for name, data in call:
-            self._event(job, name, data)
-
-    def _event(self, job: Job, name: str, data: dict) -> None:
-        if name == "running":
-            job.status = "running"
-        elif name == "step":
-            job.progress = data
-            job.events.append(("step", data))
-        elif name == "stage":
-            job.events.append(("stage", data))
-        elif name == "done":
-            self.metrics.observe_timings(data)
-            self.metrics.count_job("done")
-            job.finish(result=data)
-        elif name == "error":
-            self.metrics.count_job("error")
-            job.finish(error=refused(data))
+            if name == "running":
+                job.status = "running"
+            elif name == "step":
+                job.progress = data
+                job.events.append(("step", data))
+            elif name == "stage":
+                job.events.append(("stage", data))
+            elif name == "done":
+                self.metrics.observe_timings(data)
+                self.metrics.count_job("done")
+                job.finish(result=data)
+            elif name == "error":
+                self.metrics.count_job("error")
+                job.finish(error=ApiError(**data))
 
     async def submit_references(self, images, owner: str | None = None) -> Job:
         """Keep the images as `owner`'s and have the replica that will serve the set encode it now."""
@@ -226,7 +217,7 @@ class Front:
         except BackPressureError:
             return job.finish(error=busy())
         if "error" in answer:
-            return job.finish(error=refused(answer["error"]))
+            return job.finish(error=ApiError(**answer["error"]))
         self.sets.described(key, answer, owner)
         job.finish(result=answer)
 

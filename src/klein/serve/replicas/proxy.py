@@ -1,7 +1,5 @@
-"""What Serve's HTTP proxy adds in front of the front: a front that dies while it holds a request leaves
-Serve's proxy to answer a plain-text 500; this middleware (installed through Serve's proxy callback)
-makes it klein's JSON 503 with Retry-After (`front_lost`). klein's own answers are JSON, so only those
-500s match."""
+"""A front that dies while it holds a request leaves Serve's HTTP proxy to answer a plain-text 500; this
+middleware of the proxy makes it klein's JSON 503 with Retry-After (klein's own answers are JSON)."""
 
 from __future__ import annotations
 
@@ -42,7 +40,8 @@ class FrontLost:
 
         async def watched(message):
             if message["type"] == "http.response.start":
-                if _proxy_error(message):
+                kind = dict(message.get("headers", ())).get(b"content-type", b"").decode("latin-1")
+                if message["status"] == 500 and not kind.startswith("application/json"):
                     state["replaced"] = True
                     return
                 state["started"] = True
@@ -53,9 +52,3 @@ class FrontLost:
         await self.app(scope, receive, watched)
         if not state["started"]:
             await front_lost().response()(scope, receive, send)
-
-
-def _proxy_error(start: dict) -> bool:
-    headers = dict(start.get("headers", ()))
-    kind = headers.get(b"content-type", b"").decode("latin-1")
-    return start["status"] == 500 and not kind.startswith("application/json")

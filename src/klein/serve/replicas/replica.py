@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from klein.serve.errors import FIELDS, ApiError
+from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
@@ -35,7 +35,7 @@ class Replica:
         try:
             job = await self.service.submit_generation(work)
         except ApiError as error:
-            yield "error", fields(error)
+            yield "error", error.fields()
             return
         yield "accepted", {}
         try:
@@ -57,7 +57,7 @@ class Replica:
             job = await self.service.submit_references(tuple(await images[0]), owner)
             return await asyncio.wrap_future(job.future)
         except ApiError as error:
-            return {"error": fields(error)}
+            return {"error": error.fields()}
 
     def config(self) -> dict:
         return self.service.config()
@@ -85,9 +85,4 @@ async def _follow(job: Job):
         if finished:
             break
         await asyncio.sleep(EVENT_POLL)
-    yield ("error", fields(job.error)) if job.error else ("done", job.result)
-
-
-def fields(error: ApiError) -> dict:
-    """An `ApiError` as plain data, to cross to the front."""
-    return {name: getattr(error, name) for name in FIELDS}
+    yield ("error", job.error.fields()) if job.error else ("done", job.result)
