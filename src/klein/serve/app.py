@@ -25,8 +25,7 @@ DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still 
 
 
 def create_app(service: Service) -> FastAPI:
-    """The routes over `service`: one pipeline's (`Service`), or N replicas' (`klein.serve.replicas.front`),
-    which offer the same methods."""
+    """The routes over one pipeline's `Service`, or N replicas' `klein.serve.replicas.front.Front`."""
     app = FastAPI(
         title="klein serve",
         version=service.version,
@@ -209,7 +208,7 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
 def _work(service: Service, body: schema.ImageBody, request: Request, asked=None, images=()) -> Generation:
     """The generation a body asks for (`asked`: its request, if not read from it here)."""
     asked = schema.to_request(body, service.options) if asked is None else asked
-    notes = schema.ignored(body, service.model_name)
+    notes = schema.ignored(body, service.health()["model"])
     return Generation(asked, images, body.references, notes, owner(request.scope))
 
 

@@ -98,11 +98,9 @@ def loopback(host: str) -> bool:
 def exposure_warning(host: str, keys: tuple[ApiKey, ...], insecure: bool) -> str | None:
     """Refuse (`InputError`) to serve beyond loopback without a key unless `insecure`; the warning to print
     at start when it serves without a key because of `insecure`."""
-    if keys:
+    if keys or (not insecure and loopback(host)):
         return None
     if not insecure:
-        if loopback(host):
-            return None
         raise InputError(
             f"--host {host} would serve to the network without an API key: give one with --api-key-file FILE, "
             f"the environment variable {ENV_KEY} or --api-key KEY, or pass --insecure-no-key to serve it open"

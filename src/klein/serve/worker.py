@@ -160,8 +160,7 @@ class Worker:
         return job
 
     def check_room(self) -> None:
-        """A 429 with Retry-After when the queue is full: `submit` asks, and a route before it decodes
-        uploaded images."""
+        """A 429 with Retry-After when the queue is full (asked before a route decodes uploaded images)."""
         if len(self._queue) >= self.max_queue:
             seconds = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
             message = f"the queue is full ({self.max_queue} requests waiting); retry in about {seconds} s"

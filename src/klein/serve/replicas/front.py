@@ -49,8 +49,7 @@ def busy() -> ApiError:
 
 
 class Jobs:
-    """The front's jobs: those of /v1/jobs by id (`klein.serve.jobs.JobTable`), the calls of all, and
-    what the app asks of a worker (`abandon`, `cancel`, `depth`)."""
+    """The front's jobs, and what the app asks of a worker (`abandon`, `cancel`, `depth`)."""
 
     def __init__(self, options: ServeOptions, max_queue: int):
         self.jobs = FrontJobTable(options.max_result_bytes, options.result_ttl)
@@ -102,10 +101,6 @@ class Front:
         self.worker = Jobs(options, options.max_queue * self.replicas)
         self.metrics.watch(lambda: self.worker.depth, {}, self.worker.jobs)
         self.metrics.watch_keys(reference_store_bytes=self.sets.held)
-
-    @property
-    def model_name(self) -> str:
-        return self._health["model"]
 
     def health(self) -> dict:
         return {**self._health, "replicas": self.replicas, "routing": self.routing}
@@ -223,23 +218,17 @@ class Front:
 
 
 async def _accepted(send) -> tuple[object, tuple[str, dict]]:
-    """A call (`send()`) and its replica's first event: accepted, or its refusal. A replica lost before it
-    answered is replaced once; then 503."""
-    try:
-        return await _opened(send())
-    except LOST:  # the router no longer offers the dead replica: the second call goes to another
+    """A call (`send()`) and its replica's first event: accepted, or its refusal; 429 when every replica and
+    the router's queue are full. A replica lost before it answered is replaced once; then 503."""
+    for attempt in range(2):  # the router no longer offers the dead replica: the second call goes to another
+        call = send()
         try:
-            return await _opened(send())
+            return call, await call.__anext__()
+        except BackPressureError:
+            raise busy() from None
         except LOST:
-            raise lost() from None
-
-
-async def _opened(call) -> tuple[object, tuple[str, dict]]:
-    """The call and its first event; 429 when every replica and the router's queue are full."""
-    try:
-        return call, await call.__anext__()
-    except BackPressureError:
-        raise busy() from None
+            if attempt:
+                raise lost() from None
 
 
 @serve.ingress()
