@@ -57,7 +57,6 @@ _LORAS_FIELD = {
     "description": "LoRAs by the names GET /v1/loras lists: one as text, ink:0.8, or the JSON a body "
     'takes: ["ink:0.8", ["pen", 1], {"name": "wash", "scale": 0.5}]',
 }
-"""A form field is text: one LoRA as its text, or the body's list as its JSON."""
 
 
 def _multipart(properties: dict, required: list[str]) -> dict:

@@ -33,7 +33,6 @@ def create_app(service: Service) -> FastAPI:
         docs_url=None,  # api_docs serves /docs without a CDN
         redoc_url=None,  # ReDoc would need one
     )
-    app.state.service = service
     quotas = Quotas()
     app.add_middleware(Guard, service=service, quotas=quotas)
     _errors(app)

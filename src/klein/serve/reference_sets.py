@@ -88,20 +88,15 @@ class ReferenceSets:
         """(height, width) px of each image of the set an id names; `UnknownReferences` as `resolve`."""
         return self._usable(owner, reference_id)[1]
 
-    def _known(self, owner, reference_id: str) -> tuple | None:
-        """(digests, sizes) of an id of `owner`'s (now its most recently used), or None: another owner's
-        ids are not looked at, so a key that computes another's id from the images' bytes finds nothing."""
+    def _usable(self, owner, reference_id: str) -> tuple:
+        """(digests, sizes, the set's encoding or None) of an id of `owner`'s (now its most recently used)
+        whose set, or else every image's latents, the cache still holds. Another owner's ids are not looked
+        at, so a key that computes another's id from the images' bytes finds nothing."""
         with self._lock:
             own = self._ids.get(owner, {})
             known = own.get(reference_id)
             if known is not None:
                 own.move_to_end(reference_id)
-            return known
-
-    def _usable(self, owner, reference_id: str) -> tuple:
-        """(digests, sizes, the set's encoding or None) of an id whose set, or else every image's latents,
-        the cache still holds."""
-        known = self._known(owner, reference_id)
         if known is None:
             raise UnknownReferences(
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"

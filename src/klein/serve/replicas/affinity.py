@@ -75,8 +75,7 @@ class Holdings:
     def keep_only(self, replicas: Iterable[Hashable]) -> None:
         """Forget replicas no longer live (a restarted one comes back under a new id, its slots empty)."""
         live = set(replicas)
-        for gone in [replica for replica in self._held if replica not in live]:
-            del self._held[gone]
+        self._held = {replica: held for replica, held in self._held.items() if replica in live}
 
 
 def ranks(

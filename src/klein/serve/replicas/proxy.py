@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from starlette.middleware import Middleware
 
-from klein.serve.errors import ApiError, retry
+from klein.serve.errors import retry
 
 RETRY_AFTER = 5
 """Seconds: Serve starts a new front at once; it answers once the replicas' config is read again."""
@@ -15,16 +15,6 @@ IMPORT_PATH = f"{__name__}.middlewares"
 def middlewares() -> list[Middleware]:
     """Serve's proxy callback: the middlewares its HTTP proxy wraps every request in."""
     return [Middleware(FrontLost)]
-
-
-def front_lost() -> ApiError:
-    return retry(
-        503,
-        f"the front of klein serve stopped while it held this request (Serve restarts it); its jobs and "
-        f"uploads are gone: retry in {RETRY_AFTER} s",
-        "front_lost",
-        RETRY_AFTER,
-    )
 
 
 class FrontLost:
@@ -51,4 +41,11 @@ class FrontLost:
 
         await self.app(scope, receive, watched)
         if not state["started"]:
-            await front_lost().response()(scope, receive, send)
+            lost = retry(
+                503,
+                f"the front of klein serve stopped while it held this request (Serve restarts it); its jobs "
+                f"and uploads are gone: retry in {RETRY_AFTER} s",
+                "front_lost",
+                RETRY_AFTER,
+            )
+            await lost.response()(scope, receive, send)
