@@ -41,8 +41,7 @@ class JobTable:
             self._finished(job)
 
     def get(self, job_id: str, owner: str | None = None):
-        """`owner`'s job, or a 404 `ApiError` saying whether it is unknown (or another's), expired or
-        deleted."""
+        """`owner`'s job, or a 404 saying whether it is unknown (or another's), expired or deleted."""
         self._sweep()
         with self._lock:
             job = self._jobs.get(job_id)

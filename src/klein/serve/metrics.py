@@ -80,8 +80,17 @@ class Metrics(Collector):
     def collect(self):
         yield GaugeMetricFamily("klein_queue_depth", "requests waiting for the worker", self.queue_depth())
         yield GaugeMetricFamily("klein_event_streams", "open job event streams", self.streams())
-        if self.results is not None:
-            yield from self._results(self.results)
+        results = self.results
+        if results is not None:
+            held = len(results)  # drops the expired first
+            yield GaugeMetricFamily(
+                "klein_result_store_bytes", "bytes of kept /v1/jobs results", results.bytes
+            )
+            yield GaugeMetricFamily("klein_result_store_budget_bytes", "bytes allowed", results.budget)
+            yield GaugeMetricFamily("klein_result_store_entries", "jobs kept, running or finished", held)
+            yield CounterMetricFamily(
+                "klein_result_store_expired", "results dropped: expired, or for room", results.expired
+            )
         for name, figure in self.keys.items():
             family = GaugeMetricFamily(
                 f"klein_key_{name}", f"{name.replace('_', ' ')} by API key", labels=["key"]
@@ -105,13 +114,3 @@ class Metrics(Collector):
                 ("too_large", "entries larger than the budget, used and not kept", stats.too_large),
             ):
                 yield CounterMetricFamily(f"klein_{prefix}_{name}", help_, value)
-
-    @staticmethod
-    def _results(results):
-        held = len(results)  # drops the expired first
-        yield GaugeMetricFamily("klein_result_store_bytes", "bytes of kept /v1/jobs results", results.bytes)
-        yield GaugeMetricFamily("klein_result_store_budget_bytes", "bytes allowed", results.budget)
-        yield GaugeMetricFamily("klein_result_store_entries", "jobs kept, running or finished", held)
-        yield CounterMetricFamily(
-            "klein_result_store_expired", "results dropped: expired, or for room", results.expired
-        )
