@@ -1,6 +1,5 @@
-"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI, served from the package: FastAPI's loads it
-from a CDN) and its files under /static/docs/, and what the schema says beyond the routes' signatures:
-the multipart bodies, the image routes' answers, this server's limits."""
+"""The OpenAPI docs of `klein serve`: GET /docs (Swagger UI from the package, not a CDN), and what the schema
+says beyond the routes' signatures: the multipart bodies, the image routes' answers, this server's limits."""
 
 from __future__ import annotations
 
@@ -58,7 +57,6 @@ _LORAS_FIELD = {
     "description": "LoRAs by the names GET /v1/loras lists: one as text, ink:0.8, or the JSON a body "
     'takes: ["ink:0.8", ["pen", 1], {"name": "wash", "scale": 0.5}]',
 }
-"""A form field is text: one LoRA as its text, or the body's list as its JSON."""
 
 
 def _multipart(properties: dict, required: list[str]) -> dict:

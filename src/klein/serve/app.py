@@ -1,6 +1,5 @@
-"""The HTTP routes of `klein serve` (the contract: docs/serving.md), thin by design: handlers parse and
-validate, submit a job to the worker and await it without blocking the event loop; what every request
-passes first is `klein.serve.guard`'s."""
+"""The HTTP routes of `klein serve` (the contract: docs/serving.md), thin: they parse, submit a job to the
+worker and await it off the event loop."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still 
 
 
 def create_app(service: Service) -> FastAPI:
-    """The routes over `service`: one pipeline's (`Service`), or N replicas' (`klein.serve.replicas.front`),
-    which offer the same methods."""
+    """The routes over one pipeline's `Service`, or N replicas' `klein.serve.replicas.front.Front`."""
     app = FastAPI(
         title="klein serve",
         version=service.version,
@@ -35,31 +33,24 @@ def create_app(service: Service) -> FastAPI:
         docs_url=None,  # api_docs serves /docs without a CDN
         redoc_url=None,  # ReDoc would need one
     )
-    app.state.service = service
     quotas = Quotas()
     app.add_middleware(Guard, service=service, quotas=quotas)
     _errors(app)
     _routes(app, service, quotas)
     _references(app, service, quotas)
     _jobs(app, service, quotas)
-    # The web page: GET / and its assets under /static/.
     app.include_router(page.router)
-    # The OpenAPI docs: GET /docs, and Swagger UI's files under /static/docs/.
     app.include_router(api_docs.router)
-    app.openapi = _documented(app, service.options)
-    return app
-
-
-def _documented(app: FastAPI, options):
-    """`app.openapi` with the server's limits in the schema (it is built once, on first request)."""
-    build = app.openapi
+    build, options = app.openapi, service.options
 
     def openapi() -> dict:
+        """`app.openapi` with the server's limits in the schema (it is built once, on first request)."""
         if app.openapi_schema is None:
             app.openapi_schema = api_docs.with_limits(build(), options.max_steps, options.max_images)
         return app.openapi_schema
 
-    return openapi
+    app.openapi = openapi
+    return app
 
 
 def _errors(app: FastAPI) -> None:
@@ -214,10 +205,9 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
 
 
 def _work(service: Service, body: schema.ImageBody, request: Request, asked=None, images=()) -> Generation:
-    """The generation a body asks for (`asked`: its request, if not read from it here): `images`, or its
-    references by id."""
+    """The generation a body asks for (`asked`: its request, if not read from it here)."""
     asked = schema.to_request(body, service.options) if asked is None else asked
-    notes = schema.ignored(body, service.model_name)
+    notes = schema.ignored(body, service.health()["model"])
     return Generation(asked, images, body.references, notes, owner(request.scope))
 
 
@@ -237,9 +227,8 @@ async def _generation(service: Service, work: Generation, keep: bool = False) ->
 
 
 async def _submitted(quotas: Quotas, request: Request, submit) -> Job:
-    """The job `submit()` makes, the request's API key's (`Job.owner`: set before anything else runs on
-    the loop, so before its id is answered), holding one of the key's job slots from before `submit`
-    decodes anything until the job finishes (a 429 when the key has none free)."""
+    """The job `submit()` makes, owned by the request's API key (set before its id is answered), holding
+    one of the key's job slots from before `submit` decodes anything until the job finishes."""
     release = quotas.job(request.scope.get("state", {}).get("api_key"))
     try:
         job = await submit()

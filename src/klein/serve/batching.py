@@ -9,7 +9,6 @@ import secrets
 
 import numpy as np
 
-from klein.request.request import GenerationRequest
 from klein.request.resolve import output_size
 from klein.serve.generation import Generation, respond
 from klein.serve.reference_sets import ReferenceSets
@@ -46,7 +45,7 @@ def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses
     first = works[0].request
     refs = encoded.references if encoded else None
     height, width, _ = output_size(first.height, first.width, refs.pixel_sizes if refs else ())
-    seeds = [_seed(work.request) for work in works]
+    seeds = [secrets.randbelow(2**31) if w.request.seed is None else w.request.seed for w in works]
     counts = [work.request.num_images_per_prompt for work in works]
     noise = np.concatenate([pipe.noise(s, n, height, width) for s, n in zip(seeds, counts, strict=True)])
     prompts = tuple(p for work, n in zip(works, counts, strict=True) for p in [work.request.prompt] * n)
@@ -82,10 +81,6 @@ def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses
         )
         start += n
     return bodies
-
-
-def _seed(request: GenerationRequest) -> int:
-    return request.seed if request.seed is not None else secrets.randbelow(2**31)
 
 
 def _fan_out(progresses):

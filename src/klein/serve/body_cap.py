@@ -30,12 +30,6 @@ def limit(headers: Headers, max_upload_bytes: int) -> tuple[int, str]:
     return MAX_JSON_BYTES, "a body that is not multipart"
 
 
-def declared(headers: Headers, allowed: int) -> bool:
-    """Whether the Content-Length says more than `allowed` bytes."""
-    length = headers.get("content-length", "")
-    return length.isdigit() and int(length) > allowed
-
-
 def capped(receive, allowed: int, what: str):
     """`receive` that raises `TooLarge` once the body read so far passes `allowed` bytes."""
     seen = 0

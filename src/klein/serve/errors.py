@@ -1,20 +1,11 @@
-"""HTTP errors in OpenAI's shape, which the official client parses:
-
-    {"error": {"message": "...", "type": "invalid_request_error", "param": field | null, "code": "..."}}
-
-`ApiError` carries the status with it; `from_input_error` maps klein's own `InputError`s (raised by the
-request type, image preparation, admission, the reference store) onto a status and code, a
-`klein.errors.WordedError` in HTTP's words with the field at fault.
-"""
+"""HTTP errors in OpenAI's shape, which the official client parses; `from_input_error` maps klein's own
+`InputError`s onto a status and code."""
 
 from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
 from klein.errors import HTTP, CannotFitError, InputError, WordedError, worded
-
-FIELDS = ("status", "message", "code", "param", "headers")
-"""What an `ApiError` is, as plain data (a replica's refusal crosses to the front as these)."""
 
 
 class ApiError(Exception):
@@ -29,6 +20,10 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), self.status, headers=self.headers)
+
+    def fields(self) -> dict:
+        """As plain data, `ApiError(**fields)` again: a replica's refusal crosses to the front so."""
+        return {name: getattr(self, name) for name in ("status", "message", "code", "param", "headers")}
 
 
 def retry(status: int, message: str, code: str, seconds: int) -> ApiError:

@@ -70,10 +70,13 @@ def respond(
 ) -> dict:
     """The response body for the images of one request and the settings they ran with; `warnings` lists
     what the request gave but was changed or ignored (the pipeline's notes, then the server's)."""
+    extra, references = {}, None
     if encoded:  # the references by the hash of their prepared pixels, as the reference cache keys them
         hashed = tuple(f"prepared-sha256:{digest}" for digest in encoded.digests)
         settings = dataclasses.replace(settings, request=dataclasses.replace(settings.request, image=hashed))
-    extra = {"reference_id": encoded.id} if encoded else {}
+        extra = {"reference_id": encoded.id}
+        cache = "hit" if encoded.hit else "miss"
+        references = {"id": encoded.id, "cache": cache, "saved_seconds": round(encoded.saved_seconds, 6)}
     pngs = [_png(image, {**settings.metadata(i, version), **extra}) for i, image in enumerate(images)]
     return {
         "created": int(time.time()),
@@ -82,7 +85,7 @@ def respond(
             "seed": settings.request.seed,
             "settings": _settings(settings),
             "timings": _add(encoded.timings if encoded else {}, timings),
-            "references": _references(encoded),
+            "references": references,
             "warnings": [*settings.notes, *notes],
         },
     }
@@ -123,16 +126,6 @@ def _add(*timings: dict[str, float]) -> dict[str, float]:
         for stage, seconds in part.items():
             total[stage] = total.get(stage, 0.0) + seconds
     return total
-
-
-def _references(encoded: Encoded | None) -> dict | None:
-    if encoded is None:
-        return None
-    return {
-        "id": encoded.id,
-        "cache": "hit" if encoded.hit else "miss",
-        "saved_seconds": round(encoded.saved_seconds, 6),
-    }
 
 
 def _png(image, metadata: dict) -> str:

@@ -1,5 +1,5 @@
-"""The door of `klein serve`: what every HTTP request passes before a route sees it, in one place: Host,
-Origin, CORS preflight, the API key and its rate, the body cap; every response counted for /metrics."""
+"""What every HTTP request of `klein serve` passes before a route sees it: Host, Origin, CORS preflight, the
+API key and its rate, the body cap; every response counted for /metrics."""
 
 from __future__ import annotations
 
@@ -30,12 +30,15 @@ class Guard:
             return await self.app(scope, receive, send)
         metrics, started, status = self.service.metrics, time.perf_counter(), []
         headers = Headers(scope=scope)
-        cors = self.access.cors(headers.get("origin"))
+        cors = [
+            (name.lower().encode("latin-1"), value.encode("latin-1"))
+            for name, value in self.access.cors(headers.get("origin")).items()
+        ]
 
         async def counted(message):
             if message["type"] == "http.response.start":
                 status.append(str(message["status"]))
-                message["headers"] = [*message.get("headers", []), *_raw(cors)]
+                message["headers"] = [*message.get("headers", []), *cors]
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 metrics.count_request(status[0], time.perf_counter() - started)
@@ -47,7 +50,7 @@ class Guard:
         if answer is not None:
             return await answer(scope, receive, counted)
         allowed, what = body_cap.limit(headers, self.service.options.max_upload_bytes)
-        if body_cap.declared(headers, allowed):
+        if headers.get("content-length", "").isdigit() and int(headers["content-length"]) > allowed:
             return await body_cap.TooLarge(allowed, what).error.response()(scope, receive, counted)
         return await self.app(scope, body_cap.capped(receive, allowed, what), counted)
 
@@ -73,7 +76,13 @@ class Guard:
                 "forbidden_origin",
             )
         if method == "OPTIONS" and access.cors(origin) and "access-control-request-method" in headers:
-            return _preflight()
+            # Its Allow-Origin added with every answer's CORS headers.
+            allowed = {
+                "Access-Control-Allow-Methods": "GET, POST, DELETE",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                "Access-Control-Max-Age": str(PREFLIGHT_SECONDS),
+            }
+            return Response(status_code=204, headers=allowed)
         path = scope["path"]
         if not access.keys or path in PUBLIC or path.startswith(PUBLIC_PREFIX):
             return None
@@ -88,19 +97,3 @@ class Guard:
         self.quotas.request(key)
         scope.setdefault("state", {})["api_key"] = key
         return None
-
-
-def _preflight() -> Response:
-    """The answer to a CORS preflight from an allowed origin (its Allow-Origin added by the guard)."""
-    return Response(
-        status_code=204,
-        headers={
-            "Access-Control-Allow-Methods": "GET, POST, DELETE",
-            "Access-Control-Allow-Headers": "Authorization, Content-Type",
-            "Access-Control-Max-Age": str(PREFLIGHT_SECONDS),
-        },
-    )
-
-
-def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
-    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]

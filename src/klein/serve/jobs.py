@@ -1,6 +1,5 @@
-"""The jobs `GET /v1/jobs/{id}` finds (those of POST /v1/jobs): kept by bytes (`--max-result-bytes`) and
-by age (`--result-ttl`), not by count; a dropped id is remembered to answer "expired", not "unknown", and
-only to its owner. The worker finishes jobs while the event loop reads the table, hence the lock."""
+"""The jobs of POST /v1/jobs, kept by bytes and age, not count; a dropped id is remembered to answer
+"expired", not "unknown". The worker finishes jobs while the event loop reads the table: hence the lock."""
 
 from __future__ import annotations
 
@@ -14,12 +13,6 @@ GONE = 4096
 """Ids of dropped jobs remembered, to say why they are gone."""
 EVENT_BYTES = 256
 """Bytes counted for each event of a kept job beyond its images (a step's progress, a result's fields)."""
-
-
-def result_bytes(job) -> int:
-    """What a finished job's record holds, as counted against the budget."""
-    data = (job.result or {}).get("data", ())
-    return sum(len(item.get("b64_json") or "") for item in data) + EVENT_BYTES * (len(job.events) + 1)
 
 
 class JobTable:
@@ -48,8 +41,7 @@ class JobTable:
             self._finished(job)
 
     def get(self, job_id: str, owner: str | None = None):
-        """`owner`'s job, or a 404 `ApiError` saying whether it is unknown (or another's), expired or
-        deleted."""
+        """`owner`'s job, or a 404 saying whether it is unknown (or another's), expired or deleted."""
         self._sweep()
         with self._lock:
             job = self._jobs.get(job_id)
@@ -64,12 +56,9 @@ class JobTable:
         with self._lock:
             self._drop(job_id, why)
 
-    def values(self) -> list:
-        with self._lock:
-            return list(self._jobs.values())
-
     def _finished(self, job) -> None:
-        size = result_bytes(job)
+        data = (job.result or {}).get("data", ())
+        size = sum(len(item.get("b64_json") or "") for item in data) + EVENT_BYTES * (len(job.events) + 1)
         with self._lock:
             if job.id not in self._jobs:
                 return

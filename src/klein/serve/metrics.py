@@ -1,6 +1,5 @@
-"""`GET /metrics` through `prometheus_client` (each `Metrics` has its own registry: several services in
-one process stay apart). The figures that live elsewhere (queue, caches, results, what each API key holds,
-labelled by the key's label, never the key) are read when scraped (`watch`, `watch_keys`), not copied."""
+"""`GET /metrics` through `prometheus_client`, a registry for each `Metrics` (several services in one process
+stay apart); the figures that live elsewhere are read when scraped, not copied."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 5
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class Metrics:
+class Metrics(Collector):
     def __init__(self):
         self.registry = CollectorRegistry()
         counter = functools.partial(Counter, registry=self.registry)
@@ -31,21 +30,25 @@ class Metrics:
         self._stages = histogram(
             "klein_stage_seconds", "seconds per stage (pipeline stages, queue wait)", ["stage"]
         )
-        self._live = _Live()
-        self.registry.register(self._live)
+        self.queue_depth: Callable[[], int] = lambda: 0
+        self.streams: Callable[[], int] = lambda: 0
+        self.caches: dict = {}
+        self.results = None
+        self.keys: dict[str, Callable[[], dict]] = {}
+        self.registry.register(self)  # `collect` reads the figures that live elsewhere at each scrape
 
     def watch(self, queue_depth: Callable[[], int], caches: dict, results=None) -> None:
         """Read these when scraped: the queue's depth, each `ByteBudgetCache` under its metric prefix
         ("reference_cache"), and the kept results (`klein.serve.jobs.JobTable`)."""
-        self._live.queue_depth, self._live.caches, self._live.results = queue_depth, caches, results
+        self.queue_depth, self.caches, self.results = queue_depth, caches, results
 
     def watch_streams(self, open_streams: Callable[[], int]) -> None:
-        self._live.streams = open_streams
+        self.streams = open_streams
 
     def watch_keys(self, **figures: Callable[[], dict]) -> None:
         """Read these when scraped: each a figure by API key label ({label: value}; None, no key, is left
         out), as klein_key_NAME{key}."""
-        self._live.keys.update(figures)
+        self.keys.update(figures)
 
     def count_request(self, status: str, seconds: float) -> None:
         self._requests.labels(status).inc()
@@ -74,22 +77,20 @@ class Metrics:
         """The exposition text (`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
 
-
-class _Live(Collector):
-    """The figures that live elsewhere, read at each scrape."""
-
-    def __init__(self):
-        self.queue_depth: Callable[[], int] = lambda: 0
-        self.streams: Callable[[], int] = lambda: 0
-        self.caches: dict = {}
-        self.results = None
-        self.keys: dict[str, Callable[[], dict]] = {}
-
     def collect(self):
         yield GaugeMetricFamily("klein_queue_depth", "requests waiting for the worker", self.queue_depth())
         yield GaugeMetricFamily("klein_event_streams", "open job event streams", self.streams())
-        if self.results is not None:
-            yield from self._results(self.results)
+        results = self.results
+        if results is not None:
+            held = len(results)  # drops the expired first
+            yield GaugeMetricFamily(
+                "klein_result_store_bytes", "bytes of kept /v1/jobs results", results.bytes
+            )
+            yield GaugeMetricFamily("klein_result_store_budget_bytes", "bytes allowed", results.budget)
+            yield GaugeMetricFamily("klein_result_store_entries", "jobs kept, running or finished", held)
+            yield CounterMetricFamily(
+                "klein_result_store_expired", "results dropped: expired, or for room", results.expired
+            )
         for name, figure in self.keys.items():
             family = GaugeMetricFamily(
                 f"klein_key_{name}", f"{name.replace('_', ' ')} by API key", labels=["key"]
@@ -113,13 +114,3 @@ class _Live(Collector):
                 ("too_large", "entries larger than the budget, used and not kept", stats.too_large),
             ):
                 yield CounterMetricFamily(f"klein_{prefix}_{name}", help_, value)
-
-    @staticmethod
-    def _results(results):
-        held = len(results)  # drops the expired first
-        yield GaugeMetricFamily("klein_result_store_bytes", "bytes of kept /v1/jobs results", results.bytes)
-        yield GaugeMetricFamily("klein_result_store_budget_bytes", "bytes allowed", results.budget)
-        yield GaugeMetricFamily("klein_result_store_entries", "jobs kept, running or finished", held)
-        yield CounterMetricFamily(
-            "klein_result_store_expired", "results dropped: expired, or for room", results.expired
-        )

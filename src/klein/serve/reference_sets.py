@@ -1,7 +1,5 @@
-"""Reference sets, content-addressed: uploaded images -> `klein.request.references.References`, through the
-cache. An image is known by its digest, a set by the ordered tuple of digests (its id derives from that
-alone), and ids and cache entries are each owner's (docs/design/serving.md, "Serving"). Encoding runs on
-the worker thread; `describe` and `delete` may run on the event loop, so the id table holds a lock."""
+"""Reference sets, content-addressed (docs/design/serving.md, "Serving"): uploaded images -> `References`
+through the cache. `describe` and `delete` run on the event loop, encoding on the worker: hence the lock."""
 
 from __future__ import annotations
 
@@ -90,26 +88,21 @@ class ReferenceSets:
         """(height, width) px of each image of the set an id names; `UnknownReferences` as `resolve`."""
         return self._usable(owner, reference_id)[1]
 
-    def _known(self, owner, reference_id: str) -> tuple | None:
-        """(digests, sizes) of an id of `owner`'s (now its most recently used), or None: another owner's
-        ids are not looked at, so a key that computes another's id from the images' bytes finds nothing."""
+    def _usable(self, owner, reference_id: str) -> tuple:
+        """(digests, sizes, the set's encoding or None) of an id of `owner`'s (now its most recently used)
+        whose set, or else every image's latents, the cache still holds. Another owner's ids are not looked
+        at, so a key that computes another's id from the images' bytes finds nothing."""
         with self._lock:
             own = self._ids.get(owner, {})
             known = own.get(reference_id)
             if known is not None:
                 own.move_to_end(reference_id)
-            return known
-
-    def _usable(self, owner, reference_id: str) -> tuple:
-        """(digests, sizes, the set's encoding or None) of an id whose set, or else every image's latents,
-        the cache still holds."""
-        known = self._known(owner, reference_id)
         if known is None:
             raise UnknownReferences(
                 f"unknown reference id {reference_id!r:.80}; upload the images with POST /v1/references first"
             )
         entry = self._encoding(owner, known[0])
-        if entry is None and not self._all_latents(owner, known[0]):
+        if entry is None and not all(self._latents_key(owner, d) in self.cache for d in known[0]):
             raise UnknownReferences(_evicted(reference_id))
         return (*known, entry)
 
@@ -136,9 +129,6 @@ class ReferenceSets:
         if entry is None:
             raise UnknownReferences(_evicted(set_id(digests)))
         return split_latents(entry.value, self.pipe.vae_config.pixels_per_token)
-
-    def _all_latents(self, owner, digests) -> bool:
-        return all(self._latents_key(owner, d) in self.cache for d in digests)
 
     def delete(self, reference_id: str, owner=None) -> bool:
         """Forget an id and drop its set's encodings under every LoRA set (per-image latents may serve other

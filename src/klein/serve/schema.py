@@ -1,7 +1,5 @@
-"""Request bodies of the images API -> `klein.GenerationRequest` (the one request type; no copy of it):
-OpenAI's fields plus klein's settings (derived from the request type's declarations), as JSON or as
-multipart form fields. Types are strict; an unknown field is refused naming the nearest known one (a
-typo must not run with a default)."""
+"""Request bodies of the images API (OpenAI's fields and klein's settings, as the request type declares them)
+-> `GenerationRequest`; an unknown field is refused naming the nearest known one: a typo must not run."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ MAX_PROMPT_CHARS = 16 * MAX_LENGTH
 """The longest prompt taken: the text encoder reads at most `MAX_LENGTH` tokens (what the pipeline cuts
 past that, it says), so a prompt many times longer is a mistake or an attack on the caches and PNGs."""
 _UNUSED = "OpenAI's; klein has no such setting (ignored, with a warning)"
-MAX_LORAS = 8
-"""The most LoRAs one request may name."""
+MAX_LORAS = 8  # LoRAs one request may name
 
 
 LORA_FORMS = {
@@ -99,6 +96,7 @@ UNUSED = ("quality", "style", "background", "moderation", "output_compression", 
 SETTINGS = ("seed", "num_inference_steps", "guidance_scale", "strength")
 """klein's own settings a body may carry, named, typed, bounded and documented as `GenerationRequest`
 declares them."""
+_SPECS = {field.name: spec for field, spec in settings_of(GenerationRequest) if field.name in SETTINGS}
 _TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float}
 
 
@@ -108,21 +106,13 @@ def _body_field(spec: kinds.Setting):
 
 
 ImageBody = pydantic.create_model(
-    "ImageBody",
-    __base__=_OpenAIBody,
-    **{
-        field.name: _body_field(spec)
-        for field, spec in settings_of(GenerationRequest)
-        if field.name in SETTINGS
-    },
+    "ImageBody", __base__=_OpenAIBody, **{name: _body_field(spec) for name, spec in _SPECS.items()}
 )
 
 
 # Form fields are text: how each typed one reads (klein's setting kinds, the same as key=value words).
 _FORM_READERS = {"n": kinds.read_int, "loras": lambda key, text: _loras_field(text)}
-_FORM_READERS |= {
-    field.name: spec.kind.read for field, spec in settings_of(GenerationRequest) if field.name in SETTINGS
-}
+_FORM_READERS |= {name: spec.kind.read for name, spec in _SPECS.items()}
 
 
 def _loras_field(text: str) -> list:

@@ -1,6 +1,5 @@
-"""Who may use `klein serve`: API keys (from a flag, the environment or a file, as `KEY [rpm=N] [jobs=N]`
-lines), the exposure rule, and the Host and Origin checks against DNS rebinding and cross-site requests
-(docs/serving.md, "Security")."""
+"""Who may use `klein serve` (docs/serving.md, "Security"): API keys, the exposure rule, and the Host and
+Origin checks against DNS rebinding and cross-site requests."""
 
 from __future__ import annotations
 
@@ -99,11 +98,9 @@ def loopback(host: str) -> bool:
 def exposure_warning(host: str, keys: tuple[ApiKey, ...], insecure: bool) -> str | None:
     """Refuse (`InputError`) to serve beyond loopback without a key unless `insecure`; the warning to print
     at start when it serves without a key because of `insecure`."""
-    if keys:
+    if keys or (not insecure and loopback(host)):
         return None
     if not insecure:
-        if loopback(host):
-            return None
         raise InputError(
             f"--host {host} would serve to the network without an API key: give one with --api-key-file FILE, "
             f"the environment variable {ENV_KEY} or --api-key KEY, or pass --insecure-no-key to serve it open"

@@ -47,7 +47,7 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
     server = _Server(config, service)
     # uvicorn raises a caught SIGTERM again once it has shut down; by then the stop was graceful, so the
     # handler it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.
-    signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
         server.run()
     except SystemExit:
@@ -56,7 +56,3 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
         service.worker.stop()
         service.worker.join()
     return 0
-
-
-def _stopped(sig, frame) -> None:
-    """SIGTERM after the graceful shutdown: nothing left to do."""

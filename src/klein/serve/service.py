@@ -60,16 +60,11 @@ class Service:
             self.warming = False
 
     def check(self, work: generation.Generation) -> None:
-        """Refuse (an `ApiError`) before queueing what the worker would refuse: unknown or evicted
-        references, settings that do not apply, a request that cannot fit."""
+        """Refuse (an `ApiError`) before queueing what the worker would refuse."""
         try:
             self.pipe.check(work.request, work.reference_sizes(self.sets))
         except InputError as error:
             raise errors.from_input_error(error) from None
-
-    @property
-    def model_name(self) -> str:
-        return self.pipe.name
 
     async def submit_generation(self, work: generation.Generation, keep: bool = False) -> Job:
         """Queue a generation (refused now, as an `ApiError`, if the worker would refuse it); with `keep`

@@ -1,6 +1,5 @@
-"""GET /v1/jobs/{id}/events: a job's events as server-sent events. Each stream holds a connection for as
-long as its job runs, so streams are counted (`--max-event-streams`, each API key its share) and a
-stream's slot is given back however it ends."""
+"""GET /v1/jobs/{id}/events as server-sent events. A stream holds a connection while its job runs, so streams
+are counted (`--max-event-streams`) and a stream's slot is given back however it ends."""
 
 from __future__ import annotations
 

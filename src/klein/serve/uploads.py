@@ -1,6 +1,5 @@
-"""Multipart uploads: the form read within its limits, images decoded safely and prepared off the loop.
-Only PNG, JPEG and WEBP decoders see a client's bytes, an image over `--max-pixels` is refused from its
-header (decompression bombs), and nothing a client sends becomes a path."""
+"""Multipart uploads, read within their limits; only PNG, JPEG and WEBP decoders see a client's bytes, and an
+image over `--max-pixels` is refused from its header."""
 
 from __future__ import annotations
 
@@ -49,12 +48,20 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
             max_files=options.max_references + 1 + mask, max_fields=64, max_part_size=MAX_FIELD_BYTES
         )
         fields, files, masks_sent = {}, [], []
+        file_fields = (*IMAGE_FIELDS, MASK_FIELD) if mask else IMAGE_FIELDS
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
-                (masks_sent if mask and key == MASK_FIELD else files).append(await _file(key, value, mask))
+                if key not in file_fields:
+                    raise ApiError(
+                        400,
+                        f"unexpected file field {key!r}; send images as 'image' or 'image[]'",
+                        "invalid_value",
+                        key,
+                    )
+                (masks_sent if key == MASK_FIELD else files).append(await value.read())
             elif value == "":
                 continue  # a field left blank: HTML forms and Swagger UI's "Try it out" send every field
-            elif key in IMAGE_FIELDS or (mask and key == MASK_FIELD):
+            elif key in file_fields:
                 raise ApiError(
                     400, f"{key} must be an image file, not a text field", "invalid_image", "image"
                 )
@@ -64,38 +71,26 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
     except MultiPartException as error:
         code = "too_many_references" if "files" in str(error).lower() else "invalid_multipart"
         raise ApiError(400, f"malformed or over-limit multipart body: {error}", code, None) from None
-    _check_count(len(files), options.max_references)
+    if len(files) > options.max_references:
+        raise ApiError(
+            400,
+            f"{counted(len(files), 'image')} sent; at most {counted(options.max_references, 'reference')} "
+            "allowed (--max-references)",
+            "too_many_references",
+            "image",
+        )
     if len(masks_sent) > 1:
         raise ApiError(400, f"{len(masks_sent)} masks sent; send one", "invalid_value", MASK_FIELD)
     return Form(fields, files, masks_sent[0] if masks_sent else None)
 
 
-async def _file(key: str, upload: UploadFile, mask: bool) -> bytes:
-    if key not in IMAGE_FIELDS and not (mask and key == MASK_FIELD):
-        raise ApiError(
-            400, f"unexpected file field {key!r}; send images as 'image' or 'image[]'", "invalid_value", key
-        )
-    return await upload.read()
-
-
-def _check_count(count: int, most: int) -> None:
-    if count > most:
-        raise ApiError(
-            400,
-            f"{counted(count, 'image')} sent; at most {counted(most, 'reference')} allowed (--max-references)",
-            "too_many_references",
-            "image",
-        )
-
-
 async def prepare(files: list[bytes], options: ServeOptions, source: bool = False) -> list[PreparedImage]:
-    """Decode and prepare uploaded images in a worker thread of the loop's pool (host work only);
+    """Decode and prepare a form's images (`read_form` counted them) in a worker thread of the loop's pool;
     `source`: the first is the image an edit repaints."""
     if not files:
         raise ApiError(
             400, "no image: send one or more image files as 'image' (or 'image[]')", "missing_image", "image"
         )
-    _check_count(len(files), options.max_references)
     return await run_in_threadpool(_prepare_all, files, options.max_pixels, source)
 
 

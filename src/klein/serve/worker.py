@@ -1,6 +1,5 @@
-"""One worker thread owns the device: jobs wait on a bounded queue and run one at a time (the pipeline
-and its tokenizer are used from this thread only). Queueing, cancelling, time limits, batching and the
-stop on SIGTERM: docs/design/serving.md, "Serving"."""
+"""One worker thread owns the device (the pipeline is used from it only): jobs wait on a bounded queue and
+run one at a time. See docs/design/serving.md, "Serving"."""
 
 from __future__ import annotations
 
@@ -53,26 +52,22 @@ class Job:
         compilation (jax's listener calls it)."""
         if event.finished:
             return
-        if not event.compiling:
-            self._stop_if_asked()
-        if event.is_step:
-            self.progress = {"step": event.done, "steps": event.total}
-            self.events.append(("step", dict(self.progress)))
-        else:
-            stage = {"stage": event.stage, "label": event.label, "compiling": event.compiling}
-            self.events.append(("stage", stage))
-
-    def _stop_if_asked(self) -> None:
-        if self.stopping is not None:
+        if self.stopping is not None and not event.compiling:
             raise self.stopping
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            # Not kept in `stopping`: run alone after its batch failed, the job has a new deadline.
+        # The deadline is not kept in `stopping`: run alone after its batch failed, a job has a new one.
+        if self.deadline is not None and time.monotonic() > self.deadline and not event.compiling:
             raise errors.ApiError(
                 504,
                 "the job ran past the server's --job-timeout and was stopped; ask for fewer steps or "
                 "smaller images, or raise --job-timeout",
                 "job_timeout",
             )
+        if event.is_step:
+            self.progress = {"step": event.done, "steps": event.total}
+            self.events.append(("step", dict(self.progress)))
+        else:
+            stage = {"stage": event.stage, "label": event.label, "compiling": event.compiling}
+            self.events.append(("stage", stage))
 
     @property
     def finished(self) -> bool:
@@ -165,31 +160,26 @@ class Worker:
         return job
 
     def check_room(self) -> None:
-        """A 429 with Retry-After when the queue is full: `submit` asks, and a route before it decodes
-        uploaded images."""
+        """A 429 with Retry-After when the queue is full (asked before a route decodes uploaded images)."""
         if len(self._queue) >= self.max_queue:
             seconds = max(1, round(self._seconds_per_job * (len(self._queue) + 1)))
             message = f"the queue is full ({self.max_queue} requests waiting); retry in about {seconds} s"
             raise errors.retry(429, message, "queue_full", seconds)
 
-    def abandon(self, job: Job) -> None:
-        """Drop `job` if it has not started: its client went away."""
+    def abandon(self, job: Job, error: errors.ApiError | None = None) -> None:
+        """Drop `job` if it has not started: its client went away (or, with `error`, it was cancelled)."""
         with self._wake:
             if job in self._queue:
                 self._queue.remove(job)
-                self.metrics.count_job("dropped")
-                job.finish(error=errors.client_closed())
+                self.metrics.count_job(error.code if error else "dropped")
+                job.finish(error=error or errors.client_closed())
 
     def cancel(self, job: Job) -> None:
         """Drop `job` if queued, or have it stop at its next step if running (DELETE /v1/jobs/{id})."""
-        with self._wake:
-            if job.finished:
-                return
-            job.stopping = cancelled(job.id)
-            if job in self._queue:
-                self._queue.remove(job)
-                self.metrics.count_job(CANCELLED)
-                job.finish(error=job.stopping)
+        with self._wake:  # a re-entrant lock, which `abandon` takes again
+            if not job.finished:
+                job.stopping = cancelled(job.id)
+                self.abandon(job, job.stopping)
 
     def stop(self) -> None:
         """Accept nothing more and fail the queued jobs; the running one finishes, then the thread ends."""

@@ -1,7 +1,5 @@
-"""Which replica a request of `klein serve --replicas N` prefers: the decision `router.ReferenceRouter`
-makes, as data over replica ids, without Ray, so that it can be tested alone. A set seen before goes to
-its home replica, a new one to the replica with the fewest sets; then the replicas whose slots hold most
-of the request's LoRAs (docs/design/serving.md, "Replicas")."""
+"""Which replica a request of `klein serve --replicas N` prefers (docs/design/serving.md, "Replicas"): the
+decision `router.ReferenceRouter` makes, over replica ids and without Ray, so that it can be tested alone."""
 
 from __future__ import annotations
 
@@ -77,8 +75,7 @@ class Holdings:
     def keep_only(self, replicas: Iterable[Hashable]) -> None:
         """Forget replicas no longer live (a restarted one comes back under a new id, its slots empty)."""
         live = set(replicas)
-        for gone in [replica for replica in self._held if replica not in live]:
-            del self._held[gone]
+        self._held = {replica: held for replica, held in self._held.items() if replica in live}
 
 
 def ranks(

@@ -42,6 +42,8 @@ def serve_replicas(
     """Serve until SIGTERM / SIGINT, each replica compiling the `warm` shapes (`klein.pipeline.warmup`)
     before it is ready; the exit code."""
     ray_runtime.start(address, {PROXY_CALLBACK: proxy.IMPORT_PATH})
+    # Routing by reference set, unless `load` asks for Serve's default router.
+    by_reference = RequestRouterConfig(request_router_class=ReferenceRouter)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
@@ -52,7 +54,7 @@ def serve_replicas(
             max_ongoing_requests=REPLICA_CONCURRENCY,
             max_queued_requests=options.max_queue * replicas,
             ray_actor_options=ray_runtime.share(replicas),
-            **_router(routing),
+            **({} if routing == "load" else {"request_router_config": by_reference}),
         )
         front = serve.deployment(FrontDeployment, name="Front").options(ray_actor_options={"num_cpus": 0})
         app = front.bind(
@@ -68,10 +70,3 @@ def serve_replicas(
             serve.shutdown()
         ray.shutdown()
     return 0
-
-
-def _router(routing: str) -> dict:
-    """By reference set (`router.ReferenceRouter`), or Serve's default router (`load`)."""
-    if routing == "load":
-        return {}
-    return {"request_router_config": RequestRouterConfig(request_router_class=ReferenceRouter)}

@@ -1,6 +1,5 @@
-"""What the HTTP app (`klein.serve.app`) serves in front of N replicas: the methods of
-`klein.serve.service.Service`, each a call through Serve's handle to a `replica.Replica`. Jobs live here,
-fed by each replica's stream of events; routing and faults: docs/design/serving.md, "Replicas"."""
+"""What the HTTP app serves in front of N replicas: `Service`'s methods, each a call through Serve's handle
+to a `replica.Replica`; jobs live here, fed by each replica's events (docs/design/serving.md, "Replicas")."""
 
 from __future__ import annotations
 
@@ -49,14 +48,8 @@ def busy() -> ApiError:
     return errors.retry(429, message, "queue_full", RETRY_AFTER)
 
 
-def refused(data: dict) -> ApiError:
-    """A replica's refusal (`replica.fields`) as the `ApiError` it was there."""
-    return ApiError(**data)
-
-
 class Jobs:
-    """The front's jobs: those of /v1/jobs by id (`klein.serve.jobs.JobTable`), the calls of all, and
-    what the app asks of a worker (`abandon`, `cancel`, `depth`)."""
+    """The front's jobs, and what the app asks of a worker (`abandon`, `cancel`, `depth`)."""
 
     def __init__(self, options: ServeOptions, max_queue: int):
         self.jobs = FrontJobTable(options.max_result_bytes, options.result_ttl)
@@ -109,10 +102,6 @@ class Front:
         self.metrics.watch(lambda: self.worker.depth, {}, self.worker.jobs)
         self.metrics.watch_keys(reference_store_bytes=self.sets.held)
 
-    @property
-    def model_name(self) -> str:
-        return self._health["model"]
-
     def health(self) -> dict:
         return {**self._health, "replicas": self.replicas, "routing": self.routing}
 
@@ -153,7 +142,7 @@ class Front:
 
         call, (name, data) = await _accepted(send)
         if name == "error":
-            raise refused(data)
+            raise ApiError(**data)
         job = Job(None, spec=sent, id=self.worker.jobs.new_id())
         job.events.append(("queued", {"position": self.worker.depth}))
         self.worker.add(job, call, keep)
@@ -192,23 +181,20 @@ class Front:
 
     async def _record(self, job: Job, call) -> None:
         async for name, data in call:
-            self._event(job, name, data)
-
-    def _event(self, job: Job, name: str, data: dict) -> None:
-        if name == "running":
-            job.status = "running"
-        elif name == "step":
-            job.progress = data
-            job.events.append(("step", data))
-        elif name == "stage":
-            job.events.append(("stage", data))
-        elif name == "done":
-            self.metrics.observe_timings(data)
-            self.metrics.count_job("done")
-            job.finish(result=data)
-        elif name == "error":
-            self.metrics.count_job("error")
-            job.finish(error=refused(data))
+            if name == "running":
+                job.status = "running"
+            elif name == "step":
+                job.progress = data
+                job.events.append(("step", data))
+            elif name == "stage":
+                job.events.append(("stage", data))
+            elif name == "done":
+                self.metrics.observe_timings(data)
+                self.metrics.count_job("done")
+                job.finish(result=data)
+            elif name == "error":
+                self.metrics.count_job("error")
+                job.finish(error=ApiError(**data))
 
     async def submit_references(self, images, owner: str | None = None) -> Job:
         """Keep the images as `owner`'s and have the replica that will serve the set encode it now."""
@@ -226,29 +212,23 @@ class Front:
         except BackPressureError:
             return job.finish(error=busy())
         if "error" in answer:
-            return job.finish(error=refused(answer["error"]))
+            return job.finish(error=ApiError(**answer["error"]))
         self.sets.described(key, answer, owner)
         job.finish(result=answer)
 
 
 async def _accepted(send) -> tuple[object, tuple[str, dict]]:
-    """A call (`send()`) and its replica's first event: accepted, or its refusal. A replica lost before it
-    answered is replaced once; then 503."""
-    try:
-        return await _opened(send())
-    except LOST:  # the router no longer offers the dead replica: the second call goes to another
+    """A call (`send()`) and its replica's first event: accepted, or its refusal; 429 when every replica and
+    the router's queue are full. A replica lost before it answered is replaced once; then 503."""
+    for attempt in range(2):  # the router no longer offers the dead replica: the second call goes to another
+        call = send()
         try:
-            return await _opened(send())
+            return call, await call.__anext__()
+        except BackPressureError:
+            raise busy() from None
         except LOST:
-            raise lost() from None
-
-
-async def _opened(call) -> tuple[object, tuple[str, dict]]:
-    """The call and its first event; 429 when every replica and the router's queue are full."""
-    try:
-        return call, await call.__anext__()
-    except BackPressureError:
-        raise busy() from None
+            if attempt:
+                raise lost() from None
 
 
 @serve.ingress()

@@ -1,13 +1,11 @@
-"""What Serve's HTTP proxy adds in front of the front: a front that dies while it holds a request leaves
-Serve's proxy to answer a plain-text 500; this middleware (installed through Serve's proxy callback)
-makes it klein's JSON 503 with Retry-After (`front_lost`). klein's own answers are JSON, so only those
-500s match."""
+"""A front that dies while it holds a request leaves Serve's HTTP proxy to answer a plain-text 500; this
+middleware of the proxy makes it klein's JSON 503 with Retry-After (klein's own answers are JSON)."""
 
 from __future__ import annotations
 
 from starlette.middleware import Middleware
 
-from klein.serve.errors import ApiError, retry
+from klein.serve.errors import retry
 
 RETRY_AFTER = 5
 """Seconds: Serve starts a new front at once; it answers once the replicas' config is read again."""
@@ -17,16 +15,6 @@ IMPORT_PATH = f"{__name__}.middlewares"
 def middlewares() -> list[Middleware]:
     """Serve's proxy callback: the middlewares its HTTP proxy wraps every request in."""
     return [Middleware(FrontLost)]
-
-
-def front_lost() -> ApiError:
-    return retry(
-        503,
-        f"the front of klein serve stopped while it held this request (Serve restarts it); its jobs and "
-        f"uploads are gone: retry in {RETRY_AFTER} s",
-        "front_lost",
-        RETRY_AFTER,
-    )
 
 
 class FrontLost:
@@ -42,7 +30,8 @@ class FrontLost:
 
         async def watched(message):
             if message["type"] == "http.response.start":
-                if _proxy_error(message):
+                kind = dict(message.get("headers", ())).get(b"content-type", b"").decode("latin-1")
+                if message["status"] == 500 and not kind.startswith("application/json"):
                     state["replaced"] = True
                     return
                 state["started"] = True
@@ -52,10 +41,11 @@ class FrontLost:
 
         await self.app(scope, receive, watched)
         if not state["started"]:
-            await front_lost().response()(scope, receive, send)
-
-
-def _proxy_error(start: dict) -> bool:
-    headers = dict(start.get("headers", ()))
-    kind = headers.get(b"content-type", b"").decode("latin-1")
-    return start["status"] == 500 and not kind.startswith("application/json")
+            lost = retry(
+                503,
+                f"the front of klein serve stopped while it held this request (Serve restarts it); its jobs "
+                f"and uploads are gone: retry in {RETRY_AFTER} s",
+                "front_lost",
+                RETRY_AFTER,
+            )
+            await lost.response()(scope, receive, send)

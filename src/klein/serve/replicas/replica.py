@@ -1,12 +1,12 @@
-"""One model replica of `klein serve --replicas N`: a Ray Serve deployment holding its own `Service`, as
-a single `klein serve` holds one; a set it does not hold is encoded from the front's images."""
+"""One model replica of `klein serve --replicas N`: a Ray Serve deployment that is a `Service`, as a single
+`klein serve` has one; a set it does not hold is encoded from the front's images."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
-from klein.serve.errors import FIELDS, ApiError
+from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
@@ -15,7 +15,7 @@ from klein.serve.worker import Job
 EVENT_POLL = 0.05  # seconds between looks at a job's progress
 
 
-class Replica:
+class Replica(Service):
     def __init__(self, loading, options: ServeOptions, memory_limit: int | None, version: str, warm=()):
         """`warm`: the shapes its worker compiles ahead (`klein.pipeline.warmup`) before its first job, as
         a single server's does: the replica answers at once, its health saying "warming" until then."""
@@ -23,7 +23,7 @@ class Replica:
 
         pipe = load(loading)
         pipe.memory_limit = memory_limit
-        self.service = Service(pipe, options, version, warm)
+        super().__init__(pipe, options, version, warm)
 
     async def generate(self, work: Generation, images: tuple):
         """One generation as events: ("accepted", {}) or ("error", fields) at once, then ("running", {}),
@@ -33,20 +33,20 @@ class Replica:
         if work.reference_id is not None:
             work = await self._with_references(work, images[0])
         try:
-            job = await self.service.submit_generation(work)
+            job = await self.submit_generation(work)
         except ApiError as error:
-            yield "error", fields(error)
+            yield "error", error.fields()
             return
         yield "accepted", {}
         try:
             async for event in _follow(job):
                 yield event
         finally:  # the front cancelled the request (its client left): drop the job if it has not started
-            self.service.worker.abandon(job)
+            self.worker.abandon(job)
 
     async def _with_references(self, work: Generation, images) -> Generation:
         """The work with its set by id where this replica still holds it, else with its images."""
-        if self.service.sets.describe(work.reference_id, work.owner) is not None:
+        if self.sets.describe(work.reference_id, work.owner) is not None:
             return work
         return dataclasses.replace(work, images=tuple(await images), reference_id=None)
 
@@ -54,19 +54,10 @@ class Replica:
         """POST /v1/references on the replica that will serve the set: encoded now, as `klein serve`
         does, so that the first edit finds it, as `owner`'s; the reference object, or ("error", fields)."""
         try:
-            job = await self.service.submit_references(tuple(await images[0]), owner)
+            job = await self.submit_references(tuple(await images[0]), owner)
             return await asyncio.wrap_future(job.future)
         except ApiError as error:
-            return {"error": fields(error)}
-
-    def config(self) -> dict:
-        return self.service.config()
-
-    def health(self) -> dict:
-        return self.service.health()
-
-    def loras(self) -> dict:
-        return self.service.loras()
+            return {"error": error.fields()}
 
 
 async def _follow(job: Job):
@@ -85,9 +76,4 @@ async def _follow(job: Job):
         if finished:
             break
         await asyncio.sleep(EVENT_POLL)
-    yield ("error", fields(job.error)) if job.error else ("done", job.result)
-
-
-def fields(error: ApiError) -> dict:
-    """An `ApiError` as plain data, to cross to the front."""
-    return {name: getattr(error, name) for name in FIELDS}
+    yield ("error", job.error.fields()) if job.error else ("done", job.result)

@@ -1,6 +1,5 @@
-"""Affinity routing of `klein serve --replicas N`: a Ray Serve `RequestRouter` over `affinity.ranks`,
-keyed by the request's `multiplexed_model_id` (`affinity.routing_key`). Homes are decided when a request
-is routed, so a set's second request finds it at once (docs/design/serving.md, "Replicas")."""
+"""Affinity routing of `klein serve --replicas N`: a Ray Serve `RequestRouter` over `affinity.ranks`, keyed
+by the request's `multiplexed_model_id` (`affinity.routing_key`)."""
 
 from __future__ import annotations
 

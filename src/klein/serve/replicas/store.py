@@ -1,6 +1,5 @@
-"""The front's reference sets: each uploaded set's prepared images in Ray's object store, so that any
-replica can encode a set it has not seen; ids and owners as a single `klein serve`'s, least recently used
-out within --cache-bytes of pixels (each key its share) and `MAX_IDS` ids a key."""
+"""The front's reference sets: each set's prepared images in Ray's object store, so that any replica can
+encode a set it has not seen; least recently used out within --cache-bytes (each key its share)."""
 
 from __future__ import annotations
 
