@@ -1,12 +1,8 @@
-"""LoRAs loaded by name for unmerged products (`klein.models.adapters`): read once onto the host, and
-held on the device in a fixed number of adapter slots, the least recently used giving way.
+"""LoRAs loaded by name for unmerged products (`klein.models.adapters`), held on the device in a fixed
+number of adapter slots, the least recently used giving way (docs/design/lora.md, "LoRA per request").
 
-The device bank has one (down, up) pair per Linear any loaded LoRA targets, [L?, I, S * R] and
-[L?, S * R, O] (S slots of rank R, R the largest rank of any loaded LoRA rounded up to `RANK_STEP`), in
-the pipeline's dtype (stacks as their bits, `klein.models.stacks.as_bits`). Its shapes change only when
-a LoRA is loaded that targets another Linear or has a larger rank, so requests that switch among loaded
-LoRAs or strengths run the programs already built. S is the most slots whose bytes fit the budget (at
-most `slots`); a LoRA with which not even one slot fits is refused when it is loaded.
+The device bank has one (down, up) pair [L?, I, S * R] and [L?, S * R, O] per Linear any loaded LoRA
+targets, in the pipeline's dtype (stacks as their bits); S is the most slots whose bytes fit the budget.
 """
 
 from __future__ import annotations
@@ -67,11 +63,9 @@ class AdapterSlots:
     """Named LoRAs and the device bank of their slots. `place(array)` puts a host array where the
     transformer's programs read it (the device, or replicated over a mesh)."""
 
-    def __init__(
-        self, cfg: TransformerConfig, dtype, place: Callable, slots: int = 4, budget: int | None = None
-    ):
+    def __init__(self, cfg: TransformerConfig, dtype, place: Callable):
         self.cfg, self.dtype, self._place = cfg, np.dtype(dtype), place
-        self.max_slots, self.budget = slots, budget
+        self.max_slots, self.budget = 4, None  # `limit` sets a budget of device bytes
         self._loaded: dict[str, Loaded] = {}
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._host: dict[tuple, tuple[np.ndarray, np.ndarray]] | None = None

@@ -1,12 +1,7 @@
 """Where a LoRA's modules land in klein's transformer: per Linear kernel (and layer of a stacked one), the
-low-rank factors of its update, checked against the model.
-
-Module names are resolved through the checkpoint key maps the loaders use (diffusers names from the
-parameter paths, BFL names from `klein.io.bfl_transformer_keys`), so a LoRA module maps exactly as the
-weight it adapts: a fused BFL `qkv` update `up @ down` is split by rows of `up` into q, k and v (`down` is
-shared, or block-diagonal for kohya's split ranks - the row split is exact either way), and the final adaLN
-update has its halves swapped like the weight. Errors name LoRAs for FLUX.1 and FLUX.2 [dev], LoRAs for
-another size (the key and both shapes), and every key that matches nothing.
+low-rank factors of its update, checked against the model. Module names resolve through the loaders' own
+key maps, so an update follows the weight it adapts (docs/design/lora.md); errors name LoRAs for other
+models and sizes, and every key that matches nothing.
 """
 
 from __future__ import annotations
