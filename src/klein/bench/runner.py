@@ -1,12 +1,6 @@
-"""`klein bench`: both engines, every case, in one process and one invocation.
-
-First every case is warmed up: each engine prepares (klein's warm case encodes its references here, as
-an earlier request would) and runs once untimed (klein compiles here, torch allocates). Then come
-`repeats` timed rounds; each round runs every case once per engine, cases in forward order on even
-rounds and backward on odd ones, engines alternating. Interleaving the cases means a change in the
-machine's load (it is shared) lands on every case alike instead of on the cases that happened to run
-then, so ratios between cases (the KV speedups) and between engines stay put; the report takes the
-best of the rounds (see `report`). The matmul peak is measured before the first round and after each.
+"""`klein bench`: both engines, every case, in one process and one invocation: a warm-up run of every
+case, then timed rounds that interleave cases and alternate engines (docs/benchmarks.md says why), the
+matmul peak measured before the first round and after each.
 """
 
 from __future__ import annotations
@@ -125,7 +119,6 @@ def warm_up(case: C.Case, engines, latents, images) -> tuple[dict[str, Run], flo
     """One untimed run per engine; (the runs by engine, largest pixel difference between their images)."""
     warmup, outputs = {}, {}
     for engine in engines:
-        engine.prepare(case, images)
         warmup[engine.name], outputs[engine.name] = _run(engine, case, latents, images)
     first, second = outputs.values()
     return warmup, float(np.abs(first - second).max())
