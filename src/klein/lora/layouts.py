@@ -131,20 +131,15 @@ def _adapter(key, prefix, tensors, down_key, up_key, alphas, where) -> Adapter:
     module = key.removeprefix(prefix)
     rank = down.shape[0]
     alpha = tensors.get(f"{key}{_ALPHA}")
-    if alpha is not None:
-        scale = float(alpha.reshape(())) / rank
-    elif alphas is not None:
-        scale = alphas(module, rank)
-    else:
-        scale = 1.0
+    scale = alphas(module, rank) if alpha is None else float(alpha.reshape(())) / rank
     return Adapter(key, down_key, up_key, module, down, up, scale)
 
 
 def _peft_alphas(metadata: dict[str, str], where: str):
-    """`scale(module, rank)` from the PEFT config diffusers writes into the header, or None without one."""
+    """`scale(module, rank)` from the PEFT config diffusers writes into the header; 1 without one."""
     raw = next((metadata[k] for k in _METADATA_KEYS if k in metadata), None)
     if raw is None:
-        return None
+        return lambda module, rank: 1.0
     try:
         config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
         alpha = float(config["lora_alpha"])

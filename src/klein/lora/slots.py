@@ -43,22 +43,6 @@ class Loaded:
         return {path for path, _ in self.factors}
 
 
-def loaded(spec, cfg: TransformerConfig) -> Loaded:
-    """Read the LoRA `spec` names (a path, as `read_lora` takes it) and map it onto a model of `cfg`."""
-    lora = read_lora(spec)
-    grouped = defaultdict(list)
-    for update in lora_updates(lora, cfg):
-        grouped[(update.path[:-1], update.layer)].append(update)
-    factors = {
-        key: (
-            np.concatenate([(u.down * np.float32(u.scale)).T for u in updates], axis=1),
-            np.concatenate([u.up.T for u in updates], axis=0),
-        )
-        for key, updates in grouped.items()
-    }
-    return Loaded(dataclasses.replace(lora.info, scale=1.0), factors)
-
-
 class AdapterSlots:
     """Named LoRAs and the device bank of their slots. `place(array)` puts a host array where the
     transformer's programs read it (the device, or replicated over a mesh)."""
@@ -84,11 +68,22 @@ class AdapterSlots:
         return self._loaded[name].info
 
     def load(self, name: str, spec) -> LoraInfo:
-        """Read the LoRA at `spec` under `name` (in place of one loaded under that name before)."""
+        """Read the LoRA at `spec` (a path, as `read_lora` takes it) under `name` (in place of one loaded
+        under that name before)."""
         if not isinstance(name, str) or not name:
             raise InputError(f"a loaded LoRA needs a non-empty name, got {name!r}")
-        lora = loaded(spec, self.cfg)
-        lora = dataclasses.replace(lora, info=dataclasses.replace(lora.info, name=name))
+        read = read_lora(spec)
+        grouped = defaultdict(list)
+        for update in lora_updates(read, self.cfg):
+            grouped[(update.path[:-1], update.layer)].append(update)
+        factors = {
+            key: (
+                np.concatenate([(u.down * np.float32(u.scale)).T for u in updates], axis=1),
+                np.concatenate([u.up.T for u in updates], axis=0),
+            )
+            for key, updates in grouped.items()
+        }
+        lora = Loaded(dataclasses.replace(read.info, name=name, scale=1.0), factors)
         loras = {**{k: v for k, v in self._loaded.items() if k != name}, name: lora}
         self._check_fits(loras.values(), self.budget, f"LoRA {name!r}")
         self._loaded = loras

@@ -137,15 +137,14 @@ def kernel_shape(cfg: TransformerConfig, path: tuple) -> tuple:
 
 @functools.lru_cache(maxsize=8)
 def _tables(cfg: TransformerConfig) -> tuple[dict[str, list[Target]], dict[tuple, tuple]]:
-    """(module name -> targets, in diffusers and BFL names; kernel path -> shape [L?, in, out])."""
+    """(module name -> targets, in diffusers and BFL names; parameter path -> shape, [L?, in, out] for a
+    kernel)."""
     abstract = abstract_transformer(cfg)
-    stacked = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(abstract))}
+    shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(abstract))}
     table: dict[str, list[Target]] = {}
-    shapes = {}
     for path, keys in checkpoint_keys(abstract, STACKED, key_map).items():
         if path[-1] != "kernel":
             continue
-        shapes[path] = stacked[path]
         for i, key in enumerate(keys):
             layer = i if path[0] in STACKED else None
             module = key.removesuffix(".weight")
