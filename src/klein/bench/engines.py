@@ -29,8 +29,7 @@ class KleinEngine:
         self.pipe = load_pipeline(folder, dtype=config.checkpoint.dtype)
         self.pipe.set_progress_bar_config(disable=True)  # the report shows its own progress
         self.steps = config.steps
-        self._warm = {}
-        """Encoded references by their number (the pictures depend only on it)."""
+        self._warm = {}  # encoded references by their number (the pictures depend only on it)
 
     def prepare(self, case: Case, images) -> None:
         """For warm KV cases, encode the references once: the earlier request whose cache is reused."""
@@ -59,10 +58,8 @@ class KleinEngine:
 
 
 class DiffusersEngine:
-    """diffusers' Flux2KleinPipeline and (KV weights) Flux2KleinKVPipeline over the same modules.
-
-    diffusers cannot reuse references across calls, so its warm KV case is a plain KV call.
-    """
+    """diffusers' Flux2KleinPipeline and (KV weights) Flux2KleinKVPipeline over the same modules. diffusers
+    cannot reuse references across calls, so its warm KV case is a plain KV call."""
 
     name = "diffusers"
 

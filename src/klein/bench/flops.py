@@ -1,14 +1,12 @@
-"""FLOP model of the transformer: the work of each benchmark case, and what the KV cache can save at best.
+"""FLOP model of the transformer: the work of each benchmark case, and what the KV cache can save at best
+(docs/benchmarks.md, "KV ceiling"; it reproduces docs/design.md, "FLOP model").
 
-Axes: T text tokens, N output image tokens, R reference tokens (all references), D width, L layers.
-
-Assumptions (they reproduce docs/design.md, "FLOP model"): every block, double or single, costs each token it
-processes 26 D^2 FLOPs in its Linears (13 D^2 multiply-adds: double = q, k, v, out 4 D^2 + SwiGLU in
-6 D^2 + out 3 D^2; single = fused in 9 D^2 + out 4 D^2), and its attention costs 4 Sq Sk D FLOPs
-(Q K^T and A V over Sq queries and Sk keys). Embedders, modulation, norms, RoPE and softmax are
-left out (under 0.1% at 9b). It counts the plain formulation (every block over every token it is given), so
-both engines are credited the same FLOPs for the same case. `text_encoder_flops` and `decode_flops` count
-the stages the KV cache does not touch, for `klein.bench.roofline`.
+Every block, double or single, costs each token it processes 26 D^2 FLOPs in its Linears (D the width; 13 D^2
+multiply-adds: double = q, k, v, out 4 D^2 + SwiGLU in 6 D^2 + out 3 D^2; single = fused in 9 D^2 + out 4 D^2),
+and its attention 4 Sq Sk D (Q K^T and A V over Sq queries and Sk keys). Embedders, modulation, norms, RoPE
+and softmax are left out (under 0.1% at 9b). It counts the plain formulation (every block over every token
+it is given), so both engines are credited the same FLOPs for the same case. `text_encoder_flops` and
+`decode_flops` count the stages the KV cache does not touch, for `klein.bench.roofline`.
 """
 
 from __future__ import annotations

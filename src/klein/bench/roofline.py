@@ -2,9 +2,9 @@
 (docs/design/compiling.md, "Compiling for a slice").
 
 Each stage takes the longer of its FLOPs (`klein.bench.flops`, split over the devices that share it) over
-the device's peak and its bytes (XLA's arguments and outputs per device) over the HBM bandwidth. A device
-is one TensorCore where JAX shows each of a chip's cores as a device, else the chip. Under 8-bit compute
-the blocks' products run at the chip's FP8 / INT8 peak (the bf16 one where it has none), attention at bf16.
+the device's peak and its bytes (XLA's arguments and outputs per device) over its HBM bandwidth, as
+`klein.devices` gives them per device. Under 8-bit compute the blocks' products run at the FP8 / INT8
+peak (the bf16 one where a chip has none), attention at bf16.
 """
 
 from __future__ import annotations
@@ -56,12 +56,11 @@ def product_shares(models: plan.Models, work: plan.Workload) -> dict[str, float]
     token = models.vae.pixels_per_token
     image = (work.height // token) * (work.width // token)
     refs, text = work.reference_tokens, plan.TEXT_TOKENS
-    if work.cached:
-        shares = {"step": flops.product_share(cfg, text + image, text + refs + image)}
-        if refs:
-            shares["prefill"] = flops.product_share(cfg, refs, refs)
-        return shares
-    return {"step": flops.product_share(cfg, text + image + refs, text + image + refs)}
+    queries = text + image + (0 if work.cached else refs)  # cached steps: the references are keys only
+    shares = {"step": flops.product_share(cfg, queries, text + image + refs)}
+    if work.cached and refs:
+        shares["prefill"] = flops.product_share(cfg, refs, refs)
+    return shares
 
 
 def sharers(mesh, stage: str, images: int) -> int:

@@ -1,15 +1,7 @@
-"""The key layouts FLUX.2 LoRA trainers write (docs/design.md, "LoRA"), read into one form: per adapted
-module, its down matrix float[r, in], up matrix float[out, r] and the scale the trainer meant.
-
-- diffusers / PEFT: `transformer.transformer_blocks.0.attn.to_q.lora_A.weight`; scale alpha / r with
-  alpha from the header's PEFT config (`lora_adapter_metadata`), else 1.
-- BFL / ai-toolkit: `diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight` (or `lora_down` /
-  `lora_up`); alpha / r with `.alpha` tensors, else 1. fal: the same under `base_model.model.`.
-- kohya / musubi-tuner: `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight` and `.alpha`; alpha / r
-  (alpha defaults to r). OneTrainer: the same style with diffusers names (`lora_transformer_...`).
-
-Module names stay as written (diffusers or BFL names; kohya's with `_` for `.`): `klein.lora.targets` maps
-them onto the model. Adapter kinds klein does not merge (LoHa, LoKr, DoRA, ...) are refused by name.
+"""The key layouts FLUX.2 LoRA trainers write (the table in docs/loras.md), read into one form: per adapted
+module, its down matrix float[r, in], up matrix float[out, r] and the scale the trainer meant. Module names
+stay as written (kohya's with `_` for `.`): `klein.lora.targets` maps them onto the model. Adapter kinds
+klein does not merge (LoHa, LoKr, DoRA, ...) are refused by name.
 """
 
 from __future__ import annotations

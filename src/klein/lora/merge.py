@@ -2,8 +2,6 @@
 is stored in, widening (FP8, quantisation blocks) or quantising again (8-bit products) where a LoRA touches
 it, and where the kernel lives (docs/design/lora.md, docs/design/checkpoints.md "Merging",
 docs/design/memory.md `stream`). Axes: L stacked layers, I in features, O out features, r rank.
-
-The sum is formed in float32 and cast to the compute dtype once, so several LoRAs cost one rounding.
 """
 
 from __future__ import annotations
@@ -47,11 +45,9 @@ def merge_kernel(
     wherever the stack lives, so a stack in host memory merges to the values a device stack does without
     ever coming to the device whole."""
     scales = np.ones(kernel.shape[:-2], np.float32) if weight_scale is None else weight_scale
-    shape = (
-        kernel.shape
-        if blocks is None
-        else (*kernel.shape[:-1], products.unpacked_width(blocks, kernel.shape[-1]))
-    )
+    shape = kernel.shape
+    if blocks is not None:
+        shape = (*kernel.shape[:-1], products.unpacked_width(blocks, kernel.shape[-1]))
     stored = dtype if compute is None else products.EIGHT_BIT[compute][0]
     if kernel.ndim == 2:
         down, up = _low_rank(updates, shape, out_in)
@@ -152,7 +148,9 @@ class MergedWeights:
         by_path: dict[tuple, list[Weighted]] = defaultdict(list)
         flat = dict(nnx.to_flat_state(self.state))
         for update, strength in updates:
-            by_path[_stored_path(flat, update.path)].append((update, strength))
+            # A kernel is stored under `kernel`, or [out, in] under `weight` for 8-bit products.
+            path = update.path if update.path in flat else (*update.path[:-1], "weight")
+            by_path[path].append((update, strength))
         blocks = self._blocks() if by_path else {}
         for path in sorted(set(self._base) | set(by_path)):
             self._keep_base(flat, path, path in blocks)
@@ -180,11 +178,6 @@ class MergedWeights:
                 kernel if as_blocks else as_float(kernel),
                 None if scale is None else np.asarray(jax.device_get(scale.get_value())),
             )
-
-
-def _stored_path(flat, kernel_path: tuple) -> tuple:
-    """Where a kernel is stored: under `kernel`, or [out, in] under `weight` for 8-bit products."""
-    return kernel_path if kernel_path in flat else (*kernel_path[:-1], "weight")
 
 
 def _scale_path(kernel_path: tuple) -> tuple:

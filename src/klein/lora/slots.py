@@ -1,8 +1,5 @@
 """LoRAs loaded by name for unmerged products (`klein.models.adapters`), held on the device in a fixed
 number of adapter slots, the least recently used giving way (docs/design/lora.md, "LoRA per request").
-
-The device bank has one (down, up) pair [L?, I, S * R] and [L?, S * R, O] per Linear any loaded LoRA
-targets, in the pipeline's dtype (stacks as their bits); S is the most slots whose bytes fit the budget.
 """
 
 from __future__ import annotations
@@ -33,14 +30,6 @@ class Loaded:
 
     info: LoraInfo
     factors: dict[tuple, tuple[np.ndarray, np.ndarray]]
-
-    @property
-    def rank(self) -> int:
-        return max((down.shape[1] for down, _ in self.factors.values()), default=0)
-
-    @property
-    def paths(self) -> set[tuple]:
-        return {path for path, _ in self.factors}
 
 
 class AdapterSlots:
@@ -193,8 +182,9 @@ class AdapterSlots:
     def _layout(self, loras) -> tuple[frozenset, int, int]:
         """(Linear paths, slot rank, slot count) of a bank for `loras`."""
         loras = list(loras)
-        paths = frozenset().union(*(lora.paths for lora in loras))
-        rank = -(-max((lora.rank for lora in loras), default=0) // RANK_STEP) * RANK_STEP
+        paths = frozenset(path for lora in loras for path, _ in lora.factors)
+        largest = max((down.shape[1] for lora in loras for down, _ in lora.factors.values()), default=0)
+        rank = -(-largest // RANK_STEP) * RANK_STEP
         slots = self.max_slots
         if self.budget is not None and rank:
             slots = min(slots, self.budget // max(self._bytes(paths, rank, 1), 1))

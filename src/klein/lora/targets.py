@@ -107,14 +107,12 @@ def _size(width) -> str:
 
 
 def _check_shapes(adapter, targets, shapes, parsed, cfg, where: str) -> None:
-    kernel = shapes[targets[0].path][-2:]  # [in, out] (per layer)
-    want_in, want_out = kernel[0], kernel[1] * targets[0].blocks
+    d_in, d_out = shapes[targets[0].path][-2:]  # per layer
     rank = adapter.down.shape[0]
-    bad = [
-        (adapter.down_key, adapter.down.shape, (rank, want_in)),
-        (adapter.up_key, adapter.up.shape, (want_out, rank)),
-    ]
-    for name, got, want in bad:
+    for name, got, want in (
+        (adapter.down_key, adapter.down.shape, (rank, d_in)),
+        (adapter.up_key, adapter.up.shape, (d_out * targets[0].blocks, rank)),
+    ):
         if got != want:
             raise CheckpointError(
                 f"{where}: made for another model size: '{name}' has shape {got}, this model needs {want}. "
@@ -147,8 +145,7 @@ def _tables(cfg: TransformerConfig) -> tuple[dict[str, list[Target]], dict[tuple
             continue
         for i, key in enumerate(keys):
             layer = i if path[0] in STACKED else None
-            module = key.removesuffix(".weight")
-            table[module] = [Target(path, layer)]
+            table[key.removesuffix(".weight")] = [Target(path, layer)]
             source = bfl.bfl_key(key)
             fused = source.key.removesuffix(".weight")
             table.setdefault(fused, []).append(
