@@ -1,5 +1,4 @@
-"""`klein bench`: klein and diffusers side by side on the same random weights, and the KV speedup
-against its FLOP ceiling. `configs` (what to run), `cases` (the cases and their inputs), `flops` (the
-ceiling), `engines` (the two engines), `runner` (measuring), `report` (JSON, Markdown, PNG). A front end:
-imports `klein.aot` (the roofline's targets), the pipeline and below, no other front end.
+"""`klein bench`: klein and diffusers side by side on the same random weights, and the KV speedup against
+its FLOP ceiling (docs/benchmarks.md); also the roofline `klein plan --compiled` prints. A front end:
+imports the pipeline and below, no other front end.
 """

@@ -1,7 +1,5 @@
-"""What one benchmark run covers: the cases, their token counts, and their fixed inputs.
-
-Every case is one image per call (batch 1), at one square output size. Inputs are fixed per case so
-that both engines see exactly the same latents and reference pictures.
+"""What one benchmark run covers: the cases (one image per call, one square output size each), their token
+counts, and their inputs, fixed per case so that both engines see the same latents and reference pictures.
 """
 
 from __future__ import annotations
@@ -73,8 +71,6 @@ def latents(config: BenchConfig, case: Case) -> np.ndarray:
 def reference_images(config: BenchConfig, count: int) -> list[PIL.Image.Image]:
     """Smooth random pictures (a photo-like input, not noise), the same for every case."""
     side = config.reference_size
-    out = []
-    for index in range(count):
-        coarse = np.random.default_rng(100 + index).uniform(0, 255, (max(2, side // 32),) * 2 + (3,))
-        out.append(PIL.Image.fromarray(coarse.astype(np.uint8)).resize((side, side), PIL.Image.BILINEAR))
-    return out
+    grid = max(2, side // 32)
+    coarse = [np.random.default_rng(100 + index).uniform(0, 255, (grid, grid, 3)) for index in range(count)]
+    return [PIL.Image.fromarray(c.astype(np.uint8)).resize((side, side), PIL.Image.BILINEAR) for c in coarse]

@@ -1,16 +1,13 @@
 """Benchmark configurations: a random checkpoint, the output and reference sizes, and how often to run.
-
-Token geometry: every output or reference side of P px is P / 16 tokens; text is always 512 tokens.
-The real configs keep FLUX.2 [klein]'s true dimensions (random weights, bf16) and need an
-accelerator; `bench-cpu` scales width, depth and image sizes down so that the whole run fits in its
-`minutes` on two CPU cores; `tiny` exercises the same code in seconds (the CI test).
+The real configs keep FLUX.2 [klein]'s true dimensions (bf16, for an accelerator); `bench-cpu` scales them
+down to fit its `minutes` on two CPU cores; `tiny` runs the same code in seconds (the CI test).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from klein.io.demo import TRANSFORMER, VAE, RandomCheckpoint, text_encoder_config
+from klein.io.demo import DEMO, TRANSFORMER, VAE, RandomCheckpoint, text_encoder_config
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B, TransformerConfig
 from klein.models.vae import VAEConfig
 
@@ -72,12 +69,23 @@ CPU_TRANSFORMER = dataclasses.replace(
     KLEIN_9B, num_layers=2, num_single_layers=4, num_attention_heads=2, joint_attention_dim=768
 )
 
+
+def _real(name: str, transformer: TransformerConfig, text_encoder: dict, pipeline: str) -> BenchConfig:
+    """FLUX.2 [klein]'s true dimensions, random bf16 weights."""
+    checkpoint = RandomCheckpoint(
+        _transformer(transformer), REAL_VAE, text_encoder, pipeline=pipeline, dtype="bfloat16"
+    )
+    return BenchConfig(
+        name, checkpoint, output_sizes=(1024, 512), reference_size=1024, peak_sizes=(4096, 8192)
+    )
+
+
 CONFIGS = {
     c.name: c
     for c in (
         BenchConfig(
             "tiny",
-            RandomCheckpoint(TRANSFORMER, VAE, text_encoder_config(32, 64, 28, 4, 2, 8)),
+            DEMO,
             output_sizes=(48, 32),
             reference_size=64,
             reference_counts=(1, 2),
@@ -97,21 +105,7 @@ CONFIGS = {
             reference_size=512,
             minutes=15,
         ),
-        BenchConfig(
-            "real-9b",
-            RandomCheckpoint(_transformer(KLEIN_9B), REAL_VAE, QWEN3_8B, dtype="bfloat16"),
-            output_sizes=(1024, 512),
-            reference_size=1024,
-            peak_sizes=(4096, 8192),
-        ),
-        BenchConfig(
-            "real-4b",
-            RandomCheckpoint(
-                _transformer(KLEIN_4B), REAL_VAE, QWEN3_4B, pipeline="Flux2KleinPipeline", dtype="bfloat16"
-            ),
-            output_sizes=(1024, 512),
-            reference_size=1024,
-            peak_sizes=(4096, 8192),
-        ),
+        _real("real-9b", KLEIN_9B, QWEN3_8B, "Flux2KleinKVPipeline"),
+        _real("real-4b", KLEIN_4B, QWEN3_4B, "Flux2KleinPipeline"),
     )
 }

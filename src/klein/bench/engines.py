@@ -1,9 +1,6 @@
-"""The two engines under test, behind one small surface: `prepare(case, images)` then `run(case, ...)`.
-
-Both load the same diffusers-layout folder in the same dtype and get the same latents and reference
-pictures; `prepare` is called before every run (it is cheap after the first); `run` returns the seconds per stage (text, references, prefill, denoise, decode; klein also
-books XLA compilation under "compile") and the image as float[H, W, 3] in [0, 1]. Stage times are
-wall times with the device synchronised at each stage's end.
+"""The two engines under test, behind one small surface: `prepare(case, images)` before every run, then
+`run(case, ...)`: the seconds per stage (`report.STAGES`; klein also books XLA compilation under "compile"),
+wall times with the device synchronised at each stage's end, and the image as float[H, W, 3] in [0, 1].
 
 torch and diffusers are imported only by `DiffusersEngine`: klein itself never needs them.
 """
@@ -32,8 +29,7 @@ class KleinEngine:
         self.pipe = load_pipeline(folder, dtype=config.checkpoint.dtype)
         self.pipe.set_progress_bar_config(disable=True)  # the report shows its own progress
         self.steps = config.steps
-        self._warm = {}
-        """Encoded references by their number (the pictures depend only on it)."""
+        self._warm = {}  # encoded references by their number (the pictures depend only on it)
 
     def prepare(self, case: Case, images) -> None:
         """For warm KV cases, encode the references once: the earlier request whose cache is reused."""
@@ -49,9 +45,7 @@ class KleinEngine:
         out = self.pipe(PROMPT, output_type="np", **kwargs)
         return dict(out.timings), out.images[0]
 
-    def matmul_flops_per_second(self, dtype: str, size: int, repeats: int = 5) -> float:
-        """Best FLOP/s of a jitted XLA product of two size x size matrices (`klein.bench.peak`)."""
-        return peak.matmul_flops_per_second(dtype, size, repeats)
+    matmul_flops_per_second = staticmethod(peak.matmul_flops_per_second)
 
     def describe(self) -> dict:
         device = jax.local_devices()[0]
@@ -64,10 +58,8 @@ class KleinEngine:
 
 
 class DiffusersEngine:
-    """diffusers' Flux2KleinPipeline and (KV weights) Flux2KleinKVPipeline over the same modules.
-
-    diffusers cannot reuse references across calls, so its warm KV case is a plain KV call.
-    """
+    """diffusers' Flux2KleinPipeline and (KV weights) Flux2KleinKVPipeline over the same modules. diffusers
+    cannot reuse references across calls, so its warm KV case is a plain KV call."""
 
     name = "diffusers"
 
@@ -82,26 +74,19 @@ class DiffusersEngine:
             ) from None
         self.torch, self.version = torch, diffusers.__version__
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.standard, self.kv = self._load(diffusers, transformers, folder, config)
         self.steps = config.steps
         self.stages: dict[str, float] = {}
-        self._instrument()
-
-    def _load(self, diffusers, transformers, folder: Path, config: BenchConfig):
-        """(standard pipeline, KV pipeline or None), sharing every module."""
         # Per-call notices (e.g. that distilled models ignore guidance) would drown the progress lines.
         diffusers.utils.logging.set_verbosity_error()
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
         cls = diffusers.Flux2KleinKVPipeline if config.kv else diffusers.Flux2KleinPipeline
-        dtype = getattr(self.torch, config.checkpoint.dtype)
-        first = cls.from_pretrained(folder, dtype=dtype).to(self.device)
-        if not config.kv:
-            return first, None
-        # The KV pipeline's attention processors act as the standard ones when given no cache.
-        return diffusers.Flux2KleinPipeline(**first.components, is_distilled=True), first
-
-    def _instrument(self) -> None:
+        first = cls.from_pretrained(folder, dtype=getattr(torch, config.checkpoint.dtype)).to(self.device)
+        self.standard, self.kv = first, None
+        if config.kv:
+            # The KV pipeline's attention processors act as the standard ones when given no cache.
+            self.standard = diffusers.Flux2KleinPipeline(**first.components, is_distilled=True)
+            self.kv = first
         for pipe in (self.standard, self.kv):
             if pipe is not None:
                 pipe.set_progress_bar_config(disable=True)

@@ -1,16 +1,12 @@
-"""FLOP model of the transformer: the work of each benchmark case, and what the KV cache can save at best.
+"""FLOP model of the transformer: the work of each benchmark case, and what the KV cache can save at best
+(docs/benchmarks.md, "KV ceiling"; it reproduces docs/design.md, "FLOP model").
 
-Axes: T text tokens, N output image tokens, R reference tokens (all references), D width, L layers.
-
-Assumptions (they reproduce docs/design.md, "FLOP model"): every block, double or single, costs each token it
-processes 26 D^2 FLOPs in its Linears (13 D^2 multiply-adds: double = q, k, v, out 4 D^2 + SwiGLU in
-6 D^2 + out 3 D^2; single = fused in 9 D^2 + out 4 D^2), and its attention costs 4 Sq Sk D FLOPs
-(Q K^T and A V over Sq queries and Sk keys). Embedders, modulation, norms, RoPE and softmax are
-left out (under 0.1% at 9b). The text encoder and the VAE decoder, which the KV cache does not touch, have
-counts of their own (`text_encoder_flops`, `decode_flops`) for the roofline of every stage
-(`klein.bench.roofline`), in the same plain formulation.
-The model counts the work of the plain formulation (every block over every token it is given), so
-both engines are credited the same FLOPs for the same case: FLOP/s divided by it compare like for like.
+Every block, double or single, costs each token it processes 26 D^2 FLOPs in its Linears (D the width; 13 D^2
+multiply-adds: double = q, k, v, out 4 D^2 + SwiGLU in 6 D^2 + out 3 D^2; single = fused in 9 D^2 + out 4 D^2),
+and its attention 4 Sq Sk D (Q K^T and A V over Sq queries and Sk keys). Embedders, modulation, norms, RoPE
+and softmax are left out (under 0.1% at 9b). It counts the plain formulation (every block over every token
+it is given), so both engines are credited the same FLOPs for the same case. `text_encoder_flops` and
+`decode_flops` count the stages the KV cache does not touch, for `klein.bench.roofline`.
 """
 
 from __future__ import annotations
@@ -21,11 +17,6 @@ from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import VAEConfig
 
 
-def layer_flops(width: int, queries: int, keys: int) -> float:
-    """One block: Linears over `queries` tokens plus attention of `queries` over `keys`."""
-    return 26.0 * width * width * queries + 4.0 * queries * keys * width
-
-
 def product_share(cfg: TransformerConfig, queries: int, keys: int) -> float:
     """The part of a pass's FLOPs made in the blocks' Linears (what 8-bit products multiply), the rest
     being attention."""
@@ -33,7 +24,9 @@ def product_share(cfg: TransformerConfig, queries: int, keys: int) -> float:
 
 
 def _pass(cfg: TransformerConfig, queries: int, keys: int) -> float:
-    return (cfg.num_layers + cfg.num_single_layers) * layer_flops(cfg.hidden, queries, keys)
+    """Every block: Linears over `queries` tokens plus attention of `queries` over `keys`."""
+    per_block = 26.0 * cfg.hidden * cfg.hidden * queries + 4.0 * queries * keys * cfg.hidden
+    return (cfg.num_layers + cfg.num_single_layers) * per_block
 
 
 def standard_flops(cfg: TransformerConfig, n_txt: int, n_img: int, n_ref: int, steps: int) -> float:

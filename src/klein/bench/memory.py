@@ -1,9 +1,6 @@
-"""Peak resident memory of this process over a block of code.
-
-Linux lets a process reset its own high-water mark (write 5 to /proc/self/clear_refs, read VmHWM from
-/proc/self/status with `klein.memory.process.proc_bytes`), so each run gets its own peak. Elsewhere the
-lifetime peak (ru_maxrss) is the best available. Both engines live in one process: the peak includes every
-loaded weight, and the growth over the RSS at the start is what the run itself needed.
+"""Peak resident memory of this process over a block of code: on Linux the high-water mark is reset for
+each run (/proc/self/clear_refs), elsewhere the lifetime peak (ru_maxrss) is the best available. Both
+engines live in one process, so the growth over the RSS at the start is what the run itself needed.
 """
 
 from __future__ import annotations

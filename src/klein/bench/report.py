@@ -1,17 +1,8 @@
 """The benchmark report: one JSON-ready dict, written as JSON, a Markdown table and a PNG chart.
 
-Definitions (every ratio is taken between best runs, one image per run; the JSON keeps the medians too):
-- Best, not median: the machine is shared and other processes only ever add time, so the fastest of
-  the interleaved rounds is the estimate of a run's cost least moved by them (the runner interleaves
-  cases and engines so that every case gets the same chances at a quiet moment).
-- klein vs diffusers: diffusers' best seconds per image over klein's (above 1: klein is faster).
-- Transformer time: "prefill" + "denoise" (diffusers builds its reference cache inside denoise step 0),
-  per run, best of the runs. Achieved FLOP/s: the case's `flops` model over it; fraction of peak: that
-  over the matmul peak measured in the same run (`peak`). diffusers' warm KV case does the work of a
-  plain KV call, prefill included, and is credited with it.
-- KV speedup: standard over KV editing, same engine, references and size; on transformer time and end
-  to end. Ceiling: `flops.kv_ceiling`; fraction = transformer speedup / ceiling.
-- diffusers cannot reuse references between calls: its warm KV case is a plain KV call.
+Every ratio is taken between best runs, one image per run (docs/benchmarks.md says why; the JSON keeps the
+medians too). Transformer time is "prefill" + "denoise" (diffusers builds its reference cache inside
+denoise step 0); the KV speedup is standard over KV editing on it, same engine, references and size.
 """
 
 from __future__ import annotations
@@ -67,13 +58,10 @@ def _config_entry(config: BenchConfig, repeats: int) -> dict:
 def _case_entry(config: BenchConfig, measured, peak: float) -> dict:
     case = measured.case
     n = tokens(config, case)
-    engines = {}
-    for name, runs in measured.runs.items():
-        engines[name] = _engine_entry(measured.warmup[name], runs)
-        engines[name]["transformer_flops"] = case_flops(config, case, n, engine=name)
-        engines[name]["transformer_flops_per_second"] = (
-            engines[name]["transformer_flops"] / engines[name]["transformer"]
-        )
+    engines = {
+        name: _engine_entry(measured.warmup[name], runs, case_flops(config, case, n, engine=name))
+        for name, runs in measured.runs.items()
+    }
     return dict(
         name=case.name,
         mode=case.mode.value,
@@ -97,7 +85,8 @@ def case_flops(config: BenchConfig, case, n, engine: str) -> float:
     return flops.kv_flops(cfg, n.text, n.image, n.reference, steps, warm=warm)
 
 
-def _engine_entry(warmup, runs) -> dict:
+def _engine_entry(warmup, runs, work: float) -> dict:
+    """The runs of one engine on one case; `work`: the case's transformer FLOPs."""
     seconds = [r.seconds for r in runs]
     transformer = [r.stages.get("prefill", 0.0) + r.stages["denoise"] for r in runs]
     stages = {s: min(r.stages.get(s, 0.0) for r in runs) for s in STAGES}
@@ -117,6 +106,8 @@ def _engine_entry(warmup, runs) -> dict:
         rss_start_mib=min(r.rss_start for r in runs) / MIB,
         rss_peak_mib=max(r.rss_peak for r in runs) / MIB,
         device_peak_mib=max(device) / MIB if device else None,
+        transformer_flops=work,
+        transformer_flops_per_second=work / min(transformer),
     )
 
 
@@ -266,6 +257,8 @@ def chart(report: dict, path: Path) -> Path:
 
 
 SERIES = (
+    (CaseKind.KV, None, "FLOP ceiling", dict(color="grey", linestyle="--")),
+    (CaseKind.KV_WARM, None, "FLOP ceiling, warm", dict(color="grey", linestyle=":")),
     (CaseKind.KV, "klein", "klein, cache built in the run", dict(color="C0", marker="o")),
     (CaseKind.KV_WARM, "klein", "klein, warm references", dict(color="C0", marker="s", linestyle="-.")),
     (CaseKind.KV, "diffusers", "diffusers", dict(color="C1", marker="o")),
@@ -273,19 +266,11 @@ SERIES = (
 
 
 def _plot_size(axis, entries: list[dict]) -> None:
-    for mode in (CaseKind.KV, CaseKind.KV_WARM):
+    for mode, engine, label, style in SERIES:  # engine None: the FLOP ceiling
         chosen = [e for e in entries if e["mode"] == mode.value]
-        axis.plot(
-            [e["references"] for e in chosen],
-            [e["kv"]["ceiling"] for e in chosen],
-            color="grey",
-            linestyle="--" if mode is CaseKind.KV else ":",
-            label=f"FLOP ceiling{'' if mode is CaseKind.KV else ', warm'}",
-        )
-    for mode, engine, label, style in SERIES:
-        chosen = [e for e in entries if e["mode"] == mode.value]
-        speedups = [e["kv"]["speedup"][engine]["transformer"] for e in chosen]
-        axis.plot([e["references"] for e in chosen], speedups, label=label, **style)
+        kv = [e["kv"] for e in chosen]
+        values = [k["ceiling"] if engine is None else k["speedup"][engine]["transformer"] for k in kv]
+        axis.plot([e["references"] for e in chosen], values, label=label, **style)
     axis.axhline(1.0, color="black", linewidth=0.5)
     axis.set_xlabel("references")
     axis.set_ylabel("speedup (transformer time)")

@@ -1,17 +1,10 @@
-"""Roofline times of a request's stages on a chip: what the hardware allows, not what it measures.
+"""Roofline times of a request's stages on a chip: what the hardware allows, not what it measures
+(docs/design/compiling.md, "Compiling for a slice").
 
-Each stage takes the longer of its work over the chip's peak bf16 FLOP/s (klein's FLOP model,
-`klein.bench.flops`, split over the devices that share it) and its bytes over the HBM bandwidth (XLA's
-arguments and outputs of the compiled program per device, `klein.aot.compiled`: every weight and input
-read once, every output written once). Collectives, the vector units and the kernels' efficiency are left
-out, so a real run is slower; the figures compare stages, meshes and modes with each other.
-
-The chip figures are the device table's (`klein.devices`: per chip, from Google's and NVIDIA's published
-specifications, with the page each comes from; docs/design.md, "TPU attention" and "GPU programs from any
-machine", repeat the tables); a device is one TensorCore where JAX shows each of a chip's cores as a
-device (TPU7x: two per chip), else the chip. Under 8-bit compute (`--compute fp8 | int8`) the transformer's block products run at the chip's
-FP8 / INT8 peak and its attention at the bf16 one (`klein.bench.flops.product_share`); a chip without
-that peak is given the bf16 one.
+Each stage takes the longer of its FLOPs (`klein.bench.flops`, split over the devices that share it) over
+the device's peak and its bytes (XLA's arguments and outputs per device) over its HBM bandwidth, as
+`klein.devices` gives them per device. Under 8-bit compute the blocks' products run at the FP8 / INT8
+peak (the bf16 one where a chip has none), attention at bf16.
 """
 
 from __future__ import annotations
@@ -47,10 +40,7 @@ def stage_flops(models: plan.Models, work: plan.Workload) -> dict[str, float]:
     image = (work.height // token) * (work.width // token)
     batch = work.images * (2 if work.guided else 1)
     refs = work.reference_tokens
-    if work.cached:
-        step = flops.cached_flops(cfg, text, image, refs, 1)
-    else:
-        step = flops.standard_flops(cfg, text, image, refs, 1)
+    step = (flops.cached_flops if work.cached else flops.standard_flops)(cfg, text, image, refs, 1)
     stages = {"text": flops.text_encoder_flops(models.text_encoder, work.prompts, text)}
     if work.cached and refs:
         stages["prefill"] = flops.prefill_flops(cfg, refs)
@@ -66,12 +56,11 @@ def product_shares(models: plan.Models, work: plan.Workload) -> dict[str, float]
     token = models.vae.pixels_per_token
     image = (work.height // token) * (work.width // token)
     refs, text = work.reference_tokens, plan.TEXT_TOKENS
-    if work.cached:
-        shares = {"step": flops.product_share(cfg, text + image, text + refs + image)}
-        if refs:
-            shares["prefill"] = flops.product_share(cfg, refs, refs)
-        return shares
-    return {"step": flops.product_share(cfg, text + image + refs, text + image + refs)}
+    queries = text + image + (0 if work.cached else refs)  # cached steps: the references are keys only
+    shares = {"step": flops.product_share(cfg, queries, text + image + refs)}
+    if work.cached and refs:
+        shares["prefill"] = flops.product_share(cfg, refs, refs)
+    return shares
 
 
 def sharers(mesh, stage: str, images: int) -> int:

@@ -1,12 +1,6 @@
-"""`klein bench`: both engines, every case, in one process and one invocation.
-
-First every case is warmed up: each engine prepares (klein's warm case encodes its references here, as
-an earlier request would) and runs once untimed (klein compiles here, torch allocates). Then come
-`repeats` timed rounds; each round runs every case once per engine, cases in forward order on even
-rounds and backward on odd ones, engines alternating. Interleaving the cases means a change in the
-machine's load (it is shared) lands on every case alike instead of on the cases that happened to run
-then, so ratios between cases (the KV speedups) and between engines stay put; the report takes the
-best of the rounds (see `report`). The matmul peak is measured before the first round and after each.
+"""`klein bench`: both engines, every case, in one process and one invocation: a warm-up run of every
+case, then timed rounds that interleave cases and alternate engines (docs/benchmarks.md says why), the
+matmul peak measured before the first round and after each.
 """
 
 from __future__ import annotations
@@ -72,9 +66,17 @@ def run_benchmark(config: BenchConfig, out: Path, repeats: int | None = None, lo
         log(f"round {round_ + 1}/{repeats or config.repeats} done")
     measured = [Measured(c, w, r, d) for c, (w, d), r in zip(cases, warmups, runs, strict=True)]
     for index, m in enumerate(measured):
-        log(f"[{index + 1}/{len(cases)}] {m.case.name}: {_best(m)}")
-    machine = describe_machine(engines, load_before, os.getloadavg())
-    machine["matmul_peak"] = _peak_entry(config, peaks)
+        best = ", ".join(f"{name} {min(r.seconds for r in timed):.3f} s" for name, timed in m.runs.items())
+        log(f"[{index + 1}/{len(cases)}] {m.case.name}: {best}")
+    machine = dict(
+        cpu=cpu_model(),
+        cores=os.cpu_count(),
+        memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        load_average_before=[round(x, 2) for x in load_before],
+        load_average_after=[round(x, 2) for x in os.getloadavg()],
+        engines={engine.name: engine.describe() for engine in engines},
+        matmul_peak=_peak_entry(config, peaks),
+    )
     result = report.build(config, measured, machine)
     return result, report.write(result, out)
 
@@ -125,7 +127,6 @@ def warm_up(case: C.Case, engines, latents, images) -> tuple[dict[str, Run], flo
     """One untimed run per engine; (the runs by engine, largest pixel difference between their images)."""
     warmup, outputs = {}, {}
     for engine in engines:
-        engine.prepare(case, images)
         warmup[engine.name], outputs[engine.name] = _run(engine, case, latents, images)
     first, second = outputs.values()
     return warmup, float(np.abs(first - second).max())
@@ -138,21 +139,6 @@ def _run(engine, case, latents, images) -> tuple[Run, np.ndarray]:
         stages, image = engine.run(case, latents, images)
         seconds = time.perf_counter() - start
     return Run(seconds, stages, memory.start, memory.peak, engine.device_peak_bytes()), image
-
-
-def _best(measured: Measured) -> str:
-    return ", ".join(f"{name} {min(r.seconds for r in runs):.3f} s" for name, runs in measured.runs.items())
-
-
-def describe_machine(engines, load_before, load_after) -> dict:
-    return dict(
-        cpu=cpu_model(),
-        cores=os.cpu_count(),
-        memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        load_average_before=[round(x, 2) for x in load_before],
-        load_average_after=[round(x, 2) for x in load_after],
-        engines={engine.name: engine.describe() for engine in engines},
-    )
 
 
 def cpu_model() -> str:

@@ -1,7 +1,7 @@
-"""The LoRAs a pipeline applies to its transformer: one set merged into the weights (`set`, through
-`klein.lora.merge`), and LoRAs loaded by name (`load`) that requests apply unmerged from adapter slots on
-the device (`klein.lora.slots`), each request its own set. One process only: merging keeps the original
-kernels on the host, and no process can read another's shards.
+"""The LoRAs a pipeline applies to its transformer: one set merged into the weights (`set`), and LoRAs loaded
+by name (`load`) that requests apply unmerged from adapter slots, each request its own set
+(docs/design/lora.md). One process only: merging keeps the original kernels on the host, and no process
+can read another's shards.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """LoRA files as users name them: `style.safetensors`, `style.safetensors:0.8`, a folder or a Hugging Face
-repo holding one `.safetensors`, or `(path_or_repo, scale)` from Python.
-
-`open_lora` reads the whole file (LoRAs are small: rank x (in + out) per layer) as float32 host arrays with
-its header metadata, and hashes it (sha256), so that settings, PNG metadata and caches can name exactly
-which weights ran.
+repo holding one `.safetensors`, or `(path_or_repo, scale)` from Python; and the sha256 that lets settings,
+PNG metadata and caches name exactly which weights ran.
 """
 
 from __future__ import annotations
@@ -14,10 +11,7 @@ import math
 import os
 from pathlib import Path
 
-import numpy as np
-
 from klein.errors import CheckpointError, InputError
-from klein.io.safetensors import TensorSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +25,6 @@ class LoraInfo:
 
     def describe(self) -> str:
         return f"{self.name}:{self.scale:g} (sha256 {self.sha256[:12]})"
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraFile:
-    info: LoraInfo
-    path: Path
-    tensors: dict[str, np.ndarray]
-    """Every tensor of the file, float32 (scalars as shape ())."""
-    metadata: dict[str, str]
-    """The safetensors header's `__metadata__`."""
 
 
 def parse_spec(spec) -> tuple[str, float]:
@@ -84,20 +68,8 @@ def _scale(value, spec) -> float:
     return float(value)
 
 
-def open_lora(spec) -> LoraFile:
-    """Read the LoRA that `spec` names (see `parse_spec`)."""
-    name, scale = parse_spec(spec)
-    path = _locate(name)
-    try:
-        source = TensorSource.from_file(path)
-    except CheckpointError as exc:
-        raise CheckpointError(f"LoRA {name}: {exc}") from None
-    tensors = {key: np.asarray(source.get(key), np.float32) for key in sorted(source.keys())}
-    info = LoraInfo(name, scale, file_sha256(path))
-    return LoraFile(info, path, tensors, source.metadata())
-
-
-def _locate(name: str) -> Path:
+def locate(name: str) -> Path:
+    """The `.safetensors` file a LoRA name (without its scale) stands for."""
     path = Path(name).expanduser()
     if not path.exists():
         if path.suffix.lower() in (".safetensors", ".sft") or name.count("/") != 1:

@@ -1,15 +1,7 @@
-"""The key layouts FLUX.2 LoRA trainers write (docs/design.md, "LoRA"), read into one form: per adapted
-module, its down matrix float[r, in], up matrix float[out, r] and the scale the trainer meant.
-
-- diffusers / PEFT: `transformer.transformer_blocks.0.attn.to_q.lora_A.weight`; scale alpha / r with
-  alpha from the header's PEFT config (`lora_adapter_metadata`), else 1.
-- BFL / ai-toolkit: `diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight` (or `lora_down` /
-  `lora_up`); alpha / r with `.alpha` tensors, else 1. fal: the same under `base_model.model.`.
-- kohya / musubi-tuner: `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight` and `.alpha`; alpha / r
-  (alpha defaults to r). OneTrainer: the same style with diffusers names (`lora_transformer_...`).
-
-Module names stay as written (diffusers or BFL names; kohya's with `_` for `.`): `klein.lora.targets` maps
-them onto the model. Adapter kinds klein does not merge (LoHa, LoKr, DoRA, ...) are refused by name.
+"""The key layouts FLUX.2 LoRA trainers write (the table in docs/loras.md), read into one form: per adapted
+module, its down matrix float[r, in], up matrix float[out, r] and the scale the trainer meant. Module names
+stay as written (kohya's with `_` for `.`): `klein.lora.targets` maps them onto the model. Adapter kinds
+klein does not merge (LoHa, LoKr, DoRA, ...) are refused by name.
 """
 
 from __future__ import annotations
@@ -131,20 +123,15 @@ def _adapter(key, prefix, tensors, down_key, up_key, alphas, where) -> Adapter:
     module = key.removeprefix(prefix)
     rank = down.shape[0]
     alpha = tensors.get(f"{key}{_ALPHA}")
-    if alpha is not None:
-        scale = float(alpha.reshape(())) / rank
-    elif alphas is not None:
-        scale = alphas(module, rank)
-    else:
-        scale = 1.0
+    scale = alphas(module, rank) if alpha is None else float(alpha.reshape(())) / rank
     return Adapter(key, down_key, up_key, module, down, up, scale)
 
 
 def _peft_alphas(metadata: dict[str, str], where: str):
-    """`scale(module, rank)` from the PEFT config diffusers writes into the header, or None without one."""
+    """`scale(module, rank)` from the PEFT config diffusers writes into the header; 1 without one."""
     raw = next((metadata[k] for k in _METADATA_KEYS if k in metadata), None)
     if raw is None:
-        return None
+        return lambda module, rank: 1.0
     try:
         config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
         alpha = float(config["lora_alpha"])

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from klein.errors import CheckpointError
+from klein.io.safetensors import TensorSource
 from klein.lora import files, layouts, targets
 from klein.lora.files import LoraInfo
 from klein.models.transformer_config import TransformerConfig
@@ -20,20 +24,24 @@ class Lora:
     info: LoraInfo
     parsed: layouts.Parsed
 
-    @property
-    def where(self) -> str:
-        return f"LoRA {self.info.name}"
-
 
 def read_lora(spec) -> Lora:
     """Read the LoRA `spec` names: a path or repo id, `"path:scale"`, `(path, scale)`, or a `Lora` already
     read. Every problem is a `CheckpointError` naming the file."""
     if isinstance(spec, Lora):
         return spec
-    lora = files.open_lora(spec)
-    return Lora(lora.info, layouts.parse(lora.tensors, lora.metadata, f"LoRA {lora.info.name}"))
+    name, scale = files.parse_spec(spec)
+    path = files.locate(name)
+    try:
+        source = TensorSource.from_file(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"LoRA {name}: {exc}") from None
+    # The whole file, as float32 host arrays: LoRAs are small (rank x (in + out) per layer).
+    tensors = {key: np.asarray(source.get(key), np.float32) for key in sorted(source.keys())}
+    info = LoraInfo(name, scale, files.file_sha256(path))
+    return Lora(info, layouts.parse(tensors, source.metadata(), f"LoRA {name}"))
 
 
 def lora_updates(lora: Lora, cfg: TransformerConfig) -> list[targets.Update]:
     """The kernel updates of `lora` on a transformer with config `cfg` (checked against it)."""
-    return targets.updates(lora.parsed, cfg, lora.where)
+    return targets.updates(lora.parsed, cfg, f"LoRA {lora.info.name}")

@@ -1,23 +1,7 @@
-"""Merging LoRA updates into the transformer's weights, and taking them out again.
-
-Axes: L stacked layers, I in features, O out features, r rank. A kernel is float[L, I, O] (stacked blocks)
-or float[I, O]; an update adds `strength * scale * (up @ down).T` (down float[r, I], up float[O, r]) to one
-layer. The sum is formed in float32 and cast to the kernel's compute dtype once, so several LoRAs cost one
-rounding. FP8 kernels (float8 with a float32 scale per layer) are widened to the compute dtype where a LoRA
-touches them - the whole stack of that Linear, since a stack has one dtype - and their scale set to 1.
-A kernel stored for 8-bit products is float[L?, O, I] (`klein.models.layers.Linear`'s `weight`) and is
-merged in that layout, then quantised again for its products, once, here: the sum rounded to the compute
-dtype, then to 8 bits with a scale per output channel (`klein.models.products.quantise`), so that the
-product reads it as any kernel stored for it and knows nothing of LoRAs. A kernel kept as a file's
-quantisation blocks (GGUF, NVFP4: uint8[L?, O, bytes]) is widened like an FP8 one, whole stack, to
-float[L?, O, I] in the compute dtype: a LoRA costs such a stack its compression until the LoRAs are taken
-out again.
-A merged kernel lives where the original did: a stack the residency policy `stream` keeps in host memory
-is merged there, one layer at a time through the device, and never comes to the device whole.
-
-`MergedWeights` keeps a host copy of the original value of every kernel a LoRA set has changed (only
-those), so that another set is merged from the originals and an empty set restores them exactly, without
-reading the checkpoint again.
+"""Merging LoRA updates into the transformer's weights, and taking them out again: in the layout each kernel
+is stored in, widening (FP8, quantisation blocks) or quantising again (8-bit products) where a LoRA touches
+it, and where the kernel lives (docs/design/lora.md, docs/design/checkpoints.md "Merging",
+docs/design/memory.md `stream`). Axes: L stacked layers, I in features, O out features, r rank.
 """
 
 from __future__ import annotations
@@ -57,17 +41,13 @@ def merge_kernel(
     ones. For a kernel stored for an 8-bit `compute` (`products.EIGHT_BIT`), the sum in `dtype` quantised
     again for it: 8-bit [L?, O, I] and its scales float32[L?, O], one per output channel.
 
-    A stack is merged layer by layer: each layer the updates touch is formed on the device by one program
-    (`_merged`), wherever its stack lives, so the device holds at most one layer in float32 besides the
-    stack, and a stack in host memory (the residency policy `stream`) merges to the very values a stack on
-    the device does. A device stack is updated in place; a host-memory stack is assembled on the host from
-    those layers and placed once, so no more than one of its layers is ever on the device."""
+    A stack is merged layer by layer, each touched layer formed on the device by one program (`_merged`)
+    wherever the stack lives, so a stack in host memory merges to the values a device stack does without
+    ever coming to the device whole."""
     scales = np.ones(kernel.shape[:-2], np.float32) if weight_scale is None else weight_scale
-    shape = (
-        kernel.shape
-        if blocks is None
-        else (*kernel.shape[:-1], products.unpacked_width(blocks, kernel.shape[-1]))
-    )
+    shape = kernel.shape
+    if blocks is not None:
+        shape = (*kernel.shape[:-1], products.unpacked_width(blocks, kernel.shape[-1]))
     stored = dtype if compute is None else products.EIGHT_BIT[compute][0]
     if kernel.ndim == 2:
         down, up = _low_rank(updates, shape, out_in)
@@ -134,10 +114,9 @@ def _set_layer(stack, layer, merged):
 
 class MergedWeights:
     """The transformer's weights (an `nnx.State`, shared by everything that runs the transformer, from
-    `weights()`) with one set of LoRA updates merged in. Values are replaced in place, one kernel at a time,
-    so the device holds at most one stack twice while merging. A stack in host memory (`stream`) is held
-    there up to three times while it is merged (the value it replaces, the merged one formed in NumPy, its
-    placed copy), and one layer of it on the device."""
+    `weights()`) with one set of LoRA updates merged in. A host copy of the original of every kernel the set
+    changed is kept, so another set merges from the originals and an empty set restores them exactly.
+    Values are replaced in place, one kernel at a time, so the device holds at most one stack twice."""
 
     def __init__(self, weights, dtype, blocks=dict):
         """`weights()`: the state; `blocks()`: the paths of its kernels kept as quantisation blocks, with
@@ -169,7 +148,9 @@ class MergedWeights:
         by_path: dict[tuple, list[Weighted]] = defaultdict(list)
         flat = dict(nnx.to_flat_state(self.state))
         for update, strength in updates:
-            by_path[_stored_path(flat, update.path)].append((update, strength))
+            # A kernel is stored under `kernel`, or [out, in] under `weight` for 8-bit products.
+            path = update.path if update.path in flat else (*update.path[:-1], "weight")
+            by_path[path].append((update, strength))
         blocks = self._blocks() if by_path else {}
         for path in sorted(set(self._base) | set(by_path)):
             self._keep_base(flat, path, path in blocks)
@@ -197,11 +178,6 @@ class MergedWeights:
                 kernel if as_blocks else as_float(kernel),
                 None if scale is None else np.asarray(jax.device_get(scale.get_value())),
             )
-
-
-def _stored_path(flat, kernel_path: tuple) -> tuple:
-    """Where a kernel is stored: under `kernel`, or [out, in] under `weight` for 8-bit products."""
-    return kernel_path if kernel_path in flat else (*kernel_path[:-1], "weight")
 
 
 def _scale_path(kernel_path: tuple) -> tuple:

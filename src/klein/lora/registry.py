@@ -1,10 +1,6 @@
 """The LoRAs an operator makes available by name (`--lora-dir DIR`, `--lora-named NAME=FILE`): the one place
-where a LoRA name becomes a file. Requests only ever name them (`klein.request.loras`), so no request can
-open a file; `check_known` refuses a name that is not among those offered (or loaded).
-
-A folder gives each `.safetensors` file in it (not below it) under its file name without the suffix; a
-named file, its name. Names are short words of letters, digits, `.`, `_` and `-`, so that none can be
-mistaken for a path.
+where a LoRA name becomes a file, so no request can open one (docs/design/lora.md, "Names, never paths").
+Names are short words, so that none can be mistaken for a path.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""LoRAs loaded by name for unmerged products (`klein.models.adapters`): read once onto the host, and
-held on the device in a fixed number of adapter slots, the least recently used giving way.
-
-The device bank has one (down, up) pair per Linear any loaded LoRA targets, [L?, I, S * R] and
-[L?, S * R, O] (S slots of rank R, R the largest rank of any loaded LoRA rounded up to `RANK_STEP`), in
-the pipeline's dtype (stacks as their bits, `klein.models.stacks.as_bits`). Its shapes change only when
-a LoRA is loaded that targets another Linear or has a larger rank, so requests that switch among loaded
-LoRAs or strengths run the programs already built. S is the most slots whose bytes fit the budget (at
-most `slots`); a LoRA with which not even one slot fits is refused when it is loaded.
+"""LoRAs loaded by name for unmerged products (`klein.models.adapters`), held on the device in a fixed
+number of adapter slots, the least recently used giving way (docs/design/lora.md, "LoRA per request").
 """
 
 from __future__ import annotations
@@ -38,40 +31,14 @@ class Loaded:
     info: LoraInfo
     factors: dict[tuple, tuple[np.ndarray, np.ndarray]]
 
-    @property
-    def rank(self) -> int:
-        return max((down.shape[1] for down, _ in self.factors.values()), default=0)
-
-    @property
-    def paths(self) -> set[tuple]:
-        return {path for path, _ in self.factors}
-
-
-def loaded(spec, cfg: TransformerConfig) -> Loaded:
-    """Read the LoRA `spec` names (a path, as `read_lora` takes it) and map it onto a model of `cfg`."""
-    lora = read_lora(spec)
-    grouped = defaultdict(list)
-    for update in lora_updates(lora, cfg):
-        grouped[(update.path[:-1], update.layer)].append(update)
-    factors = {
-        key: (
-            np.concatenate([(u.down * np.float32(u.scale)).T for u in updates], axis=1),
-            np.concatenate([u.up.T for u in updates], axis=0),
-        )
-        for key, updates in grouped.items()
-    }
-    return Loaded(dataclasses.replace(lora.info, scale=1.0), factors)
-
 
 class AdapterSlots:
     """Named LoRAs and the device bank of their slots. `place(array)` puts a host array where the
     transformer's programs read it (the device, or replicated over a mesh)."""
 
-    def __init__(
-        self, cfg: TransformerConfig, dtype, place: Callable, slots: int = 4, budget: int | None = None
-    ):
+    def __init__(self, cfg: TransformerConfig, dtype, place: Callable):
         self.cfg, self.dtype, self._place = cfg, np.dtype(dtype), place
-        self.max_slots, self.budget = slots, budget
+        self.max_slots, self.budget = 4, None  # `limit` sets a budget of device bytes
         self._loaded: dict[str, Loaded] = {}
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._host: dict[tuple, tuple[np.ndarray, np.ndarray]] | None = None
@@ -90,11 +57,22 @@ class AdapterSlots:
         return self._loaded[name].info
 
     def load(self, name: str, spec) -> LoraInfo:
-        """Read the LoRA at `spec` under `name` (in place of one loaded under that name before)."""
+        """Read the LoRA at `spec` (a path, as `read_lora` takes it) under `name` (in place of one loaded
+        under that name before)."""
         if not isinstance(name, str) or not name:
             raise InputError(f"a loaded LoRA needs a non-empty name, got {name!r}")
-        lora = loaded(spec, self.cfg)
-        lora = dataclasses.replace(lora, info=dataclasses.replace(lora.info, name=name))
+        read = read_lora(spec)
+        grouped = defaultdict(list)
+        for update in lora_updates(read, self.cfg):
+            grouped[(update.path[:-1], update.layer)].append(update)
+        factors = {
+            key: (
+                np.concatenate([(u.down * np.float32(u.scale)).T for u in updates], axis=1),
+                np.concatenate([u.up.T for u in updates], axis=0),
+            )
+            for key, updates in grouped.items()
+        }
+        lora = Loaded(dataclasses.replace(read.info, name=name, scale=1.0), factors)
         loras = {**{k: v for k, v in self._loaded.items() if k != name}, name: lora}
         self._check_fits(loras.values(), self.budget, f"LoRA {name!r}")
         self._loaded = loras
@@ -204,8 +182,9 @@ class AdapterSlots:
     def _layout(self, loras) -> tuple[frozenset, int, int]:
         """(Linear paths, slot rank, slot count) of a bank for `loras`."""
         loras = list(loras)
-        paths = frozenset().union(*(lora.paths for lora in loras))
-        rank = -(-max((lora.rank for lora in loras), default=0) // RANK_STEP) * RANK_STEP
+        paths = frozenset(path for lora in loras for path, _ in lora.factors)
+        largest = max((down.shape[1] for lora in loras for down, _ in lora.factors.values()), default=0)
+        rank = -(-largest // RANK_STEP) * RANK_STEP
         slots = self.max_slots
         if self.budget is not None and rank:
             slots = min(slots, self.budget // max(self._bytes(paths, rank, 1), 1))

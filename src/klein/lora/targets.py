@@ -1,12 +1,7 @@
 """Where a LoRA's modules land in klein's transformer: per Linear kernel (and layer of a stacked one), the
-low-rank factors of its update, checked against the model.
-
-Module names are resolved through the checkpoint key maps the loaders use (diffusers names from the
-parameter paths, BFL names from `klein.io.bfl_transformer_keys`), so a LoRA module maps exactly as the
-weight it adapts: a fused BFL `qkv` update `up @ down` is split by rows of `up` into q, k and v (`down` is
-shared, or block-diagonal for kohya's split ranks - the row split is exact either way), and the final adaLN
-update has its halves swapped like the weight. Errors name LoRAs for FLUX.1 and FLUX.2 [dev], LoRAs for
-another size (the key and both shapes), and every key that matches nothing.
+low-rank factors of its update, checked against the model. Module names resolve through the loaders' own
+key maps, so an update follows the weight it adapts (docs/design/lora.md); errors name LoRAs for other
+models and sizes, and every key that matches nothing.
 """
 
 from __future__ import annotations
@@ -112,14 +107,12 @@ def _size(width) -> str:
 
 
 def _check_shapes(adapter, targets, shapes, parsed, cfg, where: str) -> None:
-    kernel = shapes[targets[0].path][-2:]  # [in, out] (per layer)
-    want_in, want_out = kernel[0], kernel[1] * targets[0].blocks
+    d_in, d_out = shapes[targets[0].path][-2:]  # per layer
     rank = adapter.down.shape[0]
-    bad = [
-        (adapter.down_key, adapter.down.shape, (rank, want_in)),
-        (adapter.up_key, adapter.up.shape, (want_out, rank)),
-    ]
-    for name, got, want in bad:
+    for name, got, want in (
+        (adapter.down_key, adapter.down.shape, (rank, d_in)),
+        (adapter.up_key, adapter.up.shape, (d_out * targets[0].blocks, rank)),
+    ):
         if got != want:
             raise CheckpointError(
                 f"{where}: made for another model size: '{name}' has shape {got}, this model needs {want}. "
@@ -142,19 +135,17 @@ def kernel_shape(cfg: TransformerConfig, path: tuple) -> tuple:
 
 @functools.lru_cache(maxsize=8)
 def _tables(cfg: TransformerConfig) -> tuple[dict[str, list[Target]], dict[tuple, tuple]]:
-    """(module name -> targets, in diffusers and BFL names; kernel path -> shape [L?, in, out])."""
+    """(module name -> targets, in diffusers and BFL names; parameter path -> shape, [L?, in, out] for a
+    kernel)."""
     abstract = abstract_transformer(cfg)
-    stacked = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(abstract))}
+    shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(abstract))}
     table: dict[str, list[Target]] = {}
-    shapes = {}
     for path, keys in checkpoint_keys(abstract, STACKED, key_map).items():
         if path[-1] != "kernel":
             continue
-        shapes[path] = stacked[path]
         for i, key in enumerate(keys):
             layer = i if path[0] in STACKED else None
-            module = key.removesuffix(".weight")
-            table[module] = [Target(path, layer)]
+            table[key.removesuffix(".weight")] = [Target(path, layer)]
             source = bfl.bfl_key(key)
             fused = source.key.removesuffix(".weight")
             table.setdefault(fused, []).append(
