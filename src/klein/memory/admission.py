@@ -1,15 +1,7 @@
-"""Admission: refuse a request that cannot fit before it allocates anything (docs/design.md, "Admission").
-
-The request's bytes come from the planner's estimator (`klein.memory.plan.request_memory`, the same one
-`klein plan` prints); what the device can give comes from `device.memory_stats()` where the backend
-reports it, else (CPU) from the host's available memory; a memory cap (`LoadOptions.memory_cap`) bounds
-both. A refusal names the smaller forms of the request that would fit (`smaller_requests`), sides tried at
-`SCALES` (`smaller_sides`, which `klein plan`'s suggestions try too: `klein.request.planning`).
-A pipeline holds a `Budget`: the bytes a request may add to its weights are the first of a limit it
-is given (`pipe.memory_limit`); the memory free when it took it as its own (`Budget.own`: a server, before
-its first job) less what its caches have come to hold; what the device has free now. Free memory counts
-the weights on the device now, and the residency policy may hold more or fewer while a request runs, so
-those are added back and the policy's taken instead.
+"""Admission: refuse a request that cannot fit before it allocates anything (docs/design/requests.md,
+"Admission"), measuring it with the planner's estimator (`klein.memory.plan.request_memory`) against what
+the device has free (`available_bytes`), a memory cap (`under_cap`) or a pipeline's own `Budget`; a
+refusal names the smaller forms of the request that would fit (`smaller_requests`).
 """
 
 from __future__ import annotations
@@ -178,7 +170,8 @@ class Budget:
         self._owned = (free + held, caches, f"{where} when the server started, less its caches")
 
     def _free(self) -> tuple[int, str]:
-        """(bytes a request may use beside the weights the residency policy holds, where from), now."""
+        """(bytes a request may use beside the weights the residency policy holds, where from), now: free
+        memory counts the weights on the device now, which the policy may change while a request runs."""
         free, where = available_bytes(sharding.local_devices(self.mesh))
         now, held = self._weights()
         return free + now - held, where

@@ -1,31 +1,13 @@
 """Memory planner: the bytes each device holds for a klein model on a mesh, for `klein plan` (before
 buying hardware) and for admission (before a request allocates anything, `klein.memory.admission`).
 
-Weights and the reference KV cache are exact: parameter and cache shapes (`nnx.eval_shape`, nothing
-allocated), split by the rules the loader and the model use (`klein.sharding`) on an abstract mesh, so
-no devices are needed. What a request adds on top of the weights is an estimate of each stage's widest
-point, per device (docs/design.md, "Admission"); the stages run one after another, so a request's peak
-is the reference KV plus its largest stage:
-  text encoder      one Qwen3 layer over every prompt (residual, q / k / v, MLP, fp32 scores) and the
-                    hidden states the embedding keeps
-  denoise step      the prompt embeddings, and a single-stream block's attention:
-    residual stream          b * s_q * D
-    fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
-    gathered keys, values    4 * b * S_k * D / tensor          (all-gathered under context parallelism;
-                                                               XLA also holds them cut into the
-                                                               attention's key blocks)
-    scores and weights, fp32 2 * b * H / tensor * rows * cols * 4 B, one tile of the blocked attention
-                             (`klein.models.attention`): rows = min(256, s_q) queries by cols <= 2048
-                             keys, on one device and per device on a mesh alike
-    gathered layer weights   one single block's weights / tensor (fsdp gathers a layer at a time)
-  KV prefill        the same over the reference tokens alone
-  decode            the VAE decoder's widest resolution level for every image at once (fp32), or for one
-                    tile at a time (`decode_latents_tiled`), plus the pixels
-with b the batch per data shard (x2 with CFG), s_q the query tokens per context shard and S_k all keys.
-Standard editing attends over [txt, img, refs]; KV editing over [txt, img] with the cached reference
-keys, after a prefill over the references alone. That is an accelerator's estimate (a TPU's); a CPU's
-adds the layer copies it makes (`layer_copies`), and a GPU's programs are planned apart
-(`klein.memory.gpu_estimate`): `programs_on` decides which.
+Weights and the reference KV cache are exact: shapes from `nnx.eval_shape`, split by `klein.sharding`'s
+rules on an abstract mesh, so no devices are needed. What a request adds is an estimate of each stage's
+widest point per device (text encoder, KV prefill, denoise step, decode: `_activations` and its siblings
+list the terms); the stages run one after another, so a request's peak is the reference KV plus its
+largest stage. That is an accelerator's estimate (a TPU's); a CPU's adds the layer copies it makes
+(`layer_copies`), and a GPU's programs are planned apart (`klein.memory.gpu_estimate`): `programs_on`
+decides which. See docs/design/memory.md and docs/design/requests.md, "Admission".
 """
 
 from __future__ import annotations
@@ -89,8 +71,6 @@ class RequestMemory:
     text: int
     step: int
     decode: int
-    tiled_decode: bool
-    """Whether `decode` is the tiled decoder's (`decode_latents_tiled`) rather than the plain one's."""
 
     @property
     def peak(self) -> int:
@@ -120,28 +100,26 @@ def request_memory(
     """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes,
     for the programs of the platform `programs` describes (`programs_on`; by default an accelerator's)."""
     programs = programs or Programs()
-    if programs.gpu:
-        return _gpu_memory(cfg, text_config, vae_config, mesh, work, itemsize, tiled_decode)
-    copies = programs.copies
-    refs, batch, queries, keys = _tokens(vae_config, work)
-    embeddings = _embeddings(cfg, mesh, batch, itemsize)
-    layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
-    rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
-    prefill = 0
-    if work.cached and refs:
-        # The prefill runs the double blocks' image stream alone: half their weights are copied.
-        prefill = layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize)
-        prefill += _rounding(cfg, mesh, 1, refs, itemsize, rounded)
-    step = _activations(cfg, mesh, batch, queries, keys, itemsize) + _rounding(
-        cfg, mesh, batch, queries, itemsize, rounded
-    )
+    token = vae_config.pixels_per_token
+    image = (work.height // token) * (work.width // token)
+    refs = work.reference_tokens
+    batch = work.images * (2 if work.guided else 1)
+    prefilled = refs if work.cached else 0  # else the references are queries of every step
+    keys = TEXT_TOKENS + image + refs
+    tokens = (prefilled, batch, keys - prefilled, keys)  # (the prefill's, the step's batch, queries, keys)
+    kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
+    stages = _gpu_stages if programs.gpu else _stages
+    prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, programs.copies)
+    embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+    gpu_itemsize = itemsize if programs.gpu else None
     return RequestMemory(
-        reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
+        reference_kv=kv,
         prefill=prefill,
-        text=text_layer + _text_activations(text_config, work.prompts, itemsize),
-        step=layer + embeddings + step,
-        decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
-        tiled_decode=tiled_decode,
+        text=text,
+        step=embeddings + step,  # the prompt embeddings every step reads, and the step's own
+        decode=_decode_activations(
+            vae_config, work.images, work.height, work.width, tiled_decode, gpu_itemsize
+        ),
     )
 
 
@@ -162,25 +140,25 @@ def programs_on(platform: str, itemsize: int) -> Programs:
     return Programs(copies=copies_on(platform, itemsize), gpu=platform == "gpu")
 
 
-def _tokens(vae_config: VAEConfig, work: Workload) -> tuple[int, int, int, int]:
-    """(reference tokens, the step's batch, its queries, its keys) of `work`."""
-    token = vae_config.pixels_per_token
-    image = (work.height // token) * (work.width // token)
-    refs = work.reference_tokens
-    batch = work.images * (2 if work.guided else 1)
-    return refs, batch, TEXT_TOKENS + image + (0 if work.cached else refs), TEXT_TOKENS + image + refs
+def _stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
+    """(prefill, text encoder, step beyond the prompt embeddings) of an accelerator's programs, or a CPU's
+    (`copies`: of the layers it runs, `copies_on`), over `tokens` (`request_memory`'s)."""
+    refs, batch, queries, keys = tokens
+    layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
+    rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
+    prefill = 0
+    if refs:
+        # The prefill runs the double blocks' image stream alone: half their weights are copied.
+        prefill = layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize)
+        prefill += _rounding(cfg, mesh, 1, refs, itemsize, rounded)
+    step = layer + _activations(cfg, mesh, batch, queries, keys, itemsize)
+    step += _rounding(cfg, mesh, batch, queries, itemsize, rounded)
+    return prefill, text_layer + _text_activations(text_config, prompts, itemsize), step
 
 
-def _embeddings(cfg: TransformerConfig, mesh, batch: int, itemsize: int) -> int:
-    """The prompt embeddings every step reads."""
-    return -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
-
-
-def _gpu_memory(
-    cfg, text_config, vae_config, mesh, work: Workload, itemsize: int, tiled: bool
-) -> RequestMemory:
-    """`request_memory` for XLA:GPU's programs (`klein.memory.gpu_estimate`)."""
-    refs, batch, queries, keys = _tokens(vae_config, work)
+def _gpu_stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
+    """`_stages` for XLA:GPU's programs (`klein.memory.gpu_estimate`)."""
+    refs, batch, queries, keys = tokens
     tensor, data, context = (sharding.ways(mesh, axis) for axis in ("heads", "batch", "seq"))
     # cuDNN's fused attention runs on one card only, in bf16 (`klein.models.attention`); elsewhere the
     # blocked kernel adds its key blocks and score tiles.
@@ -194,24 +172,13 @@ def _gpu_memory(
         single = gpu_estimate.single_block(cfg, b * s_q, b * s_k, tensor, itemsize, 0 if fused else blocked)
         return max(single, gpu_estimate.double_block(cfg, b * s_q, streams, tensor, itemsize))
 
-    text = gpu_estimate.text_layer(
-        text_config, work.prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize
-    )
-    kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
+    text = gpu_estimate.text_layer(text_config, prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize)
     # Around the blocked kernel on several cards, XLA holds the reference KV heads-major: the step a
     # transposed copy of all of it, the prefill its stacks of keys (or values) before their layout's copy
-    # (measured once: klein-9b-kv, 2 references, h100:2 on tensor; docs/design.md).
+    # (measured once: klein-9b-kv, 2 references, h100:2 on tensor; docs/design/compiling.md).
     transposed = 0 if fused else kv
-    return RequestMemory(
-        reference_kv=kv,
-        prefill=blocks(1, refs, refs, streams=1) + transposed // 2 if work.cached and refs else 0,
-        text=text,
-        step=_embeddings(cfg, mesh, batch, itemsize) + blocks(batch, queries, keys) + transposed,
-        decode=_decode_activations(
-            vae_config, work.images, work.height, work.width, tiled, gpu_itemsize=itemsize
-        ),
-        tiled_decode=tiled,
-    )
+    prefill = blocks(1, refs, refs, streams=1) + transposed // 2 if refs else 0
+    return prefill, text, blocks(batch, queries, keys) + transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,18 +202,6 @@ class MemoryPlan:
     references planned, its reference KV and prefill are 0 for want of references, not of the variant."""
     process: int = 0
     """klein's own process where it shares the device's memory (the local CPU, `klein.memory.process`)."""
-
-    @property
-    def reference_kv(self) -> int:
-        return self.memory.reference_kv
-
-    @property
-    def step_activations(self) -> int:
-        return self.memory.step
-
-    @property
-    def prefill_activations(self) -> int:
-        return self.memory.prefill
 
     @property
     def total(self) -> int:
@@ -277,7 +232,9 @@ def plan(
     `klein.memory.process`), "gpu" for an NVIDIA card, else an accelerator's (a TPU's)."""
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
-    _check_fits(abstract, variant, cfg, text_config)
+    # The same divisibility errors loading the model on this mesh would raise (any request fits).
+    sharding.check_divisible(abstract, variant, sharding.transformer_dims(cfg))
+    sharding.check_divisible(abstract, f"{variant}'s text encoder", sharding.text_encoder_dims(text_config))
     e = dtypes.itemsize(dtype)
     held = model_bytes(
         cfg, text_config, models.vae, abstract, e, models.fp8, models.compute, models.quantized
@@ -320,17 +277,12 @@ class Models:
 
 
 def published(variant: str, dtype: str) -> Models:
-    cfg, text_config = _configs(variant, dtype)
-    return Models(cfg, text_config, FLUX2_VAE, VARIANTS[variant])
-
-
-def _configs(variant: str, dtype: str) -> tuple[TransformerConfig, Qwen3Config]:
-    """The real transformer and text encoder configs of a published variant."""
+    """The configs of a published `variant`, for a plan before anyone has its files."""
     if variant not in VARIANTS:
         raise InputError(f"unknown model {variant!r}; known: {', '.join(VARIANTS)}")
     dtypes.dtype(dtype)  # the error listing the choices
     size = VARIANTS[variant].size
-    return size.transformer, size.text_encoder
+    return Models(size.transformer, size.text_encoder, FLUX2_VAE, VARIANTS[variant])
 
 
 @functools.cache
@@ -378,39 +330,27 @@ def model_bytes(
     (`quantized`: model -> module path -> bytes); and of each model with stacks, the bytes the `stream` policy
     keeps in host memory ("<model>_streamed": its stacks less the largest two layers)."""
     _, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
-    quantized = quantized or {}
+    # Built in its dtype and stored forms: every Param is counted as the loader keeps it.
+    transformer = stored_transformer(cfg, itemsize, fp8, compute)
     models = {
         residency.TEXT_ENCODER: (text_encoder, sharding.TEXT_ENCODER_PARAMS, itemsize),
-        # Built in its dtype and stored forms: every Param is counted as the loader keeps it.
-        residency.TRANSFORMER: (
-            stored_transformer(cfg, itemsize, fp8, compute),
-            sharding.TRANSFORMER_PARAMS,
-            None,
-        ),
+        residency.TRANSFORMER: (transformer, sharding.TRANSFORMER_PARAMS, None),
         residency.VAE: (vae, (), itemsize),
     }
     sizes = {}
     for name, (module, table, floats) in models.items():
-        files = quantized.get(name, {})
+        files = (quantized or {}).get(name, {})
         sizes[name] = _weights(module, table, mesh, floats, files)[0]
-        stacks = [
-            _stack(module, prefix, table, mesh, floats, files) for prefix in residency.STACKS.get(name, ())
-        ]
-        if stacks:
-            sizes[residency.streamed(name)] = sum(size for size, _ in stacks) - 2 * max(
-                layer for _, layer in stacks
-            )
+        stacked, largest = 0, 0  # the bytes of its stacks, and of their largest layer
+        for prefix in residency.STACKS.get(name, ()):
+            path = tuple(prefix.split("."))
+            stack = functools.reduce(getattr, path, module)
+            size = _weights(stack, table, mesh, floats, files, path)[0]
+            stacked += size
+            largest = max(largest, size // jax.tree.leaves(nnx.state(stack))[0].shape[0])
+        if name in residency.STACKS:
+            sizes[residency.streamed(name)] = stacked - 2 * largest
     return sizes
-
-
-def _stack(module, prefix: str, table, mesh, floats, files) -> tuple[int, int]:
-    """(bytes per device, bytes of its largest layer) of the stacked layers at dotted `prefix`."""
-    stacked = module
-    for part in prefix.split("."):
-        stacked = getattr(stacked, part)
-    size = _weights(stacked, table, mesh, floats, files, tuple(prefix.split(".")))[0]
-    layers = jax.tree.leaves(nnx.state(stacked))[0].shape[0]
-    return size, size // layers
 
 
 def with_files(models: Models, transformer: Path | None = None, text_encoder: Path | None = None) -> Models:
@@ -452,12 +392,6 @@ def in_format(models: Models, transformer: str | None = None, text_encoder: str 
     if text_encoder is not None:
         forms[residency.TEXT_ENCODER] = stored.uniform(text, text_encoder)
     return with_forms(models, forms)
-
-
-def _check_fits(mesh, variant: str, cfg, text_config) -> None:
-    """The same divisibility errors loading the model on this mesh would raise (any request fits)."""
-    sharding.check_divisible(mesh, variant, sharding.transformer_dims(cfg))
-    sharding.check_divisible(mesh, f"{variant}'s text encoder", sharding.text_encoder_dims(text_config))
 
 
 def _shard_bytes(shape: tuple, axes: tuple, mesh, itemsize: int) -> int:
@@ -502,19 +436,17 @@ def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> i
 
 
 def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int) -> int:
-    """The module docstring's estimate of the live tensors around a single-stream block's attention."""
-
+    """The live tensors around a single-stream block's attention, per device: b the batch per data shard
+    (x2 with CFG), s_q the queries per context shard; the keys are all-gathered under context
+    parallelism, and the scores are one tile of the blocked attention (`_score_tile`)."""
     b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
     tensor, d, mlp = sharding.ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
     fused = 3 * d + 2 * mlp
     live = [
         b * s_q * d * itemsize,  # residual stream
-        b * s_q * fused // tensor * itemsize,  # fused projection
-        b
-        * s_q
-        * (d + mlp)
-        // tensor
-        * itemsize,  # attention output and MLP, joined for the output projection
+        b * s_q * fused // tensor * itemsize,  # fused projection (q, k, v and the MLP input)
+        # attention output and MLP, joined for the output projection
+        b * s_q * (d + mlp) // tensor * itemsize,
         4 * b * keys * d // tensor * itemsize,  # gathered keys and values, and their attention blocks
         b * cfg.num_attention_heads // tensor * _score_tile(s_q, keys) * 4 * 2,  # scores, weights
     ]
@@ -646,14 +578,10 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
         ("transformer weights", p.transformer, f"{_count(p.transformer_params)} params"),
         ("text encoder weights", p.text_encoder, ""),
         ("VAE weights", p.vae, "replicated"),
-        ("reference KV", p.reference_kv, "" if p.reference_kv else no_kv),
+        ("reference KV", p.memory.reference_kv, "" if p.memory.reference_kv else no_kv),
         ("activations, text encoder", p.memory.text, "estimate"),
-        ("activations, denoise step", p.step_activations, "estimate"),
-        (
-            "activations, KV prefill",
-            p.prefill_activations,
-            "estimate" if p.prefill_activations else no_kv,
-        ),
+        ("activations, denoise step", p.memory.step, "estimate"),
+        ("activations, KV prefill", p.memory.prefill, "estimate" if p.memory.prefill else no_kv),
         ("activations, decode", p.memory.decode, "estimate"),
     ]
     if p.process:
@@ -663,15 +591,15 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
     )
     head = f"{p.variant} on mesh {p.mesh} ({p.devices} device{'s' * (p.devices > 1)}): {p.request}"
     lines = [head, "per device:"]
-    lines += [f"  {name:<27}{_gib(value):>10}  {note}".rstrip() for name, value, note in rows]
+    lines += [f"  {name:<27}{residency.gib(value):>10}  {note}".rstrip() for name, value, note in rows]
     lines.append("peak per device under each residency policy:")
     for policy, peak in p.policies.items():
         fits = "" if limit is None else ("fits" if peak <= limit else "does not fit")
         summary = residency.SUMMARIES[policy]
-        lines.append(f"  {policy:<27}{_gib(peak):>10}  {summary}{'; ' + fits if fits else ''}")
+        lines.append(f"  {policy:<27}{residency.gib(peak):>10}  {summary}{'; ' + fits if fits else ''}")
     if limit is not None:
         chosen = next((name for name, peak in p.policies.items() if peak <= limit), None)
-        lines.append(f"auto on {_gib(limit)} ({where}): {chosen or 'nothing fits'}")
+        lines.append(f"auto on {residency.gib(limit)} ({where}): {chosen or 'nothing fits'}")
     return "\n".join(lines)
 
 
@@ -687,7 +615,7 @@ def describe_compiled(
         used = beyond_weights(name, analysis)
         ratio = f"{estimates[name] / used:.2f}" if used else "-"
         lines.append(
-            f"  {name:<9}{_gib(estimates[name]):>12}{_gib(used):>12}{ratio:>8}{_gib(analysis['arguments']):>14}"
+            f"  {name:<9}{residency.gib(estimates[name]):>12}{residency.gib(used):>12}{ratio:>8}{residency.gib(analysis['arguments']):>14}"
         )
     return "\n".join(lines)
 
@@ -717,7 +645,3 @@ def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
         device_memory=None if limit is None else dict(bytes=limit, source=where),
         auto=None if limit is None else next((x["name"] for x in policies if x["fits"]), None),
     )
-
-
-def _gib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB"
