@@ -35,7 +35,6 @@ from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 from klein.pipeline import checkpoints
-from klein.pipeline import prompts as text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +129,6 @@ def load_text_encoder_part(
 def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:
     path = located.vae
     return (load_vae_file if path.is_file() else load_vae)(path, dtype, place=sharding.placer(mesh))
-
-
-def load_tokenizer_part(located: Located) -> text.PromptTokenizer:
-    return text.load_tokenizer(located.tokenizer)
 
 
 def _check_text_encoder(path: Path, text: Qwen3Config, config: TransformerConfig, variant) -> None:
@@ -243,9 +238,7 @@ def _transformer_folder(path: Path) -> Path:
 
 
 def _variant(path: Path, config: TransformerConfig, variant: str | None) -> variants.Variant:
-    if path.is_file():
-        return checkpoints.variant_of_file(path, config, variant)
-    if (path / "model_index.json").is_file() and variant is None:  # a pipeline's index says which
+    if variant is None and (path / "model_index.json").is_file():  # a pipeline's index says which
         return checkpoints.detect(path, config)
     return checkpoints.variant_of_file(path, config, variant)
 

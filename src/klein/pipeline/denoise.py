@@ -1,12 +1,8 @@
-"""One denoising step per mode, as sibling functions (docs/design.md, "Modes").
+"""One denoising step per mode, as sibling functions (docs/design/requests.md, "Modes").
 
-Inpainting and image-to-image (`Repaint`) start later in the schedule from the noised source, and
-after each step put the source back, noised to the next step's level, wherever the mask keeps it.
-
-Each conditioning has its own velocity function with the same signature; its `cond` is that mode's
-own value (nothing for text-to-image, (reference tokens, rope) for references with full attention, a
-`ReferenceKV` for cached references), so jitted code never dispatches on a type or on None. CFG is
-its own step function: prompts and negatives run as one doubled batch.
+Each conditioning has its own velocity function with the same signature and its own `cond` value, so
+jitted code never dispatches on a type or on None; CFG is its own step function (prompts and negatives
+run as one doubled batch). Inpainting and image-to-image add a `Repaint`.
 """
 
 from __future__ import annotations

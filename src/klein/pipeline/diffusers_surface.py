@@ -1,19 +1,7 @@
-"""diffusers' pipeline methods around a call, so that a diffusers script runs with only its import changed.
-
-A script written for diffusers' Flux2Klein pipelines loads with `from_pretrained(repo, torch_dtype=...)`,
-moves the pipeline with `.to("cuda")` or `enable_model_cpu_offload()`, then calls it (the call's own
-arguments are `klein.request.diffusers_args`'). klein decides each of these once, here, in its own terms:
-
-- `torch_dtype` (and a dtype given to `.to`) is read by its name, `str(torch.bfloat16)` being
-  "torch.bfloat16", so klein never imports torch; the other `from_pretrained` arguments are klein's
-  loading options (`klein.request.loading.LoadOptions`), diffusers' loading arguments that change
-  nothing here (`low_cpu_mem_usage`, `use_safetensors=True`, ...), or refused saying what to do.
-- A device is read by its name (`str(torch.device("cuda:0"))` is "cuda:0"). klein places each weight on
-  its device as it reads it, on jax's first device (or a mesh), so `.to` checks that the pipeline is
-  there and returns it; a device the pipeline is not on is an error naming the devices jax has.
-- diffusers' offloading is a residency policy (`klein.memory.residency`): `enable_model_cpu_offload`
-  (one model on the accelerator at a time) is `sequential`, `enable_sequential_cpu_offload` (each layer
-  brought as it runs) is `stream`. A policy that already holds less on the device is kept.
+"""diffusers' pipeline methods around a call, so that a diffusers script runs with only its import changed
+(docs/requests.md, "Scripts written for diffusers"). Dtypes and devices are read by their names, so klein
+never imports torch; offloading is a residency policy (`klein.memory.residency`); the call's own arguments
+are `klein.request.diffusers_args`'.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from klein.lora.loading import read_lora
 from klein.lora.registry import named_files
 from klein.memory import admission, plan, process, residency
 from klein.memory.admission import estimates, planning_mesh
-from klein.pipeline import compilation_cache, components
+from klein.pipeline import compilation_cache, components, prompts
 from klein.pipeline.device_weights import Weights
 from klein.request import resolve
 from klein.request.loading import AUTO, LoadOptions
@@ -92,7 +92,7 @@ def read(options: LoadOptions) -> Loaded:
     first = residency.POLICIES[policy][0]  # what the first request needs first: loaded now
     models = readers(policy)
     weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
-    tokenizer = components.load_tokenizer_part(located)
+    tokenizer = prompts.load_tokenizer(located.tokenizer)
     cap = options.memory_cap
     return Loaded(
         located, weights, tokenizer, dtype, mesh, policy, sizes, compute, readers, cap, loras, named

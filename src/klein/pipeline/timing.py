@@ -1,9 +1,6 @@
-"""Wall time per pipeline stage, with XLA compilation booked apart, and each stage told as events.
-
-JAX reports every backend compilation through `jax.monitoring`, at its start and with its duration; a
-stage's compile time is moved from the stage to "compile", so a first call's breakdown says what
-compiling cost and what running cost, and a stage's listener hears when compiling starts
-(`klein.pipeline.stage_events`).
+"""Wall time per pipeline stage, with XLA compilation (which jax reports through `jax.monitoring`) booked
+apart under "compile", so a first call's breakdown says what compiling cost; and each stage told as
+events (`klein.pipeline.stage_events`).
 """
 
 import threading
