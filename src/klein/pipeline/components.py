@@ -1,10 +1,6 @@
-"""Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one.
-
-Single-file users keep the parts apart: a BFL, FP8 or GGUF transformer file, the FLUX.2 `ae.safetensors`, a
-Qwen3 folder or GGUF file. Each part is a local file or folder, or a Hugging Face repo id; a folder or repo
-that holds a whole pipeline gives the part's subfolder. Parts not named come from the checkpoint (`source`);
-with no checkpoint every part must be named, except the tokenizer, which the text encoder's folder (or its
-GGUF's metadata) usually holds.
+"""Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one (a
+transformer file, the FLUX.2 `ae.safetensors`, a Qwen3 folder or GGUF), each a local file or folder or a
+Hugging Face repo id; a folder or repo holding a whole pipeline gives the part's subfolder.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 from klein import sharding
 from klein.dtypes import DTYPES
@@ -58,7 +59,10 @@ def dtype_name(value, call: str | None = None) -> str | None:
         return dtypes.pop()
     text = str(value)
     if not (isinstance(value, str) or text.startswith("torch.")):
-        text = _numpy_name(value)
+        try:
+            text = np.dtype(value).name
+        except TypeError:
+            text = repr(value)
     name = text.removeprefix("torch.")
     if name not in DTYPES:
         raise InputError(
@@ -66,15 +70,6 @@ def dtype_name(value, call: str | None = None) -> str | None:
             "published klein checkpoint stores) or torch.float32"
         )
     return name
-
-
-def _numpy_name(value) -> str:
-    import numpy as np
-
-    try:
-        return np.dtype(value).name
-    except TypeError:
-        return repr(value)
 
 
 def load_options(pretrained_model_name_or_path=None, **kwargs) -> tuple[dict, str | None]:
@@ -153,8 +148,6 @@ def _check_local(source) -> None:
 
 def _is_dtype(value) -> bool:
     """Whether a `.to` argument is a dtype (torch's print as "torch.bfloat16"; its devices as "cuda:0")."""
-    import numpy as np
-
     text = str(value)
     return text.startswith("torch.") or text in DTYPES or isinstance(value, np.dtype | type)
 

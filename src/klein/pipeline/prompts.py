@@ -1,10 +1,9 @@
-"""Prompt preparation: chat template, tokenization, padding, text position ids (docs/design.md, "Architecture").
+"""Prompt preparation: chat template, tokenization, padding (docs/design/architecture.md).
 
-Reproduces diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` up to the text encoder call, with the
-checkpoint's own `tokenizer/` folder (or a GGUF text encoder's metadata) and without transformers: `tokenizer.json` is run by the `tokenizers`
-library and the chat template is rendered with jinja2 the way transformers' `apply_chat_template` does
-(one user message, `add_generation_prompt=True`, `enable_thinking=False`). Each prompt is padded and
-truncated to `max_length` tokens (512 in the pipeline).
+Reproduces diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` up to the text encoder call without
+transformers: `tokenizer.json` is run by the `tokenizers` library and the chat template is rendered with
+jinja2 as transformers' `apply_chat_template` does (one user message, `add_generation_prompt=True`,
+`enable_thinking=False`).
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ class PromptTokenizer:
     tokenizer: Tokenizer
     """The `tokenizer.json` pipeline (normalizer, pre-tokenizer, BPE, post-processor, added tokens)."""
     template: jinja2.Template
-    """The compiled chat template."""
     special_tokens: dict[str, str]
     """Special tokens by name (bos_token, pad_token, ...), visible to the template as in transformers."""
     pad_id: int
-    """Token id that fills the padding."""
     padding_side: str
     """'right' unless `tokenizer_config.json` says otherwise; truncation_side likewise."""
     truncation_side: str
