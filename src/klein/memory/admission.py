@@ -141,13 +141,12 @@ def planning_mesh(mesh):
 
 
 def estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
-    """(plain decode, tiled decode) estimates of `work` for the configs of `models` (anything with a
-    `config`, `text_config` and `vae_config`: a pipeline, or the located checkpoint it loads) on `mesh`
-    (`klein.memory.plan.request_memory`)."""
-    programs = plan.programs_on(sharding.local_devices(mesh)[0].platform, itemsize)
+    """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
+    located checkpoint it loads) on `mesh` (`klein.memory.plan.request_memory`)."""
+    platform = sharding.local_devices(mesh)[0].platform
     configs, shape = (models.config, models.text_config, models.vae_config), planning_mesh(mesh)
     return tuple(
-        plan.request_memory(*configs, shape, work, itemsize, tiled_decode=tiled, programs=programs)
+        plan.request_memory(*configs, shape, work, itemsize, tiled_decode=tiled, platform=platform)
         for tiled in (False, True)
     )
 
@@ -194,10 +193,9 @@ class Budget:
     def admit(
         self, work: plan.Workload, limit=None, cap=None, adapters: int = 0, placed: bool = False
     ) -> bool:
-        """Refuse `work` if it cannot fit the `_room(limit, cap)` (`check`); True when
-        only the tiled decoder makes it fit. `adapters`: the bytes of the adapter slots of unmerged LoRAs
-        the request is charged, `placed` when they are on the device already, where a live reading of
-        free memory counts them."""
+        """Refuse `work` if it cannot fit the `_room(limit, cap)` (`check`); True when only the tiled decoder
+        makes it fit. `adapters`: the bytes of unmerged LoRAs' slots, `placed` when they are on the device
+        already, where a live reading of free memory counts them."""
         room, where = self._room(limit, cap)
         if not (placed and limit is None and self._owned is None):
             room -= adapters

@@ -6,7 +6,7 @@ rules on an abstract mesh, so no devices are needed. What a request adds is an e
 widest point per device (text encoder, KV prefill, denoise step, decode: `_activations` and its siblings
 list the terms); the stages run one after another, so a request's peak is the reference KV plus its
 largest stage. That is an accelerator's estimate (a TPU's); a CPU's adds the layer copies it makes
-(`layer_copies`), and a GPU's programs are planned apart (`klein.memory.gpu_estimate`): `programs_on`
+(`layer_copies`), and a GPU's programs are planned apart (`klein.memory.gpu_estimate`): `request_memory`
 decides which. See docs/design/memory.md and docs/design/requests.md, "Admission".
 """
 
@@ -95,11 +95,15 @@ def request_memory(
     work: Workload,
     itemsize: int,
     tiled_decode: bool = False,
-    programs: Programs | None = None,
+    platform: str = "accelerator",
 ) -> RequestMemory:
     """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes,
-    for the programs of the platform `programs` describes (`programs_on`; by default an accelerator's)."""
-    programs = programs or Programs()
+    for the programs of a `platform` device: "cpu" (this machine's, which copies the layers of bf16
+    weights it runs: in bf16 where it multiplies bf16 in place, else in float32), "gpu" (an NVIDIA card's,
+    `klein.memory.gpu_estimate`), anything else an accelerator's (a TPU's)."""
+    copies = None  # bytes per weight of the CPU's layer copies (`layer_copies`)
+    if platform == "cpu" and itemsize < 4:
+        copies = itemsize if products.in_place(platform) else 4
     token = vae_config.pixels_per_token
     image = (work.height // token) * (work.width // token)
     refs = work.reference_tokens
@@ -108,10 +112,10 @@ def request_memory(
     keys = TEXT_TOKENS + image + refs
     tokens = (prefilled, batch, keys - prefilled, keys)  # (the prefill's, the step's batch, queries, keys)
     kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
-    stages = _gpu_stages if programs.gpu else _stages
-    prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, programs.copies)
+    stages = _gpu_stages if platform == "gpu" else _stages
+    prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
-    gpu_itemsize = itemsize if programs.gpu else None
+    gpu_itemsize = itemsize if platform == "gpu" else None
     return RequestMemory(
         reference_kv=kv,
         prefill=prefill,
@@ -123,26 +127,9 @@ def request_memory(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Programs:
-    """How the programs of the platform planned for hold a stage's tensors, where platforms differ: decided
-    in one place, `programs_on`. The default is an accelerator's (a TPU's), as first estimated."""
-
-    copies: int | None = None
-    """A CPU's: bytes per weight of the copies it makes of the layers it runs (`layer_copies`, `copies_on`)."""
-    gpu: bool = False
-    """XLA:GPU's programs (`klein.memory.gpu_estimate`: the widest of a few points, measured)."""
-
-
-def programs_on(platform: str, itemsize: int) -> Programs:
-    """The programs planned for a device of `platform`: "cpu" (this machine's: its layer copies depend on
-    whether it multiplies bf16 in place), "gpu" (an NVIDIA card), anything else an accelerator's."""
-    return Programs(copies=copies_on(platform, itemsize), gpu=platform == "gpu")
-
-
 def _stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
     """(prefill, text encoder, step beyond the prompt embeddings) of an accelerator's programs, or a CPU's
-    (`copies`: of the layers it runs, `copies_on`), over `tokens` (`request_memory`'s)."""
+    (`copies`: of the layers it runs), over `tokens` (`request_memory`'s)."""
     refs, batch, queries, keys = tokens
     layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
     rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
@@ -225,11 +212,8 @@ def plan(
     platform: str = "accelerator",
 ) -> MemoryPlan:
     """Plan `work` (`request` describes it, in words) for the checkpoint `models` describes (its configs,
-    read from its files, or a published `variant`'s: `published`); `klein plan`'s question in its flags
-    becomes a workload above, where requests are resolved (`klein.request.planning`). `platform`: whose
-    programs (`programs_on`): "cpu" for this machine's CPU, which copies the layers it runs (`copies_on`)
-    and whose one memory holds streamed layers and the process itself too (`residency.on`,
-    `klein.memory.process`), "gpu" for an NVIDIA card, else an accelerator's (a TPU's)."""
+    read from its files, or a published `variant`'s: `published`) on a `platform` device (`request_memory`);
+    a CPU's one memory also holds streamed layers and the process itself (`residency.on`, `process`)."""
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
     # The same divisibility errors loading the model on this mesh would raise (any request fits).
@@ -250,9 +234,7 @@ def plan(
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
-        memory=request_memory(
-            cfg, text_config, models.vae, abstract, work, e, programs=programs_on(platform, e)
-        ),
+        memory=request_memory(cfg, text_config, models.vae, abstract, work, e, platform=platform),
         workload=work,
         caches_references=models.variant.kv,
         process=process.footprint(platform),
@@ -324,11 +306,9 @@ def model_bytes(
     compute: str = products.BF16,
     quantized: dict | None = None,
 ) -> dict[str, int]:
-    """Weight bytes per device of each model ("text_encoder", "transformer", "vae") as stored: floats of
-    `itemsize` bytes, the transformer's Linears in the forms `fp8` and `compute` give them
-    (`stored_transformer`), and those a quantized file keeps quantized at its own bytes per weight
-    (`quantized`: model -> module path -> bytes); and of each model with stacks, the bytes the `stream` policy
-    keeps in host memory ("<model>_streamed": its stacks less the largest two layers)."""
+    """Weight bytes per device of each model ("text_encoder", "transformer", "vae") as stored (floats of
+    `itemsize` bytes, the transformer's Linears as `stored_transformer` builds them, those of `quantized`
+    files at their bytes per weight), and the bytes `stream` keeps in host memory (`residency.streamed`)."""
     _, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
     # Built in its dtype and stored forms: every Param is counted as the loader keeps it.
     transformer = stored_transformer(cfg, itemsize, fp8, compute)
@@ -403,9 +383,8 @@ def _weights(
     abstract: nnx.Module, table, mesh, floats: int | None = None, files=None, prefix: tuple = ()
 ) -> tuple[int, int]:
     """(bytes per device, parameter count) of a module: each Param at its dtype's bytes, or at `floats`
-    bytes where given and it is a float (the loader casts those); the Linears of `files` (module path ->
-    bytes per weight) at the rate their file stores them, their scales within it; `prefix`: the module's
-    path in the model `table` describes."""
+    where given and it is a float (the loader casts those); the Linears of `files` at their file's rate;
+    `prefix`: the module's path in the model `table` describes."""
     per_device, count, files = 0, 0, files or {}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
         path = prefix + tuple(path)
@@ -472,18 +451,10 @@ def _rounding(cfg: TransformerConfig, mesh, batch: int, queries: int, itemsize: 
 # bits, `klein.models.stacks`, and viewed as bf16 by a copy), widened to float32 where it cannot multiply
 # bf16 as it is (`klein.models.products`), and its scheduler cuts the next layer's kernels while the
 # current ones are still live: as multiples of one layer. Fitted to `memory_analysis()` of the real
-# programs at the published sizes (`klein plan --compiled` prints them; the figures are in docs/design.md,
-# "Residency and memory").
+# programs at the published sizes (`klein plan --compiled` prints them; the figures are in
+# docs/design/memory.md).
 COPIED_DOUBLE_BLOCKS = {2: 1.2, 4: 1.42}
 COPIED_DECODER_LAYERS = {2: 0.9, 4: 0.9}
-
-
-def copies_on(platform: str, itemsize: int) -> int | None:
-    """Bytes per weight of the layer copies a `platform` device holds while it runs bf16 layers: a CPU's
-    are bf16 where it multiplies bf16 as it is, else float32; None for an accelerator or float32 weights."""
-    if platform != "cpu" or itemsize >= 4:
-        return None
-    return itemsize if products.in_place(platform) else 4
 
 
 def layer_copies(cfg: TransformerConfig, text_config: Qwen3Config, mesh, itemsize: int) -> tuple[int, int]:
@@ -533,10 +504,8 @@ def _decode_activations(
 
 
 def _decoder_level_bytes(vae: VAEConfig, height: int, width: int, gpu_itemsize: int | None = None) -> int:
-    """Live bytes at the decoder's widest level for one image of `height` x `width` px: at each resolution
-    the input of its first layer, the output of its last and a normalised copy, at the widest channel count
-    that level sees (the upsampled input of the level above included), in fp32; on a GPU, its first layer's
-    (`gpu_estimate.decoder_level`)."""
+    """Live bytes at the decoder's widest level for one image of `height` x `width` px: three copies at the
+    widest channel count a level sees, in fp32; on a GPU, its first layer's (`gpu_estimate.decoder_level`)."""
     widths = tuple(reversed(vae.decoder_channels))  # lowest resolution first, as the decoder runs
     levels = []
     for level, channels in enumerate(widths):

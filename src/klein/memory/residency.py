@@ -45,9 +45,8 @@ def on(platform: str, sizes: dict[str, int]) -> dict[str, int]:
     layers streamed from host memory stay in the same memory, so `stream` saves nothing there."""
     if platform != "cpu":
         return sizes
-    return {
-        name: 0 if name in {streamed(model) for model in MODELS} else size for name, size in sizes.items()
-    }
+    streams = {streamed(model) for model in MODELS}
+    return {name: 0 if name in streams else size for name, size in sizes.items()}
 
 
 def resident_weights(policy: str, sizes: dict[str, int]) -> int:

@@ -29,7 +29,16 @@ def variant_of_file(
     (`flux-2-klein-base-9b.safetensors`, `flux-2-klein-9b-kv-fp8.safetensors`), unless `forced` names the
     variant; a forced variant must match the shapes."""
     if forced is not None:
-        return _forced(path, transformer, forced)
+        if forced not in variants.VARIANTS:
+            raise CheckpointError(f"unknown variant {forced!r}; known: {', '.join(variants.VARIANTS)}")
+        size = variants.size_of(transformer)
+        if size != variants.VARIANTS[forced].size:
+            holds = f"a klein-{size.name}" if size else "a non-standard"
+            raise CheckpointError(
+                f"{path}: holds {holds} transformer ({transformer.num_layers} double + "
+                f"{transformer.num_single_layers} single blocks, width {transformer.hidden}), not {forced}"
+            )
+        return variants.VARIANTS[forced]
     words = set(re.split(r"[^a-z0-9]+", path.stem.lower()))
     kv, distilled = "kv" in words, "base" not in words
     known = ", ".join(variants.VARIANTS)
@@ -50,19 +59,6 @@ def _published(path: Path, transformer: TransformerConfig, kv: bool, distilled: 
     if name not in variants.VARIANTS:
         raise CheckpointError(f"{path}: " + refusal.format(size=size.name, name=name))
     return variants.VARIANTS[name]
-
-
-def _forced(path: Path, transformer: TransformerConfig, forced: str) -> variants.Variant:
-    if forced not in variants.VARIANTS:
-        raise CheckpointError(f"unknown variant {forced!r}; known: {', '.join(variants.VARIANTS)}")
-    size = variants.size_of(transformer)
-    if size != variants.VARIANTS[forced].size:
-        holds = f"a klein-{size.name}" if size else "a non-standard"
-        raise CheckpointError(
-            f"{path}: holds {holds} transformer ({transformer.num_layers} double + "
-            f"{transformer.num_single_layers} single blocks, width {transformer.hidden}), not {forced}"
-        )
-    return variants.VARIANTS[forced]
 
 
 def _model_index(folder: Path) -> dict:

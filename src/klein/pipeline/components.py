@@ -69,14 +69,21 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
     root, name = _checkpoint(source, parts)
     named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
     transformer = _locate(named["transformer"])
-    encoder = _text_encoder(_part(named["text_encoder"], "text_encoder"))
+    encoder = _part(named["text_encoder"], "text_encoder")
+    if encoder.is_file() and encoder.suffix.lower() != ".gguf":
+        raise CheckpointError(
+            f"{encoder}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
+            f"repo) or a Qwen3 GGUF file, not another single file"
+        )
     config = file_config(transformer) if transformer.is_file() else _folder_config(transformer)
     text_config = read_gguf_config(encoder) if encoder.is_file() else read_text_encoder_config(encoder)
     if named["tokenizer"] is None:
         named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
     found = _variant(transformer, config, variant)
     _check_text_encoder(encoder, text_config, config, found)
-    _check_fits(mesh, config, text_config)
+    if mesh is not None:  # fail before any weight is read when the mesh cannot split the models evenly
+        sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(config))
+        sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(text_config))
     vae = _part(named["vae"], "vae")
     return Located(
         name=str(parts.transformer) if parts.transformer else name,
@@ -156,14 +163,6 @@ def _described(config: Qwen3Config) -> str:
     )
 
 
-def _check_fits(mesh, config: TransformerConfig, text_config: Qwen3Config) -> None:
-    """Fail before reading any weight when the mesh cannot split the models evenly."""
-    if mesh is None:
-        return
-    sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(config))
-    sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(text_config))
-
-
 def _folder_config(path: Path) -> TransformerConfig:
     return read_transformer_config(_transformer_folder(path))
 
@@ -237,12 +236,3 @@ def _variant(path: Path, config: TransformerConfig, variant: str | None) -> vari
     if variant is None and (path / "model_index.json").is_file():  # a pipeline's index says which
         return checkpoints.detect(path, config)
     return checkpoints.variant_of_file(path, config, variant)
-
-
-def _text_encoder(path: Path) -> Path:
-    if path.is_file() and path.suffix.lower() != ".gguf":
-        raise CheckpointError(
-            f"{path}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
-            f"repo) or a Qwen3 GGUF file, not another single file"
-        )
-    return path

@@ -103,7 +103,9 @@ def load_options(pretrained_model_name_or_path=None, **kwargs) -> tuple[dict, st
     if options.pop("local_files_only", False):
         _check_local(pretrained_model_name_or_path)
     device = options.pop("device_map", None)
-    if device is not None and not _device_like(device):
+    if device is not None and (
+        isinstance(device, Mapping) or str(device).split(":")[0] not in _TORCH_PLATFORMS
+    ):
         raise InputError(
             f"device_map={device!r} spreads diffusers' models over devices; klein shards every model over "
             "all of them with mesh='fsdp' (or places the pipeline on one device with no device_map)"
@@ -150,11 +152,6 @@ def _is_dtype(value) -> bool:
     """Whether a `.to` argument is a dtype (torch's print as "torch.bfloat16"; its devices as "cuda:0")."""
     text = str(value)
     return text.startswith("torch.") or text in DTYPES or isinstance(value, np.dtype | type)
-
-
-def _device_like(value) -> bool:
-    text = str(value)
-    return not isinstance(value, Mapping) and text.split(":")[0] in _TORCH_PLATFORMS
 
 
 def check_device(devices, device, call: str) -> None:

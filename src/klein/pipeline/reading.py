@@ -1,7 +1,5 @@
-"""What loading a pipeline reads and decides before the pipeline exists: every part found and its config
-read, the memory planned, a residency policy chosen, then the weights read as that policy places them
-(docs/design.md, "Residency and memory"). `read` leaves them in a `Loaded`, which `Flux2KleinPipeline`
-is made from (`klein.pipeline.loading.load`, and diffusers' `from_pretrained`).
+"""What loading a pipeline reads and decides before the pipeline exists: every part found, the memory
+planned, a residency policy chosen, then the weights read as that policy places them (docs/design/memory.md).
 """
 
 from __future__ import annotations
@@ -65,9 +63,8 @@ def read(options: LoadOptions) -> Loaded:
     stored = plan.Models(*configs, located.variant, located.fp8 and not dequantize)
     if not dequantize:
         stored = plan.with_files(stored, located.transformer, located.text_encoder)
-    fp8, quantized = stored.fp8, stored.quantized
     sizes = plan.model_bytes(
-        *configs, planning_mesh(mesh), dtype.itemsize, fp8=fp8, compute=compute, quantized=quantized
+        *configs, planning_mesh(mesh), dtype.itemsize, stored.fp8, compute, stored.quantized
     )
     sizes = residency.on(devices[0].platform, sizes)
     limit, where = admission.memory_for_plan(devices, options.memory_cap)

@@ -77,10 +77,9 @@ def request(shape: Shape) -> GenerationRequest:
 
 
 def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda line: None) -> int:
-    """Run a request of each shape in `planned` on `pipe`, and again under a LoRA when it offers any,
-    telling `log` of each; the programs built. A shape the pipeline refuses (one that cannot
-    fit) is logged and skipped. The pipeline's work counters are left as they were: warming is not work a
-    caller asked for."""
+    """Run a request of each shape in `planned` on `pipe`, telling `log` of each; the programs built. A
+    shape the pipeline refuses (one that cannot fit) is skipped. The pipeline's work counters are left as
+    they were: warming is not work a caller asked for."""
     counters = pipe.counters.copy()
     planned, loras = tuple(planned), pipe.adapters.names
     if loras:  # each shape again under a LoRA offered by name, so that a request naming one builds nothing
@@ -103,9 +102,7 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
 
 def programs(references: int, cached: bool) -> dict[str, int]:
     """The large programs an editing run meets with 0 to `references` references of one size, at one
-    output size and number of images (`cached`: references enter as prefilled keys and values): each is
-    compiled once, on first use or ahead. Every other output size, reference size or number of images
-    adds its own steps and decoder (and reference encoder, prefill)."""
+    output size and number of images (`cached`: references enter as prefilled keys and values)."""
     return {
         "text encoder": 1,
         "reference encoder": 1 if references else 0,
