@@ -29,10 +29,9 @@ def available_bytes(devices) -> tuple[int, str]:
 
 
 def memory_for_plan(devices, cap: int | None = None) -> tuple[int, str]:
-    """(bytes a whole plan may take on the most loaded of `devices`, where that figure comes from): what is
-    free there, on a CPU with the part of the process's planned footprint it holds already (a CPU plan
-    counts the process, `klein.memory.process`; no more than that, so that a process holding another
-    pipeline is not counted free), or `cap` where that is less."""
+    """(bytes a whole plan may take on the most loaded of `devices`, where from): what is free there, on a
+    CPU with what the process holds already of its planned footprint (no more, so that a process holding
+    another pipeline is not counted free), or `cap` where that is less."""
     free, where = available_bytes(devices)
     if devices[0].platform == "cpu":
         free += min(process.resident(), process.footprint("cpu"))
@@ -44,9 +43,8 @@ def memory_for_plan(devices, cap: int | None = None) -> tuple[int, str]:
 
 def under_cap(cap: int, weights: int, own: int, limit: int, where: str) -> tuple[int, str]:
     """(bytes a request may use, where from) under a memory cap of `cap` bytes: the cap less the `weights`
-    the residency policy holds and `own`, klein's own process where it shares the memory the cap bounds
-    (`process.footprint`: on the CPU), or `limit` where that is less. The words carry the figures, so that
-    a refusal says what the cap was spent on."""
+    the residency policy holds and `own`, klein's own process (on the CPU), or `limit` where that is less.
+    The words carry the figures, so that a refusal says what the cap was spent on."""
     left = max(0, cap - weights - own)  # nothing left, rather than less than nothing
     if left >= limit:
         return limit, where

@@ -290,10 +290,7 @@ def stored_transformer(cfg: TransformerConfig, itemsize: int, fp8: bool, compute
     linears = {path[:-1] for path, _ in nnx.to_flat_state(nnx.state(plain)) if path[-1] == "kernel"}
     plan = {(*path, "kernel"): [] for path in linears}
     forms = stored_forms(plan, frozenset(linears) if fp8 else frozenset(), compute)
-    return abstract_transformer(cfg, _FLOATS[itemsize], forms)
-
-
-_FLOATS = {2: jnp.bfloat16, 4: jnp.float32}
+    return abstract_transformer(cfg, {2: jnp.bfloat16, 4: jnp.float32}[itemsize], forms)
 
 
 def model_bytes(

@@ -2,9 +2,8 @@
 
 A key that leaves out one input lets two different values share an entry: an orange 512x384 image and an
 orange 384x512 one have the same pixel bytes, so a key of bytes alone answers one with the other's
-latents. Keys carry their owner, the API key whose entry it is (`klein serve`: keys share no entry, so
-none can see another's), and a key of what depends on the transformer's weights (reference keys and
-values, prompt embeddings) carries the `weights_id` it was computed under, unmerged LoRAs included.
+latents. Keys carry their owner (`klein serve`: API keys share no entry, so none can see another's) and
+the `weights_id` of what depends on the transformer's weights, unmerged LoRAs included.
 """
 
 from __future__ import annotations

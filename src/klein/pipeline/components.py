@@ -75,7 +75,10 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
             f"{encoder}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
             f"repo) or a Qwen3 GGUF file, not another single file"
         )
-    config = file_config(transformer) if transformer.is_file() else _folder_config(transformer)
+    if transformer.is_file():
+        config = file_config(transformer)
+    else:
+        config = read_transformer_config(_transformer_folder(transformer))
     text_config = read_gguf_config(encoder) if encoder.is_file() else read_text_encoder_config(encoder)
     if named["tokenizer"] is None:
         named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
@@ -161,10 +164,6 @@ def _described(config: Qwen3Config) -> str:
         f"hidden size {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} "
         f"heads ({config.num_key_value_heads} key/value)"
     )
-
-
-def _folder_config(path: Path) -> TransformerConfig:
-    return read_transformer_config(_transformer_folder(path))
 
 
 def _stored(path: Path) -> dict:

@@ -69,9 +69,8 @@ def step_function(mode: Mode):
 
 def step_inputs(rope, conditioning: Conditioning, grid, text_tokens: int, references: References | None):
     """(ropes, cond) of every step of a request: the rope tables of the h x w token `grid` and of the
-    text, and the conditioning's own value (nothing; the references' tokens and rope tables; the
-    prefill's keys/values). `rope(ids)`: the rope tables of position ids (`rope_of`, or a cache of it).
-    What the pipeline runs and what `klein plan --compiled` compiles."""
+    text, and the conditioning's own value; `rope(ids)`: the rope tables of position ids (`rope_of`, or a
+    cache of it). What the pipeline runs and what `klein plan --compiled` compiles."""
     h, w = grid
     ropes = (rope(sampling.image_ids(h, w)), rope(sampling.text_ids(text_tokens)))
     cond = {

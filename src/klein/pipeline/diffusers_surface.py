@@ -148,12 +148,6 @@ def _check_local(source) -> None:
         ) from exc
 
 
-def _is_dtype(value) -> bool:
-    """Whether a `.to` argument is a dtype (torch's print as "torch.bfloat16"; its devices as "cuda:0")."""
-    text = str(value)
-    return text.startswith("torch.") or text in DTYPES or isinstance(value, np.dtype | type)
-
-
 def check_device(devices, device, call: str) -> None:
     """Refuse `device` (torch's name of a device, or a torch.device) unless the pipeline, on `devices`, is on
     it: klein places weights as it reads them, so a pipeline does not move."""
@@ -232,8 +226,8 @@ class DiffusersSurface:
         klein placed its weights as it read them, in the dtype it loaded; anything else is refused naming
         what the pipeline has (the devices jax has, or the dtype to load with). klein prints no dtype
         warning to silence."""
-        for arg in args:
-            if _is_dtype(arg):
+        for arg in args:  # torch's dtypes print as "torch.bfloat16", its devices as "cuda:0"
+            if str(arg).startswith("torch.") or str(arg) in DTYPES or isinstance(arg, np.dtype | type):
                 dtype = arg
             else:
                 device = arg

@@ -1,9 +1,6 @@
-"""Prompt preparation: chat template, tokenization, padding (docs/design/architecture.md).
-
-Reproduces diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` up to the text encoder call without
-transformers: `tokenizer.json` is run by the `tokenizers` library and the chat template is rendered with
-jinja2 as transformers' `apply_chat_template` does (one user message, `add_generation_prompt=True`,
-`enable_thinking=False`).
+"""Prompt preparation as diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` does it up to the text
+encoder call, without transformers: `tokenizer.json` run by the `tokenizers` library, the chat template
+rendered with jinja2 as transformers' `apply_chat_template` does (docs/design/architecture.md).
 """
 
 from __future__ import annotations
