@@ -44,14 +44,14 @@ def main() -> None:
 
     import klein.pipeline.loading  # noqa: F401 (what `klein generate` imports before loading)
     from klein.memory import process
-    from klein.pipeline import components
+    from klein.pipeline import components, prompts
 
     (jnp.ones(3) + 1).block_until_ready()
     runtime = resident()
     show(f"runtime ({jax.devices()[0].platform})", runtime)
     model = None if flags.text_encoder else "demo"
     located = components.locate(model, components.Parts(flags.transformer, flags.text_encoder, flags.vae))
-    tokenizer = components.load_tokenizer_part(located)
+    tokenizer = prompts.load_tokenizer(located.tokenizer)
     after = resident()
     show("with the tokenizer", after)
     print(f"tokenizer: {(after['VmRSS'] - runtime['VmRSS']) / 2**20:.0f} MiB ({type(tokenizer).__name__})")

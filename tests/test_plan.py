@@ -34,15 +34,15 @@ def test_klein_9b_kv_weights_and_kv_by_hand(mesh, fsdp, context):
     assert round(p.transformer_params / 1e9, 2) == 9.08
     # Norm weights are replicated rather than split: a few hundred KiB on top of the exact share.
     assert p.transformer == pytest.approx(PARAMS_9B * 2 / fsdp, rel=2e-3)
-    assert p.reference_kv == 4 * TOKENS_1024 * KV_PER_TOKEN / context == 8 * GiB / context
+    assert p.memory.reference_kv == 4 * TOKENS_1024 * KV_PER_TOKEN / context == 8 * GiB / context
 
 
 def test_tensor_parallelism_splits_kv_heads_and_activations():
     # Both on meshes: only tensor differs.
     single = plan("klein-9b-kv", "fsdp=2", refs=1)
     split = plan("klein-9b-kv", "fsdp=2,tensor=4", refs=1)
-    assert split.reference_kv == single.reference_kv / 4 == 0.5 * GiB
-    assert split.step_activations < single.step_activations / 3
+    assert split.memory.reference_kv == single.memory.reference_kv / 4 == 0.5 * GiB
+    assert split.memory.step < single.memory.step / 3
     # Modulation and embedders stay whole under tensor parallelism: more than a quarter remains.
     assert single.transformer / 4 < split.transformer < single.transformer / 3
 
@@ -55,23 +55,23 @@ def test_context_parallelism_splits_attention_queries():
     block = (width * fused + (width + 12288) * width) * 2  # one single block's weights, gathered by fsdp
     # residual, fused projection, and the output projection's joined input of this device's queries
     queries = tokens // 8 * (width + fused + width + 12288) * 2
-    assert split.prefill_activations == queries + 4 * tokens * width * 2 + tile + block
-    assert split.prefill_activations < 0.55 * single.prefill_activations  # the keys stay whole: not 1/8
+    assert split.memory.prefill == queries + 4 * tokens * width * 2 + tile + block
+    assert split.memory.prefill < 0.55 * single.memory.prefill  # the keys stay whole: not 1/8
     assert split.transformer == single.transformer
 
 
 def test_attention_memory_is_linear_in_tokens():
     four, eight = (plan("klein-9b-kv", "context=2", refs=n) for n in (4, 8))
-    assert eight.prefill_activations < 2.1 * four.prefill_activations
+    assert eight.memory.prefill < 2.1 * four.memory.prefill
     # Dense fp32 scores of 16k x 16k tokens, 32 heads, split over 2 devices: 32 GiB; the tiles: 128 MiB.
-    assert four.prefill_activations < 2 * GiB
+    assert four.memory.prefill < 2 * GiB
 
 
 def test_non_kv_variants_have_no_cache_and_base_doubles_the_batch():
     distilled = plan("klein-9b", "single", refs=2)
     base = plan("klein-base-9b", "single", refs=2)
-    assert distilled.reference_kv == distilled.prefill_activations == 0
-    assert base.step_activations > 1.9 * distilled.step_activations  # CFG: prompt and negative
+    assert distilled.memory.reference_kv == distilled.memory.prefill == 0
+    assert base.memory.step > 1.9 * distilled.memory.step  # CFG: prompt and negative
 
 
 def test_planner_errors():

@@ -187,9 +187,7 @@ def test_a_refused_request_hears_the_largest_smaller_forms_that_fit():
         "768x768 px (2.8 MiB)",  # 4 x 768^2 + 64 x 8192 = 2.75 MiB; 896^2 does not fit
         "2 images at a time (2.5 MiB)",
     ]
-    memory = plan.RequestMemory(
-        reference_kv=0, prefill=0, text=0, step=peak(work), decode=0, tiled_decode=False
-    )
+    memory = plan.RequestMemory(reference_kv=0, prefill=0, text=0, step=peak(work), decode=0)
     with pytest.raises(
         InputError, match=r"1.5 MiB more than the 3.0 MiB allowed; ask for less.*these fit: 768x768 px"
     ):

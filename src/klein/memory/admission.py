@@ -1,15 +1,7 @@
-"""Admission: refuse a request that cannot fit before it allocates anything (docs/design.md, "Admission").
-
-The request's bytes come from the planner's estimator (`klein.memory.plan.request_memory`, the same one
-`klein plan` prints); what the device can give comes from `device.memory_stats()` where the backend
-reports it, else (CPU) from the host's available memory; a memory cap (`LoadOptions.memory_cap`) bounds
-both. A refusal names the smaller forms of the request that would fit (`smaller_requests`), sides tried at
-`SCALES` (`smaller_sides`, which `klein plan`'s suggestions try too: `klein.request.planning`).
-A pipeline holds a `Budget`: the bytes a request may add to its weights are the first of a limit it
-is given (`pipe.memory_limit`); the memory free when it took it as its own (`Budget.own`: a server, before
-its first job) less what its caches have come to hold; what the device has free now. Free memory counts
-the weights on the device now, and the residency policy may hold more or fewer while a request runs, so
-those are added back and the policy's taken instead.
+"""Admission: refuse a request that cannot fit before it allocates anything (docs/design/requests.md,
+"Admission"), measuring it with the planner's estimator (`klein.memory.plan.request_memory`) against what
+the device has free (`available_bytes`), a memory cap (`under_cap`) or a pipeline's own `Budget`; a
+refusal names the smaller forms of the request that would fit (`smaller_requests`).
 """
 
 from __future__ import annotations
@@ -37,10 +29,9 @@ def available_bytes(devices) -> tuple[int, str]:
 
 
 def memory_for_plan(devices, cap: int | None = None) -> tuple[int, str]:
-    """(bytes a whole plan may take on the most loaded of `devices`, where that figure comes from): what is
-    free there, on a CPU with the part of the process's planned footprint it holds already (a CPU plan
-    counts the process, `klein.memory.process`; no more than that, so that a process holding another
-    pipeline is not counted free), or `cap` where that is less."""
+    """(bytes a whole plan may take on the most loaded of `devices`, where from): what is free there, on a
+    CPU with what the process holds already of its planned footprint (no more, so that a process holding
+    another pipeline is not counted free), or `cap` where that is less."""
     free, where = available_bytes(devices)
     if devices[0].platform == "cpu":
         free += min(process.resident(), process.footprint("cpu"))
@@ -52,9 +43,8 @@ def memory_for_plan(devices, cap: int | None = None) -> tuple[int, str]:
 
 def under_cap(cap: int, weights: int, own: int, limit: int, where: str) -> tuple[int, str]:
     """(bytes a request may use, where from) under a memory cap of `cap` bytes: the cap less the `weights`
-    the residency policy holds and `own`, klein's own process where it shares the memory the cap bounds
-    (`process.footprint`: on the CPU), or `limit` where that is less. The words carry the figures, so that
-    a refusal says what the cap was spent on."""
+    the residency policy holds and `own`, klein's own process (on the CPU), or `limit` where that is less.
+    The words carry the figures, so that a refusal says what the cap was spent on."""
     left = max(0, cap - weights - own)  # nothing left, rather than less than nothing
     if left >= limit:
         return limit, where
@@ -149,13 +139,12 @@ def planning_mesh(mesh):
 
 
 def estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
-    """(plain decode, tiled decode) estimates of `work` for the configs of `models` (anything with a
-    `config`, `text_config` and `vae_config`: a pipeline, or the located checkpoint it loads) on `mesh`
-    (`klein.memory.plan.request_memory`)."""
-    programs = plan.programs_on(sharding.local_devices(mesh)[0].platform, itemsize)
+    """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
+    located checkpoint it loads) on `mesh` (`klein.memory.plan.request_memory`)."""
+    platform = sharding.local_devices(mesh)[0].platform
     configs, shape = (models.config, models.text_config, models.vae_config), planning_mesh(mesh)
     return tuple(
-        plan.request_memory(*configs, shape, work, itemsize, tiled_decode=tiled, programs=programs)
+        plan.request_memory(*configs, shape, work, itemsize, tiled_decode=tiled, platform=platform)
         for tiled in (False, True)
     )
 
@@ -178,7 +167,8 @@ class Budget:
         self._owned = (free + held, caches, f"{where} when the server started, less its caches")
 
     def _free(self) -> tuple[int, str]:
-        """(bytes a request may use beside the weights the residency policy holds, where from), now."""
+        """(bytes a request may use beside the weights the residency policy holds, where from), now: free
+        memory counts the weights on the device now, which the policy may change while a request runs."""
         free, where = available_bytes(sharding.local_devices(self.mesh))
         now, held = self._weights()
         return free + now - held, where
@@ -201,10 +191,9 @@ class Budget:
     def admit(
         self, work: plan.Workload, limit=None, cap=None, adapters: int = 0, placed: bool = False
     ) -> bool:
-        """Refuse `work` if it cannot fit the `_room(limit, cap)` (`check`); True when
-        only the tiled decoder makes it fit. `adapters`: the bytes of the adapter slots of unmerged LoRAs
-        the request is charged, `placed` when they are on the device already, where a live reading of
-        free memory counts them."""
+        """Refuse `work` if it cannot fit the `_room(limit, cap)` (`check`); True when only the tiled decoder
+        makes it fit. `adapters`: the bytes of unmerged LoRAs' slots, `placed` when they are on the device
+        already, where a live reading of free memory counts them."""
         room, where = self._room(limit, cap)
         if not (placed and limit is None and self._owned is None):
             room -= adapters

@@ -1,18 +1,8 @@
 """What XLA's GPU programs hold at each stage's widest point, for the planner (`klein.memory.plan`) when it
 plans for an NVIDIA card: read from the buffer assignment of the real programs compiled for an H100
-(`klein plan --target h100 --compiled`; docs/design.md, "GPU programs from any machine").
-
-Three things make a GPU program unlike the CPU's the planner was first fitted to:
-- XLA:GPU copies the layer it runs out of its stack (a dynamic slice is not read in place by a GEMM),
-  but only the kernels the running operation needs: the single block's fused projection kernel while it
-  multiplies, the decoder layer's three MLP kernels while they run, not whole layers ahead of time;
-- on one card, bf16 attention is cuDNN's fused kernel: no score tiles, and the keys and values are read
-  as they are (the blocked kernel's key blocks are copies);
-- cuDNN convolves bf16 as it is, where XLA:CPU widens the VAE decoder to float32.
-
-The stages' peaks are then the largest of a few points (the tensors live at once), not the sum of every
-tensor the stage makes, which is what the CPU's estimate is. Bytes per device; `itemsize`: the weights'
-and activations' bytes per value.
+(`klein plan --target h100 --compiled`; docs/design/compiling.md, "GPU programs from any machine", says
+why they differ from the CPU's). A stage's peak is the largest of a few points, not the sum of every
+tensor it makes. Bytes per device; `itemsize`: the weights' and activations' bytes per value.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """Memory planner: the bytes each device holds for a klein model on a mesh, for `klein plan` (before
 buying hardware) and for admission (before a request allocates anything, `klein.memory.admission`).
 
-Weights and the reference KV cache are exact: parameter and cache shapes (`nnx.eval_shape`, nothing
-allocated), split by the rules the loader and the model use (`klein.sharding`) on an abstract mesh, so
-no devices are needed. What a request adds on top of the weights is an estimate of each stage's widest
-point, per device (docs/design.md, "Admission"); the stages run one after another, so a request's peak
-is the reference KV plus its largest stage:
-  text encoder      one Qwen3 layer over every prompt (residual, q / k / v, MLP, fp32 scores) and the
-                    hidden states the embedding keeps
-  denoise step      the prompt embeddings, and a single-stream block's attention:
-    residual stream          b * s_q * D
-    fused projection         b * s_q * (3D + 2M) / tensor      (q, k, v and the MLP input)
-    gathered keys, values    4 * b * S_k * D / tensor          (all-gathered under context parallelism;
-                                                               XLA also holds them cut into the
-                                                               attention's key blocks)
-    scores and weights, fp32 2 * b * H / tensor * rows * cols * 4 B, one tile of the blocked attention
-                             (`klein.models.attention`): rows = min(256, s_q) queries by cols <= 2048
-                             keys, on one device and per device on a mesh alike
-    gathered layer weights   one single block's weights / tensor (fsdp gathers a layer at a time)
-  KV prefill        the same over the reference tokens alone
-  decode            the VAE decoder's widest resolution level for every image at once (fp32), or for one
-                    tile at a time (`decode_latents_tiled`), plus the pixels
-with b the batch per data shard (x2 with CFG), s_q the query tokens per context shard and S_k all keys.
-Standard editing attends over [txt, img, refs]; KV editing over [txt, img] with the cached reference
-keys, after a prefill over the references alone. That is an accelerator's estimate (a TPU's); a CPU's
-adds the layer copies it makes (`layer_copies`), and a GPU's programs are planned apart
-(`klein.memory.gpu_estimate`): `programs_on` decides which.
+Weights and the reference KV cache are exact: shapes from `nnx.eval_shape`, split by `klein.sharding`'s
+rules on an abstract mesh, so no devices are needed. What a request adds is an estimate of each stage's
+widest point per device (text encoder, KV prefill, denoise step, decode: `_activations` and its siblings
+list the terms); the stages run one after another, so a request's peak is the reference KV plus its
+largest stage. That is an accelerator's estimate (a TPU's); a CPU's adds the layer copies it makes
+(`layer_copies`), and a GPU's programs are planned apart (`klein.memory.gpu_estimate`): `request_memory`
+decides which. See docs/design/memory.md and docs/design/requests.md, "Admission".
 """
 
 from __future__ import annotations
@@ -89,8 +71,6 @@ class RequestMemory:
     text: int
     step: int
     decode: int
-    tiled_decode: bool
-    """Whether `decode` is the tiled decoder's (`decode_latents_tiled`) rather than the plain one's."""
 
     @property
     def peak(self) -> int:
@@ -115,72 +95,57 @@ def request_memory(
     work: Workload,
     itemsize: int,
     tiled_decode: bool = False,
-    programs: Programs | None = None,
+    platform: str = "accelerator",
 ) -> RequestMemory:
     """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes,
-    for the programs of the platform `programs` describes (`programs_on`; by default an accelerator's)."""
-    programs = programs or Programs()
-    if programs.gpu:
-        return _gpu_memory(cfg, text_config, vae_config, mesh, work, itemsize, tiled_decode)
-    copies = programs.copies
-    refs, batch, queries, keys = _tokens(vae_config, work)
-    embeddings = _embeddings(cfg, mesh, batch, itemsize)
-    layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
-    rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
-    prefill = 0
-    if work.cached and refs:
-        # The prefill runs the double blocks' image stream alone: half their weights are copied.
-        prefill = layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize)
-        prefill += _rounding(cfg, mesh, 1, refs, itemsize, rounded)
-    step = _activations(cfg, mesh, batch, queries, keys, itemsize) + _rounding(
-        cfg, mesh, batch, queries, itemsize, rounded
-    )
-    return RequestMemory(
-        reference_kv=_reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0,
-        prefill=prefill,
-        text=text_layer + _text_activations(text_config, work.prompts, itemsize),
-        step=layer + embeddings + step,
-        decode=_decode_activations(vae_config, work.images, work.height, work.width, tiled_decode),
-        tiled_decode=tiled_decode,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Programs:
-    """How the programs of the platform planned for hold a stage's tensors, where platforms differ: decided
-    in one place, `programs_on`. The default is an accelerator's (a TPU's), as first estimated."""
-
-    copies: int | None = None
-    """A CPU's: bytes per weight of the copies it makes of the layers it runs (`layer_copies`, `copies_on`)."""
-    gpu: bool = False
-    """XLA:GPU's programs (`klein.memory.gpu_estimate`: the widest of a few points, measured)."""
-
-
-def programs_on(platform: str, itemsize: int) -> Programs:
-    """The programs planned for a device of `platform`: "cpu" (this machine's: its layer copies depend on
-    whether it multiplies bf16 in place), "gpu" (an NVIDIA card), anything else an accelerator's."""
-    return Programs(copies=copies_on(platform, itemsize), gpu=platform == "gpu")
-
-
-def _tokens(vae_config: VAEConfig, work: Workload) -> tuple[int, int, int, int]:
-    """(reference tokens, the step's batch, its queries, its keys) of `work`."""
+    for the programs of a `platform` device: "cpu" (this machine's, which copies the layers of bf16
+    weights it runs: in bf16 where it multiplies bf16 in place, else in float32), "gpu" (an NVIDIA card's,
+    `klein.memory.gpu_estimate`), anything else an accelerator's (a TPU's)."""
+    copies = None  # bytes per weight of the CPU's layer copies (`layer_copies`)
+    if platform == "cpu" and itemsize < 4:
+        copies = itemsize if products.in_place(platform) else 4
     token = vae_config.pixels_per_token
     image = (work.height // token) * (work.width // token)
     refs = work.reference_tokens
     batch = work.images * (2 if work.guided else 1)
-    return refs, batch, TEXT_TOKENS + image + (0 if work.cached else refs), TEXT_TOKENS + image + refs
+    prefilled = refs if work.cached else 0  # else the references are queries of every step
+    keys = TEXT_TOKENS + image + refs
+    tokens = (prefilled, batch, keys - prefilled, keys)  # (the prefill's, the step's batch, queries, keys)
+    kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
+    stages = _gpu_stages if platform == "gpu" else _stages
+    prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
+    embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+    gpu_itemsize = itemsize if platform == "gpu" else None
+    return RequestMemory(
+        reference_kv=kv,
+        prefill=prefill,
+        text=text,
+        step=embeddings + step,  # the prompt embeddings every step reads, and the step's own
+        decode=_decode_activations(
+            vae_config, work.images, work.height, work.width, tiled_decode, gpu_itemsize
+        ),
+    )
 
 
-def _embeddings(cfg: TransformerConfig, mesh, batch: int, itemsize: int) -> int:
-    """The prompt embeddings every step reads."""
-    return -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
+def _stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
+    """(prefill, text encoder, step beyond the prompt embeddings) of an accelerator's programs, or a CPU's
+    (`copies`: of the layers it runs), over `tokens` (`request_memory`'s)."""
+    refs, batch, queries, keys = tokens
+    layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
+    rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
+    prefill = 0
+    if refs:
+        # The prefill runs the double blocks' image stream alone: half their weights are copied.
+        prefill = layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize)
+        prefill += _rounding(cfg, mesh, 1, refs, itemsize, rounded)
+    step = layer + _activations(cfg, mesh, batch, queries, keys, itemsize)
+    step += _rounding(cfg, mesh, batch, queries, itemsize, rounded)
+    return prefill, text_layer + _text_activations(text_config, prompts, itemsize), step
 
 
-def _gpu_memory(
-    cfg, text_config, vae_config, mesh, work: Workload, itemsize: int, tiled: bool
-) -> RequestMemory:
-    """`request_memory` for XLA:GPU's programs (`klein.memory.gpu_estimate`)."""
-    refs, batch, queries, keys = _tokens(vae_config, work)
+def _gpu_stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
+    """`_stages` for XLA:GPU's programs (`klein.memory.gpu_estimate`)."""
+    refs, batch, queries, keys = tokens
     tensor, data, context = (sharding.ways(mesh, axis) for axis in ("heads", "batch", "seq"))
     # cuDNN's fused attention runs on one card only, in bf16 (`klein.models.attention`); elsewhere the
     # blocked kernel adds its key blocks and score tiles.
@@ -194,24 +159,13 @@ def _gpu_memory(
         single = gpu_estimate.single_block(cfg, b * s_q, b * s_k, tensor, itemsize, 0 if fused else blocked)
         return max(single, gpu_estimate.double_block(cfg, b * s_q, streams, tensor, itemsize))
 
-    text = gpu_estimate.text_layer(
-        text_config, work.prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize
-    )
-    kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
+    text = gpu_estimate.text_layer(text_config, prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize)
     # Around the blocked kernel on several cards, XLA holds the reference KV heads-major: the step a
     # transposed copy of all of it, the prefill its stacks of keys (or values) before their layout's copy
-    # (measured once: klein-9b-kv, 2 references, h100:2 on tensor; docs/design.md).
+    # (measured once: klein-9b-kv, 2 references, h100:2 on tensor; docs/design/compiling.md).
     transposed = 0 if fused else kv
-    return RequestMemory(
-        reference_kv=kv,
-        prefill=blocks(1, refs, refs, streams=1) + transposed // 2 if work.cached and refs else 0,
-        text=text,
-        step=_embeddings(cfg, mesh, batch, itemsize) + blocks(batch, queries, keys) + transposed,
-        decode=_decode_activations(
-            vae_config, work.images, work.height, work.width, tiled, gpu_itemsize=itemsize
-        ),
-        tiled_decode=tiled,
-    )
+    prefill = blocks(1, refs, refs, streams=1) + transposed // 2 if refs else 0
+    return prefill, text, blocks(batch, queries, keys) + transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,18 +191,6 @@ class MemoryPlan:
     """klein's own process where it shares the device's memory (the local CPU, `klein.memory.process`)."""
 
     @property
-    def reference_kv(self) -> int:
-        return self.memory.reference_kv
-
-    @property
-    def step_activations(self) -> int:
-        return self.memory.step
-
-    @property
-    def prefill_activations(self) -> int:
-        return self.memory.prefill
-
-    @property
     def total(self) -> int:
         return self.transformer + self.text_encoder + self.vae + self.memory.peak + self.process
 
@@ -270,14 +212,13 @@ def plan(
     platform: str = "accelerator",
 ) -> MemoryPlan:
     """Plan `work` (`request` describes it, in words) for the checkpoint `models` describes (its configs,
-    read from its files, or a published `variant`'s: `published`); `klein plan`'s question in its flags
-    becomes a workload above, where requests are resolved (`klein.request.planning`). `platform`: whose
-    programs (`programs_on`): "cpu" for this machine's CPU, which copies the layers it runs (`copies_on`)
-    and whose one memory holds streamed layers and the process itself too (`residency.on`,
-    `klein.memory.process`), "gpu" for an NVIDIA card, else an accelerator's (a TPU's)."""
+    read from its files, or a published `variant`'s: `published`) on a `platform` device (`request_memory`);
+    a CPU's one memory also holds streamed layers and the process itself (`residency.on`, `process`)."""
     cfg, text_config = models.transformer, models.text_encoder
     abstract = sharding.abstract_mesh(mesh)
-    _check_fits(abstract, variant, cfg, text_config)
+    # The same divisibility errors loading the model on this mesh would raise (any request fits).
+    sharding.check_divisible(abstract, variant, sharding.transformer_dims(cfg))
+    sharding.check_divisible(abstract, f"{variant}'s text encoder", sharding.text_encoder_dims(text_config))
     e = dtypes.itemsize(dtype)
     held = model_bytes(
         cfg, text_config, models.vae, abstract, e, models.fp8, models.compute, models.quantized
@@ -293,9 +234,7 @@ def plan(
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
-        memory=request_memory(
-            cfg, text_config, models.vae, abstract, work, e, programs=programs_on(platform, e)
-        ),
+        memory=request_memory(cfg, text_config, models.vae, abstract, work, e, platform=platform),
         workload=work,
         caches_references=models.variant.kv,
         process=process.footprint(platform),
@@ -320,17 +259,12 @@ class Models:
 
 
 def published(variant: str, dtype: str) -> Models:
-    cfg, text_config = _configs(variant, dtype)
-    return Models(cfg, text_config, FLUX2_VAE, VARIANTS[variant])
-
-
-def _configs(variant: str, dtype: str) -> tuple[TransformerConfig, Qwen3Config]:
-    """The real transformer and text encoder configs of a published variant."""
+    """The configs of a published `variant`, for a plan before anyone has its files."""
     if variant not in VARIANTS:
         raise InputError(f"unknown model {variant!r}; known: {', '.join(VARIANTS)}")
     dtypes.dtype(dtype)  # the error listing the choices
     size = VARIANTS[variant].size
-    return size.transformer, size.text_encoder
+    return Models(size.transformer, size.text_encoder, FLUX2_VAE, VARIANTS[variant])
 
 
 @functools.cache
@@ -356,10 +290,7 @@ def stored_transformer(cfg: TransformerConfig, itemsize: int, fp8: bool, compute
     linears = {path[:-1] for path, _ in nnx.to_flat_state(nnx.state(plain)) if path[-1] == "kernel"}
     plan = {(*path, "kernel"): [] for path in linears}
     forms = stored_forms(plan, frozenset(linears) if fp8 else frozenset(), compute)
-    return abstract_transformer(cfg, _FLOATS[itemsize], forms)
-
-
-_FLOATS = {2: jnp.bfloat16, 4: jnp.float32}
+    return abstract_transformer(cfg, {2: jnp.bfloat16, 4: jnp.float32}[itemsize], forms)
 
 
 def model_bytes(
@@ -372,45 +303,31 @@ def model_bytes(
     compute: str = products.BF16,
     quantized: dict | None = None,
 ) -> dict[str, int]:
-    """Weight bytes per device of each model ("text_encoder", "transformer", "vae") as stored: floats of
-    `itemsize` bytes, the transformer's Linears in the forms `fp8` and `compute` give them
-    (`stored_transformer`), and those a quantized file keeps quantized at its own bytes per weight
-    (`quantized`: model -> module path -> bytes); and of each model with stacks, the bytes the `stream` policy
-    keeps in host memory ("<model>_streamed": its stacks less the largest two layers)."""
+    """Weight bytes per device of each model ("text_encoder", "transformer", "vae") as stored (floats of
+    `itemsize` bytes, the transformer's Linears as `stored_transformer` builds them, those of `quantized`
+    files at their bytes per weight), and the bytes `stream` keeps in host memory (`residency.streamed`)."""
     _, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
-    quantized = quantized or {}
+    # Built in its dtype and stored forms: every Param is counted as the loader keeps it.
+    transformer = stored_transformer(cfg, itemsize, fp8, compute)
     models = {
         residency.TEXT_ENCODER: (text_encoder, sharding.TEXT_ENCODER_PARAMS, itemsize),
-        # Built in its dtype and stored forms: every Param is counted as the loader keeps it.
-        residency.TRANSFORMER: (
-            stored_transformer(cfg, itemsize, fp8, compute),
-            sharding.TRANSFORMER_PARAMS,
-            None,
-        ),
+        residency.TRANSFORMER: (transformer, sharding.TRANSFORMER_PARAMS, None),
         residency.VAE: (vae, (), itemsize),
     }
     sizes = {}
     for name, (module, table, floats) in models.items():
-        files = quantized.get(name, {})
+        files = (quantized or {}).get(name, {})
         sizes[name] = _weights(module, table, mesh, floats, files)[0]
-        stacks = [
-            _stack(module, prefix, table, mesh, floats, files) for prefix in residency.STACKS.get(name, ())
-        ]
-        if stacks:
-            sizes[residency.streamed(name)] = sum(size for size, _ in stacks) - 2 * max(
-                layer for _, layer in stacks
-            )
+        stacked, largest = 0, 0  # the bytes of its stacks, and of their largest layer
+        for prefix in residency.STACKS.get(name, ()):
+            path = tuple(prefix.split("."))
+            stack = functools.reduce(getattr, path, module)
+            size = _weights(stack, table, mesh, floats, files, path)[0]
+            stacked += size
+            largest = max(largest, size // jax.tree.leaves(nnx.state(stack))[0].shape[0])
+        if name in residency.STACKS:
+            sizes[residency.streamed(name)] = stacked - 2 * largest
     return sizes
-
-
-def _stack(module, prefix: str, table, mesh, floats, files) -> tuple[int, int]:
-    """(bytes per device, bytes of its largest layer) of the stacked layers at dotted `prefix`."""
-    stacked = module
-    for part in prefix.split("."):
-        stacked = getattr(stacked, part)
-    size = _weights(stacked, table, mesh, floats, files, tuple(prefix.split(".")))[0]
-    layers = jax.tree.leaves(nnx.state(stacked))[0].shape[0]
-    return size, size // layers
 
 
 def with_files(models: Models, transformer: Path | None = None, text_encoder: Path | None = None) -> Models:
@@ -454,12 +371,6 @@ def in_format(models: Models, transformer: str | None = None, text_encoder: str 
     return with_forms(models, forms)
 
 
-def _check_fits(mesh, variant: str, cfg, text_config) -> None:
-    """The same divisibility errors loading the model on this mesh would raise (any request fits)."""
-    sharding.check_divisible(mesh, variant, sharding.transformer_dims(cfg))
-    sharding.check_divisible(mesh, f"{variant}'s text encoder", sharding.text_encoder_dims(text_config))
-
-
 def _shard_bytes(shape: tuple, axes: tuple, mesh, itemsize: int) -> int:
     shard = NamedSharding(mesh, sharding.partition_spec(axes, mesh)).shard_shape(shape)
     return math.prod(shard) * itemsize
@@ -469,9 +380,8 @@ def _weights(
     abstract: nnx.Module, table, mesh, floats: int | None = None, files=None, prefix: tuple = ()
 ) -> tuple[int, int]:
     """(bytes per device, parameter count) of a module: each Param at its dtype's bytes, or at `floats`
-    bytes where given and it is a float (the loader casts those); the Linears of `files` (module path ->
-    bytes per weight) at the rate their file stores them, their scales within it; `prefix`: the module's
-    path in the model `table` describes."""
+    where given and it is a float (the loader casts those); the Linears of `files` at their file's rate;
+    `prefix`: the module's path in the model `table` describes."""
     per_device, count, files = 0, 0, files or {}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
         path = prefix + tuple(path)
@@ -502,19 +412,17 @@ def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> i
 
 
 def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int) -> int:
-    """The module docstring's estimate of the live tensors around a single-stream block's attention."""
-
+    """The live tensors around a single-stream block's attention, per device: b the batch per data shard
+    (x2 with CFG), s_q the queries per context shard; the keys are all-gathered under context
+    parallelism, and the scores are one tile of the blocked attention (`_score_tile`)."""
     b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
     tensor, d, mlp = sharding.ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
     fused = 3 * d + 2 * mlp
     live = [
         b * s_q * d * itemsize,  # residual stream
-        b * s_q * fused // tensor * itemsize,  # fused projection
-        b
-        * s_q
-        * (d + mlp)
-        // tensor
-        * itemsize,  # attention output and MLP, joined for the output projection
+        b * s_q * fused // tensor * itemsize,  # fused projection (q, k, v and the MLP input)
+        # attention output and MLP, joined for the output projection
+        b * s_q * (d + mlp) // tensor * itemsize,
         4 * b * keys * d // tensor * itemsize,  # gathered keys and values, and their attention blocks
         b * cfg.num_attention_heads // tensor * _score_tile(s_q, keys) * 4 * 2,  # scores, weights
     ]
@@ -540,18 +448,10 @@ def _rounding(cfg: TransformerConfig, mesh, batch: int, queries: int, itemsize: 
 # bits, `klein.models.stacks`, and viewed as bf16 by a copy), widened to float32 where it cannot multiply
 # bf16 as it is (`klein.models.products`), and its scheduler cuts the next layer's kernels while the
 # current ones are still live: as multiples of one layer. Fitted to `memory_analysis()` of the real
-# programs at the published sizes (`klein plan --compiled` prints them; the figures are in docs/design.md,
-# "Residency and memory").
+# programs at the published sizes (`klein plan --compiled` prints them; the figures are in
+# docs/design/memory.md).
 COPIED_DOUBLE_BLOCKS = {2: 1.2, 4: 1.42}
 COPIED_DECODER_LAYERS = {2: 0.9, 4: 0.9}
-
-
-def copies_on(platform: str, itemsize: int) -> int | None:
-    """Bytes per weight of the layer copies a `platform` device holds while it runs bf16 layers: a CPU's
-    are bf16 where it multiplies bf16 as it is, else float32; None for an accelerator or float32 weights."""
-    if platform != "cpu" or itemsize >= 4:
-        return None
-    return itemsize if products.in_place(platform) else 4
 
 
 def layer_copies(cfg: TransformerConfig, text_config: Qwen3Config, mesh, itemsize: int) -> tuple[int, int]:
@@ -601,10 +501,8 @@ def _decode_activations(
 
 
 def _decoder_level_bytes(vae: VAEConfig, height: int, width: int, gpu_itemsize: int | None = None) -> int:
-    """Live bytes at the decoder's widest level for one image of `height` x `width` px: at each resolution
-    the input of its first layer, the output of its last and a normalised copy, at the widest channel count
-    that level sees (the upsampled input of the level above included), in fp32; on a GPU, its first layer's
-    (`gpu_estimate.decoder_level`)."""
+    """Live bytes at the decoder's widest level for one image of `height` x `width` px: three copies at the
+    widest channel count a level sees, in fp32; on a GPU, its first layer's (`gpu_estimate.decoder_level`)."""
     widths = tuple(reversed(vae.decoder_channels))  # lowest resolution first, as the decoder runs
     levels = []
     for level, channels in enumerate(widths):
@@ -646,14 +544,10 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
         ("transformer weights", p.transformer, f"{_count(p.transformer_params)} params"),
         ("text encoder weights", p.text_encoder, ""),
         ("VAE weights", p.vae, "replicated"),
-        ("reference KV", p.reference_kv, "" if p.reference_kv else no_kv),
+        ("reference KV", p.memory.reference_kv, "" if p.memory.reference_kv else no_kv),
         ("activations, text encoder", p.memory.text, "estimate"),
-        ("activations, denoise step", p.step_activations, "estimate"),
-        (
-            "activations, KV prefill",
-            p.prefill_activations,
-            "estimate" if p.prefill_activations else no_kv,
-        ),
+        ("activations, denoise step", p.memory.step, "estimate"),
+        ("activations, KV prefill", p.memory.prefill, "estimate" if p.memory.prefill else no_kv),
         ("activations, decode", p.memory.decode, "estimate"),
     ]
     if p.process:
@@ -663,15 +557,15 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
     )
     head = f"{p.variant} on mesh {p.mesh} ({p.devices} device{'s' * (p.devices > 1)}): {p.request}"
     lines = [head, "per device:"]
-    lines += [f"  {name:<27}{_gib(value):>10}  {note}".rstrip() for name, value, note in rows]
+    lines += [f"  {name:<27}{residency.gib(value):>10}  {note}".rstrip() for name, value, note in rows]
     lines.append("peak per device under each residency policy:")
     for policy, peak in p.policies.items():
         fits = "" if limit is None else ("fits" if peak <= limit else "does not fit")
         summary = residency.SUMMARIES[policy]
-        lines.append(f"  {policy:<27}{_gib(peak):>10}  {summary}{'; ' + fits if fits else ''}")
+        lines.append(f"  {policy:<27}{residency.gib(peak):>10}  {summary}{'; ' + fits if fits else ''}")
     if limit is not None:
         chosen = next((name for name, peak in p.policies.items() if peak <= limit), None)
-        lines.append(f"auto on {_gib(limit)} ({where}): {chosen or 'nothing fits'}")
+        lines.append(f"auto on {residency.gib(limit)} ({where}): {chosen or 'nothing fits'}")
     return "\n".join(lines)
 
 
@@ -687,7 +581,7 @@ def describe_compiled(
         used = beyond_weights(name, analysis)
         ratio = f"{estimates[name] / used:.2f}" if used else "-"
         lines.append(
-            f"  {name:<9}{_gib(estimates[name]):>12}{_gib(used):>12}{ratio:>8}{_gib(analysis['arguments']):>14}"
+            f"  {name:<9}{residency.gib(estimates[name]):>12}{residency.gib(used):>12}{ratio:>8}{residency.gib(analysis['arguments']):>14}"
         )
     return "\n".join(lines)
 
@@ -717,7 +611,3 @@ def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
         device_memory=None if limit is None else dict(bytes=limit, source=where),
         auto=None if limit is None else next((x["name"] for x in policies if x["fits"]), None),
     )
-
-
-def _gib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB"

@@ -1,11 +1,6 @@
-"""klein's own process, counted where it shares the device's memory: on the local CPU.
-
-The planner plans device memory: weights, reference KV and each stage's activations. On a GPU or TPU the
-process itself (Python, JAX's client, the compiled programs, the tokenizer) lives in host memory, apart,
-and is not planned. On the CPU the device's memory is the host's, so the process takes from the same
-memory the weights do; a plan for it (`klein plan` on this machine, `auto` and admission on a CPU) adds
-`footprint("cpu")`, a sum of parts measured on this repository's 2-core AMD EPYC machine
-(`python benchmarks/process_footprint.py` prints the first two on any machine):
+"""klein's own process (Python, JAX's client, the programs, the tokenizer), counted where it shares the
+device's memory: on the local CPU (docs/design/memory.md). `footprint("cpu")` is a sum of parts measured
+on this repository's 2-core AMD EPYC machine (`python benchmarks/process_footprint.py` prints the first two):
 - `RUNTIME_BYTES`: the resident memory of a process that imported `klein.pipeline.flux2_klein` and JAX and
   ran one array op on the CPU (Python, numpy, JAX's CPU client, klein's modules, the shared libraries
   they map; 0.33 GiB, libtpu's probe included where the `tpu` extra is installed);
@@ -15,8 +10,6 @@ memory the weights do; a plan for it (`klein plan` on this machine, `auto` and a
   planned bytes and the two parts above, 0.30-0.77 GiB over the nine runs of
   docs/benchmarks/quantized-real-size-cpu.md, mean 0.53; 0.59 GiB here, so that a plan errs toward
   fitting.
-None of it scales with the request; all of it is on the order of a GiB, which matters beside a Q4
-klein-4b (3 GiB planned) and not beside a bf16 klein-9b.
 """
 
 from __future__ import annotations

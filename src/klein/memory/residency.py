@@ -1,19 +1,5 @@
-"""Residency: which of a pipeline's models hold device memory when (docs/design.md, "Residency").
-
-A pipeline has three models: the text encoder (needed once per new prompt), the transformer (reference
-prefill and every denoising step) and the VAE (reference encoding and decoding; small). A policy names
-the sets of them that may be on the device together:
-- `all`: everything, all the time (fastest when memory is ample);
-- `sequential`: the text encoder and the transformer take turns; the VAE stays (it is 1% of the
-  weights). A model is moved off only when the other one is needed, so a request whose prompt is cached
-  (`Flux2KleinPipeline.prompt_cache`) and whose references are encoded moves nothing.
-- `stream`: as `sequential`, and the stacked layers (the transformer's blocks, the text encoder's
-  decoder layers) stay in host memory: each layer comes to the device as the loop reaches it
-  (`klein.models.stacks`), so the device holds a model's small parts and about two of its layers; for a
-  device smaller than the transformer itself.
-- `auto` (the default) is the first of these whose planned peak fits the memory there is, chosen before
-  any weight is read; where none has room for a typical request, the one that leaves requests the most.
-
+"""Residency: which of a pipeline's models (text encoder, transformer, VAE) hold device memory when, as
+a policy (`POLICIES`, `SUMMARIES`; `auto` picks the first that fits, `choose`). See docs/design/memory.md.
 Off the device a model's weights live in host memory, or nowhere (`klein.pipeline.device_weights`).
 """
 
@@ -59,9 +45,8 @@ def on(platform: str, sizes: dict[str, int]) -> dict[str, int]:
     layers streamed from host memory stay in the same memory, so `stream` saves nothing there."""
     if platform != "cpu":
         return sizes
-    return {
-        name: 0 if name in {streamed(model) for model in MODELS} else size for name, size in sizes.items()
-    }
+    streams = {streamed(model) for model in MODELS}
+    return {name: 0 if name in streams else size for name, size in sizes.items()}
 
 
 def resident_weights(policy: str, sizes: dict[str, int]) -> int:
@@ -116,9 +101,9 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
     roomiest = min(planned, key=planned.get)
     if policy == AUTO and planned[roomiest] - request <= limit:
         return roomiest
-    estimates = ", ".join(f"{name} {_gib(peak)}" for name, peak in planned.items())
+    estimates = ", ".join(f"{name} {gib(peak)}" for name, peak in planned.items())
     held = "the weights and klein's own process" if process else "the weights"
-    alone = f"{held} alone need {_gib(planned[roomiest] - request)}"  # what loads, for smaller requests
+    alone = f"{held} alone need {gib(planned[roomiest] - request)}"  # what loads, for smaller requests
     advice = (
         f"use --residency {fitting[0]}"
         if fitting
@@ -126,12 +111,12 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
         "lists what would fit, with its figures), or a device with more memory"
     )
     asked = "no residency policy fits" if policy == AUTO else f"residency {policy} does not fit"
-    parts = f"the weights, a {_gib(request)} request and klein's own {_gib(process)}"
-    parts = parts if process else f"the weights and a {_gib(request)} request"
+    parts = f"the weights, a {gib(request)} request and klein's own {gib(process)}"
+    parts = parts if process else f"the weights and a {gib(request)} request"
     raise CannotFitError(
-        f"{asked}: {parts} need about {estimates}, more than the {_gib(limit)} {where}; {advice}"
+        f"{asked}: {parts} need about {estimates}, more than the {gib(limit)} {where}; {advice}"
     )
 
 
-def _gib(value: int) -> str:
+def gib(value: int) -> str:
     return f"{value / 2**30:.2f} GiB"

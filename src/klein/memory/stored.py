@@ -1,13 +1,7 @@
 """Bytes per weight of the Linears a quantized file keeps as its blocks (GGUF, NVFP4), for the planner
-(`klein.memory.plan`): of those io describes a file as keeping, from its header, for its loader
-(`klein.io.transformer_file.kept_forms`, `klein.io.text_encoder_gguf.kept_forms`: `rates`), or of those
-the usual downloads in a format keep (`uniform`), for the files planned before anyone has them (the
-README's memory table); at the bytes memory holds them in (`klein.io.block_forms.layer_bytes`).
-
-A weight stored in a form the abstract model already builds (bf16, FP8 with its scale, 8-bit kernels for
-8-bit products) is counted from the model's own Params. A stored map goes module path (as in the model's
-state, stacks without their layer index) -> bytes per weight; the module's kernel (or weight) is counted at
-that rate and its scales with it.
+(`klein.memory.plan`): of those io reads from a file's header (`rates`), or of those the usual downloads in
+a format keep (`uniform`, for files planned before anyone has them). Other weights are counted from the
+abstract model's own Params. A map goes module path (stacks without their layer index) -> bytes per weight.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""A least-recently-used cache with a byte budget, for device arrays computed from the weights.
-
-`klein serve` keeps two: the reference cache (per-image latents float[H/16, W/16, C], and encoded
-reference sets, `klein.request.references.References` with the prefill's keys/values) and the prompt cache
-(embeddings float[1, T, D]); the pipeline keeps its RoPE tables in a third. Their keys are built in
-`klein.pipeline.cache_keys`. An entry's size is its device bytes (every addressable shard of every array,
-so a replicated array counts once per device that holds it) plus its key's text and byte strings (a
-prompt, position ids), which are host memory but can be as large as the value.
-
-An entry larger than the whole budget is computed, used and not kept. The worker thread computes and
-stores; the event loop may look up or remove (GET / DELETE /v1/references), so the bookkeeping holds a
-lock; computing happens outside it.
-
-Shares (`klein serve` with API keys): each entry has an owner, and each of `shares` owners is sure of
-`budget / shares` bytes. An owner may use the room the others leave, but what it puts evicts its own
-entries once it holds more than its share, and others' only where they hold more than theirs
-(`victim`), so one owner's entries never push another below its share. With one share (no keys) this is
-plain least-recently-used.
+"""A least-recently-used cache with a byte budget, for device arrays computed from the weights: `klein
+serve`'s reference and prompt caches and the pipeline's RoPE tables (keys: `klein.pipeline.cache_keys`).
+An entry larger than the whole budget is computed, used and not kept. The event loop may look up or remove
+while the worker computes and stores, so the bookkeeping holds a lock; computing happens outside it. With
+`shares` owners (API keys) each is sure of its share (`victim`; docs/design/serving.md).
 """
 
 from __future__ import annotations

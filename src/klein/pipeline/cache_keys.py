@@ -2,20 +2,8 @@
 
 A key that leaves out one input lets two different values share an entry: an orange 512x384 image and an
 orange 384x512 one have the same pixel bytes, so a key of bytes alone answers one with the other's
-latents. Hence:
-
-- `image_digest(pixels, preparation)`: a prepared image, by its shape, dtype, bytes and how it was
-  prepared (`REFERENCE`, centre-cropped; `SOURCE`, resized, for repainting). It names the image in
-  reference ids and in served PNGs' metadata.
-- `set_id(digests)`: a reference set, by its images' digests in order (the id `/v1/references` answers).
-- `latents_key(digest, model_id, owner)`: an image's VAE latents, under the model and dtype that encoded
-  them, and the API key whose they are (`klein serve`: keys share no entry, so none can see another's).
-- `set_key(digests, weights_id, cached, owner)`: a set's `References`; its keys/values (`cached`) depend
-  on the transformer's weights, LoRAs included (`Flux2KleinPipeline.weights_id`).
-- `adapted_weights_id(weights_id, adapters)`: the weights a request runs under, its unmerged LoRAs
-  (`GenerationRequest.loras`) included: a reference's keys/values computed under one LoRA set are not
-  another's, so the `weights_id` of a set's key is this one.
-- `prompt_key(weights_id, prompt)`: a prompt's embeddings, under the weights in use.
+latents. Keys carry their owner (`klein serve`: API keys share no entry, so none can see another's) and
+the `weights_id` of what depends on the transformer's weights, unmerged LoRAs included.
 """
 
 from __future__ import annotations

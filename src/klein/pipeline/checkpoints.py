@@ -13,23 +13,12 @@ from klein.models.transformer_config import TransformerConfig
 
 
 def detect(folder: Path, transformer: TransformerConfig) -> variants.Variant:
-    """The variant of a diffusers-layout checkpoint, from `model_index.json` and the transformer shape.
-
-    Checkpoints whose transformer matches no official size (e.g. the demo or test models) get a
-    variant named after the folder with the same pipeline semantics.
-    """
+    """The variant of a diffusers-layout checkpoint, from `model_index.json` and the transformer shape."""
     index = _model_index(folder)
     kv = index.get("_class_name") == "Flux2KleinKVPipeline"
     distilled = bool(index.get("is_distilled", True)) or kv
-    size = variants.size_of(transformer)
-    if size is None:
-        return variants.Variant(f"custom ({folder.name})", None, kv=kv, distilled=distilled)
-    name = variants.name_of(size, kv, distilled)
-    if name not in variants.VARIANTS:
-        raise CheckpointError(
-            f"{folder}: a {size.name} transformer with KV pipeline is not a published variant"
-        )
-    return variants.VARIANTS[name]
+    refusal = "a {size} transformer with KV pipeline is not a published variant"
+    return _published(folder, transformer, kv, distilled, refusal)
 
 
 def variant_of_file(
@@ -40,32 +29,36 @@ def variant_of_file(
     (`flux-2-klein-base-9b.safetensors`, `flux-2-klein-9b-kv-fp8.safetensors`), unless `forced` names the
     variant; a forced variant must match the shapes."""
     if forced is not None:
-        return _forced(path, transformer, forced)
+        if forced not in variants.VARIANTS:
+            raise CheckpointError(f"unknown variant {forced!r}; known: {', '.join(variants.VARIANTS)}")
+        size = variants.size_of(transformer)
+        if size != variants.VARIANTS[forced].size:
+            holds = f"a klein-{size.name}" if size else "a non-standard"
+            raise CheckpointError(
+                f"{path}: holds {holds} transformer ({transformer.num_layers} double + "
+                f"{transformer.num_single_layers} single blocks, width {transformer.hidden}), not {forced}"
+            )
+        return variants.VARIANTS[forced]
     words = set(re.split(r"[^a-z0-9]+", path.stem.lower()))
     kv, distilled = "kv" in words, "base" not in words
+    known = ", ".join(variants.VARIANTS)
+    refusal = (
+        f"its name suggests {{name}}, which is not a published variant; name the variant explicitly ({known})"
+    )
+    return _published(path, transformer, kv, distilled, refusal)
+
+
+def _published(path: Path, transformer: TransformerConfig, kv: bool, distilled: bool, refusal: str):
+    """The published variant of `transformer`'s size, `kv` and `distilled`, refused in the words of
+    `refusal` (with `{size}` and `{name}`) where there is none; a variant named after `path` with the
+    same pipeline semantics where the shapes match no published size (the demo, test models)."""
     size = variants.size_of(transformer)
     if size is None:
         return variants.Variant(f"custom ({path.name})", None, kv=kv, distilled=distilled)
     name = variants.name_of(size, kv, distilled)
     if name not in variants.VARIANTS:
-        raise CheckpointError(
-            f"{path}: its name suggests {name}, which is not a published variant; name the variant "
-            f"explicitly ({', '.join(variants.VARIANTS)})"
-        )
+        raise CheckpointError(f"{path}: " + refusal.format(size=size.name, name=name))
     return variants.VARIANTS[name]
-
-
-def _forced(path: Path, transformer: TransformerConfig, forced: str) -> variants.Variant:
-    if forced not in variants.VARIANTS:
-        raise CheckpointError(f"unknown variant {forced!r}; known: {', '.join(variants.VARIANTS)}")
-    size = variants.size_of(transformer)
-    if size != variants.VARIANTS[forced].size:
-        holds = f"a klein-{size.name}" if size else "a non-standard"
-        raise CheckpointError(
-            f"{path}: holds {holds} transformer ({transformer.num_layers} double + "
-            f"{transformer.num_single_layers} single blocks, width {transformer.hidden}), not {forced}"
-        )
-    return variants.VARIANTS[forced]
 
 
 def _model_index(folder: Path) -> dict:

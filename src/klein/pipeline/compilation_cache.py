@@ -1,12 +1,7 @@
 """jax's persistent compilation cache, where klein keeps compiled programs between processes: which folder,
-turning it on, what it holds, emptying it (`klein cache`).
-
-jax keys each entry on a hash of the program's HLO (shapes, dtypes, every op: a model of another config
-or precision is another program; weights are the programs' arguments, so new weight values are not),
-the jaxlib version, the backend and its version, the devices, the XLA flags and the compile options: an
-upgrade of jax, a new driver or another device kind never reads an entry written under the old ones, it
-compiles and writes its own. Entries are files `<program>-<hash>-cache` (with an `-atime` file beside
-each once read) and are not evicted unless jax's `jax_compilation_cache_max_size` is set.
+turning it on, what it holds, emptying it (`klein cache`). jax keys an entry on the program, jax, the
+backend, the devices and the flags, so an upgrade compiles afresh (docs/design/compiling.md). Entries are
+files `<program>-<hash>-cache`, with an `-atime` file beside each once read.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Counting the programs jax builds: how the zero-recompile test, the warm-up log and the compile benchmark
-see what a call compiled.
-
-A program counts when jax lowers it: on a miss of the jitted function's in-memory cache, whether XLA then
-compiles it or reads it back from the persistent cache (both cost a lowering; the first also a compile).
-A call that meets only programs built before counts nothing.
+"""Counting the programs jax builds, for the zero-recompile test, the warm-up log and the compile benchmark:
+a program counts when jax lowers it (a miss of the jitted function's in-memory cache), whether XLA then
+compiles it or reads it back from the persistent cache.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one.
-
-Single-file users keep the parts apart: a BFL, FP8 or GGUF transformer file, the FLUX.2 `ae.safetensors`, a
-Qwen3 folder or GGUF file. Each part is a local file or folder, or a Hugging Face repo id; a folder or repo
-that holds a whole pipeline gives the part's subfolder. Parts not named come from the checkpoint (`source`);
-with no checkpoint every part must be named, except the tokenizer, which the text encoder's folder (or its
-GGUF's metadata) usually holds.
+"""Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one (a
+transformer file, the FLUX.2 `ae.safetensors`, a Qwen3 folder or GGUF), each a local file or folder or a
+Hugging Face repo id; a folder or repo holding a whole pipeline gives the part's subfolder.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 from klein.pipeline import checkpoints
-from klein.pipeline import prompts as text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +69,24 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
     root, name = _checkpoint(source, parts)
     named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
     transformer = _locate(named["transformer"])
-    encoder = _text_encoder(_part(named["text_encoder"], "text_encoder"))
-    config = file_config(transformer) if transformer.is_file() else _folder_config(transformer)
+    encoder = _part(named["text_encoder"], "text_encoder")
+    if encoder.is_file() and encoder.suffix.lower() != ".gguf":
+        raise CheckpointError(
+            f"{encoder}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
+            f"repo) or a Qwen3 GGUF file, not another single file"
+        )
+    if transformer.is_file():
+        config = file_config(transformer)
+    else:
+        config = read_transformer_config(_transformer_folder(transformer))
     text_config = read_gguf_config(encoder) if encoder.is_file() else read_text_encoder_config(encoder)
     if named["tokenizer"] is None:
         named["tokenizer"] = _tokenizer_beside(_locate(named["text_encoder"]))
     found = _variant(transformer, config, variant)
     _check_text_encoder(encoder, text_config, config, found)
-    _check_fits(mesh, config, text_config)
+    if mesh is not None:  # fail before any weight is read when the mesh cannot split the models evenly
+        sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(config))
+        sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(text_config))
     vae = _part(named["vae"], "vae")
     return Located(
         name=str(parts.transformer) if parts.transformer else name,
@@ -132,10 +137,6 @@ def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:
     return (load_vae_file if path.is_file() else load_vae)(path, dtype, place=sharding.placer(mesh))
 
 
-def load_tokenizer_part(located: Located) -> text.PromptTokenizer:
-    return text.load_tokenizer(located.tokenizer)
-
-
 def _check_text_encoder(path: Path, text: Qwen3Config, config: TransformerConfig, variant) -> None:
     """Refuse, before any weight is read, a text encoder of another Qwen3 size than a published variant's,
     or one whose prompt embedding the transformer cannot take."""
@@ -163,18 +164,6 @@ def _described(config: Qwen3Config) -> str:
         f"hidden size {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} "
         f"heads ({config.num_key_value_heads} key/value)"
     )
-
-
-def _check_fits(mesh, config: TransformerConfig, text_config: Qwen3Config) -> None:
-    """Fail before reading any weight when the mesh cannot split the models evenly."""
-    if mesh is None:
-        return
-    sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(config))
-    sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(text_config))
-
-
-def _folder_config(path: Path) -> TransformerConfig:
-    return read_transformer_config(_transformer_folder(path))
 
 
 def _stored(path: Path) -> dict:
@@ -243,17 +232,6 @@ def _transformer_folder(path: Path) -> Path:
 
 
 def _variant(path: Path, config: TransformerConfig, variant: str | None) -> variants.Variant:
-    if path.is_file():
-        return checkpoints.variant_of_file(path, config, variant)
-    if (path / "model_index.json").is_file() and variant is None:  # a pipeline's index says which
+    if variant is None and (path / "model_index.json").is_file():  # a pipeline's index says which
         return checkpoints.detect(path, config)
     return checkpoints.variant_of_file(path, config, variant)
-
-
-def _text_encoder(path: Path) -> Path:
-    if path.is_file() and path.suffix.lower() != ".gguf":
-        raise CheckpointError(
-            f"{path}: the text encoder must be a folder (config.json and model*.safetensors, e.g. a Qwen3 "
-            f"repo) or a Qwen3 GGUF file, not another single file"
-        )
-    return path

@@ -1,12 +1,8 @@
-"""One denoising step per mode, as sibling functions (docs/design.md, "Modes").
+"""One denoising step per mode, as sibling functions (docs/design/requests.md, "Modes").
 
-Inpainting and image-to-image (`Repaint`) start later in the schedule from the noised source, and
-after each step put the source back, noised to the next step's level, wherever the mask keeps it.
-
-Each conditioning has its own velocity function with the same signature; its `cond` is that mode's
-own value (nothing for text-to-image, (reference tokens, rope) for references with full attention, a
-`ReferenceKV` for cached references), so jitted code never dispatches on a type or on None. CFG is
-its own step function: prompts and negatives run as one doubled batch.
+Each conditioning has its own velocity function with the same signature and its own `cond` value, so
+jitted code never dispatches on a type or on None; CFG is its own step function (prompts and negatives
+run as one doubled batch). Inpainting and image-to-image add a `Repaint`.
 """
 
 from __future__ import annotations
@@ -73,9 +69,8 @@ def step_function(mode: Mode):
 
 def step_inputs(rope, conditioning: Conditioning, grid, text_tokens: int, references: References | None):
     """(ropes, cond) of every step of a request: the rope tables of the h x w token `grid` and of the
-    text, and the conditioning's own value (nothing; the references' tokens and rope tables; the
-    prefill's keys/values). `rope(ids)`: the rope tables of position ids (`rope_of`, or a cache of it).
-    What the pipeline runs and what `klein plan --compiled` compiles."""
+    text, and the conditioning's own value; `rope(ids)`: the rope tables of position ids (`rope_of`, or a
+    cache of it). What the pipeline runs and what `klein plan --compiled` compiles."""
     h, w = grid
     ropes = (rope(sampling.image_ids(h, w)), rope(sampling.text_ids(text_tokens)))
     cond = {

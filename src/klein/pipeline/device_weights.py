@@ -1,9 +1,6 @@
-"""One model's weights on the device, or off it, as the residency policy (`klein.memory.residency`) moves them.
-
-Off the device the weights live in host memory (`pinned_host`) where the backend has a host memory of its
-own (GPU, TPU): bringing them back is one transfer. Where the device memory is the host memory (CPU),
-holding them elsewhere would save nothing, so they are dropped and read again from the memory-mapped
-checkpoint when next needed.
+"""One model's weights on the device, or off it, as the residency policy (`klein.memory.residency`) moves
+them: off the device they live in host memory (`pinned_host`) where the backend has one of its own (GPU,
+TPU); on a CPU, where that would save nothing, they are dropped and read again from the checkpoint.
 """
 
 from __future__ import annotations

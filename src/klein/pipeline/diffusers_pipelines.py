@@ -1,11 +1,6 @@
-"""diffusers' three Flux2Klein pipeline classes, as names of klein's one pipeline.
-
-diffusers has a class per use: `Flux2KleinPipeline` (text-to-image and editing), `Flux2KleinKVPipeline`
-(klein-9b-kv, its references' keys and values cached) and `Flux2KleinInpaintPipeline` (repainting a source
-under a mask). klein's `Flux2KleinPipeline` runs every variant in every mode, each decided per request
-(`klein.request.resolve`), so the other two are that pipeline under diffusers' names: a script that loads
-one with `from_pretrained` gets what diffusers gives, and the inpainting class reads its call as diffusers
-does (`image` the source, `image_reference` the images that guide the repainting).
+"""diffusers' three Flux2Klein pipeline classes, as names of klein's one pipeline, which runs every variant
+in every mode, each decided per request (`klein.request.resolve`): a script that loads one with
+`from_pretrained` gets what diffusers gives, and the inpainting class reads its call as diffusers does.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""diffusers' pipeline methods around a call, so that a diffusers script runs with only its import changed.
-
-A script written for diffusers' Flux2Klein pipelines loads with `from_pretrained(repo, torch_dtype=...)`,
-moves the pipeline with `.to("cuda")` or `enable_model_cpu_offload()`, then calls it (the call's own
-arguments are `klein.request.diffusers_args`'). klein decides each of these once, here, in its own terms:
-
-- `torch_dtype` (and a dtype given to `.to`) is read by its name, `str(torch.bfloat16)` being
-  "torch.bfloat16", so klein never imports torch; the other `from_pretrained` arguments are klein's
-  loading options (`klein.request.loading.LoadOptions`), diffusers' loading arguments that change
-  nothing here (`low_cpu_mem_usage`, `use_safetensors=True`, ...), or refused saying what to do.
-- A device is read by its name (`str(torch.device("cuda:0"))` is "cuda:0"). klein places each weight on
-  its device as it reads it, on jax's first device (or a mesh), so `.to` checks that the pipeline is
-  there and returns it; a device the pipeline is not on is an error naming the devices jax has.
-- diffusers' offloading is a residency policy (`klein.memory.residency`): `enable_model_cpu_offload`
-  (one model on the accelerator at a time) is `sequential`, `enable_sequential_cpu_offload` (each layer
-  brought as it runs) is `stream`. A policy that already holds less on the device is kept.
+"""diffusers' pipeline methods around a call, so that a diffusers script runs with only its import changed
+(docs/requests.md, "Scripts written for diffusers"). Dtypes and devices are read by their names, so klein
+never imports torch; offloading is a residency policy (`klein.memory.residency`); the call's own arguments
+are `klein.request.diffusers_args`'.
 """
 
 from __future__ import annotations
@@ -24,6 +12,7 @@ import os
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 from klein import sharding
 from klein.dtypes import DTYPES
@@ -70,7 +59,10 @@ def dtype_name(value, call: str | None = None) -> str | None:
         return dtypes.pop()
     text = str(value)
     if not (isinstance(value, str) or text.startswith("torch.")):
-        text = _numpy_name(value)
+        try:
+            text = np.dtype(value).name
+        except TypeError:
+            text = repr(value)
     name = text.removeprefix("torch.")
     if name not in DTYPES:
         raise InputError(
@@ -78,15 +70,6 @@ def dtype_name(value, call: str | None = None) -> str | None:
             "published klein checkpoint stores) or torch.float32"
         )
     return name
-
-
-def _numpy_name(value) -> str:
-    import numpy as np
-
-    try:
-        return np.dtype(value).name
-    except TypeError:
-        return repr(value)
 
 
 def load_options(pretrained_model_name_or_path=None, **kwargs) -> tuple[dict, str | None]:
@@ -120,7 +103,9 @@ def load_options(pretrained_model_name_or_path=None, **kwargs) -> tuple[dict, st
     if options.pop("local_files_only", False):
         _check_local(pretrained_model_name_or_path)
     device = options.pop("device_map", None)
-    if device is not None and not _device_like(device):
+    if device is not None and (
+        isinstance(device, Mapping) or str(device).split(":")[0] not in _TORCH_PLATFORMS
+    ):
         raise InputError(
             f"device_map={device!r} spreads diffusers' models over devices; klein shards every model over "
             "all of them with mesh='fsdp' (or places the pipeline on one device with no device_map)"
@@ -161,19 +146,6 @@ def _check_local(source) -> None:
         raise InputError(
             f"{source} is not in the local Hugging Face cache, and local_files_only=True forbids fetching it"
         ) from exc
-
-
-def _is_dtype(value) -> bool:
-    """Whether a `.to` argument is a dtype (torch's print as "torch.bfloat16"; its devices as "cuda:0")."""
-    import numpy as np
-
-    text = str(value)
-    return text.startswith("torch.") or text in DTYPES or isinstance(value, np.dtype | type)
-
-
-def _device_like(value) -> bool:
-    text = str(value)
-    return not isinstance(value, Mapping) and text.split(":")[0] in _TORCH_PLATFORMS
 
 
 def check_device(devices, device, call: str) -> None:
@@ -254,8 +226,8 @@ class DiffusersSurface:
         klein placed its weights as it read them, in the dtype it loaded; anything else is refused naming
         what the pipeline has (the devices jax has, or the dtype to load with). klein prints no dtype
         warning to silence."""
-        for arg in args:
-            if _is_dtype(arg):
+        for arg in args:  # torch's dtypes print as "torch.bfloat16", its devices as "cuda:0"
+            if str(arg).startswith("torch.") or str(arg) in DTYPES or isinstance(arg, np.dtype | type):
                 dtype = arg
             else:
                 device = arg

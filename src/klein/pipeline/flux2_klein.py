@@ -1,14 +1,9 @@
 """Generation end to end: prompt (+ reference images) -> images, for every klein variant.
 
-`generate` runs a `GenerationRequest` as numbered stages, each through one helper that times it, waits
-for the device and counts the work (`klein.pipeline.timing.Stages`): references prepared on the host, the request
-resolved once (mode, size, steps, guidance, seed), admission against the device's memory
-(`klein.memory.admission`), reference encoding (VAE, and the prefill for cached references), text encoding,
-the denoising steps of that mode (`klein.pipeline.denoise`), decoding. Each stage is jitted once per input
-shape (`klein.pipeline.programs`). The call mirrors diffusers' Flux2Klein pipelines so that users feel at
-home and tests can compare call for call. LoRAs are merged into the transformer's weights or applied
-unmerged per request (`klein.lora.applied`); `weights_id` names the weights in use. Loading is
-`klein.pipeline.loading`'s (`load_pipeline`), moving models on and off the device `klein.memory.residency`'s.
+`generate` runs a `GenerationRequest` as numbered stages, each through one helper that times it, waits for
+the device and counts the work (`klein.pipeline.timing.Stages`), each jitted once per input shape
+(`klein.pipeline.programs`). The call mirrors diffusers' Flux2Klein pipelines so that users feel at home
+and tests can compare call for call (docs/design/architecture.md, "Data flow").
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Loading a pipeline: `load_pipeline` names the options (`klein.request.loading.LoadOptions`) for Python;
-the front ends build the options themselves and call `load`. What loading reads and decides is
-`klein.pipeline.reading`'s.
+the front ends build the options themselves and call `load`.
 """
 
 from __future__ import annotations

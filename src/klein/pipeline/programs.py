@@ -29,13 +29,8 @@ class Programs:
             for fn in (vae_model.decode_latents, vae_model.decode_latents_tiled, vae_model.vae_latents)
         )
         self.prefill = Compiled(T.prefill, transformer, mesh)
-        self.steps = {
-            Mode(conditioning, guided): Compiled(
-                denoise.step_function(Mode(conditioning, guided)), transformer, mesh
-            )
-            for conditioning in denoise.VELOCITY
-            for guided in (False, True)
-        }
+        modes = [Mode(conditioning, guided) for conditioning in denoise.VELOCITY for guided in (False, True)]
+        self.steps = {mode: Compiled(denoise.step_function(mode), transformer, mesh) for mode in modes}
 
 
 class Compiled:

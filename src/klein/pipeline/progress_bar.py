@@ -1,11 +1,6 @@
-"""The Python API's progress bar: one tqdm bar per `pipe(...)` call on stderr, as diffusers draws.
-
-It counts the stages of a call as the pipeline's stage events tell them (`klein.pipeline.stage_events`):
-the text encoding, the reference encoding, each denoising step, the decoding (or the latents'
-denormalisation, for output_type="latent"); its description names the stage running, and says when XLA
-compiles (a first run). `pipe.set_progress_bar_config(**tqdm_options)` configures it as diffusers' method
-does (`disable=True` turns it off). A caller that passes its own `progress` callback (the CLI, the
-server) gets no bar: it draws or reports progress itself.
+"""The Python API's progress bar: one tqdm bar per `pipe(...)` call on stderr, as diffusers draws, counting
+the stages and steps the pipeline's stage events tell (`klein.pipeline.stage_events`). A caller that
+passes its own `progress` callback (the CLI, the server) gets no bar.
 """
 
 import sys

@@ -1,10 +1,6 @@
-"""Prompt preparation: chat template, tokenization, padding, text position ids (docs/design.md, "Architecture").
-
-Reproduces diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` up to the text encoder call, with the
-checkpoint's own `tokenizer/` folder (or a GGUF text encoder's metadata) and without transformers: `tokenizer.json` is run by the `tokenizers`
-library and the chat template is rendered with jinja2 the way transformers' `apply_chat_template` does
-(one user message, `add_generation_prompt=True`, `enable_thinking=False`). Each prompt is padded and
-truncated to `max_length` tokens (512 in the pipeline).
+"""Prompt preparation as diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` does it up to the text
+encoder call, without transformers: `tokenizer.json` run by the `tokenizers` library, the chat template
+rendered with jinja2 as transformers' `apply_chat_template` does (docs/design/architecture.md).
 """
 
 from __future__ import annotations
@@ -37,14 +33,12 @@ class PromptTokenizer:
     tokenizer: Tokenizer
     """The `tokenizer.json` pipeline (normalizer, pre-tokenizer, BPE, post-processor, added tokens)."""
     template: jinja2.Template
-    """The compiled chat template."""
     special_tokens: dict[str, str]
     """Special tokens by name (bos_token, pad_token, ...), visible to the template as in transformers."""
     pad_id: int
-    """Token id that fills the padding."""
-    padding_side: str
-    """'right' unless `tokenizer_config.json` says otherwise; truncation_side likewise."""
-    truncation_side: str
+    # transformers' defaults (Qwen's tokenizer_config.json names no padding or truncation side).
+    padding_side: str = "right"
+    truncation_side: str = "right"
 
 
 def load_tokenizer(folder: str | Path) -> PromptTokenizer:
@@ -54,10 +48,7 @@ def load_tokenizer(folder: str | Path) -> PromptTokenizer:
     if folder.is_file() and folder.suffix.lower() == ".gguf":
         stored = read_gguf_tokenizer(folder)
         template = _compile(stored.chat_template, folder)
-        # transformers' defaults: Qwen's tokenizer_config.json names no padding or truncation side.
-        return PromptTokenizer(
-            stored.tokenizer, template, stored.special_tokens, stored.pad_id, "right", "right"
-        )
+        return PromptTokenizer(stored.tokenizer, template, stored.special_tokens, stored.pad_id)
     config = read_json(folder / "tokenizer_config.json", "the tokenizer configuration")
     try:
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -97,7 +88,9 @@ def tokenize_prompts(
     tokenizer: PromptTokenizer, prompts: str | Sequence[str], max_length: int = MAX_LENGTH
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids int32[B, max_length] and attention mask int32[B, max_length] (1 = real token)."""
-    prompts = _check_prompts(prompts)
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not (isinstance(prompts, Sequence) and prompts and all(isinstance(p, str) for p in prompts)):
+        raise InputError(f"a prompt must be a string or a non-empty list of strings, got {prompts!r:.200}")
     backend = tokenizer.tokenizer
     # Same settings transformers puts on the backend for padding="max_length", truncation=True.
     backend.enable_truncation(max_length, direction=tokenizer.truncation_side)
@@ -134,14 +127,6 @@ def notes(tokenizer: PromptTokenizer, prompts: Sequence[str]) -> tuple[str, ...]
                 f"reads {MAX_LENGTH}, so {count - MAX_LENGTH} were cut ({tokenizer.truncation_side} end)"
             )
     return tuple(notes)
-
-
-def _check_prompts(prompts) -> list[str]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(p, str) for p in prompts):
-        return list(prompts)
-    raise InputError(f"a prompt must be a string or a non-empty list of strings, got {prompts!r:.200}")
 
 
 def _token_text(token) -> str:

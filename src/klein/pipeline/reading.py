@@ -1,7 +1,5 @@
-"""What loading a pipeline reads and decides before the pipeline exists: every part found and its config
-read, the memory planned, a residency policy chosen, then the weights read as that policy places them
-(docs/design.md, "Residency and memory"). `read` leaves them in a `Loaded`, which `Flux2KleinPipeline`
-is made from (`klein.pipeline.loading.load`, and diffusers' `from_pretrained`).
+"""What loading a pipeline reads and decides before the pipeline exists: every part found, the memory
+planned, a residency policy chosen, then the weights read as that policy places them (docs/design/memory.md).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from klein.lora.loading import read_lora
 from klein.lora.registry import named_files
 from klein.memory import admission, plan, process, residency
 from klein.memory.admission import estimates, planning_mesh
-from klein.pipeline import compilation_cache, components
+from klein.pipeline import compilation_cache, components, prompts
 from klein.pipeline.device_weights import Weights
 from klein.request import resolve
 from klein.request.loading import AUTO, LoadOptions
@@ -65,9 +63,8 @@ def read(options: LoadOptions) -> Loaded:
     stored = plan.Models(*configs, located.variant, located.fp8 and not dequantize)
     if not dequantize:
         stored = plan.with_files(stored, located.transformer, located.text_encoder)
-    fp8, quantized = stored.fp8, stored.quantized
     sizes = plan.model_bytes(
-        *configs, planning_mesh(mesh), dtype.itemsize, fp8=fp8, compute=compute, quantized=quantized
+        *configs, planning_mesh(mesh), dtype.itemsize, stored.fp8, compute, stored.quantized
     )
     sizes = residency.on(devices[0].platform, sizes)
     limit, where = admission.memory_for_plan(devices, options.memory_cap)
@@ -92,7 +89,7 @@ def read(options: LoadOptions) -> Loaded:
     first = residency.POLICIES[policy][0]  # what the first request needs first: loaded now
     models = readers(policy)
     weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
-    tokenizer = components.load_tokenizer_part(located)
+    tokenizer = prompts.load_tokenizer(located.tokenizer)
     cap = options.memory_cap
     return Loaded(
         located, weights, tokenizer, dtype, mesh, policy, sizes, compute, readers, cap, loras, named

@@ -1,11 +1,7 @@
-"""What a generation is doing, as events: the one source of progress for every front end.
-
-The pipeline's `Stages` helper (`klein.pipeline.timing`) announces each stage as it starts and again when
-it ends, with its time; a stage says so when XLA starts compiling its programs (only the first run of
-new shapes compiles); the denoising loop reports each step. A caller's `progress(event)` hears them all:
-the CLI draws them on stderr (`klein.cli.output`), the Python API as its tqdm bar
-(`klein.pipeline.progress_bar`), `klein serve` as a job's events (`klein.serve.worker`), which the page
-names in its status line.
+"""What a generation is doing, as events: the one source of progress for every front end. The pipeline's
+`Stages` helper (`klein.pipeline.timing`) announces each stage as it starts, starts compiling and ends;
+the denoising loop reports each step. The CLI draws them on stderr, the Python API as a tqdm bar
+(`klein.pipeline.progress_bar`), `klein serve` as a job's events.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Wall time per pipeline stage, with XLA compilation booked apart, and each stage told as events.
-
-JAX reports every backend compilation through `jax.monitoring`, at its start and with its duration; a
-stage's compile time is moved from the stage to "compile", so a first call's breakdown says what
-compiling cost and what running cost, and a stage's listener hears when compiling starts
-(`klein.pipeline.stage_events`).
+"""Wall time per pipeline stage, with XLA compilation (which jax reports through `jax.monitoring`) booked
+apart under "compile", so a first call's breakdown says what compiling cost; and each stage told as
+events (`klein.pipeline.stage_events`).
 """
 
 import threading
@@ -36,18 +33,9 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 jax.monitoring.register_scalar_listener(_on_start)
 
 
-class StageClock:
-    """Wall time per stage, with XLA compilation inside a stage booked under "compile" instead."""
-
-    def __init__(self, timings):
-        self.timings = timings
-
-    def __call__(self, stage, on_compile=None):
-        return _Timed(self.timings, stage, on_compile)
-
-
-class _Timed:
-    """One stage's time: `seconds` and `compiling` once it ends; `on_compile()` when its first
+class Timed:
+    """`with Timed(timings, stage):` adds the stage's wall time to `timings[stage]`, XLA compilation inside
+    it to `timings["compile"]`; `seconds` and `compiling` once it ends; `on_compile()` when its first
     compilation starts."""
 
     def __init__(self, timings, stage, on_compile=None):
@@ -79,7 +67,6 @@ class Stages:
 
     def __init__(self, counters: Counter, timings: dict[str, float], progress=None):
         self.counters, self.timings = counters, timings
-        self._clock = StageClock(timings)
         self._progress = progress
         """None, or `progress(StageEvent)` as each stage starts, starts compiling and ends."""
 
@@ -89,7 +76,7 @@ class Stages:
         on_compile = tell and (lambda: tell(StageEvent(stage, 0, total, compiling=True)))
         if tell:
             tell(StageEvent(stage, 0, total))
-        with self._clock(stage, on_compile) as timed:
+        with Timed(self.timings, stage, on_compile) as timed:
             out = jax.block_until_ready(fn(*args))
         self.counters[stage] += 1
         if tell:

@@ -1,16 +1,8 @@
 """Compiled ahead: the requests a pipeline runs once before it serves, so that a person's first image
-meets programs already built (docs/design.md, "Compiled ahead").
-
-jax builds one program per input shape, and a request's shapes are its output size, its number of
-images, the sizes and count of its references and its mode (text, references, cached references, CFG,
-repainting a source). Everything else a request varies (prompt, seed, guidance, steps, strength, the
-mask's pixels, which LoRAs and their scales, where the weights are) is data and builds nothing. So warming
-is running one small request of each `Shape` a front end expects first: its pixels blank, one step, its
-output dropped. One thing more is a program's shape: whether any image of a batch runs under unmerged
-LoRAs (the step and the prefill then take the adapter slots as arguments), so a pipeline offering LoRAs
-by name (`--lora-dir`, `--lora-named`) warms each shape twice, without and with one (`adapted`).
-Its programs then serve every later request of that shape, and land in the persistent compilation cache
-(`klein cache`) for the next process.
+meets programs already built (docs/design/compiling.md, "Compiled ahead"). jax builds one program per
+input shape (output size, images, references' sizes and count, mode, whether any image runs under
+unmerged LoRAs); everything else a request varies is data. So warming runs one small request of each
+`Shape` a front end expects, its pixels blank, one step, its output dropped.
 """
 
 from __future__ import annotations
@@ -65,14 +57,6 @@ def shapes(
     return tuple(edits + batched + repaint)
 
 
-def adapted(planned: Sequence[Shape], loras: Sequence[str]) -> tuple[Shape, ...]:
-    """`planned`, then each shape again under the first of `loras` (the names a pipeline offers), so that
-    a request naming any of them builds nothing either; `planned` alone when none is offered."""
-    if not loras:
-        return tuple(planned)
-    return (*planned, *(dataclasses.replace(shape, lora=loras[0]) for shape in planned if not shape.lora))
-
-
 def request(shape: Shape) -> GenerationRequest:
     """A request of `shape` whose pixels are blank: one step (the step's program is the same for any
     count), two when repainting (a strength below 1 then still leaves one to run)."""
@@ -93,12 +77,13 @@ def request(shape: Shape) -> GenerationRequest:
 
 
 def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda line: None) -> int:
-    """Run a request of each shape in `planned` on `pipe`, and again under a LoRA when it offers any
-    (`adapted`), telling `log` of each; the programs built. A shape the pipeline refuses (one that cannot
-    fit) is logged and skipped. The pipeline's work counters are left as they were: warming is not work a
-    caller asked for."""
+    """Run a request of each shape in `planned` on `pipe`, telling `log` of each; the programs built. A
+    shape the pipeline refuses (one that cannot fit) is skipped. The pipeline's work counters are left as
+    they were: warming is not work a caller asked for."""
     counters = pipe.counters.copy()
-    planned = adapted(planned, pipe.adapters.names)
+    planned, loras = tuple(planned), pipe.adapters.names
+    if loras:  # each shape again under a LoRA offered by name, so that a request naming one builds nothing
+        planned += tuple(dataclasses.replace(shape, lora=loras[0]) for shape in planned if not shape.lora)
     total = 0
     for i, shape in enumerate(planned, 1):
         start, heading = time.perf_counter(), f"warming {i}/{len(planned)}: {shape}"
@@ -117,9 +102,7 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
 
 def programs(references: int, cached: bool) -> dict[str, int]:
     """The large programs an editing run meets with 0 to `references` references of one size, at one
-    output size and number of images (`cached`: references enter as prefilled keys and values): each is
-    compiled once, on first use or ahead. Every other output size, reference size or number of images
-    adds its own steps and decoder (and reference encoder, prefill)."""
+    output size and number of images (`cached`: references enter as prefilled keys and values)."""
     return {
         "text encoder": 1,
         "reference encoder": 1 if references else 0,

@@ -14,7 +14,7 @@ from klein.errors import InputError
 from klein.pipeline import cache_keys
 from klein.pipeline.cache import ByteBudgetCache, arrays
 from klein.pipeline.cache_keys import set_id
-from klein.pipeline.timing import StageClock
+from klein.pipeline.timing import Timed
 from klein.request.references import References
 
 MAX_IDS = 4096  # ids remembered; each is a few digests, the arrays live (or not) in the cache
@@ -163,7 +163,6 @@ class ReferenceSets:
         sent, the latents evicted) from an encoding of the set still held; then the set from them."""
         # Compilation is booked apart (klein.pipeline.timing): an entry's cost is what a hit saves next time.
         timings = {"references": 0.0, "prefill": 0.0}
-        clock = StageClock(timings)
         latents, saved, kept = [], 0.0, None
         for index, digest in enumerate(digests):
             entry = self.cache.lookup(self._latents_key(owner, digest))
@@ -172,14 +171,14 @@ class ReferenceSets:
                 latents.append(entry.value)
             elif digest in pixels:
                 before = timings["references"]
-                with clock("references"):
+                with Timed(timings, "references"):
                     z = jax.block_until_ready(self.pipe.encode_reference_latents(pixels[digest]))
                 self.cache.put(self._latents_key(owner, digest), z, timings["references"] - before, owner)
                 latents.append(z)
             else:
                 kept = kept or self._kept_latents(owner, digests)
                 latents.append(kept[index])
-        with clock("prefill"):
+        with Timed(timings, "prefill"):
             references = self.pipe.references_from_latents(latents, self.cached, loras)
             jax.block_until_ready(arrays(references))
         cost = saved + timings["references"] + timings["prefill"]
