@@ -32,7 +32,10 @@ class Progress:
         if event.compiling:
             bar.set_postfix_str("compiling (first run)")
         if event.finished:
-            bar.set_postfix_str(_took(event), refresh=False)
+            took = f"{event.seconds:.2f} s"
+            if event.compile_seconds >= 0.005:
+                took += f" + {event.compile_seconds:.2f} s compiling"
+            bar.set_postfix_str(took, refresh=False)
             bar.update(event.total - bar.n)
             self._bars.pop(event.stage).close()
         elif event.done > bar.n:  # a step: compiling, if it was, is over
@@ -50,14 +53,6 @@ def _stage_bar(event) -> tqdm:
     if event.stage == "denoise":
         return tqdm(total=event.total, desc=desc, unit="step", file=sys.stderr)
     return tqdm(total=event.total, desc=desc, file=sys.stderr, bar_format=ONE_SHOT)
-
-
-def _took(event) -> str:
-    """A finished stage's time, and its compilation's when it compiled."""
-    took = f"{event.seconds:.2f} s"
-    if event.compile_seconds >= 0.005:
-        took += f" + {event.compile_seconds:.2f} s compiling"
-    return took
 
 
 def loading_bar(total: int) -> tqdm:

@@ -1,7 +1,5 @@
-"""`klein serve`: the HTTP service (`klein.serve`), with every model flag of `klein generate`.
-
-FastAPI and uvicorn are imported only when the command runs, so `klein --help` stays quick.
-"""
+"""`klein serve`: the HTTP service (`klein.serve`), with every model flag of `klein generate`; FastAPI and
+uvicorn are imported only when it runs, so that `klein --help` stays quick."""
 
 from __future__ import annotations
 
@@ -61,7 +59,7 @@ def serve_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
     )
     add = parser.add_argument
-    cli_flags.add_model_flags(add)
+    cli_flags.add_flags(add, cli_flags.LOADING)
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     add("--port", type=int, default=8000, help="port (default: 8000)")
     add(
@@ -84,10 +82,7 @@ def serve_parser() -> argparse.ArgumentParser:
         "by reference set (needs pip install 'klein[ray]'); default: one pipeline in this process",
     )
     add(
-        "--ray-address",
-        metavar="ADDRESS",
-        help="with --replicas: join this Ray cluster (e.g. ray://head:10001 or auto); default: a local Ray "
-        "started and stopped with the command",
+        "--ray-address", metavar="ADDRESS", help="with --replicas: join this Ray cluster (default: local Ray)"
     )
     add(
         "--routing",
@@ -95,32 +90,6 @@ def serve_parser() -> argparse.ArgumentParser:
         help="with --replicas: references (default) sends a set's requests to the replica that holds it; "
         "load is Serve's default router (queue lengths only), for comparison",
     )
-    _add_access_flags(add)
-    _add_warm_flags(add)
-    defaults = ServeOptions()
-    for name, help_ in _LIMITS.items():
-        field = name.replace("-", "_")
-        sized = field.endswith("bytes")
-        default = getattr(defaults, field)
-        seconds = isinstance(default, float)
-        add(
-            f"--{name}",
-            type=parse_size if sized else float if seconds else int,
-            default=default,
-            metavar="SIZE" if sized else "SECONDS" if seconds else "N",
-            help=f"{help_} (default: {_shown(field, default)})",
-        )
-    return parser
-
-
-def _shown(field: str, default) -> str:
-    """A default as a person reads it (2GiB, 2048x2048 px), not a raw count."""
-    if field.endswith("bytes"):
-        return show_size(default)
-    return show_pixels(default) if field == "max_pixels" else str(default)
-
-
-def _add_access_flags(add) -> None:
     add(
         "--api-key-file",
         metavar="FILE",
@@ -144,9 +113,6 @@ def _add_access_flags(add) -> None:
         help="comma-separated web origins (https://app.example.com) whose pages may call the API; they get CORS "
         "headers (default: only the server's own page)",
     )
-
-
-def _add_warm_flags(add) -> None:
     add(
         "--no-warm",
         dest="warm",
@@ -162,6 +128,27 @@ def _add_warm_flags(add) -> None:
         help=f"size compiled ahead: 0 to {warmup.REFERENCES} references (at most --max-references) of it, "
         f"each batch up to --max-batch, an inpainting (default: {DEFAULT_SIZE}x{DEFAULT_SIZE})",
     )
+    defaults = ServeOptions()
+    for name, help_ in _LIMITS.items():
+        field = name.replace("-", "_")
+        sized = field.endswith("bytes")
+        default = getattr(defaults, field)
+        seconds = isinstance(default, float)
+        add(
+            f"--{name}",
+            type=parse_size if sized else float if seconds else int,
+            default=default,
+            metavar="SIZE" if sized else "SECONDS" if seconds else "N",
+            help=f"{help_} (default: {_shown(field, default)})",
+        )
+    return parser
+
+
+def _shown(field: str, default) -> str:
+    """A default as a person reads it (2GiB, 2048x2048 px), not a raw count."""
+    if field.endswith("bytes"):
+        return show_size(default)
+    return show_pixels(default) if field == "max_pixels" else str(default)
 
 
 def _warm_size(text: str) -> tuple[int, int]:
