@@ -101,16 +101,8 @@ def generate_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')
     flags.add_flags(add, flags.GENERATION)
-    add(
-        "--size",
-        metavar="WxH",
-        help="output width x height in px, e.g. 1024x768: --width and --height in one (the HTTP API's size)",
-    )
-    add(
-        "--out",
-        metavar="FILE.png|FOLDER",
-        help="output file (numbered -0, -1, ... for several images) or folder",
-    )
+    add("--size", metavar="WxH", help="output width x height in px, e.g. 1024x768 (--width and --height)")
+    add("--out", metavar="FILE.png|FOLDER", help="output file (numbered -0, -1, ... for several) or folder")
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
     flags.add_flags(add, flags.LOADING)
     flags.add_max_pixels(add)

@@ -179,9 +179,8 @@ _LIMITS = {
     "max-references": "most reference images in one request or set",
     "max-pixels": "largest image accepted or generated, width x height",
     "max-steps": "most denoising steps a request may ask for",
-    "lora-bytes": "device bytes for the adapter slots of the LoRAs requests name (--lora-dir, --lora-named): "
-    "up to 4 LoRAs on the device at once, fewer if their slots do not fit; a LoRA whose slot alone does not "
-    "fit stops the server",
+    "lora-bytes": "device bytes for the adapter slots of the LoRAs requests name: up to 4 on the device at "
+    "once, fewer if their slots do not fit; a LoRA whose slot alone does not fit stops the server",
     "max-batch": "queued requests of one size, steps and reference set run as one batch of up to N images "
     "(equal to each alone up to float rounding, not bit for bit); 1: off",
     "max-result-bytes": "finished /v1/jobs results kept, in bytes of their images; the oldest leave first",

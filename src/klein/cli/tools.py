@@ -132,10 +132,9 @@ def plan_command(flags: argparse.Namespace) -> int:
         return _target_command(flags)
     mesh = flags.mesh or "single"
     files = _plan_files(flags)
-    named = flags.device is not None or flags.device_memory is not None
     compute, shown, whose = _compute(flags)
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
-    local_cpu = not named and _local_device().platform == "cpu"
+    local_cpu = flags.device is None and flags.device_memory is None and _local_device().platform == "cpu"
     asked = _asked(flags, files, compute, mesh, "cpu" if local_cpu else "accelerator")
     models, dtype = asked["models"], asked["dtype"]
     memory, report, text = _plan_report(asked, _device_memory(flags), shown, whose)
@@ -234,7 +233,6 @@ def _plan_files(flags: argparse.Namespace):
 
     transformer = flags.transformer and str(_existing(flags.transformer, "--transformer"))
     variant, models, dtype = _plan_model(transformer or flags.model, flags.dtype)
-    models = models or plan.published(variant, dtype)
     if flags.text_encoder is not None:
         models = plan.with_files(models, text_encoder=_existing(flags.text_encoder, "--text-encoder"))
     return variant, models, dtype
@@ -248,18 +246,19 @@ def _existing(name: str, flag: str) -> Path:
 
 
 def _plan_model(model: str, dtype: str | None):
-    """(name, `klein.memory.plan.Models` or None for a published variant, dtype) of --model: what
-    `klein generate --model` takes (a variant name, a published repo id, a folder) or a transformer file."""
+    """(name, `klein.memory.plan.Models`, dtype) of --model: what `klein generate --model` takes (a variant
+    name, a published repo id, a folder) or a transformer file."""
+    from klein.memory import plan
     from klein.models.variants import VARIANTS
+    from klein.pipeline import components
 
     published = {v.repo_id.lower(): name for name, v in VARIANTS.items() if v.repo_id}
     path = Path(model).expanduser()
     if model in VARIANTS or (model.lower() in published and not path.exists()):
         # A published repo's configs are the variant's: nothing to download to plan it.
         name = VARIANTS[model].name if model in VARIANTS else published[model.lower()]
-        return name, None, dtype or "bfloat16"
-    from klein.memory import plan
-    from klein.pipeline import components
+        dtype = dtype or "bfloat16"
+        return name, plan.published(name, dtype), dtype
 
     if path.is_file():
         config, variant, stored, fp8 = components.locate_transformer_file(path)
@@ -288,8 +287,7 @@ def _compiled(memory, models, dtype, compute: str, mesh=None) -> dict:
 def _compute(flags) -> tuple[str, str, str]:
     """(`--compute` as planned, as the plan names it, whose choice it is). auto is what the named device or
     this machine's multiplies fastest; on a device given by its memory, 8-bit products (fp8 or int8, the same
-    bytes), as on every card and TPU klein knows (`klein.devices.GIVEN_COMPUTE`), so that a size plans as a
-    card of that size does."""
+    bytes) as on every card klein knows (`klein.devices.GIVEN_COMPUTE`), so that it plans as such a card."""
     from klein.pipeline.reading import compute_of
 
     if flags.compute != "auto":
@@ -320,9 +318,8 @@ def _local_device():
 
 def _device_memory(flags) -> tuple[int, str, int | None]:
     """(bytes the plan may take, where from, the device's own bytes where --memory-cap made the first less):
-    the named device's, the given memory's less what the runtime keeps (as a named device's), or what this
-    machine's first device has free (`klein.memory.admission.memory_for_plan`, as a load judges it); or
-    --memory-cap where that is less."""
+    the named device's, the given memory's less the runtime's, or what this machine's first device has free
+    (`klein.memory.admission.memory_for_plan`, as a load judges it); or --memory-cap where that is less."""
     if flags.device is not None:
         card = devices.DEVICES[flags.device]
         seen = card.memory_bytes and card.limit == card.device_memory
@@ -363,14 +360,11 @@ def bench_parser() -> argparse.ArgumentParser:
         prog="klein bench",
         description=BENCH_DESCRIPTION.format(minutes=CONFIGS["bench-cpu"].minutes),
     )
-    parser.add_argument("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")
-    parser.add_argument(
-        "--out", default="results", metavar="FOLDER", help="results folder (default: results)"
-    )
-    parser.add_argument("--repeats", type=int, help="timed runs per engine and case (default: the config's)")
-    parser.add_argument(
-        "--sizes", type=int, nargs="+", metavar="PX", help="square output sizes (default: the config's two)"
-    )
+    add = parser.add_argument
+    add("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")
+    add("--out", default="results", metavar="FOLDER", help="results folder (default: results)")
+    add("--repeats", type=int, help="timed runs per engine and case (default: the config's)")
+    add("--sizes", type=int, nargs="+", metavar="PX", help="square output sizes (default: the config's two)")
     return parser
 
 
