@@ -23,13 +23,11 @@ class Manifest:
         self.path = folder / NAME
         self.entries: dict[int, dict] = {}
         """Line number -> its latest entry."""
-        if self.path.exists():
-            self._read()
-
-    def _read(self) -> None:
+        if not self.path.exists():
+            return
         data = self.path.read_bytes()
         whole = data[: data.rfind(b"\n") + 1]
-        if len(whole) != len(data):
+        if len(whole) != len(data):  # a tail torn by a kill (no final newline) is cut off
             with open(self.path, "r+b") as stream:
                 stream.truncate(len(whole))
         for raw in whole.decode("utf-8").splitlines():

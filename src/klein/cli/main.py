@@ -244,7 +244,7 @@ def _load(request: flags.GenerateRequest):
     if generation.use_kv:  # refused on a checkpoint that cannot cache references, from its configs alone
         located = locate(_loading(request))
         conditioning(located.variant, located.name, True, True)
-    with output.loading_bar(1) as bar:
+    with output.loading_bar() as bar:
         name = request.loading.transformer or request.loading.model or "demo"
         bar.set_postfix_str(name)
         pipe = load(_loading(request))

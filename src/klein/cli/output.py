@@ -55,9 +55,9 @@ def _stage_bar(event) -> tqdm:
     return tqdm(total=event.total, desc=desc, file=sys.stderr, bar_format=ONE_SHOT)
 
 
-def loading_bar(total: int) -> tqdm:
-    """Bar for reading the reference images and then the model (`total` items in all)."""
-    return tqdm(total=total, desc=f"{'loading':<{LABEL_WIDTH}}", file=sys.stderr, bar_format=ONE_SHOT)
+def loading_bar() -> tqdm:
+    """Bar for loading the model."""
+    return tqdm(total=1, desc=f"{'loading':<{LABEL_WIDTH}}", file=sys.stderr, bar_format=ONE_SHOT)
 
 
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -90,6 +90,32 @@ def serve_parser() -> argparse.ArgumentParser:
         help="with --replicas: references (default) sends a set's requests to the replica that holds it; "
         "load is Serve's default router (queue lengths only), for comparison",
     )
+    _add_access_flags(add)
+    _add_warm_flags(add)
+    defaults = ServeOptions()
+    for name, help_ in _LIMITS.items():
+        field = name.replace("-", "_")
+        sized = field.endswith("bytes")
+        default = getattr(defaults, field)
+        seconds = isinstance(default, float)
+        add(
+            f"--{name}",
+            type=parse_size if sized else float if seconds else int,
+            default=default,
+            metavar="SIZE" if sized else "SECONDS" if seconds else "N",
+            help=f"{help_} (default: {_shown(field, default)})",
+        )
+    return parser
+
+
+def _shown(field: str, default) -> str:
+    """A default as a person reads it (2GiB, 2048x2048 px), not a raw count."""
+    if field.endswith("bytes"):
+        return show_size(default)
+    return show_pixels(default) if field == "max_pixels" else str(default)
+
+
+def _add_access_flags(add) -> None:
     add(
         "--api-key-file",
         metavar="FILE",
@@ -113,6 +139,9 @@ def serve_parser() -> argparse.ArgumentParser:
         help="comma-separated web origins (https://app.example.com) whose pages may call the API; they get CORS "
         "headers (default: only the server's own page)",
     )
+
+
+def _add_warm_flags(add) -> None:
     add(
         "--no-warm",
         dest="warm",
@@ -128,27 +157,6 @@ def serve_parser() -> argparse.ArgumentParser:
         help=f"size compiled ahead: 0 to {warmup.REFERENCES} references (at most --max-references) of it, "
         f"each batch up to --max-batch, an inpainting (default: {DEFAULT_SIZE}x{DEFAULT_SIZE})",
     )
-    defaults = ServeOptions()
-    for name, help_ in _LIMITS.items():
-        field = name.replace("-", "_")
-        sized = field.endswith("bytes")
-        default = getattr(defaults, field)
-        seconds = isinstance(default, float)
-        add(
-            f"--{name}",
-            type=parse_size if sized else float if seconds else int,
-            default=default,
-            metavar="SIZE" if sized else "SECONDS" if seconds else "N",
-            help=f"{help_} (default: {_shown(field, default)})",
-        )
-    return parser
-
-
-def _shown(field: str, default) -> str:
-    """A default as a person reads it (2GiB, 2048x2048 px), not a raw count."""
-    if field.endswith("bytes"):
-        return show_size(default)
-    return show_pixels(default) if field == "max_pixels" else str(default)
 
 
 def _warm_size(text: str) -> tuple[int, int]:

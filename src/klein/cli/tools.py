@@ -218,10 +218,11 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     memory = planning.plan(**asked)
     found = planning.suggestions(asked, limit, room)
     report = dict(plan.as_json(memory, limit, where), compute=compute, suggestions=planning.as_json(found))
+    products = "in bf16" if compute == "bf16" else "in 8 bits, their weights one byte each"
     lines = (
         plan.describe(memory, limit, where),
         planning.describe(found, limit),
-        _describe_compute(compute, whose),
+        f"compute: {compute} ({whose}: the transformer blocks' products {products})",
     )
     return memory, report, "\n".join(filter(None, lines))
 
@@ -301,13 +302,6 @@ def _compute(flags) -> tuple[str, str, str]:
         return devices.GIVEN_COMPUTE, "fp8 or int8", given
     compute = compute_of("auto", _local_device())
     return compute, compute, f"--compute auto on this machine's {_local_device().platform}"
-
-
-def _describe_compute(compute: str, whose: str) -> str:
-    """The compute line: what the plan assumes the blocks' products are, and `whose` choice that is."""
-    if compute == "bf16":
-        return f"compute: bf16 ({whose}: the transformer blocks' products in bf16)"
-    return f"compute: {compute} ({whose}: the transformer blocks' products in 8 bits, their weights one byte each)"
 
 
 def _local_device():

@@ -117,7 +117,7 @@ def resolve(
         references=None,
     )
     images = len(request.prompts) * request.num_images_per_prompt
-    notes = kept + _notes(request, variant, model_name, filled, rounded)
+    notes = kept + _notes(request, variant, filled, rounded)
     repaint = repaint_words(request.mask_image is not None, strength) if request.repaints else None
     mode = Mode(conditioning, scale is not None, repaint)
     return Resolved(filled, mode, images, sizes, rounded, notes, first_step)
@@ -270,7 +270,7 @@ def _conditioning(request: GenerationRequest, variant: Variant, model_name: str,
     return encoded
 
 
-def _notes(request, variant: Variant, model_name: str, filled: GenerationRequest, rounded: bool):
+def _notes(request, variant: Variant, filled: GenerationRequest, rounded: bool):
     notes = []
     if rounded:
         notes.append(
