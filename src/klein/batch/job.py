@@ -1,10 +1,5 @@
-"""One `klein batch` run, whatever runs the groups: read the lines, report the bad ones, skip what is
-finished, hand the groups to an executor (`local.Local`, `ray_data.RayData`) and record every entry.
-
-Bad lines are reported with their numbers and recorded in the manifest; the job goes on unless
-`fail_fast`, which stops at the first bad line (before the model loads when the file itself is bad) or
-failed request. The manifest is compacted at the end however the run ends.
-"""
+"""One `klein batch` run, whatever runs the groups (`local.Local`, `ray_data.RayData`): read the lines, report
+the bad ones, skip what is finished, hand the groups to the executor and record every entry."""
 
 from __future__ import annotations
 

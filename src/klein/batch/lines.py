@@ -1,22 +1,17 @@
-"""The lines of a `klein batch` file: one JSON object a line, each one `klein.GenerationRequest`.
-
-A line's keys are the request's settings that travel as text, under the names `klein generate`'s
-key=value words take (field names, short names, aliases: all read off the request type's declarations,
-none spelled here); its values are JSON's own types, checked by the request type itself. Reference image
-paths (or file:// URLs), and a mask's, are read relative to the file's folder and must exist. A line that cannot become
-a request is a `BadLine` with its number and the reason, so one mistake does not stop a night's job.
+"""The lines of a `klein batch` file: one JSON object a line, each one `klein.GenerationRequest` under the
+key=value names of `klein generate`, read off the request type's declarations. A line that cannot become a
+request is a `BadLine` with its number and the reason, so one mistake does not stop a night's job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import urllib.parse
 from pathlib import Path
 
-from klein.errors import BATCH, InputError, worded
+from klein.errors import BATCH, InputError, did_you_mean, worded
 from klein.request.kinds import settings_of, short_name
 from klein.request.request import GenerationRequest
 
@@ -111,9 +106,8 @@ def _fields(values: dict) -> dict:
     fields = {}
     for key, value in values.items():
         if key not in KEYS:
-            close = difflib.get_close_matches(key, list(KEYS), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(KEYS)}"
-            raise InputError(f"unknown key {key!r:.60}; {hint}")
+            hint = did_you_mean(key, KEYS) or f"; known keys: {', '.join(KEYS)}"
+            raise InputError(f"unknown key {key!r:.60}{hint}")
         if KEYS[key] in fields:
             raise InputError(f"{KEYS[key]} is given twice (as {key!r} too)")
         fields[KEYS[key]] = value

@@ -1,17 +1,10 @@
-"""`results.jsonl`: one JSON object per line of the requests file, saying what became of it.
-
-Entries are appended as lines finish (a killed job keeps what it wrote), and the file is rewritten at
-the end of a run, atomically, with one entry per line in line order (a resumed line's new entry replaces
-its old one). A tail torn by a kill (no final newline) is cut off when the file is read again.
+"""`results.jsonl`: one JSON object per line of the requests file, saying what became of it, appended as
+lines finish and rewritten atomically, in line order, at the end of a run (docs/design/serving.md, "Batch").
 
     {"line": 7, "status": "done", "outputs": ["line-00007-ab12cd34.png"], "seed": 123,
      "settings": {"prompt": "...", "steps": "4", "model": "...", "loras": "...", ...},
      "made_by": {"model": "/models/klein-9b-kv", "lora": [["/loras/ink.safetensors", 0.8]], ...}}
     {"line": 9, "status": "error", "error": "image 'cat.png' not found (...)"}
-
-`settings` is what ran (the PNG's own metadata: every setting after defaults and rounding, the model,
-variant and LoRAs); `made_by` the run's model flags (`klein.batch.provenance`), which `--resume` compares.
-Every write is flushed to the disk (fsync) before it counts: a crash leaves whole entries only.
 """
 
 from __future__ import annotations
@@ -30,13 +23,11 @@ class Manifest:
         self.path = folder / NAME
         self.entries: dict[int, dict] = {}
         """Line number -> its latest entry."""
-        if self.path.exists():
-            self._read()
-
-    def _read(self) -> None:
+        if not self.path.exists():
+            return
         data = self.path.read_bytes()
         whole = data[: data.rfind(b"\n") + 1]
-        if len(whole) != len(data):
+        if len(whole) != len(data):  # a tail torn by a kill (no final newline) is cut off
             with open(self.path, "r+b") as stream:
                 stream.truncate(len(whole))
         for raw in whole.decode("utf-8").splitlines():

@@ -1,10 +1,5 @@
-"""Where a line's images go and how they are written: each PNG atomically (`klein.io.png.write_png`:
-a temporary file in the folder, then a rename), with the metadata `klein generate` writes and the run's
-model flags (`made_by`, `klein.batch.provenance`), which `--resume` reads from a PNG whose entry is missing.
-
-A line is finished when every one of its files exists: a file exists only once it is whole, so a job
-killed at any moment leaves finished lines, missing files, and no torn one.
-"""
+"""Where a line's images go and how they are written: each PNG atomically, with the metadata `klein generate`
+writes and the run's model flags (`made_by`). A line is finished when every one of its files exists."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""What a run has left to do, and in which groups: finished lines are skipped (`--resume`), the rest
-grouped by reference set and LoRA set so that each set is encoded once per worker (under its LoRAs).
-
-A line whose files all exist but whose entry the manifest lacks (the job was killed between its last
-PNG and its entry) is recorded from the files' own metadata rather than generated again: its seed and the
-model flags of the run that wrote it, which `klein.batch.job` checks as it checks the manifest's.
-"""
+"""What a run has left to do, and in which groups: finished lines are skipped (`--resume`), the rest grouped
+by reference set and LoRA set so that each set is encoded once per worker."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""What made a batch's outputs: the loading options that change the images (model and its parts, LoRAs
-and their scales, variant, precision, and the files the LoRA names of lines mean), in a canonical form
-that `results.jsonl` records with every finished line and `--resume` compares before any model is loaded.
-
-The LoRAs lines name (`--lora-dir`, `--lora-named`) are recorded as name -> sha256 of the file, the hash
-settings and PNGs record: a resume whose `ink` is another file (or where `ink` is no longer offered) is
-refused, however the folder is spelled.
-
-Local paths are made absolute (the same folder named two ways is one model; a relative path means the
-same thing from any working directory); repo ids stay as given. Where the weights stay (residency, mesh)
-does not change the images and is not recorded here.
+"""What made a batch's outputs: the loading options that change the images, and the LoRA files lines may
+name (name -> sha256), in a canonical form that `results.jsonl` records with every finished line and
+`--resume` compares before any model is loaded (docs/design/serving.md, "Batch").
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""`klein batch --ray`: the groups on Ray Data, over a pool of stateful actors, one per device (one per
-GPU in the cluster, else one; `--workers` says otherwise), each a `runner.Runner` with its own pipeline,
-loaded once when the actor starts.
-
-Rows are group numbers and a batch is one group (`batch_size=1`), so an actor encodes a group's reference
-set once and runs its lines. Actors write the PNGs straight into DIR (on several nodes, a folder they all
-see); one row comes back per line (its manifest entry, and the actor's count of encodings so far), as
-groups finish, so the manifest and the progress bar advance as they do locally.
-"""
+"""`klein batch --ray`: the groups on Ray Data, one group a batch, over a pool of stateful actors (one per GPU
+in the cluster, else one; `--workers` says otherwise), each a `runner.Runner` with its own pipeline."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""One batch worker: a pipeline and the folder its PNGs go to, run over one group of lines at a time.
-
-A group shares one reference set and one LoRA set, the set encoded once (VAE, and the prefill on KV
-checkpoints, under the group's LoRAs) and passed to each of its requests as encoded `references`: a worker encodes each set once, however many lines use it.
-A line the pipeline refuses (an `InputError`: a request that cannot fit, an unreadable image) becomes an
-error entry and the group goes on.
-"""
+"""One batch worker: a pipeline and the folder its PNGs go to, run over one group of lines at a time, the
+group's reference set encoded once. A line the pipeline refuses becomes an error entry; the group goes on."""
 
 from __future__ import annotations
 

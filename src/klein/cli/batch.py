@@ -1,9 +1,5 @@
-"""`klein batch REQUESTS.jsonl --out DIR`: a file of requests run to PNGs (`klein.batch`), in this
-process or, with --ray, on Ray Data; every model flag of `klein generate`.
-
-Exit codes: 0 every line done, 3 the run finished with failed lines (listed in results.jsonl), 2 bad
-arguments or a bad line under --fail-fast, 1 internal error, 130 stopped by Ctrl+C (`klein.cli.interrupts`).
-"""
+"""`klein batch REQUESTS.jsonl --out DIR`: a file of requests run to PNGs (`klein.batch`), in this process or,
+with --ray, on Ray Data; every model flag of `klein generate`."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ from pathlib import Path
 from klein.cli import extras, limits
 from klein.cli import flags as cli_flags
 from klein.errors import InputError
-from klein.request.resolve import MAX_PIXELS
 from klein.version import version
 
 EXIT_FAILED_LINES = 3
@@ -69,7 +64,7 @@ def batch_parser() -> argparse.ArgumentParser:
     add("--ray-address", metavar="ADDRESS", help="with --ray: join this Ray cluster (default: a local Ray)")
     add("--workers", type=int, metavar="N", help="with --ray: actors (default: one per GPU, else one)")
     cli_flags.add_max_pixels(add)
-    cli_flags.add_model_flags(add)
+    cli_flags.add_flags(add, cli_flags.LOADING)
     return parser
 
 
@@ -80,9 +75,8 @@ def batch_command(flags: argparse.Namespace) -> int:
         raise InputError(f"{flags.requests}: no such file")
     if flags.force and not flags.resume:
         raise InputError("--force goes with --resume")
-    max_pixels = MAX_PIXELS if flags.max_pixels is None else flags.max_pixels
-    if max_pixels <= 0:
-        raise InputError(f"--max-pixels must be a positive number, got {max_pixels}")
+    if flags.max_pixels <= 0:
+        raise InputError(f"--max-pixels must be a positive number, got {flags.max_pixels}")
     summary = job.run(
         flags.requests,
         flags.out,
@@ -91,7 +85,7 @@ def batch_command(flags: argparse.Namespace) -> int:
         flags.fail_fast,
         loading=cli_flags.load_options(flags),
         force=flags.force,
-        check=lambda request: limits.check_pixels(request.height, request.width, max_pixels),
+        check=lambda request: limits.check_pixels(request.height, request.width, flags.max_pixels),
     )
     print(summary.describe(flags.out), file=sys.stderr)
     return EXIT_FAILED_LINES if summary.failed else 0

@@ -14,10 +14,9 @@ Show the persistent compilation cache: its folder, how many compiled programs it
 
 Every klein front end (klein generate, serve, batch, load_pipeline) keeps the programs it compiles there,
 so that the next process skips most compiling. The folder is $JAX_COMPILATION_CACHE_DIR if set, else
-$KLEIN_HOME/xla-cache (default ~/.cache/klein/xla-cache). jax keys each program on its HLO, the jax and
-backend versions, the devices and the compile flags, so an upgrade or another model compiles anew and
-never reads a wrong program; old entries stay until cleared (the cache grows without bound unless jax's
-jax_compilation_cache_max_size is set). Clearing is safe: programs are compiled again when needed."""
+$KLEIN_HOME/xla-cache (default ~/.cache/klein/xla-cache). jax keys each program on its HLO, versions,
+devices and compile flags, so an upgrade or another model compiles anew; old entries stay until cleared
+(unless jax_compilation_cache_max_size is set). Clearing is safe: programs are compiled again when needed."""
 
 
 def cache_parser() -> argparse.ArgumentParser:

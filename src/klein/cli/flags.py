@@ -1,9 +1,7 @@
-"""Arguments of `klein generate`: ordinary flags and the seed's `key=value` tokens, merged into one request.
+"""Arguments of `klein generate`: ordinary flags and the seed's `key=value` words, merged into one request.
 
-Both spellings fill the same `GenerateRequest`, whose generation settings are a `klein.GenerationRequest`:
-the flags and key=value words of those are derived from the request type's fields, so a new setting
-appears here by itself. A setting given both ways is an error rather than a silent choice. Values of
-`key=value` tokens are read as `klein.request.kinds` says (Python literals, never `eval`).
+Both are derived from the fields of `klein.GenerationRequest` and `LoadOptions`, so a new setting appears
+here by itself; a setting given both ways is an error rather than a silent choice.
 """
 
 import argparse
@@ -35,9 +33,8 @@ class Parser(argparse.ArgumentParser):
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
         if unknown:
             word = unknown.group(1).split("=")[0]
-            message += _hint(
-                word.lstrip("-").replace("-", "_"), self._option_string_actions
-            ) or _did_you_mean(word, self._option_string_actions)
+            known = self._option_string_actions
+            message += _hint(word.lstrip("-").replace("-", "_"), known) or _did_you_mean(word, known)
         raise InputError(f"{message} (see {self.prog} --help)")
 
 
@@ -100,8 +97,9 @@ def _flag(field: dataclasses.Field, spec: kinds.Setting) -> str:
     return "--" + short_name(field, spec).replace("_", "-")
 
 
-def _add_flags(add, declared) -> None:
-    """One flag per setting: --<short name>, documented by the declaring type itself."""
+def add_flags(add, declared) -> None:
+    """One flag per setting of `declared` (`GENERATION`, `LOADING`): --<short name>, documented by the
+    declaring type itself."""
     for field, spec in declared:
         flag = _flag(field, spec)
         if spec.kind in (kinds.PATHS, kinds.LORAS):
@@ -118,44 +116,19 @@ def _add_flags(add, declared) -> None:
             )
 
 
-def add_generation_flags(add) -> None:
-    _add_flags(add, GENERATION)
-    add("--size", metavar="WxH", help=SIZE_HELP)
-
-
-SIZE_HELP = "output width x height in px, e.g. 1024x768: --width and --height in one (the HTTP API's size)"
-
-
-def add_limit_flags(add) -> None:
-    """The sizes and times a run may take, as `klein serve` has them (--max-pixels, its default)."""
-    add_max_pixels(add)
-    add(
-        "--max-minutes",
-        type=float,
-        metavar="MINUTES",
-        help="refuse a run estimated longer (by its FLOPs over this device's peak; the estimate is shown "
-        f"from a minute on) (default: {MAX_MINUTES:g})",
-    )
-
-
 def add_max_pixels(add) -> None:
+    """--max-pixels, with `klein serve`'s default."""
     add(
         "--max-pixels",
         type=int,
+        default=MAX_PIXELS,
         metavar="N",
         help=f"largest output, width x height (default: {show_pixels(MAX_PIXELS)}, klein serve's)",
     )
 
 
-def add_model_flags(add) -> None:
-    """Where the model comes from (--model, or parts kept apart from a diffusers-layout model, as
-    single-file downloads are: each overrides --model's), its dtype, residency and mesh: one flag per
-    `LoadOptions` field."""
-    _add_flags(add, LOADING)
-
-
 def load_options(parsed: argparse.Namespace) -> LoadOptions:
-    """The loading options of parsed flags (`add_model_flags`'s)."""
+    """The loading options of parsed flags (`LOADING`'s)."""
     values = {field.name: getattr(parsed, field.name, None) for field, _ in LOADING}
     return LoadOptions(**{name: value for name, value in values.items() if value is not None})
 
@@ -217,7 +190,9 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
     generation = GenerationRequest.create(**_take(values, GENERATION))
     request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
     _check(request)
-    _check_offered(generation, request.loading)
+    # The LoRAs applied are among those offered: the names are the files', so a misspelt one costs no load.
+    if any(generation.lora_sets):
+        check_known(generation.lora_sets, named_files(request.loading.lora_dir, request.loading.lora_named))
     return request
 
 
@@ -250,13 +225,6 @@ def _offer_files(values: dict) -> None:
         applied.append(spec)  # a name (in any spelling): the request reads it
     if applied:
         values["loras"], values["lora_named"] = tuple(applied), tuple(dict.fromkeys(named))
-
-
-def _check_offered(generation: GenerationRequest, loading: LoadOptions) -> None:
-    """The LoRAs the request applies are among those --lora-dir and --lora-named offer: known before the
-    model loads (the names are the files'), so a misspelt one costs no load."""
-    if any(generation.lora_sets):
-        check_known(generation.lora_sets, named_files(loading.lora_dir, loading.lora_named))
 
 
 def _take(values: dict, declared) -> dict:

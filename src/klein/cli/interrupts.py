@@ -1,10 +1,6 @@
-"""Ctrl+C that stops a command within seconds, whatever it is doing.
-
-Python runs a signal's handler only when the main thread comes back to the interpreter, which inside XLA may
-take minutes; so under `stoppable()` the C-level handler also wakes a watcher thread (`signal.set_wakeup_fd`).
-The main thread gets `grace` seconds to unwind by itself (exit 130 by `exit_now`); past them, or at a second
-Ctrl+C, the watcher removes the temporary files of the writes under way (`klein.io.durable`) and exits at
-once with 130 (docs/design/serving.md).
+"""Ctrl+C that stops a command within seconds, whatever it is doing: inside XLA, Python may not run a signal's
+handler for minutes, so a watcher thread woken by the C-level handler exits 130 once the grace is over, or
+at a second Ctrl+C (docs/design/serving.md).
 """
 
 from __future__ import annotations

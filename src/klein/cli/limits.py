@@ -1,11 +1,8 @@
-"""What `klein generate` refuses before it starts: an output larger than --max-pixels (the limit `klein serve`
-has, and its default), and a run whose estimated time passes --max-minutes; both overridable by raising them.
+"""What `klein generate` refuses before it starts: an output larger than --max-pixels (`klein serve`'s limit),
+and a run whose estimated time passes --max-minutes; both overridable by raising them.
 
-The estimate is a floor: klein's FLOP model of the request's stages (`klein.bench.roofline.stage_flops`:
-the text encoder, every denoising step, the decoder) over the device's peak, the published one of a known
-chip (`klein.devices`) or else this machine's measured matrix-product rate (`klein.bench.peak`,
-a fraction of a second). References, guidance and the kernels' efficiency are left out, so a run takes
-longer, never shorter: a refusal is never wrong about a run being long.
+The estimate is a floor (klein's FLOP model of the request over the device's peak, references, guidance
+and the kernels' efficiency left out), so a refusal is never wrong about a run being long.
 """
 
 from __future__ import annotations

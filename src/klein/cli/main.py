@@ -1,8 +1,7 @@
-"""The `klein` command line: `klein generate` turns a prompt (and optional reference images) into PNG files.
+"""The `klein` command line; `klein generate` turns a prompt (and optional reference images) into PNG files.
 
-A thin front end: it parses arguments (`klein.cli.flags`), checks paths early, calls the pipeline and writes
-the results (`klein.cli.output`). Errors a user can fix are printed as one `error: ...` line with exit code 2;
-anything else is an internal error (exit code 1) whose traceback `KLEIN_DEBUG=1` shows.
+Errors a user can fix are one `error: ...` line with exit code 2; anything else is an internal error (exit
+code 1) whose traceback `KLEIN_DEBUG=1` shows.
 """
 
 import argparse
@@ -32,25 +31,24 @@ image is noise-like. Pass --model to use a real checkpoint."""
 GENERATE_DESCRIPTION = """\
 Generate images from a prompt, optionally editing one or more reference images.
 
-Settings can be given as flags (--prompt "a cat") or as key=value words, as in the original
-FLUX.2 [klein] examples (prompt="a cat" image_paths="['a.png','b.png']" use_kv=True). Values of
-key=value words are read as Python literals (unquoted text stays text). Known keys:
+Settings can be given as flags (--prompt "a cat") or as key=value words, as in the original FLUX.2 [klein]
+examples (prompt="a cat" image_paths="['a.png','b.png']" use_kv=True), whose values are read as Python
+literals (unquoted text stays text). Known keys:
 {keys}
 
-Without --model the offline demo checkpoint runs (tiny random weights: the image is noise-like).
---model takes a diffusers-layout folder or a Hugging Face repo id, e.g.
-black-forest-labs/FLUX.2-klein-4B (from the local Hugging Face cache, downloaded if the hub is
-reachable). With references and a KV checkpoint (klein-9b-kv), reference keys/values are computed
-once and reused at every step (--kv, the default there); --kv on another checkpoint is an error,
-except that black-forest-labs/FLUX.2-klein-9B switches to the klein-9b-kv checkpoint.
+Without --model the offline demo checkpoint runs (tiny random weights: the image is noise-like). --model
+takes a diffusers-layout folder or a Hugging Face repo id, e.g. black-forest-labs/FLUX.2-klein-4B (from the
+local Hugging Face cache, downloaded if the hub is reachable). With references and a KV checkpoint
+(klein-9b-kv), reference keys/values are computed once and reused at every step (--kv, the default there);
+--kv on another checkpoint is an error, except that black-forest-labs/FLUX.2-klein-9B switches to klein-9b-kv.
 
-Single-file downloads: --transformer takes a BFL .safetensors file (bf16, or FP8 kept FP8 in memory) or
-a GGUF file; give --text-encoder (a Qwen3 folder, repo or GGUF file) and --vae (e.g. ae.safetensors), or
+Single-file downloads: --transformer takes a BFL .safetensors file (bf16, or FP8 kept FP8 in memory) or a
+GGUF file; give --text-encoder (a Qwen3 folder, repo or GGUF file) and --vae (e.g. ae.safetensors), or
 --model to take them from. The variant comes from the file name (flux-2-klein-9b-kv-fp8...) or --variant.
 
-Output: PNG files carrying the prompt, seed, model and settings as PNG text metadata. Without
---out, files go to the current folder under a fresh name (klein-YYYYmmdd-HHMMSS-<seed>.png, then
--1, -2, ... for further images); existing files are never overwritten unless --overwrite is given."""
+Output: PNG files carrying the prompt, seed, model and settings as PNG text metadata. Without --out, files
+go to the current folder under a fresh name (klein-YYYYmmdd-HHMMSS-<seed>.png, then -1, -2, ... for further
+images); existing files are never overwritten unless --overwrite is given."""
 
 GENERATE_EXAMPLES = """\
 examples:
@@ -72,20 +70,22 @@ exit codes: 0 success, 2 bad input (a one-line error), 1 internal error (KLEIN_D
 130 stopped by Ctrl+C (within seconds, compiling included; no partial file is left)"""
 
 
+COMMANDS = {
+    "generate": "generate or edit images from a prompt",
+    "serve": "an HTTP images API with references kept warm",
+    "batch": "a file of requests, one JSON object a line, run to PNGs",
+    "plan": "per-device memory of a model on a mesh",
+    "bench": "time klein against diffusers, KV speedup vs ceiling",
+    "cache": "show or clear the compiled programs kept on disk",
+}
+
+
 def _top_parser() -> argparse.ArgumentParser:
     parser = flags.Parser(prog="klein", description=TOP_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"klein {version()}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
-    commands.add_parser("generate", help="generate or edit images from a prompt (klein generate --help)")
-    commands.add_parser("serve", help="an HTTP images API with references kept warm (klein serve --help)")
-    commands.add_parser(
-        "batch", help="a file of requests, one JSON object a line, run to PNGs (klein batch --help)"
-    )
-    commands.add_parser("plan", help="per-device memory of a model on a mesh (klein plan --help)")
-    commands.add_parser(
-        "bench", help="time klein against diffusers, KV speedup vs ceiling (klein bench --help)"
-    )
-    commands.add_parser("cache", help="show or clear the compiled programs kept on disk (klein cache --help)")
+    for name, help_ in COMMANDS.items():
+        commands.add_parser(name, help=f"{help_} (klein {name} --help)")
     parser.epilog = GENERATE_EXAMPLES.split("\n\n")[0]
     return parser
 
@@ -100,15 +100,19 @@ def generate_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')
-    flags.add_generation_flags(add)
-    add(
-        "--out",
-        metavar="FILE.png|FOLDER",
-        help="output file (numbered -0, -1, ... for several images) or folder",
-    )
+    flags.add_flags(add, flags.GENERATION)
+    add("--size", metavar="WxH", help="output width x height in px, e.g. 1024x768 (--width and --height)")
+    add("--out", metavar="FILE.png|FOLDER", help="output file (numbered -0, -1, ... for several) or folder")
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
-    flags.add_model_flags(add)
-    flags.add_limit_flags(add)
+    flags.add_flags(add, flags.LOADING)
+    flags.add_max_pixels(add)
+    add(
+        "--max-minutes",
+        type=float,
+        metavar="MINUTES",
+        help="refuse a run estimated longer (by its FLOPs over this device's peak; the estimate is shown "
+        f"from a minute on) (default: {flags.MAX_MINUTES:g})",
+    )
     add("--coordinator", metavar="HOST:PORT|auto", help="multi-process run: process 0's address (or auto)")
     add("--num-processes", type=int, help="multi-process run: how many processes")
     add("--process-id", type=int, help="multi-process run: this process's index (0 writes the images)")
@@ -179,7 +183,9 @@ def generate(request: flags.GenerateRequest) -> int:
         result = pipe(pictures, progress=progress)
     finally:
         progress.close()
-    if not _lead_process():
+    import jax
+
+    if jax.process_index() != 0:
         return 0  # every process of a multi-process run holds the same images; process 0 writes them
     write_started = time.perf_counter()
     # The metadata names the references and the mask as they were given (paths), not as loaded pictures.
@@ -213,6 +219,8 @@ def _load(request: flags.GenerateRequest):
     from klein.images import load_image
     from klein.masks import as_mask, check_not_black
     from klein.pipeline.loading import load
+    from klein.pipeline.reading import locate
+    from klein.request.resolve import check_unloaded, conditioning, missing_source
 
     if request.coordinator is not None:
         coordinator = None if request.coordinator == "auto" else request.coordinator
@@ -220,16 +228,23 @@ def _load(request: flags.GenerateRequest):
 
     # Everything that can be wrong with the arguments is found before the loading bar starts.
     generation = request.generation
-    _check_unloaded(generation)
+    field = missing_source(generation, bool(generation.image))
+    if field is not None:
+        raise InputError(
+            f"{flags.FLAGS[field]} needs the image to repaint: pass --image SOURCE [--image REFERENCE ...] "
+            "(the first image is the one repainted)"
+        )
+    check_unloaded(generation)  # the request's errors that need no model cost no load
     references = tuple(load_image(path) for path in generation.image)
     mask = None if generation.mask_image is None else as_mask(generation.mask_image)
     if mask is not None:
         check_not_black(mask)
     if request.loading.mesh is not None:
         sharding.parse(request.loading.mesh)
-    if generation.use_kv:
-        _check_kv_checkpoint(request)
-    with output.loading_bar(1) as bar:
+    if generation.use_kv:  # refused on a checkpoint that cannot cache references, from its configs alone
+        located = locate(_loading(request))
+        conditioning(located.variant, located.name, True, True)
+    with output.loading_bar() as bar:
         name = request.loading.transformer or request.loading.model or "demo"
         bar.set_postfix_str(name)
         pipe = load(_loading(request))
@@ -237,34 +252,6 @@ def _load(request: flags.GenerateRequest):
         bar.update()
     pictures = dataclasses.replace(generation, image=references, mask_image=mask)
     return pipe, pictures, time.perf_counter() - started
-
-
-def _check_unloaded(generation) -> None:
-    """The request's errors that need no model, in the words of flags, so that they cost no load."""
-    from klein.request.resolve import check_unloaded, missing_source
-
-    field = missing_source(generation, bool(generation.image))
-    if field is not None:
-        raise InputError(
-            f"{flags.FLAGS[field]} needs the image to repaint: pass --image SOURCE [--image REFERENCE ...] "
-            "(the first image is the one repainted)"
-        )
-    check_unloaded(generation)
-
-
-def _check_kv_checkpoint(request: flags.GenerateRequest) -> None:
-    """use_kv on a checkpoint that cannot cache references: its configs tell, before any weight is read."""
-    from klein.pipeline.reading import locate
-    from klein.request.resolve import conditioning
-
-    located = locate(_loading(request))
-    conditioning(located.variant, located.name, True, True)
-
-
-def _lead_process() -> bool:
-    import jax
-
-    return jax.process_index() == 0
 
 
 def _report(pipe, settings, paths, timings, total_seconds) -> None:

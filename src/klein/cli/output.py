@@ -32,7 +32,10 @@ class Progress:
         if event.compiling:
             bar.set_postfix_str("compiling (first run)")
         if event.finished:
-            bar.set_postfix_str(_took(event), refresh=False)
+            took = f"{event.seconds:.2f} s"
+            if event.compile_seconds >= 0.005:
+                took += f" + {event.compile_seconds:.2f} s compiling"
+            bar.set_postfix_str(took, refresh=False)
             bar.update(event.total - bar.n)
             self._bars.pop(event.stage).close()
         elif event.done > bar.n:  # a step: compiling, if it was, is over
@@ -52,17 +55,9 @@ def _stage_bar(event) -> tqdm:
     return tqdm(total=event.total, desc=desc, file=sys.stderr, bar_format=ONE_SHOT)
 
 
-def _took(event) -> str:
-    """A finished stage's time, and its compilation's when it compiled."""
-    took = f"{event.seconds:.2f} s"
-    if event.compile_seconds >= 0.005:
-        took += f" + {event.compile_seconds:.2f} s compiling"
-    return took
-
-
-def loading_bar(total: int) -> tqdm:
-    """Bar for reading the reference images and then the model (`total` items in all)."""
-    return tqdm(total=total, desc=f"{'loading':<{LABEL_WIDTH}}", file=sys.stderr, bar_format=ONE_SHOT)
+def loading_bar() -> tqdm:
+    """Bar for loading the model."""
+    return tqdm(total=1, desc=f"{'loading':<{LABEL_WIDTH}}", file=sys.stderr, bar_format=ONE_SHOT)
 
 
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:

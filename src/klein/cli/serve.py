@@ -1,7 +1,5 @@
-"""`klein serve`: the HTTP service (`klein.serve`), with every model flag of `klein generate`.
-
-FastAPI and uvicorn are imported only when the command runs, so `klein --help` stays quick.
-"""
+"""`klein serve`: the HTTP service (`klein.serve`), with every model flag of `klein generate`; FastAPI and
+uvicorn are imported only when it runs, so that `klein --help` stays quick."""
 
 from __future__ import annotations
 
@@ -61,7 +59,7 @@ def serve_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
     )
     add = parser.add_argument
-    cli_flags.add_model_flags(add)
+    cli_flags.add_flags(add, cli_flags.LOADING)
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     add("--port", type=int, default=8000, help="port (default: 8000)")
     add(
@@ -84,10 +82,7 @@ def serve_parser() -> argparse.ArgumentParser:
         "by reference set (needs pip install 'klein[ray]'); default: one pipeline in this process",
     )
     add(
-        "--ray-address",
-        metavar="ADDRESS",
-        help="with --replicas: join this Ray cluster (e.g. ray://head:10001 or auto); default: a local Ray "
-        "started and stopped with the command",
+        "--ray-address", metavar="ADDRESS", help="with --replicas: join this Ray cluster (default: local Ray)"
     )
     add(
         "--routing",
@@ -192,9 +187,8 @@ _LIMITS = {
     "max-references": "most reference images in one request or set",
     "max-pixels": "largest image accepted or generated, width x height",
     "max-steps": "most denoising steps a request may ask for",
-    "lora-bytes": "device bytes for the adapter slots of the LoRAs requests name (--lora-dir, --lora-named): "
-    "up to 4 LoRAs on the device at once, fewer if their slots do not fit; a LoRA whose slot alone does not "
-    "fit stops the server",
+    "lora-bytes": "device bytes for the adapter slots of the LoRAs requests name: up to 4 on the device at "
+    "once, fewer if their slots do not fit; a LoRA whose slot alone does not fit stops the server",
     "max-batch": "queued requests of one size, steps and reference set run as one batch of up to N images "
     "(equal to each alone up to float rounding, not bit for bit); 1: off",
     "max-result-bytes": "finished /v1/jobs results kept, in bytes of their images; the oldest leave first",

@@ -18,86 +18,61 @@ from klein.request.loading import COMPUTE, memory_cap
 
 PLAN_DESCRIPTION = """\
 Per-device memory of a klein model on a device mesh, from its configs alone (no weights are read, nothing
-is allocated): weights and the reference KV cache exactly, peak activations as an estimate; then the
-peak under each residency policy (all: every model resident; sequential: the text encoder and the
-transformer take turns; stream: as sequential, each model's layers kept in host memory and brought to
-the device one at a time, slower, for a device smaller than the transformer) and which one `auto` picks
-on a named --device or a device of --device-memory, planned as a named card of that memory (default:
-what this machine's first device has free now), or --memory-cap where that is less. Where nothing fits,
-what would, each planned with its peak: a quantized download, the smaller model, fewer or smaller
-references, a smaller size, a larger --memory-cap. On this machine's CPU, whose memory is the device's, the
-plan counts klein's own process too (Python, JAX, compiled programs, the tokenizer: about 1 GiB). A named device also says what `--compute auto` multiplies there (fp8 or int8, by compute
-capability). Weights count the bytes they are stored in: quantized files (--transformer, --text-encoder:
-GGUF, NVFP4) at the bytes their own tensors take, read from their headers.
+is allocated): weights and the reference KV cache exactly, peak activations as an estimate; the peak under
+each residency policy (all: every model resident; sequential: the text encoder and the transformer take
+turns; stream: as sequential, each model's layers kept in host memory and brought to the device one at a
+time, slower, for a device smaller than the transformer) and the one `auto` picks on --device,
+--device-memory (default: what this machine's first device has free now) or --memory-cap where less.
+Where nothing fits, what would, each with its peak: a quantized download, the smaller model, fewer or
+smaller references, a smaller size, a larger --memory-cap. On a CPU the plan counts klein's own process too
+(about 1 GiB). Quantized files (GGUF, NVFP4) count the bytes their tensors take, read from their headers.
 
---target names a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}, named as --device names them;
-NAME:COUNT for several on one host) to plan for from this machine, without them: the mesh goes over its
-devices (default: all of them on tensor), the limit is a device's memory, and with --compiled each stage
-is compiled for that target and printed with a roofline time per stage (the chip's peak bf16 FLOP/s and
-memory bandwidth; compiled and estimated, not run). Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin
-and cuDNN (pip install klein[gpu-plan]) for a card.
+--target plans for a TPU slice (e.g. {targets}) or NVIDIA cards ({gpus}; NAME:COUNT for several on one
+host) from this machine, without them: with --compiled, each stage compiled for it with a roofline time
+(estimated, not run).
+Needs libtpu (pip install klein[tpu]) for a slice, jax's CUDA plugin (pip install klein[gpu-plan]) for a card.
 
 devices (memory, what --compute auto multiplies there):
 {devices}"""
 
 
+RESERVED = f"less {devices.RESERVED_GIB} GiB for the runtime"
+"""What a device's memory leaves to a plan, in words."""
+
+
 def plan_parser() -> argparse.ArgumentParser:
+    targets, gpus = ", ".join(devices.SLICES), ", ".join(devices.TARGETS)
     parser = Parser(
         prog="klein plan",
-        description=PLAN_DESCRIPTION.format(
-            devices=devices.listing(), targets=", ".join(devices.SLICES), gpus=", ".join(devices.TARGETS)
-        ),
+        description=PLAN_DESCRIPTION.format(devices=devices.listing(), targets=targets, gpus=gpus),
     )
     add = parser.add_argument
     add(
         "--model",
         default="demo",
-        help="default: the offline demo checkpoint, as every command; a published variant (klein-4b, klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b), or what "
-        "klein generate takes: a diffusers-layout folder, a repo id (published ones need no download), or a "
-        "transformer file (BFL, FP8, GGUF) of a published size",
+        help="what klein generate takes (default: the demo checkpoint), or a published variant (klein-4b, "
+        "klein-9b, klein-9b-kv, klein-base-4b, klein-base-9b) or transformer file (BFL, FP8, GGUF)",
     )
-    add(
-        "--transformer",
-        metavar="FILE",
-        help="a transformer file to plan in place of --model's (BFL, FP8, GGUF, NVFP4 safetensors): its "
-        "variant from the file, its quantized Linears at the bytes they take in it",
-    )
-    add(
-        "--text-encoder",
-        metavar="FILE",
-        help="a Qwen3 GGUF text encoder (llama.cpp naming) to plan at the bytes its tensors take",
-    )
-    add(
-        "--mesh",
-        help='axis sizes, e.g. "fsdp=4,context=2" (default: single; with --target, every device on tensor)',
-    )
-    add(
-        "--target",
-        metavar="NAME",
-        help=f"a TPU slice or NVIDIA cards to plan and compile for, e.g. {', '.join(devices.SLICES)}, "
-        f"{', '.join(devices.TARGETS)}, h100-80gb:8",
-    )
+    add("--transformer", metavar="FILE", help="a transformer file (BFL, FP8, GGUF, NVFP4) in --model's place")
+    add("--text-encoder", metavar="FILE", help="a Qwen3 GGUF text encoder, at the bytes its tensors take")
+    add("--mesh", help='axis sizes, e.g. "fsdp=4,context=2" (default: single; --target: all on tensor)')
+    add("--target", metavar="NAME", help=f"a TPU slice or NVIDIA cards, e.g. {targets}, {gpus}, h100-80gb:8")
     add("--refs", type=int, default=0, help="reference images (default: 0)")
     add("--size", type=_pixels, default=(1024, 1024), metavar="WxH", help="output size (default: 1024x1024)")
     add("--ref-size", type=_pixels, metavar="WxH", help="size of each reference (default: --size)")
     add("--batch", type=int, default=1, help="images per request (default: 1)")
-    add(
-        "--dtype",
-        choices=tuple(DTYPES),
-        help="weights (default: the checkpoint's own; bfloat16 for the published variants)",
-    )
+    add("--dtype", choices=tuple(DTYPES), help="weights (default: the checkpoint's; published: bfloat16)")
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument(
         "--device-memory",
         type=lambda text: size(text, _device_memory_size),
         metavar="SIZE",
-        help="a device's memory as its box says, e.g. 12GB or 24GiB (GB as memory is counted, 2^30 bytes): "
-        f"planned as a named device of that memory, less {devices.RESERVED_GIB} GiB for the runtime and "
-        "--compute auto as 8-bit products",
+        help=f"a device's memory, e.g. 12GB or 24GiB (GB meaning GiB), less {devices.RESERVED_GIB} GiB for "
+        "the runtime, planned as a named device of that memory (--compute auto: 8-bit products)",
     )
     memory.add_argument(
         "--device",
-        type=lambda text: size(text, _device),
+        type=lambda text: size(text, lambda name: devices.find(_renamed(name))),
         metavar="NAME",
         help="a device by name (see above; rtx4090 and RTX 4090 read as rtx-4090)",
     )
@@ -105,23 +80,21 @@ def plan_parser() -> argparse.ArgumentParser:
         "--memory-cap",
         type=lambda text: size(text, lambda text: memory_cap(kinds.parse_size(text))),
         metavar="SIZE",
-        help="plan against at most SIZE, as klein generate --memory-cap: the smaller of it and the device's "
-        "memory (e.g. 9GiB)",
+        help="plan against at most SIZE (e.g. 9GiB), as klein generate --memory-cap does",
     )
     add(
         "--compute",
         choices=COMPUTE,
         default="auto",
-        help="the transformer blocks' products, as klein generate --compute: fp8 and int8 keep their weights in "
-        "one byte (default: auto, what this machine's or --target's device multiplies fastest)",
+        help="the blocks' products, as klein generate --compute: fp8 and int8 keep their weights in one byte "
+        "(default: auto, what this machine's or --target's device multiplies fastest)",
     )
     add("--json", action="store_true", help="print the plan as JSON, for tools")
     add(
         "--compiled",
         action="store_true",
-        help="also lower and compile each stage's real program at these dimensions on this machine's backend, "
-        "or for --target (abstract arrays: no weights, nothing allocated; seconds to minutes) and print XLA's "
-        "memory analysis beside each estimate",
+        help="also compile each stage's program at these dimensions (no weights, nothing allocated; seconds "
+        "to minutes), here or for --target, and print XLA's memory analysis beside each estimate",
     )
     return parser
 
@@ -134,17 +107,11 @@ def _device_memory_size(text: str) -> int:
     return value
 
 
-def _device(name: str) -> str:
-    """--device's name in the device table, noting an old name on stderr."""
-    found = devices.find(name)
-    _note_renamed(name)
-    return found
-
-
-def _note_renamed(name: str) -> None:
-    """Say so on stderr where `name` (of --device or --target) is a card's old name."""
+def _renamed(name: str) -> str:
+    """`name` (of --device or --target), noted on stderr where it is a card's old name."""
     if devices.renamed(name):
         print(devices.renamed(name), file=sys.stderr)
+    return name
 
 
 def _pixels(text: str) -> tuple[int, int]:
@@ -165,14 +132,12 @@ def plan_command(flags: argparse.Namespace) -> int:
         return _target_command(flags)
     mesh = flags.mesh or "single"
     files = _plan_files(flags)
-    named = flags.device is not None or flags.device_memory is not None
-    compute, shown = _named_compute(flags) if named else (_compute(flags.compute, _local_device()),) * 2
-    limit, where, room = _device_memory(flags)
+    compute, shown, whose = _compute(flags)
     # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
-    local_cpu = not named and _local_device().platform == "cpu"
+    local_cpu = flags.device is None and flags.device_memory is None and _local_device().platform == "cpu"
     asked = _asked(flags, files, compute, mesh, "cpu" if local_cpu else "accelerator")
     models, dtype = asked["models"], asked["dtype"]
-    memory, report, text = _plan_report(asked, (limit, where, room), shown, _whose(flags))
+    memory, report, text = _plan_report(asked, _device_memory(flags), shown, whose)
     report["programs"] = warmup.programs(flags.refs, memory.workload.cached)
     text += "\n" + warmup.describe_programs(flags.refs, memory.workload.cached)
     if flags.compiled:
@@ -195,16 +160,17 @@ def _target_command(flags: argparse.Namespace) -> int:
     from klein.aot import topology
     from klein.bench import roofline
     from klein.memory import plan
+    from klein.pipeline.reading import compute_of
 
     if flags.device is not None:
         raise InputError("--target names the device already; drop --device")
-    _note_renamed(flags.target.partition(":")[0])
+    _renamed(flags.target.partition(":")[0])
     mesh, spec = topology.mesh(flags.target, flags.mesh)
     on = devices.of_kind(mesh.devices.flat[0].device_kind)
     if on is None:
         raise InputError(f"--target {flags.target}: klein has no published figures of its chip")
     files = _plan_files(flags)
-    compute = _compute(flags.compute, mesh.devices.flat[0])
+    compute = compute_of(flags.compute, mesh.devices.flat[0])
     # The platform is "gpu" for NVIDIA cards: their programs are planned.
     asked = _asked(flags, files, compute, spec, mesh.devices.flat[0].platform)
     models, dtype = asked["models"], asked["dtype"]
@@ -243,10 +209,8 @@ def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, pla
 
 
 def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str):
-    """(the plan of `asked`, `klein.request.planning.plan`'s arguments; its JSON report; its text): the plan
-    against `device` (bytes it may take, where from, the device's own bytes where a cap made them less),
-    what would fit where nothing does (`klein.request.planning.suggestions`), and the compute planned,
-    `whose` it is."""
+    """(the plan of `asked`, its JSON report, its text) against `device` (`_device_memory`), with what
+    would fit where nothing does and the compute planned, `whose` it is."""
     from klein.memory import plan
     from klein.request import planning
 
@@ -254,10 +218,11 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     memory = planning.plan(**asked)
     found = planning.suggestions(asked, limit, room)
     report = dict(plan.as_json(memory, limit, where), compute=compute, suggestions=planning.as_json(found))
+    products = "in bf16" if compute == "bf16" else "in 8 bits, their weights one byte each"
     lines = (
         plan.describe(memory, limit, where),
         planning.describe(found, limit),
-        _describe_compute(compute, whose),
+        f"compute: {compute} ({whose}: the transformer blocks' products {products})",
     )
     return memory, report, "\n".join(filter(None, lines))
 
@@ -269,7 +234,6 @@ def _plan_files(flags: argparse.Namespace):
 
     transformer = flags.transformer and str(_existing(flags.transformer, "--transformer"))
     variant, models, dtype = _plan_model(transformer or flags.model, flags.dtype)
-    models = models or plan.published(variant, dtype)
     if flags.text_encoder is not None:
         models = plan.with_files(models, text_encoder=_existing(flags.text_encoder, "--text-encoder"))
     return variant, models, dtype
@@ -283,21 +247,19 @@ def _existing(name: str, flag: str) -> Path:
 
 
 def _plan_model(model: str, dtype: str | None):
-    """(name, `klein.memory.plan.Models` or None for a published variant, dtype) of --model: what
-    `klein generate --model` takes (a variant name, a published repo id, a folder) or a transformer file."""
+    """(name, `klein.memory.plan.Models`, dtype) of --model: what `klein generate --model` takes (a variant
+    name, a published repo id, a folder) or a transformer file."""
+    from klein.memory import plan
     from klein.models.variants import VARIANTS
+    from klein.pipeline import components
 
     published = {v.repo_id.lower(): name for name, v in VARIANTS.items() if v.repo_id}
     path = Path(model).expanduser()
     if model in VARIANTS or (model.lower() in published and not path.exists()):
         # A published repo's configs are the variant's: nothing to download to plan it.
-        return (
-            VARIANTS[model].name if model in VARIANTS else published[model.lower()],
-            None,
-            dtype or "bfloat16",
-        )
-    from klein.memory import plan
-    from klein.pipeline import components
+        name = VARIANTS[model].name if model in VARIANTS else published[model.lower()]
+        dtype = dtype or "bfloat16"
+        return name, plan.published(name, dtype), dtype
 
     if path.is_file():
         config, variant, stored, fp8 = components.locate_transformer_file(path)
@@ -323,42 +285,23 @@ def _compiled(memory, models, dtype, compute: str, mesh=None) -> dict:
     return {name: dataclasses.asdict(analysis) for name, analysis in stages.items()}
 
 
-def _compute(option: str, device) -> str:
-    """`--compute` as it would run on `device` (`klein.pipeline.reading.compute_of`)."""
+def _compute(flags) -> tuple[str, str, str]:
+    """(`--compute` as planned, as the plan names it, whose choice it is). auto is what the named device or
+    this machine's multiplies fastest; on a device given by its memory, 8-bit products (fp8 or int8, the same
+    bytes) as on every card klein knows (`klein.devices.GIVEN_COMPUTE`), so that it plans as such a card."""
     from klein.pipeline.reading import compute_of
 
-    return compute_of(option, device)
-
-
-def _named_compute(flags) -> tuple[str, str]:
-    """(`--compute` as planned on a named device, as the plan names it): auto is what that device multiplies
-    fastest; on a device given by its memory, 8-bit products (fp8 or int8, the same bytes), as on every card
-    and TPU klein knows (`klein.devices.GIVEN_COMPUTE`), so that a size plans as a card of that size does."""
     if flags.compute != "auto":
-        return flags.compute, flags.compute
-    if flags.device is not None:
-        return (devices.DEVICES[flags.device].compute,) * 2
-    return devices.GIVEN_COMPUTE, "fp8 or int8"
-
-
-def _whose(flags) -> str:
-    """Whose `--compute auto` the plan took, for `_describe_compute`."""
-    if flags.compute != "auto":
-        return "as --compute asks"
+        return flags.compute, flags.compute, "as --compute asks"
     if flags.device is not None:
         card = devices.DEVICES[flags.device]
         capability = f", compute capability {card.capability}" if card.capability else ""
-        return f"--compute auto on {flags.device}{capability}"
+        return card.compute, card.compute, f"--compute auto on {flags.device}{capability}"
     if flags.device_memory is not None:
-        return "--compute auto on a GPU or TPU given by its memory, as on a named card of that memory"
-    return f"--compute auto on this machine's {_local_device().platform}"
-
-
-def _describe_compute(compute: str, whose: str) -> str:
-    """The compute line: what the plan assumes the blocks' products are, and `whose` choice that is."""
-    if compute == "bf16":
-        return f"compute: bf16 ({whose}: the transformer blocks' products in bf16)"
-    return f"compute: {compute} ({whose}: the transformer blocks' products in 8 bits, their weights one byte each)"
+        given = "--compute auto on a GPU or TPU given by its memory, as on a named card of that memory"
+        return devices.GIVEN_COMPUTE, "fp8 or int8", given
+    compute = compute_of("auto", _local_device())
+    return compute, compute, f"--compute auto on this machine's {_local_device().platform}"
 
 
 def _local_device():
@@ -369,19 +312,18 @@ def _local_device():
 
 def _device_memory(flags) -> tuple[int, str, int | None]:
     """(bytes the plan may take, where from, the device's own bytes where --memory-cap made the first less):
-    the named device's, the given memory's less what the runtime keeps (as a named device's), or what this
-    machine's first device has free (`klein.memory.admission.memory_for_plan`, as a load judges it); or
-    --memory-cap where that is less."""
+    the named device's, the given memory's less the runtime's, or what this machine's first device has free
+    (`klein.memory.admission.memory_for_plan`, as a load judges it); or --memory-cap where that is less."""
     if flags.device is not None:
-        room, where = _card(flags.device)
+        card = devices.DEVICES[flags.device]
+        seen = card.memory_bytes and card.limit == card.device_memory
+        room, where = card.limit, f"{flags.device}, {'as its programs see it' if seen else RESERVED}"
     elif flags.device_memory is not None:
         room, where = _given(flags.device_memory)
     else:
-        import jax
-
         from klein.memory.admission import memory_for_plan
 
-        room, where = memory_for_plan(jax.local_devices()[:1])
+        room, where = memory_for_plan([_local_device()])
     if flags.memory_cap is not None and flags.memory_cap < room:
         return flags.memory_cap, "allowed (memory cap)", room
     return room, where, None
@@ -389,18 +331,7 @@ def _device_memory(flags) -> tuple[int, str, int | None]:
 
 def _given(memory: int) -> tuple[int, str]:
     """(bytes a device of `memory` bytes leaves, where from): as a named device's (`devices.usable`)."""
-    where = f"{memory / 2**30:.2f} GiB given, {_reserved()}"
-    return devices.usable(memory), where
-
-
-def _card(name: str) -> tuple[int, str]:
-    card = devices.DEVICES[name]
-    seen = card.memory_bytes and card.limit == card.device_memory
-    return card.limit, f"{name}, {'as its programs see it' if seen else _reserved()}"
-
-
-def _reserved() -> str:
-    return f"less {devices.RESERVED_GIB} GiB for the runtime"
+    return devices.usable(memory), f"{memory / 2**30:.2f} GiB given, {RESERVED}"
 
 
 BENCH_DESCRIPTION = """\
@@ -423,14 +354,11 @@ def bench_parser() -> argparse.ArgumentParser:
         prog="klein bench",
         description=BENCH_DESCRIPTION.format(minutes=CONFIGS["bench-cpu"].minutes),
     )
-    parser.add_argument("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")
-    parser.add_argument(
-        "--out", default="results", metavar="FOLDER", help="results folder (default: results)"
-    )
-    parser.add_argument("--repeats", type=int, help="timed runs per engine and case (default: the config's)")
-    parser.add_argument(
-        "--sizes", type=int, nargs="+", metavar="PX", help="square output sizes (default: the config's two)"
-    )
+    add = parser.add_argument
+    add("--config", choices=tuple(CONFIGS), default="bench-cpu", help="default: bench-cpu")
+    add("--out", default="results", metavar="FOLDER", help="results folder (default: results)")
+    add("--repeats", type=int, help="timed runs per engine and case (default: the config's)")
+    add("--sizes", type=int, nargs="+", metavar="PX", help="square output sizes (default: the config's two)")
     return parser
 
 

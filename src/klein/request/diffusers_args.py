@@ -1,10 +1,6 @@
-"""diffusers' call arguments that are not klein settings: translated into klein's, or refused saying what to use.
-
-A script written for diffusers' `Flux2KleinPipeline`, `Flux2KleinKVPipeline` or `Flux2KleinInpaintPipeline`
-passes these to `pipe(...)`. `split` decides each one here, once: a `torch.Generator` becomes klein's seed
-(read by duck typing, so klein never imports torch), `return_dict` and the step-end callback shape the
-call (`CallOptions`), and what klein cannot honour is an `InputError` naming the alternative. The seed
-chooses klein's noise (jax's generator), not torch's: the same seed makes other images than diffusers.
+"""diffusers' call arguments that are not klein settings, decided once (`split`): translated into klein's
+(a `torch.Generator` becomes the seed, read without importing torch), or refused saying what to use
+(docs/requests.md, "Scripts written for diffusers").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Settings as text: how each kind of setting is read from and written to a string, and how a setting is
-declared (`setting`: its documentation, kind and spellings, on a dataclass field).
-
-One table for every place a setting travels as text: `klein generate`'s `key=value` words, PNG metadata
-read back into a request, and (later) form fields. Values are read with `ast.literal_eval` (never
-`eval`), so `image_paths="['a.png','b.png']"` is a list and `use_kv=True` a bool, while an unquoted
-prompt stays text. Optional kinds read "none" as None (the setting's default).
+"""Settings as text: how each kind of setting is read from a string and written to one, and `setting`, the
+declaration of a field's documentation, kind and spellings. Values are read with `ast.literal_eval`, never
+`eval`: `image_paths="['a.png','b.png']"` is a list, an unquoted prompt stays text.
 """
 
 from __future__ import annotations
@@ -39,14 +35,18 @@ def read_text(key: str, text: str) -> str:
     return value if isinstance(value, str) else text
 
 
-def read_paths(key: str, text: str) -> tuple[str, ...]:
+def _listed(key: str, text: str, example: str) -> object:
+    """The literal `text` spells, an unquoted word as a list of one; a list that is no Python refused."""
     value = _literal(text)
-    if isinstance(value, str):
-        if value.lstrip().startswith(("[", "(")):
-            raise InputError(
-                f"{key}={text} is not a valid Python list; quote each path, e.g. {key}=\"['a.png','b.png']\""
-            )
-        return (value,)
+    if not isinstance(value, str):
+        return value
+    if value.lstrip().startswith(("[", "(")):
+        raise InputError(f"{key}={text} is not a valid Python list; quote each {example}")
+    return (value,)
+
+
+def read_paths(key: str, text: str) -> tuple[str, ...]:
+    value = _listed(key, text, f"path, e.g. {key}=\"['a.png','b.png']\"")
     if isinstance(value, list | tuple) and all(isinstance(path, str) for path in value):
         return tuple(value)
     raise InputError(f"{key} must be a path or a list of paths like \"['a.png','b.png']\", got {text}")
@@ -71,16 +71,8 @@ def read_float(key: str, text: str) -> float | None:
     raise InputError(f"{key} must be a number, got {text!r}")
 
 
-_BOOL_WORDS = {
-    "true": True,
-    "yes": True,
-    "on": True,
-    "1": True,
-    "false": False,
-    "no": False,
-    "off": False,
-    "0": False,
-}
+_BOOL_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True)
+_BOOL_WORDS |= dict.fromkeys(("false", "no", "off", "0"), False)
 
 
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
@@ -154,13 +146,7 @@ def _write_loras(value: tuple) -> str:
 def read_loras(key: str, text: str) -> tuple:
     """LoRAs as a key=value word gives them: one "NAME:SCALE", or a list in any spelling
     `klein.request.loras` reads ("['ink:0.8', ('pen', 1)]"), which checks them."""
-    value = _literal(text)
-    if isinstance(value, str):
-        if value.lstrip().startswith(("[", "(")):
-            raise InputError(
-                f"{key}={text} is not a valid Python list; quote each name, e.g. {key}=\"['ink:0.8']\""
-            )
-        return (value,)
+    value = _listed(key, text, f"name, e.g. {key}=\"['ink:0.8']\"")
     if isinstance(value, list | tuple):
         return (tuple(value),) if is_pair(value) else tuple(value)
     raise InputError(

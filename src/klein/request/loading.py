@@ -1,10 +1,5 @@
-"""Where a pipeline's model comes from and how it is held: `LoadOptions`, the one declaration of the
-loading options.
-
-`klein.load_pipeline` takes them as keyword arguments; `klein generate` and `klein serve` derive their
-flags and `key=value` words from these fields, as the generation settings derive from
-`GenerationRequest`'s. Adding a loading option is one field here.
-"""
+"""`LoadOptions`, the one declaration of the loading options: `klein.load_pipeline`'s keyword arguments, and
+the flags and key=value words of `klein generate` and `klein serve`, derived from these fields."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The LoRAs a request names: adapters loaded by name into the pipeline (`pipe.load_lora`), each at a
-strength, applied unmerged to that request's images alone (docs/design.md, "LoRA per request").
+"""The LoRAs a request names, applied unmerged to its images alone (docs/design/lora.md, "LoRA per request").
 
-A request names them as one set for every prompt, or one set per prompt (a batch of requests run
-together). Spellings, the same in every front end (Python's `loras=`, `klein batch` lines, HTTP bodies
-and form fields, `klein generate --lora-apply` for the text one): `"ink"`, `"ink:0.8"`, `("ink", 0.8)`
-(a JSON list `["ink", 0.8]`), `{"name": "ink", "scale": 0.8}` or a `LoraUse`. A scale is a number within
-+-`MAX_SCALE`. A name is a name, never a path: what a name means is the pipeline's (or the operator's) to
-say. Mistakes are `WordedError`s, in the words of the front end that shows them.
+One set for every prompt, or one per prompt; spelt the same in every front end: `"ink"`, `"ink:0.8"`,
+`("ink", 0.8)`, `{"name": "ink", "scale": 0.8}` or a `LoraUse`. A name is never a path. Mistakes are
+`WordedError`s, in the words of the front end that shows them.
 """
 
 from __future__ import annotations
@@ -20,13 +16,8 @@ from klein.lora.files import MAX_SCALE, good_scale
 LoraSet = tuple["LoraUse", ...]
 KEYS = ("name", "scale")
 """The keys of a LoRA given as a mapping."""
-_OTHER_KEYS = {
-    "weight": "scale",
-    "strength": "scale",
-    "multiplier": "scale",
-    "adapter_name": "name",
-    "lora": "name",
-}
+_OTHER_KEYS = dict.fromkeys(("weight", "strength", "multiplier"), "scale")
+_OTHER_KEYS |= dict.fromkeys(("adapter_name", "lora"), "name")
 """Other tools' names of `KEYS` (diffusers' adapter weights, ComfyUI's strength, kohya's multiplier)."""
 SPELLINGS = "a name, 'name:scale', [name, scale] or {{'name': ..., 'scale': ...}}"
 

@@ -1,18 +1,5 @@
-"""Generation modes, chosen once per request: how references enter the transformer, and whether CFG runs.
-
-Two independent axes (docs/design.md, "Modes"):
-- conditioning: text only; references appended to the image tokens and attended with full attention at
-  every step (klein-4b / 9b / base, or a KV checkpoint with use_kv=False); or cached references, whose
-  per-layer keys and values come from one prefill (klein-9b-kv);
-- guidance: the base variants run classifier-free guidance (prompt and negative in one doubled batch);
-  the step-distilled ones ignore any guidance scale, as diffusers does.
-
-A repaint (inpainting, image-to-image) is named beside them, for the summaries that say what ran; it
-runs the same step function as its conditioning.
-
-`klein.request.resolve` is the only place these are decided; the pipeline then runs the step function of
-that mode.
-"""
+"""Generation modes: how references enter the transformer (text only, appended, cached keys and values) and
+whether CFG runs, decided once per request by `klein.request.resolve` (docs/design/requests.md, "Modes")."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""`klein plan`'s question, `batch` images of a size with `refs` references of a size, resolved as any request
-is (`klein.request.resolve`) and planned from its workload (`klein.memory.plan`); where it has no room on a
-device ("nothing fits"), the smaller forms of it that would (`suggestions`), one change at a time, each
-planned by the planner itself and given as the flags of `klein plan` (and `klein generate`) that make it:
-- the checkpoint as a quantized download (a GGUF Q8_0 or Q4_K, or an NVFP4, transformer beside a Q4_K
-  Qwen3 GGUF, counted as `klein.memory.plan.in_format` counts the usual files), or BFL's FP8 transformer
-  file: for a published size, whose downloads these are;
-- the smaller model (the 4b of a 9b variant);
-- fewer references, smaller references, a smaller output size, fewer images: the most that fits, from
-  `klein.memory.admission.SCALES` of each side (a few plans; each takes milliseconds once the first has
-  built the models' shapes);
-- a larger memory cap, where a cap rather than the device leaves no room.
-A checkpoint that does not fit alone comes with the first request change that makes it fit. Each is
-planned under the policy `auto` takes (`klein.memory.residency`): the first that fits, else the roomiest
-(under `stream`, the device holds about two of a model's layers at a time).
+"""`klein plan`'s question, resolved as any request is and planned from its workload (`klein.memory.plan`);
+where nothing fits, the smaller forms of it that would (`suggestions`), one change at a time, each planned
+and given as the flags that make it (docs/design/memory.md).
 """
 
 from __future__ import annotations
@@ -83,7 +71,8 @@ def suggestions(asked: dict, limit: int, memory: int | None = None) -> list[Sugg
         if suggestion is None or suggestion.peak >= current.peak:
             continue  # no smaller than the checkpoint asked for
         if not suggestion.fits:
-            suggestion = dataclasses.replace(suggestion, then=_first_request_change(asked | change, limit))
+            changes = (_largest(ladder, asked | change, limit) for ladder in _requests(asked | change))
+            suggestion = dataclasses.replace(suggestion, then=next(filter(None, changes), None))
         found.append(suggestion)
     found += filter(None, (_largest(ladder, asked, limit) for ladder in _requests(asked)))
     cap = math.ceil(current.peak / 2**30 * 100) / 100  # GiB, as --memory-cap reads it
@@ -113,10 +102,6 @@ def _largest(ladder: list[tuple[dict, str]], asked: dict, limit: int) -> Suggest
     return None
 
 
-def _first_request_change(asked: dict, limit: int) -> Suggestion | None:
-    return next(filter(None, (_largest(ladder, asked, limit) for ladder in _requests(asked))), None)
-
-
 def _checkpoints(asked: dict) -> list[tuple[dict, str]]:
     """The downloads of the same model that hold fewer bytes, and the smaller model: (plan arguments that
     change, words)."""
@@ -131,19 +116,11 @@ def _checkpoints(asked: dict) -> list[tuple[dict, str]]:
     if residency.TRANSFORMER not in quantized:
         for fmt in FILE_FORMATS:
             kind = "an NVFP4 safetensors" if fmt == "NVFP4" else f"a {fmt} GGUF"
-            found.append(
-                (
-                    dict(models=planner.in_format(models, fmt, text)),
-                    f"{kind} transformer (--transformer FILE){beside}",
-                )
-            )
+            change = dict(models=planner.in_format(models, fmt, text))
+            found.append((change, f"{kind} transformer (--transformer FILE){beside}"))
         if not models.fp8:
-            found.append(
-                (
-                    dict(models=dataclasses.replace(models, fp8=True)),
-                    "BFL's FP8 transformer file (--transformer FILE)",
-                )
-            )
+            change = dict(models=dataclasses.replace(models, fp8=True))
+            found.append((change, "BFL's FP8 transformer file (--transformer FILE)"))
     elif text:
         found.append(
             (dict(models=planner.in_format(models, text_encoder=text)), beside.removeprefix(" and "))

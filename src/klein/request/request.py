@@ -1,14 +1,7 @@
 """The generation request: every setting of one generation, once, with its documentation and limits.
 
-Every front end maps onto this one type: the Python call (`pipe(prompt, **settings)` or
-`pipe(GenerationRequest(...))`), `klein generate`'s flags and `key=value` words (derived from each
-field's `Setting`), and the PNG metadata (written from the resolved `Settings` and read back by
-`GenerationRequest.from_metadata`). Validation lives here and raises `InputError` naming the field, so
-every front end refuses the same inputs with the same words. Adding a setting is one field with its
-`Setting` (docs/design.md, "The request").
-
-Field names follow diffusers' `Flux2KleinPipeline.__call__` arguments; the short names (`steps`,
-`guidance`, `num_images`, `kv`) are the flags and metadata keys.
+Every front end (Python, `klein generate`'s flags and key=value words, PNG metadata, HTTP bodies) maps onto
+this one type, so all refuse the same inputs in the same words (docs/design/requests.md, "The request").
 """
 
 from __future__ import annotations
@@ -300,17 +293,11 @@ class Settings:
             residency=self.residency,
             reference_sizes=",".join(f"{w}x{h}" for h, w in self.reference_sizes),
             index=f"{index + 1} of {self.images}",
-            **(
-                {"loras": json.dumps([dataclasses.asdict(lora) for lora in self.loras])} if self.loras else {}
-            ),
-            **(
-                {"lora_adapters": json.dumps([dataclasses.asdict(lora) for lora in self.adapters_of(index)])}
-                if self.adapters_of(index)
-                else {}
-            ),
-            klein=version,
-            Software=f"klein {version}",
         )
+        for key, loras in (("loras", self.loras), ("lora_adapters", self.adapters_of(index))):
+            if loras:
+                text[key] = json.dumps([dataclasses.asdict(lora) for lora in loras])
+        text.update(klein=version, Software=f"klein {version}")
         return text
 
     def describe(self) -> str:

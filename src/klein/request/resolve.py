@@ -1,15 +1,8 @@
-"""Every decision about a request, in one place: `resolve(request, variant, ...) -> Resolved`.
+"""Every decision about a request, in one place: `resolve(request, variant, ...) -> Resolved`: the mode, the
+output size, the steps, the guidance that runs, the seed, the batch and the reference tokens.
 
-Given the request and what is known before any device work (the checkpoint's variant, the references'
-prepared sizes), it decides and checks:
-- the mode (`klein.request.modes`): how references enter (none, appended, cached keys and values) and
-  whether classifier-free guidance runs;
-- the output size (each unset side from the first reference, else 1024; rounded down to multiples of 16);
-- the steps (the variant's default unless given), the guidance scale that runs (None where none does),
-  the seed (drawn when neither a seed nor the noise is given), the batch and the reference tokens.
-
-Pure: no device, no file. The pipeline, `klein serve`, `klein plan` and `klein bench` call it and read
-its result; none of them decides any of these again (docs/design.md, "The request").
+Pure: no device, no file. Every front end reads its result and decides none of these again
+(docs/design/requests.md, "The request").
 """
 
 from __future__ import annotations
@@ -110,7 +103,7 @@ def resolve(
     height, width, rounded = output_size(request.height, request.width, sizes)
     seed = request.seed
     if request.latents is None and seed is None:
-        seed = (draw_seed or _random_seed)()
+        seed = secrets.randbelow(2**31) if draw_seed is None else draw_seed()
     filled = dataclasses.replace(
         request,
         height=height,
@@ -124,7 +117,7 @@ def resolve(
         references=None,
     )
     images = len(request.prompts) * request.num_images_per_prompt
-    notes = kept + _notes(request, variant, model_name, filled, rounded)
+    notes = kept + _notes(request, variant, filled, rounded)
     repaint = repaint_words(request.mask_image is not None, strength) if request.repaints else None
     mode = Mode(conditioning, scale is not None, repaint)
     return Resolved(filled, mode, images, sizes, rounded, notes, first_step)
@@ -238,13 +231,9 @@ def guidance(variant: Variant, scale: float | None) -> float | None:
 def output_size(
     height: int | None, width: int | None, reference_sizes: Sequence[tuple[int, int]] = ()
 ) -> tuple[int, int, bool]:
-    """(height, width, rounded): the size diffusers generates at for a requested size and the prepared
-    references' (height, width) sizes.
-
-    Each unset side independently takes the first reference's prepared size, else 1024 (so a height given
-    alone pairs with the reference's width). Both sides are then rounded down to multiples of 16; `rounded`
-    says whether that changed anything, so a caller can warn.
-    """
+    """(height, width, rounded): the size diffusers generates at. Each unset side takes the first prepared
+    reference's, else 1024; both are rounded down to multiples of 16, `rounded` saying whether that changed
+    anything, so that a caller can warn."""
     default_height, default_width = reference_sizes[0] if reference_sizes else (DEFAULT_SIZE, DEFAULT_SIZE)
     requested = (default_height if height is None else height, default_width if width is None else width)
     if min(requested) < MIN_SIDE:
@@ -281,7 +270,7 @@ def _conditioning(request: GenerationRequest, variant: Variant, model_name: str,
     return encoded
 
 
-def _notes(request, variant: Variant, model_name: str, filled: GenerationRequest, rounded: bool):
+def _notes(request, variant: Variant, filled: GenerationRequest, rounded: bool):
     notes = []
     if rounded:
         notes.append(
@@ -295,7 +284,3 @@ def _notes(request, variant: Variant, model_name: str, filled: GenerationRequest
             "without guidance (the base variants take it)"
         )
     return tuple(notes)
-
-
-def _random_seed() -> int:
-    return secrets.randbelow(2**31)
