@@ -1,37 +1,11 @@
 """The one attention function every model calls: the seam for kernels (XLA, cuDNN, splash).
 
-Shapes: q float[B, Sq, H, Dh]; k, v float[B, Sk, K, Dh] with K dividing H (grouped queries: query head h
-reads key head h // (H / K)); optional ranks int32[B or 1, Sq] and int32[B or 1, Sk]: query i may attend
-to key j where k_rank[j] <= q_rank[i]. Returns float[B, Sq, H, Dh]; a query that may attend to no key
-gets zeros (as torch's SDPA gives the padded rows of a causal text encoder).
-
-Ranks are how every mask of the models is said without an Sq x Sk tensor: padded keys rank `MASKED`;
-causal attention ranks queries and keys by position; reference tokens that see only themselves rank 0
-while every other token ranks 1. Each tile compares two small vectors.
-
-Attention runs in tiles of `QUERY_BLOCK` queries by at most `KEY_BLOCK` keys, heads-major, with an
-online softmax over the key blocks (running max and sum, float32 whatever the input dtype): memory is
-linear in tokens. The keys are cut into even blocks (the last one shorter) once, before the loop over
-query blocks, and the loop body folds them in one after another: no key is padded, so attention without
-ranks never evaluates a mask, and no key block is copied again per query block (both were measurable
-costs, `benchmarks/attention_speed.py`; docs/design.md, "Measured reasons"). XLA holds the cut blocks
-beside the keys and values: memory stays linear in tokens (`klein.memory.plan` counts them). One key
-block reproduces the query-blocked path, so text-to-image at 1024^2 pays no rescaling.
-
-On a device mesh the same kernel runs per device inside `shard_map` (context parallelism): queries keep
-their split along tokens (context), batch (data) and heads (tensor) while keys and values are gathered
-whole along their tokens before the call, so each device computes complete softmax rows for its own
-queries. A dimension its mesh axis does not divide stays whole (correct, only not split); the models pad
-their token streams so that it does.
-
-On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead (without a mesh, or on a
-mesh of one device, where nothing is split: the kernel runs without `shard_map` and without ranks). On a
-TPU every mask klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the
-same `shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
-(`klein plan --target`) gets the TPU kernel. `causal=True` says the ranks are token positions (the text
-encoder's), which splash expresses as its static causal mask; its queries are then not split along tokens.
-Any other ranks must rank every query the same (key padding) on a TPU; KV editing's isolated span is two
-such calls there (`isolated_span_attention`).
+Shapes: q float[B, Sq, H, Dh]; k, v float[B, Sk, K, Dh] with K dividing H (grouped queries); optional ranks
+int32[B or 1, Sq] and int32[B or 1, Sk]: query i may attend to key j where k_rank[j] <= q_rank[i], so no
+mask is an Sq x Sk tensor. Returns float[B, Sq, H, Dh]; a query that may attend to no key gets zeros (as
+torch's SDPA gives the padded rows of a causal text encoder). The XLA kernel is tiled with an online
+softmax (memory linear in tokens); on a mesh it runs per device inside `shard_map`. See
+docs/design/compiling.md, "Sharding" and "TPU attention".
 """
 
 import functools
@@ -229,7 +203,9 @@ def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
 
 
 def _blocked(q, k, v, q_rank, k_rank):
-    """Tiles of QUERY_BLOCK x KEY_BLOCK on one device; see the module docstring."""
+    """Tiles of QUERY_BLOCK x KEY_BLOCK on one device, heads-major, an online softmax in float32 over the
+    key blocks. Keys are cut into even blocks once, before the loop (no key padded, so no mask without
+    ranks; `benchmarks/attention_speed.py`)."""
     _, sq, h, dh = q.shape
     sk, groups = k.shape[1], h // k.shape[2]
     q_size = min(QUERY_BLOCK, sq)

@@ -125,10 +125,6 @@ def quantised(compute: str) -> Stored:
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 
 
-def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype) -> Linear:
-    return Linear(d_in, d_out, rngs, dtype)
-
-
 def store(model: nnx.Module, forms: Mapping[tuple, Stored]) -> nnx.Module:
     """`model` with the `Linear` layers at the module paths of `forms` stored so (call inside
     `nnx.eval_shape` to build the abstract model a checkpoint is loaded into). Stacked layers keep their
@@ -184,8 +180,8 @@ class RMSNorm(nnx.Module):
 
 class FeedForward(nnx.Module):
     def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, dtype):
-        self.linear_in = linear(dim, 2 * hidden, rngs, dtype)
-        self.linear_out = linear(hidden, dim, rngs, dtype)
+        self.linear_in = Linear(dim, 2 * hidden, rngs, dtype)
+        self.linear_out = Linear(hidden, dim, rngs, dtype)
 
     def __call__(self, x):
         return self.linear_out(swiglu(self.linear_in(x)))
@@ -195,7 +191,7 @@ class Modulation(nnx.Module):
     """`sets` groups of (shift, scale, gate) computed from the timestep embedding."""
 
     def __init__(self, dim: int, sets: int, rngs: nnx.Rngs, dtype):
-        self.linear = linear(dim, 3 * sets * dim, rngs, dtype)
+        self.linear = Linear(dim, 3 * sets * dim, rngs, dtype)
         self.sets = sets
 
     def __call__(self, temb: jnp.ndarray) -> jnp.ndarray:
@@ -218,8 +214,8 @@ def timestep_features(t: jnp.ndarray, channels: int) -> jnp.ndarray:
 
 class TimestepEmbedder(nnx.Module):
     def __init__(self, channels: int, dim: int, rngs: nnx.Rngs, dtype):
-        self.linear_1 = linear(channels, dim, rngs, dtype)
-        self.linear_2 = linear(dim, dim, rngs, dtype)
+        self.linear_1 = Linear(channels, dim, rngs, dtype)
+        self.linear_2 = Linear(dim, dim, rngs, dtype)
 
     def __call__(self, features):
         return self.linear_2(jax.nn.silu(self.linear_1(features)))
@@ -241,7 +237,7 @@ class AdaNormOut(nnx.Module):
     """Final adaptive LayerNorm; the linear's halves are (scale, shift) in diffusers' order."""
 
     def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, dtype):
-        self.linear = linear(dim, 2 * dim, rngs, dtype)
+        self.linear = Linear(dim, 2 * dim, rngs, dtype)
         self.eps = eps
 
     def __call__(self, x, temb):

@@ -1,16 +1,10 @@
 """Stacks of layers: weights (and reference keys / values) with a leading layer axis L, run one layer at a
 time inside `jax.lax.scan`, so that compile time does not grow with depth.
 
-A stack narrower than 32 bits is kept as its bit pattern: bfloat16 as uint16, float8_e4m3fn as uint8
-(`as_bits`), and each layer is viewed as its float type again once it has been sliced out (`layer`).
-XLA:CPU has no bfloat16 or float8 slicing: it widens the whole stack to float32 to cut one layer out of
-it and hoists that conversion out of the loop, so a bf16 transformer would hold its weights twice more
-(docs/design.md, "Memory"). Slicing integers is native on every backend and a bit cast is free, so the
-bit form costs nothing elsewhere. Arrays of 32 bits or more are kept as they are.
-
-A stack may live in host memory (the residency policy `stream`: a device smaller than the transformer).
-`layer` then moves each layer to the device as the loop reaches it, so the device holds a layer or two
-of the stack at a time; XLA overlaps the copy of the next layer with the current one's compute.
+A stack narrower than 32 bits is kept as its bit pattern (`as_bits`: bfloat16 as uint16, float8 as uint8)
+and each layer viewed as floats again once sliced (`layer`): XLA:CPU cannot slice bfloat16 or float8
+without widening the whole stack. A stack may live in host memory (residency `stream`): `layer` moves
+each layer to the device as the loop reaches it. See docs/design/memory.md.
 """
 
 from __future__ import annotations
@@ -19,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from klein.models import gguf_blocks
 
@@ -28,6 +23,17 @@ _BITS = {
     np.dtype(ml_dtypes.float8_e4m3fn): np.dtype(np.uint8),
 }
 _FLOATS = {bits: floating for floating, bits in _BITS.items()}
+
+
+def stack(make, count: int, rngs: nnx.Rngs):
+    """`count` modules `make(rngs)`, each drawn from its own split of `rngs`, stacked on a leading axis."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def build(rngs):
+        return make(rngs)
+
+    return build(rngs)
 
 
 def as_bits(array):

@@ -1,38 +1,8 @@
-"""The FLUX.2 [klein] transformer and the ways to run it.
-
-Axes: B batch, N image tokens, R reference tokens (all references of a request, concatenated),
-T text tokens, S joint tokens ([txt, img] and whatever rides with the image stream), C token channels
-(128), J text-embedding width, D model width, L layers, H heads, Dh head dim; inside the model a
-count includes its stream's padding (see below). Rope tables are (cos, sin) float32[tokens, Dh] from
-`rope.rope_tables`.
-
-Ways to run (explicit functions, no mode strings):
-- `forward`: text-to-image, or standard editing with `refs` appended after the image tokens,
-  modulated at the current timestep, full attention (klein-4b / 9b / base);
-- `prefill` + `forward_cached`: KV editing (klein-9b-kv). The prefill runs the reference tokens
-  alone, modulated at t = 0 and attending only to themselves, and returns every layer's reference
-  keys and values. Those depend on nothing but the references, so one `ReferenceKV` (no batch axis)
-  serves every image of a batch, every step and every later request with the same references.
-- `forward_kv_uncached`: the same KV semantics in one pass over [txt, ref, img] with per-token
-  modulation, the reference tokens attending only to themselves (how the reference implementation runs
-  step 0); a check on the cache.
-
-The three forwards differ only in what their two token streams hold, how they are modulated and what
-the queries see; each prepares those and hands them to one trunk, `_velocity`, which reads top to bottom
-like BFL's flux2 model: input embeddings, the layers, the final layer. The layers are one walk,
-`_layers`: the double blocks, the single blocks over [txt, img], the last single block, which computes
-queries, MLP and output projection for the image rows the velocity reads alone. The prefill is the same
-walk over the references alone, recording every layer's keys and values instead. What a layer's
-queries see is data (`attention.Keys`: key ranks, an isolated span, cached reference keys and values)
-that one function (`attention.attend`) reads.
-
-Layers are stacked and run one at a time (`klein.models.stacks`): compile time does not grow with depth,
-and the stacks are sliced inside the loop, never copied.
-
-Under context parallelism (a mesh in JAX's context) each token stream (text, image + references,
-references alone) is padded to a multiple of the `context` size (`attention.padded`), and the last
-block's rows are widened to one (`sharding.covering`); padded keys rank `MASKED` (no query sees them)
-and padded outputs are dropped, so the result is that of one device.
+"""The FLUX.2 [klein] transformer and the ways to run it: `forward` (text-to-image and standard editing),
+`prefill` + `forward_cached` (KV editing) and `forward_kv_uncached` (the same KV semantics in one pass, a
+check on the cache). Each prepares its two token streams, their modulation and what the queries see
+(`attention.Keys`), and hands them to one trunk (`_velocity`, `_layers`); layers run one at a time from
+their stacks (`klein.models.stacks`). See docs/design/requests.md, "KV cache"; axes as in `klein.models`.
 """
 
 from __future__ import annotations
@@ -47,7 +17,7 @@ from flax import nnx
 from klein.models import attention, stacks
 from klein.models.attention import Keys, Padded, key_rank, padded
 from klein.models.blocks import DoubleBlock, SingleBlock
-from klein.models.layers import AdaNormOut, Modulation, TimeGuidanceEmbed, linear
+from klein.models.layers import AdaNormOut, Linear, Modulation, TimeGuidanceEmbed
 from klein.models.rope import concat_tables
 from klein.models.transformer_config import TransformerConfig
 from klein.sharding import REFERENCE_KV, TOKENS, constrain, covering
@@ -57,7 +27,7 @@ class ReferenceKV(NamedTuple):
     """Per-layer keys and values of the reference tokens, after QK-norm and RoPE. No batch axis. Stacks in
     their stored form (bf16 as its bits, `klein.models.stacks`).
 
-    R counts the padding a context-parallel prefill adds (see the module docstring); `key_rank` then
+    R counts the padding a context-parallel prefill adds (`attention.padded`); `key_rank` then
     ranks it `MASKED` (int32[1, R], 0 for the references), and is None where there is none."""
 
     double_k: jnp.ndarray  # [L_double, R, H, Dh]
@@ -75,15 +45,6 @@ class ReferenceKV(NamedTuple):
         return self.double_k, self.double_v, self.single_k, self.single_v
 
 
-def _stack(make, count: int, rngs: nnx.Rngs):
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=0, out_axes=0)
-    def build(rngs):
-        return make(rngs)
-
-    return build(rngs)
-
-
 class Flux2Transformer(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         d = cfg.hidden
@@ -92,14 +53,14 @@ class Flux2Transformer(nnx.Module):
         self.double_stream_modulation_img = Modulation(d, 2, rngs, dtype)
         self.double_stream_modulation_txt = Modulation(d, 2, rngs, dtype)
         self.single_stream_modulation = Modulation(d, 1, rngs, dtype)
-        self.x_embedder = linear(cfg.in_channels, d, rngs, dtype)
-        self.context_embedder = linear(cfg.joint_attention_dim, d, rngs, dtype)
-        self.transformer_blocks = _stack(lambda r: DoubleBlock(cfg, r, dtype), cfg.num_layers, rngs)
-        self.single_transformer_blocks = _stack(
+        self.x_embedder = Linear(cfg.in_channels, d, rngs, dtype)
+        self.context_embedder = Linear(cfg.joint_attention_dim, d, rngs, dtype)
+        self.transformer_blocks = stacks.stack(lambda r: DoubleBlock(cfg, r, dtype), cfg.num_layers, rngs)
+        self.single_transformer_blocks = stacks.stack(
             lambda r: SingleBlock(cfg, r, dtype), cfg.num_single_layers, rngs
         )
         self.norm_out = AdaNormOut(d, cfg.eps, rngs, dtype)
-        self.proj_out = linear(d, cfg.in_channels, rngs, dtype)
+        self.proj_out = Linear(d, cfg.in_channels, rngs, dtype)
 
 
 def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None):
@@ -160,7 +121,7 @@ def _velocity(model, temb, mods, text: Padded, image: Padded, keys, rows, kv: Re
     rope = concat_tables(text.rope, image.rope)
     img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
     x, _ = _layers(model, img, txt, mods, rope, keys, rows, kv)
-    return _final_layer(model, x, temb)
+    return model.proj_out(model.norm_out(x, temb))
 
 
 def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV | None = None):
@@ -227,11 +188,6 @@ def _modulations(model, t):
         model.double_stream_modulation_txt(temb),
         model.single_stream_modulation(temb),
     )
-
-
-def _final_layer(model, x, temb):
-    """The velocity float[B, N, C] of the image tokens' hidden states x float[B, N, D]."""
-    return model.proj_out(model.norm_out(x, temb))
 
 
 def _scan(blocks, body, carry, count: int, xs=None):

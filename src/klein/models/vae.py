@@ -9,11 +9,8 @@ latent grid; Y/16, X/16 the transformer's token grid (one token = a 2x2 patch of
   2x2 patches of VAE latents, channel `4 * c + 2 * dy + dx`, normalised with the BatchNorm running
   statistics as `(z - mean) / sqrt(var + eps)`.
 
-Memory: plain `decode_latents` holds temporaries that grow with the pixel count (the 256- and
-128-channel full-resolution activations dominate); `decode_latents_tiled` holds a bounded amount at any
-size, for outputs whose plain decode does not fit (the planner chooses, `klein.memory.plan`; measured
-figures in docs/design.md, "Decoding memory"). The mid-block attention is the models' one tiled kernel
-(`klein.models.attention`, one head) rather than a whole (Y/8 * X/8)^2 score matrix.
+`decode_latents_tiled` holds a bounded amount of memory at any size, for outputs whose plain decode does
+not fit (docs/design/memory.md, "Decoding memory").
 """
 
 from __future__ import annotations
