@@ -59,9 +59,7 @@ def attend(q, k, v, keys: Keys):
         k, v = (_splice(x, cached, keys.cached_at) for x, cached in zip((k, v), keys.cached, strict=True))
     if keys.isolated is not None:
         return isolated_span_attention(q, k, v, *keys.isolated, keys.rank)
-    if keys.rank is None:
-        return attention(q, k, v)
-    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), keys.rank)
+    return _padded_keys(q, k, v, keys.rank)
 
 
 def _splice(x, cached, at: int):
@@ -109,14 +107,9 @@ def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.
     other token sees all (KV editing's reference tokens). `k_rank`: None, or 0 for keys and `MASKED`
     for padding. On cuDNN (one device) and on a TPU: two calls (the span over its own keys, the rest over
     all keys); elsewhere the span's ranks."""
-    if _splash(q, sharding.platform()):
+    platform, one_device = sharding.platform(), _one_device(jax.sharding.get_abstract_mesh())
+    if _splash(q, platform) or (k_rank is None and _cudnn(q, platform) and one_device):
         return _two_calls(q, k, v, start, stop, k_rank)
-    if k_rank is None and _cudnn(q, sharding.platform()) and _one_device(jax.sharding.get_abstract_mesh()):
-        inside = jax.nn.dot_product_attention(
-            q[:, start:stop], k[:, start:stop], v[:, start:stop], implementation="cudnn"
-        )
-        outside = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
-        return jnp.concatenate([outside[:, :start], inside, outside[:, stop:]], axis=1)
     span = (jnp.arange(q.shape[1]) < start) | (jnp.arange(q.shape[1]) >= stop)
     rank = span.astype(jnp.int32)[None]  # 0 inside the span, 1 outside
     k_span = rank[:, : k.shape[1]]
@@ -148,6 +141,7 @@ def _two_calls(q, k, v, start: int, stop: int, k_rank):
 
 
 def _padded_keys(q, k, v, k_rank):
+    """Attention whose queries all rank 0 over keys ranked 0 or `MASKED` (None: none padded)."""
     if k_rank is None:
         return attention(q, k, v)
     return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
@@ -213,13 +207,11 @@ def _blocked(q, k, v, q_rank, k_rank):
     k_size = -(-sk // -(-sk // KEY_BLOCK))  # even key blocks; the last one has what is left
     masked = q_rank is not None
     if masked:
-        q_rank = jnp.tile(
-            _blocks(_pad(q_rank, q_count * q_size, 0), q_count), (1, 1, groups)
-        )  # [Q, B|1, G*q]
+        q_rank = jnp.tile(_blocks(pad_to(q_rank, q_count * q_size), q_count), (1, 1, groups))  # [Q, B|1, G*q]
     else:  # a placeholder that the loop carries and never reads
         q_rank = jnp.zeros((q_count,))
     # Padded query rows attend like any other and are dropped at the end.
-    q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size, 0)
+    q = pad_to(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size)
     q = rearrange(q, "b (n q) (k g) d -> n b k (g q) d", n=q_count, g=groups)  # a key head's queries
     k, v = (rearrange(x, "b s k d -> b k s d") for x in (k, v))
     # Key blocks are cut once, before the loop over query blocks; no key is padded.
@@ -230,10 +222,16 @@ def _blocked(q, k, v, q_rank, k_rank):
 
     def one(args):
         q_block, q_block_rank = args
-        carry = _start(q_block)
+        rows = q_block.shape[:-1]
+        carry = (  # running max, sum, weighted values
+            jnp.full(rows, _LOW, jnp.float32),
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros(q_block.shape, jnp.float32),
+        )
         for block in blocks:
             carry = _tile(carry, q_block, *block, q_block_rank, masked)
-        return _finish(*carry, q.dtype)
+        _, total, acc = carry
+        return (acc / jnp.where(total == 0, 1.0, total)[..., None]).astype(q.dtype)
 
     out = jax.lax.map(one, (q, q_rank))
     return rearrange(out, "n b k (g q) d -> b (n q) (k g) d", g=groups)[:, :sq]
@@ -258,21 +256,8 @@ def _tile(carry, q_block, k_block, v_block, k_rank, q_rank, masked: bool):
     return new_max, total, acc * correction[..., None] + values
 
 
-def _start(q_block):
-    rows = q_block.shape[:-1]
-    return (
-        jnp.full(rows, _LOW, jnp.float32),
-        jnp.zeros(rows, jnp.float32),
-        jnp.zeros(q_block.shape, jnp.float32),
-    )
-
-
-def _finish(_max, total, acc, dtype):
-    return (acc / jnp.where(total == 0, 1.0, total)[..., None]).astype(dtype)
-
-
-def _pad(x, size: int, value):
-    """Pad the token axis (1) of x to `size`."""
+def pad_to(x, size: int, value=0):
+    """Pad the token axis (1) of x to `size` with `value`."""
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, size - x.shape[1])
     return jnp.pad(x, widths, constant_values=value)

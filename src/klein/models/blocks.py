@@ -1,6 +1,5 @@
 """Double-stream and single-stream blocks of the FLUX.2 transformer.
 
-Axes: B batch, T text tokens, N image-stream tokens, S joint tokens, D width, H heads, Dh head dim.
 Each block takes an `attend(q, k, v)` callable for its joint sequence: that is where the three ways of
 running the model differ (full attention, reference tokens that see only themselves, cached reference
 keys and values spliced in). Blocks also return their joint (k, v) after QK-norm and RoPE, which the

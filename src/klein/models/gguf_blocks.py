@@ -56,10 +56,6 @@ def _in_words(words, shifts, width: int):
     return jnp.stack([jnp.stack([(words >> s) & mask, (words >> (s + 8)) & mask], -1) for s in shifts], -3)
 
 
-def _u32(quad):
-    return jax.lax.bitcast_convert_type(quad, jnp.uint32)
-
-
 def _shifted(bytes_, shifts, width: int):
     """`bytes_` uint8[..., n] shifted right by each of `shifts` into [..., len(shifts), n], masked to `width`
     bits: the values packed `width` bits apart, one group of n per shift."""
@@ -94,7 +90,9 @@ def _q4_1(b):
 def _five_bit(qh, qs):
     """The 32 5-bit values of a Q5_0 / Q5_1 block: low nibbles from qs (as words), the fifth bits from qh
     (bit i of the little-endian uint32 for value i)."""
-    high = (_u32(qh)[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+    high = (
+        jax.lax.bitcast_convert_type(qh, jnp.uint32)[..., None] >> jnp.arange(32, dtype=jnp.uint32)
+    ) & jnp.uint32(1)
     return _nibbles(qs) | (high.astype(jnp.uint16) << jnp.uint16(4))
 
 

@@ -1,7 +1,6 @@
 """Building blocks of the FLUX.2 transformer (Flax NNX), named after diffusers' parameters.
 
-Axes: B batch, S tokens, D model width, H heads, Dh head dim, M SwiGLU width.
-Modulation tensors are float[B, 1, D] (one timestep per image) or float[B, S, D] (per token, when
+Axes as in `klein.models`. Modulation tensors are float[B, 1, D] (one timestep per image) or float[B, S, D] (per token, when
 reference tokens are modulated at another timestep than the image tokens).
 """
 
@@ -21,15 +20,10 @@ from klein.models import adapters, products
 class Linear(nnx.Module):
     """`x @ kernel` without bias (FLUX.2 has none anywhere), computed in `dtype`.
 
-    The kernel float[in, out] is stored in `dtype`, or in 8 bits beside a float32 `weight_scale` (`store`);
-    `compute` says how the product is made. Both are `klein.models.products`' business: the layer only
-    gathers its stored arrays into one `products.Weight` (`stored`) for `products.product`. A kernel for
-    8-bit products is stored [out, in] as `weight` (PyTorch's name and layout, read without a transpose),
-    `kernel` then None: an 8-bit GEMM
-    wants its weight's contracting axis innermost (docs/design.md, "8-bit products on the card").
-    A kernel kept in a file's quantisation blocks (GGUF, NVFP4) is `weight` too: rows of blocks
-    uint8[out, bytes], `blocks` naming their format (a stack of mixed GGUF types: the tuple of them,
-    `products.MIXED`), widened inside the product.
+    The layer gathers its stored arrays into one `products.Weight` (`stored`) for `products.product`,
+    which alone knows how each stored form is multiplied. The kernel float[in, out] is `kernel`, or
+    `weight` [out, in] (PyTorch's layout) when stored for 8-bit products or as a file's quantisation
+    blocks (`store`; docs/design/checkpoints.md, "How a stored layer becomes a product").
     """
 
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
@@ -242,4 +236,4 @@ class AdaNormOut(nnx.Module):
 
     def __call__(self, x, temb):
         scale, shift = jnp.split(self.linear(jax.nn.silu(temb))[:, None, :], 2, axis=-1)
-        return (1 + scale) * layer_norm(x, self.eps) + shift
+        return modulate(x, shift, scale, self.eps)

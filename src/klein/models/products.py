@@ -165,27 +165,22 @@ def scales_of(values, compute: str, axis: int):
     return xp.where(largest > 0, largest * reciprocal, np.float32(1)).astype(np.float32)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+def dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
     """`jax.lax.dot_general` in the inputs' dtype (or `preferred_element_type`), accumulated in float32
-    without a widened copy of the operands where the backend can (`in_place`); takes `nnx.Linear`'s
-    `dot_general` arguments.
+    without a widened copy of the operands where the backend can (`in_place`).
 
     XLA:CPU's product of a single row (a vector by a matrix: the modulations of one image) widens the
     matrix even so; two rows do not (0.05 s instead of 0.15 s for klein-9b's 4096 x 24576 modulation), so
     a single row is multiplied beside a row of zeros."""
     out = preferred_element_type or jnp.result_type(lhs, rhs)
     if out == jnp.float32 or not in_place(sharding.platform()):
-        return jax.lax.dot_general(
-            lhs, rhs, dimension_numbers, precision, preferred_element_type=preferred_element_type, **kwargs
-        )
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
     (contracting, _), (batch, _) = dimension_numbers
     rows = math.prod(n for axis, n in enumerate(lhs.shape) if axis not in contracting)
     single = rows == 1 and not batch and lhs.ndim > 1 and 0 not in contracting
     if single:
         lhs = jnp.concatenate([lhs, jnp.zeros_like(lhs)])
-    product = jax.lax.dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type=jnp.float32, **kwargs
-    )
+    product = jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32)
     return (product[:1] if single else product).astype(out)
 
 

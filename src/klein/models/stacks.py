@@ -38,22 +38,21 @@ def stack(make, count: int, rngs: nnx.Rngs):
 
 def as_bits(array):
     """`array` (NumPy or JAX) in its stored form: the bit pattern of a bf16 / float8 array, else itself."""
-    bits = _BITS.get(np.dtype(array.dtype))
-    if bits is None:
-        return array
-    if isinstance(array, np.ndarray):
-        return array.view(bits)  # no copy
-    return jax.lax.bitcast_convert_type(array, bits)
+    return view(array, _BITS.get(np.dtype(array.dtype), array.dtype))
 
 
 def as_float(array):
     """The float array whose stored form (`as_bits`) `array` is; any other array as it is."""
-    floating = _FLOATS.get(np.dtype(array.dtype))
-    if floating is None:
+    return view(array, _FLOATS.get(np.dtype(array.dtype), array.dtype))
+
+
+def view(array, dtype):
+    """`array` (NumPy or JAX) viewed as `dtype` of the same width, without a copy."""
+    if array.dtype == dtype:
         return array
     if isinstance(array, np.ndarray):
-        return array.view(floating)
-    return jax.lax.bitcast_convert_type(array, floating)
+        return array.view(dtype)
+    return jax.lax.bitcast_convert_type(array, dtype)
 
 
 def layer(stack, index):
@@ -100,7 +99,9 @@ def scan(body, carry, stacks, count: int):
     shapes rather than a slice: tracing `jax.lax.scan` would slice every stack, and one of no layers (an
     empty per-layer `xs`) has nothing to slice."""
     if count == 0:
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], _float_dtype(a.dtype)), stacks)
+        one = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], _FLOATS.get(np.dtype(a.dtype), a.dtype)), stacks
+        )
         _, ys = jax.eval_shape(body, carry, one)
         return carry, jax.tree.map(lambda y: jnp.zeros((0, *y.shape), y.dtype), ys)
 
@@ -108,8 +109,3 @@ def scan(body, carry, stacks, count: int):
         return body(carry, layer(stacks, index))
 
     return jax.lax.scan(step, carry, jnp.arange(count))
-
-
-def _float_dtype(dtype):
-    """The dtype `as_float` views an array of `dtype` as."""
-    return _FLOATS.get(np.dtype(dtype), dtype)

@@ -70,7 +70,9 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
     """
     n_img = img.shape[1]
     if refs is not None:
-        img, img_rope = _append(img, img_rope, refs)
+        ref_tokens, ref_rope = refs
+        ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:])).astype(img.dtype)
+        img, img_rope = jnp.concatenate([img, ref_tokens], axis=1), concat_tables(img_rope, ref_rope)
     temb, mods = _modulations(model, t)
     text, image = padded(txt, txt_rope), padded(img, img_rope)
     keys = Keys(key_rank(text, image))
@@ -125,20 +127,16 @@ def _velocity(model, temb, mods, text: Padded, image: Padded, keys, rows, kv: Re
 
 
 def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV | None = None):
-    """The transformer's layer sequence, one walk for every way to run it: the double blocks over the
-    image stream img float[B, N, D] and the text stream txt float[B, T, D], the single blocks over
-    [txt, img], the last single block.
+    """The layer walk, one for every way to run it: the double blocks over the image stream img
+    float[B, N, D] and the text stream txt float[B, T, D], the single blocks over [txt, img], the last
+    single block. `mods` = (img_mod, txt_mod, single_mod); `keys`: what the queries see; `kv`: the
+    references' cached keys and values (a layer of them spliced into each layer's), or None.
 
-    The velocity reads the last block's output for the joint rows `rows` = (first, count), the image
-    tokens: (float[B, count, D], None). Its queries, MLP and output projection run over those rows alone
-    (widened to a multiple of the context size), keys and values over every token (`SingleBlock.rows`).
-    The prefill (the references alone: txt and rows None) reads every layer's keys and values instead:
-    (None, (double k, double v [L_double, R, H, Dh], single k, single v [L_single, R, H, Dh])), stacks in
-    their stored form; its last block computes its keys and values alone, and the single blocks write
-    theirs straight into the stacks (joining the last layer to the others would copy them).
-
-    `mods` = (img_mod, txt_mod, single_mod); `keys`: what the queries see; `kv`: the references' cached
-    keys and values, a layer of them spliced into each layer's, or None."""
+    The velocity reads the last block's output for the joint rows `rows` = (first, count), computed over
+    those rows alone (`SingleBlock.rows`, `sharding.covering`): (float[B, count, D], None). The prefill
+    (txt and rows None) records every layer's keys and values instead, written straight into stacks in
+    their stored form (joining the last layer to the others would copy them): (None, (double k, double v
+    [L_double, R, H, Dh], single k, single v [L_single, R, H, Dh]))."""
     cfg, (img_mod, txt_mod, single_mod) = model.cfg, mods
     record, last = rows is None, cfg.num_single_layers - 1
     double_kv = None if kv is None else (kv.double_k, kv.double_v)
@@ -192,12 +190,8 @@ def _modulations(model, t):
 
 def _scan(blocks, body, carry, count: int, xs=None):
     """Run `body(block, carry, layer_xs) -> (carry, ys)` over the first `count` blocks of a stack; `xs`
-    are per-layer stacks (reference keys and values, layer indices) or None.
-
-    The carry holds token streams float[B, S, D] (and, in the prefill, the key / value stacks it fills);
-    pinning the streams' layout at every layer keeps batch and tokens split (data / context parallelism)
-    instead of leaving it to propagation.
-    """
+    are per-layer stacks or None. The carry's token streams float[B, S, D] are pinned to their layout at
+    every layer, so batch and tokens stay split (data / context parallelism) whatever propagation does."""
     graphdef, params = nnx.split(blocks)
 
     def step(carry, layers):
@@ -220,13 +214,6 @@ def _cached_key_rank(text: Padded, image: Padded, kv: ReferenceKV):
         return None
     ref_rank = kv.key_rank if kv.key_rank is not None else jnp.zeros((1, kv.num_tokens), jnp.int32)
     return jnp.concatenate([text.rank[None], ref_rank, image.rank[None]], axis=1)
-
-
-def _append(img, img_rope, refs):
-    """The image tokens and rope with the references' appended (standard editing)."""
-    ref_tokens, ref_rope = refs
-    ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:]))
-    return jnp.concatenate([img, ref_tokens.astype(img.dtype)], axis=1), concat_tables(img_rope, ref_rope)
 
 
 def _per_token(batch: int, *parts):

@@ -56,9 +56,7 @@ class TransformerConfig:
         if config.get("patch_size", 1) != 1:
             raise CheckpointError("transformer config: only patch_size 1 is supported (FLUX.2 uses 1)")
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in config.items() if k in fields}
-        if "axes_dims_rope" in values:
-            values["axes_dims_rope"] = tuple(values["axes_dims_rope"])
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
         try:
             cfg = cls(**values)
         except TypeError as exc:

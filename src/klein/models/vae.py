@@ -120,14 +120,11 @@ def _group_norm(channels: int, groups: int, *, rngs, param_dtype) -> GroupNorm:
 class GroupNorm(nnx.GroupNorm):
     """Flax's GroupNorm (same parameters, same result) with its statistics from one read of the activations.
 
-    Flax's exact two-pass variance reads the activations once for the mean and again for E[(x - mean)^2],
-    reducing over (pixels, channels of a group) with a short inner axis; its one-pass E[x^2] - E[x]^2
-    loses digits when a group's mean is large against its spread. Here: per-channel shifted sums over
-    the pixels (channels contiguous, so the reductions vectorise), with s the channel's first pixel,
-    mean = s + E[x - s] and var = E[(x - s)^2] - E[x - s]^2 in float32; s lies within a few standard
-    deviations of the mean, so the cancellation costs a few bits at most, whatever the mean. Groups
-    then combine their channels exactly (law of total variance), and the normalisation and affine fold
-    into one per-channel scale and offset.
+    Flax's exact variance reads the activations twice; its one-pass E[x^2] - E[x]^2 loses digits when a
+    group's mean is large against its spread. Here: per-channel sums over the pixels (vectorised),
+    shifted by the channel's first pixel s, which lies within a few standard deviations of the mean, so
+    the cancellation costs a few bits at most; groups then combine their channels exactly (law of total
+    variance), and the normalisation and affine fold into one per-channel scale and offset.
     """
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -255,41 +252,24 @@ class MidBlock(nnx.Module):
         return self.resnets[1](x)
 
 
-def _resnets(cin: int, cout: int, layers: int, groups: int, **kw) -> nnx.List:
-    return nnx.List([ResnetBlock(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)])
-
-
-def _run_all(x: jax.Array, *stages) -> jax.Array:
-    for stage in stages:
-        for module in stage or ():
-            x = module(x)
-    return x
-
-
-class DownEncoderBlock(nnx.Module):
-    """ResNets at one resolution, then (except at the last level) a stride-2 downsampler."""
+class LevelBlock(nnx.Module):
+    """ResNets at one resolution, then (except at the last level) a resampler, under diffusers' key:
+    `downsamplers` (the encoder's `Downsample`) or `upsamplers` (the decoder's `Upsample`)."""
 
     def __init__(
-        self, cin, cout, layers, groups, downsample: bool, *, rngs: nnx.Rngs, param_dtype=jnp.float32
+        self, cin, cout, layers, groups, sampler, key: str, resample: bool, *, rngs, param_dtype=jnp.float32
     ):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.resnets = _resnets(cin, cout, layers, groups, **kw)
-        self.downsamplers = nnx.List([Downsample(cout, **kw)]) if downsample else None
+        self.resnets = nnx.List(
+            [ResnetBlock(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
+        )
+        self.key = key
+        setattr(self, key, nnx.List([sampler(cout, **kw)]) if resample else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _run_all(x, self.resnets, self.downsamplers)
-
-
-class UpDecoderBlock(nnx.Module):
-    """ResNets at one resolution, then (except at the last level) a 2x upsampler."""
-
-    def __init__(self, cin, cout, layers, groups, upsample: bool, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.resnets = _resnets(cin, cout, layers, groups, **kw)
-        self.upsamplers = nnx.List([Upsample(cout, **kw)]) if upsample else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _run_all(x, self.resnets, self.upsamplers)
+        for module in (*self.resnets, *(getattr(self, self.key) or ())):
+            x = module(x)
+        return x
 
 
 class Encoder(nnx.Module):
@@ -300,10 +280,10 @@ class Encoder(nnx.Module):
         widths, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = _conv(cfg.in_channels, widths[0], 3, **kw)
         ins = (widths[0], *widths[:-1])
-        last = len(widths) - 1
+        last, layers = len(widths) - 1, cfg.layers_per_block
         self.down_blocks = nnx.List(
             [
-                DownEncoderBlock(ins[i], widths[i], cfg.layers_per_block, groups, i < last, **kw)
+                LevelBlock(ins[i], widths[i], layers, groups, Downsample, "downsamplers", i < last, **kw)
                 for i in range(last + 1)
             ]
         )
@@ -330,7 +310,10 @@ class Decoder(nnx.Module):
         ins = (widths[0], *widths[:-1])
         last, layers = len(widths) - 1, cfg.layers_per_block + 1
         self.up_blocks = nnx.List(
-            [UpDecoderBlock(ins[i], widths[i], layers, groups, i < last, **kw) for i in range(last + 1)]
+            [
+                LevelBlock(ins[i], widths[i], layers, groups, Upsample, "upsamplers", i < last, **kw)
+                for i in range(last + 1)
+            ]
         )
         self.conv_norm_out = _group_norm(widths[-1], groups, **kw)
         self.conv_out = _conv(widths[-1], cfg.out_channels, 3, **kw)
