@@ -1,9 +1,7 @@
 """Errors that reach a user: each names the file, key or input at fault and what to do about it.
 
-Most messages read the same in every front end. Those that name how a user spells something (the
-argument, flag or field that names a request's LoRAs; how a LoRA gets a name) are `WordedError`s: the
-error keeps its facts and a template, and each front end renders it in its own `Words` (`PYTHON`, `CLI`,
-`BATCH`, `HTTP`) with `worded`; `str()` gives Python's.
+Messages that name how a user spells something (a request's LoRAs, its prompt) are `WordedError`s, which
+each front end renders in its own `Words` (`PYTHON`, `CLI`, `BATCH`, `HTTP`) with `worded`.
 """
 
 from __future__ import annotations

@@ -38,9 +38,14 @@ def as_mask(mask: MaskLike) -> PIL.Image.Image:
     with one channel made an 8-bit grayscale image)."""
     if isinstance(mask, PIL.Image.Image):
         return mask
-    if isinstance(mask, np.ndarray):
-        return _array_mask(mask)
-    return images.load_image(mask)
+    if not isinstance(mask, np.ndarray):
+        return images.load_image(mask)
+    values = mask[..., 0] if mask.ndim == 3 and mask.shape[-1] == 1 else mask
+    if values.ndim != 2:
+        raise InputError(f"mask_image as an array must be [H, W] or [H, W, 1], got shape {mask.shape}")
+    if np.issubdtype(values.dtype, np.floating):
+        values = np.round(np.clip(values, 0.0, 1.0) * 255)
+    return PIL.Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), "L")
 
 
 def check_not_black(mask: PIL.Image.Image) -> None:
@@ -58,15 +63,6 @@ def from_alpha(picture: PIL.Image.Image) -> PIL.Image.Image:
         alpha = np.asarray(picture.convert("RGBA"))[..., 3]
         return PIL.Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), "L")
     return picture.convert("L")
-
-
-def _array_mask(mask: np.ndarray) -> PIL.Image.Image:
-    values = mask[..., 0] if mask.ndim == 3 and mask.shape[-1] == 1 else mask
-    if values.ndim != 2:
-        raise InputError(f"mask_image as an array must be [H, W] or [H, W, 1], got shape {mask.shape}")
-    if np.issubdtype(values.dtype, np.floating):
-        values = np.round(np.clip(values, 0.0, 1.0) * 255)
-    return PIL.Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), "L")
 
 
 def prepare_source(

@@ -109,7 +109,11 @@ def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.
     all keys); elsewhere the span's ranks."""
     platform, one_device = sharding.platform(), _one_device(jax.sharding.get_abstract_mesh())
     if _splash(q, platform) or (k_rank is None and _cudnn(q, platform) and one_device):
-        return _two_calls(q, k, v, start, stop, k_rank)
+        # Two attentions whose queries each rank the same (key padding at most).
+        span_rank = None if k_rank is None else k_rank[:, start:stop]
+        inside = _padded_keys(q[:, start:stop], k[:, start:stop], v[:, start:stop], span_rank)
+        outside = _padded_keys(q, k, v, k_rank)
+        return jnp.concatenate([outside[:, :start], inside, outside[:, stop:]], axis=1)
     span = (jnp.arange(q.shape[1]) < start) | (jnp.arange(q.shape[1]) >= stop)
     rank = span.astype(jnp.int32)[None]  # 0 inside the span, 1 outside
     k_span = rank[:, : k.shape[1]]
@@ -130,14 +134,6 @@ def _cudnn(q, platform: str) -> bool:
 def _one_device(mesh) -> bool:
     """No mesh, or a mesh of one device (a GPU compiled for from another machine is one)."""
     return mesh.empty or mesh.size == 1
-
-
-def _two_calls(q, k, v, start: int, stop: int, k_rank):
-    """The isolated span as two attentions whose queries each rank the same (key padding at most)."""
-    span_rank = None if k_rank is None else k_rank[:, start:stop]
-    inside = _padded_keys(q[:, start:stop], k[:, start:stop], v[:, start:stop], span_rank)
-    outside = _padded_keys(q, k, v, k_rank)
-    return jnp.concatenate([outside[:, :start], inside, outside[:, stop:]], axis=1)
 
 
 def _padded_keys(q, k, v, k_rank):
@@ -207,11 +203,13 @@ def _blocked(q, k, v, q_rank, k_rank):
     k_size = -(-sk // -(-sk // KEY_BLOCK))  # even key blocks; the last one has what is left
     masked = q_rank is not None
     if masked:
-        q_rank = jnp.tile(_blocks(pad_to(q_rank, q_count * q_size), q_count), (1, 1, groups))  # [Q, B|1, G*q]
+        q_rank = jnp.tile(
+            _blocks(_pad(q_rank, q_count * q_size, 0), q_count), (1, 1, groups)
+        )  # [Q, B|1, G*q]
     else:  # a placeholder that the loop carries and never reads
         q_rank = jnp.zeros((q_count,))
     # Padded query rows attend like any other and are dropped at the end.
-    q = pad_to(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size)
+    q = _pad(q * jnp.asarray(dh**-0.5, q.dtype), q_count * q_size, 0)
     q = rearrange(q, "b (n q) (k g) d -> n b k (g q) d", n=q_count, g=groups)  # a key head's queries
     k, v = (rearrange(x, "b s k d -> b k s d") for x in (k, v))
     # Key blocks are cut once, before the loop over query blocks; no key is padded.
@@ -256,8 +254,8 @@ def _tile(carry, q_block, k_block, v_block, k_rank, q_rank, masked: bool):
     return new_max, total, acc * correction[..., None] + values
 
 
-def pad_to(x, size: int, value=0):
-    """Pad the token axis (1) of x to `size` with `value`."""
+def _pad(x, size: int, value):
+    """Pad the token axis (1) of x to `size`."""
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, size - x.shape[1])
     return jnp.pad(x, widths, constant_values=value)

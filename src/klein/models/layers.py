@@ -1,7 +1,7 @@
 """Building blocks of the FLUX.2 transformer (Flax NNX), named after diffusers' parameters.
 
-Axes as in `klein.models`. Modulation tensors are float[B, 1, D] (one timestep per image) or float[B, S, D] (per token, when
-reference tokens are modulated at another timestep than the image tokens).
+Axes as in `klein.models`. Modulation tensors are float[B, 1, D] (one timestep per image) or
+float[B, S, D] (per token, when reference tokens are modulated at another timestep than the image tokens).
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ class Linear(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """A Linear's stored form: its 8-bit kernel dtype, a scale per output channel (else per tensor), how
-    its product is made (`klein.models.products.COMPUTES`), and whether a per-tensor activation scale is
-    stored (an FP8 file's `input_scale`) for an 8-bit product; or the block format (`products.BLOCKS`)
-    of a kernel kept as a file's quantisation blocks."""
+    its product is made (bf16, fp8 or int8), and whether a per-tensor activation scale is stored (an FP8
+    file's `input_scale`) for an 8-bit product; or the block format (`products.BLOCKS`) of a kernel kept
+    as a file's quantisation blocks."""
 
     kernel: type
     per_channel: bool
@@ -186,7 +186,6 @@ class Modulation(nnx.Module):
 
     def __init__(self, dim: int, sets: int, rngs: nnx.Rngs, dtype):
         self.linear = Linear(dim, 3 * sets * dim, rngs, dtype)
-        self.sets = sets
 
     def __call__(self, temb: jnp.ndarray) -> jnp.ndarray:
         """float[B, D] -> float[B, 1, 3 * sets * D]; split it with `split_modulation`."""

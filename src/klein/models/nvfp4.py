@@ -1,13 +1,8 @@
-"""NVFP4 weights (BFL's `flux-2-klein-*-nvfp4.safetensors`, ComfyUI's `_quantization_metadata` format
-"nvfp4") as klein stores them, and their values: NumPy to arrange a file's tensors at load, JAX to widen
-one layer inside the compiled program (docs/design/checkpoints.md, "How a stored layer becomes a product").
-
-A weight float[out, in] is `e2m1 * e4m3 * tensor_scale`: 4-bit E2M1 values, two a byte, the first of each
-pair in the high nibble; one float8 E4M3 scale per 16 consecutive values of a row, swizzled in the file in
-cuBLAS's padded tiles of 128 rows by 4 blocks (`block_scales`); one float32 scale per tensor. klein keeps
-each row as blocks, as GGUF does (`BLOCK` values in `BLOCK_BYTES` bytes: the 8 bytes of its 16 values,
-then its scale), so that slicing rows cuts whole blocks; the per-tensor scale stays a float32
-`weight_scale` that multiplies the product's output, as an FP8 file's does.
+"""NVFP4 weights (BFL's `flux-2-klein-*-nvfp4.safetensors`, ComfyUI's "nvfp4") as klein stores them: a
+weight float[out, in] is `e2m1 * e4m3 * tensor_scale`, kept as rows of blocks (`BLOCK` E2M1 values in
+`BLOCK_BYTES` bytes, their 8 bytes then their E4M3 scale) as GGUF's are; NumPy arranges a file's tensors
+at load, JAX widens one layer inside the compiled program (docs/design/checkpoints.md, "How a stored
+layer becomes a product").
 """
 
 from __future__ import annotations

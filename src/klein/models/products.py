@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein import sharding
-from klein.models import gguf_blocks, nvfp4
+from klein.models import gguf_blocks, nvfp4, stacks
 
 BF16, FP8, INT8 = "bf16", "fp8", "int8"
-COMPUTES = (BF16, FP8, INT8)
 # 8-bit compute -> (operand dtype, largest value quantised to, accumulator dtype)
 EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
 NVFP4 = "nvfp4"
@@ -36,14 +35,10 @@ MIXED = tuple  # `blocks` of a stack of several ggml types: those types, each la
 )
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """A Linear's stored weight and how it is multiplied, as `product` reads it.
-
-    `array`: the kernel [in, out] as stored, or [out, in] if `out_in` (an 8-bit GEMM's layout, and rows of
-    quantisation blocks [out, bytes] when `blocks` names their format, one of `BLOCKS`). `scale`: None,
-    float32[] or float32[out], multiplying the output columns. `input_scale` float32[]: an FP8 file's
-    activation scale for an FP8 product, instead of one per token computed as the activations come.
-    `compute` (one of `COMPUTES`): how the product is made. A pytree whose layout is static, so a jitted
-    function may take one."""
+    """A Linear's stored weight and how it is multiplied (`compute`: bf16, fp8 or int8), as `product`
+    reads it: `array` [in, out], or [out, in] if `out_in` (rows of blocks when `blocks` names their
+    format); `scale` None, float32[] or float32[out] on the output columns; `input_scale` float32[], an
+    FP8 file's activation scale. A pytree whose layout is static, so a jitted function may take one."""
 
     array: jax.Array
     scale: jax.Array | None = None
@@ -103,8 +98,7 @@ def _switched(raw, kinds: tuple[str, ...], dtype):
     layer to bf16 2.6x slower when its float32 values were written out first."""
     if raw.ndim > 2:  # whole stacks (a LoRA merge's restore): a layer at a time
         return jax.lax.map(lambda layer: _switched(layer, kinds, dtype), raw)
-    if raw.dtype != jnp.uint8:  # a stack slices its layers as float8 (`klein.models.stacks`)
-        raw = jax.lax.bitcast_convert_type(raw, jnp.uint8)
+    raw = stacks.view(raw, jnp.uint8)  # a stack slices its layers as float8
     columns = unpacked_width(kinds, raw.shape[-1])
     branches = [
         functools.partial(

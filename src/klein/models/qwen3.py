@@ -68,8 +68,6 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
     def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
         self.gate_proj = Linear(d, f, rngs, dtype)
@@ -81,8 +79,6 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention, then MLP."""
-
     def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
         self.self_attn = Attention(config, dtype, rngs=rngs)
         self.mlp = MLP(config, dtype, rngs=rngs)
@@ -105,10 +101,9 @@ class Qwen3Model(nnx.Module):
         self.embedding_blocks: str | None = None  # the token table's block format, if kept as blocks
 
     def keep_blocks(self, blocks: str) -> None:
-        """Store the token table as rows of GGUF quantisation blocks of ggml type `blocks`
-        (`gguf_blocks.TYPES`), uint8[vocab, bytes], widened to the compute dtype as a prompt gathers its
-        rows: Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16 (call inside `nnx.eval_shape`, as
-        `klein.models.layers.store`)."""
+        """Store the token table as rows of GGUF blocks of ggml type `blocks`, uint8[vocab, bytes], widened
+        as a prompt gathers its rows: Qwen3-8B's is 0.4 GB as Q4_K, 1.2 GB in bf16 (call inside
+        `nnx.eval_shape`, as `klein.models.layers.store`)."""
         vocab, width = self.embed_tokens.embedding[...].shape
         values, size = gguf_blocks.sizes(blocks)
         self.embed_tokens.embedding = nnx.Param(jnp.zeros((vocab, width // values * size), jnp.uint8))
@@ -116,11 +111,8 @@ class Qwen3Model(nnx.Module):
 
 
 class Qwen3TextEncoder(nnx.Module):
-    """The part of `Qwen3ForCausalLM` that the prompt embedding needs (`model.*`, first layers only).
-
-    Its Linears are `klein.models.layers.Linear`s computing in `dtype` (the dtype the weights are loaded
-    in), so every stored form of a weight reaches the text encoder through the same seam as the
-    transformer's (`klein.models.products`)."""
+    """The part of `Qwen3ForCausalLM` that the prompt embedding needs (`model.*`, first layers only); its
+    `klein.models.layers.Linear`s take every stored form through the transformer's seam."""
 
     def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         if not 0 < num_layers <= config.num_hidden_layers:

@@ -13,8 +13,6 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from klein.models.attention import pad_to
-
 BLOCK = 512
 """Queries and keys per tile (both): fewer grid steps than the kernel's default 128, well inside a TPU
 core's VMEM at head dims up to 512 (the VAE's)."""
@@ -34,12 +32,12 @@ def attention(q, k, v, q_rank=None, k_rank=None, causal: bool = False, interpret
     block_q, block_kv = _block(sq), _block(sk)
     sq_pad, sk_pad = _round_up(sq, block_q), _round_up(sk, block_kv)
     q_seg, kv_seg = _segments(q_rank, k_rank, sq, sk, causal)
-    kv_seg = pad_to(kv_seg, sk_pad, 1)
-    q_seg = pad_to(q_seg, sq_pad)
+    kv_seg = jnp.pad(kv_seg, ((0, 0), (0, sk_pad - sk)), constant_values=1)
+    q_seg = jnp.pad(q_seg, ((0, 0), (0, sq_pad - sq)))
     kernel = _kernel(sq_pad, sk_pad, q.shape[2], block_q, block_kv, causal, interpret)
     # Splash does not scale the scores; heads lead and the head dim is minor inside it.
-    q = rearrange(pad_to(q * jnp.asarray(dh**-0.5, q.dtype), sq_pad), "b s h d -> b h s d")
-    k, v = (rearrange(pad_to(x, sk_pad), "b s h d -> b h s d") for x in (k, v))
+    q = rearrange(_pad(q * jnp.asarray(dh**-0.5, q.dtype), sq_pad), "b s h d -> b h s d")
+    k, v = (rearrange(_pad(x, sk_pad), "b s h d -> b h s d") for x in (k, v))
     segments = splash.SegmentIds(jnp.broadcast_to(q_seg, (b, sq_pad)), jnp.broadcast_to(kv_seg, (b, sk_pad)))
     out = rearrange(jax.vmap(kernel)(q, k, v, segments), "b h s d -> b s h d")[:, :sq]
     return jnp.where(_sees_a_key(q_rank, k_rank)[..., None, None], out, 0).astype(q.dtype)
@@ -79,3 +77,8 @@ def _block(tokens: int) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _pad(x, size: int):
+    """Pad the token axis (1) of x with zeros to `size`."""
+    return jnp.pad(x, [(0, 0), (0, size - x.shape[1])] + [(0, 0)] * (x.ndim - 2))

@@ -95,9 +95,8 @@ def scan(body, carry, stacks, count: int):
     Returns (carry, ys stacked on a new leading axis).
 
     `count` may be 0 (a model with one single block runs none before its last one): the carry comes back
-    as it is and every ys has no rows. The body is then only traced for its output shapes, on one layer's
-    shapes rather than a slice: tracing `jax.lax.scan` would slice every stack, and one of no layers (an
-    empty per-layer `xs`) has nothing to slice."""
+    as it is and every ys has no rows; the body is traced on one layer's shapes only, since a stack of no
+    layers has nothing to slice."""
     if count == 0:
         one = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape[1:], _FLOATS.get(np.dtype(a.dtype), a.dtype)), stacks

@@ -163,16 +163,14 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
 
     xs = (single_kv, jnp.arange(last) if record else None)
     (x, recorded), _ = _scan(model.single_transformer_blocks, single, (x, recorded), last, xs)
+    block = _block(model.single_transformer_blocks, last)
     if record:
-        k, v = _block(model.single_transformer_blocks, last).keys_values(
-            constrain(x, TOKENS), single_mod, rope
-        )
+        k, v = block.keys_values(constrain(x, TOKENS), single_mod, rope)
         return None, (*double_kv, stacks.put(recorded[0], last, k[0]), stacks.put(recorded[1], last, v[0]))
     # The last block's queries are image tokens only, which see every key.
     keys = keys._replace(isolated=None, cached=None if kv is None else stacks.layer(single_kv, last))
     first, count = rows
     start, stop = covering(first, count, x.shape[1])
-    block = _block(model.single_transformer_blocks, last)
     h = block.rows(constrain(x, TOKENS), single_mod, rope, partial(attention.attend, keys=keys), start, stop)
     return h[:, first - start : first - start + count], None
 

@@ -272,6 +272,14 @@ class LevelBlock(nnx.Module):
         return x
 
 
+def _levels(widths, layers: int, groups: int, sampler, key: str, **kw) -> nnx.List:
+    """A `LevelBlock` per width, each reading the one before's; all but the last resample."""
+    ins, last = (widths[0], *widths[:-1]), len(widths) - 1
+    return nnx.List(
+        [LevelBlock(ins[i], widths[i], layers, groups, sampler, key, i < last, **kw) for i in range(last + 1)]
+    )
+
+
 class Encoder(nnx.Module):
     """float[B, Y, X, 3] images -> float[B, y, x, 2 * latent] (Gaussian mean, then log-variance)."""
 
@@ -279,14 +287,7 @@ class Encoder(nnx.Module):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         widths, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = _conv(cfg.in_channels, widths[0], 3, **kw)
-        ins = (widths[0], *widths[:-1])
-        last, layers = len(widths) - 1, cfg.layers_per_block
-        self.down_blocks = nnx.List(
-            [
-                LevelBlock(ins[i], widths[i], layers, groups, Downsample, "downsamplers", i < last, **kw)
-                for i in range(last + 1)
-            ]
-        )
+        self.down_blocks = _levels(widths, cfg.layers_per_block, groups, Downsample, "downsamplers", **kw)
         self.mid_block = MidBlock(widths[-1], groups, cfg.mid_block_add_attention, **kw)
         self.conv_norm_out = _group_norm(widths[-1], groups, **kw)
         self.conv_out = _conv(widths[-1], 2 * cfg.latent_channels, 3, **kw)
@@ -307,14 +308,7 @@ class Decoder(nnx.Module):
         widths, groups = tuple(reversed(cfg.decoder_channels)), cfg.norm_num_groups
         self.conv_in = _conv(cfg.latent_channels, widths[0], 3, **kw)
         self.mid_block = MidBlock(widths[0], groups, cfg.mid_block_add_attention, **kw)
-        ins = (widths[0], *widths[:-1])
-        last, layers = len(widths) - 1, cfg.layers_per_block + 1
-        self.up_blocks = nnx.List(
-            [
-                LevelBlock(ins[i], widths[i], layers, groups, Upsample, "upsamplers", i < last, **kw)
-                for i in range(last + 1)
-            ]
-        )
+        self.up_blocks = _levels(widths, cfg.layers_per_block + 1, groups, Upsample, "upsamplers", **kw)
         self.conv_norm_out = _group_norm(widths[-1], groups, **kw)
         self.conv_out = _conv(widths[-1], cfg.out_channels, 3, **kw)
 
