@@ -216,7 +216,6 @@ def listing() -> str:
     """The devices for `--help`, a line per memory per device: "  8 GB: rtx-3060-ti (int8), ..."."""
     sizes: dict[int, list[str]] = {}
     for name, device in DEVICES.items():
-        sizes.setdefault(device.memory_gib // device.devices_per_chip, []).append(
-            f"{name} ({device.compute})"
-        )
+        size = device.memory_gib // device.devices_per_chip
+        sizes.setdefault(size, []).append(f"{name} ({device.compute})")
     return "\n".join(f"  {size:>3} GB: {', '.join(names)}" for size, names in sorted(sizes.items()))

@@ -14,10 +14,9 @@ import PIL.ImageOps
 
 from klein import images
 from klein.errors import InputError
+from klein.images import MULTIPLE as TOKEN  # the latent mask takes one value per 16 x 16 px token
 from klein.request.request import MaskLike
 
-TOKEN = images.MULTIPLE
-"""Pixels of one token side: the latent mask takes one value per 16 x 16 px patch."""
 ALL_BLACK = "mask_image is all black: nothing to repaint (white marks the area to repaint, black keeps)"
 
 

@@ -203,9 +203,8 @@ def _blocked(q, k, v, q_rank, k_rank):
     k_size = -(-sk // -(-sk // KEY_BLOCK))  # even key blocks; the last one has what is left
     masked = q_rank is not None
     if masked:
-        q_rank = jnp.tile(
-            _blocks(_pad(q_rank, q_count * q_size, 0), q_count), (1, 1, groups)
-        )  # [Q, B|1, G*q]
+        q_rank = rearrange(_pad(q_rank, q_count * q_size, 0), "b (n q) -> n b q", n=q_count)
+        q_rank = jnp.tile(q_rank, (1, 1, groups))  # [Q, B|1, G*q]
     else:  # a placeholder that the loop carries and never reads
         q_rank = jnp.zeros((q_count,))
     # Padded query rows attend like any other and are dropped at the end.
@@ -259,8 +258,3 @@ def _pad(x, size: int, value):
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, size - x.shape[1])
     return jnp.pad(x, widths, constant_values=value)
-
-
-def _blocks(rank, count: int):
-    """int[B, count * n] -> int[count, B, n]."""
-    return rearrange(rank, "b (count n) -> count b n", count=count)

@@ -113,8 +113,7 @@ def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope
     single_mod = _per_token(b, (single_mod, n_txt), (ref_single_mod, n_ref), (single_mod, n_rest))
     # Reference queries see only reference keys; text and image queries see everything.
     keys = Keys(key_rank(text, image), isolated=(n_txt, n_txt + n_ref))
-    mods = (img_mod, txt_mod, single_mod)
-    return _velocity(model, temb, mods, text, image, keys, (n_txt + n_ref, n_img))
+    return _velocity(model, temb, (img_mod, txt_mod, single_mod), text, image, keys, (n_txt + n_ref, n_img))
 
 
 def _velocity(model, temb, mods, text: Padded, image: Padded, keys, rows, kv: ReferenceKV | None = None):

@@ -23,8 +23,6 @@ class TransformerConfig:
     """Width of the text embedding (3 x the text encoder's hidden size)."""
     in_channels: int = 128
     """Channels per image token (32 latent channels x 2x2 patch)."""
-    patch_size: int = 1
-    """Transformer patch size over the already-patchified latents."""
     timestep_guidance_channels: int = 256
     """Width of the sinusoidal timestep embedding."""
     mlp_ratio: float = 3.0

@@ -27,9 +27,8 @@ from klein.models.attention import attention
 
 _PATCH = 2  # latents are patchified 2x2 into transformer channels
 PIXELS_PER_TOKEN = 16
-"""Pixels along each side of one transformer token under the FLUX.2 VAE (`VAEConfig.pixels_per_token`:
-8x downsampling, then 2x2 patches): the size rule of code that has no model config at hand (requests,
-image preparation); code that has one reads its config."""
+"""Pixels along each side of one transformer token under the FLUX.2 VAE (8x downsampling, then 2x2 patches),
+for code with no model config at hand (requests, images); code that has one reads `pixels_per_token`."""
 _NORM_EPS = 1e-6  # every GroupNorm of the diffusers encoder / decoder
 
 
@@ -221,9 +220,7 @@ class Attention(nnx.Module):
     def __init__(self, channels: int, groups: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.group_norm = _group_norm(channels, groups, **kw)
-        self.to_q = nnx.Linear(channels, channels, **kw)
-        self.to_k = nnx.Linear(channels, channels, **kw)
-        self.to_v = nnx.Linear(channels, channels, **kw)
+        self.to_q, self.to_k, self.to_v = (nnx.Linear(channels, channels, **kw) for _ in range(3))
         # A list, as in diffusers (whose to_out.1 is a dropout), so the checkpoint key is to_out.0.
         self.to_out = nnx.List([nnx.Linear(channels, channels, **kw)])
 
