@@ -12,7 +12,7 @@ from klein.io.loading import stored_state
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.models import products, qwen3, stacks
-from klein.models.layers import linear
+from klein.models.layers import Linear
 from klein.models.qwen3_config import Qwen3Config
 
 D_IN, D_OUT = 512, 2048
@@ -25,7 +25,7 @@ def _temporaries(fn, *args) -> int:
 
 @pytest.mark.parametrize("rows", [1, 2, 33])
 def test_a_bf16_linear_is_the_float32_product_rounded_once(rows):
-    layer = linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
+    layer = Linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(rows), (1, rows, D_IN), jnp.bfloat16)
     got = layer(x)
     assert got.dtype == jnp.bfloat16 and got.shape == (1, rows, D_OUT)
@@ -42,7 +42,7 @@ def test_a_bf16_product_holds_no_float32_copy_of_its_weight_where_the_backend_ca
     """Where the compiler multiplies bf16 into float32 in place (`in_place`), no product widens its
     weight, a single row included; where it cannot, the planner counts the widened copies instead
     (`klein.memory.plan.layer_copies` in float32), and the plain product widens."""
-    layer = linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
+    layer = Linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
     graphdef, state = nnx.split(layer)
     x = jax.ShapeDtypeStruct((1, rows, D_IN), jnp.bfloat16)
     used = _temporaries(lambda state, x: nnx.merge(graphdef, state)(x), state, x)

@@ -2,19 +2,9 @@
 bandwidth and what XLA needs to compile for it. `klein plan --device` and `--target` name a device the same
 way, the roofline reads its peaks and bandwidth, the planner its memory, `compute="auto"` its fastest product.
 
-Plain data, no jax (`klein --help` lists the names). The names are `--device`'s, which carry a card's
-memory where it is sold in several (a100-40gb, a100-80gb; h100-80gb, the SXM card); `--target`'s older
-names (`ALIASES`) are read with a note. A name is read without case, spaces or punctuation ("RTX 4090",
-"rtx4090": rtx-4090), or as the one name it is part of ("4090").
-
-The figures: `memory_gib` is the box's, GB as memory is sold (2^30 bytes); `memory_bytes` what the
-device's programs see (what CUDA reports on an NVIDIA card, Google's published HBM for a TPU chip); peaks
-are dense, per chip, from the `source` page (the GeForce card's with FP32 accumulation); `GpuTarget`'s are
-NVIDIA's published specifications, the H100's and H200's as in XLA's own target specs. A TPU chip's
-compiler description is libtpu's, of a slice of it (`slice`). A plan counts a device's box less
-`RESERVED_GIB` for the driver and runtime, never more than its programs see; a device given by its memory
-(`--device-memory 12GB`) is planned as a card of that box, with the 8-bit products (`GIVEN_COMPUTE`) every
-GPU and TPU here multiplies (fp8 and int8 both keep a block weight in one byte).
+Plain data, no jax (`klein --help` lists the names; `find` says how a name is read). Peaks are dense, per
+chip, from the `source` page (the GeForce card's with FP32 accumulation); `GpuTarget`'s are NVIDIA's
+published specifications, the H100's and H200's as in XLA's own target specs.
 """
 
 from __future__ import annotations
@@ -63,7 +53,7 @@ class Device:
     device_kind: str = ""
     """`jax.Device.device_kind` of its devices."""
     memory_bytes: int = 0
-    """What its programs see."""
+    """What its programs see (what CUDA reports on an NVIDIA card, Google's published HBM for a TPU chip)."""
     bandwidth: float = 0.0
     """Memory bytes per second."""
     bf16_flops: float = 0.0
@@ -76,7 +66,8 @@ class Device:
     gpu: GpuTarget | None = None
     """XLA's description of an NVIDIA card (`klein plan --target` compiles for the cards that have one)."""
     slice: str = ""
-    """A slice of a TPU chip as libtpu names it, the one `klein plan --target` is tested with."""
+    """A slice of a TPU chip as libtpu names it (its compiler description), the one `klein plan --target` is
+    tested with."""
 
     @property
     def compute(self) -> str:
@@ -225,7 +216,6 @@ def listing() -> str:
     """The devices for `--help`, a line per memory per device: "  8 GB: rtx-3060-ti (int8), ..."."""
     sizes: dict[int, list[str]] = {}
     for name, device in DEVICES.items():
-        sizes.setdefault(device.memory_gib // device.devices_per_chip, []).append(
-            f"{name} ({device.compute})"
-        )
+        size = device.memory_gib // device.devices_per_chip
+        sizes.setdefault(size, []).append(f"{name} ({device.compute})")
     return "\n".join(f"  {size:>3} GB: {', '.join(names)}" for size, names in sorted(sizes.items()))

@@ -1,9 +1,7 @@
 """Errors that reach a user: each names the file, key or input at fault and what to do about it.
 
-Most messages read the same in every front end. Those that name how a user spells something (the
-argument, flag or field that names a request's LoRAs; how a LoRA gets a name) are `WordedError`s: the
-error keeps its facts and a template, and each front end renders it in its own `Words` (`PYTHON`, `CLI`,
-`BATCH`, `HTTP`) with `worded`; `str()` gives Python's.
+Messages that name how a user spells something (a request's LoRAs, its prompt) are `WordedError`s, which
+each front end renders in its own `Words` (`PYTHON`, `CLI`, `BATCH`, `HTTP`) with `worded`.
 """
 
 from __future__ import annotations
@@ -33,12 +31,6 @@ class CannotFitError(InputError):
 class Words:
     """How one front end names, in its messages, what a user spells differently in each."""
 
-    loras: str
-    """What names a request's LoRAs: the argument, flag, key or field."""
-    key: str
-    """What a key of one LoRA's mapping ({"name": ..., "scale": ...}) is called."""
-    loaded: str
-    """What the names a request may use are: "loaded" (by the program) or "offered" (by the operator)."""
     offered: str
     """Where the names a request may use come from."""
     a_path: str
@@ -47,21 +39,23 @@ class Words:
     """What gives the prompt."""
     guidance: str
     """What sets the guidance scale."""
+    loras: str = "loras"
+    """What names a request's LoRAs: the argument, flag, key or field."""
+    key: str = "key"
+    """What a key of one LoRA's mapping ({"name": ..., "scale": ...}) is called."""
+    loaded: str = "offered"
+    """What the names a request may use are: "loaded" (by the program) or "offered" (by the operator)."""
 
 
 PYTHON = Words(
     loaded="loaded",
-    loras="loras",
-    key="key",
     offered="load one with pipe.load_lora(name, file)",
     a_path="is a path; a request names a LoRA loaded with pipe.load_lora(name, file), never a file",
     prompt="prompt=",
     guidance="guidance_scale=",
 )
 CLI = Words(
-    loaded="offered",
     loras="--lora-apply",
-    key="key",
     offered="offer one with --lora-dir DIR or --lora-named NAME=FILE, or give --lora-apply the file",
     a_path="is no file, and a name cannot be a path: give --lora-apply a LoRA file, or a name that "
     "--lora-dir or --lora-named offers",
@@ -69,17 +63,12 @@ CLI = Words(
     guidance="--guidance",
 )
 BATCH = Words(
-    loaded="offered",
-    loras="loras",
-    key="key",
     offered="offer one with klein batch --lora-dir DIR or --lora-named NAME=FILE",
     a_path="is a path; a line names a LoRA that --lora-dir or --lora-named offers, never a file",
     prompt="prompt",
     guidance="guidance",
 )
 HTTP = Words(
-    loaded="offered",
-    loras="loras",
     key="field",
     offered="GET /v1/loras lists the names this server offers",
     a_path="is a path; a request names a LoRA that GET /v1/loras lists, never a file",

@@ -1,13 +1,6 @@
 """Reading, preparing and writing images, matching the diffusers FLUX.2 [klein] pipeline to the pixel.
 
 Axes: B batch, H height, W width (pixels); arrays are channels-last RGB.
-
-- `load_image(path)`: a file -> upright RGB `PIL.Image` (what `diffusers.utils.load_image` returns);
-  `read_image(data, name)` the same for bytes in memory; `formats=UPLOAD_FORMATS` limits it to the formats a
-  server takes from clients (the CLI and Python API read what Pillow reads: the files are the user's own).
-- `prepare_reference(image)`: any-mode `PIL.Image` -> float32[H, W, 3] in [-1, 1], H and W multiples of 16.
-- `to_float01` / `to_uint8` / `to_pil`: decoder output float[B, H, W, 3] in [-1, 1] -> float32[B, H, W, 3]
-  in [0, 1] / uint8[B, H, W, 3] / B RGB images (diffusers' `postprocess` with `output_type` "np" / "pil").
 """
 
 import io
@@ -102,12 +95,8 @@ def _too_large(name: str, pillow_says: str, max_pixels: int | None) -> str:
 
 
 def prepare_reference(image: PIL.Image.Image, name: str = "reference image") -> np.ndarray:
-    """Prepare one reference image exactly as the diffusers klein pipeline does; returns float32[H, W, 3].
-
-    The sequence: check the size; if the area exceeds 1024^2, resize to that area (LANCZOS); centre-crop
-    (no resize) down to multiples of 16; convert to RGB; scale to [-1, 1]. `name` (e.g. the file path)
-    appears in error messages.
-    """
+    """One reference image prepared exactly as the diffusers klein pipeline does: float32[H, W, 3] in
+    [-1, 1], centre-cropped (not resized) to multiples of 16; `name` (e.g. the file path) for errors."""
     check_shape(image, name, MIN_SIDE)
     if image.width * image.height > MAX_AREA:
         image = resize_to_area(image, MAX_AREA)

@@ -2,15 +2,6 @@
 as diffusers' `Flux2KleinInpaintPipeline` prepares them (docs/design.md, "Inpainting").
 
 Axes: H, W the processing size in px (multiples of 16); h = H/16, w = W/16 the token grid.
-
-- `prepare_source(image, mask, padding_mask_crop)`: the image to repaint -> `Source` (float32[H, W, 3] in
-  [-1, 1]: limited to 1024^2 px of area, then resized, not cropped, to multiples of 16; with
-  `padding_mask_crop`, only a crop around the mask, resized to that size);
-- `latent_mask(mask, size, padding_mask_crop)`: white = repaint -> float32[h*w, 1], one value a token,
-  row-major: the mask (cropped as the source is) resized to the processing size, binarised at one half,
-  then sampled bilinearly at each token; what both the admission check and the run use;
-- `overlay(image, source, mask)`: with `padding_mask_crop`, the repainted crop pasted back into the
-  original image, which shows through wherever the mask is black.
 """
 
 from __future__ import annotations
@@ -23,10 +14,10 @@ import PIL.ImageOps
 
 from klein import images
 from klein.errors import InputError
+from klein.images import MULTIPLE as TOKEN  # the latent mask takes one value per 16 x 16 px token
 from klein.request.request import MaskLike
 
-TOKEN = images.MULTIPLE
-"""Pixels of one token side: the latent mask takes one value per 16 x 16 px patch."""
+ALL_BLACK = "mask_image is all black: nothing to repaint (white marks the area to repaint, black keeps)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +37,21 @@ def as_mask(mask: MaskLike) -> PIL.Image.Image:
     with one channel made an 8-bit grayscale image)."""
     if isinstance(mask, PIL.Image.Image):
         return mask
-    if isinstance(mask, np.ndarray):
-        return _array_mask(mask)
-    return images.load_image(mask)
+    if not isinstance(mask, np.ndarray):
+        return images.load_image(mask)
+    values = mask[..., 0] if mask.ndim == 3 and mask.shape[-1] == 1 else mask
+    if values.ndim != 2:
+        raise InputError(f"mask_image as an array must be [H, W] or [H, W, 1], got shape {mask.shape}")
+    if np.issubdtype(values.dtype, np.floating):
+        values = np.round(np.clip(values, 0.0, 1.0) * 255)
+    return PIL.Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), "L")
 
 
 def check_not_black(mask: PIL.Image.Image) -> None:
     """An `InputError` for a mask without one non-black pixel: it repaints nothing at any size, so a front
     end can say so before a model loads (`latent_mask` finds the rest, at the processing size)."""
     if mask.convert("L").getbbox() is None:
-        raise InputError(
-            "mask_image is all black: nothing to repaint (white marks the area to repaint, black keeps)"
-        )
+        raise InputError(ALL_BLACK)
 
 
 def from_alpha(picture: PIL.Image.Image) -> PIL.Image.Image:
@@ -68,15 +62,6 @@ def from_alpha(picture: PIL.Image.Image) -> PIL.Image.Image:
         alpha = np.asarray(picture.convert("RGBA"))[..., 3]
         return PIL.Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), "L")
     return picture.convert("L")
-
-
-def _array_mask(mask: np.ndarray) -> PIL.Image.Image:
-    values = mask[..., 0] if mask.ndim == 3 and mask.shape[-1] == 1 else mask
-    if values.ndim != 2:
-        raise InputError(f"mask_image as an array must be [H, W] or [H, W, 1], got shape {mask.shape}")
-    if np.issubdtype(values.dtype, np.floating):
-        values = np.round(np.clip(values, 0.0, 1.0) * 255)
-    return PIL.Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), "L")
 
 
 def prepare_source(
@@ -117,9 +102,7 @@ def latent_mask(
     values = np.asarray(picture.convert("L"), np.float32) / 255.0
     binary = (values >= 0.5).astype(np.float32)
     if not binary.any():
-        raise InputError(
-            "mask_image is all black: nothing to repaint (white marks the area to repaint, black keeps)"
-        )
+        raise InputError(ALL_BLACK)
     middle = TOKEN // 2
     rows = binary[middle - 1 :: TOKEN] * 0.5 + binary[middle::TOKEN] * 0.5
     tokens = rows[:, middle - 1 :: TOKEN] * 0.5 + rows[:, middle::TOKEN] * 0.5
@@ -161,12 +144,8 @@ def _fill(picture: PIL.Image.Image, width: int, height: int) -> PIL.Image.Image:
     """Resize keeping the aspect ratio to fit inside width x height, centred on an RGB canvas, the bands
     left over filled by stretching the picture's edge rows or columns (diffusers' resize mode "fill")."""
     wide = width / height < picture.width / picture.height
-    # At least a pixel: a crop far narrower than the canvas (a mask of another shape than the image's).
-    fit_w = width if wide else max(picture.width * height // picture.height, 1)
-    fit_h = max(picture.height * width // picture.width, 1) if wide else height
-    fitted = picture.resize((fit_w, fit_h), PIL.Image.Resampling.LANCZOS)
-    canvas = PIL.Image.new("RGB", (width, height))
-    canvas.paste(fitted, box=(width // 2 - fit_w // 2, height // 2 - fit_h // 2))
+    canvas, fitted = _centred(picture, width, height, wide)
+    fit_w, fit_h = fitted.size
     if wide:
         band = height // 2 - fit_h // 2
         if band > 0:
@@ -182,6 +161,17 @@ def _fill(picture: PIL.Image.Image, width: int, height: int) -> PIL.Image.Image:
     return canvas
 
 
+def _centred(picture: PIL.Image.Image, width: int, height: int, full_width: bool):
+    """(canvas, fitted): the picture resized keeping its aspect ratio to the canvas's full width (else its
+    full height), centred on an RGB canvas of width x height."""
+    fit_w = width if full_width else max(picture.width * height // picture.height, 1)
+    fit_h = max(picture.height * width // picture.width, 1) if full_width else height
+    fitted = picture.resize((fit_w, fit_h), PIL.Image.Resampling.LANCZOS)
+    canvas = PIL.Image.new("RGB", (width, height))
+    canvas.paste(fitted, box=(width // 2 - fit_w // 2, height // 2 - fit_h // 2))
+    return canvas, fitted
+
+
 def overlay(image: PIL.Image.Image, source: Source, mask: PIL.Image.Image) -> PIL.Image.Image:
     """The repainted crop `image` resized into its place in the original, and the original over it
     wherever the mask is black (soft edges blend): diffusers' `apply_overlay`."""
@@ -193,19 +183,9 @@ def overlay(image: PIL.Image.Image, source: Source, mask: PIL.Image.Image) -> PI
     kept.paste(original.convert("RGBA").convert("RGBa"), mask=PIL.ImageOps.invert(mask))
     left, top, right, bottom = source.crop
     canvas = PIL.Image.new("RGBA", original.size)
-    canvas.paste(_cover(image, right - left, bottom - top), (left, top))
+    # The crop covers its box, keeping its aspect ratio (diffusers' resize mode "crop").
+    width, height = right - left, bottom - top
+    canvas.paste(_centred(image, width, height, width / height > image.width / image.height)[0], (left, top))
     result = canvas.convert("RGB").convert("RGBA")
     result.alpha_composite(kept.convert("RGBA"))
     return result.convert("RGB")
-
-
-def _cover(picture: PIL.Image.Image, width: int, height: int) -> PIL.Image.Image:
-    """Resize keeping the aspect ratio to cover width x height, centred on an RGB canvas of that size
-    (diffusers' resize mode "crop")."""
-    narrow = width / height > picture.width / picture.height
-    fit_w = width if narrow else max(picture.width * height // picture.height, 1)
-    fit_h = height if not narrow else max(picture.height * width // picture.width, 1)
-    fitted = picture.resize((fit_w, fit_h), PIL.Image.Resampling.LANCZOS)
-    canvas = PIL.Image.new("RGB", (width, height))
-    canvas.paste(fitted, box=(width // 2 - fit_w // 2, height // 2 - fit_h // 2))
-    return canvas

@@ -1,6 +1,4 @@
-"""Joining Ray for the front ends that scale out (`klein serve --replicas`, `klein batch --ray`): the
-cluster at an address, or a local instance started now (and stopped by `ray.shutdown()`), with the
-variables klein reads travelling to every worker, and what each worker may hold of a node.
+"""Joining Ray for the front ends that scale out (`klein serve --replicas`, `klein batch --ray`).
 
 Imported only by those commands: Ray is an optional extra.
 """

@@ -72,6 +72,4 @@ def reference_ids(grids: list[tuple[int, int]]) -> np.ndarray:
 
 def text_ids(length: int) -> np.ndarray:
     """Text token l sits at (0, 0, 0, l): int[length, 4]."""
-    return np.stack([np.zeros(length), np.zeros(length), np.zeros(length), np.arange(length)], -1).astype(
-        np.int64
-    )
+    return np.stack([*[np.zeros(length)] * 3, np.arange(length)], -1).astype(np.int64)

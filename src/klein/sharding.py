@@ -1,21 +1,9 @@
 """Sharding as data: logical axis names, one rules table per preset, and the mesh they map onto.
 
-Weights and activations name their axes logically; each preset is a mesh axis of the same name plus
-the logical axes it shards. Presets combine on a mesh of several axes ("fsdp=4,context=2") by the
-union of their tables; a logical axis no table names is replicated. The same tables place each weight
-as the loader reads it, resolve the activation constraints inside the model (through the mesh that
-`use(mesh)` puts in JAX's context) and drive the memory planner (on an abstract mesh, no devices).
-
-Logical axes and the preset that shards each:
-  batch     images of a request                         data
-  seq       tokens of the sequence being attended from  context (text, image and reference tokens)
-  ref_seq   reference tokens of the KV cache            context
-  embed     model width, in weights only                fsdp
-  heads     attention heads (query heads in GQA)        tensor
-  kv_heads  key / value heads of the text encoder       tensor
-  mlp       SwiGLU hidden width                         tensor
-  fused     single blocks' fused attention + MLP width  tensor
-  layers, vocab, head_dim, modulation, norm weights and anything unnamed: replicated.
+Each preset is a mesh axis of the same name plus the logical axes it shards (`PRESETS`); a logical axis
+no preset of the mesh names is replicated. The same tables place each weight as the loader reads it,
+resolve the activation constraints inside the model and drive the memory planner (on an abstract mesh).
+See docs/design/compiling.md, "Sharding".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Unmerged LoRA products: a Linear's low-rank term `((x @ down) * rows) @ up`, beside its base product
-(docs/design.md, "LoRA per request").
+"""Unmerged LoRA products: a Linear's low-rank term `((x @ down) * rows) @ up`, beside its base product,
+so that changing LoRAs or strengths changes data, never the program (docs/design/lora.md, "LoRA per
+request").
 
-Axes: B images of the batch, I in features, O out features, S adapter slots, R the rank of a slot (every
-slot zero-padded to the largest rank), K = S * R. A targeted Linear holds `down` float[L?, I, K] and `up`
-float[L?, K, O] as `Factor` variables (layer-major, so that `klein.models.stacks.layer` slices them with
-the layer's kernel inside the scan), with each slot's trainer scale folded into its `down`. Which slots a
-row of the batch uses and at which strength is data, `rows` float32[B, K] (each slot's strength repeated
-over its R columns; 0 for a slot it does not use): changing LoRAs or strengths never builds a new program.
-
-The factors are attached to the model inside the traced stage function (`attached`) and the rows are set
-there for the products to read, so the blocks read as math and carry neither.
+Axes: B images of the batch, I in features, O out features, K = slots x rank. A targeted Linear holds
+`down` float[L?, I, K] and `up` float[L?, K, O] as `Factor` variables (layer-major, sliced with the
+layer's kernel); `rows` float32[B, K] weights each slot per row of the batch.
 """
 
 from __future__ import annotations

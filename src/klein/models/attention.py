@@ -1,37 +1,11 @@
 """The one attention function every model calls: the seam for kernels (XLA, cuDNN, splash).
 
-Shapes: q float[B, Sq, H, Dh]; k, v float[B, Sk, K, Dh] with K dividing H (grouped queries: query head h
-reads key head h // (H / K)); optional ranks int32[B or 1, Sq] and int32[B or 1, Sk]: query i may attend
-to key j where k_rank[j] <= q_rank[i]. Returns float[B, Sq, H, Dh]; a query that may attend to no key
-gets zeros (as torch's SDPA gives the padded rows of a causal text encoder).
-
-Ranks are how every mask of the models is said without an Sq x Sk tensor: padded keys rank `MASKED`;
-causal attention ranks queries and keys by position; reference tokens that see only themselves rank 0
-while every other token ranks 1. Each tile compares two small vectors.
-
-Attention runs in tiles of `QUERY_BLOCK` queries by at most `KEY_BLOCK` keys, heads-major, with an
-online softmax over the key blocks (running max and sum, float32 whatever the input dtype): memory is
-linear in tokens. The keys are cut into even blocks (the last one shorter) once, before the loop over
-query blocks, and the loop body folds them in one after another: no key is padded, so attention without
-ranks never evaluates a mask, and no key block is copied again per query block (both were measurable
-costs, `benchmarks/attention_speed.py`; docs/design.md, "Measured reasons"). XLA holds the cut blocks
-beside the keys and values: memory stays linear in tokens (`klein.memory.plan` counts them). One key
-block reproduces the query-blocked path, so text-to-image at 1024^2 pays no rescaling.
-
-On a device mesh the same kernel runs per device inside `shard_map` (context parallelism): queries keep
-their split along tokens (context), batch (data) and heads (tensor) while keys and values are gathered
-whole along their tokens before the call, so each device computes complete softmax rows for its own
-queries. A dimension its mesh axis does not divide stays whole (correct, only not split); the models pad
-their token streams so that it does.
-
-On a GPU, unmasked bfloat16 attention goes to cuDNN's flash attention instead (without a mesh, or on a
-mesh of one device, where nothing is split: the kernel runs without `shard_map` and without ranks). On a
-TPU every mask klein uses goes to Pallas' splash attention (`klein.models.splash`), per device inside the
-same `shard_map`; the platform is the mesh's when one is set, so a TPU slice compiled from another machine
-(`klein plan --target`) gets the TPU kernel. `causal=True` says the ranks are token positions (the text
-encoder's), which splash expresses as its static causal mask; its queries are then not split along tokens.
-Any other ranks must rank every query the same (key padding) on a TPU; KV editing's isolated span is two
-such calls there (`isolated_span_attention`).
+Shapes: q float[B, Sq, H, Dh]; k, v float[B, Sk, K, Dh] with K dividing H (grouped queries); optional ranks
+int32[B or 1, Sq] and int32[B or 1, Sk]: query i may attend to key j where k_rank[j] <= q_rank[i], so no
+mask is an Sq x Sk tensor. Returns float[B, Sq, H, Dh]; a query that may attend to no key gets zeros (as
+torch's SDPA gives the padded rows of a causal text encoder). The XLA kernel is tiled with an online
+softmax (memory linear in tokens); on a mesh it runs per device inside `shard_map`. See
+docs/design/compiling.md, "Sharding" and "TPU attention".
 """
 
 import functools
@@ -85,9 +59,7 @@ def attend(q, k, v, keys: Keys):
         k, v = (_splice(x, cached, keys.cached_at) for x, cached in zip((k, v), keys.cached, strict=True))
     if keys.isolated is not None:
         return isolated_span_attention(q, k, v, *keys.isolated, keys.rank)
-    if keys.rank is None:
-        return attention(q, k, v)
-    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), keys.rank)
+    return _padded_keys(q, k, v, keys.rank)
 
 
 def _splice(x, cached, at: int):
@@ -135,13 +107,12 @@ def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.
     other token sees all (KV editing's reference tokens). `k_rank`: None, or 0 for keys and `MASKED`
     for padding. On cuDNN (one device) and on a TPU: two calls (the span over its own keys, the rest over
     all keys); elsewhere the span's ranks."""
-    if _splash(q, sharding.platform()):
-        return _two_calls(q, k, v, start, stop, k_rank)
-    if k_rank is None and _cudnn(q, sharding.platform()) and _one_device(jax.sharding.get_abstract_mesh()):
-        inside = jax.nn.dot_product_attention(
-            q[:, start:stop], k[:, start:stop], v[:, start:stop], implementation="cudnn"
-        )
-        outside = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    platform, one_device = sharding.platform(), _one_device(jax.sharding.get_abstract_mesh())
+    if _splash(q, platform) or (k_rank is None and _cudnn(q, platform) and one_device):
+        # Two attentions whose queries each rank the same (key padding at most).
+        span_rank = None if k_rank is None else k_rank[:, start:stop]
+        inside = _padded_keys(q[:, start:stop], k[:, start:stop], v[:, start:stop], span_rank)
+        outside = _padded_keys(q, k, v, k_rank)
         return jnp.concatenate([outside[:, :start], inside, outside[:, stop:]], axis=1)
     span = (jnp.arange(q.shape[1]) < start) | (jnp.arange(q.shape[1]) >= stop)
     rank = span.astype(jnp.int32)[None]  # 0 inside the span, 1 outside
@@ -165,15 +136,8 @@ def _one_device(mesh) -> bool:
     return mesh.empty or mesh.size == 1
 
 
-def _two_calls(q, k, v, start: int, stop: int, k_rank):
-    """The isolated span as two attentions whose queries each rank the same (key padding at most)."""
-    span_rank = None if k_rank is None else k_rank[:, start:stop]
-    inside = _padded_keys(q[:, start:stop], k[:, start:stop], v[:, start:stop], span_rank)
-    outside = _padded_keys(q, k, v, k_rank)
-    return jnp.concatenate([outside[:, :start], inside, outside[:, stop:]], axis=1)
-
-
 def _padded_keys(q, k, v, k_rank):
+    """Attention whose queries all rank 0 over keys ranked 0 or `MASKED` (None: none padded)."""
     if k_rank is None:
         return attention(q, k, v)
     return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
@@ -229,7 +193,9 @@ def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
 
 
 def _blocked(q, k, v, q_rank, k_rank):
-    """Tiles of QUERY_BLOCK x KEY_BLOCK on one device; see the module docstring."""
+    """Tiles of QUERY_BLOCK x KEY_BLOCK on one device, heads-major, an online softmax in float32 over the
+    key blocks. Keys are cut into even blocks once, before the loop (no key padded, so no mask without
+    ranks; `benchmarks/attention_speed.py`)."""
     _, sq, h, dh = q.shape
     sk, groups = k.shape[1], h // k.shape[2]
     q_size = min(QUERY_BLOCK, sq)
@@ -237,9 +203,8 @@ def _blocked(q, k, v, q_rank, k_rank):
     k_size = -(-sk // -(-sk // KEY_BLOCK))  # even key blocks; the last one has what is left
     masked = q_rank is not None
     if masked:
-        q_rank = jnp.tile(
-            _blocks(_pad(q_rank, q_count * q_size, 0), q_count), (1, 1, groups)
-        )  # [Q, B|1, G*q]
+        q_rank = rearrange(_pad(q_rank, q_count * q_size, 0), "b (n q) -> n b q", n=q_count)
+        q_rank = jnp.tile(q_rank, (1, 1, groups))  # [Q, B|1, G*q]
     else:  # a placeholder that the loop carries and never reads
         q_rank = jnp.zeros((q_count,))
     # Padded query rows attend like any other and are dropped at the end.
@@ -254,10 +219,16 @@ def _blocked(q, k, v, q_rank, k_rank):
 
     def one(args):
         q_block, q_block_rank = args
-        carry = _start(q_block)
+        rows = q_block.shape[:-1]
+        carry = (  # running max, sum, weighted values
+            jnp.full(rows, _LOW, jnp.float32),
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros(q_block.shape, jnp.float32),
+        )
         for block in blocks:
             carry = _tile(carry, q_block, *block, q_block_rank, masked)
-        return _finish(*carry, q.dtype)
+        _, total, acc = carry
+        return (acc / jnp.where(total == 0, 1.0, total)[..., None]).astype(q.dtype)
 
     out = jax.lax.map(one, (q, q_rank))
     return rearrange(out, "n b k (g q) d -> b (n q) (k g) d", g=groups)[:, :sq]
@@ -282,26 +253,8 @@ def _tile(carry, q_block, k_block, v_block, k_rank, q_rank, masked: bool):
     return new_max, total, acc * correction[..., None] + values
 
 
-def _start(q_block):
-    rows = q_block.shape[:-1]
-    return (
-        jnp.full(rows, _LOW, jnp.float32),
-        jnp.zeros(rows, jnp.float32),
-        jnp.zeros(q_block.shape, jnp.float32),
-    )
-
-
-def _finish(_max, total, acc, dtype):
-    return (acc / jnp.where(total == 0, 1.0, total)[..., None]).astype(dtype)
-
-
 def _pad(x, size: int, value):
     """Pad the token axis (1) of x to `size`."""
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, size - x.shape[1])
     return jnp.pad(x, widths, constant_values=value)
-
-
-def _blocks(rank, count: int):
-    """int[B, count * n] -> int[count, B, n]."""
-    return rearrange(rank, "b (count n) -> count b n", count=count)

@@ -1,6 +1,5 @@
 """Double-stream and single-stream blocks of the FLUX.2 transformer.
 
-Axes: B batch, T text tokens, N image-stream tokens, S joint tokens, D width, H heads, Dh head dim.
 Each block takes an `attend(q, k, v)` callable for its joint sequence: that is where the three ways of
 running the model differ (full attention, reference tokens that see only themselves, cached reference
 keys and values spliced in). Blocks also return their joint (k, v) after QK-norm and RoPE, which the
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 
-from klein.models.layers import FeedForward, RMSNorm, linear, modulate, split_modulation, swiglu
+from klein.models.layers import FeedForward, Linear, RMSNorm, modulate, split_modulation, swiglu
 from klein.models.rope import apply_rope
 from klein.models.transformer_config import TransformerConfig
 
@@ -33,12 +32,12 @@ def _merge_heads(x: jnp.ndarray) -> jnp.ndarray:
 class DoubleAttention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype):
         d, dh, eps = cfg.hidden, cfg.attention_head_dim, cfg.eps
-        self.to_q, self.to_k, self.to_v = (linear(d, d, rngs, dtype) for _ in range(3))
+        self.to_q, self.to_k, self.to_v = (Linear(d, d, rngs, dtype) for _ in range(3))
         self.norm_q, self.norm_k = RMSNorm(dh, eps, dtype), RMSNorm(dh, eps, dtype)
-        self.add_q_proj, self.add_k_proj, self.add_v_proj = (linear(d, d, rngs, dtype) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (Linear(d, d, rngs, dtype) for _ in range(3))
         self.norm_added_q, self.norm_added_k = RMSNorm(dh, eps, dtype), RMSNorm(dh, eps, dtype)
-        self.to_out = linear(d, d, rngs, dtype)
-        self.to_add_out = linear(d, d, rngs, dtype)
+        self.to_out = Linear(d, d, rngs, dtype)
+        self.to_add_out = Linear(d, d, rngs, dtype)
         self.head_dim = dh
 
     def image_qkv(self, x):
@@ -81,9 +80,9 @@ class DoubleBlock(nnx.Module):
 class SingleAttention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype):
         d, dh = cfg.hidden, cfg.attention_head_dim
-        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * cfg.mlp_hidden, rngs, dtype)
+        self.to_qkv_mlp_proj = Linear(d, 3 * d + 2 * cfg.mlp_hidden, rngs, dtype)
         self.norm_q, self.norm_k = RMSNorm(dh, cfg.eps, dtype), RMSNorm(dh, cfg.eps, dtype)
-        self.to_out = linear(d + cfg.mlp_hidden, d, rngs, dtype)
+        self.to_out = Linear(d + cfg.mlp_hidden, d, rngs, dtype)
 
 
 class SingleBlock(nnx.Module):

@@ -1,23 +1,12 @@
-"""GGUF (ggml) quantisation blocks widened to float32 in JAX: the weights of a GGUF file kept as they are
-stored and dequantised one layer at a time inside the compiled program (docs/design.md, "How a stored
-layer becomes a product").
+"""GGUF (ggml) quantisation blocks widened to float32 in JAX, one layer at a time inside the compiled
+program (docs/design/checkpoints.md, "How a stored layer becomes a product").
 
-A quantised row of `n` values is `n / block_size` blocks of `type_size` bytes each, one after the other
-(`gguf.GGML_QUANT_SIZES`); a block holds its scales (float16, or 6-bit / 8-bit sub-block scales under a
-float16 super-scale for the K-quants) beside its 2- to 8-bit values. Each function below takes blocks
-uint8[..., type_size] and returns their values float32[..., block_size] with the same float32 operations
-in the same order as `gguf.quants.dequantize` (llama.cpp's definition), so that the two agree to the bit:
-only the layout of the arithmetic differs (JAX shifts and masks instead of NumPy's).
-
-That layout is chosen for XLA:CPU, where the widening runs once per layer and step
-(docs/benchmarks/dequant-step-cpu.md). Its loop over a layer's values reads each value's bytes with a
-load of their own (a block's stride is no power of two), so bytes are read two at a time as 16-bit words,
-scales included; values from two shifts of a byte are a select each, where a concatenation of parts, or
-more than two shifts along the last axis, becomes a branch per value that stops the loop from being
-vectorised.
-
-Multi-byte fields are little-endian, as GGUF stores them; `jax.lax.bitcast_convert_type` reads them in the
-machine's order, little-endian on every backend JAX runs on.
+Each function below takes blocks uint8[..., type_size] and returns their values float32[..., block_size]
+with the same float32 operations in the same order as `gguf.quants.dequantize` (llama.cpp's definition),
+so that the two agree to the bit. The layout of the arithmetic is chosen for XLA:CPU's loop over a
+layer's values (docs/benchmarks/dequant-step-cpu.md): bytes read two at a time as little-endian 16-bit
+words, and values from two shifts of a byte a select each, where a concatenation, or more than two shifts
+along the last axis, becomes a branch per value that stops the loop from being vectorised.
 """
 
 from __future__ import annotations
@@ -67,10 +56,6 @@ def _in_words(words, shifts, width: int):
     return jnp.stack([jnp.stack([(words >> s) & mask, (words >> (s + 8)) & mask], -1) for s in shifts], -3)
 
 
-def _u32(quad):
-    return jax.lax.bitcast_convert_type(quad, jnp.uint32)
-
-
 def _shifted(bytes_, shifts, width: int):
     """`bytes_` uint8[..., n] shifted right by each of `shifts` into [..., len(shifts), n], masked to `width`
     bits: the values packed `width` bits apart, one group of n per shift."""
@@ -105,7 +90,9 @@ def _q4_1(b):
 def _five_bit(qh, qs):
     """The 32 5-bit values of a Q5_0 / Q5_1 block: low nibbles from qs (as words), the fifth bits from qh
     (bit i of the little-endian uint32 for value i)."""
-    high = (_u32(qh)[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+    high = (
+        jax.lax.bitcast_convert_type(qh, jnp.uint32)[..., None] >> jnp.arange(32, dtype=jnp.uint32)
+    ) & jnp.uint32(1)
     return _nibbles(qs) | (high.astype(jnp.uint16) << jnp.uint16(4))
 
 

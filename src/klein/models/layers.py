@@ -1,8 +1,7 @@
 """Building blocks of the FLUX.2 transformer (Flax NNX), named after diffusers' parameters.
 
-Axes: B batch, S tokens, D model width, H heads, Dh head dim, M SwiGLU width.
-Modulation tensors are float[B, 1, D] (one timestep per image) or float[B, S, D] (per token, when
-reference tokens are modulated at another timestep than the image tokens).
+Axes as in `klein.models`. Modulation tensors are float[B, 1, D] (one timestep per image) or
+float[B, S, D] (per token, when reference tokens are modulated at another timestep than the image tokens).
 """
 
 from __future__ import annotations
@@ -21,15 +20,10 @@ from klein.models import adapters, products
 class Linear(nnx.Module):
     """`x @ kernel` without bias (FLUX.2 has none anywhere), computed in `dtype`.
 
-    The kernel float[in, out] is stored in `dtype`, or in 8 bits beside a float32 `weight_scale` (`store`);
-    `compute` says how the product is made. Both are `klein.models.products`' business: the layer only
-    gathers its stored arrays into one `products.Weight` (`stored`) for `products.product`. A kernel for
-    8-bit products is stored [out, in] as `weight` (PyTorch's name and layout, read without a transpose),
-    `kernel` then None: an 8-bit GEMM
-    wants its weight's contracting axis innermost (docs/design.md, "8-bit products on the card").
-    A kernel kept in a file's quantisation blocks (GGUF, NVFP4) is `weight` too: rows of blocks
-    uint8[out, bytes], `blocks` naming their format (a stack of mixed GGUF types: the tuple of them,
-    `products.MIXED`), widened inside the product.
+    The layer gathers its stored arrays into one `products.Weight` (`stored`) for `products.product`,
+    which alone knows how each stored form is multiplied. The kernel float[in, out] is `kernel`, or
+    `weight` [out, in] (PyTorch's layout) when stored for 8-bit products or as a file's quantisation
+    blocks (`store`; docs/design/checkpoints.md, "How a stored layer becomes a product").
     """
 
     def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype):
@@ -95,9 +89,9 @@ class Linear(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """A Linear's stored form: its 8-bit kernel dtype, a scale per output channel (else per tensor), how
-    its product is made (`klein.models.products.COMPUTES`), and whether a per-tensor activation scale is
-    stored (an FP8 file's `input_scale`) for an 8-bit product; or the block format (`products.BLOCKS`)
-    of a kernel kept as a file's quantisation blocks."""
+    its product is made (bf16, fp8 or int8), and whether a per-tensor activation scale is stored (an FP8
+    file's `input_scale`) for an 8-bit product; or the block format (`products.BLOCKS`) of a kernel kept
+    as a file's quantisation blocks."""
 
     kernel: type
     per_channel: bool
@@ -123,10 +117,6 @@ def quantised(compute: str) -> Stored:
 
 # nnx.Linear's default initialiser, so random models (tests, demo) are drawn exactly as before.
 _KERNEL_INIT = nnx.initializers.lecun_normal()
-
-
-def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype) -> Linear:
-    return Linear(d_in, d_out, rngs, dtype)
 
 
 def store(model: nnx.Module, forms: Mapping[tuple, Stored]) -> nnx.Module:
@@ -184,8 +174,8 @@ class RMSNorm(nnx.Module):
 
 class FeedForward(nnx.Module):
     def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, dtype):
-        self.linear_in = linear(dim, 2 * hidden, rngs, dtype)
-        self.linear_out = linear(hidden, dim, rngs, dtype)
+        self.linear_in = Linear(dim, 2 * hidden, rngs, dtype)
+        self.linear_out = Linear(hidden, dim, rngs, dtype)
 
     def __call__(self, x):
         return self.linear_out(swiglu(self.linear_in(x)))
@@ -195,8 +185,7 @@ class Modulation(nnx.Module):
     """`sets` groups of (shift, scale, gate) computed from the timestep embedding."""
 
     def __init__(self, dim: int, sets: int, rngs: nnx.Rngs, dtype):
-        self.linear = linear(dim, 3 * sets * dim, rngs, dtype)
-        self.sets = sets
+        self.linear = Linear(dim, 3 * sets * dim, rngs, dtype)
 
     def __call__(self, temb: jnp.ndarray) -> jnp.ndarray:
         """float[B, D] -> float[B, 1, 3 * sets * D]; split it with `split_modulation`."""
@@ -218,8 +207,8 @@ def timestep_features(t: jnp.ndarray, channels: int) -> jnp.ndarray:
 
 class TimestepEmbedder(nnx.Module):
     def __init__(self, channels: int, dim: int, rngs: nnx.Rngs, dtype):
-        self.linear_1 = linear(channels, dim, rngs, dtype)
-        self.linear_2 = linear(dim, dim, rngs, dtype)
+        self.linear_1 = Linear(channels, dim, rngs, dtype)
+        self.linear_2 = Linear(dim, dim, rngs, dtype)
 
     def __call__(self, features):
         return self.linear_2(jax.nn.silu(self.linear_1(features)))
@@ -241,9 +230,9 @@ class AdaNormOut(nnx.Module):
     """Final adaptive LayerNorm; the linear's halves are (scale, shift) in diffusers' order."""
 
     def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, dtype):
-        self.linear = linear(dim, 2 * dim, rngs, dtype)
+        self.linear = Linear(dim, 2 * dim, rngs, dtype)
         self.eps = eps
 
     def __call__(self, x, temb):
         scale, shift = jnp.split(self.linear(jax.nn.silu(temb))[:, None, :], 2, axis=-1)
-        return (1 + scale) * layer_norm(x, self.eps) + shift
+        return modulate(x, shift, scale, self.eps)

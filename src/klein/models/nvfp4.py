@@ -1,28 +1,17 @@
-"""NVFP4 weights (BFL's `flux-2-klein-*-nvfp4.safetensors`, ComfyUI's `_quantization_metadata` format
-"nvfp4") as klein stores them, and their values: NumPy to arrange a file's tensors at load, JAX to widen
-one layer inside the compiled program (docs/design.md, "How a stored layer becomes a product").
-
-A weight float[out, in] is `e2m1 * e4m3 * tensor_scale`: 4-bit E2M1 values (sign, 2 exponent bits, 1
-mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6), one float8 E4M3 scale per 16 consecutive values of a row, and
-one float32 scale per tensor. A file stores them as ComfyUI's comfy-kitchen lays them out for cuBLAS:
-- `<layer>.weight` uint8[out, in / 2], two values a byte, the first of each pair in the high nibble;
-- `<layer>.weight_scale` float8 E4M3, the [out, in / 16] block scales padded to [out rounded up to 128,
-  in / 16 rounded up to 4] and swizzled in cuBLAS's tiles of 128 rows by 4 blocks: tiles row-major, and
-  inside a tile the scale of (row r, block c) at byte (r % 32) * 16 + (r // 32) * 4 + c;
-- `<layer>.weight_scale_2` float32, the per-tensor scale (`input_scale`, for FP4 activations, is unread).
-
-klein keeps each row as blocks, as GGUF does (`BLOCK` values in `BLOCK_BYTES` bytes: the 8 bytes of
-its 16 values, then its scale), so that slicing rows (a fused projection's part, a shard of the output)
-cuts whole rows of blocks and one function of a layer's bytes gives its values; the per-tensor scale
-stays a float32 `weight_scale` that multiplies the product's output, as an FP8 file's does.
+"""NVFP4 weights (BFL's `flux-2-klein-*-nvfp4.safetensors`, ComfyUI's "nvfp4") as klein stores them: a
+weight float[out, in] is `e2m1 * e4m3 * tensor_scale`, kept as rows of blocks (`BLOCK` E2M1 values in
+`BLOCK_BYTES` bytes, their 8 bytes then their E4M3 scale) as GGUF's are; NumPy arranges a file's tensors
+at load, JAX widens one layer inside the compiled program (docs/design/checkpoints.md, "How a stored
+layer becomes a product").
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from einops import rearrange
+
+from klein.models import stacks
 
 BLOCK, BLOCK_BYTES = 16, 9
 TILE_ROWS, TILE_BLOCKS = 128, 4
@@ -57,13 +46,13 @@ def dequantise(raw):
     `raw` uint8[..., rows, columns / 16 * 9], NumPy or JAX; any 8-bit array is read as its bytes (a stack
     slices its layers as float8, `klein.models.stacks`)."""
     xp = np if isinstance(raw, np.ndarray) else jnp
-    raw = _as(raw, xp.uint8)
+    raw = stacks.view(raw, xp.uint8)
     *lead, width = raw.shape
     blocks = raw.reshape(*lead, width // BLOCK_BYTES, BLOCK_BYTES)
     pairs = blocks[..., : BLOCK // 2]
     codes = xp.stack([pairs >> np.uint8(4), pairs & np.uint8(0xF)], axis=-1)
     values = e2m1(codes.reshape(*lead, width // BLOCK_BYTES, BLOCK), xp)
-    scale = _as(blocks[..., BLOCK // 2 :], jnp.float8_e4m3fn).astype(np.float32)
+    scale = stacks.view(blocks[..., BLOCK // 2 :], jnp.float8_e4m3fn).astype(np.float32)
     return (values * scale).reshape(*lead, width // BLOCK_BYTES * BLOCK)
 
 
@@ -78,16 +67,7 @@ def e2m1(codes, xp=jnp):
     magnitude = codes & np.uint32(7)
     normal = (magnitude << np.uint32(22)) + np.uint32(126 << 23)
     bits = xp.where(magnitude < 2, magnitude * np.uint32(0x3F000000), normal)
-    return _as(bits | ((codes & np.uint32(8)) << np.uint32(28)), np.float32)
-
-
-def _as(array, dtype):
-    """`array` (NumPy or JAX) viewed as `dtype` of the same width."""
-    if array.dtype == dtype:
-        return array
-    if isinstance(array, np.ndarray):
-        return array.view(dtype)
-    return jax.lax.bitcast_convert_type(array, dtype)
+    return stacks.view(bits | ((codes & np.uint32(8)) << np.uint32(28)), np.float32)
 
 
 def _up(n: int, multiple: int) -> int:

@@ -1,40 +1,7 @@
 """How a stored weight becomes a product: `product(x, weight, dtype)`, the one seam between a Linear's
-stored form and the model's math (docs/design.md, "How a stored layer becomes a product"). A `Weight` is
-everything stored about the kernel (its arrays, their layout and format) and how it is multiplied; the
-Linear builds it from its Params for the outputs it wants.
-
-A kernel float[in, out] is stored in the compute dtype (bf16 / float32), or in 8 bits beside a float32
-`scale` that multiplies its output columns: one per tensor (BFL's FP8 files as shipped, shape ()) or one
-per output channel (quantised at load, shape [out]). `compute` says how the product is made:
-- "bf16": the kernel is widened inside the product to the compute dtype (weight-only quantisation);
-- "fp8" / "int8": both operands are 8-bit: the activations are quantised per token as they come
-  (`quantise`; an FP8 file's per-tensor `input_scale` where it gives one), the kernel is stored so, and
-  [out, in] (`out_in`): Hopper's 8-bit GEMMs want the weight's contracting axis innermost, and a stack
-  stored [L, in, out] was transposed whole before the layer loop (docs/design.md, "8-bit products on the
-  card"). The product is accumulated in float32 / int32, and both scales are applied in float32 before
-  the one rounding to the compute dtype, as an 8-bit GEMM's epilogue does.
-  XLA:CPU has no float8 product and widens its operands inside the program (it still runs: tests check
-  the path everywhere); int8 it multiplies natively.
-
-A kernel may instead be kept as a file's quantisation blocks (`blocks`: GGUF's ggml types,
-`klein.models.gguf_blocks`; NVFP4, `klein.models.nvfp4`), rows of bytes [out, bytes] widened to float32
-here, one layer at a time inside the scanned layer loop, then multiplied as a bf16-compute kernel is.
-A stack whose layers have different ggml types (llama.cpp's Q4_K_M files give some layers Q6_K) has
-`blocks` the tuple of its types (`MIXED`): each row is padded with zeros to the widest type's row and ends
-in one byte, the index of its layer's type in that tuple, which `unpacked` switches on.
-
-Products in the compute dtype are accumulated in float32 and rounded once to the inputs' precision, as
-torch does.
-
-XLA's GPU and TPU backends multiply bf16 matrices that way whatever they are asked, and are left as they
-are. XLA:CPU, asked for a bf16 result, widens both operands to float32 first: a float32 copy of each
-weight matrix as it runs it, about 1.4 of klein-9b's double blocks at once (1.5 GiB). Asked for a float32
-result (`preferred_element_type`), a CPU with bf16 dot products (AVX512-BF16 or AMX) multiplies the bf16
-operands as they are, with no copy, and faster (one 1024x4096 by 4096x12288 product: 0.78 s against
-1.25 s, AMD EPYC with AVX512-BF16, two cores). On a CPU without them (AVX2) XLA widens the operands either
-way, and asking for float32 was 1.27-1.45x slower there, so the product is left to XLA: whether a CPU
-multiplies in place is asked of the compiler once (`in_place`). The price on a CPU: the float32 product
-before its rounding (for a long sequence, the fused projection of a single block).
+stored form (a `Weight`: plain, 8-bit with its scales, or a file's quantisation blocks) and the model's
+math. See docs/design/checkpoints.md, "How a stored layer becomes a product", and docs/design/memory.md
+for the float32 products on a CPU (`in_place`).
 """
 
 from __future__ import annotations
@@ -49,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein import sharding
-from klein.models import gguf_blocks, nvfp4
+from klein.models import gguf_blocks, nvfp4, stacks
 
 BF16, FP8, INT8 = "bf16", "fp8", "int8"
-COMPUTES = (BF16, FP8, INT8)
 # 8-bit compute -> (operand dtype, largest value quantised to, accumulator dtype)
 EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
 NVFP4 = "nvfp4"
@@ -69,14 +35,10 @@ MIXED = tuple  # `blocks` of a stack of several ggml types: those types, each la
 )
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """A Linear's stored weight and how it is multiplied, as `product` reads it.
-
-    `array`: the kernel [in, out] as stored, or [out, in] if `out_in` (an 8-bit GEMM's layout, and rows of
-    quantisation blocks [out, bytes] when `blocks` names their format, one of `BLOCKS`). `scale`: None,
-    float32[] or float32[out], multiplying the output columns. `input_scale` float32[]: an FP8 file's
-    activation scale for an FP8 product, instead of one per token computed as the activations come.
-    `compute` (one of `COMPUTES`): how the product is made. A pytree whose layout is static, so a jitted
-    function may take one."""
+    """A Linear's stored weight and how it is multiplied (`compute`: bf16, fp8 or int8), as `product`
+    reads it: `array` [in, out], or [out, in] if `out_in` (rows of blocks when `blocks` names their
+    format); `scale` None, float32[] or float32[out] on the output columns; `input_scale` float32[], an
+    FP8 file's activation scale. A pytree whose layout is static, so a jitted function may take one."""
 
     array: jax.Array
     scale: jax.Array | None = None
@@ -136,8 +98,7 @@ def _switched(raw, kinds: tuple[str, ...], dtype):
     layer to bf16 2.6x slower when its float32 values were written out first."""
     if raw.ndim > 2:  # whole stacks (a LoRA merge's restore): a layer at a time
         return jax.lax.map(lambda layer: _switched(layer, kinds, dtype), raw)
-    if raw.dtype != jnp.uint8:  # a stack slices its layers as float8 (`klein.models.stacks`)
-        raw = jax.lax.bitcast_convert_type(raw, jnp.uint8)
+    raw = stacks.view(raw, jnp.uint8)  # a stack slices its layers as float8
     columns = unpacked_width(kinds, raw.shape[-1])
     branches = [
         functools.partial(
@@ -198,27 +159,22 @@ def scales_of(values, compute: str, axis: int):
     return xp.where(largest > 0, largest * reciprocal, np.float32(1)).astype(np.float32)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+def dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
     """`jax.lax.dot_general` in the inputs' dtype (or `preferred_element_type`), accumulated in float32
-    without a widened copy of the operands where the backend can (`in_place`); takes `nnx.Linear`'s
-    `dot_general` arguments.
+    without a widened copy of the operands where the backend can (`in_place`).
 
     XLA:CPU's product of a single row (a vector by a matrix: the modulations of one image) widens the
     matrix even so; two rows do not (0.05 s instead of 0.15 s for klein-9b's 4096 x 24576 modulation), so
     a single row is multiplied beside a row of zeros."""
     out = preferred_element_type or jnp.result_type(lhs, rhs)
     if out == jnp.float32 or not in_place(sharding.platform()):
-        return jax.lax.dot_general(
-            lhs, rhs, dimension_numbers, precision, preferred_element_type=preferred_element_type, **kwargs
-        )
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
     (contracting, _), (batch, _) = dimension_numbers
     rows = math.prod(n for axis, n in enumerate(lhs.shape) if axis not in contracting)
     single = rows == 1 and not batch and lhs.ndim > 1 and 0 not in contracting
     if single:
         lhs = jnp.concatenate([lhs, jnp.zeros_like(lhs)])
-    product = jax.lax.dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type=jnp.float32, **kwargs
-    )
+    product = jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32)
     return (product[:1] if single else product).astype(out)
 
 

@@ -1,16 +1,10 @@
 """Qwen3 text encoder: the prompt embedding of FLUX.2 [klein] (docs/design.md, "Architecture").
 
-Axes (the `klein.models` legend): B batch, T text tokens (512 in the pipeline), D hidden size, H query
-heads, K key/value heads, Dh head dim (128), E selected hidden states (3), L decoder layers that run
-(27 of 36).
-
 The embedding is Hugging Face's `hidden_states[k]` for k in (9, 18, 27) - the raw residual stream after
-k decoder layers, before any final norm - concatenated on the feature axis: float[B, T, E * D].
-Parameter paths follow the `Qwen3ForCausalLM` checkpoint keys (`model.embed_tokens`,
-`model.layers.N.self_attn.q_proj`, ...); the decoder layers are stacked on a leading L axis and run
-one at a time (`klein.models.stacks`), so compile time does not grow with depth. The final norm and `lm_head` are not
-part of the module: the embedding never reaches them. The token table may be kept as a quantized file's
-blocks (`Qwen3Model.keep_blocks`): a prompt widens only the rows it gathers.
+k decoder layers, before any final norm - concatenated on the feature axis: float[B, T, E * D] (axes as in
+`klein.models`). Parameter paths follow the `Qwen3ForCausalLM` checkpoint keys (`model.embed_tokens`,
+`model.layers.N.self_attn.q_proj`, ...); the decoder layers are stacked (`klein.models.stacks`); the final
+norm and `lm_head` are left out: the embedding never reaches them.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from flax import nnx
 
 from klein.models import gguf_blocks, stacks
 from klein.models.attention import MASKED, attention
-from klein.models.layers import linear
+from klein.models.layers import Linear
 from klein.models.qwen3_config import Qwen3Config
 
 PROMPT_LAYERS = (9, 18, 27)
@@ -52,10 +46,10 @@ class Attention(nnx.Module):
     def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
         d, h = config.hidden_size, config.head_dim
         n, k = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = linear(d, n * h, rngs, dtype)
-        self.k_proj = linear(d, k * h, rngs, dtype)
-        self.v_proj = linear(d, k * h, rngs, dtype)
-        self.o_proj = linear(n * h, d, rngs, dtype)
+        self.q_proj = Linear(d, n * h, rngs, dtype)
+        self.k_proj = Linear(d, k * h, rngs, dtype)
+        self.v_proj = Linear(d, k * h, rngs, dtype)
+        self.o_proj = Linear(n * h, d, rngs, dtype)
         self.q_norm = RMSNorm(h, config.rms_norm_eps)
         self.k_norm = RMSNorm(h, config.rms_norm_eps)
         self.head_dim = h
@@ -74,21 +68,17 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
     def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = linear(d, f, rngs, dtype)
-        self.up_proj = linear(d, f, rngs, dtype)
-        self.down_proj = linear(f, d, rngs, dtype)
+        self.gate_proj = Linear(d, f, rngs, dtype)
+        self.up_proj = Linear(d, f, rngs, dtype)
+        self.down_proj = Linear(f, d, rngs, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention, then MLP."""
-
     def __init__(self, config: Qwen3Config, dtype, *, rngs: nnx.Rngs):
         self.self_attn = Attention(config, dtype, rngs=rngs)
         self.mlp = MLP(config, dtype, rngs=rngs)
@@ -105,22 +95,15 @@ class Qwen3Model(nnx.Module):
 
     def __init__(self, config: Qwen3Config, num_layers: int, dtype, *, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
-
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(config, dtype, rngs=rngs)
-
-        self.layers = stacked(rngs)
+        self.layers = stacks.stack(lambda r: DecoderLayer(config, dtype, rngs=r), num_layers, rngs)
         self.num_layers = num_layers
         self.dtype = dtype
         self.embedding_blocks: str | None = None  # the token table's block format, if kept as blocks
 
     def keep_blocks(self, blocks: str) -> None:
-        """Store the token table as rows of GGUF quantisation blocks of ggml type `blocks`
-        (`gguf_blocks.TYPES`), uint8[vocab, bytes], widened to the compute dtype as a prompt gathers its
-        rows: Qwen3-8B's table is 0.4 GB as Q4_K, 1.2 GB in bf16 (call inside `nnx.eval_shape`, as
-        `klein.models.layers.store`)."""
+        """Store the token table as rows of GGUF blocks of ggml type `blocks`, uint8[vocab, bytes], widened
+        as a prompt gathers its rows: Qwen3-8B's is 0.4 GB as Q4_K, 1.2 GB in bf16 (call inside
+        `nnx.eval_shape`, as `klein.models.layers.store`)."""
         vocab, width = self.embed_tokens.embedding[...].shape
         values, size = gguf_blocks.sizes(blocks)
         self.embed_tokens.embedding = nnx.Param(jnp.zeros((vocab, width // values * size), jnp.uint8))
@@ -128,11 +111,8 @@ class Qwen3Model(nnx.Module):
 
 
 class Qwen3TextEncoder(nnx.Module):
-    """The part of `Qwen3ForCausalLM` that the prompt embedding needs (`model.*`, first layers only).
-
-    Its Linears are `klein.models.layers.Linear`s computing in `dtype` (the dtype the weights are loaded
-    in), so every stored form of a weight reaches the text encoder through the same seam as the
-    transformer's (`klein.models.products`)."""
+    """The part of `Qwen3ForCausalLM` that the prompt embedding needs (`model.*`, first layers only); its
+    `klein.models.layers.Linear`s take every stored form through the transformer's seam."""
 
     def __init__(self, config: Qwen3Config, num_layers: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         if not 0 < num_layers <= config.num_hidden_layers:

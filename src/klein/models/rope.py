@@ -13,14 +13,11 @@ import numpy as np
 def rope_tables(ids: np.ndarray, axes_dims: tuple[int, ...], theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos / sin tables for position ids [S, n_axes]; each axis owns `axes_dims[i]` channels."""
     ids = np.asarray(ids, dtype=np.float64)
-    cos, sin = [], []
-    for axis, dim in enumerate(axes_dims):
-        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        angles = np.outer(ids[:, axis], freqs)
-        # Each frequency drives one (real, imaginary) pair of adjacent channels.
-        cos.append(np.repeat(np.cos(angles), 2, axis=1))
-        sin.append(np.repeat(np.sin(angles), 2, axis=1))
-    return np.concatenate(cos, axis=1).astype(np.float32), np.concatenate(sin, axis=1).astype(np.float32)
+    freqs = [1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim) for dim in axes_dims]
+    angles = np.concatenate([np.outer(ids[:, axis], f) for axis, f in enumerate(freqs)], axis=1)
+    # Each frequency drives one (real, imaginary) pair of adjacent channels.
+    angles = np.repeat(angles, 2, axis=1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def concat_tables(*tables: tuple) -> tuple:

@@ -1,15 +1,9 @@
 """Attention on one TPU device: Pallas' splash attention kernel, with klein's masks as segment ids.
 
-The same contract as the blocked XLA kernel of `klein.models.attention` (shapes, ranks, zeros for a query
-that sees no key), for the masks klein's models use: none; key padding (every query ranks the same, padded
-keys rank above it); and causal (`causal=True`: queries and keys ranked by position, padded keys `MASKED`,
-the text encoder's). Splash attends where the query's and the key's segment ids are equal (and the static
-causal mask allows), so a key is given segment 1 where its rank hides it and 0 where it does not, with every
-query in segment 0. KV editing's isolated span is two such calls (`klein.models.attention`).
-
-The kernel needs token counts in multiples of its blocks: queries and keys are padded (padded keys in
-segment 1, padded queries dropped), so any count runs. Grouped queries are native to the kernel. Off a TPU
-(`interpret=True`) Pallas interprets the same kernel with XLA, which is how CPU tests check its numerics.
+The same contract as the blocked XLA kernel of `klein.models.attention`, for the masks klein's models use
+(none, key padding, causal): a key is given segment 1 where its rank hides it, every query segment 0.
+Token counts are padded to whole blocks. Off a TPU (`interpret=True`) Pallas interprets the same kernel
+with XLA, which is how CPU tests check its numerics. See docs/design/compiling.md, "TPU attention".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Stacks of layers: weights (and reference keys / values) with a leading layer axis L, run one layer at a
 time inside `jax.lax.scan`, so that compile time does not grow with depth.
 
-A stack narrower than 32 bits is kept as its bit pattern: bfloat16 as uint16, float8_e4m3fn as uint8
-(`as_bits`), and each layer is viewed as its float type again once it has been sliced out (`layer`).
-XLA:CPU has no bfloat16 or float8 slicing: it widens the whole stack to float32 to cut one layer out of
-it and hoists that conversion out of the loop, so a bf16 transformer would hold its weights twice more
-(docs/design.md, "Memory"). Slicing integers is native on every backend and a bit cast is free, so the
-bit form costs nothing elsewhere. Arrays of 32 bits or more are kept as they are.
-
-A stack may live in host memory (the residency policy `stream`: a device smaller than the transformer).
-`layer` then moves each layer to the device as the loop reaches it, so the device holds a layer or two
-of the stack at a time; XLA overlaps the copy of the next layer with the current one's compute.
+A stack narrower than 32 bits is kept as its bit pattern (`as_bits`: bfloat16 as uint16, float8 as uint8)
+and each layer viewed as floats again once sliced (`layer`): XLA:CPU cannot slice bfloat16 or float8
+without widening the whole stack. A stack may live in host memory (residency `stream`): `layer` moves
+each layer to the device as the loop reaches it. See docs/design/memory.md.
 """
 
 from __future__ import annotations
@@ -19,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from klein.models import gguf_blocks
 
@@ -30,24 +25,34 @@ _BITS = {
 _FLOATS = {bits: floating for floating, bits in _BITS.items()}
 
 
+def stack(make, count: int, rngs: nnx.Rngs):
+    """`count` modules `make(rngs)`, each drawn from its own split of `rngs`, stacked on a leading axis."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def build(rngs):
+        return make(rngs)
+
+    return build(rngs)
+
+
 def as_bits(array):
     """`array` (NumPy or JAX) in its stored form: the bit pattern of a bf16 / float8 array, else itself."""
-    bits = _BITS.get(np.dtype(array.dtype))
-    if bits is None:
-        return array
-    if isinstance(array, np.ndarray):
-        return array.view(bits)  # no copy
-    return jax.lax.bitcast_convert_type(array, bits)
+    return view(array, _BITS.get(np.dtype(array.dtype), array.dtype))
 
 
 def as_float(array):
     """The float array whose stored form (`as_bits`) `array` is; any other array as it is."""
-    floating = _FLOATS.get(np.dtype(array.dtype))
-    if floating is None:
+    return view(array, _FLOATS.get(np.dtype(array.dtype), array.dtype))
+
+
+def view(array, dtype):
+    """`array` (NumPy or JAX) viewed as `dtype` of the same width, without a copy."""
+    if array.dtype == dtype:
         return array
     if isinstance(array, np.ndarray):
-        return array.view(floating)
-    return jax.lax.bitcast_convert_type(array, floating)
+        return array.view(dtype)
+    return jax.lax.bitcast_convert_type(array, dtype)
 
 
 def layer(stack, index):
@@ -90,11 +95,12 @@ def scan(body, carry, stacks, count: int):
     Returns (carry, ys stacked on a new leading axis).
 
     `count` may be 0 (a model with one single block runs none before its last one): the carry comes back
-    as it is and every ys has no rows. The body is then only traced for its output shapes, on one layer's
-    shapes rather than a slice: tracing `jax.lax.scan` would slice every stack, and one of no layers (an
-    empty per-layer `xs`) has nothing to slice."""
+    as it is and every ys has no rows; the body is traced on one layer's shapes only, since a stack of no
+    layers has nothing to slice."""
     if count == 0:
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], _float_dtype(a.dtype)), stacks)
+        one = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], _FLOATS.get(np.dtype(a.dtype), a.dtype)), stacks
+        )
         _, ys = jax.eval_shape(body, carry, one)
         return carry, jax.tree.map(lambda y: jnp.zeros((0, *y.shape), y.dtype), ys)
 
@@ -102,8 +108,3 @@ def scan(body, carry, stacks, count: int):
         return body(carry, layer(stacks, index))
 
     return jax.lax.scan(step, carry, jnp.arange(count))
-
-
-def _float_dtype(dtype):
-    """The dtype `as_float` views an array of `dtype` as."""
-    return _FLOATS.get(np.dtype(dtype), dtype)

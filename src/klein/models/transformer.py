@@ -1,38 +1,8 @@
-"""The FLUX.2 [klein] transformer and the ways to run it.
-
-Axes: B batch, N image tokens, R reference tokens (all references of a request, concatenated),
-T text tokens, S joint tokens ([txt, img] and whatever rides with the image stream), C token channels
-(128), J text-embedding width, D model width, L layers, H heads, Dh head dim; inside the model a
-count includes its stream's padding (see below). Rope tables are (cos, sin) float32[tokens, Dh] from
-`rope.rope_tables`.
-
-Ways to run (explicit functions, no mode strings):
-- `forward`: text-to-image, or standard editing with `refs` appended after the image tokens,
-  modulated at the current timestep, full attention (klein-4b / 9b / base);
-- `prefill` + `forward_cached`: KV editing (klein-9b-kv). The prefill runs the reference tokens
-  alone, modulated at t = 0 and attending only to themselves, and returns every layer's reference
-  keys and values. Those depend on nothing but the references, so one `ReferenceKV` (no batch axis)
-  serves every image of a batch, every step and every later request with the same references.
-- `forward_kv_uncached`: the same KV semantics in one pass over [txt, ref, img] with per-token
-  modulation, the reference tokens attending only to themselves (how the reference implementation runs
-  step 0); a check on the cache.
-
-The three forwards differ only in what their two token streams hold, how they are modulated and what
-the queries see; each prepares those and hands them to one trunk, `_velocity`, which reads top to bottom
-like BFL's flux2 model: input embeddings, the layers, the final layer. The layers are one walk,
-`_layers`: the double blocks, the single blocks over [txt, img], the last single block, which computes
-queries, MLP and output projection for the image rows the velocity reads alone. The prefill is the same
-walk over the references alone, recording every layer's keys and values instead. What a layer's
-queries see is data (`attention.Keys`: key ranks, an isolated span, cached reference keys and values)
-that one function (`attention.attend`) reads.
-
-Layers are stacked and run one at a time (`klein.models.stacks`): compile time does not grow with depth,
-and the stacks are sliced inside the loop, never copied.
-
-Under context parallelism (a mesh in JAX's context) each token stream (text, image + references,
-references alone) is padded to a multiple of the `context` size (`attention.padded`), and the last
-block's rows are widened to one (`sharding.covering`); padded keys rank `MASKED` (no query sees them)
-and padded outputs are dropped, so the result is that of one device.
+"""The FLUX.2 [klein] transformer and the ways to run it: `forward` (text-to-image and standard editing),
+`prefill` + `forward_cached` (KV editing) and `forward_kv_uncached` (the same KV semantics in one pass, a
+check on the cache). Each prepares its two token streams, their modulation and what the queries see
+(`attention.Keys`), and hands them to one trunk (`_velocity`, `_layers`); layers run one at a time from
+their stacks (`klein.models.stacks`). See docs/design/requests.md, "KV cache"; axes as in `klein.models`.
 """
 
 from __future__ import annotations
@@ -47,7 +17,7 @@ from flax import nnx
 from klein.models import attention, stacks
 from klein.models.attention import Keys, Padded, key_rank, padded
 from klein.models.blocks import DoubleBlock, SingleBlock
-from klein.models.layers import AdaNormOut, Modulation, TimeGuidanceEmbed, linear
+from klein.models.layers import AdaNormOut, Linear, Modulation, TimeGuidanceEmbed
 from klein.models.rope import concat_tables
 from klein.models.transformer_config import TransformerConfig
 from klein.sharding import REFERENCE_KV, TOKENS, constrain, covering
@@ -57,7 +27,7 @@ class ReferenceKV(NamedTuple):
     """Per-layer keys and values of the reference tokens, after QK-norm and RoPE. No batch axis. Stacks in
     their stored form (bf16 as its bits, `klein.models.stacks`).
 
-    R counts the padding a context-parallel prefill adds (see the module docstring); `key_rank` then
+    R counts the padding a context-parallel prefill adds (`attention.padded`); `key_rank` then
     ranks it `MASKED` (int32[1, R], 0 for the references), and is None where there is none."""
 
     double_k: jnp.ndarray  # [L_double, R, H, Dh]
@@ -75,15 +45,6 @@ class ReferenceKV(NamedTuple):
         return self.double_k, self.double_v, self.single_k, self.single_v
 
 
-def _stack(make, count: int, rngs: nnx.Rngs):
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=0, out_axes=0)
-    def build(rngs):
-        return make(rngs)
-
-    return build(rngs)
-
-
 class Flux2Transformer(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         d = cfg.hidden
@@ -92,14 +53,14 @@ class Flux2Transformer(nnx.Module):
         self.double_stream_modulation_img = Modulation(d, 2, rngs, dtype)
         self.double_stream_modulation_txt = Modulation(d, 2, rngs, dtype)
         self.single_stream_modulation = Modulation(d, 1, rngs, dtype)
-        self.x_embedder = linear(cfg.in_channels, d, rngs, dtype)
-        self.context_embedder = linear(cfg.joint_attention_dim, d, rngs, dtype)
-        self.transformer_blocks = _stack(lambda r: DoubleBlock(cfg, r, dtype), cfg.num_layers, rngs)
-        self.single_transformer_blocks = _stack(
+        self.x_embedder = Linear(cfg.in_channels, d, rngs, dtype)
+        self.context_embedder = Linear(cfg.joint_attention_dim, d, rngs, dtype)
+        self.transformer_blocks = stacks.stack(lambda r: DoubleBlock(cfg, r, dtype), cfg.num_layers, rngs)
+        self.single_transformer_blocks = stacks.stack(
             lambda r: SingleBlock(cfg, r, dtype), cfg.num_single_layers, rngs
         )
         self.norm_out = AdaNormOut(d, cfg.eps, rngs, dtype)
-        self.proj_out = linear(d, cfg.in_channels, rngs, dtype)
+        self.proj_out = Linear(d, cfg.in_channels, rngs, dtype)
 
 
 def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None):
@@ -109,7 +70,9 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
     """
     n_img = img.shape[1]
     if refs is not None:
-        img, img_rope = _append(img, img_rope, refs)
+        ref_tokens, ref_rope = refs
+        ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:])).astype(img.dtype)
+        img, img_rope = jnp.concatenate([img, ref_tokens], axis=1), concat_tables(img_rope, ref_rope)
     temb, mods = _modulations(model, t)
     text, image = padded(txt, txt_rope), padded(img, img_rope)
     keys = Keys(key_rank(text, image))
@@ -150,8 +113,7 @@ def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope
     single_mod = _per_token(b, (single_mod, n_txt), (ref_single_mod, n_ref), (single_mod, n_rest))
     # Reference queries see only reference keys; text and image queries see everything.
     keys = Keys(key_rank(text, image), isolated=(n_txt, n_txt + n_ref))
-    mods = (img_mod, txt_mod, single_mod)
-    return _velocity(model, temb, mods, text, image, keys, (n_txt + n_ref, n_img))
+    return _velocity(model, temb, (img_mod, txt_mod, single_mod), text, image, keys, (n_txt + n_ref, n_img))
 
 
 def _velocity(model, temb, mods, text: Padded, image: Padded, keys, rows, kv: ReferenceKV | None = None):
@@ -160,24 +122,20 @@ def _velocity(model, temb, mods, text: Padded, image: Padded, keys, rows, kv: Re
     rope = concat_tables(text.rope, image.rope)
     img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
     x, _ = _layers(model, img, txt, mods, rope, keys, rows, kv)
-    return _final_layer(model, x, temb)
+    return model.proj_out(model.norm_out(x, temb))
 
 
 def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV | None = None):
-    """The transformer's layer sequence, one walk for every way to run it: the double blocks over the
-    image stream img float[B, N, D] and the text stream txt float[B, T, D], the single blocks over
-    [txt, img], the last single block.
+    """The layer walk, one for every way to run it: the double blocks over the image stream img
+    float[B, N, D] and the text stream txt float[B, T, D], the single blocks over [txt, img], the last
+    single block. `mods` = (img_mod, txt_mod, single_mod); `keys`: what the queries see; `kv`: the
+    references' cached keys and values (a layer of them spliced into each layer's), or None.
 
-    The velocity reads the last block's output for the joint rows `rows` = (first, count), the image
-    tokens: (float[B, count, D], None). Its queries, MLP and output projection run over those rows alone
-    (widened to a multiple of the context size), keys and values over every token (`SingleBlock.rows`).
-    The prefill (the references alone: txt and rows None) reads every layer's keys and values instead:
-    (None, (double k, double v [L_double, R, H, Dh], single k, single v [L_single, R, H, Dh])), stacks in
-    their stored form; its last block computes its keys and values alone, and the single blocks write
-    theirs straight into the stacks (joining the last layer to the others would copy them).
-
-    `mods` = (img_mod, txt_mod, single_mod); `keys`: what the queries see; `kv`: the references' cached
-    keys and values, a layer of them spliced into each layer's, or None."""
+    The velocity reads the last block's output for the joint rows `rows` = (first, count), computed over
+    those rows alone (`SingleBlock.rows`, `sharding.covering`): (float[B, count, D], None). The prefill
+    (txt and rows None) records every layer's keys and values instead, written straight into stacks in
+    their stored form (joining the last layer to the others would copy them): (None, (double k, double v
+    [L_double, R, H, Dh], single k, single v [L_single, R, H, Dh]))."""
     cfg, (img_mod, txt_mod, single_mod) = model.cfg, mods
     record, last = rows is None, cfg.num_single_layers - 1
     double_kv = None if kv is None else (kv.double_k, kv.double_v)
@@ -204,16 +162,14 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
 
     xs = (single_kv, jnp.arange(last) if record else None)
     (x, recorded), _ = _scan(model.single_transformer_blocks, single, (x, recorded), last, xs)
+    block = _block(model.single_transformer_blocks, last)
     if record:
-        k, v = _block(model.single_transformer_blocks, last).keys_values(
-            constrain(x, TOKENS), single_mod, rope
-        )
+        k, v = block.keys_values(constrain(x, TOKENS), single_mod, rope)
         return None, (*double_kv, stacks.put(recorded[0], last, k[0]), stacks.put(recorded[1], last, v[0]))
     # The last block's queries are image tokens only, which see every key.
     keys = keys._replace(isolated=None, cached=None if kv is None else stacks.layer(single_kv, last))
     first, count = rows
     start, stop = covering(first, count, x.shape[1])
-    block = _block(model.single_transformer_blocks, last)
     h = block.rows(constrain(x, TOKENS), single_mod, rope, partial(attention.attend, keys=keys), start, stop)
     return h[:, first - start : first - start + count], None
 
@@ -229,19 +185,10 @@ def _modulations(model, t):
     )
 
 
-def _final_layer(model, x, temb):
-    """The velocity float[B, N, C] of the image tokens' hidden states x float[B, N, D]."""
-    return model.proj_out(model.norm_out(x, temb))
-
-
 def _scan(blocks, body, carry, count: int, xs=None):
     """Run `body(block, carry, layer_xs) -> (carry, ys)` over the first `count` blocks of a stack; `xs`
-    are per-layer stacks (reference keys and values, layer indices) or None.
-
-    The carry holds token streams float[B, S, D] (and, in the prefill, the key / value stacks it fills);
-    pinning the streams' layout at every layer keeps batch and tokens split (data / context parallelism)
-    instead of leaving it to propagation.
-    """
+    are per-layer stacks or None. The carry's token streams float[B, S, D] are pinned to their layout at
+    every layer, so batch and tokens stay split (data / context parallelism) whatever propagation does."""
     graphdef, params = nnx.split(blocks)
 
     def step(carry, layers):
@@ -264,13 +211,6 @@ def _cached_key_rank(text: Padded, image: Padded, kv: ReferenceKV):
         return None
     ref_rank = kv.key_rank if kv.key_rank is not None else jnp.zeros((1, kv.num_tokens), jnp.int32)
     return jnp.concatenate([text.rank[None], ref_rank, image.rank[None]], axis=1)
-
-
-def _append(img, img_rope, refs):
-    """The image tokens and rope with the references' appended (standard editing)."""
-    ref_tokens, ref_rope = refs
-    ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:]))
-    return jnp.concatenate([img, ref_tokens.astype(img.dtype)], axis=1), concat_tables(img_rope, ref_rope)
 
 
 def _per_token(batch: int, *parts):

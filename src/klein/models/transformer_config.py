@@ -23,8 +23,6 @@ class TransformerConfig:
     """Width of the text embedding (3 x the text encoder's hidden size)."""
     in_channels: int = 128
     """Channels per image token (32 latent channels x 2x2 patch)."""
-    patch_size: int = 1
-    """Transformer patch size over the already-patchified latents."""
     timestep_guidance_channels: int = 256
     """Width of the sinusoidal timestep embedding."""
     mlp_ratio: float = 3.0
@@ -56,9 +54,7 @@ class TransformerConfig:
         if config.get("patch_size", 1) != 1:
             raise CheckpointError("transformer config: only patch_size 1 is supported (FLUX.2 uses 1)")
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in config.items() if k in fields}
-        if "axes_dims_rope" in values:
-            values["axes_dims_rope"] = tuple(values["axes_dims_rope"])
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in fields}
         try:
             cfg = cls(**values)
         except TypeError as exc:

@@ -9,11 +9,8 @@ latent grid; Y/16, X/16 the transformer's token grid (one token = a 2x2 patch of
   2x2 patches of VAE latents, channel `4 * c + 2 * dy + dx`, normalised with the BatchNorm running
   statistics as `(z - mean) / sqrt(var + eps)`.
 
-Memory: plain `decode_latents` holds temporaries that grow with the pixel count (the 256- and
-128-channel full-resolution activations dominate); `decode_latents_tiled` holds a bounded amount at any
-size, for outputs whose plain decode does not fit (the planner chooses, `klein.memory.plan`; measured
-figures in docs/design.md, "Decoding memory"). The mid-block attention is the models' one tiled kernel
-(`klein.models.attention`, one head) rather than a whole (Y/8 * X/8)^2 score matrix.
+`decode_latents_tiled` holds a bounded amount of memory at any size, for outputs whose plain decode does
+not fit (docs/design/memory.md, "Decoding memory").
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ from klein.models.attention import attention
 
 _PATCH = 2  # latents are patchified 2x2 into transformer channels
 PIXELS_PER_TOKEN = 16
-"""Pixels along each side of one transformer token under the FLUX.2 VAE (`VAEConfig.pixels_per_token`:
-8x downsampling, then 2x2 patches): the size rule of code that has no model config at hand (requests,
-image preparation); code that has one reads its config."""
+"""Pixels along each side of one transformer token under the FLUX.2 VAE (8x downsampling, then 2x2 patches),
+for code with no model config at hand (requests, images); code that has one reads `pixels_per_token`."""
 _NORM_EPS = 1e-6  # every GroupNorm of the diffusers encoder / decoder
 
 
@@ -123,14 +119,11 @@ def _group_norm(channels: int, groups: int, *, rngs, param_dtype) -> GroupNorm:
 class GroupNorm(nnx.GroupNorm):
     """Flax's GroupNorm (same parameters, same result) with its statistics from one read of the activations.
 
-    Flax's exact two-pass variance reads the activations once for the mean and again for E[(x - mean)^2],
-    reducing over (pixels, channels of a group) with a short inner axis; its one-pass E[x^2] - E[x]^2
-    loses digits when a group's mean is large against its spread. Here: per-channel shifted sums over
-    the pixels (channels contiguous, so the reductions vectorise), with s the channel's first pixel,
-    mean = s + E[x - s] and var = E[(x - s)^2] - E[x - s]^2 in float32; s lies within a few standard
-    deviations of the mean, so the cancellation costs a few bits at most, whatever the mean. Groups
-    then combine their channels exactly (law of total variance), and the normalisation and affine fold
-    into one per-channel scale and offset.
+    Flax's exact variance reads the activations twice; its one-pass E[x^2] - E[x]^2 loses digits when a
+    group's mean is large against its spread. Here: per-channel sums over the pixels (vectorised),
+    shifted by the channel's first pixel s, which lies within a few standard deviations of the mean, so
+    the cancellation costs a few bits at most; groups then combine their channels exactly (law of total
+    variance), and the normalisation and affine fold into one per-channel scale and offset.
     """
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -227,9 +220,7 @@ class Attention(nnx.Module):
     def __init__(self, channels: int, groups: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.group_norm = _group_norm(channels, groups, **kw)
-        self.to_q = nnx.Linear(channels, channels, **kw)
-        self.to_k = nnx.Linear(channels, channels, **kw)
-        self.to_v = nnx.Linear(channels, channels, **kw)
+        self.to_q, self.to_k, self.to_v = (nnx.Linear(channels, channels, **kw) for _ in range(3))
         # A list, as in diffusers (whose to_out.1 is a dropout), so the checkpoint key is to_out.0.
         self.to_out = nnx.List([nnx.Linear(channels, channels, **kw)])
 
@@ -258,41 +249,32 @@ class MidBlock(nnx.Module):
         return self.resnets[1](x)
 
 
-def _resnets(cin: int, cout: int, layers: int, groups: int, **kw) -> nnx.List:
-    return nnx.List([ResnetBlock(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)])
-
-
-def _run_all(x: jax.Array, *stages) -> jax.Array:
-    for stage in stages:
-        for module in stage or ():
-            x = module(x)
-    return x
-
-
-class DownEncoderBlock(nnx.Module):
-    """ResNets at one resolution, then (except at the last level) a stride-2 downsampler."""
+class LevelBlock(nnx.Module):
+    """ResNets at one resolution, then (except at the last level) a resampler, under diffusers' key:
+    `downsamplers` (the encoder's `Downsample`) or `upsamplers` (the decoder's `Upsample`)."""
 
     def __init__(
-        self, cin, cout, layers, groups, downsample: bool, *, rngs: nnx.Rngs, param_dtype=jnp.float32
+        self, cin, cout, layers, groups, sampler, key: str, resample: bool, *, rngs, param_dtype=jnp.float32
     ):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.resnets = _resnets(cin, cout, layers, groups, **kw)
-        self.downsamplers = nnx.List([Downsample(cout, **kw)]) if downsample else None
+        self.resnets = nnx.List(
+            [ResnetBlock(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
+        )
+        self.key = key
+        setattr(self, key, nnx.List([sampler(cout, **kw)]) if resample else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _run_all(x, self.resnets, self.downsamplers)
+        for module in (*self.resnets, *(getattr(self, self.key) or ())):
+            x = module(x)
+        return x
 
 
-class UpDecoderBlock(nnx.Module):
-    """ResNets at one resolution, then (except at the last level) a 2x upsampler."""
-
-    def __init__(self, cin, cout, layers, groups, upsample: bool, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.resnets = _resnets(cin, cout, layers, groups, **kw)
-        self.upsamplers = nnx.List([Upsample(cout, **kw)]) if upsample else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _run_all(x, self.resnets, self.upsamplers)
+def _levels(widths, layers: int, groups: int, sampler, key: str, **kw) -> nnx.List:
+    """A `LevelBlock` per width, each reading the one before's; all but the last resample."""
+    ins, last = (widths[0], *widths[:-1]), len(widths) - 1
+    return nnx.List(
+        [LevelBlock(ins[i], widths[i], layers, groups, sampler, key, i < last, **kw) for i in range(last + 1)]
+    )
 
 
 class Encoder(nnx.Module):
@@ -302,14 +284,7 @@ class Encoder(nnx.Module):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         widths, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = _conv(cfg.in_channels, widths[0], 3, **kw)
-        ins = (widths[0], *widths[:-1])
-        last = len(widths) - 1
-        self.down_blocks = nnx.List(
-            [
-                DownEncoderBlock(ins[i], widths[i], cfg.layers_per_block, groups, i < last, **kw)
-                for i in range(last + 1)
-            ]
-        )
+        self.down_blocks = _levels(widths, cfg.layers_per_block, groups, Downsample, "downsamplers", **kw)
         self.mid_block = MidBlock(widths[-1], groups, cfg.mid_block_add_attention, **kw)
         self.conv_norm_out = _group_norm(widths[-1], groups, **kw)
         self.conv_out = _conv(widths[-1], 2 * cfg.latent_channels, 3, **kw)
@@ -330,11 +305,7 @@ class Decoder(nnx.Module):
         widths, groups = tuple(reversed(cfg.decoder_channels)), cfg.norm_num_groups
         self.conv_in = _conv(cfg.latent_channels, widths[0], 3, **kw)
         self.mid_block = MidBlock(widths[0], groups, cfg.mid_block_add_attention, **kw)
-        ins = (widths[0], *widths[:-1])
-        last, layers = len(widths) - 1, cfg.layers_per_block + 1
-        self.up_blocks = nnx.List(
-            [UpDecoderBlock(ins[i], widths[i], layers, groups, i < last, **kw) for i in range(last + 1)]
-        )
+        self.up_blocks = _levels(widths, cfg.layers_per_block + 1, groups, Upsample, "upsamplers", **kw)
         self.conv_norm_out = _group_norm(widths[-1], groups, **kw)
         self.conv_out = _conv(widths[-1], cfg.out_channels, 3, **kw)
 
