@@ -18,7 +18,7 @@ from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
 from klein.lora.merge import MergedWeights
 from klein.lora.slots import AdapterSlots
-from klein.models import layers
+from klein.models import layers, products
 from klein.models.transformer_config import TransformerConfig
 
 
@@ -31,7 +31,8 @@ class Loras:
         self.weights = MergedWeights(
             lambda: weights()[1], dtype, lambda: layers.block_formats(nnx.merge(*weights()))
         )
-        self.slots = AdapterSlots(cfg, dtype, self._place)
+        self._model = lambda: nnx.merge(*weights())
+        self.slots = AdapterSlots(cfg, dtype, self._place, self._dense)
         """LoRAs loaded by name, applied unmerged by the requests that name them."""
 
     def set(self, loras: Sequence = ()) -> tuple[LoraInfo, ...]:
@@ -43,6 +44,7 @@ class Loras:
         self.weights.merge(
             [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.cfg)]
         )
+        self.slots.reweighted()
         return tuple(lora.info for lora in read)
 
     def load(self, name: str, lora) -> LoraInfo:
@@ -63,6 +65,19 @@ class Loras:
             tuple(dataclasses.replace(self.slots.info(use.name), scale=use.scale) for use in uses)
             for uses in sets
         )
+
+    def _dense(self):
+        """`(path, layer) -> float32[O, I]`: a Linear's weight in use, as its product multiplies it."""
+        linears = dict(nnx.iter_modules(self._model()))
+
+        def dense(path: tuple, layer: int | None):
+            stored = linears[path].stored()
+            if layer is not None:
+                scale = stored.scale if stored.scale is None else stored.scale[layer]
+                stored = dataclasses.replace(stored, array=stored.array[layer], scale=scale)
+            return products.dense(stored)
+
+        return dense
 
     def _place(self, array: np.ndarray) -> jax.Array:
         if self.mesh is None:

@@ -1,5 +1,8 @@
-"""LoRAs loaded by name for unmerged products (`klein.models.adapters`), held on the device in a fixed
-number of adapter slots, the least recently used giving way (docs/design/lora.md, "LoRA per request").
+"""Adapters loaded by name for unmerged products (`klein.models.adapters`), held on the device in a fixed
+number of adapter slots, the least recently used giving way (docs/design/lora.md, "LoRA per request"). Every
+kind has its place in a slot: a LoRA's factors (and a LoHa's, as its exact low-rank product) in the low-rank
+columns, a LoKr's two Kronecker factors, and DoRA's magnitude with the statistics of its update against the
+weights in use, from which the program forms the gain of each row's strength.
 """
 
 from __future__ import annotations
@@ -8,9 +11,12 @@ import dataclasses
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from klein.errors import InputError
+from klein.lora import kinds
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
 from klein.lora.registry import check_known
@@ -22,27 +28,64 @@ RANK_STEP = 8
 """Slot ranks are multiples of this, so that loading a LoRA of a slightly larger rank seldom changes the
 bank's shapes (and so the programs)."""
 
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """An adapter's update on one layer of a Linear, as a slot holds it: low-rank factors `down`
+    float32[I, r] and `up` float32[r, O] (r = 0 for none), the trainer's scale folded into `down`; Kronecker
+    factors `w1` float32[a, b] (scale folded) and `w2` float32[c, d], or None; DoRA's `magnitude`
+    float32[O], or None."""
+
+    down: np.ndarray
+    up: np.ndarray
+    kron: tuple[np.ndarray, np.ndarray] | None = None
+    magnitude: np.ndarray | None = None
+
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    """A LoRA read and mapped for unmerged products: per (Linear path, layer) its factors, the trainer's
-    scale folded into `down` float32[I, r]; `up` float32[r, O] (several modules on one layer: ranks joined)."""
+    """An adapter read and mapped for unmerged products: its `Part` per (Linear path, layer), and its kind
+    as users name it (LoRA, LoHa, LoKr, DoRA; joined for a file mixing them)."""
 
     info: LoraInfo
-    factors: dict[tuple, tuple[np.ndarray, np.ndarray]]
+    parts: dict[tuple, Part]
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The bank's shapes for a set of adapters: the paths with low-rank columns and the slot rank; the
+    Kronecker factor shapes (a, b, c, d) per path; the paths with DoRA; and the slot count."""
+
+    low: frozenset
+    rank: int
+    kron: tuple[tuple[tuple, tuple[int, int, int, int]], ...]
+    dora: frozenset
+    slots: int
+
+
+_SLOT_AXIS = {"w1": -3, "w2": -3, "cross": -2, "square": -2, "magnitude": -2, "dora": -1}
+"""The slot axis of each part of a bank that has one (`klein.models.adapters`)."""
+_KINDS = {kinds.LowRank: "LoRA", kinds.Hadamard: "LoHa", kinds.Kronecker: "LoKr"}
 
 
 class AdapterSlots:
-    """Named LoRAs and the device bank of their slots. `place(array)` puts a host array where the
-    transformer's programs read it (the device, or replicated over a mesh)."""
+    """Named adapters and the device bank of their slots. `place(array)` puts a host array where the
+    transformer's programs read it (the device, or replicated over a mesh); `weights()` gives the weights in
+    use as `(path, layer) -> float32[O, I]` (dequantised, with any merged LoRAs), for DoRA's statistics."""
 
-    def __init__(self, cfg: TransformerConfig, dtype, place: Callable):
-        self.cfg, self.dtype, self._place = cfg, np.dtype(dtype), place
+    def __init__(self, cfg: TransformerConfig, dtype, place: Callable, weights: Callable | None = None):
+        self.cfg, self.dtype, self._place, self._weights = cfg, np.dtype(dtype), place, weights
         self.max_slots, self.budget = 4, None  # `limit` sets a budget of device bytes
         self._loaded: dict[str, Loaded] = {}
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
-        self._host: dict[tuple, tuple[np.ndarray, np.ndarray]] | None = None
+        self._host: dict[tuple, dict[str, np.ndarray]] | None = None
         self._device = None
+        # DoRA: ||W_o||^2 per (path, layer), and per adapter (<W_o, D_o>, ||D_o||^2) per (path, layer)
+        self._norms: dict[tuple, np.ndarray] = {}
+        self._statistics: dict[str, dict[tuple, tuple[np.ndarray, np.ndarray]]] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -56,28 +99,39 @@ class AdapterSlots:
     def info(self, name: str) -> LoraInfo:
         return self._loaded[name].info
 
+    def kind(self, name: str) -> str:
+        """The kind of the adapter `name` (LoRA, LoHa, LoKr, DoRA, or several joined by '+')."""
+        return self._loaded[name].kind
+
     def load(self, name: str, spec) -> LoraInfo:
-        """Read the LoRA at `spec` (a path, as `read_lora` takes it) under `name` (in place of one loaded
+        """Read the adapter at `spec` (a path, as `read_lora` takes it) under `name` (in place of one loaded
         under that name before)."""
         if not isinstance(name, str) or not name:
             raise InputError(f"a loaded LoRA needs a non-empty name, got {name!r}")
         read = read_lora(spec)
-        grouped = defaultdict(list)
-        for update in lora_updates(read, self.cfg):
-            grouped[(update.path[:-1], update.layer)].append(update)
-        factors = {
-            key: (
-                np.concatenate([(u.down * np.float32(u.scale)).T for u in updates], axis=1),
-                np.concatenate([u.up.T for u in updates], axis=0),
-            )
-            for key, updates in grouped.items()
-        }
-        lora = Loaded(dataclasses.replace(read.info, name=name, scale=1.0), factors)
-        loras = {**{k: v for k, v in self._loaded.items() if k != name}, name: lora}
+        info = dataclasses.replace(read.info, name=name, scale=1.0)
+        lora = _loaded(info, lora_updates(read, self.cfg))
+        others = {k: v for k, v in self._loaded.items() if k != name}
+        _check_kronecker(lora, others.values())
+        loras = {**others, name: lora}
         self._check_fits(loras.values(), self.budget, f"LoRA {name!r}")
+        statistics = self._dora_statistics(lora)
         self._loaded = loras
+        self._statistics = {k: v for k, v in self._statistics.items() if k in loras}
+        if statistics:
+            self._statistics[name] = statistics
         self._reset()
         return lora.info
+
+    def reweighted(self) -> None:
+        """The weights changed (another set of LoRAs merged): DoRA's statistics follow them."""
+        self._norms.clear()
+        self._statistics = {}
+        for name, lora in self._loaded.items():
+            statistics = self._dora_statistics(lora)
+            if statistics:
+                self._statistics[name] = statistics
+        self._reset()
 
     def limit(self, budget: int) -> None:
         """Bound the slots' device bytes by `budget` (fewer slots, at least one, or an `InputError`)."""
@@ -86,8 +140,8 @@ class AdapterSlots:
         self._reset()
 
     def _check_fits(self, loras, budget: int | None, what: str) -> None:
-        paths, rank, _ = self._layout(loras)
-        one = self._bytes(paths, rank, 1)
+        layout = self._layout(loras, None)
+        one = self._bytes(layout, 1)
         if budget is not None and one > budget:
             raise InputError(
                 f"{what}: one adapter slot takes {one / 2**20:.1f} MiB, more than the {budget / 2**20:.1f} MiB "
@@ -96,11 +150,11 @@ class AdapterSlots:
 
     @property
     def slots(self) -> int:
-        return self._layout(self._loaded.values())[2]
+        return self._layout(self._loaded.values(), self.budget).slots
 
     @property
     def rank(self) -> int:
-        return self._layout(self._loaded.values())[1]
+        return self._layout(self._loaded.values(), self.budget).rank
 
     @property
     def placed(self) -> bool:
@@ -110,26 +164,31 @@ class AdapterSlots:
     @property
     def device_bytes(self) -> int:
         """Bytes the bank takes on the device once used (0 with nothing loaded)."""
-        paths, rank, slots = self._layout(self._loaded.values())
-        return self._bytes(paths, rank, slots)
+        layout = self._layout(self._loaded.values(), self.budget)
+        return self._bytes(layout, layout.slots)
 
     def prepare(self, sets: Sequence[Sequence]) -> tuple[dict, np.ndarray]:
-        """(bank, rows float32[len(sets), S * R]) for a batch whose row i uses the LoRAs `sets[i]`
-        (`klein.request.loras.LoraUse`s): their slots filled, the least recently used given up."""
+        """(bank, rows float32[len(sets), S * R + 2 S]) for a batch whose row i uses the adapters `sets[i]`
+        (`klein.request.loras.LoraUse`s): their slots filled, the least recently used given up. A row holds
+        each slot's strength over its R low-rank columns, then each slot's strength, then 1 for each slot it
+        uses (`klein.models.adapters`)."""
         needed = self.check_batch(sets)
-        paths, rank, slots = self._layout(self._loaded.values())
+        layout = self._layout(self._loaded.values(), self.budget)
         for name in needed:
-            self._hold(name, needed, paths, rank, slots)
+            self._hold(name, needed, layout)
         if self._device is None:
             self._device = {
-                path: tuple(self._place(self._stored(a, path)) for a in pair)
-                for path, pair in self._host.items()
+                path: {part: self._place(self._stored(array, path, part)) for part, array in arrays.items()}
+                for path, arrays in self._host.items()
             }
-        rows = np.zeros((len(sets), slots * rank), np.float32)
+        rank, count = layout.rank, layout.slots
+        rows = np.zeros((len(sets), count * (rank + 2)), np.float32)
         for row, uses in zip(rows, sets, strict=True):
             for use in uses:
                 slot = self._resident[use.name]
                 row[slot * rank : (slot + 1) * rank] += np.float32(use.scale)
+                row[count * rank + slot] += np.float32(use.scale)
+                row[count * (rank + 1) + slot] = 1
         return self._device, rows
 
     def check_batch(self, sets: Sequence[Sequence]) -> list[str]:
@@ -143,61 +202,219 @@ class AdapterSlots:
             )
         return needed
 
-    def _hold(self, name: str, needed: list[str], paths, rank: int, slots: int) -> None:
+    def _hold(self, name: str, needed: list[str], layout: Layout) -> None:
         if name in self._resident:
             self._resident.move_to_end(name)
             return
         if self._host is None:
-            self._host = {path: self._empty(path, rank, slots) for path in sorted(paths)}
+            self._host = self._empty(layout)
         taken = set(self._resident.values())
-        free = [slot for slot in range(slots) if slot not in taken]
+        free = [slot for slot in range(layout.slots) if slot not in taken]
         if not free:
             evicted = next(other for other in self._resident if other not in needed)
             free = [self._resident.pop(evicted)]
-        self._write(self._loaded[name], free[0], rank)
+        self._write(name, free[0], layout.rank)
         self._resident[name] = free[0]
         self._device = None
 
-    def _write(self, lora: Loaded, slot: int, rank: int) -> None:
+    def _write(self, name: str, slot: int, rank: int) -> None:
         columns = slice(slot * rank, (slot + 1) * rank)
-        for down, up in self._host.values():
-            down[..., columns] = 0
-            up[..., columns, :] = 0
-        for (path, layer), (d, u) in lora.factors.items():
-            down, up = self._host[path]
-            at = () if layer is None else (layer,)
-            down[(*at, slice(None), slice(slot * rank, slot * rank + d.shape[1]))] = d
-            up[(*at, slice(slot * rank, slot * rank + d.shape[1]), slice(None))] = u
+        for arrays in self._host.values():
+            for part, array in arrays.items():
+                if part == "down":
+                    array[..., columns] = 0
+                elif part == "up":
+                    array[..., columns, :] = 0
+                elif part in _SLOT_AXIS:
+                    np.moveaxis(array, _SLOT_AXIS[part], 0)[slot] = 0
+        statistics = self._statistics.get(name, {})
+        for (path, layer), part in self._loaded[name].parts.items():
+            arrays, at = self._host[path], () if layer is None else (layer,)
+            r = part.down.shape[1]
+            if r:
+                arrays["down"][(*at, slice(None), slice(slot * rank, slot * rank + r))] = part.down
+                arrays["up"][(*at, slice(slot * rank, slot * rank + r), slice(None))] = part.up
+            if part.kron is not None:
+                arrays["w1"][(*at, slot)], arrays["w2"][(*at, slot)] = part.kron
+            if part.magnitude is not None:
+                arrays["norm"][at] = self._norms[(path, layer)]
+                arrays["cross"][(*at, slot)], arrays["square"][(*at, slot)] = statistics[(path, layer)]
+                arrays["magnitude"][(*at, slot)] = part.magnitude
+                arrays["dora"][(*at, slot)] = 1
 
-    def _empty(self, path: tuple, rank: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
-        *layers, d_in, d_out = kernel_shape(self.cfg, (*path, "kernel"))
-        k = rank * slots
-        return np.zeros((*layers, d_in, k), np.float32), np.zeros((*layers, k, d_out), np.float32)
+    def _empty(self, layout: Layout) -> dict[tuple, dict[str, np.ndarray]]:
+        host: dict[tuple, dict[str, np.ndarray]] = defaultdict(dict)
+        count, k = layout.slots, layout.rank * layout.slots
+        for path in layout.low:
+            *layers, d_in, d_out = kernel_shape(self.cfg, (*path, "kernel"))
+            host[path] |= {
+                "down": np.zeros((*layers, d_in, k), np.float32),
+                "up": np.zeros((*layers, k, d_out), np.float32),
+            }
+        for path, (a, b, c, d) in layout.kron:
+            layers = kernel_shape(self.cfg, (*path, "kernel"))[:-2]
+            host[path] |= {
+                "w1": np.zeros((*layers, count, a, b), np.float32),
+                "w2": np.zeros((*layers, count, c, d), np.float32),
+            }
+        for path in layout.dora:
+            *layers, _, d_out = kernel_shape(self.cfg, (*path, "kernel"))
+            host[path] |= {"norm": np.ones((*layers, d_out), np.float32)}
+            host[path] |= {
+                part: np.zeros((*layers, count, d_out), np.float32)
+                for part in ("cross", "square", "magnitude")
+            }
+            host[path]["dora"] = np.zeros((*layers, count), np.float32)
+        return {path: host[path] for path in sorted(host)}
 
-    def _stored(self, array: np.ndarray, path: tuple):
-        values = array.astype(self.dtype)
+    def _stored(self, array: np.ndarray, path: tuple, part: str):
+        """A part as the device holds it: factors in the bank's dtype, DoRA's statistics in float32; a
+        stack's as its bits (`klein.models.stacks`)."""
+        values = array.astype(self.dtype) if part in ("down", "up", "w1", "w2") else array
         stacked = len(kernel_shape(self.cfg, (*path, "kernel"))) == 3
         return as_bits(values) if stacked else values
 
-    def _layout(self, loras) -> tuple[frozenset, int, int]:
-        """(Linear paths, slot rank, slot count) of a bank for `loras`."""
+    def _layout(self, loras, budget: int | None) -> Layout:
+        """The bank's `Layout` for `loras`, with as many slots as `budget` allows (at most `max_slots`)."""
         loras = list(loras)
-        paths = frozenset(path for lora in loras for path, _ in lora.factors)
-        largest = max((down.shape[1] for lora in loras for down, _ in lora.factors.values()), default=0)
+        parts = [(key, part) for lora in loras for key, part in lora.parts.items()]
+        low = frozenset(path for (path, _), part in parts if part.down.shape[1])
+        largest = max((part.down.shape[1] for _, part in parts), default=0)
         rank = -(-largest // RANK_STEP) * RANK_STEP
-        slots = self.max_slots
-        if self.budget is not None and rank:
-            slots = min(slots, self.budget // max(self._bytes(paths, rank, 1), 1))
-        return paths, rank, int(slots)
+        kron = {path: _kron_shape(part) for (path, _), part in parts if part.kron is not None}
+        dora = frozenset(path for (path, _), part in parts if part.magnitude is not None)
+        layout = Layout(low, rank, tuple(sorted(kron.items())), dora, self.max_slots)
+        count = self.max_slots
+        if budget is not None and parts:
+            count = max(
+                (n for n in range(1, self.max_slots + 1) if self._bytes(layout, n) <= budget), default=0
+            )
+        return dataclasses.replace(layout, slots=count)
 
-    def _bytes(self, paths, rank: int, slots: int) -> int:
-        total = 0
-        for path in paths:
+    def _bytes(self, layout: Layout, slots: int) -> int:
+        total, wide = 0, np.dtype(np.float32).itemsize
+
+        def shape(path):
             *layers, d_in, d_out = kernel_shape(self.cfg, (*path, "kernel"))
-            total += int(np.prod(layers, dtype=np.int64)) * (d_in + d_out) * rank * slots
-        return total * self.dtype.itemsize
+            return int(np.prod(layers, dtype=np.int64)), d_in, d_out
+
+        for path in layout.low:
+            layers, d_in, d_out = shape(path)
+            total += layers * (d_in + d_out) * layout.rank * slots * self.dtype.itemsize
+        for path, (a, b, c, d) in layout.kron:
+            total += shape(path)[0] * slots * (a * b + c * d) * self.dtype.itemsize
+        for path in layout.dora:
+            layers, _, d_out = shape(path)
+            total += layers * (d_out + slots * (3 * d_out + 1)) * wide
+        return total
+
+    def _dora_statistics(self, lora: Loaded) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+        """(<W_o, D_o>, ||D_o||^2) float32[O] per (path, layer) of `lora`'s DoRA parts, against the weights
+        in use (and ||W_o||^2 kept in `_norms`), formed on the device."""
+        doras = {key: part for key, part in lora.parts.items() if part.magnitude is not None}
+        if not doras:
+            return {}
+        if self._weights is None:
+            raise InputError(f"LoRA {lora.info.name!r}: DoRA per request needs the model's weights")
+        weight = self._weights()
+        out = {}
+        for key, part in doras.items():
+            if part.kron is not None:
+                w1, w2 = part.kron
+                norm, cross, square = _kron_statistics(weight(*key), w1, w2)
+            else:
+                norm, cross, square = _low_rank_statistics(weight(*key), part.down, part.up)
+            self._norms[key] = np.asarray(norm)
+            out[key] = (np.asarray(cross), np.asarray(square))
+        return out
 
     def _reset(self) -> None:
         """Forget the bank: its shapes may have changed; slots are filled again as requests use them."""
         self._resident.clear()
         self._host = self._device = None
+
+
+def _loaded(info: LoraInfo, updates) -> Loaded:
+    """The parts of an adapter's updates (`klein.lora.targets.Update`), grouped by (Linear path, layer);
+    an `InputError` where one layer's updates cannot share a slot."""
+    grouped = defaultdict(list)
+    for update in updates:
+        grouped[(update.path[:-1], update.layer)].append(update)
+    parts, found = {}, set()
+    for (path, layer), group in grouped.items():
+        where = f"LoRA {info.name!r}, {'.'.join(map(str, path))}" + (
+            "" if layer is None else f" layer {layer}"
+        )
+        krons = [u for u in group if isinstance(u.form, kinds.Kronecker)]
+        doras = [u for u in group if u.magnitude is not None]
+        if len(krons) > 1:
+            raise InputError(f"{where}: two LoKr updates on one layer; merge this LoRA (--lora) instead")
+        if doras and len(group) > 1:
+            raise InputError(
+                f"{where}: a DoRA update and another on one layer; merge this LoRA (--lora) instead"
+            )
+        lows = [(u.form.low_rank(), np.float32(u.scale)) for u in group if u not in krons]
+        d_out, d_in = group[0].form.shape
+        down = np.concatenate([np.zeros((d_in, 0), np.float32)] + [(f.down * s).T for f, s in lows], axis=1)
+        up = np.concatenate([np.zeros((0, d_out), np.float32)] + [f.up.T for f, _ in lows], axis=0)
+        kron = None
+        if krons:
+            (u,) = krons
+            kron = (u.form.w1 * np.float32(u.scale), u.form.w2)
+        magnitude = doras[0].magnitude if doras else None
+        parts[(path, layer)] = Part(down, up, kron, None if magnitude is None else np.float32(magnitude))
+        found |= {_KINDS[type(u.form)] for u in group}
+        found |= {"DoRA"} if doras else set()
+    return Loaded(info, parts, _kind(found))
+
+
+def _kind(found: set[str]) -> str:
+    if "DoRA" in found and found - {"DoRA"} == {"LoRA"}:
+        return "DoRA"
+    return "+".join(sorted(found - {"DoRA"}) + ["DoRA"] * ("DoRA" in found)) or "LoRA"
+
+
+def _kron_shape(part: Part) -> tuple[int, int, int, int]:
+    (a, b), (c, d) = (w.shape for w in part.kron)
+    return a, b, c, d
+
+
+def _check_kronecker(lora: Loaded, others) -> None:
+    """An `InputError` if `lora` has Kronecker factors of other shapes than another loaded LoKr on a path:
+    a path's slots hold one shape."""
+    shapes = {
+        path: (_kron_shape(p), other.info.name)
+        for other in others
+        for (path, _), p in other.parts.items()
+        if p.kron is not None
+    }
+    for (path, _), part in lora.parts.items():
+        if part.kron is None or path not in shapes or shapes[path][0] == _kron_shape(part):
+            continue
+        (shape, other) = shapes[path]
+        raise InputError(
+            f"LoRA {lora.info.name!r}: its LoKr factors on {'.'.join(map(str, path))} are {_kron_shape(part)} "
+            f"(a, b, c, d), LoRA {other!r}'s are {shape}; loaded LoKrs share one factor shape per layer: merge "
+            "one of them (--lora) instead"
+        )
+
+
+@jax.jit
+def _low_rank_statistics(weight, down, up):
+    """(||W_o||^2, <W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = (down @ up)^T."""
+    norm = jnp.sum(weight * weight, axis=1)
+    cross = jnp.sum(up.T * jnp.matmul(weight, down, precision=_HIGHEST), axis=1)
+    gram = jnp.matmul(down.T, down, precision=_HIGHEST)
+    square = jnp.sum(up.T * jnp.matmul(up.T, gram, precision=_HIGHEST), axis=1)
+    return norm, cross, square
+
+
+@jax.jit
+def _kron_statistics(weight, w1, w2):
+    """(||W_o||^2, <W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = kron(w1, w2), without D."""
+    (a, b), (c, d) = w1.shape, w2.shape
+    norm = jnp.sum(weight * weight, axis=1)
+    grid = weight.reshape(a, c, b, d)
+    cross = jnp.einsum("piqj,pq,ij->pi", grid, w1, w2, precision=_HIGHEST).reshape(-1)
+    square = jnp.outer(jnp.sum(w1 * w1, axis=1), jnp.sum(w2 * w2, axis=1)).reshape(-1)
+    return norm, cross, square

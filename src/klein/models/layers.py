@@ -31,9 +31,8 @@ class Linear(nnx.Module):
         self.weight: nnx.Param | None = nnx.data(None)  # the kernel [out, in], for 8-bit products
         self.weight_scale: nnx.Param | None = nnx.data(None)  # a Param once stored in 8 bits
         self.input_scale: nnx.Param | None = nnx.data(None)  # a Param where a file gives one
-        # LoRA factors of the unmerged products, attached while a stage runs (`klein.models.adapters`)
-        self.adapter_down: adapters.Factor | None = nnx.data(None)
-        self.adapter_up: adapters.Factor | None = nnx.data(None)
+        # the adapter slots of the unmerged products, attached while a stage runs (`klein.models.adapters`)
+        self.adapter: adapters.Slots | None = nnx.data(None)
         self.dtype = dtype
         self.compute = products.BF16
         self.blocks: str | tuple[str, ...] | None = None  # the format of a kernel stored as blocks
@@ -46,10 +45,10 @@ class Linear(nnx.Module):
         return self._product(x, slice(start, stop))
 
     def _product(self, x, outputs: slice):
-        low_rank = None
-        if self.adapter_down is not None:
-            low_rank = adapters.term(x, self.adapter_down[...], self.adapter_up[..., outputs])
-        return products.product(x, self.stored().outputs(outputs), self.dtype, low_rank)
+        extra = gain = None
+        if self.adapter is not None:
+            extra, gain = adapters.term(x, self.adapter, outputs)
+        return products.product(x, self.stored().outputs(outputs), self.dtype, extra, gain)
 
     def stored(self) -> products.Weight:
         """The stored weight as the product reads it: the kernel (`weight` if stored [out, in]), its

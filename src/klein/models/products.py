@@ -56,10 +56,11 @@ class Weight:
         return dataclasses.replace(self, array=array, scale=scale)
 
 
-def product(x, weight: Weight, dtype, low_rank=None):
+def product(x, weight: Weight, dtype, low_rank=None, gain=None):
     """`x @ (kernel * scale)` float[..., out] in `dtype` for x float[..., in] and the stored `weight`;
-    `low_rank` float32[..., out]: an unmerged LoRA's term (`klein.models.adapters.term`), added in float32
-    before the one rounding. A kernel of quantisation blocks is widened to float32 here, so only the layer
+    `low_rank` float32[..., out]: unmerged adapters' term (`klein.models.adapters.term`), added in float32
+    before the one rounding, and `gain` (with it) float32 broadcast to [..., out]: DoRA's scale on the base
+    product. A kernel of quantisation blocks is widened to float32 here, so only the layer
     being run exists wide."""
     kernel, scale, compute, out_in = weight.array, weight.scale, weight.compute, weight.out_in
     # A block format's kernel is its bytes, unless a merged LoRA widened it already.
@@ -71,14 +72,28 @@ def product(x, weight: Weight, dtype, low_rank=None):
         if scale is None and low_rank is None:
             return dot_general(x.astype(dtype), kernel.astype(dtype), dims)
         total = dot_general(x.astype(dtype), kernel.astype(dtype), dims, preferred_element_type=jnp.float32)
-        return (total * (1 if scale is None else scale) + extra).astype(dtype)
+        return (total * (1 if scale is None else scale) * (1 if gain is None else gain) + extra).astype(dtype)
     _, _, accumulator = EIGHT_BIT[compute]
     if weight.input_scale is None:
         values, tokens = quantise(x, compute, -1)
     else:
         values, tokens = in_8_bits(x, weight.input_scale, compute), weight.input_scale
     total = jax.lax.dot_general(values, kernel, dims, preferred_element_type=accumulator)
-    return (total.astype(jnp.float32) * tokens * scale + extra).astype(dtype)
+    return (total.astype(jnp.float32) * tokens * scale * (1 if gain is None else gain) + extra).astype(dtype)
+
+
+def dense(weight: Weight) -> jax.Array:
+    """float32[out, in] of one layer's stored `weight` (no layer axis; a stack's layer may be its bits) as
+    `product` multiplies it: widened from its blocks, times its scale."""
+    array = weight.array
+    if weight.blocks is not None and jnp.dtype(array.dtype).itemsize == 1:
+        wide = unpacked(stacks.view(array, jnp.uint8), weight.blocks)
+    else:
+        wide = stacks.as_float(array).astype(jnp.float32)
+    wide = wide if weight.out_in else wide.T
+    if weight.scale is None:
+        return wide
+    return wide * (weight.scale[:, None] if weight.scale.ndim else weight.scale)
 
 
 def unpacked(raw, blocks: str | tuple[str, ...], dtype=jnp.float32):

@@ -91,10 +91,15 @@ class Service:
 
     def loras(self) -> dict:
         """GET /v1/loras: the LoRAs requests may name (the operator's --lora-dir / --lora-named), each with
-        its file's hash, and the adapter slots they share on the device."""
+        its file's hash and kind (LoRA, LoHa, LoKr, DoRA), and the adapter slots they share on the device."""
         adapters = self.pipe.adapters
         listed = [
-            {"name": name, "sha256": adapters.info(name).sha256, "resident": name in adapters.resident}
+            {
+                "name": name,
+                "sha256": adapters.info(name).sha256,
+                "kind": adapters.kind(name),
+                "resident": name in adapters.resident,
+            }
             for name in adapters.names
         ]
         return {
