@@ -77,7 +77,7 @@ def widths(rank: int, repeat: int) -> tuple[float, float]:
     linears += [(text, d, d)] * 4 + [(text, d, 2 * m), (text, m, d)]
     linears += [(image + text, d, 3 * d + 2 * m), (image + text, d + m, d)]  # the single block's
     k = SLOTS * rank
-    rows = jnp.full((1, k), 0.8, jnp.float32)
+    rows = jnp.concatenate([jnp.full((1, k + SLOTS), 0.8, jnp.float32), jnp.ones((1, SLOTS), jnp.float32)], 1)
 
     @jax.jit
     def plain(x, kernel):
@@ -86,7 +86,7 @@ def widths(rank: int, repeat: int) -> tuple[float, float]:
     @jax.jit
     def adapted(x, kernel, down, up, rows):
         with adapters.weighting(rows):
-            low = adapters.term(x, down, up)
+            low, _ = adapters.term(x, adapters.Slots({"down": down, "up": up}))
         return products.product(x, products.Weight(kernel), jnp.bfloat16, low_rank=low)
 
     totals = [0.0, 0.0]

@@ -199,7 +199,7 @@ def test_the_slots_fit_their_byte_budget(pipes, layouts):
     slots.limit(int(2.5 * one))
     assert slots.slots == 2 and slots.device_bytes == 2 * one
     bank, rows = slots.prepare([[LoraUse("a", 0.5)]])
-    assert sum(a.nbytes for pair in bank.values() for a in pair) == slots.device_bytes
+    assert sum(a.nbytes for parts in bank.values() for a in parts.values()) == slots.device_bytes
     with pytest.raises(InputError, match="one adapter slot takes"):
         slots.limit(one - 1)
     slots.limit(int(1.5 * one))

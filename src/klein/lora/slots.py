@@ -319,12 +319,12 @@ class AdapterSlots:
         weight = self._weights()
         out = {}
         for key, part in doras.items():
+            dense = weight(*key)
             if part.kron is not None:
-                w1, w2 = part.kron
-                norm, cross, square = _kron_statistics(weight(*key), w1, w2)
+                cross, square = _kron_statistics(dense, *part.kron)
             else:
-                norm, cross, square = _low_rank_statistics(weight(*key), part.down, part.up)
-            self._norms[key] = np.asarray(norm)
+                cross, square = _low_rank_statistics(dense, part.down, part.up)
+            self._norms[key] = np.asarray(_row_norms(dense))
             out[key] = (np.asarray(cross), np.asarray(square))
         return out
 
@@ -400,21 +400,25 @@ def _check_kronecker(lora: Loaded, others) -> None:
 
 
 @jax.jit
+def _row_norms(weight):
+    """||W_o||^2 float32[O] of W float32[O, I]."""
+    return jnp.sum(weight * weight, axis=1)
+
+
+@jax.jit
 def _low_rank_statistics(weight, down, up):
-    """(||W_o||^2, <W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = (down @ up)^T."""
-    norm = jnp.sum(weight * weight, axis=1)
+    """(<W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = (down @ up)^T."""
     cross = jnp.sum(up.T * jnp.matmul(weight, down, precision=_HIGHEST), axis=1)
     gram = jnp.matmul(down.T, down, precision=_HIGHEST)
     square = jnp.sum(up.T * jnp.matmul(up.T, gram, precision=_HIGHEST), axis=1)
-    return norm, cross, square
+    return cross, square
 
 
 @jax.jit
 def _kron_statistics(weight, w1, w2):
-    """(||W_o||^2, <W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = kron(w1, w2), without D."""
+    """(<W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = kron(w1, w2), without forming D."""
     (a, b), (c, d) = w1.shape, w2.shape
-    norm = jnp.sum(weight * weight, axis=1)
     grid = weight.reshape(a, c, b, d)
     cross = jnp.einsum("piqj,pq,ij->pi", grid, w1, w2, precision=_HIGHEST).reshape(-1)
     square = jnp.outer(jnp.sum(w1 * w1, axis=1), jnp.sum(w2 * w2, axis=1)).reshape(-1)
-    return norm, cross, square
+    return cross, square

@@ -1,0 +1,144 @@
+"""LoHa, LoKr and DoRA per request, unmerged, from the adapter slots (`pipe.load_lora`, `loras=`): at one
+Linear, every kind's term equals its dense update (DoRA's gain included) for a batch mixing them; through
+the pipeline, each kind per request equals it merged, a batch mixing them equals the merged runs, and other
+kinds or strengths build no program."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from klein.io import demo
+from klein.lora import kinds, slots
+from klein.lora.files import LoraInfo
+from klein.lora.slots import AdapterSlots
+from klein.lora.targets import Update
+from klein.models import adapters, layers, stacks
+from klein.models.transformer import Flux2Transformer
+from klein.models.transformer_config import TransformerConfig
+from klein.request.loras import LoraUse
+
+PATH, LAYER = ("transformer_blocks", "attn", "to_q"), 1
+FUSED = ("single_transformer_blocks", "attn", "to_qkv_mlp_proj")
+
+
+class _Read(NamedTuple):
+    info: LoraInfo
+
+
+@pytest.fixture(scope="module")
+def linear():
+    """(config, the demo transformer's Linears by path, random fp32 weights)."""
+    cfg = TransformerConfig.from_diffusers(demo.TRANSFORMER)
+    model = Flux2Transformer(cfg, rngs=nnx.Rngs(0))
+    return cfg, {path: m for path, m in nnx.iter_modules(model) if isinstance(m, layers.Linear)}
+
+
+def _forms(shape, seed):
+    """name -> (form, trainer scale, DoRA magnitude or None) of every kind on a weight of `shape`."""
+    rng = np.random.default_rng(seed)
+    out, d_in = shape
+
+    def low(rank):
+        down = rng.standard_normal((rank, d_in)) / np.sqrt(d_in)
+        return kinds.LowRank(
+            down.astype(np.float32), (rng.standard_normal((out, rank)) * 0.3).astype(np.float32)
+        )
+
+    def kron():  # square factors: a transposed one keeps the shapes and changes the values
+        a = max(n for n in range(1, int(np.sqrt(out)) + 1) if out % n == 0 and d_in % n == 0)
+        w1, w2 = rng.standard_normal((a, a)), rng.standard_normal((out // a, d_in // a)) / np.sqrt(d_in)
+        return kinds.Kronecker(w1.astype(np.float32), w2.astype(np.float32))
+
+    def magnitude():
+        return (1 + 0.3 * rng.standard_normal(out)).astype(np.float32)
+
+    return {
+        "lora": (low(4), 0.5, None),
+        "loha": (kinds.Hadamard(low(2), low(3)), 2.0, None),
+        "lokr": (kron(), 0.7, None),
+        "dora": (low(4), 0.5, magnitude()),
+        "dokr": (kron(), 0.7, magnitude()),
+    }
+
+
+def _expected(x, weight, uses, forms):
+    """y = x W'^T of one batch row under `uses` (PEFT's rule: each DoRA's gain from W alone)."""
+    base = x @ weight.T
+    out = base.copy()
+    for name, strength in uses:
+        form, scale, magnitude = forms[name]
+        delta = scale * form.delta()
+        if magnitude is None:
+            out += strength * x @ delta.T
+        else:
+            gain = magnitude / np.linalg.norm(weight + strength * delta, axis=1)
+            out += (gain - 1) * base + gain * (x @ delta.T) * strength
+    return out
+
+
+def _slots(cfg, linears, path, forms, monkeypatch):
+    """Adapter slots with `forms` loaded under their names, on the kernel at `path` (layer `LAYER`)."""
+    updates = {
+        name: [Update((*path, "kernel"), LAYER, form, scale, magnitude)]
+        for name, (form, scale, magnitude) in forms.items()
+    }
+    monkeypatch.setattr(slots, "read_lora", lambda spec: _Read(LoraInfo(spec, 1.0, "0" * 64)))
+    monkeypatch.setattr(slots, "lora_updates", lambda read, cfg: updates[read.info.name])
+
+    def weights():
+        return lambda p, layer: jnp.asarray(np.asarray(linears[p].kernel[...])[layer].T)
+
+    held = AdapterSlots(cfg, np.float32, jnp.asarray, weights)
+    for name in forms:
+        held.load(name, name)
+    return held
+
+
+def _run(linear, path, held, sets, x, columns=slice(None)):
+    bank, rows = held.prepare([[LoraUse(n, s) for n, s in uses] for uses in sets])
+
+    @jax.jit
+    def apply(bank, rows, x):
+        model = nnx.merge(*nnx.split(linear))
+        model.adapter = adapters.Slots(bank[path])
+        graphdef, params = nnx.split(model)
+        with adapters.weighting(rows):
+            one = nnx.merge(graphdef, stacks.layer(params, LAYER))
+            return one.columns(x, columns.start or 0, columns.stop)
+
+    return np.asarray(apply(bank, rows, jnp.asarray(x)))
+
+
+SETS = (
+    [("lora", 0.7)],
+    [("loha", -0.4)],
+    [("lokr", 1.3)],
+    [("dora", 0.6)],
+    [],
+    [("dokr", 1.0), ("lokr", 0.5)],
+    [("dora", 1.0)],
+    [("loha", 1.1), ("lokr", -0.8)],
+)
+
+
+@pytest.mark.parametrize("path", [PATH, FUSED], ids=["to_q", "fused-columns"])
+def test_each_kind_at_one_linear_is_its_dense_update_in_a_mixed_batch(linear, monkeypatch, path):
+    cfg, linears = linear
+    weight = np.asarray(linears[path].kernel[...])[LAYER].T
+    forms = _forms(weight.shape, 3)
+    held = _slots(cfg, linears, path, forms, monkeypatch)
+    assert [held.kind(n) for n in held.names] == ["LoRA", "LoHa", "LoKr", "DoRA", "LoKr+DoRA"]
+    x = np.random.default_rng(4).standard_normal((4, 5, weight.shape[1])).astype(np.float32)
+    # a fused Linear's outputs computed in part (`Linear.columns`): the single block's attention part
+    columns = slice(None) if path == PATH else slice(0, 3 * cfg.hidden)
+    for batch in (SETS[:4], SETS[4:]):  # five adapters in four slots: the second batch evicts
+        got = _run(linears[path], path, held, batch, x, columns)
+        for i, uses in enumerate(batch):
+            want = _expected(x[i], weight, uses, forms)[..., columns]
+            assert np.abs(got[i] - want).max() <= 1e-5 * np.abs(want).max(), uses
+            if uses:
+                assert np.abs(want - (x[i] @ weight.T)[..., columns]).max() > 0.01 * np.abs(want).max()
