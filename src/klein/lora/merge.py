@@ -81,8 +81,9 @@ def _low_rank(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> 
     """(down float32[R, I], up float32[O, R]) whose product is the sum of the scaled updates (R: total rank,
     0 for a layer no update touches); `shape` is the kernel's [I, O] ([O, I] if `out_in`)."""
     shape = shape[::-1] if out_in else shape
-    downs = [np.zeros((0, shape[0]), np.float32)] + [u.down * np.float32(u.scale * s) for u, s in updates]
-    ups = [np.zeros((shape[1], 0), np.float32)] + [u.up for u, _ in updates]
+    low = [(u.form.low_rank(), u.scale * s) for u, s in updates]
+    downs = [np.zeros((0, shape[0]), np.float32)] + [f.down * np.float32(s) for f, s in low]
+    ups = [np.zeros((shape[1], 0), np.float32)] + [f.up for f, _ in low]
     return np.concatenate(downs), np.concatenate(ups, axis=1)
 
 

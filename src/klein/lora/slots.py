@@ -67,8 +67,8 @@ class AdapterSlots:
             grouped[(update.path[:-1], update.layer)].append(update)
         factors = {
             key: (
-                np.concatenate([(u.down * np.float32(u.scale)).T for u in updates], axis=1),
-                np.concatenate([u.up.T for u in updates], axis=0),
+                np.concatenate([(u.form.low_rank().down * np.float32(u.scale)).T for u in updates], axis=1),
+                np.concatenate([u.form.low_rank().up.T for u in updates], axis=0),
             )
             for key, updates in grouped.items()
         }
