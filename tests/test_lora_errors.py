@@ -126,15 +126,16 @@ def test_not_a_lora(tmp_path, tiny_transformer):
 @pytest.mark.parametrize(
     "suffixes,kind",
     [
-        ((".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b"), "LoHa"),
-        ((".lokr_w1", ".lokr_w2"), "LoKr"),
-        ((".lora_A.weight", ".lora_B.weight", ".dora_scale"), "DoRA"),
+        ((".oft_blocks",), "OFT"),
+        ((".lora_A.weight", ".lora_B.weight", ".lora_B.bias"), "LoRA with biases"),
+        ((".diff",), "full weight differences"),
     ],
 )
 def test_unsupported_adapter_kinds_are_refused_by_name(tmp_path, suffixes, kind):
+    """LoHa, LoKr and DoRA are read (tests/test_lora_kinds.py); these kinds are not."""
     file = tmp_path / "adapter.safetensors"
     save_file({f"diffusion_model.img_in{s}": np.ones((4, 4), np.float32) for s in suffixes}, str(file))
-    refused(file, f"a {kind}", "klein merges plain LoRA")
+    refused(file, f"a {kind}", "klein applies LoRA, LoCon, LoHa, LoKr and DoRA adapters only")
 
 
 def test_spellings_of_a_lora_and_its_scale(tmp_path):

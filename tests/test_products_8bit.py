@@ -13,6 +13,7 @@ from flax import nnx
 
 from klein import devices
 from klein.errors import InputError
+from klein.lora.kinds import LowRank
 from klein.lora.merge import merge_kernel
 from klein.lora.targets import Update
 from klein.models import products
@@ -142,7 +143,7 @@ def test_a_lora_merged_into_an_8_bit_stack_is_quantised_again_once_at_merge(comp
     kernel, scale = reference_quantise(np.stack([weight.T, 2 * weight.T]), compute, -1)
     rng = np.random.default_rng(4)
     down, up = rng.standard_normal((4, D_IN)), rng.standard_normal((D_OUT, 4)) * 0.01
-    updates = [(Update(("k",), 1, down.astype(np.float32), up.astype(np.float32), 0.5), 0.7)]
+    updates = [(Update(("k",), 1, LowRank(down.astype(np.float32), up.astype(np.float32)), 0.5, None), 0.7)]
     got, got_scale = merge_kernel(kernel, scale[..., 0], updates, jnp.bfloat16, out_in=True, compute=compute)
     widened, ones = merge_kernel(kernel, scale[..., 0], updates, jnp.bfloat16, out_in=True)
     np.testing.assert_array_equal(ones, np.ones((2, D_OUT), np.float32))

@@ -1,7 +1,8 @@
-"""The key layouts FLUX.2 LoRA trainers write (the table in docs/loras.md), read into one form: per adapted
-module, its down matrix float[r, in], up matrix float[out, r] and the scale the trainer meant. Module names
-stay as written (kohya's with `_` for `.`): `klein.lora.targets` maps them onto the model. Adapter kinds
-klein does not merge (LoHa, LoKr, DoRA, ...) are refused by name.
+"""The key layouts FLUX.2 adapter trainers write (the table in docs/loras.md), read into one form: per adapted
+module, its update's form (`klein.lora.kinds`: LoRA / LoCon low-rank, LoHa Hadamard, LoKr Kronecker), the
+scale the trainer meant (the kind's alpha rule folded in) and, for DoRA, the magnitude of each output row.
+Module names stay as written (kohya's and LyCORIS's with `_` for `.`): `klein.lora.targets` maps them onto
+the model. Adapter kinds klein does not apply (OFT, biases, full differences) are refused by name.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import dataclasses
 import json
 import math
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 
 import numpy as np
 
 from klein.errors import CheckpointError
+from klein.lora import kinds
 
 # Key prefix -> layout name. Longest first: "model.diffusion_model." before "diffusion_model.".
 LAYOUTS = {
@@ -24,20 +26,31 @@ LAYOUTS = {
     "diffusion_model.": "BFL / ai-toolkit",
     "lora_unet_": "kohya / musubi-tuner",
     "lora_transformer_": "kohya-style with diffusers names (OneTrainer)",
+    "lycoris_": "LyCORIS (SimpleTuner; diffusers names)",
 }
-FLATTENED = ("lora_unet_", "lora_transformer_")
+FLATTENED = ("lora_unet_", "lora_transformer_", "lycoris_")
 """Layout prefixes whose module names have `_` for `.`."""
 _BARE = "bare module names"
 
-_DOWN = (".lora_A.weight", ".lora_down.weight")
-_UP = (".lora_B.weight", ".lora_up.weight")
-_ALPHA = ".alpha"
+# Tensor name suffix -> the part of a module's update it holds. Longest first where one ends another.
+_PARTS = {
+    ".lora_A.weight": "down",
+    ".lora_down.weight": "down",
+    ".lora_B.weight": "up",
+    ".lora_up.weight": "up",
+    **{f".hada_{p}": f"hada_{p}" for p in ("w1_a", "w1_b", "w2_a", "w2_b", "t1", "t2")},
+    **{f".lokr_{p}": f"lokr_{p}" for p in ("w1_a", "w1_b", "w2_a", "w2_b", "w1", "w2", "t2")},
+    ".lora_magnitude_vector.weight": "magnitude",
+    ".lora_magnitude_vector": "magnitude",
+    ".dora_scale": "dora_scale",
+    ".alpha": "alpha",
+}
+_KIND = {"down": "LoRA", "up": "LoRA", "hada": "LoHa", "lokr": "LoKr"}
+_EXTRA = ("magnitude", "dora_scale", "alpha")
+"""Parts that go with a module's update but are none by themselves."""
 
-# Tensor name patterns of adapter kinds that are not a plain low-rank update -> the name users know them by.
+# Tensor name patterns of adapter kinds klein does not apply -> the name users know them by.
 _UNSUPPORTED = {
-    r"\.hada_(w[12]_[ab]|t[12])$": "LoHa (lycoris hadamard product)",
-    r"\.lokr_(w[12](_[ab])?|t2)$": "LoKr (lycoris Kronecker product)",
-    r"\.(dora_scale|lora_magnitude_vector(\.\w+)?)$": "DoRA (weight-decomposed LoRA)",
     r"\.oft_(blocks|r)|\.oft_diag": "OFT (orthogonal fine-tuning)",
     r"\.lora_[AB]\.bias$|\.lora_(up|down)\.bias$": "LoRA with biases (FLUX.2 Linears have none)",
     r"\.diff(_b)?$": "full weight differences",
@@ -47,17 +60,24 @@ _METADATA_KEYS = ("lora_adapter_metadata", "transformer_lora_adapter_metadata")
 
 @dataclasses.dataclass(frozen=True)
 class Adapter:
-    """One adapted module: the update is `scale * up @ down` on its weight float[out, in]."""
+    """One adapted module: the update is `scale * form.delta()` on its weight float[out, in], rescaled per
+    output row to `magnitude` (DoRA) where that is given."""
 
     key: str
-    """The file's key prefix of this module (before `.lora_A.weight` etc.), for messages."""
-    down_key: str
-    up_key: str
+    """The file's key prefix of this module (before `.lora_A.weight`, `.lokr_w1` etc.), for messages."""
     module: str
     """Module name without the layout prefix, as written (diffusers or BFL naming; kohya flattened)."""
-    down: np.ndarray
-    up: np.ndarray
+    form: kinds.Form
     scale: float
+    magnitude: np.ndarray | None
+    """DoRA: float32[out], the norm each output row of the adapted weight is given."""
+    parts: dict[str, str]
+    """part ("down", "lokr_w1", ...) -> the file's key holding it, for messages."""
+
+    @property
+    def kind(self) -> str:
+        name = _KIND[next(iter(self.parts)).split("_")[0]]
+        return f"{name} with DoRA" if self.magnitude is not None else name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,28 +85,31 @@ class Parsed:
     layout: str
     adapters: list[Adapter]
     stray: list[str]
-    """Keys that are neither a LoRA matrix nor an alpha (listed as unmatched)."""
+    """Keys that are no part of an adapted module's update (listed as unmatched)."""
 
 
 def parse(tensors: dict[str, np.ndarray], metadata: dict[str, str], where: str) -> Parsed:
-    """Adapters of a LoRA file's tensors; `where` names the file in errors."""
+    """Adapters of a LoRA / LyCORIS file's tensors; `where` names the file in errors."""
     _refuse_unsupported(tensors, where)
-    downs = {k.removesuffix(s): k for k in tensors for s in _DOWN if k.endswith(s)}
-    ups = {k.removesuffix(s): k for k in tensors for s in _UP if k.endswith(s)}
-    if not downs and not ups:
+    modules: dict[str, dict[str, str]] = defaultdict(dict)
+    stray = []
+    for key in tensors:
+        suffix = next((s for s in _PARTS if key.endswith(s)), None)
+        if suffix is None:
+            stray.append(key)
+        else:
+            modules[key.removesuffix(suffix)][_PARTS[suffix]] = key
+    for key, parts in list(modules.items()):
+        if all(part in _EXTRA for part in parts):  # an alpha or magnitude without an update
+            stray.extend(parts.values())
+            del modules[key]
+    if not modules:
         raise CheckpointError(f"{where}: not a LoRA file: {_what(tensors)}")
-    unpaired = sorted(set(downs) ^ set(ups))
-    if unpaired:
-        raise CheckpointError(
-            f"{where}: LoRA modules with only one of their two matrices (down/A and up/B): "
-            f"{', '.join(unpaired[:10])}"
-        )
-    prefix = _prefix(downs)
+    _refuse_unpaired(modules, where)
+    prefix = _prefix(modules)
     alphas = _peft_alphas(metadata, where)
-    adapters = [_adapter(key, prefix, tensors, downs[key], ups[key], alphas, where) for key in sorted(downs)]
-    used = {*downs.values(), *ups.values(), *(f"{k}{_ALPHA}" for k in downs)}
-    stray = sorted(set(tensors) - used)
-    return Parsed(LAYOUTS.get(prefix, _BARE), adapters, stray)
+    adapters = [_adapter(key, prefix, tensors, modules[key], alphas, where) for key in sorted(modules)]
+    return Parsed(LAYOUTS.get(prefix, _BARE), adapters, sorted(stray))
 
 
 def _refuse_unsupported(tensors, where: str) -> None:
@@ -94,16 +117,28 @@ def _refuse_unsupported(tensors, where: str) -> None:
         hits = sorted(k for k in tensors if re.search(pattern, k))
         if hits:
             raise CheckpointError(
-                f"{where}: a {kind} adapter (e.g. '{hits[0]}'); klein merges plain LoRA (low-rank A/B) only. "
-                f"Convert it to LoRA, or use diffusers for this file."
+                f"{where}: a {kind} adapter (e.g. '{hits[0]}'); klein applies LoRA, LoCon, LoHa, LoKr and "
+                "DoRA adapters only. Convert it to LoRA, or use diffusers for this file."
             )
+
+
+def _refuse_unpaired(modules: dict[str, dict[str, str]], where: str) -> None:
+    unpaired = sorted(key for key, parts in modules.items() if ("down" in parts) != ("up" in parts))
+    if unpaired:
+        raise CheckpointError(
+            f"{where}: LoRA modules with only one of their two matrices (down/A and up/B): "
+            f"{', '.join(unpaired[:10])}"
+        )
 
 
 def _what(tensors) -> str:
     if any(k.endswith(("img_attn.qkv.weight", "attn.to_q.weight")) for k in tensors):
         return "it holds full transformer weights; load it as --transformer, not as a LoRA"
     example = next(iter(sorted(tensors)), "(no tensors)")
-    return f"no '.lora_A.weight' / '.lora_down.weight' tensors (first key: '{example}')"
+    return (
+        "no LoRA ('.lora_A.weight', '.lora_down.weight'), LoHa ('.hada_w1_a') or LoKr ('.lokr_w1') tensors "
+        f"(first key: '{example}')"
+    )
 
 
 def _prefix(modules) -> str:
@@ -113,18 +148,123 @@ def _prefix(modules) -> str:
     return next((prefix for prefix, _ in found.most_common() if prefix), "")
 
 
-def _adapter(key, prefix, tensors, down_key, up_key, alphas, where) -> Adapter:
-    down, up = tensors[down_key], tensors[up_key]
-    if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
+def _adapter(key, prefix, tensors, parts: dict[str, str], alphas, where) -> Adapter:
+    kinds_found = {_KIND[p.split("_")[0]] for p in parts if p not in _EXTRA}
+    if len(kinds_found) > 1:
         raise CheckpointError(
-            f"{where}: '{down_key}' {down.shape} and '{up_key}' {up.shape} are not a LoRA pair "
-            f"(down [rank, in], up [out, rank]; 1x1 convolution LoRAs do not apply to FLUX.2)"
+            f"{where}: module '{key}' holds the tensors of more than one adapter kind "
+            f"({', '.join(sorted(kinds_found))}); each module has one"
         )
+    get = {part: tensors[name] for part, name in parts.items()}
+    for part, array in get.items():
+        if part not in _EXTRA and array.ndim != 2:
+            raise CheckpointError(
+                f"{where}: '{parts[part]}' has shape {array.shape}, not a matrix (convolution adapters "
+                "do not apply to FLUX.2, whose adapted layers are all Linear)"
+            )
+    alpha = get.get("alpha")
+    alpha = None if alpha is None else float(alpha.reshape(-1)[0])
+    kind = kinds_found.pop()
     module = key.removeprefix(prefix)
+    if kind == "LoRA":
+        form, scale = _low_rank(get, parts, module, alpha, alphas, where)
+    elif kind == "LoHa":
+        form, scale = _hadamard(get, parts, key, alpha, where)
+    else:
+        form, scale = _kronecker(get, parts, key, alpha, where)
+    ordered = dict(sorted(parts.items(), key=lambda item: item[0] in _EXTRA))  # the form's parts first
+    return Adapter(key, module, form, scale, _magnitude(get, parts, form, where), ordered)
+
+
+def _require(parts: dict[str, str], key: str, kind: str, needed: tuple[str, ...], where: str) -> None:
+    missing = [f"'{key}.{part}'" for part in needed if part not in parts]
+    if missing:
+        raise CheckpointError(f"{where}: the {kind} module '{key}' lacks {', '.join(missing)}")
+
+
+def _chain(where: str, parts: dict[str, str], *pairs: tuple[str, np.ndarray, str, np.ndarray]) -> None:
+    """Each (left, its matrix, right, its matrix) multiplies: left's columns = right's rows."""
+    for left, a, right, b in pairs:
+        if a.shape[1] != b.shape[0]:
+            raise CheckpointError(
+                f"{where}: '{parts[left]}' {a.shape} and '{parts[right]}' {b.shape} do not multiply "
+                "(their inner sizes differ)"
+            )
+
+
+def _low_rank(get, parts, module, alpha, alphas, where) -> tuple[kinds.LowRank, float]:
+    down, up = get["down"], get["up"]
+    _chain(where, parts, ("up", up, "down", down))
     rank = down.shape[0]
-    alpha = tensors.get(f"{key}{_ALPHA}")
-    scale = alphas(module, rank) if alpha is None else float(alpha.reshape(())) / rank
-    return Adapter(key, down_key, up_key, module, down, up, scale)
+    return kinds.LowRank(down, up), alphas(module, rank) if alpha is None else alpha / rank
+
+
+def _lycoris_scale(alpha: float | None, rank: int) -> float:
+    """LyCORIS's alpha rule for LoHa and LoKr: alpha / rank, an absent or zero alpha counting as the rank
+    (its saved `alpha` is already alpha * rank / sqrt(rank) for rs_lora, so the rule holds there too)."""
+    return 1.0 if not alpha else alpha / rank
+
+
+def _hadamard(get, parts, key, alpha, where) -> tuple[kinds.Hadamard, float]:
+    """LoHa: (w1_a @ w1_b) ⊙ (w2_a @ w2_b), w*_a float[out, r], w*_b float[r, in]; with Tucker cores t1, t2
+    float[r, r] the ups are w*_a.T @ t* (w*_a then float[r, out]), as lycoris rebuilds them."""
+    _require(parts, key, "LoHa", ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"), where)
+    if ("hada_t1" in parts) != ("hada_t2" in parts):
+        _require(parts, key, "Tucker LoHa", ("hada_t1", "hada_t2"), where)
+    halves = []
+    for i in "12":
+        up, down, core = get[f"hada_w{i}_a"], get[f"hada_w{i}_b"], get.get(f"hada_t{i}")
+        if core is not None:
+            _chain(where, parts, (f"hada_t{i}", core, f"hada_w{i}_b", down))
+            _chain(where, parts, (f"hada_w{i}_a", up.T, f"hada_t{i}", core))
+            up = up.T @ core
+        else:
+            _chain(where, parts, (f"hada_w{i}_a", up, f"hada_w{i}_b", down))
+        halves.append(kinds.LowRank(down, up))
+    if halves[0].shape != halves[1].shape:
+        raise CheckpointError(
+            f"{where}: the LoHa module '{key}' has halves of different shapes {halves[0].shape} and "
+            f"{halves[1].shape}"
+        )
+    return kinds.Hadamard(*halves), _lycoris_scale(alpha, get["hada_w1_b"].shape[0])
+
+
+def _kronecker(get, parts, key, alpha, where) -> tuple[kinds.Kronecker, float]:
+    """LoKr: kron(w1, w2), each half whole (`lokr_w1`) or factored (`lokr_w1_a` [a, r] @ `lokr_w1_b` [r, b];
+    w2 also as `lokr_w2_a`.T @ `lokr_t2` @ `lokr_w2_b`, a Tucker core t2 [r, r]). Scale: 1 when both halves
+    are whole (alpha ignored, as lycoris does), else alpha / r of the factored half."""
+    halves, ranks = [], []
+    for i in "12":
+        whole, a, b = f"lokr_w{i}", f"lokr_w{i}_a", f"lokr_w{i}_b"
+        if whole in parts:
+            halves.append(get[whole])
+            continue
+        _require(parts, key, "LoKr", (a, b), where)
+        core = get.get("lokr_t2") if i == "2" else None
+        if core is None:
+            _chain(where, parts, (a, get[a], b, get[b]))
+            halves.append(get[a] @ get[b])
+        else:
+            _chain(where, parts, (a, get[a].T, "lokr_t2", core), ("lokr_t2", core, b, get[b]))
+            halves.append(get[a].T @ core @ get[b])
+        ranks.append(get[b].shape[0])
+    scale = 1.0 if not ranks else _lycoris_scale(alpha, ranks[0])
+    return kinds.Kronecker(*halves), scale
+
+
+def _magnitude(get, parts, form: kinds.Form, where) -> np.ndarray | None:
+    """DoRA's magnitude per output row: PEFT's `lora_magnitude_vector` [out], or LyCORIS's / kohya's
+    `dora_scale` [out, 1]; LyCORIS's per-input-column form ([1, in], wd_on_out=False) is refused."""
+    part = next((p for p in ("magnitude", "dora_scale") if p in parts), None)
+    if part is None:
+        return None
+    value, out = get[part], form.shape[0]
+    if value.size != out or value.shape not in ((out,), (out, 1)):
+        raise CheckpointError(
+            f"{where}: '{parts[part]}' has shape {value.shape}; DoRA here needs one magnitude per output row "
+            f"({out},) or ({out}, 1) (magnitudes per input column, lycoris' wd_on_out=False, are not supported)"
+        )
+    return value.reshape(out).astype(np.float32)
 
 
 def _peft_alphas(metadata: dict[str, str], where: str):

@@ -1,19 +1,24 @@
-"""Merging LoRA updates into the transformer's weights, and taking them out again: in the layout each kernel
-is stored in, widening (FP8, quantisation blocks) or quantising again (8-bit products) where a LoRA touches
-it, and where the kernel lives (docs/design/lora.md, docs/design/checkpoints.md "Merging",
-docs/design/memory.md `stream`). Axes: L stacked layers, I in features, O out features, r rank.
+"""Merging adapter updates (LoRA, LoHa, LoKr, DoRA: `klein.lora.kinds`) into the transformer's weights, and
+taking them out again: in the layout each kernel is stored in, widening (FP8, quantisation blocks) or
+quantising again (8-bit products) where an adapter touches it, and where the kernel lives
+(docs/design/lora.md, docs/design/checkpoints.md "Merging", docs/design/memory.md `stream`). Low-rank updates
+of a kernel are summed as one product; Hadamard and Kronecker products are formed from their factors on the
+device; a DoRA update then rescales each output row of the weight merged so far to its magnitude. Axes: L
+stacked layers, I in features, O out features, r rank.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from klein.lora import kinds
 from klein.lora.targets import Update
 from klein.models import products
 from klein.models.stacks import as_bits, as_float
@@ -50,8 +55,9 @@ def merge_kernel(
         shape = (*kernel.shape[:-1], products.unpacked_width(blocks, kernel.shape[-1]))
     stored = dtype if compute is None else products.EIGHT_BIT[compute][0]
     if kernel.ndim == 2:
-        down, up = _low_rank(updates, shape, out_in)
-        merged, scale = _merged(kernel, scales, down, up, dtype, out_in, blocks, compute)
+        merged, scale = _merged(
+            kernel, scales, _steps(updates, shape, out_in), dtype, out_in, blocks, compute
+        )
         return jax.device_put(merged, sharding), None if weight_scale is None else np.asarray(scale)
     if weight_scale is None and blocks is None:  # the layers no update touches stay as they are
         start, touched = kernel, sorted({update.layer for update, _ in updates})
@@ -60,8 +66,8 @@ def merge_kernel(
     layer_scales = []
 
     def merged(layer: int) -> jax.Array:
-        down, up = _low_rank([(u, s) for u, s in updates if u.layer == layer], shape[1:], out_in)
-        merged, scale = _merged(kernel[layer], scales[layer], down, up, dtype, out_in, blocks, compute)
+        steps = _steps([(u, s) for u, s in updates if u.layer == layer], shape[1:], out_in)
+        merged, scale = _merged(kernel[layer], scales[layer], steps, dtype, out_in, blocks, compute)
         layer_scales.append(scale)
         return merged
 
@@ -77,33 +83,82 @@ def merge_kernel(
     return out, None if weight_scale is None else np.stack(jax.device_get(layer_scales))
 
 
-def _low_rank(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(down float32[R, I], up float32[O, R]) whose product is the sum of the scaled updates (R: total rank,
-    0 for a layer no update touches); `shape` is the kernel's [I, O] ([O, I] if `out_in`)."""
-    shape = shape[::-1] if out_in else shape
-    downs = [np.zeros((0, shape[0]), np.float32)] + [u.down * np.float32(u.scale * s) for u, s in updates]
-    ups = [np.zeros((shape[1], 0), np.float32)] + [u.up for u, _ in updates]
-    return np.concatenate(downs), np.concatenate(ups, axis=1)
+class _Step(NamedTuple):
+    """Updates added together, then (DoRA) each output row rescaled: the low-rank ones as one product
+    (down float32[R, I], up [O, R]; R 0 without any), the Hadamard products as factors (down1, up1, down2,
+    up2), the Kronecker products as (w1, w2), each with its scale times strength folded into one factor;
+    the magnitudes float32[O], or None."""
+
+    down: np.ndarray
+    up: np.ndarray
+    hadamards: tuple
+    kroneckers: tuple
+    magnitude: np.ndarray | None
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
-def _merged(kernel, scale, down, up, dtype, out_in, blocks, compute):
+def _steps(updates: list[Weighted], shape: tuple[int, int], out_in: bool) -> tuple[_Step, ...]:
+    """The updates of one kernel (or layer) as steps, in order: each DoRA update closes one (the rows are
+    rescaled after it and what came before it are added); `shape` is the kernel's [I, O] ([O, I] if
+    `out_in`)."""
+    out, fan_in = shape if out_in else shape[::-1]
+    steps, current = [], []
+    for update, strength in updates:
+        current.append((update, np.float32(update.scale * strength)))
+        if update.magnitude is not None:
+            steps.append(_step(current, out, fan_in, update.magnitude))
+            current = []
+    if current or not steps:
+        steps.append(_step(current, out, fan_in, None))
+    return tuple(steps)
+
+
+def _step(updates: list[tuple[Update, np.float32]], out: int, fan_in: int, magnitude) -> _Step:
+    low = [(u.form.low_rank(), s) for u, s in updates if isinstance(u.form, kinds.LowRank)]
+    hadamards = tuple(
+        (u.form.first.down, u.form.first.up * s, u.form.second.down, u.form.second.up)
+        for u, s in updates
+        if isinstance(u.form, kinds.Hadamard)
+    )
+    kroneckers = tuple((u.form.w1 * s, u.form.w2) for u, s in updates if isinstance(u.form, kinds.Kronecker))
+    down = np.concatenate([np.zeros((0, fan_in), np.float32)] + [f.down * s for f, s in low])
+    up = np.concatenate([np.zeros((out, 0), np.float32)] + [f.up for f, _ in low], axis=1)
+    return _Step(down, up, hadamards, kroneckers, magnitude)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _merged(kernel, scale, steps, dtype, out_in, blocks, compute):
     """(kernel, scale) of one kernel (or layer) widened to float32 (from its blocks if `blocks` names their
-    format), times its scale, plus `up @ down`, in `dtype`, and ones for its scale; or that sum quantised
-    for an 8-bit `compute` [O, I], and its scales float32[O]."""
+    format), times its scale, with the update `steps` applied, in `dtype`, and ones for its scale; or that
+    quantised for an 8-bit `compute` [O, I], and its scales float32[O]."""
     if blocks is not None:
         kernel = products.unpacked(kernel, blocks)
-    if out_in:  # scale [O] multiplies rows
-        delta = jnp.matmul(up, down, precision=jax.lax.Precision.HIGHEST)
-        factor = scale[:, None] if scale.ndim else scale
-    else:
-        delta = jnp.matmul(down.T, up.T, precision=jax.lax.Precision.HIGHEST)
-        factor = scale
-    merged = (kernel.astype(jnp.float32) * factor + delta).astype(dtype)
+    factor = scale[:, None] if out_in and scale.ndim else scale  # out_in: a scale [O] multiplies rows
+    weight = kernel.astype(jnp.float32) * factor
+    for step in steps:
+        delta = _delta(step)
+        weight = weight + (delta if out_in else delta.T)
+        if step.magnitude is not None:  # DoRA: each output row to its magnitude
+            rows = jnp.linalg.norm(weight, axis=1 if out_in else 0)
+            weight = weight * jnp.expand_dims(step.magnitude / rows, 1 if out_in else 0)
+    merged = weight.astype(dtype)
     if compute is None:
         return merged, jnp.ones_like(scale)
     kernel, scale = products.quantise(merged.astype(jnp.float32), compute, -1)
     return kernel, scale[:, 0]
+
+
+def _delta(step: _Step) -> jax.Array:
+    """float32[O, I]: the sum of a step's updates."""
+
+    def mm(a, b):
+        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+    delta = mm(step.up, step.down)
+    for down1, up1, down2, up2 in step.hadamards:
+        delta = delta + mm(up1, down1) * mm(up2, down2)
+    for w1, w2 in step.kroneckers:
+        delta = delta + jnp.kron(w1, w2)
+    return delta
 
 
 @functools.partial(jax.jit, donate_argnums=0)

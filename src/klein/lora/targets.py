@@ -1,5 +1,5 @@
-"""Where a LoRA's modules land in klein's transformer: per Linear kernel (and layer of a stacked one), the
-low-rank factors of its update, checked against the model. Module names resolve through the loaders' own
+"""Where a LoRA's modules land in klein's transformer: per Linear kernel (and layer of a stacked one), its
+update's form (`klein.lora.kinds`) and DoRA magnitudes, checked against the model. Module names resolve through the loaders' own
 key maps, so an update follows the weight it adapts (docs/design/lora.md); errors name LoRAs for other
 models and sizes, and every key that matches nothing.
 """
@@ -18,7 +18,7 @@ from klein.errors import CheckpointError, counted
 from klein.io import bfl_transformer_keys as bfl
 from klein.io.loading import checkpoint_keys
 from klein.io.transformer_checkpoint import STACKED, abstract_transformer, key_map
-from klein.lora import layouts
+from klein.lora import kinds, layouts
 from klein.models.transformer_config import TransformerConfig
 
 
@@ -33,15 +33,16 @@ class Target(NamedTuple):
 
 
 class Update(NamedTuple):
-    """`scale * up @ down` (torch layout [out, in]) added to layer `layer` of the kernel at `path`."""
+    """`scale * form.delta()` (torch layout [out, in]) on layer `layer` of the kernel at `path`; with a
+    `magnitude` (DoRA) each output row of the adapted weight is then rescaled to that norm."""
 
     path: tuple
     layer: int | None
-    down: np.ndarray
-    """float32[r, in]."""
-    up: np.ndarray
-    """float32[out, r]: this kernel's rows of the module's up matrix."""
+    form: kinds.Form
+    """This kernel's rows of the module's update."""
     scale: float
+    magnitude: np.ndarray | None
+    """DoRA: float32[out], this kernel's rows of the module's magnitudes; None for any other adapter."""
 
 
 # Modules that exist only in other models of the family, by the model that has them.
@@ -68,7 +69,7 @@ def updates(parsed: layouts.Parsed, cfg: TransformerConfig, where: str) -> list[
             unmatched.append(adapter.key)
             continue
         _check_shapes(adapter, found, shapes, parsed, cfg, where)
-        out.extend(_split(adapter, target) for target in found)
+        out.extend(u for target in found for u in _split(adapter, target, where))
     if unmatched:
         more = f" ... and {len(unmatched) - _LISTED} more" if len(unmatched) > _LISTED else ""
         encoder = any(key.startswith(_TEXT_ENCODER) for key in unmatched)
@@ -98,7 +99,7 @@ def _refuse_other_models(parsed: layouts.Parsed, cfg: TransformerConfig, where: 
 
 
 def _lora_width(parsed: layouts.Parsed) -> int | None:
-    widths = Counter(a.down.shape[1] for a in parsed.adapters)
+    widths = Counter(a.form.shape[1] for a in parsed.adapters)
     return widths.most_common(1)[0][0] if widths else None
 
 
@@ -106,26 +107,50 @@ def _size(width) -> str:
     return f"{_SIZES[width]} (width {width})" if width in _SIZES else f"width {width}"
 
 
-def _check_shapes(adapter, targets, shapes, parsed, cfg, where: str) -> None:
+def _check_shapes(adapter: layouts.Adapter, targets, shapes, parsed, cfg, where: str) -> None:
     d_in, d_out = shapes[targets[0].path][-2:]  # per layer
-    rank = adapter.down.shape[0]
-    for name, got, want in (
-        (adapter.down_key, adapter.down.shape, (rank, d_in)),
-        (adapter.up_key, adapter.up.shape, (d_out * targets[0].blocks, rank)),
-    ):
-        if got != want:
+    want = (d_out * targets[0].blocks, d_in)
+    if isinstance(adapter.form, kinds.LowRank):  # name the matrix that does not fit
+        rank = adapter.form.down.shape[0]
+        checks = (
+            (f"'{adapter.parts['down']}'", adapter.form.down.shape, (rank, d_in)),
+            (f"'{adapter.parts['up']}'", adapter.form.up.shape, (want[0], rank)),
+        )
+    else:
+        checks = ((f"the {adapter.kind} update of '{adapter.key}'", adapter.form.shape, want),)
+    for name, got, wanted in checks:
+        if got != wanted:
             raise CheckpointError(
-                f"{where}: made for another model size: '{name}' has shape {got}, this model needs {want}. "
+                f"{where}: made for another model size: {name} has shape {got}, this model needs {wanted}. "
                 f"The LoRA is for {_size(_lora_width(parsed))}, the model is {_size(cfg.hidden)}."
             )
 
 
-def _split(adapter: layouts.Adapter, target: Target) -> Update:
-    rows = len(adapter.up) // target.blocks
-    up = adapter.up[target.block * rows : (target.block + 1) * rows]
+def _split(adapter: layouts.Adapter, target: Target, where: str) -> list[Update]:
+    """The updates of `target`'s rows of the module (its block of a fused module, halves swapped where the
+    checkpoints' order differs: the final adaLN): one, or for a Kronecker product whose factors do not
+    split at those rows a few whose sum they are (`kinds.Kronecker.row_terms`)."""
+    if target.blocks == 1 and not target.swapped:
+        return [Update(target.path, target.layer, adapter.form, adapter.scale, adapter.magnitude)]
+    rows = adapter.form.shape[0] // target.blocks
+    index = np.arange(target.block * rows, (target.block + 1) * rows)
     if target.swapped:
-        up = np.concatenate([up[rows // 2 :], up[: rows // 2]])
-    return Update(target.path, target.layer, adapter.down, up, adapter.scale)
+        index = np.concatenate([index[rows // 2 :], index[: rows // 2]])
+    if isinstance(adapter.form, kinds.Kronecker):
+        forms = adapter.form.row_terms(index)
+    else:
+        forms = [adapter.form.rows(index)]
+    if adapter.magnitude is None:
+        return [Update(target.path, target.layer, form, adapter.scale, None) for form in forms]
+    if len(forms) > 1:  # DoRA's norm is of the whole update: it cannot be one of several
+        raise CheckpointError(
+            f"{where}: the {adapter.kind} module '{adapter.key}' cannot be applied: its Kronecker factors "
+            f"({adapter.form.w1.shape[0]} x {adapter.form.w2.shape[0]} rows) do not split at the rows of the "
+            f"fused module's parts ({rows} rows), which klein holds as separate weights "
+            f"({'/'.join(map(str, target.path[:-1]))}). Use one trained on the separate projections "
+            "(diffusers names), or with a Kronecker factor that divides each part (lycoris factor -1 does)."
+        )
+    return [Update(target.path, target.layer, forms[0], adapter.scale, adapter.magnitude[index])]
 
 
 def kernel_shape(cfg: TransformerConfig, path: tuple) -> tuple:
