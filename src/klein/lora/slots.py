@@ -35,12 +35,12 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 class Part:
     """An adapter's update on one layer of a Linear, as a slot holds it: low-rank factors `down`
     float32[I, r] and `up` float32[r, O] (r = 0 for none), the trainer's scale folded into `down`; Kronecker
-    factors `w1` float32[a, b] (scale folded) and `w2` float32[c, d], or None; DoRA's `magnitude`
-    float32[O], or None."""
+    terms of one shape, summed: (`w1` float32[a, b], scale folded; `w2` float32[c, d]) (a LoKr on a part of
+    a fused module may be a few, `kinds.Kronecker.row_terms`); DoRA's `magnitude` float32[O], or None."""
 
     down: np.ndarray
     up: np.ndarray
-    kron: tuple[np.ndarray, np.ndarray] | None = None
+    kron: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
     magnitude: np.ndarray | None = None
 
 
@@ -57,16 +57,17 @@ class Loaded:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The bank's shapes for a set of adapters: the paths with low-rank columns and the slot rank; the
-    Kronecker factor shapes (a, b, c, d) per path; the paths with DoRA; and the slot count."""
+    Kronecker terms and factor shapes (terms, a, b, c, d) per path; the paths with DoRA; and the slot
+    count."""
 
     low: frozenset
     rank: int
-    kron: tuple[tuple[tuple, tuple[int, int, int, int]], ...]
+    kron: tuple[tuple[tuple, tuple[int, int, int, int, int]], ...]
     dora: frozenset
     slots: int
 
 
-_SLOT_AXIS = {"w1": -3, "w2": -3, "cross": -2, "square": -2, "magnitude": -2, "dora": -1}
+_SLOT_AXIS = {"w1": -4, "w2": -4, "cross": -2, "square": -2, "magnitude": -2, "dora": -1}
 """The slot axis of each part of a bank that has one (`klein.models.adapters`)."""
 _KINDS = {kinds.LowRank: "LoRA", kinds.Hadamard: "LoHa", kinds.Kronecker: "LoKr"}
 
@@ -234,8 +235,8 @@ class AdapterSlots:
             if r:
                 arrays["down"][(*at, slice(None), slice(slot * rank, slot * rank + r))] = part.down
                 arrays["up"][(*at, slice(slot * rank, slot * rank + r), slice(None))] = part.up
-            if part.kron is not None:
-                arrays["w1"][(*at, slot)], arrays["w2"][(*at, slot)] = part.kron
+            for term, (w1, w2) in enumerate(part.kron):
+                arrays["w1"][(*at, slot, term)], arrays["w2"][(*at, slot, term)] = w1, w2
             if part.magnitude is not None:
                 arrays["norm"][at] = self._norms[(path, layer)]
                 arrays["cross"][(*at, slot)], arrays["square"][(*at, slot)] = statistics[(path, layer)]
@@ -251,11 +252,11 @@ class AdapterSlots:
                 "down": np.zeros((*layers, d_in, k), np.float32),
                 "up": np.zeros((*layers, k, d_out), np.float32),
             }
-        for path, (a, b, c, d) in layout.kron:
+        for path, (terms, a, b, c, d) in layout.kron:
             layers = kernel_shape(self.cfg, (*path, "kernel"))[:-2]
             host[path] |= {
-                "w1": np.zeros((*layers, count, a, b), np.float32),
-                "w2": np.zeros((*layers, count, c, d), np.float32),
+                "w1": np.zeros((*layers, count, terms, a, b), np.float32),
+                "w2": np.zeros((*layers, count, terms, c, d), np.float32),
             }
         for path in layout.dora:
             *layers, _, d_out = kernel_shape(self.cfg, (*path, "kernel"))
@@ -281,7 +282,10 @@ class AdapterSlots:
         low = frozenset(path for (path, _), part in parts if part.down.shape[1])
         largest = max((part.down.shape[1] for _, part in parts), default=0)
         rank = -(-largest // RANK_STEP) * RANK_STEP
-        kron = {path: _kron_shape(part) for (path, _), part in parts if part.kron is not None}
+        kron = defaultdict(lambda: (0,))
+        for (path, _), part in parts:
+            if part.kron:
+                kron[path] = (max(kron[path][0], len(part.kron)), *_kron_shape(part))
         dora = frozenset(path for (path, _), part in parts if part.magnitude is not None)
         layout = Layout(low, rank, tuple(sorted(kron.items())), dora, self.max_slots)
         count = self.max_slots
@@ -301,8 +305,8 @@ class AdapterSlots:
         for path in layout.low:
             layers, d_in, d_out = shape(path)
             total += layers * (d_in + d_out) * layout.rank * slots * self.dtype.itemsize
-        for path, (a, b, c, d) in layout.kron:
-            total += shape(path)[0] * slots * (a * b + c * d) * self.dtype.itemsize
+        for path, (terms, a, b, c, d) in layout.kron:
+            total += shape(path)[0] * slots * terms * (a * b + c * d) * self.dtype.itemsize
         for path in layout.dora:
             layers, _, d_out = shape(path)
             total += layers * (d_out + slots * (3 * d_out + 1)) * wide
@@ -320,8 +324,8 @@ class AdapterSlots:
         out = {}
         for key, part in doras.items():
             dense = weight(*key)
-            if part.kron is not None:
-                cross, square = _kron_statistics(dense, *part.kron)
+            if part.kron:
+                cross, square = _kron_statistics(dense, *part.kron[0])
             else:
                 cross, square = _low_rank_statistics(dense, part.down, part.up)
             self._norms[key] = np.asarray(_row_norms(dense))
@@ -347,20 +351,21 @@ def _loaded(info: LoraInfo, updates) -> Loaded:
         )
         krons = [u for u in group if isinstance(u.form, kinds.Kronecker)]
         doras = [u for u in group if u.magnitude is not None]
-        if len(krons) > 1:
-            raise InputError(f"{where}: two LoKr updates on one layer; merge this LoRA (--lora) instead")
+        if len({(u.form.w1.shape, u.form.w2.shape) for u in krons}) > 1:
+            raise InputError(
+                f"{where}: LoKr updates of different factor shapes on one layer; merge this LoRA (--lora) instead"
+            )
         if doras and len(group) > 1:
             raise InputError(
                 f"{where}: a DoRA update and another on one layer; merge this LoRA (--lora) instead"
             )
-        lows = [(u.form.low_rank(), np.float32(u.scale)) for u in group if u not in krons]
+        lows = [
+            (u.form.low_rank(), np.float32(u.scale)) for u in group if not isinstance(u.form, kinds.Kronecker)
+        ]
         d_out, d_in = group[0].form.shape
         down = np.concatenate([np.zeros((d_in, 0), np.float32)] + [(f.down * s).T for f, s in lows], axis=1)
         up = np.concatenate([np.zeros((0, d_out), np.float32)] + [f.up.T for f, _ in lows], axis=0)
-        kron = None
-        if krons:
-            (u,) = krons
-            kron = (u.form.w1 * np.float32(u.scale), u.form.w2)
+        kron = tuple((u.form.w1 * np.float32(u.scale), u.form.w2) for u in krons)
         magnitude = doras[0].magnitude if doras else None
         parts[(path, layer)] = Part(down, up, kron, None if magnitude is None else np.float32(magnitude))
         found |= {_KINDS[type(u.form)] for u in group}
@@ -375,28 +380,29 @@ def _kind(found: set[str]) -> str:
 
 
 def _kron_shape(part: Part) -> tuple[int, int, int, int]:
-    (a, b), (c, d) = (w.shape for w in part.kron)
+    (a, b), (c, d) = (w.shape for w in part.kron[0])
     return a, b, c, d
 
 
 def _check_kronecker(lora: Loaded, others) -> None:
-    """An `InputError` if `lora` has Kronecker factors of other shapes than another loaded LoKr on a path:
-    a path's slots hold one shape."""
-    shapes = {
-        path: (_kron_shape(p), other.info.name)
-        for other in others
-        for (path, _), p in other.parts.items()
-        if p.kron is not None
-    }
-    for (path, _), part in lora.parts.items():
-        if part.kron is None or path not in shapes or shapes[path][0] == _kron_shape(part):
-            continue
-        (shape, other) = shapes[path]
-        raise InputError(
-            f"LoRA {lora.info.name!r}: its LoKr factors on {'.'.join(map(str, path))} are {_kron_shape(part)} "
-            f"(a, b, c, d), LoRA {other!r}'s are {shape}; loaded LoKrs share one factor shape per layer: merge "
-            "one of them (--lora) instead"
-        )
+    """An `InputError` if `lora` has Kronecker factors of other shapes than another loaded LoKr (or itself
+    on another layer) on a path: a path's slots hold one shape."""
+    shapes = {}
+    for other in [*others, lora]:
+        for (path, _), part in other.parts.items():
+            if not part.kron:
+                continue
+            shape, (first, name) = (
+                _kron_shape(part),
+                shapes.setdefault(path, (_kron_shape(part), other.info.name)),
+            )
+            if shape != first:
+                whose = "on another layer" if name == lora.info.name else f"LoRA {name!r}'s are {first}"
+                raise InputError(
+                    f"LoRA {lora.info.name!r}: its LoKr factors on {'.'.join(map(str, path))} are {shape} (a, b, "
+                    f"c, d), {whose}; the loaded LoKrs share one factor shape per Linear: merge one of them "
+                    "(--lora) instead"
+                )
 
 
 @jax.jit

@@ -6,8 +6,8 @@ the full matrix, and DoRA's per-output-row gain on the product.
 Axes: B images of the batch, I in features, O out features, S slots, K = S x R (slot rank R). A targeted
 Linear holds a `Slots` module of `Factor` variables, each layer-major (a leading L axis on a stack's,
 sliced with the layer's kernel), those of the kinds its loaded adapters have: `down` float[L?, I, K] and
-`up` float[L?, K, O]; `w1` float[L?, S, a, b] and `w2` float[L?, S, c, d] (slot s's update kron(w1, w2),
-O = a c, I = b d); and DoRA's float32 `norm` [L?, O] (||W_o||^2 of the weight in use), `cross` [L?, S, O]
+`up` float[L?, K, O]; `w1` float[L?, S, T, a, b] and `w2` float[L?, S, T, c, d] (slot s's update the sum
+over T terms of kron(w1, w2), O = a c, I = b d); and DoRA's float32 `norm` [L?, O] (||W_o||^2 of the weight in use), `cross` [L?, S, O]
 (<W_o, D_o>), `square` [L?, S, O] (||D_o||^2), `magnitude` [L?, S, O] and `dora` [L?, S] (1 where the
 slot's update on this layer is DoRA). The batch's `rows` float32[B, K + 2 S] hold the low-rank columns'
 weights, then each slot's strength, then whether the row uses the slot (0 or 1).
@@ -114,7 +114,8 @@ def term(x, slots: Slots, outputs: slice = slice(None)):
             weight = strengths[:, slot, None]
             if gains is not None:
                 weight = weight * gains[:, slot]
-            extra = extra + kronecker(x, w1[slot], w2[slot], outputs) * per_row(weight)
+            terms = sum(kronecker(x, one, two, outputs) for one, two in zip(w1[slot], w2[slot], strict=True))
+            extra = extra + terms * per_row(weight)
     return extra, gain
 
 
