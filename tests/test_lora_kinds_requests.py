@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from klein.errors import InputError
 from klein.io import demo
 from klein.lora import kinds, slots
 from klein.lora.files import LoraInfo
@@ -142,3 +143,95 @@ def test_each_kind_at_one_linear_is_its_dense_update_in_a_mixed_batch(linear, mo
             assert np.abs(got[i] - want).max() <= 1e-5 * np.abs(want).max(), uses
             if uses:
                 assert np.abs(want - (x[i] @ weight.T)[..., columns]).max() > 0.01 * np.abs(want).max()
+
+
+# Through the pipeline, with files in the trainers' layouts (tests/support/lyco_files.py).
+
+PARITY = 1e-4
+LATENT = np.random.default_rng(0).standard_normal((1, 128, 3, 4)).astype(np.float32)
+T2I = dict(height=48, width=64, num_inference_steps=2, output_type="np")
+QKV = "double_blocks.0.img_attn.qkv"
+CASES = {"lokr": 0.8, "loha": -0.7, "dora": 1.0, "dora-0.6": 0.6, "lokr-dora": 0.6}
+"""Per-request runs checked against merged ones: adapter (file) -> strength."""
+
+
+@pytest.fixture(scope="module")
+def kinds_loaded(pipes, tiny_pipelines, tmp_path_factory):
+    """name -> file of a LoKr (ai-toolkit's BFL names, its fused qkv in several Kronecker terms), a LoHa
+    (kohya's names), a PEFT DoRA and a LoKr with DoRA on two modules (kohya's; one a single block's fused linear1), all loaded by name
+    into the distilled pipeline; and the images of each case of `CASES` merged."""
+    from tests.support import lora_files as lf
+    from tests.support import lyco_files as ly
+    from tests.support.bfl_files import to_bfl
+
+    pipe, (_, reference) = pipes("distilled"), tiny_pipelines("distilled")
+    bfl_state = to_bfl({k: v.detach().clone() for k, v in reference.transformer.state_dict().items()})
+    folder, rng = tmp_path_factory.mktemp("lyco-requests"), np.random.default_rng(5)
+    bfl = lf.linear_shapes(pipe.config, "bfl")
+    lokr = {m: ly.lokr(s, rng, alpha=1.0) for m, s in sorted(bfl.items())}  # scale 1/2: alpha / rank 2
+    lokr[QKV] = ly.lokr(bfl[QKV], rng, w1_rows=8, alpha=1.0)  # factors that do not split at q, k, v
+    loha = {m: ly.loha(s, rng, alpha=1.0) for m, s in sorted(bfl.items())}
+    # the same factor shapes as the other LoKr's (loaded LoKrs share them)
+    lokr_dora = {m: ly.lokr(s, rng, alpha=1.0) for m, s in sorted(bfl.items()) if m != QKV}
+    for module in ("double_blocks.1.img_attn.proj", "single_blocks.0.linear1"):
+        lokr_dora[module] = ly.with_dora(lokr_dora[module], bfl_state[f"{module}.weight"], rng)
+    files = {
+        "lokr": ly.write(folder / "lokr.safetensors", lokr, "bfl"),
+        "loha": ly.write(folder / "loha.safetensors", loha, "kohya"),
+        "dora": lf.write_peft_trained(
+            folder / "dora.safetensors", reference.transformer, 4, 8.0, 3, use_dora=True
+        ),
+        "lokr-dora": ly.write(folder / "lokr-dora.safetensors", lokr_dora, "kohya"),
+    }
+    for name, file in files.items():
+        pipe.load_lora(name, file)
+    merged = {}
+    for case, strength in CASES.items():
+        pipe.set_loras([(files[case.removesuffix("-0.6")], strength)])
+        try:
+            merged[case] = pipe("a red fox", latents=LATENT, **T2I).images
+        finally:
+            pipe.set_loras([])
+    return files, merged
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_kind_per_request_equals_it_merged(pipes, kinds_loaded, case):
+    pipe, (_, merged) = pipes("distilled"), kinds_loaded
+    got = pipe("a red fox", latents=LATENT, loras=[(case.removesuffix("-0.6"), CASES[case])], **T2I)
+    assert np.abs(got.images - merged[case]).max() <= PARITY
+    plain = pipe("a red fox", latents=LATENT, **T2I).images
+    assert np.abs(plain - merged[case]).max() > 100 * PARITY
+
+
+def test_a_batch_mixing_kinds_equals_them_merged_and_other_kinds_build_no_program(pipes, kinds_loaded):
+    from klein.pipeline.compilations import Compilations
+
+    pipe, (_, merged) = pipes("distilled"), kinds_loaded
+    assert [pipe.adapters.kind(n) for n in pipe.adapters.names] == ["LoKr", "LoHa", "DoRA", "LoKr+DoRA"]
+    cases = ["lokr", "dora-0.6", "loha", None]
+    sets = [[] if c is None else [(c.removesuffix("-0.6"), CASES[c])] for c in cases]
+    batch = pipe(("a red fox",) * 4, latents=np.repeat(LATENT, 4, 0), loras=sets, **T2I).images
+    plain = pipe("a red fox", latents=LATENT, **T2I).images
+    for i, case in enumerate(cases):
+        want = plain if case is None else merged[case]
+        assert np.abs(batch[i : i + 1] - want).max() <= PARITY, case
+    with Compilations() as built:  # other kinds, strengths and slots (one given up), other rows
+        for sets in ([[("lokr-dora", 0.3)], [], [("dora", 1.0), ("lokr", 0.2)], [("loha", 2.0)]],):
+            pipe(("a", "b", "c", "d"), latents=np.repeat(LATENT, 4, 0), loras=sets, **T2I)
+    assert built.names == []
+
+
+def test_a_lokr_of_other_factor_shapes_than_a_loaded_one_is_refused_naming_both(
+    pipes, kinds_loaded, tmp_path
+):
+    from tests.support import lora_files as lf
+    from tests.support import lyco_files as ly
+
+    pipe = pipes("distilled")
+    shapes = lf.linear_shapes(pipe.config, "diffusers")
+    other = {"proj_out": ly.lokr(shapes["proj_out"], np.random.default_rng(1), factor=4)}
+    names = pipe.adapters.names
+    with pytest.raises(InputError, match=r"LoRA 'other': its LoKr factors on proj_out are .* LoRA 'lokr"):
+        pipe.load_lora("other", ly.write(tmp_path / "other.safetensors", other, "lycoris"))
+    assert pipe.adapters.names == names
