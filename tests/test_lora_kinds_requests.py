@@ -3,6 +3,7 @@ Linear, every kind's term equals its dense update (DoRA's gain included) for a b
 the pipeline, each kind per request equals it merged, a batch mixing them equals the merged runs, and other
 kinds or strengths build no program."""
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ from klein.models import adapters, layers, stacks
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
 from klein.request.loras import LoraUse
+from klein.serve.service import Service
 
 PATH, LAYER = ("transformer_blocks", "attn", "to_q"), 1
 FUSED = ("single_transformer_blocks", "attn", "to_qkv_mlp_proj")
@@ -208,7 +210,14 @@ def test_a_batch_mixing_kinds_equals_them_merged_and_other_kinds_build_no_progra
     from klein.pipeline.compilations import Compilations
 
     pipe, (_, merged) = pipes("distilled"), kinds_loaded
-    assert [pipe.adapters.kind(n) for n in pipe.adapters.names] == ["LoKr", "LoHa", "DoRA", "LoKr+DoRA"]
+    listed = Service.loras(SimpleNamespace(pipe=pipe))  # GET /v1/loras of a server offering them
+    assert [(e["name"], e["kind"]) for e in listed["data"]] == [
+        ("lokr", "LoKr"), ("loha", "LoHa"), ("dora", "DoRA"), ("lokr-dora", "LoKr+DoRA")
+    ]  # fmt: skip
+    bank, _ = pipe.adapters.prepare([[LoraUse(n, 1.0)] for n in pipe.adapters.names])
+    held = sum(a.nbytes for parts in bank.values() for a in parts.values())
+    assert listed["bytes"] == pipe.adapters.device_bytes == held  # what admission charges
+    assert {"w1", "w2", "magnitude", "cross", "square"} <= {part for parts in bank.values() for part in parts}
     cases = ["lokr", "dora-0.6", "loha", None]
     sets = [[] if c is None else [(c.removesuffix("-0.6"), CASES[c])] for c in cases]
     batch = pipe(("a red fox",) * 4, latents=np.repeat(LATENT, 4, 0), loras=sets, **T2I).images
