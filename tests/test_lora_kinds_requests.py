@@ -244,3 +244,17 @@ def test_a_lokr_of_other_factor_shapes_than_a_loaded_one_is_refused_naming_both(
     with pytest.raises(InputError, match=r"LoRA 'other': its LoKr factors on proj_out are .* LoRA 'lokr"):
         pipe.load_lora("other", ly.write(tmp_path / "other.safetensors", other, "lycoris"))
     assert pipe.adapters.names == names
+
+
+def test_a_dora_per_request_follows_the_merged_weights(pipes, kinds_loaded):
+    """Under a merged LoKr, a DoRA per request takes its row norms from the merged weights: as merging both,
+    the LoKr first."""
+    pipe, (files, _) = pipes("distilled"), kinds_loaded
+    pipe.set_loras([(files["lokr"], 0.8), (files["dora"], 0.6)])
+    try:
+        want = pipe("a red fox", latents=LATENT, **T2I).images
+        pipe.set_loras([(files["lokr"], 0.8)])
+        got = pipe("a red fox", latents=LATENT, loras=[("dora", 0.6)], **T2I).images
+    finally:
+        pipe.set_loras([])
+    assert np.abs(got - want).max() <= PARITY
