@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from klein.errors import InputError
 from klein.io import demo
 from klein.lora import kinds, slots
 from klein.lora.files import LoraInfo
@@ -51,8 +50,8 @@ def _forms(shape, seed):
             down.astype(np.float32), (rng.standard_normal((out, rank)) * 0.3).astype(np.float32)
         )
 
-    def kron():  # square factors: a transposed one keeps the shapes and changes the values
-        a = max(n for n in range(1, int(np.sqrt(out)) + 1) if out % n == 0 and d_in % n == 0)
+    def kron(a=None):  # square w1: a transposed one keeps the shapes and changes the values
+        a = a or max(n for n in range(1, int(np.sqrt(out)) + 1) if out % n == 0 and d_in % n == 0)
         w1, w2 = rng.standard_normal((a, a)), rng.standard_normal((out // a, d_in // a)) / np.sqrt(d_in)
         return kinds.Kronecker(w1.astype(np.float32), w2.astype(np.float32))
 
@@ -64,7 +63,7 @@ def _forms(shape, seed):
         "loha": (kinds.Hadamard(low(2), low(3)), 2.0, None),
         "lokr": (kron(), 0.7, None),
         "dora": (low(4), 0.5, magnitude()),
-        "dokr": (kron(), 0.7, magnitude()),
+        "dokr": (kron(2), 0.7, magnitude()),  # other factor shapes: the Linear's second Kronecker group
     }
 
 
@@ -217,7 +216,9 @@ def test_a_batch_mixing_kinds_equals_them_merged_and_other_kinds_build_no_progra
     bank, _ = pipe.adapters.prepare([[LoraUse(n, 1.0)] for n in pipe.adapters.names])
     held = sum(a.nbytes for parts in bank.values() for a in parts.values())
     assert listed["bytes"] == pipe.adapters.device_bytes == held  # what admission charges
-    assert {"w1", "w2", "magnitude", "cross", "square"} <= {part for parts in bank.values() for part in parts}
+    assert {"w1_0", "w2_0", "magnitude", "cross", "square"} <= {
+        part for parts in bank.values() for part in parts
+    }
     cases = ["lokr", "dora-0.6", "loha", None]
     sets = [[] if c is None else [(c.removesuffix("-0.6"), CASES[c])] for c in cases]
     batch = pipe(("a red fox",) * 4, latents=np.repeat(LATENT, 4, 0), loras=sets, **T2I).images
@@ -229,21 +230,6 @@ def test_a_batch_mixing_kinds_equals_them_merged_and_other_kinds_build_no_progra
         for sets in ([[("lokr-dora", 0.3)], [], [("dora", 1.0), ("lokr", 0.2)], [("loha", 2.0)]],):
             pipe(("a", "b", "c", "d"), latents=np.repeat(LATENT, 4, 0), loras=sets, **T2I)
     assert built.names == []
-
-
-def test_a_lokr_of_other_factor_shapes_than_a_loaded_one_is_refused_naming_both(
-    pipes, kinds_loaded, tmp_path
-):
-    from tests.support import lora_files as lf
-    from tests.support import lyco_files as ly
-
-    pipe = pipes("distilled")
-    shapes = lf.linear_shapes(pipe.config, "diffusers")
-    other = {"proj_out": ly.lokr(shapes["proj_out"], np.random.default_rng(1), factor=4)}
-    names = pipe.adapters.names
-    with pytest.raises(InputError, match=r"LoRA 'other': its LoKr factors on proj_out are .* LoRA 'lokr"):
-        pipe.load_lora("other", ly.write(tmp_path / "other.safetensors", other, "lycoris"))
-    assert pipe.adapters.names == names
 
 
 def test_a_dora_per_request_follows_the_merged_weights(pipes, kinds_loaded):
@@ -258,3 +244,25 @@ def test_a_dora_per_request_follows_the_merged_weights(pipes, kinds_loaded):
     finally:
         pipe.set_loras([])
     assert np.abs(got - want).max() <= PARITY
+
+
+def test_a_lokr_of_other_factor_shapes_than_a_loaded_one_runs_beside_it(pipes, kinds_loaded, tmp_path):
+    """lycoris' factor 4 against the loaded LoKr's -1: a second Kronecker group on those Linears."""
+    from tests.support import lora_files as lf
+    from tests.support import lyco_files as ly
+
+    pipe, rng = pipes("distilled"), np.random.default_rng(1)
+    shapes = lf.linear_shapes(pipe.config, "bfl")
+    other = {m: ly.lokr(shapes[m], rng, factor=4, alpha=1.0) for m in ("img_in", "double_blocks.1.img_mlp.0")}
+    file = ly.write(tmp_path / "other.safetensors", other, "bfl")
+    pipe.load_lora("other", file)
+    pipe.set_loras([(file, 0.9)])
+    try:
+        want = pipe("a red fox", latents=LATENT, **T2I).images
+    finally:
+        pipe.set_loras([])
+    got = pipe(
+        ("a red fox",) * 2, latents=np.repeat(LATENT, 2, 0), loras=[[("other", 0.9)], [("lokr", 0.8)]], **T2I
+    )
+    assert np.abs(got.images[:1] - want).max() <= PARITY
+    assert np.abs(got.images[1:] - kinds_loaded[1]["lokr"]).max() <= PARITY

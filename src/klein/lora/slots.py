@@ -8,7 +8,7 @@ weights in use, from which the program forms the gain of each row's strength.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
 import jax
@@ -35,8 +35,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 class Part:
     """An adapter's update on one layer of a Linear, as a slot holds it: low-rank factors `down`
     float32[I, r] and `up` float32[r, O] (r = 0 for none), the trainer's scale folded into `down`; Kronecker
-    terms of one shape, summed: (`w1` float32[a, b], scale folded; `w2` float32[c, d]) (a LoKr on a part of
-    a fused module may be a few, `kinds.Kronecker.row_terms`); DoRA's `magnitude` float32[O], or None."""
+    terms, summed: (`w1` float32[a, b], scale folded; `w2` float32[c, d]) (a LoKr on a part of a fused
+    module may be a few, `kinds.Kronecker.row_terms`); DoRA's `magnitude` float32[O], or None."""
 
     down: np.ndarray
     up: np.ndarray
@@ -57,18 +57,20 @@ class Loaded:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The bank's shapes for a set of adapters: the paths with low-rank columns and the slot rank; the
-    Kronecker terms and factor shapes (terms, a, b, c, d) per path; the paths with DoRA; and the slot
-    count."""
+    Kronecker groups per path, one per factor shape: (terms, a, b, c, d); the paths with DoRA; and the
+    slot count."""
 
     low: frozenset
     rank: int
-    kron: tuple[tuple[tuple, tuple[int, int, int, int, int]], ...]
+    kron: tuple[tuple[tuple, tuple[tuple[int, int, int, int, int], ...]], ...]
     dora: frozenset
     slots: int
 
 
 _SLOT_AXIS = {"w1": -4, "w2": -4, "cross": -2, "square": -2, "magnitude": -2, "dora": -1}
-"""The slot axis of each part of a bank that has one (`klein.models.adapters`)."""
+"""The slot axis of each part of a bank that has one, by name (`w1_g` as `w1`; `klein.models.adapters`)."""
+_FACTORS = ("down", "up", "w1", "w2")
+"""The parts held in the bank's dtype (the others, DoRA's, in float32)."""
 _KINDS = {kinds.LowRank: "LoRA", kinds.Hadamard: "LoHa", kinds.Kronecker: "LoKr"}
 
 
@@ -113,7 +115,6 @@ class AdapterSlots:
         info = dataclasses.replace(read.info, name=name, scale=1.0)
         lora = _loaded(info, lora_updates(read, self.cfg))
         others = {k: v for k, v in self._loaded.items() if k != name}
-        _check_kronecker(lora, others.values())
         loras = {**others, name: lora}
         self._check_fits(loras.values(), self.budget, f"LoRA {name!r}")
         statistics = self._dora_statistics(lora)
@@ -214,11 +215,12 @@ class AdapterSlots:
         if not free:
             evicted = next(other for other in self._resident if other not in needed)
             free = [self._resident.pop(evicted)]
-        self._write(name, free[0], layout.rank)
+        self._write(name, free[0], layout)
         self._resident[name] = free[0]
         self._device = None
 
-    def _write(self, name: str, slot: int, rank: int) -> None:
+    def _write(self, name: str, slot: int, layout: Layout) -> None:
+        rank, groups = layout.rank, dict(layout.kron)
         columns = slice(slot * rank, (slot + 1) * rank)
         for arrays in self._host.values():
             for part, array in arrays.items():
@@ -226,8 +228,8 @@ class AdapterSlots:
                     array[..., columns] = 0
                 elif part == "up":
                     array[..., columns, :] = 0
-                elif part in _SLOT_AXIS:
-                    np.moveaxis(array, _SLOT_AXIS[part], 0)[slot] = 0
+                elif part.split("_")[0] in _SLOT_AXIS:
+                    np.moveaxis(array, _SLOT_AXIS[part.split("_")[0]], 0)[slot] = 0
         statistics = self._statistics.get(name, {})
         for (path, layer), part in self._loaded[name].parts.items():
             arrays, at = self._host[path], () if layer is None else (layer,)
@@ -235,8 +237,12 @@ class AdapterSlots:
             if r:
                 arrays["down"][(*at, slice(None), slice(slot * rank, slot * rank + r))] = part.down
                 arrays["up"][(*at, slice(slot * rank, slot * rank + r), slice(None))] = part.up
-            for term, (w1, w2) in enumerate(part.kron):
-                arrays["w1"][(*at, slot, term)], arrays["w2"][(*at, slot, term)] = w1, w2
+            group = {tuple(shape): g for g, (_, *shape) in enumerate(groups.get(path, ()))}
+            terms = Counter()
+            for w1, w2 in part.kron:
+                g = group[(*w1.shape, *w2.shape)]
+                arrays[f"w1_{g}"][(*at, slot, terms[g])], arrays[f"w2_{g}"][(*at, slot, terms[g])] = w1, w2
+                terms[g] += 1
             if part.magnitude is not None:
                 arrays["norm"][at] = self._norms[(path, layer)]
                 arrays["cross"][(*at, slot)], arrays["square"][(*at, slot)] = statistics[(path, layer)]
@@ -252,12 +258,13 @@ class AdapterSlots:
                 "down": np.zeros((*layers, d_in, k), np.float32),
                 "up": np.zeros((*layers, k, d_out), np.float32),
             }
-        for path, (terms, a, b, c, d) in layout.kron:
+        for path, groups in layout.kron:
             layers = kernel_shape(self.cfg, (*path, "kernel"))[:-2]
-            host[path] |= {
-                "w1": np.zeros((*layers, count, terms, a, b), np.float32),
-                "w2": np.zeros((*layers, count, terms, c, d), np.float32),
-            }
+            for g, (terms, a, b, c, d) in enumerate(groups):
+                host[path] |= {
+                    f"w1_{g}": np.zeros((*layers, count, terms, a, b), np.float32),
+                    f"w2_{g}": np.zeros((*layers, count, terms, c, d), np.float32),
+                }
         for path in layout.dora:
             *layers, _, d_out = kernel_shape(self.cfg, (*path, "kernel"))
             host[path] |= {"norm": np.ones((*layers, d_out), np.float32)}
@@ -271,7 +278,7 @@ class AdapterSlots:
     def _stored(self, array: np.ndarray, path: tuple, part: str):
         """A part as the device holds it: factors in the bank's dtype, DoRA's statistics in float32; a
         stack's as its bits (`klein.models.stacks`)."""
-        values = array.astype(self.dtype) if part in ("down", "up", "w1", "w2") else array
+        values = array.astype(self.dtype) if part.split("_")[0] in _FACTORS else array
         stacked = len(kernel_shape(self.cfg, (*path, "kernel"))) == 3
         return as_bits(values) if stacked else values
 
@@ -282,10 +289,13 @@ class AdapterSlots:
         low = frozenset(path for (path, _), part in parts if part.down.shape[1])
         largest = max((part.down.shape[1] for _, part in parts), default=0)
         rank = -(-largest // RANK_STEP) * RANK_STEP
-        kron = defaultdict(lambda: (0,))
+        kron = defaultdict(dict)  # path -> (a, b, c, d) -> terms
         for (path, _), part in parts:
-            if part.kron:
-                kron[path] = (max(kron[path][0], len(part.kron)), *_kron_shape(part))
+            for shape, terms in Counter((*w1.shape, *w2.shape) for w1, w2 in part.kron).items():
+                kron[path][shape] = max(kron[path].get(shape, 0), terms)
+        kron = {
+            path: tuple((t, *shape) for shape, t in sorted(shapes.items())) for path, shapes in kron.items()
+        }
         dora = frozenset(path for (path, _), part in parts if part.magnitude is not None)
         layout = Layout(low, rank, tuple(sorted(kron.items())), dora, self.max_slots)
         count = self.max_slots
@@ -305,8 +315,9 @@ class AdapterSlots:
         for path in layout.low:
             layers, d_in, d_out = shape(path)
             total += layers * (d_in + d_out) * layout.rank * slots * self.dtype.itemsize
-        for path, (terms, a, b, c, d) in layout.kron:
-            total += shape(path)[0] * slots * terms * (a * b + c * d) * self.dtype.itemsize
+        for path, groups in layout.kron:
+            for terms, a, b, c, d in groups:
+                total += shape(path)[0] * slots * terms * (a * b + c * d) * self.dtype.itemsize
         for path in layout.dora:
             layers, _, d_out = shape(path)
             total += layers * (d_out + slots * (3 * d_out + 1)) * wide
@@ -351,10 +362,6 @@ def _loaded(info: LoraInfo, updates) -> Loaded:
         )
         krons = [u for u in group if isinstance(u.form, kinds.Kronecker)]
         doras = [u for u in group if u.magnitude is not None]
-        if len({(u.form.w1.shape, u.form.w2.shape) for u in krons}) > 1:
-            raise InputError(
-                f"{where}: LoKr updates of different factor shapes on one layer; merge this LoRA (--lora) instead"
-            )
         if doras and len(group) > 1:
             raise InputError(
                 f"{where}: a DoRA update and another on one layer; merge this LoRA (--lora) instead"
@@ -377,32 +384,6 @@ def _kind(found: set[str]) -> str:
     if "DoRA" in found and found - {"DoRA"} == {"LoRA"}:
         return "DoRA"
     return "+".join(sorted(found - {"DoRA"}) + ["DoRA"] * ("DoRA" in found)) or "LoRA"
-
-
-def _kron_shape(part: Part) -> tuple[int, int, int, int]:
-    (a, b), (c, d) = (w.shape for w in part.kron[0])
-    return a, b, c, d
-
-
-def _check_kronecker(lora: Loaded, others) -> None:
-    """An `InputError` if `lora` has Kronecker factors of other shapes than another loaded LoKr (or itself
-    on another layer) on a path: a path's slots hold one shape."""
-    shapes = {}
-    for other in [*others, lora]:
-        for (path, _), part in other.parts.items():
-            if not part.kron:
-                continue
-            shape, (first, name) = (
-                _kron_shape(part),
-                shapes.setdefault(path, (_kron_shape(part), other.info.name)),
-            )
-            if shape != first:
-                whose = "on another layer" if name == lora.info.name else f"LoRA {name!r}'s are {first}"
-                raise InputError(
-                    f"LoRA {lora.info.name!r}: its LoKr factors on {'.'.join(map(str, path))} are {shape} (a, b, "
-                    f"c, d), {whose}; the loaded LoKrs share one factor shape per Linear: merge one of them "
-                    "(--lora) instead"
-                )
 
 
 @jax.jit

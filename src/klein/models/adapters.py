@@ -6,8 +6,9 @@ the full matrix, and DoRA's per-output-row gain on the product.
 Axes: B images of the batch, I in features, O out features, S slots, K = S x R (slot rank R). A targeted
 Linear holds a `Slots` module of `Factor` variables, each layer-major (a leading L axis on a stack's,
 sliced with the layer's kernel), those of the kinds its loaded adapters have: `down` float[L?, I, K] and
-`up` float[L?, K, O]; `w1` float[L?, S, T, a, b] and `w2` float[L?, S, T, c, d] (slot s's update the sum
-over T terms of kron(w1, w2), O = a c, I = b d); and DoRA's float32 `norm` [L?, O] (||W_o||^2 of the weight in use), `cross` [L?, S, O]
+`up` float[L?, K, O]; per Kronecker shape g (one for each (a, b, c, d) the loaded LoKrs have on the Linear),
+`w1_g` float[L?, S, T, a, b] and `w2_g` float[L?, S, T, c, d] (slot s's update the sum over T terms of
+kron(w1, w2), O = a c, I = b d); and DoRA's float32 `norm` [L?, O] (||W_o||^2 of the weight in use), `cross` [L?, S, O]
 (<W_o, D_o>), `square` [L?, S, O] (||D_o||^2), `magnitude` [L?, S, O] and `dora` [L?, S] (1 where the
 slot's update on this layer is DoRA). The batch's `rows` float32[B, K + 2 S] hold the low-rank columns'
 weights, then each slot's strength, then whether the row uses the slot (0 or 1).
@@ -22,8 +23,8 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from flax import nnx
 
-PARTS = ("down", "up", "w1", "w2", "norm", "cross", "square", "magnitude", "dora")
-"""The arrays a Linear's slots may hold (see the module's doc)."""
+PARTS = ("down", "up", "norm", "cross", "square", "magnitude", "dora")
+"""The arrays a Linear's slots may hold (see the module's doc), beside the Kronecker factors `w1_g`, `w2_g`."""
 
 
 class Factor(nnx.Variable):
@@ -31,11 +32,16 @@ class Factor(nnx.Variable):
 
 
 class Slots(nnx.Module):
-    """The adapter slots' arrays of one Linear (`PARTS`; None for a kind none of its adapters has)."""
+    """The adapter slots' arrays of one Linear (`PARTS`, None for a kind none of its adapters has; and
+    `groups` pairs of Kronecker factors `w1_g`, `w2_g`)."""
 
     def __init__(self, arrays: Mapping[str, object]):
         for name in PARTS:
             setattr(self, name, Factor(arrays[name]) if name in arrays else nnx.data(None))
+        self.groups = sum(name.startswith("w1_") for name in arrays)
+        for group in range(self.groups):
+            for name in (f"w1_{group}", f"w2_{group}"):
+                setattr(self, name, Factor(arrays[name]))
 
 
 Bank = Mapping[tuple, Mapping[str, object]]
@@ -85,7 +91,7 @@ def term(x, slots: Slots, outputs: slice = slice(None)):
         raise RuntimeError("a Linear with adapters ran outside `adapters.weighting`")
     if x.shape[0] != rows.shape[0]:
         rows = rows[:1]
-    down, up, w1, w2 = (_value(getattr(slots, name)) for name in ("down", "up", "w1", "w2"))
+    down, up = _value(slots.down), _value(slots.up)
     k = 0 if down is None else down.shape[-1]
     count = (rows.shape[1] - k) // 2
     strengths, used = rows[:, k : k + count], rows[:, k + count :]
@@ -109,7 +115,8 @@ def term(x, slots: Slots, outputs: slice = slice(None)):
                 "b...k,bko->b...o", low.astype(up.dtype), scaled.astype(up.dtype),
                 preferred_element_type=jnp.float32,
             )  # fmt: skip
-    if w1 is not None:
+    for group in range(slots.groups):
+        w1, w2 = getattr(slots, f"w1_{group}")[...], getattr(slots, f"w2_{group}")[...]
         for slot in range(count):
             weight = strengths[:, slot, None]
             if gains is not None:
