@@ -96,7 +96,7 @@ def timing(tokens: int, repeat: int) -> None:
         kinds = {
             "LoRA rank 16": dict(down=normal(d_in, SLOTS * 16), up=normal(SLOTS * 16, d_out)),
             "LoHa 8 x 8 (rank 64)": dict(down=normal(d_in, SLOTS * 64), up=normal(SLOTS * 64, d_out)),
-            "LoKr factor -1": dict(w1=normal(SLOTS, 1, a, b), w2=normal(SLOTS, 1, c, d)),
+            "LoKr factor -1": dict(w1_0=normal(SLOTS, 1, a, b), w2_0=normal(SLOTS, 1, c, d)),
             "DoRA rank 16": dict(
                 down=normal(d_in, SLOTS * 16),
                 up=normal(SLOTS * 16, d_out),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from klein.errors import InputError
 from klein.io import demo
 from klein.lora import kinds, slots
 from klein.lora.files import LoraInfo
@@ -82,10 +83,12 @@ def _expected(x, weight, uses, forms):
     return out
 
 
-def _slots(cfg, linears, path, forms, monkeypatch):
-    """Adapter slots with `forms` loaded under their names, on the kernel at `path` (layer `LAYER`)."""
+def _slots(cfg, linears, path, forms, monkeypatch, extra=None):
+    """Adapter slots with `forms` loaded under their names, on the kernel at `path` (layer `LAYER`), each
+    with the update `extra` beside it on that layer if given."""
+    also = [] if extra is None else [Update((*path, "kernel"), LAYER, *extra)]
     updates = {
-        name: [Update((*path, "kernel"), LAYER, form, scale, magnitude)]
+        name: [Update((*path, "kernel"), LAYER, form, scale, magnitude), *also]
         for name, (form, scale, magnitude) in forms.items()
     }
     monkeypatch.setattr(slots, "read_lora", lambda spec: _Read(LoraInfo(spec, 1.0, "0" * 64)))
@@ -266,3 +269,13 @@ def test_a_lokr_of_other_factor_shapes_than_a_loaded_one_runs_beside_it(pipes, k
     )
     assert np.abs(got.images[:1] - want).max() <= PARITY
     assert np.abs(got.images[1:] - kinds_loaded[1]["lokr"]).max() <= PARITY
+
+
+def test_a_dora_beside_another_update_on_one_layer_is_refused(linear, monkeypatch):
+    cfg, linears = linear
+    weight = np.asarray(linears[PATH].kernel[...])[LAYER].T
+    forms = _forms(weight.shape, 3)
+    with pytest.raises(
+        InputError, match=r"'both', transformer_blocks.attn.to_q layer 1: a DoRA update and another"
+    ):
+        _slots(cfg, linears, PATH, {"both": forms["dora"]}, monkeypatch, extra=forms["lora"])
