@@ -279,3 +279,25 @@ def test_a_dora_beside_another_update_on_one_layer_is_refused(linear, monkeypatc
         InputError, match=r"'both', transformer_blocks.attn.to_q layer 1: a DoRA update and another"
     ):
         _slots(cfg, linears, PATH, {"both": forms["dora"]}, monkeypatch, extra=forms["lora"])
+
+
+@pytest.mark.parametrize("form", ["plain", "int8", "fp8", "fp8-file"])
+def test_the_weight_doras_norms_read_is_the_one_the_product_multiplies(form):
+    """`products.dense` (DoRA's W, dequantised) equals the Linear's product with the identity, for every
+    stored form that is not blocks (those widen through `products.unpacked`, tested with the blocks)."""
+    from klein.models import products
+
+    layer = layers.Linear(32, 48, nnx.Rngs(0), jnp.float32)
+    if form != "plain":
+        kernel = np.asarray(layer.kernel[...])
+        layers.store(layer, {(): layers.SHIPPED_FP8 if form == "fp8-file" else layers.quantised(form)})
+        if form == "fp8-file":
+            layer.kernel[...] = jnp.asarray(kernel * 4, jnp.float8_e4m3fn)
+            layer.weight_scale[...] = jnp.float32(0.25)
+        else:
+            values, scales = products.quantise(kernel.T, form, -1)
+            layer.weight[...], layer.weight_scale[...] = jnp.asarray(values), jnp.asarray(scales[:, 0])
+    eye = jnp.eye(32, dtype=jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(products.dense(layer.stored())).T, np.asarray(layer(eye)), rtol=1e-6
+    )
