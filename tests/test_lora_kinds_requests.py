@@ -301,3 +301,21 @@ def test_the_weight_doras_norms_read_is_the_one_the_product_multiplies(form):
     np.testing.assert_allclose(
         np.asarray(products.dense(layer.stored())).T, np.asarray(layer(eye)), rtol=1e-6
     )
+
+
+def test_kv_references_prefilled_under_a_lokr_with_dora_per_request_equal_it_merged(pipes, kinds_loaded):
+    """klein-9b-kv's edits: the references' keys and values are prefilled under the request's LoKr + DoRA
+    (its gain on the prefill's shared rows), as with it merged."""
+    from tests.support.pictures import picture
+
+    pipe, (files, _) = pipes("kv"), kinds_loaded
+    pipe.load_lora("lokr-dora", files["lokr-dora"])
+    image, run = picture(96, 64, 1), dict(seed=3, num_inference_steps=2, output_type="np")
+    got = pipe("a cat", references=pipe.encode_references(image), loras=[("lokr-dora", 0.7)], **run).images
+    pipe.set_loras([(files["lokr-dora"], 0.7)])
+    try:
+        want = pipe("a cat", image=image, **run).images
+    finally:
+        pipe.set_loras([])
+    assert np.abs(got - want).max() <= PARITY
+    assert np.abs(pipe("a cat", image=image, **run).images - want).max() > 100 * PARITY
