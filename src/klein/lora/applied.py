@@ -53,7 +53,7 @@ class Loras:
         return self.slots.load(name, lora)
 
     def rows(self, sets: Sequence[Sequence], per_set: int = 1) -> tuple[dict, np.ndarray] | None:
-        """(bank, rows float32[images, S * R]) for `per_set` images under each set of unmerged LoRAs
+        """(bank, rows float32[images, S * R + 2 S]) for `per_set` images under each set of unmerged LoRAs
         (`LoraUse`s) of `sets`, one row per image; None when no set names any."""
         if not any(sets):
             return None
