@@ -5,6 +5,7 @@ and the images diffusers draws with those weights; what cannot be applied is ref
 
 import copy
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -16,10 +17,14 @@ from klein.errors import CheckpointError
 from klein.io.transformer_file import load_transformer_file
 from klein.lora import kinds
 from klein.lora.loading import lora_updates, read_lora
+from klein.lora.merge import merge_kernel
+from klein.lora.targets import Update
+from klein.models import products
 from klein.models.stacks import as_float
+from klein.pipeline.loading import load_pipeline
 from tests.support import lora_files as lf
 from tests.support import lyco_files as ly
-from tests.support.bfl_files import to_bfl, write_safetensors
+from tests.support.bfl_files import quantize_fp8, to_bfl, write_safetensors
 from tests.support.compare import max_abs
 from tests.test_pipeline import MAX_ABS, compare, picture
 
@@ -190,6 +195,33 @@ def test_dora_image_equals_diffusers(pipes, tiny_pipelines, cases):
         ours.set_loras([])
 
 
+@pytest.mark.parametrize(("layout", "naming", "factor"), [("bfl", "bfl", -1), ("lycoris", "diffusers", 4)])
+def test_lokr_images_equal_diffusers_reading_the_file(
+    pipes, tiny_pipelines, tmp_path, layout, naming, factor
+):
+    """diffusers 0.42.1 reads LoKr for FLUX.2 in ai-toolkit's BFL names (fusing its q/k/v projections for
+    the fused qkv, whose factors here do not split at q, k, v) and in LyCORIS's names (blocks only); it maps
+    the final adaLN without swapping its halves, so that module is left out."""
+    ours, (_, reference) = pipes("distilled"), tiny_pipelines("distilled")
+    rng = np.random.default_rng(6)
+    shapes = lf.linear_shapes(ours.config, naming)
+    if layout == "lycoris":
+        shapes = {
+            m: s for m, s in shapes.items() if m.startswith(("transformer_blocks", "single_transformer_"))
+        }
+    modules = {m: ly.lokr(s, rng, factor=factor, alpha=1.0) for m, s in shapes.items() if "adaLN" not in m}
+    file = ly.write(tmp_path / f"{layout}.safetensors", modules, layout)
+    ours.set_loras([(file, STRENGTH)])
+    try:
+        reference.load_lora_weights(str(file), adapter_name="a")
+        reference.set_adapters(["a"], adapter_weights=[STRENGTH])
+        compare(ours, reference, "a red fox", 1, 48, 64, **T2I)
+    finally:
+        reference.unload_lora_weights()
+        reference.transformer.unfuse_qkv_projections()  # diffusers fused them for the BFL file
+        ours.set_loras([])
+
+
 def _updates(tensors: dict[str, np.ndarray], tmp_path, cfg):
     file = tmp_path / "adapter.safetensors"
     save_file(
@@ -301,3 +333,50 @@ def test_a_peft_dora_file_reads_as_peft_writes_it(cases):
     adapter = next(a for a in read_lora(cases["dora-peft"][0]).parsed.adapters if a.module == "proj_out")
     np.testing.assert_array_equal(adapter.magnitude, tensors[key].numpy())
     assert adapter.kind == "LoRA with DoRA" and adapter.scale == 2.0
+
+
+def test_kinds_merge_into_fp8_under_stream_as_into_dequantised_weights(tiny_pipelines, cases, tmp_path):
+    """An FP8 transformer with LoRA, LoKr, LoHa and DoRA modules merged under residency `stream` (stacks in
+    host memory, merged there layer by layer) equals the FP8 weights dequantised at load with them merged."""
+    folder, reference = tiny_pipelines("distilled")
+    tensors, metadata = quantize_fp8(to_bfl(reference.transformer.state_dict()))
+    parts = dict(text_encoder=folder, vae=folder / "vae")
+    parts["transformer"] = write_safetensors(tmp_path / "klein-tiny-fp8.safetensors", tensors, metadata)
+    spec = [(cases["mixed-kohya"][0], STRENGTH)]
+    streamed = _kernels(load_pipeline(**parts, residency="stream", loras=spec)._loras.weights.state)
+    want = _kernels(load_pipeline(**parts, dequantize=True, loras=spec)._loras.weights.state)
+    for path in want:
+        if path[-1] == "kernel":
+            scale = streamed.get((*path[:-1], "weight_scale"), np.ones((), np.float32))
+            got = streamed[path] * scale.reshape(scale.shape + (1,) * (streamed[path].ndim - scale.ndim))
+            np.testing.assert_allclose(got, want[path], atol=1e-6, rtol=0, err_msg=str(path))
+
+
+def test_dora_on_a_kernel_stored_out_in_for_8_bit_products():
+    """A kernel stored [out, in] for an 8-bit product (per-channel scales): a LoKr and a LoHa with DoRA
+    merge to PEFT's rule on the dequantised weight (rows: the kernel's first axis after the layer's),
+    quantised again per output channel."""
+    rng = np.random.default_rng(5)
+    out, fan_in = 24, 16
+    weight = rng.standard_normal((2, out, fan_in)).astype(np.float32) / 4
+    kernel, scale = products.quantise(weight, "fp8", -1)
+    kernel, scale = np.asarray(kernel), np.asarray(scale)[..., 0]
+    kron = kinds.Kronecker(ly.normal(rng, 4, 4) / 8, ly.normal(rng, 6, 4))
+    hada = kinds.Hadamard(
+        *(kinds.LowRank(ly.normal(rng, 2, fan_in), ly.normal(rng, out, 2) / 3) for _ in "12")
+    )
+    magnitude = rng.uniform(0.5, 1.5, out).astype(np.float32)
+    updates = [
+        (Update(("k",), 1, kron, 0.5, None), 0.8),
+        (Update(("k",), 1, hada, 2.0, magnitude), 0.6),
+    ]
+    got, ones = merge_kernel(kernel, scale, updates, jnp.float32, out_in=True)
+    base = np.asarray(kernel, np.float64) * scale[..., None]
+    want = base[1] + 0.4 * kron.delta() + 1.2 * hada.delta()
+    want = magnitude[:, None] / np.linalg.norm(want, axis=1, keepdims=True) * want
+    np.testing.assert_allclose(np.asarray(as_float(got))[1], want, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(as_float(got))[0], base[0], atol=1e-7)  # untouched layer
+    np.testing.assert_array_equal(ones, np.ones((2, out), np.float32))
+    quantised, scales = merge_kernel(kernel, scale, updates, jnp.float32, out_in=True, compute="fp8")
+    again = np.asarray(as_float(quantised)).astype(np.float32) * scales[..., None]
+    np.testing.assert_allclose(again[1], want, atol=0.07 * np.abs(want).max())  # fp8: 3 mantissa bits
