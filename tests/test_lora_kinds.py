@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from lycoris import LycorisNetwork, create_lycoris
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 
@@ -157,6 +158,40 @@ IMAGES = {
     "loha-kohya": ("distilled", None),
     "lokr-lycoris": ("kv", (96, 64)),
 }
+
+
+def test_a_file_lycoris_writes_merges_as_lycoris_merges_it(pipes, tiny_pipelines, tmp_path):
+    """`create_lycoris` on the diffusers transformer (as SimpleTuner trains: LoKr with DoRA, `lycoris_` names),
+    saved by `save_weights`: at strength 1 klein merges each module as its lycoris module does (W + its
+    weight, then `apply_weight_decompose`; at 1 lycoris' multiplier rule and PEFT's agree)."""
+    ours, (_, reference) = pipes("distilled"), tiny_pipelines("distilled")
+    model = copy.deepcopy(reference.transformer)
+    LycorisNetwork.apply_preset({"target_module": ["Flux2Attention", "Flux2FeedForward"], "target_name": []})
+    network = create_lycoris(model, 1.0, linear_dim=2, linear_alpha=1.0, algo="lokr", factor=4, dora_wd=True)
+    network.apply_to()
+    torch.manual_seed(7)
+    state = _state(reference)
+    with torch.no_grad():
+        for module in network.loras:
+            for name, param in module.named_parameters():
+                if name != "dora_scale":
+                    param.normal_(std=0.3)
+                else:
+                    param.mul_(torch.empty_like(param).uniform_(0.7, 1.3))
+            key = module.lora_name.removeprefix("lycoris_")
+            key = next(k for k in state if k.replace(".", "_") == f"{key}_weight")
+            weight = state[key] + module.get_weight(module.shape)
+            state[key] = module.apply_weight_decompose(weight, 1.0).float()
+    file = tmp_path / "lycoris.safetensors"
+    network.save_weights(str(file), torch.float32, None)
+    want = _as_klein(state, tmp_path)
+    ours.set_loras([file])
+    try:
+        got = _kernels(ours._loras.weights.state)
+    finally:
+        ours.set_loras([])
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
 
 
 @pytest.mark.parametrize("name", IMAGES)

@@ -52,6 +52,10 @@ _EXTRA = ("magnitude", "dora_scale", "alpha")
 # Tensor name patterns of adapter kinds klein does not apply -> the name users know them by.
 _UNSUPPORTED = {
     r"\.oft_(blocks|r)|\.oft_diag": "OFT (orthogonal fine-tuning)",
+    r"\.a1\.weight$": "GLoRA (lycoris generalised LoRA)",
+    r"\.on_input$": "(IA)^3 (lycoris scaling vectors)",
+    r"\.w_norm$": "norm layer (lycoris norm fine-tuning)",
+    r"\.lambda_layer$": "T-LoRA",
     r"\.lora_[AB]\.bias$|\.lora_(up|down)\.bias$": "LoRA with biases (FLUX.2 Linears have none)",
     r"\.diff(_b)?$": "full weight differences",
 }
