@@ -194,6 +194,46 @@ def test_a_file_lycoris_writes_merges_as_lycoris_merges_it(pipes, tiny_pipelines
         np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
 
 
+@pytest.mark.parametrize("config", ["LoKrConfig", "LoHaConfig"])
+def test_peft_lokr_and_loha_merge_as_peft_merges_them(pipes, tiny_pipelines, tmp_path, config):
+    """PEFT's own LoKr / LoHa adapters saved by diffusers (`transformer.` names, `alpha` and `r` in the
+    header, no `.alpha` tensors): PEFT's scale alpha / r, for whole halves too."""
+    import peft
+    from diffusers.training_utils import _collate_lora_metadata
+    from peft.tuners.lycoris_utils import LycorisLayer
+    from peft.utils import get_peft_model_state_dict
+
+    ours, (_, reference) = pipes("distilled"), tiny_pipelines("distilled")
+    model = copy.deepcopy(reference.transformer)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    torch.manual_seed(8)
+    model.add_adapter(getattr(peft, config)(r=4, alpha=2.0, target_modules=linears, init_weights=False))
+    type(reference).save_lora_weights(
+        tmp_path,
+        transformer_lora_layers=get_peft_model_state_dict(model),
+        weight_name="peft.safetensors",
+        **_collate_lora_metadata({"transformer": model}),
+    )
+    state = _state(reference)
+    for name, module in model.named_modules():
+        if isinstance(module, LycorisLayer):
+            module.set_scale("default", STRENGTH)
+            module.merge()
+            state[f"{name}.weight"] = module.get_base_layer().weight.detach().clone()
+    want = _as_klein(state, tmp_path)
+    ours.set_loras([(tmp_path / "peft.safetensors", STRENGTH)])
+    try:
+        got = _kernels(ours._loras.weights.state)
+    finally:
+        ours.set_loras([])
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
+    assert (
+        max_abs(got[("proj_out", "kernel")], _as_klein(_state(reference), tmp_path)[("proj_out", "kernel")])
+        > 0.01
+    )
+
+
 @pytest.mark.parametrize("name", IMAGES)
 def test_images_equal_diffusers_with_lycoris_weights(pipes, tiny_pipelines, cases, name):
     """diffusers' pipeline with the weights lycoris merges draws what klein draws with the file merged
