@@ -99,6 +99,35 @@ def _kernels(state) -> dict:
     }
 
 
+def _merged_kernels(ours, specs) -> dict:
+    """klein's kernels with `specs` merged (the set emptied again after)."""
+    ours.set_loras(specs)
+    try:
+        return _kernels(ours._loras.weights.state)
+    finally:
+        ours.set_loras([])
+
+
+def _assert_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
+
+
+def _compare_diffusers_reading(ours, reference, file) -> None:
+    """klein with `file` merged against diffusers reading it (`load_lora_weights`), text-to-image."""
+    ours.set_loras([(file, STRENGTH)])
+    try:
+        reference.load_lora_weights(str(file), adapter_name="a")
+        reference.set_adapters(["a"], adapter_weights=[STRENGTH])
+        compare(ours, reference, "a red fox", 1, 48, 64, **T2I)
+    finally:
+        reference.unload_lora_weights()
+        if getattr(reference.transformer.transformer_blocks[0].attn, "fused_projections", False):
+            reference.transformer.unfuse_qkv_projections()  # diffusers fused them for a BFL LoKr
+        ours.set_loras([])
+
+
 def _as_klein(state: dict[str, torch.Tensor], tmp_path) -> dict:
     """klein's kernels of a diffusers state dict, read as a BFL checkpoint file."""
     file = write_safetensors(tmp_path / "reference.safetensors", to_bfl(state))
@@ -126,14 +155,7 @@ def test_merged_weights_equal_lycoris(pipes, tiny_pipelines, cases, name, tmp_pa
     ours, (_, reference) = pipes("distilled"), tiny_pipelines("distilled")
     file, modules, naming = cases[name]
     want = _as_klein(ly.merged_state(_state(reference), modules, naming, STRENGTH), tmp_path)
-    ours.set_loras([(file, STRENGTH)])
-    try:
-        got = _kernels(ours._loras.weights.state)
-    finally:
-        ours.set_loras([])
-    assert got.keys() == want.keys()
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
+    _assert_weights(_merged_kernels(ours, [(file, STRENGTH)]), want)
 
 
 def test_dora_after_another_adapter_equals_peft(pipes, tiny_pipelines, cases, tmp_path):
@@ -144,13 +166,7 @@ def test_dora_after_another_adapter_equals_peft(pipes, tiny_pipelines, cases, tm
     dora = cases["dora-peft"][0]
     first = ly.merged_state(_state(reference), modules, naming, 0.6)
     want = _as_klein(_peft_merged(reference, first, dora, STRENGTH), tmp_path)
-    ours.set_loras([(loha, 0.6), (dora, STRENGTH)])
-    try:
-        got = _kernels(ours._loras.weights.state)
-    finally:
-        ours.set_loras([])
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
+    _assert_weights(_merged_kernels(ours, [(loha, 0.6), (dora, STRENGTH)]), want)
 
 
 IMAGES = {
@@ -185,13 +201,7 @@ def test_a_file_lycoris_writes_merges_as_lycoris_merges_it(pipes, tiny_pipelines
     file = tmp_path / "lycoris.safetensors"
     network.save_weights(str(file), torch.float32, None)
     want = _as_klein(state, tmp_path)
-    ours.set_loras([file])
-    try:
-        got = _kernels(ours._loras.weights.state)
-    finally:
-        ours.set_loras([])
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
+    _assert_weights(_merged_kernels(ours, [file]), want)
 
 
 @pytest.mark.parametrize("config", ["LoKrConfig", "LoHaConfig"])
@@ -221,13 +231,8 @@ def test_peft_lokr_and_loha_merge_as_peft_merges_them(pipes, tiny_pipelines, tmp
             module.merge()
             state[f"{name}.weight"] = module.get_base_layer().weight.detach().clone()
     want = _as_klein(state, tmp_path)
-    ours.set_loras([(tmp_path / "peft.safetensors", STRENGTH)])
-    try:
-        got = _kernels(ours._loras.weights.state)
-    finally:
-        ours.set_loras([])
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], atol=WEIGHTS, rtol=0, err_msg=str(path))
+    got = _merged_kernels(ours, [(tmp_path / "peft.safetensors", STRENGTH)])
+    _assert_weights(got, want)
     assert (
         max_abs(got[("proj_out", "kernel")], _as_klein(_state(reference), tmp_path)[("proj_out", "kernel")])
         > 0.01
@@ -260,14 +265,7 @@ def test_dora_image_equals_diffusers(pipes, tiny_pipelines, cases):
     """PEFT's DoRA, unmerged in diffusers (`load_lora_weights`), draws what klein draws with it merged."""
     ours, (_, reference) = pipes("distilled"), tiny_pipelines("distilled")
     file = cases["dora-peft"][0]
-    ours.set_loras([(file, STRENGTH)])
-    try:
-        reference.load_lora_weights(str(file), adapter_name="d")
-        reference.set_adapters(["d"], adapter_weights=[STRENGTH])
-        compare(ours, reference, "a red fox", 1, 48, 64, **T2I)
-    finally:
-        reference.unload_lora_weights()
-        ours.set_loras([])
+    _compare_diffusers_reading(ours, reference, file)
 
 
 @pytest.mark.parametrize(("layout", "naming", "factor"), [("bfl", "bfl", -1), ("lycoris", "diffusers", 4)])
@@ -286,15 +284,7 @@ def test_lokr_images_equal_diffusers_reading_the_file(
         }
     modules = {m: ly.lokr(s, rng, factor=factor, alpha=1.0) for m, s in shapes.items() if "adaLN" not in m}
     file = ly.write(tmp_path / f"{layout}.safetensors", modules, layout)
-    ours.set_loras([(file, STRENGTH)])
-    try:
-        reference.load_lora_weights(str(file), adapter_name="a")
-        reference.set_adapters(["a"], adapter_weights=[STRENGTH])
-        compare(ours, reference, "a red fox", 1, 48, 64, **T2I)
-    finally:
-        reference.unload_lora_weights()
-        reference.transformer.unfuse_qkv_projections()  # diffusers fused them for the BFL file
-        ours.set_loras([])
+    _compare_diffusers_reading(ours, reference, file)
 
 
 def _updates(tensors: dict[str, np.ndarray], tmp_path, cfg):
