@@ -373,10 +373,11 @@ def test_scale_rules(pipes, tmp_path):
         "lokr": ly.lokr((32, 32), rng, factored=("w1",), rank=2, alpha=3.0),
         "lokr-whole": ly.lokr((32, 32), rng, factored=(), alpha=3.0),
         "lokr-no-alpha": ly.lokr((32, 32), rng),
+        "locon": ly.lora((32, 32), rng, rank=4, alpha=2.0),  # LoCon: a LoRA under LyCORIS's names
     }
     for name, parts in cases.items():
         (update,), _ = _updates({f"{module}.{k}": v for k, v in parts.items()}, tmp_path, cfg)
-        want = {"loha": 0.5, "lokr": 1.5, "lokr-whole": 1.0, "lokr-no-alpha": 1.0}[name]
+        want = {"loha": 0.5, "lokr": 1.5, "lokr-whole": 1.0, "lokr-no-alpha": 1.0, "locon": 0.5}[name]
         assert update.scale == want, name
         np.testing.assert_allclose(update.scale * update.form.delta(), ly.delta(parts).numpy(), atol=1e-6)
     parts = ly.lokr((32, 32), rng, factored=(), alpha=3.0)
