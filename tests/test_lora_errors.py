@@ -129,6 +129,8 @@ def test_not_a_lora(tmp_path, tiny_transformer):
         ((".oft_blocks",), "OFT"),
         ((".lora_A.weight", ".lora_B.weight", ".lora_B.bias"), "LoRA with biases"),
         ((".diff",), "full weight differences"),
+        ((".a1.weight", ".a2.weight", ".b1.weight", ".b2.weight"), "GLoRA"),
+        ((".weight", ".on_input"), "(IA)^3"),
     ],
 )
 def test_unsupported_adapter_kinds_are_refused_by_name(tmp_path, suffixes, kind):

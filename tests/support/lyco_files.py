@@ -37,7 +37,7 @@ def write(path: Path, modules: dict[str, Module], layout: str) -> Path:
     return path
 
 
-def _normal(rng, *shape) -> np.ndarray:
+def normal(rng, *shape) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
 
 
@@ -61,12 +61,12 @@ def lokr(
     parts = {}
     for half, (rows, cols) in (("w1", (a, b)), ("w2", (c, d))):
         if half not in factored:
-            parts[f"lokr_{half}"] = _normal(rng, rows, cols)
+            parts[f"lokr_{half}"] = normal(rng, rows, cols)
         elif tucker and half == "w2":
-            parts |= {"lokr_w2_a": _normal(rng, rank, rows), "lokr_t2": _normal(rng, rank, rank)}
-            parts["lokr_w2_b"] = _normal(rng, rank, cols)
+            parts |= {"lokr_w2_a": normal(rng, rank, rows), "lokr_t2": normal(rng, rank, rank)}
+            parts["lokr_w2_b"] = normal(rng, rank, cols)
         else:
-            parts |= {f"lokr_{half}_a": _normal(rng, rows, rank), f"lokr_{half}_b": _normal(rng, rank, cols)}
+            parts |= {f"lokr_{half}_a": normal(rng, rows, rank), f"lokr_{half}_b": normal(rng, rank, cols)}
     return _sized(parts, alpha)
 
 
@@ -77,10 +77,10 @@ def loha(
     out, fan_in = shape
     parts = {}
     for i in "12":
-        up = _normal(rng, rank, out) if tucker else _normal(rng, out, rank)
-        parts |= {f"hada_w{i}_a": up, f"hada_w{i}_b": _normal(rng, rank, fan_in)}
+        up = normal(rng, rank, out) if tucker else normal(rng, out, rank)
+        parts |= {f"hada_w{i}_a": up, f"hada_w{i}_b": normal(rng, rank, fan_in)}
         if tucker:
-            parts[f"hada_t{i}"] = _normal(rng, rank, rank)
+            parts[f"hada_t{i}"] = normal(rng, rank, rank)
     return _sized(parts, alpha)
 
 
@@ -88,7 +88,7 @@ def lora(shape: tuple[int, int], rng, *, rank: int = 4, alpha: float | None = No
     """A LoRA (LoCon) module as kohya writes it."""
     out, fan_in = shape
     return _sized(
-        {"lora_up.weight": _normal(rng, out, rank), "lora_down.weight": _normal(rng, rank, fan_in)}, alpha
+        {"lora_up.weight": normal(rng, out, rank), "lora_down.weight": normal(rng, rank, fan_in)}, alpha
     )
 
 

@@ -52,6 +52,10 @@ _EXTRA = ("magnitude", "dora_scale", "alpha")
 # Tensor name patterns of adapter kinds klein does not apply -> the name users know them by.
 _UNSUPPORTED = {
     r"\.oft_(blocks|r)|\.oft_diag": "OFT (orthogonal fine-tuning)",
+    r"\.a1\.weight$": "GLoRA (lycoris generalised LoRA)",
+    r"\.on_input$": "(IA)^3 (lycoris scaling vectors)",
+    r"\.w_norm$": "norm layer (lycoris norm fine-tuning)",
+    r"\.lambda_layer$": "T-LoRA",
     r"\.lora_[AB]\.bias$|\.lora_(up|down)\.bias$": "LoRA with biases (FLUX.2 Linears have none)",
     r"\.diff(_b)?$": "full weight differences",
 }
@@ -162,16 +166,15 @@ def _adapter(key, prefix, tensors, parts: dict[str, str], alphas, where) -> Adap
                 f"{where}: '{parts[part]}' has shape {array.shape}, not a matrix (convolution adapters "
                 "do not apply to FLUX.2, whose adapted layers are all Linear)"
             )
-    alpha = get.get("alpha")
-    alpha = None if alpha is None else float(alpha.reshape(-1)[0])
     kind = kinds_found.pop()
     module = key.removeprefix(prefix)
-    if kind == "LoRA":
-        form, scale = _low_rank(get, parts, module, alpha, alphas, where)
-    elif kind == "LoHa":
-        form, scale = _hadamard(get, parts, key, alpha, where)
+    form, rank = {"LoRA": _low_rank, "LoHa": _hadamard, "LoKr": _kronecker}[kind](get, parts, key, where)
+    alpha = get.get("alpha")
+    if alpha is not None:
+        alpha = float(alpha.reshape(-1)[0])
+        scale = alpha / rank if kind == "LoRA" else _lycoris_scale(alpha, rank)
     else:
-        form, scale = _kronecker(get, parts, key, alpha, where)
+        scale = 1.0 if alphas is None else alphas(module, rank)
     ordered = dict(sorted(parts.items(), key=lambda item: item[0] in _EXTRA))  # the form's parts first
     return Adapter(key, module, form, scale, _magnitude(get, parts, form, where), ordered)
 
@@ -192,22 +195,24 @@ def _chain(where: str, parts: dict[str, str], *pairs: tuple[str, np.ndarray, str
             )
 
 
-def _low_rank(get, parts, module, alpha, alphas, where) -> tuple[kinds.LowRank, float]:
+def _low_rank(get, parts, key, where) -> tuple[kinds.LowRank, int]:
+    """LoRA / LoCon: up float[out, r] @ down float[r, in]; (form, r)."""
     down, up = get["down"], get["up"]
     _chain(where, parts, ("up", up, "down", down))
-    rank = down.shape[0]
-    return kinds.LowRank(down, up), alphas(module, rank) if alpha is None else alpha / rank
+    return kinds.LowRank(down, up), down.shape[0]
 
 
-def _lycoris_scale(alpha: float | None, rank: int) -> float:
-    """LyCORIS's alpha rule for LoHa and LoKr: alpha / rank, an absent or zero alpha counting as the rank
-    (its saved `alpha` is already alpha * rank / sqrt(rank) for rs_lora, so the rule holds there too)."""
-    return 1.0 if not alpha else alpha / rank
+def _lycoris_scale(alpha: float, rank: int | None) -> float:
+    """LyCORIS's alpha rule for LoHa and LoKr: alpha / rank, a zero alpha counting as the rank (its saved
+    `alpha` is already alpha * rank / sqrt(rank) for rs_lora, so the rule holds there too); 1 for a LoKr
+    of two whole halves (rank None), whose alpha lycoris ignores."""
+    return 1.0 if not alpha or rank is None else alpha / rank
 
 
-def _hadamard(get, parts, key, alpha, where) -> tuple[kinds.Hadamard, float]:
+def _hadamard(get, parts, key, where) -> tuple[kinds.Hadamard, int]:
     """LoHa: (w1_a @ w1_b) ⊙ (w2_a @ w2_b), w*_a float[out, r], w*_b float[r, in]; with Tucker cores t1, t2
-    float[r, r] the ups are w*_a.T @ t* (w*_a then float[r, out]), as lycoris rebuilds them."""
+    float[r, r] the ups are w*_a.T @ t* (w*_a then float[r, out]), as lycoris rebuilds them. (form, the rank:
+    hada_w1_b's first axis)."""
     _require(parts, key, "LoHa", ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"), where)
     if ("hada_t1" in parts) != ("hada_t2" in parts):
         _require(parts, key, "Tucker LoHa", ("hada_t1", "hada_t2"), where)
@@ -226,13 +231,13 @@ def _hadamard(get, parts, key, alpha, where) -> tuple[kinds.Hadamard, float]:
             f"{where}: the LoHa module '{key}' has halves of different shapes {halves[0].shape} and "
             f"{halves[1].shape}"
         )
-    return kinds.Hadamard(*halves), _lycoris_scale(alpha, get["hada_w1_b"].shape[0])
+    return kinds.Hadamard(*halves), get["hada_w1_b"].shape[0]
 
 
-def _kronecker(get, parts, key, alpha, where) -> tuple[kinds.Kronecker, float]:
+def _kronecker(get, parts, key, where) -> tuple[kinds.Kronecker, int | None]:
     """LoKr: kron(w1, w2), each half whole (`lokr_w1`) or factored (`lokr_w1_a` [a, r] @ `lokr_w1_b` [r, b];
-    w2 also as `lokr_w2_a`.T @ `lokr_t2` @ `lokr_w2_b`, a Tucker core t2 [r, r]). Scale: 1 when both halves
-    are whole (alpha ignored, as lycoris does), else alpha / r of the factored half."""
+    w2 also as `lokr_w2_a`.T @ `lokr_t2` @ `lokr_w2_b`, a Tucker core t2 [r, r]). (form, r of the factored
+    half, None when both halves are whole)."""
     halves, ranks = [], []
     for i in "12":
         whole, a, b = f"lokr_w{i}", f"lokr_w{i}_a", f"lokr_w{i}_b"
@@ -248,8 +253,7 @@ def _kronecker(get, parts, key, alpha, where) -> tuple[kinds.Kronecker, float]:
             _chain(where, parts, (a, get[a].T, "lokr_t2", core), ("lokr_t2", core, b, get[b]))
             halves.append(get[a].T @ core @ get[b])
         ranks.append(get[b].shape[0])
-    scale = 1.0 if not ranks else _lycoris_scale(alpha, ranks[0])
-    return kinds.Kronecker(*halves), scale
+    return kinds.Kronecker(*halves), ranks[0] if ranks else None
 
 
 def _magnitude(get, parts, form: kinds.Form, where) -> np.ndarray | None:
@@ -268,20 +272,37 @@ def _magnitude(get, parts, form: kinds.Form, where) -> np.ndarray | None:
 
 
 def _peft_alphas(metadata: dict[str, str], where: str):
-    """`scale(module, rank)` from the PEFT config diffusers writes into the header; 1 without one."""
+    """`scale(module, rank)` from the PEFT config diffusers writes into the header, or None without one.
+    A LoRA config: lora_alpha / rank (rslora: / sqrt(rank)); PEFT's LoKr / LoHa configs: alpha / r, both
+    from the config (PEFT applies it to every module, whole halves too)."""
     raw = next((metadata[k] for k in _METADATA_KEYS if k in metadata), None)
     if raw is None:
-        return lambda module, rank: 1.0
+        return None
     try:
         config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
-        alpha = float(config["lora_alpha"])
-        patterns = {k.lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
+        lora = "lora_alpha" in config
+        alpha = float(config["lora_alpha" if lora else "alpha"])
+        alphas = _patterns(config.get("alpha_pattern"))
+        ranks = {} if lora else _patterns(config.get("rank_pattern"))
+        r = None if lora else float(config["r"])
         rs = bool(config.get("use_rslora", False))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{where}: unreadable LoRA config in the safetensors header ({exc})") from None
 
-    def scale(module: str, rank: int) -> float:
-        a = next((v for k, v in patterns.items() if module == k or module.endswith("." + k)), alpha)
+    def scale(module: str, rank: int | None) -> float:
+        a = _matching(alphas, module, alpha)
+        if not lora:
+            return a / _matching(ranks, module, r)
+        if rank is None:  # a LoKr of two whole halves under a LoRA config: no rank to divide by
+            return 1.0
         return a / math.sqrt(rank) if rs else a / rank
 
     return scale
+
+
+def _patterns(patterns) -> dict[str, float]:
+    return {k.lstrip("^"): float(v) for k, v in (patterns or {}).items()}
+
+
+def _matching(patterns: dict[str, float], module: str, default: float) -> float:
+    return next((v for k, v in patterns.items() if module == k or module.endswith("." + k)), default)
