@@ -13,13 +13,13 @@ and, per step, S K O per image for its scaled `up` (negligible next to the token
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from lycoris.functional.general import factorization
 
+from benchmarks.lora_requests import best
 from klein.models import adapters, products
 from klein.models.transformer_config import KLEIN_4B
 
@@ -121,21 +121,11 @@ def timing(tokens: int, repeat: int) -> None:
                 extra, gain = adapters.term(x, adapters.Slots(arrays))
             return products.product(x, products.Weight(kernel), jnp.bfloat16, extra, gain)
 
-        base = _best(plain, (x, kernel), repeat)
+        base = best(plain, (x, kernel), repeat)
         print(f"  {d_in} -> {d_out}, {tokens} tokens: {base * 1e3:7.1f} ms without")
         for name, arrays in kinds.items():
-            took = _best(adapted, (x, kernel, arrays), repeat)
+            took = best(adapted, (x, kernel, arrays), repeat)
             print(f"    {name:24s} {took * 1e3:7.1f} ms (+{100 * (took / base - 1):5.1f}%)")
-
-
-def _best(fn, args, repeat: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def main() -> None:

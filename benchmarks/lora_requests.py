@@ -96,12 +96,13 @@ def widths(rank: int, repeat: int) -> tuple[float, float]:
         kernel = jnp.asarray(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), jnp.bfloat16)
         down = jnp.asarray(rng.standard_normal((d_in, k)) / np.sqrt(d_in), jnp.bfloat16)
         up = jnp.asarray(rng.standard_normal((k, d_out)) * 0.01, jnp.bfloat16)
-        totals[0] += _best(plain, (x, kernel), repeat)
-        totals[1] += _best(adapted, (x, kernel, down, up, rows), repeat)
+        totals[0] += best(plain, (x, kernel), repeat)
+        totals[1] += best(adapted, (x, kernel, down, up, rows), repeat)
     return totals[0], totals[1]
 
 
-def _best(fn, args, repeat: int) -> float:
+def best(fn, args, repeat: int) -> float:
+    """Seconds of `fn(*args)` compiled, the best of `repeat` runs."""
     fn(*args).block_until_ready()  # compiled
     times = []
     for _ in range(repeat):
