@@ -319,3 +319,13 @@ def test_kv_references_prefilled_under_a_lokr_with_dora_per_request_equal_it_mer
         pipe.set_loras([])
     assert np.abs(got - want).max() <= PARITY
     assert np.abs(pipe("a cat", image=image, **run).images - want).max() > 100 * PARITY
+
+
+def test_doras_weights_are_read_from_host_memory_too():
+    """Residency `stream` keeps stacks in host memory: DoRA's statistics read each layer on the device."""
+    from klein.lora import applied
+
+    pinned = jax.device_put(np.ones((2, 3), np.float32), jax.memory.Space.Host)
+    assert pinned.sharding.memory_kind == "pinned_host"
+    moved = applied._on_device(pinned[1])
+    assert moved.sharding.memory_kind == "device" and np.asarray(moved).tolist() == [1.0] * 3

@@ -75,7 +75,7 @@ class Loras:
             if layer is not None:
                 scale = stored.scale if stored.scale is None else stored.scale[layer]
                 stored = dataclasses.replace(stored, array=stored.array[layer], scale=scale)
-            return products.dense(stored)
+            return products.dense(jax.tree.map(_on_device, stored))
 
         return dense
 
@@ -83,6 +83,13 @@ class Loras:
         if self.mesh is None:
             return jax.device_put(array, jax.local_devices()[0])
         return jax.device_put(array, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+
+def _on_device(array: jax.Array) -> jax.Array:
+    """`array`, moved to the device memory of its devices if it is in host memory (residency `stream`)."""
+    if array.sharding.memory_kind == "pinned_host":
+        return jax.device_put(array, array.sharding.with_memory_kind("device"))
+    return array
 
 
 def _one_process() -> None:
