@@ -179,7 +179,7 @@ def test_a_merge_under_stream_never_runs_a_program_on_a_whole_stack(demo_pipes, 
 
     def spy(program):
         def run(*args, **kwargs):
-            seen.extend((np.shape(a), getattr(a, "sharding", None)) for a in args)
+            seen.extend((np.shape(a), getattr(a, "sharding", None)) for a in jax.tree.leaves(args))
             return program(*args, **kwargs)
 
         return run

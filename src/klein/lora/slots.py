@@ -11,12 +11,11 @@ import dataclasses
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from klein.errors import InputError
 from klein.lora import kinds
+from klein.lora.dora import row_statistics
 from klein.lora.files import LoraInfo
 from klein.lora.loading import lora_updates, read_lora
 from klein.lora.registry import check_known
@@ -27,8 +26,6 @@ from klein.models.transformer_config import TransformerConfig
 RANK_STEP = 8
 """Slot ranks are multiples of this, so that loading a LoRA of a slightly larger rank seldom changes the
 bank's shapes (and so the programs)."""
-
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,13 +331,8 @@ class AdapterSlots:
         weight = self._weights()
         out = {}
         for key, part in doras.items():
-            dense = weight(*key)
-            if part.kron:
-                cross, square = _kron_statistics(dense, *part.kron[0])
-            else:
-                cross, square = _low_rank_statistics(dense, part.down, part.up)
-            self._norms[key] = np.asarray(_row_norms(dense))
-            out[key] = (np.asarray(cross), np.asarray(square))
+            norm, cross, square = row_statistics(weight(*key), part.down, part.up, part.kron)
+            self._norms[key], out[key] = norm, (cross, square)
         return out
 
     def _reset(self) -> None:
@@ -384,28 +376,3 @@ def _kind(found: set[str]) -> str:
     if "DoRA" in found and found - {"DoRA"} == {"LoRA"}:
         return "DoRA"
     return "+".join(sorted(found - {"DoRA"}) + ["DoRA"] * ("DoRA" in found)) or "LoRA"
-
-
-@jax.jit
-def _row_norms(weight):
-    """||W_o||^2 float32[O] of W float32[O, I]."""
-    return jnp.sum(weight * weight, axis=1)
-
-
-@jax.jit
-def _low_rank_statistics(weight, down, up):
-    """(<W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = (down @ up)^T."""
-    cross = jnp.sum(up.T * jnp.matmul(weight, down, precision=_HIGHEST), axis=1)
-    gram = jnp.matmul(down.T, down, precision=_HIGHEST)
-    square = jnp.sum(up.T * jnp.matmul(up.T, gram, precision=_HIGHEST), axis=1)
-    return cross, square
-
-
-@jax.jit
-def _kron_statistics(weight, w1, w2):
-    """(<W_o, D_o>, ||D_o||^2) float32[O] of W float32[O, I] and D = kron(w1, w2), without forming D."""
-    (a, b), (c, d) = w1.shape, w2.shape
-    grid = weight.reshape(a, c, b, d)
-    cross = jnp.einsum("piqj,pq,ij->pi", grid, w1, w2, precision=_HIGHEST).reshape(-1)
-    square = jnp.outer(jnp.sum(w1 * w1, axis=1), jnp.sum(w2 * w2, axis=1)).reshape(-1)
-    return cross, square
