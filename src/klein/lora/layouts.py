@@ -179,10 +179,18 @@ def _adapter(key, prefix, tensors, parts: dict[str, str], alphas, where) -> Adap
     return Adapter(key, module, form, scale, _magnitude(get, parts, form, where), ordered)
 
 
-def _require(parts: dict[str, str], key: str, kind: str, needed: tuple[str, ...], where: str) -> None:
+def _require(
+    parts: dict[str, str], key: str, kind: str, needed: tuple[str, ...], where: str, instead: str = ""
+) -> None:
+    """A `CheckpointError` naming the tensors of `needed` the module lacks (`instead`: a whole tensor that
+    would have done in place of them); an incomplete file is refused, never guessed at."""
     missing = [f"'{key}.{part}'" for part in needed if part not in parts]
     if missing:
-        raise CheckpointError(f"{where}: the {kind} module '{key}' lacks {', '.join(missing)}")
+        alternative = f" (or '{key}.{instead}' in their place)" if instead else ""
+        raise CheckpointError(
+            f"{where}: the {kind} module '{key}' lacks {', '.join(missing)}{alternative}; the file is "
+            "incomplete: save or convert it again"
+        )
 
 
 def _chain(where: str, parts: dict[str, str], *pairs: tuple[str, np.ndarray, str, np.ndarray]) -> None:
@@ -244,7 +252,7 @@ def _kronecker(get, parts, key, where) -> tuple[kinds.Kronecker, int | None]:
         if whole in parts:
             halves.append(get[whole])
             continue
-        _require(parts, key, "LoKr", (a, b), where)
+        _require(parts, key, "LoKr", (a, b), where, instead=whole)
         core = get.get("lokr_t2") if i == "2" else None
         if core is None:
             _chain(where, parts, (a, get[a], b, get[b]))

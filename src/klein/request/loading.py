@@ -43,8 +43,9 @@ class LoadOptions:
         metavar="FOLDER",
     )
     lora: tuple = setting(
-        "merge a LoRA into the transformer, at SCALE (default 1); repeat for several. Any trainer's layout: "
-        "diffusers/PEFT, BFL/ai-toolkit, fal, kohya/musubi. A folder or repo id holding one file works too",
+        "merge a LoRA (or LoKr, LoHa, DoRA) into the transformer, at SCALE (default 1); repeat for several. "
+        "Any trainer's layout: diffusers/PEFT, BFL/ai-toolkit, fal, kohya/musubi, LyCORIS. A folder or repo id "
+        "holding one file works too",
         kinds.PATHS,
         default=(),
         aliases=("loras",),
