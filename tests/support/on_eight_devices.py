@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import pytest
+import torch
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -30,6 +31,7 @@ from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.loading import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
 from tests.support import lora_files
+from tests.support import lyco_files as lyco
 from tests.support.compare import max_abs
 from tests.test_plan import prefill_estimate
 
@@ -403,17 +405,24 @@ def test_pipeline_lora_sharded_equals_single_device(pipelines, tmp_path):
 
 
 def test_pipeline_unmerged_loras_sharded_equal_single_device(pipelines, tmp_path):
-    """LoRAs applied unmerged (`load_lora`, `loras=`): with the adapter slots replicated over the mesh, a
-    KV edit (references prefilled under the LoRA, their keys split over `context`, then the adapted steps)
-    gives the one-device images. The shapes of the kv test above: only the adapted prefill and step are
-    new programs."""
+    """Adapters applied unmerged (`load_lora`, `loras=`): with the adapter slots replicated over the mesh, a
+    KV edit (references prefilled under a LoRA and a LoKr with one DoRA module, their keys split over
+    `context`, then the adapted steps) gives the one-device images; DoRA's statistics are read from the
+    sharded weights. The shapes of the kv test above: only the adapted prefill and step are new programs."""
     single, _ = pipelines
     shapes = lora_files.linear_shapes(single.config, "bfl")
     file = lora_files.write_bfl(tmp_path / "ink.safetensors", lora_files.random_lora(shapes, 4, 1))
+    rng = np.random.default_rng(2)
+    knot = {m: lyco.lokr(shape, rng, alpha=1.0) for m, shape in shapes.items() if "blocks" in m}
+    dora = "double_blocks.0.img_attn.proj"
+    knot[dora] = lyco.with_dora(knot[dora], torch.randn(shapes[dora]) / shapes[dora][1] ** 0.5, rng)
+    knot_file = lyco.write(tmp_path / "knot.safetensors", knot, "kohya")
     for pipe in pipelines:
         pipe.load_lora("ink", file)
+        pipe.load_lora("knot", knot_file)
     kwargs = dict(num_inference_steps=2, num_images_per_prompt=2, seed=1, output_type="np", **MODES["kv"])
-    want, got = (p("a cat on a sofa", loras=[("ink", 0.7)], **kwargs).images for p in pipelines)
+    loras = [("ink", 0.7), ("knot", 0.6)]
+    want, got = (p("a cat on a sofa", loras=loras, **kwargs).images for p in pipelines)
     plain = single("a cat on a sofa", **kwargs).images
     err = max_abs(got, want)
     print(f"pipeline {PIPELINE_MESH} unmerged LoRA kv: max abs error {err:.2e}")
