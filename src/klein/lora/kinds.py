@@ -8,6 +8,7 @@ factors (what an adapter slot holds).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 
@@ -15,6 +16,9 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class LowRank:
     """`up @ down`: up float32[out, r], down float32[r, in]."""
+
+    name: ClassVar[str] = "LoRA"
+    """The kind as users name it."""
 
     down: np.ndarray
     up: np.ndarray
@@ -36,6 +40,9 @@ class LowRank:
 @dataclasses.dataclass(frozen=True)
 class Hadamard:
     """`first ⊙ second`, the elementwise product of two low-rank products (LoHa)."""
+
+    name: ClassVar[str] = "LoHa"
+    """The kind as users name it."""
 
     first: LowRank
     second: LowRank
@@ -62,6 +69,9 @@ class Hadamard:
 @dataclasses.dataclass(frozen=True)
 class Kronecker:
     """`kron(w1, w2)`: w1 float32[a, b], w2 float32[c, d]; out = a * c, in = b * d (LoKr)."""
+
+    name: ClassVar[str] = "LoKr"
+    """The kind as users name it."""
 
     w1: np.ndarray
     w2: np.ndarray

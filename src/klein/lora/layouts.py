@@ -80,8 +80,7 @@ class Adapter:
 
     @property
     def kind(self) -> str:
-        name = _KIND[next(iter(self.parts)).split("_")[0]]
-        return f"{name} with DoRA" if self.magnitude is not None else name
+        return f"{self.form.name} with DoRA" if self.magnitude is not None else self.form.name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,7 +68,6 @@ _SLOT_AXIS = {"w1": -4, "w2": -4, "cross": -2, "square": -2, "magnitude": -2, "d
 """The slot axis of each part of a bank that has one, by name (`w1_g` as `w1`; `klein.models.adapters`)."""
 _FACTORS = ("down", "up", "w1", "w2")
 """The parts held in the bank's dtype (the others, DoRA's, in float32)."""
-_KINDS = {kinds.LowRank: "LoRA", kinds.Hadamard: "LoHa", kinds.Kronecker: "LoKr"}
 
 
 class AdapterSlots:
@@ -367,7 +366,7 @@ def _loaded(info: LoraInfo, updates) -> Loaded:
         kron = tuple((u.form.w1 * np.float32(u.scale), u.form.w2) for u in krons)
         magnitude = doras[0].magnitude if doras else None
         parts[(path, layer)] = Part(down, up, kron, None if magnitude is None else np.float32(magnitude))
-        found |= {_KINDS[type(u.form)] for u in group}
+        found |= {u.form.name for u in group}
         found |= {"DoRA"} if doras else set()
     return Loaded(info, parts, _kind(found))
 
