@@ -12,6 +12,7 @@ __all__ = [
     "InputError",
     "KleinError",
     "References",
+    "StepCache",
     "load_pipeline",
 ]
 
@@ -22,6 +23,7 @@ _LAZY = {
     "Flux2KleinInpaintPipeline": "klein.pipeline.diffusers_pipelines",
     "References": "klein.request.references",
     "GenerationRequest": "klein.request.request",
+    "StepCache": "klein.request.step_cache",
 }
 """Where each name is defined: imported on first use so that `import klein` (and `klein --help`) does not
 load JAX. diffusers' pipeline names are here, so that a diffusers script runs with `from klein import`."""

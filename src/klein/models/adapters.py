@@ -75,6 +75,15 @@ def weighting(rows):
         _ROWS.reset(token)
 
 
+@contextlib.contextmanager
+def batch_slice(start: int, stop: int):
+    """Within: `term` weights the rows [start, stop) of the batch's rows, for a pass over those images alone
+    (no-op without adapters)."""
+    rows = _ROWS.get()
+    with weighting(None if rows is None else rows[start:stop]):
+        yield
+
+
 def _value(part):
     return None if part is None else part[...]
 

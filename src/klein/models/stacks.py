@@ -89,15 +89,15 @@ def rows(table, ids, blocks: str | None = None, dtype=None):
     return gguf_blocks.dequantise(gathered, blocks).astype(dtype)
 
 
-def scan(body, carry, stacks, count: int):
-    """`body(carry, layers) -> (carry, ys)` over layers 0..count-1 of `stacks` (a pytree of stacks),
-    each layer sliced from the whole stacks inside the loop: running a prefix of a stack copies nothing.
+def scan(body, carry, stacks, count: int, start: int = 0):
+    """`body(carry, layers) -> (carry, ys)` over layers start..count-1 of `stacks` (a pytree of stacks),
+    each layer sliced from the whole stacks inside the loop: running a part of a stack copies nothing.
     Returns (carry, ys stacked on a new leading axis).
 
-    `count` may be 0 (a model with one single block runs none before its last one): the carry comes back
-    as it is and every ys has no rows; the body is traced on one layer's shapes only, since a stack of no
-    layers has nothing to slice."""
-    if count == 0:
+    The range may be empty (a model with one single block runs none before its last one; a step cache's
+    groups split a stack in three): the carry comes back as it is and every ys has no rows; the body is
+    traced on one layer's shapes only, since a stack of no layers has nothing to slice."""
+    if count <= start:
         one = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape[1:], _FLOATS.get(np.dtype(a.dtype), a.dtype)), stacks
         )
@@ -107,4 +107,4 @@ def scan(body, carry, stacks, count: int):
     def step(carry, index):
         return body(carry, layer(stacks, index))
 
-    return jax.lax.scan(step, carry, jnp.arange(count))
+    return jax.lax.scan(step, carry, jnp.arange(start, count))

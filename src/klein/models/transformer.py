@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from klein.models import attention, stacks
+from klein.models import attention, stacks, step_cache
 from klein.models.attention import Keys, Padded, key_rank, padded
 from klein.models.blocks import DoubleBlock, SingleBlock
 from klein.models.layers import AdaNormOut, Linear, Modulation, TimeGuidanceEmbed
@@ -63,10 +63,11 @@ class Flux2Transformer(nnx.Module):
         self.proj_out = Linear(d, cfg.in_channels, rngs, dtype)
 
 
-def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None):
+def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None, cache=None):
     """Velocity float[B, N, C] for image tokens img float[B, N, C], text txt float[B, T, J], t float[B].
 
     refs: optional (tokens float[B or 1, R, C], rope) appended after the image tokens (standard editing).
+    cache: None, or a step cache (`Cached`): then (velocity, (its state after this step, Records)).
     """
     n_img = img.shape[1]
     if refs is not None:
@@ -76,16 +77,25 @@ def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None)
     temb, mods = _modulations(model, t)
     text, image = padded(txt, txt_rope), padded(img, img_rope)
     keys = Keys(key_rank(text, image))
-    return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], n_img))
+    return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], n_img), cache=cache)
 
 
-def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV):
+def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV, cache=None):
     """Velocity float[B, N, C] with the references' cached keys/values (from `prefill`): every layer
-    attends over the keys [txt, cached ref, img]."""
+    attends over the keys [txt, cached ref, img]. `cache` as `forward`'s."""
     temb, mods = _modulations(model, t)
     text, image = padded(txt, txt_rope), padded(img, img_rope)
     keys = Keys(_cached_key_rank(text, image, kv), cached_at=text.tokens.shape[1])
-    return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], img.shape[1]), kv)
+    return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], img.shape[1]), kv, cache)
+
+
+class Cached(NamedTuple):
+    """A step cache for one pass (`klein.models.step_cache`): its structure (static), the state of its
+    two groups (double, single; or `step_cache.PROBE`) and the step's settings."""
+
+    structure: step_cache.Structure
+    state: tuple | str
+    knobs: step_cache.Knobs
 
 
 def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
@@ -116,16 +126,28 @@ def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope
     return _velocity(model, temb, (img_mod, txt_mod, single_mod), text, image, keys, (n_txt + n_ref, n_img))
 
 
-def _velocity(model, temb, mods, text: Padded, image: Padded, keys, rows, kv: ReferenceKV | None = None):
+def _velocity(
+    model, temb, mods, text: Padded, image: Padded, keys, rows, kv=None, cache: Cached | None = None
+):
     """The velocity float[B, count, C] of the joint rows `rows` = (first, count), the image tokens: the
-    input embeddings of both streams, the layers (`_layers`), the final layer."""
+    input embeddings of both streams, the layers (`_layers`), the final layer; with a step `cache`,
+    (velocity, what the cache gives)."""
     rope = concat_tables(text.rope, image.rope)
     img, txt = model.x_embedder(image.tokens), model.context_embedder(text.tokens)
-    x, _ = _layers(model, img, txt, mods, rope, keys, rows, kv)
-    return model.proj_out(model.norm_out(x, temb))
+    if cache is not None:
+        cache = (cache, _real_tokens(image), _real_tokens(text, image))
+    x, cached = _layers(model, img, txt, mods, rope, keys, rows, kv, cache)
+    velocity = model.proj_out(model.norm_out(x, temb))
+    return velocity if cache is None else (velocity, cached)
 
 
-def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV | None = None):
+def _real_tokens(*streams: Padded):
+    """float32[S] over the concatenated streams, 1 for their tokens and 0 for padding; None if none is padded."""
+    rank = key_rank(*streams)
+    return None if rank is None else (rank[0] == 0).astype(jnp.float32)
+
+
+def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV | None = None, cache=None):
     """The layer walk, one for every way to run it: the double blocks over the image stream img
     float[B, N, D] and the text stream txt float[B, T, D], the single blocks over [txt, img], the last
     single block. `mods` = (img_mod, txt_mod, single_mod); `keys`: what the queries see; `kv`: the
@@ -135,7 +157,11 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
     those rows alone (`SingleBlock.rows`, `sharding.covering`): (float[B, count, D], None). The prefill
     (txt and rows None) records every layer's keys and values instead, written straight into stacks in
     their stored form (joining the last layer to the others would copy them): (None, (double k, double v
-    [L_double, R, H, Dh], single k, single v [L_single, R, H, Dh]))."""
+    [L_double, R, H, Dh], single k, single v [L_single, R, H, Dh])).
+
+    `cache`: None, or (`Cached`, the real tokens of the image stream and of [txt, img] as `_real_tokens`):
+    each group then runs through `step_cache.through`, and the second value is (the groups' states,
+    their `Record`s)."""
     cfg, (img_mod, txt_mod, single_mod) = model.cfg, mods
     record, last = rows is None, cfg.num_single_layers - 1
     double_kv = None if kv is None else (kv.double_k, kv.double_v)
@@ -146,7 +172,26 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
         img, txt, (k, v) = block(*streams, img_mod, txt_mod, rope, attend)
         return (img, txt), ((stacks.as_bits(k[0]), stacks.as_bits(v[0])) if record else None)
 
-    (img, txt), double_kv = _scan(model.transformer_blocks, double, (img, txt), cfg.num_layers, double_kv)
+    def run_double(streams, start, stop):
+        if start >= stop:
+            return streams
+        return _scan(model.transformer_blocks, double, streams, stop, double_kv, start)[0]
+
+    if cache is None:
+        (img, txt), double_kv = _scan(model.transformer_blocks, double, (img, txt), cfg.num_layers, double_kv)
+    else:
+        (cached, double_real, single_real), states = cache, []
+        through = partial(step_cache.through, cached.structure, knobs=cached.knobs)
+
+        def group(index, streams, run, count, reach, real):
+            state = cached.state if cached.state is step_cache.PROBE else cached.state[index]
+            streams, state, record = through(
+                index, state, streams=streams, run=run, count=count, reach=reach, weights=real
+            )
+            states.append((state, record))
+            return streams
+
+        img, txt = group(step_cache.DOUBLE, (img, txt), run_double, cfg.num_layers, _whole, double_real)
     x = img if txt is None else jnp.concatenate([txt, img], axis=1)
     recorded = None
     if record:
@@ -161,17 +206,42 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
         return (x, recorded), None
 
     xs = (single_kv, jnp.arange(last) if record else None)
-    (x, recorded), _ = _scan(model.single_transformer_blocks, single, (x, recorded), last, xs)
     block = _block(model.single_transformer_blocks, last)
     if record:
+        (x, recorded), _ = _scan(model.single_transformer_blocks, single, (x, recorded), last, xs)
         k, v = block.keys_values(constrain(x, TOKENS), single_mod, rope)
         return None, (*double_kv, stacks.put(recorded[0], last, k[0]), stacks.put(recorded[1], last, v[0]))
     # The last block's queries are image tokens only, which see every key.
-    keys = keys._replace(isolated=None, cached=None if kv is None else stacks.layer(single_kv, last))
+    last_keys = keys._replace(isolated=None, cached=None if kv is None else stacks.layer(single_kv, last))
     first, count = rows
     start, stop = covering(first, count, x.shape[1])
-    h = block.rows(constrain(x, TOKENS), single_mod, rope, partial(attention.attend, keys=keys), start, stop)
-    return h[:, first - start : first - start + count], None
+
+    def run_single(streams, begin, end):
+        """Single blocks [begin, end) over (x,); the last one gives the covering rows of the image."""
+        if begin >= end:
+            return streams
+        (x,) = streams
+        (x, _), _ = _scan(model.single_transformer_blocks, single, (x, None), min(end, last), xs, begin)
+        if end <= last:
+            return (x,)
+        attend = partial(attention.attend, keys=last_keys)
+        return (block.rows(constrain(x, TOKENS), single_mod, rope, attend, start, stop),)
+
+    if cache is None:
+        (h,) = run_single((x,), 0, cfg.num_single_layers)
+        return h[:, first - start : first - start + count], None
+    # Without blocks after the cached ones, what is kept is the last block's rows: those of the image.
+    reach = _whole if cached.structure.compute_last else (lambda streams: (streams[0][:, start:stop],))
+    (h,) = group(step_cache.SINGLE, (x,), run_single, cfg.num_single_layers, reach, single_real)
+    (double_state, double_record), (single_state, single_record) = states
+    records = (
+        None if double_record is None else jax.tree.map(lambda *r: jnp.stack(r), double_record, single_record)
+    )
+    return h[:, first - start : first - start + count], ((double_state, single_state), records)
+
+
+def _whole(streams):
+    return streams
 
 
 def _modulations(model, t):
@@ -185,8 +255,8 @@ def _modulations(model, t):
     )
 
 
-def _scan(blocks, body, carry, count: int, xs=None):
-    """Run `body(block, carry, layer_xs) -> (carry, ys)` over the first `count` blocks of a stack; `xs`
+def _scan(blocks, body, carry, count: int, xs=None, start: int = 0):
+    """Run `body(block, carry, layer_xs) -> (carry, ys)` over blocks start..count-1 of a stack; `xs`
     are per-layer stacks or None. The carry's token streams float[B, S, D] are pinned to their layout at
     every layer, so batch and tokens stay split (data / context parallelism) whatever propagation does."""
     graphdef, params = nnx.split(blocks)
@@ -196,7 +266,7 @@ def _scan(blocks, body, carry, count: int, xs=None):
         carry = jax.tree.map(lambda x: constrain(x, TOKENS) if x.ndim == 3 else x, carry)
         return body(nnx.merge(graphdef, layer_params), carry, layer_xs)
 
-    return stacks.scan(step, carry, (params, xs), count)
+    return stacks.scan(step, carry, (params, xs), count, start)
 
 
 def _block(blocks, index: int):

@@ -16,6 +16,7 @@ import numpy as np
 
 from klein import sampling
 from klein.errors import InputError
+from klein.models import adapters, step_cache
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.request.modes import Conditioning, Mode
@@ -23,20 +24,20 @@ from klein.request.references import References
 from klein.sharding import TOKENS, constrain
 
 
-def velocity_text(model, x, txt, t, ropes, cond):
+def velocity_text(model, x, txt, t, ropes, cond, cache=None):
     img_rope, txt_rope = ropes
-    return T.forward(model, x, txt, t, img_rope, txt_rope)
+    return T.forward(model, x, txt, t, img_rope, txt_rope, cache=cache)
 
 
-def velocity_references(model, x, txt, t, ropes, cond):
+def velocity_references(model, x, txt, t, ropes, cond, cache=None):
     img_rope, txt_rope = ropes
     tokens, rope = cond
-    return T.forward(model, x, txt, t, img_rope, txt_rope, refs=(tokens[None], rope))
+    return T.forward(model, x, txt, t, img_rope, txt_rope, refs=(tokens[None], rope), cache=cache)
 
 
-def velocity_cached(model, x, txt, t, ropes, cond):
+def velocity_cached(model, x, txt, t, ropes, cond, cache=None):
     img_rope, txt_rope = ropes
-    return T.forward_cached(model, x, txt, t, img_rope, txt_rope, cond)
+    return T.forward_cached(model, x, txt, t, img_rope, txt_rope, cond, cache=cache)
 
 
 VELOCITY = {
@@ -65,6 +66,58 @@ def step_cfg(velocity, model, x, txt, sigma, sigma_next, ropes, cond, scale):
 def step_function(mode: Mode):
     """`fn(model, x, txt, sigma, sigma_next, ropes, cond, scale)`: the step `mode` runs."""
     return functools.partial(step_cfg if mode.guided else step, VELOCITY[mode.conditioning])
+
+
+def cached_step(
+    velocity, passes: int, structure, model, x, txt, sigma, sigma_next, ropes, cond, scale, cache
+):
+    """One Euler step under a step cache (`klein.models.step_cache`): `cache` = (states, knobs), a state
+    per pass. Without guidance one pass; with it either one doubled pass whose image and negative rows
+    decide together (`passes` 1), or a pass for the prompts and one for the negatives, each deciding on its
+    own, as cache-dit's separate CFG (`passes` 2). Returns (x, (states, records [pass, group, ...]))."""
+    states, knobs = cache
+    b = x.shape[0]
+    probe = states == step_cache.PROBE
+
+    def run(x, txt, state, knobs):
+        t = jnp.full((x.shape[0],), sigma, jnp.float32)
+        return velocity(model, x, txt, t, ropes, cond, cache=T.Cached(structure, state, knobs))
+
+    if passes == 2:
+        outs = []
+        for index in range(2):
+            with adapters.batch_slice(index * b, (index + 1) * b):
+                outs.append(
+                    run(x, txt[index * b : (index + 1) * b], states if probe else states[index], knobs)
+                )
+        (cond_v, (cond_state, cond_record)), (uncond_v, (uncond_state, uncond_record)) = outs
+        v = sampling.guided(cond_v, uncond_v, scale)
+        states, records = (cond_state, uncond_state), (cond_record, uncond_record)
+    else:
+        guided = txt.shape[0] != b
+        v, (state, record) = run(jnp.concatenate([x, x]) if guided else x, txt, states, knobs)
+        if guided:
+            v = sampling.guided(*jnp.split(v, 2), scale)
+        states, records = (state,), (record,)
+    x = constrain(sampling.euler_step(x, v, sigma, sigma_next), TOKENS)
+    return x, (states, None if probe else jax.tree.map(lambda *r: jnp.stack(r), *records))
+
+
+def cached_step_function(mode: Mode, passes: int, structure):
+    """`fn(model, x, txt, sigma, sigma_next, ropes, cond, scale, (states, knobs))`: `mode`'s step under a
+    step cache of `structure`, in `passes` passes (`cached_step`)."""
+    return functools.partial(cached_step, VELOCITY[mode.conditioning], passes, structure)
+
+
+def cache_states_function(mode: Mode, passes: int, structure):
+    """`fn(model, x, txt, sigma, sigma_next, ropes, cond, scale, knobs)`: the states before the first step
+    of `cached_step_function(mode, passes, structure)` (zeros; only their shapes are ever traced)."""
+    step = cached_step_function(mode, passes, structure)
+
+    def states(model, x, txt, sigma, sigma_next, ropes, cond, scale, knobs):
+        return step(model, x, txt, sigma, sigma_next, ropes, cond, scale, (step_cache.PROBE, knobs))[1][0]
+
+    return states
 
 
 def step_inputs(rope, conditioning: Conditioning, grid, text_tokens: int, references: References | None):

@@ -29,6 +29,7 @@ from klein.memory.admission import Budget, planning_mesh
 from klein.pipeline import cache_keys, denoise
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
+from klein.pipeline.cache_run import CacheRun
 from klein.pipeline.diffusers_surface import DiffusersSurface
 from klein.pipeline.output import GenerationOutput
 from klein.pipeline.programs import Programs
@@ -194,7 +195,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         repaint = self._repaint(request, references, x, mask, sizes) if request.repaints else None
         # 7. Denoising, under the request's unmerged LoRAs.
         steps = run.request.num_inference_steps - run.first_step
-        x = stages.run(
+        x, cache_report = stages.run(
             "denoise", self._denoise, x, txt, references, run, repaint, progress, on_step_end, total=steps
         )
         # 8. Decoding (or the VAE's latents, channels first as diffusers returns them), with the record of what ran.
@@ -202,13 +203,15 @@ class Flux2KleinPipeline(DiffusersSurface):
         settings = self._settings(run, sizes, cut)
         if request.output_type == "latent":
             out = np.asarray(stages.run("latents", self._programs.vae_latents, latents), np.float32)
-            return GenerationOutput(out.transpose(0, 3, 1, 2), run.request.seed, stages.timings, settings)
+            return GenerationOutput(
+                out.transpose(0, 3, 1, 2), run.request.seed, stages.timings, settings, cache_report
+            )
         decoder = self._programs.decode_tiled if tiled else self._programs.decode
         decoded = np.asarray(stages.run("decode_tiled" if tiled else "decode", decoder, latents))
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
         if request.padding_mask_crop is not None:
             out = [masks.overlay(picture, source, mask) for picture in out]
-        return GenerationOutput(out, run.request.seed, stages.timings, settings)
+        return GenerationOutput(out, run.request.seed, stages.timings, settings, cache_report)
 
     def _settings(self, run: Resolved, sizes, cut: tuple[str, ...]) -> Settings:
         return Settings(
@@ -260,7 +263,10 @@ class Flux2KleinPipeline(DiffusersSurface):
         """`sizes`: (height, width) px of each prepared reference, none without references; `mask`: the
         request's mask as a picture."""
         mask_size = None if mask is None else (mask.height, mask.width)
-        run = resolve(request, self.variant, self.name, sizes, _fresh_seed, mask_size, self.adapters.names)
+        blocks = (self.config.num_layers, self.config.num_single_layers)
+        run = resolve(
+            request, self.variant, self.name, sizes, _fresh_seed, mask_size, self.adapters.names, blocks
+        )
         self.adapters.check_batch(request.lora_sets)
         for note in run.notes:
             warnings.warn(note, stacklevel=4)
@@ -357,6 +363,10 @@ class Flux2KleinPipeline(DiffusersSurface):
             repaint = repaint.padded(x.shape[0])
         adapted = self._loras.rows(run.request.lora_sets, run.request.num_images_per_prompt)
         adapted = denoise.batch_rows(adapted, x.shape[0], run.mode.guided)
+        cache = None
+        if run.request.cache is not None:
+            cache = CacheRun(self._programs, run, x.shape[0], steps - first)
+            step = cache.step(x, txt, schedule[first], schedule[first + 1], ropes, cond, scale, adapted)
         for i in range(first, steps):
             x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale, adapted=adapted)
             if repaint is not None:
@@ -367,7 +377,7 @@ class Flux2KleinPipeline(DiffusersSurface):
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress(StageEvent("denoise", i + 1 - first, steps - first))
-        return x[: run.images]
+        return x[: run.images], None if cache is None else cache.report()
 
 
 def _source(request: GenerationRequest, mask) -> masks.Source | None:

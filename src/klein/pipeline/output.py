@@ -12,6 +12,7 @@ import PIL.Image
 from klein import images
 from klein.errors import InputError
 from klein.io import png
+from klein.pipeline.cache_report import CacheReport
 from klein.request.request import Settings
 from klein.version import version
 
@@ -23,6 +24,8 @@ class GenerationOutput:
     timings: dict[str, float]
     settings: Settings
     """What ran (`klein.request.request.Settings`): the PNG metadata is written from it."""
+    step_cache: CacheReport | None = None
+    """What the request's step cache decided at each step (None without one)."""
 
     def save(self, path: str | Path = ".", overwrite: bool = False) -> list[Path]:
         """Write the images as PNGs carrying their settings (`GenerationRequest.from_metadata` reads them

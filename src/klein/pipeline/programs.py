@@ -3,7 +3,10 @@ policy may move between calls."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from klein import sharding
@@ -31,6 +34,18 @@ class Programs:
         self.prefill = Compiled(T.prefill, transformer, mesh)
         modes = [Mode(conditioning, guided) for conditioning in denoise.VELOCITY for guided in (False, True)]
         self.steps = {mode: Compiled(denoise.step_function(mode), transformer, mesh) for mode in modes}
+        self._transformer, self._mesh, self._cached = transformer, mesh, {}
+
+    def cached_step(self, mode: Mode, passes: int, structure) -> tuple[Compiled, Compiled]:
+        """(the step, the states before its first step) of `mode` under a step cache of `structure` in
+        `passes` passes (`denoise.cached_step`): built on first use, one program per structure and shape."""
+        key = (mode, passes, structure)
+        if key not in self._cached:
+            self._cached[key] = tuple(
+                Compiled(make(mode, passes, structure), self._transformer, self._mesh)
+                for make in (denoise.cached_step_function, denoise.cache_states_function)
+            )
+        return self._cached[key]
 
 
 class Compiled:
@@ -54,6 +69,17 @@ class Compiled:
     def state(self) -> nnx.State:
         return self._weights()[1]
 
+    def zeros(self, *args, adapted=None):
+        """Zeros of the shapes this program would return for these arguments (traced, never run), each
+        [B, S, D] array split as the token streams are."""
+        graphdef, state = self._weights()
+        with sharding.use(self._mesh):
+            if self._mesh is None:
+                args, adapted = jax.tree.map(_committed, (args, adapted))
+            shapes = jax.eval_shape(self._jit, graphdef, state, adapted, *args)
+            leaves, tree = jax.tree.flatten(shapes)
+            return jax.tree.unflatten(tree, _zeros(tuple((s.shape, s.dtype) for s in leaves)))
+
     def __call__(self, *args, adapted=None):
         """`adapted`: None, or (bank, rows) of unmerged LoRAs (`klein.models.adapters.run`), arguments
         like the weights: a program with adapters serves every LoRA set and strength."""
@@ -72,6 +98,16 @@ def _committed(value):
     if isinstance(value, jax.Array) and not value.committed:
         return jax.device_put(value, value.sharding)
     return value
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros(shapes):
+    return [
+        sharding.constrain(jnp.zeros(shape, dtype), sharding.TOKENS)
+        if len(shape) == 3
+        else jnp.zeros(shape, dtype)
+        for shape, dtype in shapes
+    ]
 
 
 def _replicated(fn):

@@ -154,6 +154,17 @@ def read_loras(key: str, text: str) -> tuple:
     )
 
 
+def read_cache(key: str, text: str):
+    """A step cache as `StepCache.parse` reads it: on, off, or NAME=VALUE words joined by commas."""
+    from klein.request.step_cache import StepCache
+
+    return StepCache.parse(text)
+
+
+def _write_cache(value) -> str:
+    return "off" if value is None else value.spec()
+
+
 TEXT = Kind("text", read_text)
 PATHS = Kind("paths", read_paths, _write_paths)
 LORAS = Kind("loras", read_loras, _write_loras)
@@ -165,6 +176,8 @@ SIZE = Kind("size", read_size)
 """Bytes, written as a number with an optional binary unit: 9GiB, 512MiB."""
 BOOL = Kind("bool", read_bool)
 OPTIONAL_BOOL = Kind("optional bool", read_optional_bool)
+STEP_CACHE = Kind("step cache", read_cache, _write_cache)
+"""A step cache's settings (`klein.request.step_cache.StepCache`), "on" or NAME=VALUE words."""
 
 
 @dataclasses.dataclass(frozen=True)

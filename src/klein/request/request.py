@@ -24,6 +24,7 @@ from klein.request.kinds import setting, settings_of, short_name
 from klein.request.loras import LoraSet, as_loras, per_prompt
 from klein.request.modes import Mode
 from klein.request.references import References
+from klein.request.step_cache import StepCache
 
 MIN_SIDE = PIXELS_PER_TOKEN
 MAX_STEPS = 1000
@@ -117,6 +118,14 @@ class GenerationRequest:
         unit="px",
         metavar="PX",
     )
+    cache: StepCache | None = setting(
+        "step caching (cache-dit's DBCache), off by default: 'on' for the FLUX.2 recipe (threshold 0.12, "
+        "warmup 8, max_consecutive 3), or NAME=VALUE words joined by commas, e.g. threshold=0.2,warmup=4; "
+        "names: " + ", ".join(f.name for f in dataclasses.fields(StepCache)) + ". Python: True, a "
+        "klein.StepCache, or cache-dit's configs (docs/step-cache.md)",
+        kinds.STEP_CACHE,
+        metavar="on|NAME=VALUE,...",
+    )
     loras: tuple = setting(
         "apply a LoRA to this request's images, unmerged, at SCALE (default 1): a name --lora-dir or "
         "--lora-named offers (pipe.load_lora in Python), or on the command line a LoRA file; repeat for "
@@ -132,6 +141,7 @@ class GenerationRequest:
         fix(self, "prompt", _prompts(self.prompt))
         fix(self, "loras", as_loras(self.loras, len(self.prompts)))
         fix(self, "image", as_images(self.image))
+        fix(self, "cache", StepCache.of(self.cache))
         if self.image and self.references is not None:
             raise InputError("give reference images (image) or encoded references (references), not both")
         if self.references is not None and not isinstance(self.references, References):
@@ -310,6 +320,7 @@ class Settings:
             f"{refs} reference{'' if refs == 1 else 's'}, {self.mode}, seed {r.seed}"
             + "".join(f", LoRA {lora.describe()}" for lora in self.loras)
             + "".join(f", unmerged LoRA {lora.describe()}" for lora in dict.fromkeys(sum(self.adapters, ())))
+            + ("" if r.cache is None else f", step cache {r.cache.spec()}")
         )
 
 

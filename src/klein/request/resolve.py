@@ -76,6 +76,7 @@ def resolve(
     draw_seed: Callable[[], int] | None = None,
     mask_size: tuple[int, int] | None = None,
     adapters: Collection[str] | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> Resolved:
     """Decide everything about `request` for a checkpoint of `variant` (named `model_name` in messages).
 
@@ -83,7 +84,8 @@ def resolve(
     encoded `references`). `draw_seed`: where a seed comes from when the request has neither a seed nor
     noise (default: a random one). `mask_size`: (height, width) px of the request's mask, when it has one.
     `adapters`: the names of the LoRAs loaded for unmerged use, which the request's `loras` must be among
-    (None: not checked, for front ends without a pipeline)."""
+    (None: not checked, for front ends without a pipeline). `blocks`: the transformer's (double, single)
+    blocks, which a step cache must leave some of to reuse (None: not checked)."""
     sizes = tuple(tuple(size) for size in reference_sizes)
     conditioning = _conditioning(request, variant, model_name, bool(sizes))
     _check_loras(request, conditioning, adapters)
@@ -100,6 +102,8 @@ def resolve(
         kept = _source_size_kept(request, sizes[0]) + _mask_resized(mask_size, sizes[0])
         kept += _demo_repaint(request, model_name)
         request = dataclasses.replace(request, height=None, width=None)
+    if request.cache is not None and blocks is not None:
+        request.cache.check(steps - first_step, *blocks)
     height, width, rounded = output_size(request.height, request.width, sizes)
     seed = request.seed
     if request.latents is None and seed is None:
