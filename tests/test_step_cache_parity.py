@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from klein import StepCache
 from tests.support.cache_dit_runs import GROUPS, CacheDitRun, cache_dit_kwargs, run_cache_dit
@@ -72,19 +73,23 @@ CASES = {
         StepCache(threshold=0.99, single_threshold=0.99, mask=(1, 1, 0, 0, 1, 0, 0, 0), **DISTILLED),
         8,
     ),
-    "taylorseer-1": Case(
-        "base", StepCache(threshold=0.6, single_threshold=0.85, taylorseer_order=1, **RECIPE), 20
-    ),
-    "taylorseer-2": Case(
-        "base", StepCache(threshold=0.6, single_threshold=0.85, taylorseer_order=2, **RECIPE), 20
-    ),
-    "max-cached": Case(
-        "base", StepCache(threshold=0.6, single_threshold=0.85, max_cached=2, **RECIPE), 50
-    ),
-    "max-consecutive": Case(
-        "base", StepCache(threshold=0.6, single_threshold=0.85, **{**RECIPE, "max_consecutive": 1}), 50
-    ),
+    # 20 base steps: the double blocks reuse once per branch (step 12), the single blocks several times.
+    "base-20": Case("base", StepCache(threshold=0.68, single_threshold=0.85, **RECIPE), 20),
 }
+SHORT = CASES["base-20"]
+CASES.update(
+    {
+        f"taylorseer-{order}": dataclasses.replace(
+            SHORT, cache=dataclasses.replace(SHORT.cache, taylorseer_order=order)
+        )
+        for order in (1, 2)
+    }
+)
+# The limits bind: without them the single blocks reuse 4 and 5 times, steps 12 to 14 in a row.
+CASES["max-cached"] = dataclasses.replace(SHORT, cache=dataclasses.replace(SHORT.cache, max_cached=2))
+CASES["max-consecutive"] = dataclasses.replace(
+    SHORT, cache=dataclasses.replace(SHORT.cache, max_consecutive=1)
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,9 @@ def references(tiny_pipelines):
         case = CASES[case] if isinstance(case, str) else case
         if case not in runs:
             _, pipe = tiny_pipelines(case.kind)
-            runs[case] = run_cache_dit(pipe, cache_dit_kwargs(case.cache), case.latents(), prompt=PROMPT, **case.call())
+            runs[case] = run_cache_dit(
+                pipe, cache_dit_kwargs(case.cache), case.latents(), prompt=PROMPT, **case.call()
+            )
         return runs[case]
 
     return get
@@ -125,19 +132,31 @@ def check_same(out, want: CacheDitRun, case: Case) -> None:
             )
             got_diffs = {int(s): float(d) for s, d in report.residual_diffs(group, branch).items()}
             want_diffs = want.diffs[group, branch]
-            assert sorted(got_diffs) == sorted(want_diffs), f"{where}: steps with a difference differ"
-            worst = max((abs(got_diffs[s] - d), s) for s, d in want_diffs.items()) if want_diffs else (0, None)
-            assert worst[0] < DIFF_TOL, f"{where}: residual difference off by {worst[0]:.3g} at step {worst[1]}"
+            # klein also reports the difference at steps a limit (max_cached, max_consecutive) decided,
+            # where cache-dit compares nothing and records none; KV editing's step 1, where cache-dit
+            # records -2.0 (the residuals' shapes differ), klein computes without comparing. The other
+            # steps cache-dit records must be there, with the same difference.
+            want_diffs = {s: d for s, d in want_diffs.items() if d != -2.0}
+            missing = sorted(set(want_diffs) - set(got_diffs))
+            assert not missing, f"{where}: no residual difference at steps {missing}"
+            worst = (
+                max((abs(got_diffs[s] - d), s) for s, d in want_diffs.items()) if want_diffs else (0, None)
+            )
+            assert worst[0] < DIFF_TOL, (
+                f"{where}: residual difference off by {worst[0]:.3g} at step {worst[1]}"
+            )
     err = max_abs(out.images, want.images)
     assert err < TOL, f"max abs error {err:.3g}"
 
 
 def check_setup(want: CacheDitRun, case: Case) -> None:
     """The reference run is a fair test: its compared differences keep MARGIN from the thresholds."""
-    assert want.margin() >= MARGIN, f"a decision sits on the threshold's edge (use a mask):\n{want.describe()}"
+    assert want.margin() >= MARGIN, (
+        f"a decision sits on the threshold's edge (use a mask):\n{want.describe()}"
+    )
 
 
-@pytest.mark.parametrize("name", ["base", "base-edit", "distilled", "kv"])
+@pytest.mark.parametrize("name", ["base", "base-edit", "distilled", "kv", "base-20"])
 def test_decisions_and_image(pipes, references, name):
     case = CASES[name]
     want = references(name)
@@ -159,6 +178,18 @@ def test_kv_step_one_computes_on_the_shape_change(references):
     assert any(want.cached[group, "cond"] for group in GROUPS)
 
 
+def test_the_kv_reference_is_diffusers_kv_pipeline(tiny_pipelines):
+    """With nothing cached, cache-dit's run of the KV pipeline (each block routed to its own layer of the
+    reference cache, `cache_dit_runs`) is diffusers' uncached image, exactly."""
+    case = dataclasses.replace(CASES["kv"], cache=StepCache(threshold=0, **DISTILLED))
+    _, pipe = tiny_pipelines("kv")
+    want = run_cache_dit(pipe, cache_dit_kwargs(case.cache), case.latents(), prompt=PROMPT, **case.call())
+    plain = pipe(
+        prompt=PROMPT, latents=torch.from_numpy(case.latents()), output_type="np", **case.call()
+    ).images
+    assert np.array_equal(want.images, plain), max_abs(want.images, plain)
+
+
 @pytest.mark.parametrize("name", ["mask-static", "mask-dynamic"])
 def test_mask(pipes, references, name):
     case = CASES[name]
@@ -175,7 +206,7 @@ def test_taylorseer(pipes, references, name):
     case = CASES[name]
     want = references(name)
     check_setup(want, case)
-    plain = references(dataclasses.replace(case, cache=dataclasses.replace(case.cache, taylorseer_order=0)))
+    plain = references("base-20")
     assert max_abs(want.images, plain.images) > 10 * TOL  # the extrapolation really changes the image
     check_same(klein_run(pipes, case), want, case)
 
@@ -185,7 +216,7 @@ def test_limits(pipes, references, name):
     case = CASES[name]
     want = references(name)
     check_setup(want, case)
-    unlimited = references("base")
+    unlimited = references("base-20")
     assert want.cached != unlimited.cached, "the limit does not bind"
     if name == "max-cached":
         assert max(len(c) for c in want.cached.values()) == case.cache.max_cached
@@ -197,7 +228,10 @@ def test_limits(pipes, references, name):
 
 @pytest.mark.parametrize(
     "cache",
-    [StepCache(threshold=0, warmup=1), StepCache(threshold=0.6, single_threshold=0.85, warmup=0, mask=(1,) * 12)],
+    [
+        StepCache(threshold=0, warmup=1),
+        StepCache(threshold=0.6, single_threshold=0.85, warmup=0, mask=(1,) * 12),
+    ],
     ids=["threshold-0", "all-ones-mask"],
 )
 def test_nothing_cached_is_the_uncached_image(pipes, cache):
@@ -215,5 +249,9 @@ def test_cache_dit_config_objects_equal_the_step_cache(pipes):
     assert np.array_equal(ours.images, theirs.images)
     for group in GROUPS:
         for branch in ("cond", "uncond"):
-            assert ours.step_cache.cached_steps(group, branch) == theirs.step_cache.cached_steps(group, branch)
-            assert ours.step_cache.residual_diffs(group, branch) == theirs.step_cache.residual_diffs(group, branch)
+            assert ours.step_cache.cached_steps(group, branch) == theirs.step_cache.cached_steps(
+                group, branch
+            )
+            assert ours.step_cache.residual_diffs(group, branch) == theirs.step_cache.residual_diffs(
+                group, branch
+            )

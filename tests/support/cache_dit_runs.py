@@ -6,10 +6,20 @@ them and returns the image with cache-dit's decisions and residual differences f
 ("double": transformer_blocks, "single": single_transformer_blocks) and CFG branch ("cond", and "uncond"
 where CFG is separately accounted). The pipeline is left as it was: cache-dit patches its class's
 `__call__` and its transformer's `forward` while enabled and restores them on `disable_cache`.
+
+On Flux2KleinKVPipeline cache-dit 1.5.3 alone is not diffusers' KV pipeline: it replaces each group's block
+list by one module that runs all the group's blocks, so diffusers' loop hands that module layer 0's
+reference cache and every block extracts into, and attends over, layer 0's reference keys and values (with
+nothing cached, the image moves by 0.016 on the tiny KV pipeline). `run_cache_dit` routes each block to its
+own layer of the cache (`_kv_layers_routed`), so that the reference is diffusers' KV semantics under
+cache-dit's DBCache (the cache it makes holds one layer per group: the routing adds the others); with
+nothing cached it then equals diffusers' uncached image exactly.
 """
 
+import contextlib
 import copy
 import dataclasses
+from unittest import mock
 
 import cache_dit
 import numpy as np
@@ -87,7 +97,7 @@ def run_cache_dit(pipe, kwargs: dict, latents: np.ndarray, **call) -> CacheDitRu
     separate = bool(kwargs["cache_config"].enable_separate_cfg)
     cache_dit.enable_cache(pipe, **_copied(kwargs))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _kv_layers_routed(pipe.transformer):
             images = pipe(latents=torch.from_numpy(latents), output_type="np", **call).images
         cached, diffs, thresholds = {}, {}, {}
         for name, context in pipe._context_manager._cached_context_manager.items():
@@ -109,3 +119,54 @@ def _copied(kwargs: dict) -> dict:
     """cache-dit updates the configs it is given in place (a modifier's fields onto the base config):
     give it copies, so that one kwargs dict can run twice and feed klein unchanged."""
     return copy.deepcopy(kwargs)
+
+
+@contextlib.contextmanager
+def _kv_layers_routed(transformer):
+    """Each block of `transformer` given its own layer of a KV pipeline's reference cache, whichever layer
+    the loop around it handed over (cache-dit's wrapper hands every block layer 0's): the cache object is
+    remembered as diffusers' loop asks it for a layer, and a pre-hook on block i swaps in layer i."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2KVLayerCache
+
+    seen = {}
+    doubles, singles = len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)
+    gets = {"get_double": Flux2KVCache.get_double, "get_single": Flux2KVCache.get_single}
+
+    def remembering(get):
+        def wrapped(self, index):
+            seen["cache"] = self
+            return get(self, index)
+
+        return wrapped
+
+    def routing(get, index):
+        def hook(module, args, kwargs):
+            extra = kwargs.get("joint_attention_kwargs")
+            if extra and extra.get("kv_cache") is not None:
+                cache = seen["cache"]
+                # The extracting step made the cache as long as the group's block list: one layer.
+                for layers, count in (
+                    (cache.double_block_caches, doubles),
+                    (cache.single_block_caches, singles),
+                ):
+                    layers.extend(Flux2KVLayerCache() for _ in range(count - len(layers)))
+                kwargs["joint_attention_kwargs"] = {**extra, "kv_cache": get(cache, index)}
+            return args, kwargs
+
+        return hook
+
+    handles = []
+    for name, blocks in (
+        ("get_double", transformer.transformer_blocks),
+        ("get_single", transformer.single_transformer_blocks),
+    ):
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(routing(gets[name], i), with_kwargs=True))
+    try:
+        with contextlib.ExitStack() as stack:
+            for name, get in gets.items():
+                stack.enter_context(mock.patch.object(Flux2KVCache, name, remembering(get)))
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
