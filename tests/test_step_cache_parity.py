@@ -255,3 +255,46 @@ def test_cache_dit_config_objects_equal_the_step_cache(pipes):
             assert ours.step_cache.residual_diffs(group, branch) == theirs.step_cache.residual_diffs(
                 group, branch
             )
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.5001, 1.0, 0.0, -1.0])
+def test_a_difference_on_the_threshold(threshold):
+    """The edge the images cannot show (their differences keep MARGIN from it): cache-dit reuses only
+    strictly below the threshold, always at 1 or more, never at 0 or less. klein's decision
+    (`klein.models.step_cache.decide`) against cache-dit's `similarity` on a difference of exactly 0.5."""
+    import jax.numpy as jnp
+    from cache_dit import DBCacheConfig
+    from cache_dit.caching.cache_contexts.cache_manager import CachedContextManager
+
+    from klein.models import step_cache
+
+    previous, residual = np.full((1, 4, 8), 2.0, np.float32), np.full((1, 4, 8), 1.0, np.float32)
+    manager = CachedContextManager("edge")
+    config = DBCacheConfig(residual_diff_threshold=threshold, enable_separate_cfg=False, max_warmup_steps=0)
+    manager.new_context(name="edge", cache_config=config)
+    manager.set_context("edge")
+    manager.mark_step_begin()
+    want = manager.similarity(torch.from_numpy(previous), torch.from_numpy(residual), threshold=threshold)
+
+    one = np.ones(1)
+    state = step_cache.Group(
+        previous=jnp.asarray(previous),
+        ladders=(),
+        valid=jnp.zeros((1, 1), bool),
+        computed=jnp.asarray(one, bool),
+        last=jnp.zeros(1, jnp.int32),
+        cached=jnp.zeros(1, jnp.int32),
+        consecutive=jnp.zeros(1, jnp.int32),
+    )
+    knobs = step_cache.Knobs(
+        step=jnp.int32(1),
+        phase=jnp.int32(step_cache.DYNAMIC),
+        thresholds=jnp.asarray([threshold, threshold], jnp.float32),
+        max_cached=jnp.int32(-1),
+        max_consecutive=jnp.int32(-1),
+        origin=jnp.int32(0),
+        live=jnp.asarray(one, bool),
+        together=jnp.bool_(False),
+    )
+    cached, diff = step_cache.decide(state, knobs, step_cache.DOUBLE, jnp.asarray(residual), None)
+    assert bool(cached[0]) == want, (threshold, float(diff[0]))
