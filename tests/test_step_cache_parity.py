@@ -85,6 +85,11 @@ CASES.update(
         for order in (1, 2)
     }
 )
+CASES["taylorseer-early"] = Case(
+    "distilled",
+    StepCache(threshold=0.99, mask=(1, 1, 1, 0, 0, 0), mask_policy="static", taylorseer_order=1, **DISTILLED),
+    6,
+)
 # The limits bind: without them the single blocks reuse 4 and 5 times, steps 12 to 14 in a row.
 CASES["max-cached"] = dataclasses.replace(SHORT, cache=dataclasses.replace(SHORT.cache, max_cached=2))
 CASES["max-consecutive"] = dataclasses.replace(
@@ -208,6 +213,18 @@ def test_taylorseer(pipes, references, name):
     check_setup(want, case)
     plain = references("base-20")
     assert max_abs(want.images, plain.images) > 10 * TOL  # the extrapolation really changes the image
+    check_same(klein_run(pipes, case), want, case)
+
+
+def test_taylorseer_from_the_first_steps(pipes, references):
+    """TaylorSeer consulted after only three computed steps (a static mask's zeros from step 3), where its
+    first difference's start shows. cache-dit makes a context's calibrators anew at every pipeline call
+    (each call behaves alike) and lazily, after step 0 began: its state counts one step behind, so a
+    difference exists from step 3 on (step 4 for KV editing, whose step 1 resets it), not from step 2."""
+    case = CASES["taylorseer-early"]
+    want = references(case)
+    masked = [s for s, m in enumerate(case.cache.mask) if not m]
+    assert all(want.cached[g, "cond"] == masked for g in GROUPS), want.describe()
     check_same(klein_run(pipes, case), want, case)
 
 
