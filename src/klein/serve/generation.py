@@ -28,15 +28,16 @@ class Generation:
 
     @property
     def batch_key(self) -> tuple:
-        """Generations with equal keys can run as one batch: same size, steps, guidance and references (then
-        one LoRA set, as their keys and values are computed once, and one owner's); a repaint runs alone."""
+        """Generations with equal keys can run as one batch: same size, steps, guidance, step cache and
+        references (then one LoRA set, as their keys and values are computed once, and one owner's); a repaint
+        runs alone. (Under one cache each image still decides on its own.)"""
         r = self.request
         if r.repaints:
             return (id(self),)
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         loras = frozenset(r.lora_sets[0]) if refs is not None else None
         owner = self.owner if refs is not None else None
-        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs, loras, owner)
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.cache, refs, loras, owner)
 
     def reference_sizes(self, sets: ReferenceSets) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each reference; `UnknownReferences` for an id the cache cannot serve."""
