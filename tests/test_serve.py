@@ -19,6 +19,7 @@ import pytest
 
 from klein.request.request import GenerationRequest
 from klein.request.step_cache import StepCache
+from klein.serve.generation import Generation
 from tests.support.serve_process import metrics, png
 
 BUDGET = 160 * 1024  # one set of two 64x64 references: 48 KiB encoded + 2 x 8 KiB latents
@@ -85,6 +86,15 @@ def test_a_step_cache_is_a_body_field_and_the_response_says_what_it_reused(clien
     assert GenerationRequest.from_metadata(text).cache == StepCache(threshold=5.0, warmup=2)
     plain = client.images.generate(prompt="a red fox", size="64x64", extra_body={**body, "cache": "off"})
     assert klein(plain)["step_cache"] is None and klein(plain)["settings"]["cache"] is None
+
+
+def test_requests_batch_only_with_an_equal_step_cache():
+    def key(cache):
+        return Generation(GenerationRequest(prompt="x", cache=cache)).batch_key
+
+    assert (
+        key(None) == key("off") != key("on") == key(True) != key("threshold=0.2") == key({"threshold": 0.2})
+    )
 
 
 def test_edit_with_two_images_then_the_same_images_hit_the_cache_exactly(client, url):
