@@ -1,12 +1,15 @@
 """Admission: requests that cannot fit are refused before any device work, with the estimate and the
 limit; requests that fit next to them run; a decode that fits only in tiles runs tiled."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from klein import GenerationRequest, InputError, sharding
 from klein.memory import admission, plan, process, residency
 from klein.pipeline.loading import load_pipeline
+from klein.request.step_cache import StepCache
 from tests.test_cli import assert_clean_error, run_klein
 
 
@@ -136,3 +139,34 @@ def test_cli_refuses_what_cannot_fit(klein_home, tmp_path, args):
     result = run_klein(klein_home, "generate", "--prompt", "x", *args, *unlimited, cwd=tmp_path)
     assert_clean_error(result, "needs about", "GiB of available host memory", "ask for less")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_cache_counts_its_states_and_a_request_that_fits_only_without_them_is_refused(pipe):
+    """A step cache's states ride along every step: per row (an image; under guidance its negative too), the
+    double blocks' Fn residual of the image stream and order + 1 residuals of both streams, the single blocks'
+    Fn residual of [text, image] and order + 1 of what their last blocks read (the image's rows, or [text,
+    image] when a block follows the cached ones), twice (the states a step reads and those it returns)."""
+    plain = GenerationRequest.create(prompt="x", height=64, width=64, num_images_per_prompt=2)
+    cached = dataclasses.replace(plain, cache=StepCache(taylorseer_order=2))
+    works = [pipe._resolve(request, ()).workload for request in (plain, cached)]
+    budget = pipe.budget
+    plain_memory, cached_memory = (
+        admission.estimates(budget.models, budget.mesh, work, budget.itemsize)[0] for work in works
+    )
+    image, text, ladder, row = 4 * 4, plan.TEXT_TOKENS, 3, pipe.config.hidden * budget.itemsize
+    double = image + ladder * (image + text)
+    assert cached_memory.step_cache == 2 * 2 * (double + (text + image) + ladder * image) * row == 1114112
+    assert cached_memory.peak - plain_memory.peak == cached_memory.step_cache  # the step is the widest
+    behind = StepCache(compute_last=1, taylorseer_order=2).structure  # the single blocks keep [text, image]
+    single = (text + image) + ladder * (text + image)
+    assert (
+        plan.step_cache_bytes(pipe.config, admission.planning_mesh(None), behind, 2, image, 0, 4)
+        == 2 * 2 * (double + single) * row
+    )
+    pipe.memory_limit = 7.5 * 2**20
+    try:
+        pipe.check(plain)
+        with pytest.raises(InputError, match=r"needs about 7\.9 MiB .*step cache 1\.1 MiB"):
+            pipe.check(cached)
+    finally:
+        pipe.memory_limit = None

@@ -21,6 +21,7 @@ from klein.cli import main as cli
 from klein.errors import InputError
 from klein.io import demo, png
 from klein.request.request import GenerationRequest
+from klein.request.step_cache import StepCache
 
 SMALL = ["--steps", "2", "--height", "64", "--width", "64"]
 
@@ -234,6 +235,12 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
             ["all black"],
             id="black mask",
         ),
+        pytest.param(
+            ["--prompt", "x", "--cache", "threshold=high"], ["cache: threshold must be a number"], id="cache"
+        ),
+        pytest.param(
+            ["--prompt", "x", "--cache", "fast"], ["'fast' is not NAME=VALUE", "warmup"], id="cache name"
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(klein_home, inputs, tmp_path, args, fragments):
@@ -354,3 +361,36 @@ def test_inpainting_writes_the_source_size_and_records_mask_and_strength(klein_h
     firsts = [next(i for i, line in enumerate(drawn) if line.startswith(stage)) for stage in stages]
     assert firsts == sorted(firsts)
     assert any("compiling (first run)" in line for line in drawn if line.startswith("denoising"))
+
+
+def test_step_cache_runs_reports_its_passes_and_is_recorded(klein_home, tmp_path):
+    # On random weights the residual moves by ~1 a step, so a threshold of 5 reuses every step it may:
+    # steps 0-1 warm up, 2-4 reuse (3 in a row at most), 5 computes.
+    out = tmp_path / "cached.png"
+    args = ["--prompt", "a fox", "--steps", "6", "--height", "64", "--width", "64", "--seed", "5"]
+    args += ["--cache", "threshold=5,warmup=2", "--out", out]
+    result = run_klein(klein_home, "generate", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    reported = "step cache: double blocks computed 3 of 6 passes, single blocks computed 3 of 6 passes"
+    assert reported in result.stderr.splitlines()
+    settings = next(line for line in result.stderr.splitlines() if line.startswith("settings: "))
+    assert settings.endswith("step cache threshold=5.0,warmup=2")
+    with PIL.Image.open(out) as image:
+        text = dict(image.text)
+    assert text["cache"] == "threshold=5.0,warmup=2"
+    read = GenerationRequest.from_metadata(text)
+    assert read.cache == StepCache(threshold=5.0, warmup=2)
+    parsed = cli.generate_parser().parse_intermixed_args([str(arg) for arg in args])
+    asked = cli_args.build_request(parsed).generation
+    assert read == dataclasses.replace(asked, guidance_scale=None, use_kv=False)
+
+
+def test_cache_flag_bare_on_settings_and_off():
+    def cache(*args):
+        parsed = cli.generate_parser().parse_intermixed_args(["--prompt", "x", *args])
+        return cli_args.build_request(parsed).generation.cache
+
+    assert cache() is None and cache("--cache", "off") is None and cache("cache=off") is None
+    assert cache("--cache") == StepCache() == cache("--cache", "on") == cache("cache=on")
+    assert cache("--cache", "threshold=0.2,warmup=4") == StepCache(threshold=0.2, warmup=4)
+    assert cache("cache=threshold=0.2,warmup=4") == StepCache(threshold=0.2, warmup=4)

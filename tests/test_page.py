@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import io
+import json
 import re
 import time
 from importlib import resources
@@ -581,5 +582,25 @@ def test_the_servers_warnings_are_shown_with_the_result(tab):
     generate(page, "a rounded fox", 1)
     expect(page.locator(".details .warning")).to_have_text(
         ["height/width rounded down to multiples of 16: 64x64 px (WxH)"]
+    )
+    assert not tab.errors, tab.errors
+
+
+def test_the_step_cache_is_sent_as_the_bodys_cache_and_its_passes_shown(tab):
+    page = tab.page
+    tab.open()
+    expect(page.locator("#cache-threshold")).to_be_disabled()
+    page.check("#cache")
+    page.fill("#cache-threshold", "-1")
+    page.fill("#prompt", "a cached fox")
+    page.click("#generate")
+    expect(page.locator("#error")).to_contain_text("threshold must be a number from 0")
+    page.fill("#cache-threshold", "5")
+    with page.expect_request(lambda r: r.url.endswith("/v1/jobs") and r.method == "POST") as sent:
+        generate(page, "a cached fox", 1)
+    assert json.loads(sent.value.post_data)["cache"] == {"threshold": 5}
+    # The recipe's 8 warm-up steps cover this server's 2: every pass computes.
+    expect(page.locator(".details .facts")).to_contain_text(
+        "double blocks 2 of 2 passes, single blocks 2 of 2"
     )
     assert not tab.errors, tab.errors

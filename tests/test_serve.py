@@ -18,6 +18,8 @@ import PIL.Image
 import pytest
 
 from klein.request.request import GenerationRequest
+from klein.request.step_cache import StepCache
+from klein.serve.generation import Generation
 from tests.support.serve_process import metrics, png
 
 BUDGET = 160 * 1024  # one set of two 64x64 references: 48 KiB encoded + 2 x 8 KiB latents
@@ -67,6 +69,32 @@ def test_generate_twice_with_one_seed_gives_the_same_pixels(client, url):
     # The prompt's embeddings were computed once and reused by the later requests.
     after = metrics(url)
     assert after["klein_prompt_cache_hits_total"] - before["klein_prompt_cache_hits_total"] >= 2
+
+
+def test_a_step_cache_is_a_body_field_and_the_response_says_what_it_reused(client, url):
+    # Random weights move the residual by ~1 a step: at threshold 5 steps 0-1 warm up, 2-4 reuse.
+    body = {"seed": 3, "num_inference_steps": 5, "cache": {"threshold": 5, "warmup": 2}}
+    response = client.images.generate(prompt="a red fox", size="64x64", extra_body=body)
+    decided = klein(response)["step_cache"]
+    assert decided == {
+        "passes": 5,
+        "computed": {"double": 2, "single": 2},
+        "cached_steps": {"double": {"cond": [2, 3, 4]}, "single": {"cond": [2, 3, 4]}},
+    }
+    assert klein(response)["settings"]["cache"] == "threshold=5.0,warmup=2"
+    text = decode(response.data[0].b64_json).text
+    assert GenerationRequest.from_metadata(text).cache == StepCache(threshold=5.0, warmup=2)
+    plain = client.images.generate(prompt="a red fox", size="64x64", extra_body={**body, "cache": "off"})
+    assert klein(plain)["step_cache"] is None and klein(plain)["settings"]["cache"] is None
+
+
+def test_requests_batch_only_with_an_equal_step_cache():
+    def key(cache):
+        return Generation(GenerationRequest(prompt="x", cache=cache)).batch_key
+
+    assert (
+        key(None) == key("off") != key("on") == key(True) != key("threshold=0.2") == key({"threshold": 0.2})
+    )
 
 
 def test_edit_with_two_images_then_the_same_images_hit_the_cache_exactly(client, url):

@@ -22,7 +22,7 @@ from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
 from klein.io.transformer_checkpoint import abstract_transformer, key_map, stored_forms
 from klein.io.vae_checkpoint import abstract_vae
 from klein.memory import plan
-from klein.models import products, qwen3
+from klein.models import products, qwen3, step_cache
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import denoise
@@ -87,9 +87,24 @@ def analyse(
     )
     x, txt = jax.eval_shape(functools.partial(denoise.pad_batch, guided=work.guided, ways=ways), x, txt)
     scalar = _array((), jnp.float32)
-    step = denoise.step_function(mode)
-    inputs = place.whole((txt, scalar, scalar, _abstract(ropes)))
-    place.compile("step", step, transformer, place.tokens(x), *inputs, cond, place.whole(scalar))
+    inputs = (
+        place.tokens(x),
+        *place.whole((txt, scalar, scalar, _abstract(ropes))),
+        cond,
+        place.whole(scalar),
+    )
+    if work.cache is None:
+        place.compile("step", denoise.step_function(mode), transformer, *inputs)
+    else:
+        # Under guidance the cache's recipe: the prompts' and the negatives' passes apart.
+        passes = 2 if work.guided else 1
+        knobs = place.whole(_knobs(x.shape[0]))
+        states = place.shapes(
+            denoise.cache_states_function(mode, passes, work.cache), transformer, *inputs, knobs
+        )
+        states = jax.tree.map(lambda a: place.tokens(a) if a.ndim == 3 else place.whole(a), states)
+        step = denoise.cached_step_function(mode, passes, work.cache)
+        place.compile("step", step, transformer, *inputs, (states, knobs))
     latents = place.whole(_array((work.images, h, w, cfg.in_channels), dtype))
     place.compile("decode", vae_model.decode_latents, decoder, latents)
     return place.analyses
@@ -159,6 +174,21 @@ class _Placer:
         self.analyses[stage] = Analysis(
             memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.temp_size_in_bytes
         )
+
+
+def _knobs(rows: int) -> step_cache.Knobs:
+    """A step cache's settings of one step over `rows` images, abstract."""
+    scalar = _array((), jnp.int32)
+    return step_cache.Knobs(
+        scalar,
+        scalar,
+        _array((2,), jnp.float32),
+        scalar,
+        scalar,
+        scalar,
+        _array((rows,), jnp.bool_),
+        _array((), jnp.bool_),
+    )
 
 
 def _array(shape, dtype) -> jax.ShapeDtypeStruct:

@@ -108,6 +108,8 @@ def add_flags(add, declared) -> None:
             add(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=spec.doc)
         elif spec.kind is kinds.BOOL:
             add(flag, dest=field.name, action="store_true", default=None, help=spec.doc)
+        elif spec.kind is kinds.STEP_CACHE:  # a bare --cache: the recipe
+            add(flag, dest=field.name, nargs="?", const="on", metavar=spec.metavar, help=spec.doc)
         else:
             metavar = spec.metavar or (None if spec.choices else short_name(field, spec).upper())
             kind = _FLAG_TYPES[spec.kind.name]

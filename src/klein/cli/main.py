@@ -195,7 +195,7 @@ def generate(request: flags.GenerateRequest) -> int:
     metadata = [png.png_metadata(settings.metadata(i, version())) for i in range(len(result.images))]
     paths = png.write_images(result.images, plan, metadata, result.seed)
     timings = {"load": load_seconds, **result.timings, "write": time.perf_counter() - write_started}
-    _report(pipe, settings, paths, timings, time.perf_counter() - started)
+    _report(pipe, settings, result.step_cache, paths, timings, time.perf_counter() - started)
     return 0
 
 
@@ -254,11 +254,14 @@ def _load(request: flags.GenerateRequest):
     return pipe, pictures, time.perf_counter() - started
 
 
-def _report(pipe, settings, paths, timings, total_seconds) -> None:
-    """Files on stdout (one per line, for scripts); settings and the timing breakdown on stderr."""
+def _report(pipe, settings, step_cache, paths, timings, total_seconds) -> None:
+    """Files on stdout (one per line, for scripts); settings, what a step cache decided and the timing
+    breakdown on stderr."""
     print(f"model: {pipe.name}", file=sys.stderr)
     print(f"residency: {pipe.residency} ({pipe.dtype.name}, {pipe.compute} products)", file=sys.stderr)
     print(f"settings: {settings.describe()}", file=sys.stderr)
+    if step_cache is not None:
+        print(step_cache.describe(), file=sys.stderr)
     print(output.timing_report(timings, total_seconds), file=sys.stderr)
     for path in paths:
         print(path)

@@ -89,6 +89,14 @@ def plan_parser() -> argparse.ArgumentParser:
         help="the blocks' products, as klein generate --compute: fp8 and int8 keep their weights in one byte "
         "(default: auto, what this machine's or --target's device multiplies fastest)",
     )
+    add(
+        "--cache",
+        nargs="?",
+        const="on",
+        metavar="on|NAME=VALUE,...",
+        help="plan a request with a step cache (as klein generate --cache): its states are held through the "
+        "steps, and --compiled compiles the cached step",
+    )
     add("--json", action="store_true", help="print the plan as JSON, for tools")
     add(
         "--compiled",
@@ -204,7 +212,9 @@ def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, pla
 
     variant, models, dtype = files
     models = dataclasses.replace(models, compute=compute if compute in products.EIGHT_BIT else products.BF16)
-    request = dict(refs=flags.refs, size=flags.size, ref_size=flags.ref_size, batch=flags.batch)
+    request = dict(
+        refs=flags.refs, size=flags.size, ref_size=flags.ref_size, batch=flags.batch, cache=flags.cache
+    )
     return dict(variant=variant, mesh=mesh, **request, dtype=dtype, models=models, platform=platform)
 
 

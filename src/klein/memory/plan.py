@@ -29,7 +29,7 @@ from klein.io import text_encoder_gguf, transformer_file
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
 from klein.memory import gpu_estimate, process, residency, stored
-from klein.models import products
+from klein.models import products, step_cache
 from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
@@ -60,6 +60,8 @@ class Workload:
     """KV editing: a prefill over the references, then steps over the cached keys and values."""
     guided: bool
     """Classifier-free guidance: every step runs the batch twice (prompt and negative)."""
+    cache: step_cache.Structure | None = None
+    """A step cache's structure (None: none): its states are held across the steps (`step_cache_bytes`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +73,12 @@ class RequestMemory:
     text: int
     step: int
     decode: int
+    step_cache: int = 0
+    """A step cache's states, held beside every denoising step (`step_cache_bytes`)."""
 
     @property
     def peak(self) -> int:
-        return self.reference_kv + max(self.prefill, self.text, self.step, self.decode)
+        return self.reference_kv + max(self.prefill, self.text, self.step + self.step_cache, self.decode)
 
     def parts(self) -> dict[str, int]:
         """The named terms, for messages: what to reduce."""
@@ -83,6 +87,7 @@ class RequestMemory:
             kv_prefill=self.prefill,
             text_encoder=self.text,
             denoise_step=self.step,
+            step_cache=self.step_cache,
             decode=self.decode,
         )
 
@@ -124,7 +129,27 @@ def request_memory(
         decode=_decode_activations(
             vae_config, work.images, work.height, work.width, tiled_decode, gpu_itemsize
         ),
+        step_cache=step_cache_bytes(cfg, mesh, work.cache, batch, image, refs - prefilled, itemsize),
     )
+
+
+def step_cache_bytes(
+    cfg: TransformerConfig, mesh, cache, rows: int, image: int, references: int, itemsize: int
+) -> int:
+    """Bytes of a step cache's states (`klein.models.step_cache.Group`) over `rows` (a pass's images, both
+    passes under guidance, separate or doubled) for `image` tokens and the `references` tokens the steps
+    run as queries (none when their keys and values are cached): per row, the double blocks' Fn residual
+    of the image stream [N, D] and order + 1 residuals of each stream ([N, D] + [T, D]); the single
+    blocks' Fn residual [T + N, D] and order + 1 residuals of what their last blocks read (the image's
+    [image, D] when no block follows the cached ones, else [T + N, D]); N = image + references, T the
+    text tokens. Held twice while a step runs: the states it reads and those it returns (not donated)."""
+    if cache is None:
+        return 0
+    stream, joint, ladder = image + references, TEXT_TOKENS + image + references, cache.order + 1
+    double = stream + ladder * (stream + TEXT_TOKENS)
+    single = joint + ladder * (image if cache.compute_last == 0 else joint)
+    per_row = -(-(double + single) // sharding.ways(mesh, "seq")) * cfg.hidden * itemsize
+    return 2 * -(-rows // sharding.ways(mesh, "batch")) * per_row
 
 
 def _stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
@@ -547,6 +572,11 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
         ("reference KV", p.memory.reference_kv, "" if p.memory.reference_kv else no_kv),
         ("activations, text encoder", p.memory.text, "estimate"),
         ("activations, denoise step", p.memory.step, "estimate"),
+        *(
+            (("step cache states", p.memory.step_cache, "held across the steps"),)
+            if p.memory.step_cache
+            else ()
+        ),
         ("activations, KV prefill", p.memory.prefill, "estimate" if p.memory.prefill else no_kv),
         ("activations, decode", p.memory.decode, "estimate"),
     ]

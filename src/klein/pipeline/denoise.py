@@ -95,7 +95,9 @@ def cached_step(
         states, records = (cond_state, uncond_state), (cond_record, uncond_record)
     else:
         guided = txt.shape[0] != b
-        v, (state, record) = run(jnp.concatenate([x, x]) if guided else x, txt, states, knobs)
+        v, (state, record) = run(
+            jnp.concatenate([x, x]) if guided else x, txt, states if probe else states[0], knobs
+        )
         if guided:
             v = sampling.guided(*jnp.split(v, 2), scale)
         states, records = (state,), (record,)

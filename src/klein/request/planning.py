@@ -31,15 +31,19 @@ def plan(
     dtype: str = "bfloat16",
     models: planner.Models | None = None,
     platform: str = "accelerator",
+    cache=None,
 ) -> planner.MemoryPlan:
     """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
     published `variant`, or for the checkpoint `models` describes (`klein.memory.plan.plan`, which says
-    what `platform` changes): the request resolved as the pipeline resolves one, its workload planned."""
+    what `platform` changes): the request resolved as the pipeline resolves one, its workload planned.
+    `cache`: a step cache in any form `GenerationRequest` takes (its states are planned too)."""
     models = models or planner.published(variant, dtype)
     ref_size = ref_size or size
     if batch < 1 or refs < 0 or min(*size, *ref_size) < MIN_SIDE:
         raise InputError(f"plan needs batch >= 1, refs >= 0 and sizes of at least {MIN_SIDE}x{MIN_SIDE} px")
-    request = GenerationRequest(prompt="", width=size[0], height=size[1], num_images_per_prompt=batch)
+    request = GenerationRequest(
+        prompt="", width=size[0], height=size[1], num_images_per_prompt=batch, cache=cache
+    )
     run = resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
     references = f"{counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px"
     asked = f"{batch} x {size[0]}x{size[1]} px, {references}, {dtype}"

@@ -65,6 +65,7 @@ class Resolved:
             reference_tokens=sum((h // MULTIPLE) * (w // MULTIPLE) for h, w in self.reference_sizes),
             cached=self.mode.conditioning is Conditioning.CACHED,
             guided=self.mode.guided,
+            cache=None if self.request.cache is None else self.request.cache.structure,
         )
 
 

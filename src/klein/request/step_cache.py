@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from klein.errors import InputError
+from klein.errors import InputError, WordedError
 from klein.models import step_cache
 from klein.models.step_cache import CACHE, COMPUTE, DYNAMIC
 
@@ -111,21 +111,26 @@ class StepCache:
         return step_cache.Structure(self.compute_first, self.compute_last, self.taylorseer_order)
 
     def check(self, steps: int, double_blocks: int, single_blocks: int) -> None:
-        """Refuse settings that cannot apply to a run of `steps` steps on a model of these blocks."""
+        """Refuse settings that cannot apply to a run of `steps` steps on a model of these blocks (the
+        request's field `cache` at fault, for HTTP's `param`)."""
         for group, blocks in (("double", double_blocks), ("single", single_blocks)):
             if self.compute_first + self.compute_last >= blocks:
-                raise InputError(
+                raise WordedError(
                     f"cache: compute_first ({self.compute_first}) + compute_last ({self.compute_last}) must leave "
-                    f"blocks to reuse, but this model has {blocks} {group} blocks: lower them"
+                    f"blocks to reuse, but this model has {blocks} {group} blocks: lower them",
+                    "cache",
                 )
         if self.mask is not None and len(self.mask) != steps:
-            raise InputError(
-                f"cache: mask has {len(self.mask)} entries but {steps} steps run: give one 0 or 1 per step"
+            raise WordedError(
+                f"cache: mask has {len(self.mask)} entries but {steps} steps run: give one 0 or 1 per step",
+                "cache",
             )
         if self.mask_policy == "static" and self.mask is not None:
             first_reused = self.mask.index(0) if 0 in self.mask else steps
             if not any(self.phases(steps, kv=False)[:first_reused] == COMPUTE) and first_reused < steps:
-                raise InputError("cache: a static mask must compute a step (a 1) before its first 0")
+                raise WordedError(
+                    "cache: a static mask must compute a step (a 1) before its first 0", "cache"
+                )
 
     def phases(self, steps: int, kv: bool) -> np.ndarray:
         """int32[steps]: each step's phase (`klein.models.step_cache`): warm-up and a mask's 1 compute, a

@@ -59,6 +59,13 @@ _LORAS_FIELD = {
 }
 
 
+_CACHE_FIELD = {
+    "type": "string",
+    "description": 'a step cache: "on" (the recipe), "off", settings as text, threshold=0.2,warmup=4, or the '
+    'JSON object a body takes: {"threshold": 0.2, "warmup": 4}',
+}
+
+
 def _multipart(properties: dict, required: list[str]) -> dict:
     form = {"type": "object", "properties": properties, "required": required}
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}}}
@@ -68,7 +75,8 @@ def edits_body() -> dict:
     """/v1/images/edits: the files, and every field of /v1/images/generations as a form field."""
     fields = ImageBody.model_json_schema()
     required = list(fields.get("required", ()))
-    properties = {"image": _IMAGE_FILES, "mask": _MASK_FILE, **fields["properties"], "loras": _LORAS_FIELD}
+    properties = {"image": _IMAGE_FILES, "mask": _MASK_FILE, **fields["properties"]}
+    properties |= {"loras": _LORAS_FIELD, "cache": _CACHE_FIELD}
     for name, field in properties.items():
         if name not in required and name != "image":
             # Blank in "Try it out" (which sends every field: a blank one is as if not sent), rather than
@@ -91,11 +99,25 @@ class ReferencesUsed(BaseModel):
     saved_seconds: float = Field(description="encoding time the cache saved")
 
 
+class StepCacheUsed(BaseModel):
+    passes: int = Field(
+        description="passes of the transformer the steps asked for (steps x 2 under guidance)"
+    )
+    computed: dict[str, int] = Field(description="passes each block group (double, single) computed")
+    cached_steps: dict[str, dict[str, list[int]]] = Field(
+        description="per group, per pass (cond; uncond under guidance): the steps that reused the cache, "
+        "for the request's first image (a batch's images decide apart)"
+    )
+
+
 class KleinFields(BaseModel):
     seed: int
-    settings: dict = Field(description="what ran: size, steps, guidance, strength, seed, mode, model, ...")
+    settings: dict = Field(
+        description="what ran: size, steps, guidance, strength, step cache, seed, mode, model, ..."
+    )
     timings: dict[str, float] = Field(description="seconds per stage (compile apart)")
     references: ReferencesUsed | None
+    step_cache: StepCacheUsed | None = Field(description="what a step cache decided (null without one)")
     warnings: list[str] = Field(description="what the request gave but was changed or ignored")
 
 

@@ -10,7 +10,7 @@ import secrets
 import numpy as np
 
 from klein.request.resolve import output_size
-from klein.serve.generation import Generation, respond
+from klein.serve.generation import Generation, respond, step_cache
 from klein.serve.reference_sets import ReferenceSets
 
 
@@ -76,8 +76,9 @@ def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses
         notes = (*shared, *pipe.prompt_notes((work.request.prompt,)))
         adapters = out.settings.adapters[start : start + 1]
         settings = dataclasses.replace(out.settings, request=ran, notes=notes, adapters=adapters)
+        cache = step_cache(out.step_cache, out.settings, start)
         bodies.append(
-            respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes)
+            respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes, cache)
         )
         start += n
     return bodies

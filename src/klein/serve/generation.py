@@ -10,6 +10,7 @@ import time
 
 from klein.io.png import png_metadata
 from klein.pipeline.cache_keys import set_id
+from klein.pipeline.cache_report import BRANCHES, GROUPS, CacheReport
 from klein.request.request import GenerationRequest, Settings
 from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe
 
@@ -28,15 +29,16 @@ class Generation:
 
     @property
     def batch_key(self) -> tuple:
-        """Generations with equal keys can run as one batch: same size, steps, guidance and references (then
-        one LoRA set, as their keys and values are computed once, and one owner's); a repaint runs alone."""
+        """Generations with equal keys can run as one batch: same size, steps, guidance, step cache and
+        references (then one LoRA set, as their keys and values are computed once, and one owner's); a repaint
+        runs alone. (Under one cache each image still decides on its own.)"""
         r = self.request
         if r.repaints:
             return (id(self),)
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         loras = frozenset(r.lora_sets[0]) if refs is not None else None
         owner = self.owner if refs is not None else None
-        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, refs, loras, owner)
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.cache, refs, loras, owner)
 
     def reference_sizes(self, sets: ReferenceSets) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each reference; `UnknownReferences` for an id the cache cannot serve."""
@@ -62,14 +64,22 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
     if encoded is not None:
         request = dataclasses.replace(request, references=encoded.references)
     out = pipe.generate(request, progress)
-    return respond(out.images, out.settings, encoded, out.timings, version, generation.notes)
+    cache = step_cache(out.step_cache, out.settings)
+    return respond(out.images, out.settings, encoded, out.timings, version, generation.notes, cache)
 
 
 def respond(
-    images, settings: Settings, encoded: Encoded | None, timings: dict, version: str, notes=()
+    images,
+    settings: Settings,
+    encoded: Encoded | None,
+    timings: dict,
+    version: str,
+    notes=(),
+    cache: dict | None = None,
 ) -> dict:
     """The response body for the images of one request and the settings they ran with; `warnings` lists
-    what the request gave but was changed or ignored (the pipeline's notes, then the server's)."""
+    what the request gave but was changed or ignored (the pipeline's notes, then the server's); `cache`:
+    what a step cache decided (`step_cache`)."""
     extra, references = {}, None
     if encoded:  # the references by the hash of their prepared pixels, as the reference cache keys them
         hashed = tuple(f"prepared-sha256:{digest}" for digest in encoded.digests)
@@ -86,8 +96,25 @@ def respond(
             "settings": _settings(settings),
             "timings": _add(encoded.timings if encoded else {}, timings),
             "references": references,
+            "step_cache": cache,
             "warnings": [*settings.notes, *notes],
         },
+    }
+
+
+def step_cache(report: CacheReport | None, settings: Settings, image: int = 0) -> dict | None:
+    """What a step cache decided for the batch's `image` (the request's first; the images of a batch
+    decide apart): the steps each block group reused, per pass (the prompt's, and under guidance the
+    negative's), and the passes each group computed of those that ran. None without a step cache."""
+    if report is None:
+        return None
+    branches = BRANCHES if settings.mode.guided else BRANCHES[:1]
+    reused = {g: {b: report.cached_steps(g, b, image) for b in branches} for g in GROUPS}
+    passes = len(report.phases) * len(branches)
+    return {
+        "passes": passes,
+        "computed": {g: passes - sum(map(len, reused[g].values())) for g in GROUPS},
+        "cached_steps": reused,
     }
 
 
@@ -109,6 +136,7 @@ def _settings(settings) -> dict:
         "num_inference_steps": r.num_inference_steps,
         "guidance_scale": r.guidance_scale,
         "strength": r.strength,
+        "cache": None if r.cache is None else r.cache.spec(),
         "seed": r.seed,
         "mode": str(settings.mode),
         "model": settings.model,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from typing import Annotated, Any, Literal
@@ -18,6 +19,7 @@ from klein.request import kinds, resolve
 from klein.request.kinds import settings_of, short_name
 from klein.request.request import GenerationRequest
 from klein.request.resolve import MIN_SIDE, MULTIPLE
+from klein.request.step_cache import StepCache
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 
@@ -49,6 +51,17 @@ LORA_FORMS = {
 """The spellings of one LoRA, as /docs shows them; `klein.request.loras` reads them, as every front end's."""
 
 
+CACHE_FORMS = {
+    "anyOf": [
+        {"type": "boolean"},
+        {"type": "string", "examples": ["on", "threshold=0.2,warmup=4"]},
+        {"type": "object", "examples": [{"threshold": 0.2, "warmup": 4}]},
+        {"type": "null"},
+    ]
+}
+"""The spellings of a step cache, as /docs shows them; `StepCache.of` reads them, as every front end's."""
+
+
 class _OpenAIBody(BaseModel):
     """The fields of OpenAI's images API, and the server's reference set id."""
 
@@ -75,6 +88,15 @@ class _OpenAIBody(BaseModel):
         f'scale from -{MAX_SCALE:g} to {MAX_SCALE:g} (default 1): "ink:0.8", ["ink", 0.8] or '
         '{"name": "ink", "scale": 0.8}, as in Python and klein batch (OpenAI\'s clients: in extra_body; '
         'a form field: that JSON list, or one "ink:0.8")',
+    )
+    cache: Annotated[Any, WithJsonSchema(CACHE_FORMS)] = Field(
+        None,
+        description='step caching (cache-dit\'s DBCache), off by default: true or "on" for the FLUX.2 '
+        'recipe, false or "off", settings as text ("threshold=0.2,warmup=4") or an object of them '
+        '({"threshold": 0.2, "warmup": 4}; names: '
+        + ", ".join(f.name for f in dataclasses.fields(StepCache))
+        + "); the response's klein.step_cache says which steps each block group reused (a form field: the "
+        "text, or the object as JSON)",
     )
     model: str | None = Field(
         None, description="accepted as OpenAI's clients send it; the server runs its model"
@@ -111,7 +133,11 @@ ImageBody = pydantic.create_model(
 
 
 # Form fields are text: how each typed one reads (klein's setting kinds, the same as key=value words).
-_FORM_READERS = {"n": kinds.read_int, "loras": lambda key, text: _loras_field(text)}
+_FORM_READERS = {
+    "n": kinds.read_int,
+    "loras": lambda key, text: _loras_field(text),
+    "cache": lambda key, text: _cache_field(text),
+}
 _FORM_READERS |= {name: spec.kind.read for name, spec in _SPECS.items()}
 
 
@@ -122,6 +148,16 @@ def _loras_field(text: str) -> list:
     except ValueError:
         return [text]
     return value if isinstance(value, list) else [value]
+
+
+def _cache_field(text: str):
+    """A form's `cache`: an object as JSON, else text ("on", "threshold=0.2")."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InputError(f"cache: not a JSON object: {text!r:.100}") from None
 
 
 def from_form(fields: dict[str, str]) -> ImageBody:
@@ -203,6 +239,10 @@ def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
         )
     width, height = parse_size(body.size, options.max_pixels)
     try:
+        cache = StepCache.of(body.cache)
+    except InputError as error:
+        raise ApiError(400, str(error), "invalid_value", "cache") from None
+    try:
         return GenerationRequest.create(
             prompt=body.prompt,
             num_images_per_prompt=body.n,
@@ -210,6 +250,7 @@ def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
             width=width,
             **{name: getattr(body, name) for name in SETTINGS},
             loras=body.loras or (),
+            cache=cache,
         )
     except InputError as error:
         raise ApiError(

@@ -16,7 +16,7 @@ export class InputProblem extends Error {
 const FIELDS = {
   prompt: "prompt", num_inference_steps: "steps", n: "count", seed: "seed", size: "size",
   guidance_scale: "guidance", image: "ref-input", references: "ref-input", strength: "strength", mask: "mask-canvas",
-  loras: "lora-0",
+  loras: "lora-0", cache: "cache-threshold",
 };
 
 // What to do, where the server's own sentence may leave it out.

@@ -41,6 +41,7 @@ export function addResult(request, result, refs, upload, { seconds, waited }, ma
     timings: klein.timings || {},
     references: klein.references || null,
     warnings: klein.warnings || [],
+    stepCache: klein.step_cache || null,
     images: result.data.map((item, index) => pngImage(item.b64_json, request.n > 1 ? `-${index + 1}` : "", seed)),
   };
   history.push(entry);
@@ -141,6 +142,7 @@ function facts(entry) {
   const list = element("dl", "facts");
   const rows = [["Size", size], ["Steps", settings.num_inference_steps ?? request.num_inference_steps], ["Seed", entry.seed], ["References", refs]];
   if (settings.strength !== undefined && settings.strength !== null) rows.push(["Strength", String(settings.strength)], ["Mask", maskFact(entry)]);
+  if (entry.stepCache) rows.push(["Step cache", stepCacheFact(entry.stepCache)]);
   if (request.loras) rows.push(["LoRAs", request.loras.map((lora) => `${lora.name} × ${lora.scale}`).join(", ")]);
   for (const [name, value] of rows) {
     const row = element("div");
@@ -150,6 +152,11 @@ function facts(entry) {
     list.append(row);
   }
   return list;
+}
+
+// What the step cache computed: each block group's passes run of those the steps asked for.
+function stepCacheFact({ passes, computed }) {
+  return `double blocks ${computed.double} of ${passes} passes, single blocks ${computed.single} of ${passes}`;
 }
 
 // A repaint's mask as sent (transparent: repainted), or what ran without one.

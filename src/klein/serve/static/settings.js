@@ -1,6 +1,7 @@
 // The settings of the next edit: prompt, size (the first reference's, a preset or custom), steps,
 // strength (empty: the server's default), number of images, seed (random or fixed), the LoRAs picked
-// (loras.js) and, on base models, guidance. Limits and defaults come from
+// (loras.js), on base models guidance, and the step cache (off, the recipe, or a threshold). Limits and
+// defaults come from
 // /v1/config; the size presets are choices, those larger than the server makes disabled.
 import { $ } from "./dom.js";
 import { InputProblem } from "./errors.js";
@@ -67,7 +68,21 @@ export function readSettings() {
   if (limits.guided) body.guidance_scale = Number($("guidance").value);
   const loras = readLoras();
   if (loras.length) body.loras = loras;
+  const cache = readCache();
+  if (cache !== null) body.cache = cache;
   return body;
+}
+
+// The step cache: null (off), true (the recipe) or {threshold}.
+function readCache() {
+  if (!$("cache").checked) return null;
+  const input = $("cache-threshold");
+  if (input.value.trim() === "" && !input.validity.badInput) return true;
+  const value = Number(input.value);
+  if (input.validity.badInput || !Number.isFinite(value) || value < 0) {
+    throw new InputProblem("The step cache's threshold must be a number from 0, or empty for the recipe's.", "cache-threshold");
+  }
+  return { threshold: value };
 }
 
 // How far the source (the first reference) is repainted; null: not given, the server decides.
@@ -123,11 +138,18 @@ export function restoreSettings(request, seed) {
   if (size.value === "custom") [$("width").value, $("height").value] = request.size.split("x");
   syncSize();
   restoreLoras(request.loras);
+  $("cache").checked = Boolean(request.cache);
+  $("cache-threshold").value = request.cache?.threshold ?? "";
+  syncCache();
   $("prompt").focus();
 }
 
 function syncSeed() {
   $("seed").disabled = !$("seed-fixed").checked;
+}
+
+function syncCache() {
+  $("cache-threshold").disabled = !$("cache").checked;
 }
 
 function syncSize() {
@@ -137,5 +159,6 @@ function syncSize() {
 export function wireSettings() {
   for (const radio of document.querySelectorAll("input[name=seed-mode]")) radio.addEventListener("change", syncSeed);
   $("size").addEventListener("change", syncSize);
+  $("cache").addEventListener("change", syncCache);
   fillSizes(Infinity); // until the server says how large it goes
 }
