@@ -9,7 +9,17 @@ block's residual changes a lot from step to step (relative L1 differences of 0.5
 thresholds. A case whose reference run no longer keeps that margin fails as such (the setup, not klein).
 
 Also: a threshold of 0 and a mask of all ones give klein's uncached image exactly; cache-dit's own config
-objects give the same as the StepCache that names the same knobs.
+objects give the same as the StepCache that names the same knobs; a difference exactly on the threshold
+decides as cache-dit's does (the images cannot show that edge: their differences keep MARGIN from it).
+The KV reference routes each block to its own layer of the reference cache (`cache_dit_runs`: cache-dit
+1.5.3 alone gives every block layer 0's).
+
+Sensitive: with the double blocks' Fn residual taken after their second block instead of their first (or
+their Fn/Bn split one block later), every case with dynamic decisions fails (10 tests: decisions differ,
+e.g. the 50-step base case's double blocks reuse at steps 14 and 25 instead of 20, 25 and 32); with the
+hidden state after the Fn blocks compared instead of their residual, the same 10 fail; with `diff <=
+threshold` instead of `<`, the edge test fails. Moving the split in the single blocks (the last of which
+returns only the image rows) fails every cached test with a shape error.
 """
 
 import dataclasses
@@ -89,6 +99,13 @@ CASES["taylorseer-early"] = Case(
     "distilled",
     StepCache(threshold=0.99, mask=(1, 1, 1, 0, 0, 0), mask_policy="static", taylorseer_order=1, **DISTILLED),
     6,
+)
+CASES["taylorseer-kv"] = Case(
+    "kv",
+    StepCache(threshold=0.99, mask=(1, 1, 1, 1, 0, 0), mask_policy="static", taylorseer_order=1, **DISTILLED),
+    6,
+    (64, 64),
+    1,
 )
 # The limits bind: without them the single blocks reuse 4 and 5 times, steps 12 to 14 in a row.
 CASES["max-cached"] = dataclasses.replace(SHORT, cache=dataclasses.replace(SHORT.cache, max_cached=2))
@@ -226,6 +243,17 @@ def test_taylorseer_from_the_first_steps(pipes, references):
     masked = [s for s, m in enumerate(case.cache.mask) if not m]
     assert all(want.cached[g, "cond"] == masked for g in GROUPS), want.describe()
     check_same(klein_run(pipes, case), want, case)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="KV editing: cache-dit's double blocks' text-stream calibrator is not reset at step 1 (the text "
+    "stream keeps its shape, the image stream's changes), so its first difference starts a step before the "
+    "image stream's; klein counts both streams of a group from one origin (max abs 0.006)",
+)
+def test_taylorseer_kv_from_the_first_steps(pipes, references):
+    case = CASES["taylorseer-kv"]
+    check_same(klein_run(pipes, case), references(case), case)
 
 
 @pytest.mark.parametrize("name", ["max-cached", "max-consecutive"])
