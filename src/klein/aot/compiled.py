@@ -185,7 +185,7 @@ def _knobs(rows: int) -> step_cache.Knobs:
         _array((2,), jnp.float32),
         scalar,
         scalar,
-        scalar,
+        _array((2, 2), jnp.int32),
         _array((rows,), jnp.bool_),
         _array((), jnp.bool_),
     )

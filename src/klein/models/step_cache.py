@@ -46,7 +46,7 @@ class Knobs(NamedTuple):
     thresholds: jax.Array  # float32[2]: the residual-difference threshold of each group
     max_cached: jax.Array  # int32[]: reused steps allowed per request (-1: any)
     max_consecutive: jax.Array  # int32[]: reused steps allowed in a row (-1: any)
-    origin: jax.Array  # int32[]: TaylorSeer counts steps from here (2 for KV editing, as cache-dit)
+    origin: jax.Array  # int32[2, 2]: where TaylorSeer counts steps from, per group and cached stream
     live: jax.Array  # bool[B]: the batch's real images (not the mesh's padding), which alone need compute
     together: jax.Array  # bool[]: rows i and i + B/2 (an image's prompt and negative) decide as one
 
@@ -56,7 +56,7 @@ class Group(NamedTuple):
 
     previous: jax.Array  # [B, S, D]: the Fn residual of the last step computed
     ladders: tuple  # per cached stream, order + 1 arrays [B, S', D]: the residual and its differences
-    valid: jax.Array  # bool[order + 1, B]: which differences exist yet
+    valid: jax.Array  # bool[streams, order + 1, B]: which differences of each stream exist yet
     computed: jax.Array  # bool[B]: whether any step computed (a previous residual exists)
     last: jax.Array  # int32[B]: the last step computed
     cached: jax.Array  # int32[B]: steps reused so far
@@ -94,7 +94,7 @@ def through(structure: Structure, group: int, state, knobs: Knobs, streams, run,
         reused = _estimate(state, knobs.step)
         out = tuple(jnp.where(_rows(cached), b + r, m) for b, r, m in zip(base, reused, middle, strict=True))
         fresh = tuple(m - b for m, b in zip(middle, base, strict=True))
-        return out, _update(state, ~cached, residual, fresh, knobs)
+        return out, _update(state, ~cached, residual, fresh, knobs, knobs.origin[group])
 
     def reused(state):
         return tuple(b + r for b, r in zip(base, _estimate(state, knobs.step), strict=True)), state
@@ -135,34 +135,36 @@ def _estimate(state: Group, step):
     expansion to `step` from the differences known (each order only where the lower ones exist)."""
     elapsed = (step - state.last).astype(jnp.float32)
     out = []
-    for ladder in state.ladders:
+    for ladder, valid in zip(state.ladders, state.valid, strict=False):
         total = ladder[0]
         for i in range(1, len(ladder)):
-            weight = jnp.where(state.valid[i], elapsed**i / math.factorial(i), 0.0)
+            weight = jnp.where(valid[i], elapsed**i / math.factorial(i), 0.0)
             total = total + (_rows(weight) * ladder[i].astype(jnp.float32)).astype(total.dtype)
         out.append(total)
     return tuple(out)
 
 
-def _update(state: Group, rows, residual, fresh, knobs: Knobs) -> Group:
+def _update(state: Group, rows, residual, fresh, knobs: Knobs, origins) -> Group:
     """`state` with the rows `rows` (bool[B]) computed at this step: their Fn residual, and each stream's
     residual with its differences against the last ones (TaylorSeer's ladder: order i + 1 exists when order
-    i did and the step is past cache-dit's second)."""
+    i did and the step is more than one past the stream's `origins` (int32[2], as cache-dit's calibrator
+    counts: from 1, since it is made during the first step, or from 2 for a stream whose shape changed at
+    the second: KV editing's image tokens)."""
     window = (knobs.step - state.last).astype(jnp.float32)
-    deep = knobs.step - knobs.origin > 1
-    valid = [jnp.ones_like(rows)]
-    for i in range(1, state.valid.shape[0]):
-        valid.append(valid[-1] & state.valid[i - 1] & deep)
-    ladders = []
-    for old, new in zip(state.ladders, fresh, strict=True):
+    ladders, valid = [], []
+    for k, (old, new) in enumerate(zip(state.ladders, fresh, strict=True)):
+        deep = knobs.step - origins[k] > 1
+        exists = [jnp.ones_like(rows)]
         ladder = [new]
         for i in range(1, len(old)):
+            exists.append(exists[-1] & state.valid[k, i - 1] & deep)
             ladder.append(((ladder[-1].astype(jnp.float32) - old[i - 1]) / _rows(window)).astype(new.dtype))
         ladders.append(tuple(_keep(rows, n, o) for n, o in zip(ladder, old, strict=True)))
+        valid.append(jnp.stack(exists))
     return state._replace(
         previous=_keep(rows, residual, state.previous),
         ladders=tuple(ladders),
-        valid=jnp.where(rows[None], jnp.stack(valid), state.valid),
+        valid=jnp.where(rows[None, None], jnp.stack(valid), state.valid),
         computed=state.computed | rows,
         last=jnp.where(rows, knobs.step, state.last),
     )
@@ -189,7 +191,7 @@ def _zeros(order: int, residual, middle, batch: int) -> Group:
     return Group(
         zeros(residual),
         tuple((zeros(m),) * (order + 1) for m in middle),
-        jnp.zeros((order + 1, batch), jnp.bool_),
+        jnp.zeros((len(middle), order + 1, batch), jnp.bool_),
         flags(jnp.bool_),
         flags(jnp.int32),
         flags(jnp.int32),

@@ -10,6 +10,13 @@ from klein.models.step_cache import Knobs
 from klein.pipeline.cache_report import CacheReport
 from klein.request.modes import Conditioning
 
+# Where TaylorSeer counts each cached stream's steps from, per group (double: image, text; single: joint),
+# as cache-dit's calibrators do: from 1 (a calibrator is made during the first step, so counts one behind),
+# and from 2 for the streams whose shape changes at the second step under diffusers' KV pipeline (its first
+# step runs the references along): the calibrator starts again there. The double blocks' text keeps its shape.
+_ORIGINS = ((1, 1), (1, 1))
+_ORIGINS_KV = ((2, 1), (2, 2))
+
 
 class CacheRun:
     def __init__(self, programs, run, rows: int, steps: int):
@@ -26,7 +33,7 @@ class CacheRun:
             thresholds=np.asarray(cache.thresholds, np.float32),
             max_cached=np.int32(cache.max_cached),
             max_consecutive=np.int32(cache.max_consecutive),
-            origin=np.int32(2 if kv else 0),
+            origin=np.asarray(_ORIGINS_KV if kv else _ORIGINS, np.int32),
             live=np.concatenate([live, live]) if doubled else live,
             together=np.bool_(doubled),
         )
