@@ -287,9 +287,15 @@ def h100_line(s: Settings, fractions: dict[str, float]) -> str:
     )
 
 
-def progress(row) -> None:
-    engine, label, r, _ = row
-    print(f"  ran {engine} {label}: {r['seconds']:.1f} s, computed {r['computed']}", flush=True)
+def timed(engine, s: Settings, latents: np.ndarray, base: dict | None, threshold: float | None) -> tuple:
+    """One timed run (uncached when `threshold` is None), as a row of the table: (engine, threshold, the
+    run, the engine's uncached run); its line printed as it ends."""
+    result = engine.run(latents, None if threshold is None else recipe(s, threshold))
+    label = "uncached" if threshold is None else f"{threshold:g} / {3 * threshold:g}"
+    print(
+        f"  ran {engine.name} {label}: {result['seconds']:.1f} s, computed {result['computed']}", flush=True
+    )
+    return engine.name, threshold, result, base or result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,33 +326,28 @@ def main(argv: list[str] | None = None) -> int:
     grid = s.size // 16
     latents = np.random.default_rng(0).standard_normal((1, 128, grid, grid)).astype(np.float32)
     engines = {"klein": Klein, "diffusers": Diffusers}
-    rows, fractions, uncached, thresholds = [], {}, {}, args.thresholds
+    rows, uncached, thresholds = [], {}, args.thresholds
     for name in args.engines:
         engine = engines[name](folder, s)
         compile_seconds = engine.warm_up()
         if name == "klein":
             print(f"klein compile (warm-up, uncached and cached step programs): {compile_seconds:.1f} s")
-        base = engine.run(latents, None)
+        rows.append(timed(engine, s, latents, None, None))
+        base = rows[-1][2]
         uncached[name] = base["image"]
-        rows.append((engine.name, "uncached", base, base))
-        progress(rows[-1])
-        for t in [0.12, *(thresholds or [])]:
-            cache = recipe(s, t)
-            result = engine.run(latents, cache)
-            rows.append((engine.name, f"{t:g} / {3 * t:g}", result, base))
-            progress(rows[-1])
-            if name == "klein":
-                fractions[f"klein {t:g}"] = block_fraction(s, cache, result["computed"])
-            if thresholds is None:  # the recipe's run tells the diffs of these weights
-                thresholds = [round(float(np.median([d for g, d in result["diffs"] if g == "double"])), 3)]
-                print(f"threshold chosen from the recipe run's double-block residual diffs: {thresholds[0]}")
+        rows.append(timed(engine, s, latents, base, 0.12))
+        if thresholds is None:  # the recipe's run tells the diffs of these weights
+            thresholds = [round(float(np.median([d for g, d in rows[-1][2]["diffs"] if g == "double"])), 3)]
+            print(f"threshold chosen from the recipe run's double-block residual diffs: {thresholds[0]}")
+        rows += [timed(engine, s, latents, base, t) for t in thresholds]
         del engine
     passes = 2 * s.steps
     print(
         "| engine | threshold (double / single) | double passes | single passes | s | speed-up | PSNR dB | SSIM |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for engine, label, r, base in rows:
+    for engine, threshold, r, base in rows:
+        label = "uncached" if threshold is None else f"{threshold:g} / {3 * threshold:g}"
         quality = psnr(r["image"], base["image"]), ssim(r["image"], base["image"])
         print(
             f"| {engine} | {label} | {r['computed']['double']}/{passes} | {r['computed']['single']}/{passes} | "
@@ -363,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"klein vs diffusers uncached image: max |diff| {np.abs(uncached['klein'] - uncached['diffusers']).max():.2e}"
         )
+    fractions = {
+        f"klein {t:g}": block_fraction(s, recipe(s, t), r["computed"])
+        for engine, t, r, _ in rows
+        if engine == "klein" and t is not None
+    }
     if fractions:
         print(h100_line(s, fractions))
     return 0
