@@ -28,6 +28,8 @@ LONGEST_FIRST = (
     "test_serve_sequences.py",
     "test_readme.py",
     "test_bf16_parity.py",
+    "test_step_cache_parity.py",
+    "test_step_cache.py",
 )
 
 
