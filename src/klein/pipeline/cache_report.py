@@ -16,6 +16,8 @@ BRANCHES = ("cond", "uncond")
 
 @dataclasses.dataclass(frozen=True)
 class CacheReport:
+    """The decisions, per step, pass, block group and row, with cache-dit's views of them."""
+
     cached: np.ndarray
     """bool[steps, passes, 2 groups, rows]: the step reused the group's cached residual."""
     diffs: np.ndarray

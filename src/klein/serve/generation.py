@@ -85,8 +85,8 @@ def respond(
         hashed = tuple(f"prepared-sha256:{digest}" for digest in encoded.digests)
         settings = dataclasses.replace(settings, request=dataclasses.replace(settings.request, image=hashed))
         extra = {"reference_id": encoded.id}
-        cache = "hit" if encoded.hit else "miss"
-        references = {"id": encoded.id, "cache": cache, "saved_seconds": round(encoded.saved_seconds, 6)}
+        hit = "hit" if encoded.hit else "miss"
+        references = {"id": encoded.id, "cache": hit, "saved_seconds": round(encoded.saved_seconds, 6)}
     pngs = [_png(image, {**settings.metadata(i, version), **extra}) for i, image in enumerate(images)]
     return {
         "created": int(time.time()),
