@@ -26,6 +26,13 @@ class CacheReport:
     """int32[steps]: what each step's index alone decided (`klein.models.step_cache`)."""
     images: int
     """The batch's images (rows beyond them under one doubled pass are their negatives; beyond both, padding)."""
+    guided: bool
+    """Whether negative passes ran (classifier-free guidance)."""
+
+    @property
+    def branches(self) -> tuple[str, ...]:
+        """The passes each image ran: its prompt's, and under guidance its negative's."""
+        return BRANCHES if self.guided else BRANCHES[:1]
 
     def _column(self, group: str, branch: str, image: int) -> tuple[np.ndarray, np.ndarray]:
         g = GROUPS.index(group)
@@ -33,7 +40,7 @@ class CacheReport:
         if self.cached.shape[1] == 2:
             return self.cached[:, b, g, image], self.diffs[:, b, g, image]
         rows = self.cached.shape[3]
-        if b and rows < 2 * self.images:
+        if branch not in self.branches:
             raise ValueError("no negative pass ran: the request had no guidance")
         row = b * (rows // 2) + image
         return self.cached[:, 0, g, row], self.diffs[:, 0, g, row]
@@ -48,18 +55,13 @@ class CacheReport:
         cached, diffs = self._column(group, branch, image)
         return {int(s): float(diffs[s]) for s in np.flatnonzero(self.phases == DYNAMIC)}
 
-    def computed(self, group: str) -> int:
-        """Passes of `group`'s middle blocks run for image 0 over the request (prompt and negative)."""
-        branches = (
-            BRANCHES if self.cached.shape[1] == 2 or self.cached.shape[3] >= 2 * self.images else ("cond",)
-        )
-        return sum(len(self.phases) - len(self.cached_steps(group, b)) for b in branches)
+    def computed(self, group: str, image: int = 0) -> int:
+        """Passes of `group`'s middle blocks run for `image` over the request (prompt and negative)."""
+        return sum(len(self.phases) - len(self.cached_steps(group, b, image)) for b in self.branches)
 
     def describe(self) -> str:
         """One line: how many passes of each group computed, of how many."""
-        passes = len(self.phases) * (
-            2 if self.cached.shape[1] == 2 or self.cached.shape[3] >= 2 * self.images else 1
-        )
+        passes = len(self.phases) * len(self.branches)
         return "step cache: " + ", ".join(
             f"{g} blocks computed {self.computed(g)} of {passes} passes" for g in GROUPS
         )

@@ -37,7 +37,8 @@ class CacheRun:
             live=np.concatenate([live, live]) if doubled else live,
             together=np.bool_(doubled),
         )
-        self._images, self._index, self._records, self._carried = run.images, 0, [], None
+        self._images, self._guided = run.images, mode.guided
+        self._index, self._records, self._carried = 0, [], None
 
     def _knobs(self, index: int) -> Knobs:
         return Knobs(np.int32(index), np.int32(self._phases[index]), **self._settings)
@@ -63,4 +64,4 @@ class CacheRun:
         self._carried = None
         cached = np.stack([np.asarray(r.cached) for r in self._records])
         diffs = np.stack([np.asarray(r.diff, np.float32) for r in self._records])
-        return CacheReport(cached, diffs, self._phases, self._images)
+        return CacheReport(cached, diffs, self._phases, self._images, self._guided)

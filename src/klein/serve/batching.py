@@ -76,7 +76,7 @@ def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses
         notes = (*shared, *pipe.prompt_notes((work.request.prompt,)))
         adapters = out.settings.adapters[start : start + 1]
         settings = dataclasses.replace(out.settings, request=ran, notes=notes, adapters=adapters)
-        cache = step_cache(out.step_cache, out.settings, start)
+        cache = step_cache(out.step_cache, start)
         bodies.append(
             respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes, cache)
         )

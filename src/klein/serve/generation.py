@@ -10,7 +10,7 @@ import time
 
 from klein.io.png import png_metadata
 from klein.pipeline.cache_keys import set_id
-from klein.pipeline.cache_report import BRANCHES, GROUPS, CacheReport
+from klein.pipeline.cache_report import GROUPS, CacheReport
 from klein.request.request import GenerationRequest, Settings
 from klein.serve.reference_sets import Encoded, PreparedImage, ReferenceSets, describe
 
@@ -64,7 +64,7 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
     if encoded is not None:
         request = dataclasses.replace(request, references=encoded.references)
     out = pipe.generate(request, progress)
-    cache = step_cache(out.step_cache, out.settings)
+    cache = step_cache(out.step_cache)
     return respond(out.images, out.settings, encoded, out.timings, version, generation.notes, cache)
 
 
@@ -102,19 +102,16 @@ def respond(
     }
 
 
-def step_cache(report: CacheReport | None, settings: Settings, image: int = 0) -> dict | None:
+def step_cache(report: CacheReport | None, image: int = 0) -> dict | None:
     """What a step cache decided for the batch's `image` (the request's first; the images of a batch
     decide apart): the steps each block group reused, per pass (the prompt's, and under guidance the
     negative's), and the passes each group computed of those that ran. None without a step cache."""
     if report is None:
         return None
-    branches = BRANCHES if settings.mode.guided else BRANCHES[:1]
-    reused = {g: {b: report.cached_steps(g, b, image) for b in branches} for g in GROUPS}
-    passes = len(report.phases) * len(branches)
     return {
-        "passes": passes,
-        "computed": {g: passes - sum(map(len, reused[g].values())) for g in GROUPS},
-        "cached_steps": reused,
+        "passes": len(report.phases) * len(report.branches),
+        "computed": {g: report.computed(g, image) for g in GROUPS},
+        "cached_steps": {g: {b: report.cached_steps(g, b, image) for b in report.branches} for g in GROUPS},
     }
 
 
