@@ -394,3 +394,19 @@ def test_cache_flag_bare_on_settings_and_off():
     assert cache("--cache") == StepCache() == cache("--cache", "on") == cache("cache=on")
     assert cache("--cache", "threshold=0.2,warmup=4") == StepCache(threshold=0.2, warmup=4)
     assert cache("cache=threshold=0.2,warmup=4") == StepCache(threshold=0.2, warmup=4)
+
+
+def test_sigmas_as_a_flag_and_a_word_and_refused_in_the_flags_words():
+    def sigmas(*args):
+        parsed = cli.generate_parser().parse_intermixed_args(["--prompt", "x", *args])
+        return cli_args.build_request(parsed).generation.sigmas
+
+    assert sigmas() is None
+    assert sigmas("--sigmas", "1,0.6,0.3") == (1.0, 0.6, 0.3) == sigmas("sigmas=[1, 0.6, 0.3]")
+    with pytest.raises(
+        InputError, match=r"argument --sigmas: sigmas must be numbers joined by commas, e\.g\."
+    ):
+        sigmas("--sigmas", "fast")
+    with pytest.raises(InputError, match="above 0 and at most 1"):
+        sigmas("sigmas=1,0.5,0")
+    assert "--sigmas S1,S2,..." in cli.generate_parser().format_help()

@@ -122,7 +122,6 @@ def test_diffusers_defaults_are_accepted(pipes):
     "kwargs, match",
     [
         ({"output_type": "pt"}, "needs torch.*'np'"),
-        ({"sigmas": [1.0, 0.5]}, "schedule.*num_inference_steps"),
         ({"prompt_embeds": np.zeros((1, 4, 8))}, "encodes prompts.*prompt="),
         ({"negative_prompt_embeds": np.zeros((1, 4, 8))}, "empty prompt.*guidance_scale"),
         ({"image_reference": [picture(64, 64, 1)]}, r"image=\[source, \*references\]"),

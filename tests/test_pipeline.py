@@ -85,6 +85,20 @@ def test_base_with_cfg(pipes):
     assert max_abs(got, unguided) > 0.05  # CFG really changes the image
 
 
+@pytest.mark.parametrize("kind,steps", [("base", None), ("distilled", 3), ("distilled", 6)])
+def test_a_schedule_of_ones_own_equals_diffusers(pipes, kind, steps):
+    """diffusers' `sigmas=`: the steps are the sigmas', the shift is read at the call's num_inference_steps
+    (its default when not given: 50 for the base model in both), 6 given for 3 sigmas included."""
+    ours, reference = pipes(kind)
+    given = {} if steps is None else {"num_inference_steps": steps}
+    got = compare(
+        ours, reference, "a lighthouse", 1, 32, 48, height=32, width=48, sigmas=[1.0, 0.55, 0.2], **given
+    )
+    latents = np.random.default_rng(0).standard_normal((1, 128, 2, 3)).astype(np.float32)
+    own = ours("a lighthouse", height=32, width=48, num_inference_steps=3, latents=latents, output_type="np")
+    assert max_abs(got, own.images) > 0.01  # the given schedule, not the model's of as many steps, ran
+
+
 def test_prompt_and_reference_move_the_image(pipes):
     """Sensitivity: the parity tests compare images that depend on what they claim to test."""
     ours, _ = pipes("kv")

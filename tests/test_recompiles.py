@@ -75,7 +75,10 @@ PROMPTS = ({"prompt": "a fox"}, {"prompt": LONG, "seed": 2}, {"prompt": "a red f
 
 LOOPS = {
     "text-to-image": _varied(
-        dict(prompt="a cat", seed=1, num_inference_steps=2, **SIZE), *PROMPTS, {"num_inference_steps": 3}
+        dict(prompt="a cat", seed=1, num_inference_steps=2, **SIZE),
+        *PROMPTS,
+        {"num_inference_steps": 3},
+        {"sigmas": [1.0, 0.6, 0.3]},  # a schedule of one's own is data too
     ),
     "references": _varied(
         dict(prompt="a cat", image=[_picture(0)], use_kv=False, seed=1, num_inference_steps=2),

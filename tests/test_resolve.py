@@ -1,5 +1,6 @@
 """`klein.request.resolve`: the decision table of every request, written out (not recomputed)."""
 
+import numpy as np
 import pytest
 
 from klein.errors import InputError
@@ -139,6 +140,45 @@ def test_strength_cuts_the_schedule(steps, strength, first):
     run = resolve(request, variant, "m", [(64, 96)], lambda: 0)
     assert run.first_step == first and run.request.strength == strength
     assert (run.request.height, run.request.width) == (64, 96)  # the source's size
+
+
+def test_sigmas_set_the_steps_and_the_given_count_only_the_shift():
+    variant = VARIANTS["klein-4b"]
+    assert GenerationRequest(prompt="x", sigmas=np.linspace(1, 0.25, 4)).sigmas == (1.0, 0.75, 0.5, 0.25)
+    alone = resolve(GenerationRequest(prompt="x", sigmas=[1.0, 0.5, 0.25]), variant, "m", [], lambda: 0)
+    assert alone.steps == 3 and alone.request.num_inference_steps == variant.steps and not alone.notes
+    given = resolve(GenerationRequest(prompt="x", sigmas=(1, 0.5), num_inference_steps=10), variant, "m")
+    assert given.steps == 2 and given.request.num_inference_steps == 10
+    assert given.notes == (
+        "2 sigmas run 2 steps: num_inference_steps 10 only sets the schedule's shift (as in diffusers)",
+    )
+    repaint = GenerationRequest(prompt="x", strength=0.5, sigmas=[1.0, 0.8, 0.6, 0.4], num_inference_steps=50)
+    assert resolve(repaint, variant, "m", [(64, 64)], lambda: 0).first_step == 2  # of the 4 sigmas, not 50
+    # The PNG's settings record them, and read back they give the same schedule and shift.
+    settings = Settings(given.request, given.mode, "m", "klein-4b", ())
+    text = settings.metadata(0, "0")
+    assert text["sigmas"] == "1.0,0.5" and text["steps"] == "10"
+    again = GenerationRequest.from_metadata(text)
+    assert again.sigmas == (1.0, 0.5) and again.num_inference_steps == 10 and again.steps_run == 2
+
+
+@pytest.mark.parametrize(
+    "sigmas,match",
+    [
+        ([], "1 to 1000 numbers"),
+        ("1,0.5", "1 to 1000 numbers"),
+        ([[1.0, 0.5]], "1 to 1000 numbers"),
+        ([1.0, "0.5"], "must be numbers"),
+        ([1.0, True], "must be numbers"),
+        ([1.0, 0.5, 0.0], "above 0 and at most 1.*got 0.0"),
+        ([1.5, 0.5], "got 1.5"),
+        ([1.0, float("nan")], "got nan"),
+        ([1.0] * 1001, "1 to 1000 numbers"),
+    ],
+)
+def test_sigmas_that_are_no_schedule_are_refused(sigmas, match):
+    with pytest.raises(InputError, match=match):
+        GenerationRequest(prompt="x", sigmas=sigmas)
 
 
 def test_a_mask_defaults_to_diffusers_strength_and_text_to_image_has_no_first_step():

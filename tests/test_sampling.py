@@ -26,6 +26,23 @@ def test_schedule_equals_diffusers(tokens, steps):
     np.testing.assert_allclose(sampling.sigmas(steps, tokens), scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("tokens", [12, 4096, 9000])
+@pytest.mark.parametrize("given,shift_steps", [([1.0, 0.7, 0.3], 3), ([0.9, 0.6, 0.35, 0.1], 50), ([0.8], 4)])
+def test_a_given_schedule_is_shifted_as_diffusers_shifts_it(tokens, given, shift_steps):
+    """As the klein pipelines drive the scheduler: the given sigmas set the steps, the call's
+    num_inference_steps only mu."""
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
+    _, steps = retrieve_timesteps(
+        scheduler, shift_steps, "cpu", sigmas=given, mu=compute_empirical_mu(tokens, shift_steps)
+    )
+    got = sampling.sigmas(shift_steps, tokens, given)
+    assert steps == len(given) == len(got) - 1
+    np.testing.assert_allclose(got, scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
+    # Sensitivity: read at the run's own length instead, the shift differs wherever mu depends on it.
+    if tokens <= 4300 and shift_steps != len(given):
+        assert not np.allclose(sampling.sigmas(len(given), tokens, given), got, rtol=1e-4)
+
+
 def test_euler_step_equals_scheduler():
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
     retrieve_timesteps(scheduler, 4, "cpu", sigmas=np.linspace(1, 0.25, 4), mu=1.0)

@@ -26,10 +26,12 @@ def empirical_mu(image_tokens: int, num_steps: int) -> float:
     return slope * num_steps + (m200 - 200.0 * slope)
 
 
-def sigmas(num_steps: int, image_tokens: int) -> np.ndarray:
-    """float32[num_steps + 1]: linspace(1, 1/N, N) shifted by exp(mu), then a final 0."""
+def sigmas(num_steps: int, image_tokens: int, given=None) -> np.ndarray:
+    """float32[steps + 1]: `given` (default linspace(1, 1/N, N), N = num_steps) shifted by exp(mu), mu read
+    at num_steps, then a final 0. As diffusers, a given schedule sets the step count and num_steps only the
+    shift."""
     mu = empirical_mu(image_tokens, num_steps)
-    base = np.linspace(1.0, 1.0 / num_steps, num_steps)
+    base = np.linspace(1.0, 1.0 / num_steps, num_steps) if given is None else np.asarray(given, np.float64)
     shifted = math.exp(mu) / (math.exp(mu) + (1.0 / base - 1.0))
     return np.append(shifted, 0.0).astype(np.float32)
 

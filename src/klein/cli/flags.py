@@ -7,6 +7,7 @@ here by itself; a setting given both ways is an error rather than a silent choic
 import argparse
 import dataclasses
 import difflib
+import functools
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -85,6 +86,11 @@ _FLAG_TYPES = {
 }
 
 
+def _read_as(read: Callable[[str, str], object], name: str, text: str) -> object:
+    """A kind's own reader, its mistake reported by argparse with the flag's name."""
+    return size(text, functools.partial(read, name))
+
+
 def size(text: str, read: Callable[[str], int]) -> int:
     """`read(text)`, its mistake reported by argparse with the flag's name."""
     try:
@@ -112,7 +118,9 @@ def add_flags(add, declared) -> None:
             add(flag, dest=field.name, nargs="?", const="on", metavar=spec.metavar, help=spec.doc)
         else:
             metavar = spec.metavar or (None if spec.choices else short_name(field, spec).upper())
-            kind = _FLAG_TYPES[spec.kind.name]
+            kind = _FLAG_TYPES.get(spec.kind.name) or functools.partial(
+                _read_as, spec.kind.read, short_name(field, spec)
+            )
             add(
                 flag, dest=field.name, type=kind, metavar=metavar, choices=spec.choices or None, help=spec.doc
             )

@@ -55,7 +55,7 @@ def estimate(pipe, generation) -> tuple[float, str]:
     work = plan.Workload(images, 1, height, width, 0, cached=False, guided=False)
     models = plan.Models(pipe.config, pipe.text_config, pipe.vae_config, pipe.variant)
     stages = roofline.stage_flops(models, work)
-    steps = generation.num_inference_steps or pipe.variant.steps
+    steps = generation.steps_run or pipe.variant.steps
     flops = sum(stages.values()) + (steps - 1) * stages["step"]
     rate, device = _peak(pipe.dtype.name)
     return flops / rate, device

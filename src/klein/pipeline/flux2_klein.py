@@ -194,7 +194,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         x = self._initial_noise(request.latents, run.request.seed, run.images, gh, gw)
         repaint = self._repaint(request, references, x, mask, sizes) if request.repaints else None
         # 7. Denoising, under the request's unmerged LoRAs.
-        steps = run.request.num_inference_steps - run.first_step
+        steps = run.steps - run.first_step
         x, cache_report = stages.run(
             "denoise", self._denoise, x, txt, references, run, repaint, progress, on_step_end, total=steps
         )
@@ -349,8 +349,8 @@ class Flux2KleinPipeline(DiffusersSurface):
 
     def _denoise(self, x, txt, references, run: Resolved, repaint=None, progress=None, on_step_end=None):
         h, w = self._grid(run.request.height, run.request.width)
-        steps, first = run.request.num_inference_steps, run.first_step
-        schedule = sampling.sigmas(steps, h * w)
+        steps, first = run.steps, run.first_step
+        schedule = sampling.sigmas(run.request.num_inference_steps, h * w, run.request.sigmas)
         if repaint is not None and repaint.noised_start:
             x = repaint.start(schedule[first])
         ropes, cond = denoise.step_inputs(self._rope, run.mode.conditioning, (h, w), txt.shape[1], references)

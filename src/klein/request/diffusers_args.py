@@ -12,8 +12,6 @@ from klein.errors import PYTHON, InputError, no_negative_prompt
 from klein.models.qwen3 import PROMPT_LAYERS, PROMPT_TOKENS
 
 _REFUSED = {
-    "sigmas": "klein's schedule is the model's (shifted by image size); choose its length with "
-    "num_inference_steps",
     "prompt_embeds": "klein encodes prompts itself and keeps each one's embeddings (pipe.prompt_cache); "
     "pass the text as prompt=",
     "negative_prompt_embeds": "klein's guidance (base models) runs against the empty prompt; pass "

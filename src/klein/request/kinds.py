@@ -62,11 +62,15 @@ def read_int(key: str, text: str) -> int | None:
     raise InputError(f"{key} must be an integer, got {text!r}")
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def read_float(key: str, text: str) -> float | None:
     if _none(text):
         return None
     value = _literal(text)
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if _number(value):
         return float(value)
     raise InputError(f"{key} must be a number, got {text!r}")
 
@@ -154,6 +158,21 @@ def read_loras(key: str, text: str) -> tuple:
     )
 
 
+def read_floats(key: str, text: str) -> tuple[float, ...] | None:
+    """Numbers as a list ("[1.0, 0.75, 0.5]") or joined by commas ("1,0.75,0.5"); one number is a list of one."""
+    if _none(text):
+        return None
+    value = _literal(text)
+    value = (value,) if isinstance(value, int | float) else value
+    if isinstance(value, list | tuple) and value and all(_number(item) for item in value):
+        return tuple(float(item) for item in value)
+    raise InputError(f"{key} must be numbers joined by commas, e.g. {key}=1,0.75,0.5, got {text!r}")
+
+
+def _write_floats(value) -> str:
+    return "none" if value is None else ",".join(repr(item) for item in value)
+
+
 def read_cache(key: str, text: str):
     """A step cache as `StepCache.parse` reads it: on, off, or NAME=VALUE words joined by commas."""
     from klein.request.step_cache import StepCache
@@ -172,6 +191,8 @@ LORAS = Kind("loras", read_loras, _write_loras)
 PATH = Kind("path", read_path, _write_path)
 INT = Kind("int", read_int)
 FLOAT = Kind("float", read_float)
+FLOATS = Kind("floats", read_floats, _write_floats)
+"""Numbers joined by commas: 1,0.75,0.5."""
 SIZE = Kind("size", read_size)
 """Bytes, written as a number with an optional binary unit: 9GiB, 512MiB."""
 BOOL = Kind("bool", read_bool)

@@ -68,10 +68,18 @@ class GenerationRequest:
         unit="px",
     )
     num_inference_steps: int | None = setting(
-        f"denoising steps, 1 to {MAX_STEPS} (default: the model's, 4 distilled / 50 base)",
+        f"denoising steps, 1 to {MAX_STEPS} (default: the model's, 4 distilled / 50 base); with sigmas, "
+        "only the step count the schedule's shift is read at, as in diffusers",
         kinds.INT,
         name="steps",
         bounds=(1, MAX_STEPS),
+    )
+    sigmas: tuple[float, ...] | None = setting(
+        "a schedule of your own, as diffusers takes it: one noise level per step, each above 0 and at most 1, "
+        "usually falling from 1 (e.g. 1,0.75,0.5,0.25); shifted by the image size like the model's own, "
+        "a final 0 after the last; the steps are as many as the sigmas (default: the model's schedule)",
+        kinds.FLOATS,
+        metavar="S1,S2,...",
     )
     guidance_scale: float | None = setting(
         "classifier-free guidance scale, base models only (default 4.0 there; 1 or less turns it off)",
@@ -156,11 +164,18 @@ class GenerationRequest:
             if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
                 raise InputError(f"guidance_scale (--guidance) must be a finite number, got {scale!r}")
             fix(self, "guidance_scale", float(scale))
+        fix(self, "sigmas", _sigmas(self.sigmas))
         if self.use_kv is not None and not isinstance(self.use_kv, bool):
             raise InputError(f"use_kv (--kv) must be True, False or None, got {self.use_kv!r}")
         if self.output_type not in OUTPUT_TYPES:
             raise InputError(f"output_type must be 'pil', 'np' or 'latent', got {self.output_type!r}")
         self._check_repaint()
+
+    @property
+    def steps_run(self) -> int | None:
+        """The denoising steps that run: one per sigma when the request gives its schedule, else
+        `num_inference_steps` (None: the model's)."""
+        return self.num_inference_steps if self.sigmas is None else len(self.sigmas)
 
     def _check_repaint(self) -> None:
         """Inpainting and image-to-image settings that cannot go together, whatever the model."""
@@ -217,6 +232,33 @@ class GenerationRequest:
             if spec.kind is not None and key in text:
                 values[field.name] = spec.kind.read(key, text[key])
         return cls.create(**values)
+
+
+def _sigmas(sigmas) -> tuple[float, ...] | None:
+    """A schedule given as a list, tuple or 1-D array of numbers, as floats; refused unless every one is
+    above 0 and at most 1 (diffusers appends the final 0 itself) and there is one per step allowed."""
+    if sigmas is None:
+        return None
+    values = np.asarray(sigmas, dtype=object) if not isinstance(sigmas, np.ndarray) else sigmas
+    if isinstance(sigmas, str | bytes) or values.ndim != 1 or not 1 <= len(values) <= MAX_STEPS:
+        raise InputError(
+            f"sigmas must be a list of 1 to {MAX_STEPS} numbers (one per step), got {_shown(sigmas)}"
+        )
+    if not all(
+        isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool) for v in values
+    ):
+        raise InputError(f"sigmas must be numbers, got {_shown(sigmas)}")
+    floats = tuple(float(v) for v in values)
+    wrong = [v for v in floats if not 0.0 < v <= 1.0]
+    if wrong:
+        raise InputError(
+            f"sigmas must each be above 0 and at most 1 (the final 0 comes after the last step), got {wrong[0]!r}"
+        )
+    return floats
+
+
+def _shown(value) -> str:
+    return f"{value!r:.80}" if isinstance(value, str | list | tuple) else type(value).__name__
 
 
 def _prompts(prompt) -> str | tuple[str, ...]:
@@ -316,7 +358,8 @@ class Settings:
         guidance = "no guidance" if r.guidance_scale is None else f"guidance {r.guidance_scale}"
         refs = len(self.reference_sizes)
         return (
-            f"{r.width}x{r.height} px, {r.num_inference_steps} steps, {guidance}, "
+            f"{r.width}x{r.height} px, {r.steps_run} steps{'' if r.sigmas is None else ' (given sigmas)'}, "
+            f"{guidance}, "
             f"{refs} reference{'' if refs == 1 else 's'}, {self.mode}, seed {r.seed}"
             + "".join(f", LoRA {lora.describe()}" for lora in self.loras)
             + "".join(f", unmerged LoRA {lora.describe()}" for lora in dict.fromkeys(sum(self.adapters, ())))

@@ -54,6 +54,12 @@ class Resolved:
     steps before it are skipped, and the source noised to that step is where the steps start)."""
 
     @property
+    def steps(self) -> int:
+        """The schedule's steps, those before `first_step` included: one per sigma when the request gives
+        its schedule, else `num_inference_steps`."""
+        return self.request.steps_run
+
+    @property
     def workload(self) -> Workload:
         """The request in numbers, all that its memory depends on (`klein.memory.plan`): the prompts
         the text encoder runs over count the negative prompt of CFG."""
@@ -91,7 +97,8 @@ def resolve(
     conditioning = _conditioning(request, variant, model_name, bool(sizes))
     _check_loras(request, conditioning, adapters)
     scale = guidance(variant, request.guidance_scale)
-    steps = variant.steps if request.num_inference_steps is None else request.num_inference_steps
+    shift_steps = variant.steps if request.num_inference_steps is None else request.num_inference_steps
+    steps = shift_steps if request.sigmas is None else len(request.sigmas)
     strength, first_step, kept = None, 0, ()
     if request.repaints:
         if missing_source(request, bool(sizes)):
@@ -113,7 +120,7 @@ def resolve(
         request,
         height=height,
         width=width,
-        num_inference_steps=steps,
+        num_inference_steps=shift_steps,
         guidance_scale=scale,
         seed=seed,
         use_kv=conditioning is Conditioning.CACHED,
@@ -152,8 +159,8 @@ def missing_source(request: GenerationRequest, has_source: bool) -> str | None:
 def check_unloaded(request: GenerationRequest) -> None:
     """The checks of `resolve` that need no checkpoint when the request gives the steps, run before one loads
     (without steps, the variant's default decides); `missing_source` is the other, worded by each front end."""
-    if request.repaints and request.strength is not None and request.num_inference_steps is not None:
-        start_step(request.num_inference_steps, request.strength)
+    if request.repaints and request.strength is not None and request.steps_run is not None:
+        start_step(request.steps_run, request.strength)
 
 
 def start_step(steps: int, strength: float) -> int:
@@ -287,5 +294,11 @@ def _notes(request, variant: Variant, filled: GenerationRequest, rounded: bool):
         notes.append(
             f"guidance_scale {request.guidance_scale:g} is ignored: {variant.name} is step-distilled and runs "
             "without guidance (the base variants take it)"
+        )
+    given = request.num_inference_steps
+    if request.sigmas is not None and given is not None and given != len(request.sigmas):
+        notes.append(
+            f"{len(request.sigmas)} sigmas run {len(request.sigmas)} steps: num_inference_steps {given} only "
+            "sets the schedule's shift (as in diffusers)"
         )
     return tuple(notes)
