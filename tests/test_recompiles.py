@@ -158,6 +158,8 @@ def test_a_warmed_pipeline_compiles_nothing_for_what_it_warmed(demo):
     requests = [
         dict(prompt="a boat", height=64, width=96, seed=5),
         dict(prompt="two boats", height=64, width=96, num_images_per_prompt=2, seed=6),
+        # Two prompts of an image each, as a server's batch of two separate requests runs them.
+        dict(prompt=["a boat", "a kite"], height=64, width=96, seed=9),
         dict(prompt=LONG, image=[source], seed=7),
         dict(prompt="a boat", image=[source], mask_image=mask, strength=0.7, seed=8),
     ]

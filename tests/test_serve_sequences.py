@@ -52,7 +52,7 @@ from tests.support import lora_files as lf
 from tests.support.serve_process import png
 
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=25,
     stateful_step_count=20,
     deadline=None,
     derandomize=True,

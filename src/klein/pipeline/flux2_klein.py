@@ -132,16 +132,19 @@ class Flux2KleinPipeline(DiffusersSurface):
         return self._loras.load(name, lora)
 
     def encode_prompt(self, prompts: Sequence[str]) -> jax.Array:
-        """float[P, T, D] text embeddings of `prompts`; one prompt at a time through `prompt_cache`."""
+        """float[P, T, D] text embeddings of `prompts`. Through `prompt_cache`: each distinct prompt looked
+        up (and encoded) once, alone, and the P rows stacked by one concatenate, a program of P alone
+        whichever prompts repeat."""
         if self.prompt_cache is None:
             return self._encode_prompts(list(prompts))
-        embeds = [
-            self.prompt_cache.get(
+        found = {
+            p: self.prompt_cache.get(
                 cache_keys.prompt_key(self.weights_id, p), lambda p=p: self._encode_prompts([p])
             )
-            for p in prompts
-        ]
-        return embeds[0] if len(embeds) == 1 else jnp.concatenate(embeds)
+            for p in dict.fromkeys(prompts)
+        }
+        rows = [found[p] for p in prompts]
+        return rows[0] if len(rows) == 1 else jnp.concatenate(rows)
 
     def _encode_prompts(self, prompts: list[str]) -> jax.Array:
         ids, mask = text.tokenize_prompts(self.tokenizer, prompts)
@@ -320,6 +323,13 @@ class Flux2KleinPipeline(DiffusersSurface):
         return text.notes(self.tokenizer, prompts)
 
     def _prompt_batch(self, prompts, per_prompt, run: Resolved):
+        """float[B, T, D]: each image's prompt embeddings, then under CFG as many of the empty prompt's.
+        With a prompt cache its program depends on B alone, so a batch of separate requests (prompts x 1)
+        meets the one a request of as many images (1 x images) built, in a server's warm-up. Without one,
+        the text encoder runs once over the prompts."""
+        if self.prompt_cache is not None:
+            rows = [p for p in prompts for _ in range(per_prompt)]
+            return self.encode_prompt(rows + [""] * len(rows) if run.mode.guided else rows)
         embeds = jnp.repeat(self.encode_prompt(prompts), per_prompt, axis=0)
         if not run.mode.guided:
             return embeds
