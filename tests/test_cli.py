@@ -243,9 +243,15 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
         ),
     ],
 )
-def test_bad_input_is_one_clear_line(klein_home, inputs, tmp_path, args, fragments):
+def test_bad_input_is_one_clear_line(klein_home, inputs, tmp_path, monkeypatch, capsys, args, fragments):
+    """In this process, as `klein`'s entry point runs them (the other tests here, and the one below, run
+    the command in a process of its own)."""
     args = [arg.format(inputs=inputs, tmp=tmp_path) for arg in args]
-    result = run_klein(klein_home, "generate", *args, cwd=tmp_path)
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["generate", *args])
+    printed = capsys.readouterr()
+    result = subprocess.CompletedProcess(args, code, printed.out, printed.err)
     assert_clean_error(result, *fragments)
     assert "image=[" not in result.stderr  # the Python call's wording, not the flags'
     if "unknown model" not in fragments[0]:  # the model's name is read as loading starts
