@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -239,14 +240,12 @@ def _sigmas(sigmas) -> tuple[float, ...] | None:
     above 0 and at most 1 (diffusers appends the final 0 itself) and there is one per step allowed."""
     if sigmas is None:
         return None
-    values = np.asarray(sigmas, dtype=object) if not isinstance(sigmas, np.ndarray) else sigmas
-    if isinstance(sigmas, str | bytes) or values.ndim != 1 or not 1 <= len(values) <= MAX_STEPS:
+    values = np.asarray(sigmas, dtype=object)  # a text or a scalar is 0-d, nested lists 2-d
+    if values.ndim != 1 or not 1 <= len(values) <= MAX_STEPS:
         raise InputError(
             f"sigmas must be a list of 1 to {MAX_STEPS} numbers (one per step), got {_shown(sigmas)}"
         )
-    if not all(
-        isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool) for v in values
-    ):
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
         raise InputError(f"sigmas must be numbers, got {_shown(sigmas)}")
     floats = tuple(float(v) for v in values)
     wrong = [v for v in floats if not 0.0 < v <= 1.0]

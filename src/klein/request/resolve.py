@@ -98,7 +98,7 @@ def resolve(
     _check_loras(request, conditioning, adapters)
     scale = guidance(variant, request.guidance_scale)
     shift_steps = variant.steps if request.num_inference_steps is None else request.num_inference_steps
-    steps = shift_steps if request.sigmas is None else len(request.sigmas)
+    steps = request.steps_run or variant.steps
     strength, first_step, kept = None, 0, ()
     if request.repaints:
         if missing_source(request, bool(sizes)):

@@ -38,7 +38,17 @@ class Generation:
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         loras = frozenset(r.lora_sets[0]) if refs is not None else None
         owner = self.owner if refs is not None else None
-        return (r.width, r.height, r.steps_run, r.sigmas, r.guidance_scale, r.cache, refs, loras, owner)
+        return (
+            r.width,
+            r.height,
+            r.num_inference_steps,
+            r.sigmas,
+            r.guidance_scale,
+            r.cache,
+            refs,
+            loras,
+            owner,
+        )
 
     def reference_sizes(self, sets: ReferenceSets) -> tuple[tuple[int, int], ...]:
         """(height, width) px of each reference; `UnknownReferences` for an id the cache cannot serve."""
