@@ -28,9 +28,9 @@ def main() -> None:
         work = plan.Workload(batch, 1, size, size, 0, cached=False, guided=False)
         est = plan.request_memory(pipe.config, pipe.text_config, pipe.vae_config, single, work, 4)
         g = size // pipe.vae_config.pixels_per_token
-        x = jnp.zeros((batch, g * g, 128), jnp.float32)
+        x = jnp.zeros((batch, work.streams.image, 128), jnp.float32)
         txt = jnp.zeros((batch, 512, pipe.config.joint_attention_dim), jnp.float32)
-        ropes, _ = denoise.step_inputs(pipe._rope, Conditioning.TEXT, (g, g), 512, None)
+        ropes, _ = denoise.step_inputs(pipe._rope, Conditioning.TEXT, (g, g), 512, None, work.streams)
         step = pipe._programs.steps[Mode(Conditioning.TEXT, False)]
         got = measured(step, x, txt, np.float32(1), np.float32(0.5), ropes, (), jnp.float32(1))
         decode = measured(pipe._programs.decode, jnp.zeros((batch, g, g, 128), jnp.float32))

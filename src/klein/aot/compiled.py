@@ -63,24 +63,26 @@ def analyse(
     rope = functools.partial(denoise.rope_of, cfg)
     token = models.vae.pixels_per_token
     h, w = work.height // token, work.width // token
+    streams = work.streams
     ids = place.whole(_array((work.prompts, plan.TEXT_TOKENS), jnp.int32))
     place.compile("text", qwen3.prompt_embeddings, text, ids, ids)
     conditioning, references = Conditioning.TEXT, None
     if work.reference_tokens:
         conditioning = Conditioning.CACHED if work.cached else Conditioning.REFERENCES
         # The references' ids as a 1 x R grid: the rope tables' shapes are all that matter here.
-        grid = sampling.image_ids(1, work.reference_tokens, 10)
-        references = References(_array((work.reference_tokens, cfg.in_channels), dtype), grid, (), None)
+        # Their tokens as many as the stream the programs run over (`work.streams`).
+        grid = sampling.image_ids(1, streams.references, 10)
+        references = References(_array((streams.references, cfg.in_channels), dtype), grid, (), None)
     mode = Mode(conditioning, work.guided)
     if mode.conditioning is Conditioning.CACHED:
-        reference = place.whole(_abstract(denoise.prefill_inputs(rope, references)))
+        reference = place.whole(_abstract(denoise.prefill_inputs(rope, references, streams)))
         place.compile("prefill", T.prefill, transformer, *reference)
         kv = place.reference_kv(place.shapes(T.prefill, transformer, *reference))
         references = dataclasses.replace(references, kv=kv)
-    ropes, cond = denoise.step_inputs(rope, mode.conditioning, (h, w), plan.TEXT_TOKENS, references)
+    ropes, cond = denoise.step_inputs(rope, mode.conditioning, (h, w), plan.TEXT_TOKENS, references, streams)
     if mode.conditioning is not Conditioning.CACHED:  # the prefill's keys/values are placed already
         cond = place.whole(_abstract(cond))
-    x = _array((work.images, h * w, cfg.in_channels), dtype)
+    x = _array((work.images, streams.image, cfg.in_channels), dtype)
     txt = _array((work.images * (2 if work.guided else 1), plan.TEXT_TOKENS, cfg.joint_attention_dim), dtype)
     ways = sharding.ways(
         mesh.abstract_mesh if mesh is not None else sharding.abstract_mesh("single"), "batch"

@@ -29,12 +29,12 @@ from klein.io import text_encoder_gguf, transformer_file
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
 from klein.memory import gpu_estimate, process, residency, stored
-from klein.models import products, step_cache
+from klein.models import buckets, products, step_cache
 from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
-from klein.models.vae import AutoencoderKLFlux2, VAEConfig
+from klein.models.vae import PIXELS_PER_TOKEN, AutoencoderKLFlux2, VAEConfig
 from klein.models.variants import VARIANTS, Variant
 
 FLUX2_VAE = VAEConfig.flux2()
@@ -62,6 +62,14 @@ class Workload:
     """Classifier-free guidance: every step runs the batch twice (prompt and negative)."""
     cache: step_cache.Structure | None = None
     """A step cache's structure (None: none): its states are held across the steps (`step_cache_bytes`)."""
+    bucket: bool = True
+    """The transformer runs over token buckets (`klein.models.buckets`), not the exact counts."""
+
+    @property
+    def streams(self) -> buckets.Streams:
+        """The image's and the references' tokens the transformer's programs run over."""
+        image = (self.height // PIXELS_PER_TOKEN) * (self.width // PIXELS_PER_TOKEN)
+        return buckets.Streams.of(image, self.reference_tokens, self.bucket)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +117,7 @@ def request_memory(
     copies = None  # bytes per weight of the CPU's layer copies (`layer_copies`)
     if platform == "cpu" and itemsize < 4:
         copies = itemsize if products.in_place(platform) else 4
-    token = vae_config.pixels_per_token
-    image = (work.height // token) * (work.width // token)
-    refs = work.reference_tokens
+    image, refs, _ = work.streams
     batch = work.images * (2 if work.guided else 1)
     prefilled = refs if work.cached else 0  # else the references are queries of every step
     keys = TEXT_TOKENS + image + refs

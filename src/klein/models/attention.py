@@ -70,23 +70,26 @@ def _splice(x, cached, at: int):
 
 
 class Padded(NamedTuple):
-    """A token stream padded to a multiple of the context size: tokens [B, S', ...], rope [S', Dh],
-    rank int32[S'] (0 for its tokens, MASKED for the padding), and `real` = S."""
+    """A token stream as the layers see it: tokens [B, S', ...], rope [S', Dh] and rank int32[S'] (0 for
+    its tokens, `MASKED` for padding), or None when none of it is padding (the unmasked kernel)."""
 
     tokens: jnp.ndarray
     rope: tuple
-    rank: jnp.ndarray
-    real: int
+    rank: jnp.ndarray | None
 
 
-def padded(tokens, rope) -> Padded:
-    """Tokens [B, S, ...] and their rope tables [S, Dh] with zero tokens appended up to a multiple of the
-    context size (`sharding.context_ways`), so that the stream splits over the devices whatever its length;
-    the padding's keys rank `MASKED` (no query sees them) and its outputs are dropped by the caller."""
+def padded(tokens, rope, rank=None) -> Padded:
+    """Tokens [B, S, ...] and their rope tables [S, Dh], `rank` int32[S] (None: all real; else data, 0 or
+    `MASKED`: a stream padded to its token bucket, `klein.request.buckets`), with zero tokens appended up
+    to a multiple of the context size (`sharding.context_ways`), so that the stream splits over the devices
+    whatever its length. Padding's keys rank `MASKED` (no query sees them); the caller drops its outputs."""
     real = tokens.shape[1]
     extra = -real % sharding.context_ways()
-    rank = jnp.concatenate([jnp.zeros(real, jnp.int32), jnp.full(extra, MASKED, jnp.int32)])
-    return Padded(_pad_tokens(tokens, extra), tuple(_pad_tokens(t, extra, 0) for t in rope), rank, real)
+    if rank is None and not extra:
+        return Padded(tokens, rope, None)
+    rank = jnp.zeros(real, jnp.int32) if rank is None else jnp.asarray(rank, jnp.int32)
+    rank = jnp.concatenate([rank, jnp.full(extra, MASKED, jnp.int32)])
+    return Padded(_pad_tokens(tokens, extra), tuple(_pad_tokens(t, extra, 0) for t in rope), rank)
 
 
 def _pad_tokens(x, extra: int, axis: int = 1):
@@ -95,11 +98,16 @@ def _pad_tokens(x, extra: int, axis: int = 1):
     return jnp.pad(x, widths) if extra else x
 
 
+def stream_rank(stream: Padded):
+    """int32[S'] of one stream: its rank, zeros where none of it is padding."""
+    return jnp.zeros(stream.tokens.shape[1], jnp.int32) if stream.rank is None else stream.rank
+
+
 def key_rank(*streams: Padded):
     """int32[1, S] over the concatenated streams, or None when none is padded (the unmasked kernel)."""
-    if all(s.tokens.shape[1] == s.real for s in streams):
+    if all(s.rank is None for s in streams):
         return None
-    return jnp.concatenate([s.rank for s in streams])[None]
+    return jnp.concatenate([stream_rank(s) for s in streams])[None]
 
 
 def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.ndarray:
@@ -108,7 +116,7 @@ def isolated_span_attention(q, k, v, start: int, stop: int, k_rank=None) -> jnp.
     for padding. On cuDNN (one device) and on a TPU: two calls (the span over its own keys, the rest over
     all keys); elsewhere the span's ranks."""
     platform, one_device = sharding.platform(), _one_device(jax.sharding.get_abstract_mesh())
-    if _splash(q, platform) or (k_rank is None and _cudnn(q, platform) and one_device):
+    if _splash(q, platform) or (_cudnn(q, platform) and one_device):
         # Two attentions whose queries each rank the same (key padding at most).
         span_rank = None if k_rank is None else k_rank[:, start:stop]
         inside = _padded_keys(q[:, start:stop], k[:, start:stop], v[:, start:stop], span_rank)
@@ -140,7 +148,20 @@ def _padded_keys(q, k, v, k_rank):
     """Attention whose queries all rank 0 over keys ranked 0 or `MASKED` (None: none padded)."""
     if k_rank is None:
         return attention(q, k, v)
+    if _cudnn(q, sharding.platform()) and _one_device(jax.sharding.get_abstract_mesh()):
+        return _cudnn_padded_keys(q, k, v, k_rank)
     return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
+
+
+def _cudnn_padded_keys(q, k, v, k_rank):
+    """cuDNN's fused attention over keys some of which are padding, anywhere among them: the keys and
+    values gathered so that the real ones come first (a stable order: attention does not depend on the
+    keys' order), the padding cut off by the kernel's key lengths."""
+    order = jnp.argsort(k_rank[0], stable=True)
+    real = jnp.sum(k_rank[0] == 0, dtype=jnp.int32)
+    k, v = (jnp.take(x, order, axis=1) for x in (k, v))
+    lengths = jnp.full((q.shape[0],), real, jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
 
 
 SPLASH_PLATFORMS = ("tpu",)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from klein.models import attention, stacks, step_cache
-from klein.models.attention import Keys, Padded, key_rank, padded
+from klein.models.attention import Keys, Padded, key_rank, padded, stream_rank
 from klein.models.blocks import DoubleBlock, SingleBlock
 from klein.models.layers import AdaNormOut, Linear, Modulation, TimeGuidanceEmbed
 from klein.models.rope import concat_tables
@@ -27,8 +27,9 @@ class ReferenceKV(NamedTuple):
     """Per-layer keys and values of the reference tokens, after QK-norm and RoPE. No batch axis. Stacks in
     their stored form (bf16 as its bits, `klein.models.stacks`).
 
-    R counts the padding a context-parallel prefill adds (`attention.padded`); `key_rank` then
-    ranks it `MASKED` (int32[1, R], 0 for the references), and is None where there is none."""
+    R counts the padding of the references' token bucket and what a context-parallel prefill adds
+    (`attention.padded`); `key_rank` then ranks it `MASKED` (int32[1, R], 0 for the references), and is
+    None where there is none."""
 
     double_k: jnp.ndarray  # [L_double, R, H, Dh]
     double_v: jnp.ndarray
@@ -63,28 +64,44 @@ class Flux2Transformer(nnx.Module):
         self.proj_out = Linear(d, cfg.in_channels, rngs, dtype)
 
 
-def forward(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, refs=None, cache=None):
+def forward(
+    model: Flux2Transformer,
+    img,
+    txt,
+    t,
+    img_rope,
+    txt_rope,
+    refs=None,
+    cache=None,
+    img_rank=None,
+    ref_rank=None,
+):
     """Velocity float[B, N, C] for image tokens img float[B, N, C], text txt float[B, T, J], t float[B].
 
     refs: optional (tokens float[B or 1, R, C], rope) appended after the image tokens (standard editing).
+    img_rank, ref_rank: None, or int32[N] / int32[R], 0 for a token and `attention.MASKED` for the
+    padding of a token bucket (`klein.models.buckets`), which no token sees.
     cache: None, or a step cache (`Cached`): then (velocity, (its state after this step, Records)).
     """
-    n_img = img.shape[1]
+    n_img, rank = img.shape[1], img_rank
     if refs is not None:
         ref_tokens, ref_rope = refs
         ref_tokens = jnp.broadcast_to(ref_tokens, (img.shape[0], *ref_tokens.shape[1:])).astype(img.dtype)
+        rank = _joined_rank((img_rank, n_img), (ref_rank, ref_tokens.shape[1]))
         img, img_rope = jnp.concatenate([img, ref_tokens], axis=1), concat_tables(img_rope, ref_rope)
     temb, mods = _modulations(model, t)
-    text, image = padded(txt, txt_rope), padded(img, img_rope)
+    text, image = padded(txt, txt_rope), padded(img, img_rope, rank)
     keys = Keys(key_rank(text, image))
     return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], n_img), cache=cache)
 
 
-def forward_cached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV, cache=None):
+def forward_cached(
+    model: Flux2Transformer, img, txt, t, img_rope, txt_rope, kv: ReferenceKV, cache=None, img_rank=None
+):
     """Velocity float[B, N, C] with the references' cached keys/values (from `prefill`): every layer
-    attends over the keys [txt, cached ref, img]. `cache` as `forward`'s."""
+    attends over the keys [txt, cached ref, img]. `cache` and `img_rank` as `forward`'s."""
     temb, mods = _modulations(model, t)
-    text, image = padded(txt, txt_rope), padded(img, img_rope)
+    text, image = padded(txt, txt_rope), padded(img, img_rope, img_rank)
     keys = Keys(_cached_key_rank(text, image, kv), cached_at=text.tokens.shape[1])
     return _velocity(model, temb, mods, text, image, keys, (text.tokens.shape[1], img.shape[1]), kv, cache)
 
@@ -98,11 +115,12 @@ class Cached(NamedTuple):
     knobs: step_cache.Knobs
 
 
-def prefill(model: Flux2Transformer, ref, ref_rope) -> ReferenceKV:
+def prefill(model: Flux2Transformer, ref, ref_rope, ref_rank=None) -> ReferenceKV:
     """Reference keys/values for ref tokens float[R, C] (all references concatenated): the layers' walk
-    over the references alone, recording each layer's keys and values."""
+    over the references alone, recording each layer's keys and values. `ref_rank` as `forward`'s
+    `img_rank`: the padding's keys and values are recorded and ranked `MASKED` in the result."""
     _, mods = _modulations(model, jnp.zeros((1,), jnp.float32))
-    refs = padded(ref[None], ref_rope)
+    refs = padded(ref[None], ref_rope, ref_rank)
     keys = Keys(key_rank(refs))
     x = model.x_embedder(refs.tokens.astype(model.x_embedder.dtype))
     _, recorded = _layers(model, x, None, mods, refs.rope, keys)
@@ -280,7 +298,14 @@ def _cached_key_rank(text: Padded, image: Padded, kv: ReferenceKV):
     if kv.key_rank is None and key_rank(text, image) is None:
         return None
     ref_rank = kv.key_rank if kv.key_rank is not None else jnp.zeros((1, kv.num_tokens), jnp.int32)
-    return jnp.concatenate([text.rank[None], ref_rank, image.rank[None]], axis=1)
+    return jnp.concatenate([stream_rank(text)[None], ref_rank, stream_rank(image)[None]], axis=1)
+
+
+def _joined_rank(*parts):
+    """The rank of concatenated streams from (rank or None, tokens) parts: None when every one is None."""
+    if all(rank is None for rank, _ in parts):
+        return None
+    return jnp.concatenate([jnp.zeros(n, jnp.int32) if rank is None else rank for rank, n in parts])
 
 
 def _per_token(batch: int, *parts):

@@ -16,8 +16,9 @@ import numpy as np
 
 from klein import sampling
 from klein.errors import InputError
-from klein.models import adapters, step_cache
+from klein.models import adapters, buckets, step_cache
 from klein.models import transformer as T
+from klein.models.buckets import Streams
 from klein.models.rope import rope_tables
 from klein.request.modes import Conditioning, Mode
 from klein.request.references import References
@@ -25,19 +26,20 @@ from klein.sharding import TOKENS, constrain
 
 
 def velocity_text(model, x, txt, t, ropes, cond, cache=None):
-    img_rope, txt_rope = ropes
-    return T.forward(model, x, txt, t, img_rope, txt_rope, cache=cache)
+    img_rope, txt_rope, img_rank = ropes
+    return T.forward(model, x, txt, t, img_rope, txt_rope, cache=cache, img_rank=img_rank)
 
 
 def velocity_references(model, x, txt, t, ropes, cond, cache=None):
-    img_rope, txt_rope = ropes
-    tokens, rope = cond
-    return T.forward(model, x, txt, t, img_rope, txt_rope, refs=(tokens[None], rope), cache=cache)
+    img_rope, txt_rope, img_rank = ropes
+    tokens, rope, rank = cond
+    refs = (tokens[None], rope)
+    return T.forward(model, x, txt, t, img_rope, txt_rope, refs, cache, img_rank=img_rank, ref_rank=rank)
 
 
 def velocity_cached(model, x, txt, t, ropes, cond, cache=None):
-    img_rope, txt_rope = ropes
-    return T.forward_cached(model, x, txt, t, img_rope, txt_rope, cond, cache=cache)
+    img_rope, txt_rope, img_rank = ropes
+    return T.forward_cached(model, x, txt, t, img_rope, txt_rope, cond, cache=cache, img_rank=img_rank)
 
 
 VELOCITY = {
@@ -122,23 +124,40 @@ def cache_states_function(mode: Mode, passes: int, structure):
     return states
 
 
-def step_inputs(rope, conditioning: Conditioning, grid, text_tokens: int, references: References | None):
+def step_inputs(
+    rope, conditioning: Conditioning, grid, text_tokens: int, references: References | None, streams: Streams
+):
     """(ropes, cond) of every step of a request: the rope tables of the h x w token `grid` and of the
-    text, and the conditioning's own value; `rope(ids)`: the rope tables of position ids (`rope_of`, or a
-    cache of it). What the pipeline runs and what `klein plan --compiled` compiles."""
+    text and the image's rank (`padded_stream`), and the conditioning's own value; the image and the
+    references padded to `streams`. `rope(ids)`: the rope tables of position ids (`rope_of`, or a cache of
+    it). What the pipeline runs and what `klein plan --compiled` compiles."""
     h, w = grid
-    ropes = (rope(sampling.image_ids(h, w)), rope(sampling.text_ids(text_tokens)))
+    img_ids, img_rank = padded_stream(sampling.image_ids(h, w), streams.image, streams.masked)
+    ropes = (rope(img_ids), rope(sampling.text_ids(text_tokens)), img_rank)
     cond = {
         Conditioning.TEXT: lambda: (),
-        Conditioning.REFERENCES: lambda: (references.tokens, rope(references.ids)),
+        Conditioning.REFERENCES: lambda: prefill_inputs(rope, references, streams),
         Conditioning.CACHED: lambda: references.kv,
     }[conditioning]()
     return ropes, cond
 
 
-def prefill_inputs(rope, references: References) -> tuple:
-    """(tokens, rope tables) the prefill of `references` takes; `rope` as `step_inputs`'."""
-    return references.tokens, rope(references.ids)
+def prefill_inputs(rope, references: References, streams: Streams) -> tuple:
+    """(tokens, rope tables, rank) of `references` padded to `streams.references` tokens, as the prefill
+    and the steps of standard editing take them; `rope` as `step_inputs`'."""
+    ids, rank = padded_stream(references.ids, streams.references, streams.masked)
+    tokens, extra = references.tokens, streams.references - references.tokens.shape[0]
+    if extra:
+        tokens = jnp.concatenate([tokens, jnp.zeros((extra, tokens.shape[1]), tokens.dtype)])
+    return tokens, rope(ids), rank
+
+
+def padded_stream(ids: np.ndarray, padded: int, masked: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """The position ids int[S, 4] of a stream padded to `padded` tokens (zeros after its own) and its rank
+    int32[padded] (`buckets.ranks`) when `masked`, else None (the unmasked kernel: nothing padded)."""
+    if not masked:
+        return ids, None
+    return buckets.pad(ids, padded), buckets.ranks(len(ids), padded)
 
 
 def rope_of(config, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -176,11 +195,15 @@ class Repaint:
     """Start from the source noised to the first step's level; False when the caller gave the latents,
     which are then both the noise and the start, as in diffusers' inpainting pipeline."""
 
-    def padded(self, batch: int) -> Repaint:
-        """The same with the noise padded with zeros to `batch` images (the mesh's padding)."""
+    def padded(self, batch: int, tokens: int) -> Repaint:
+        """The same with the noise padded with zeros to `batch` images (the mesh's padding), and the
+        noise, source and mask to `tokens` tokens (the image's token bucket: the padding keeps its zeros)."""
         extra = batch - self.noise.shape[0]
         noise = jnp.pad(self.noise, [(0, extra), (0, 0), (0, 0)]) if extra else self.noise
-        return dataclasses.replace(self, noise=noise)
+        mask = None if self.mask is None else pad_tokens(self.mask, tokens)
+        return dataclasses.replace(
+            self, noise=pad_tokens(noise, tokens), source=pad_tokens(self.source, tokens), mask=mask
+        )
 
     def start(self, sigma) -> jax.Array:
         """The latents the steps start from: the source noised to the first step's level."""
@@ -213,18 +236,24 @@ def batch_rows(adapted, batch: int, guided: bool):
     return bank, np.concatenate([rows, rows]) if guided else rows
 
 
-def step_end(callback, step: int, sigma: float, x, images: int):
-    """Hand the step's latents to a diffusers-style callback; take back the latents it returns."""
-    outputs = callback(step, float(sigma) * 1000, np.asarray(x[:images], np.float32)) or {}
+def step_end(callback, step: int, sigma: float, x, images: int, tokens: int):
+    """Hand the step's latents (the first `images` images' first `tokens` tokens: no padding) to a
+    diffusers-style callback; take back the latents it returns."""
+    outputs = callback(step, float(sigma) * 1000, np.asarray(x[:images, :tokens], np.float32)) or {}
     if not isinstance(outputs, dict):
         raise InputError(f"callback_on_step_end must return a dict (or None), got {type(outputs).__name__}")
     latents = outputs.get("latents")
     if latents is None:
         return x
-    latents = np.asarray(latents, np.float32)
-    if latents.shape != (images, *x.shape[1:]):
+    latents, shape = np.asarray(latents, np.float32), (images, tokens, x.shape[2])
+    if latents.shape != shape:
         raise InputError(
-            f"callback_on_step_end returned latents of shape {latents.shape}; they must keep the shape "
-            f"{(images, *x.shape[1:])}"
+            f"callback_on_step_end returned latents of shape {latents.shape}; they must keep the shape {shape}"
         )
-    return x.at[:images].set(jnp.asarray(latents, x.dtype))
+    return x.at[:images, :tokens].set(jnp.asarray(latents, x.dtype))
+
+
+def pad_tokens(x, tokens: int):
+    """x [B, N, ...] with zero tokens appended up to `tokens` (a token bucket's padding)."""
+    extra = tokens - x.shape[1]
+    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)) if extra else x

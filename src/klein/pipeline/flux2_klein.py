@@ -26,6 +26,7 @@ from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget, planning_mesh
+from klein.models.buckets import Streams
 from klein.pipeline import cache_keys, denoise
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
@@ -232,22 +233,22 @@ class Flux2KleinPipeline(DiffusersSurface):
     def _references(self, request: GenerationRequest, prepared, run: Resolved, stages: Stages):
         """The request's references, encoded from `prepared` or given, with keys and values under its
         LoRAs where they are cached (`resolve` allows cached references one LoRA set per request)."""
-        loras = request.lora_sets[0]
+        loras, bucket = request.lora_sets[0], request.bucket
         if prepared:
             return self._encode_references(
-                prepared, run.mode.conditioning is Conditioning.CACHED, stages, loras
+                prepared, run.mode.conditioning is Conditioning.CACHED, stages, loras, bucket
             )
         references = request.references
         if references is not None and references.cached:
             if references.weights_id != self.adapted_weights_id(loras):  # cached under other weights (LoRAs)
-                return self._prefilled(references, stages, loras)
+                return self._prefilled(references, stages, loras, bucket)
         return references
 
     def _repaint(
         self, request: GenerationRequest, references: References, noise, mask, sizes
     ) -> denoise.Repaint:
         """The source's tokens (the first reference's, of `sizes[0]`), the noise and the mask, on the device."""
-        source = references.tokens[: noise.shape[1]][None]
+        source = references.tokens[: noise.shape[1]][None]  # the first reference's: never its padding
         latent = None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
         latent = None if latent is None else jnp.asarray(latent[None])
         return denoise.Repaint(source, noise, latent, noised_start=request.latents is None)
@@ -299,16 +300,20 @@ class Flux2KleinPipeline(DiffusersSurface):
         )
         return self._prefilled(references, Stages(self.counters, {}), loras) if cached else references
 
-    def _encode_references(self, prepared, cached: bool, stages: Stages, loras=()) -> References:
+    def _encode_references(
+        self, prepared, cached: bool, stages: Stages, loras=(), bucket: bool = True
+    ) -> References:
         latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
         references = self.references_from_latents(latents, cached=False)
-        return self._prefilled(references, stages, loras) if cached else references
+        return self._prefilled(references, stages, loras, bucket) if cached else references
 
-    def _prefilled(self, references: References, stages: Stages, loras=()) -> References:
+    def _prefilled(self, references: References, stages: Stages, loras=(), bucket: bool = True) -> References:
         """`references` with their keys and values, computed under the merged weights and the unmerged
-        LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image)."""
+        LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image), over the references'
+        token bucket (masked padding) unless `bucket` is False."""
         adapted = self._loras.rows([loras])
-        inputs = denoise.prefill_inputs(self._rope, references)
+        streams = Streams.of(0, references.tokens.shape[0], bucket)
+        inputs = denoise.prefill_inputs(self._rope, references, streams)
         kv = stages.run("prefill", lambda: self._programs.prefill(*inputs, adapted=adapted))
         return dataclasses.replace(references, kv=kv, weights_id=self.adapted_weights_id(loras))
 
@@ -359,18 +364,20 @@ class Flux2KleinPipeline(DiffusersSurface):
 
     def _denoise(self, x, txt, references, run: Resolved, repaint=None, progress=None, on_step_end=None):
         h, w = self._grid(run.request.height, run.request.width)
-        steps, first = run.steps, run.first_step
+        steps, first, streams = run.steps, run.first_step, run.workload.streams
         schedule = sampling.sigmas(run.request.num_inference_steps, h * w, run.request.sigmas)
         if repaint is not None and repaint.noised_start:
             x = repaint.start(schedule[first])
-        ropes, cond = denoise.step_inputs(self._rope, run.mode.conditioning, (h, w), txt.shape[1], references)
+        ropes, cond = denoise.step_inputs(
+            self._rope, run.mode.conditioning, (h, w), txt.shape[1], references, streams
+        )
         step = self._programs.steps[run.mode]
         scale = jnp.float32(run.request.guidance_scale or 1.0)
         ways = sharding.ways(planning_mesh(self.mesh), "batch")
-        x, txt = denoise.pad_batch(x, txt, run.mode.guided, ways)
+        x, txt = denoise.pad_batch(denoise.pad_tokens(x, streams.image), txt, run.mode.guided, ways)
         x = sharding.put(x, sharding.TOKENS, self.mesh)
         if repaint is not None:
-            repaint = repaint.padded(x.shape[0])
+            repaint = repaint.padded(*x.shape[:2])
         adapted = self._loras.rows(run.request.lora_sets, run.request.num_images_per_prompt)
         adapted = denoise.batch_rows(adapted, x.shape[0], run.mode.guided)
         cache = None
@@ -383,11 +390,11 @@ class Flux2KleinPipeline(DiffusersSurface):
                 x = repaint.after_step(x, schedule[i + 1])
             if on_step_end:
                 # Counted from the first step that runs, as diffusers counts a shortened (strength) schedule.
-                x = denoise.step_end(on_step_end, i - first, schedule[i], x, run.images)
+                x = denoise.step_end(on_step_end, i - first, schedule[i], x, run.images, h * w)
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress(StageEvent("denoise", i + 1 - first, steps - first))
-        return x[: run.images], None if cache is None else cache.report()
+        return x[: run.images, : h * w], None if cache is None else cache.report()
 
 
 def _source(request: GenerationRequest, mask) -> masks.Source | None:

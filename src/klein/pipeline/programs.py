@@ -28,7 +28,7 @@ class Programs:
         self.text = Compiled(qwen3.prompt_embeddings, hold(residency.TEXT_ENCODER), mesh)
         self.encode = Compiled(vae_model.encode_latents, vae, mesh)
         self.decode, self.decode_tiled, self.vae_latents = (
-            Compiled(_replicated(fn), vae, mesh)
+            Compiled(_replicated(fn), vae, mesh, fn.__name__)
             for fn in (vae_model.decode_latents, vae_model.decode_latents_tiled, vae_model.vae_latents)
         )
         self.prefill = Compiled(T.prefill, transformer, mesh)
@@ -57,13 +57,16 @@ class Compiled:
     mesh, tracing sees it, so the model's logical sharding constraints resolve against it.
     """
 
-    def __init__(self, fn, weights, mesh=None):
+    def __init__(self, fn, weights, mesh=None, name: str | None = None):
         self._weights = weights
         self._mesh = mesh
-        self._jit = jax.jit(
-            lambda graphdef, state, bank, *args: adapters.run(fn, nnx.merge(graphdef, state), bank, *args),
-            static_argnums=0,
-        )
+
+        def program(graphdef, state, bank, *args):
+            return adapters.run(fn, nnx.merge(graphdef, state), bank, *args)
+
+        # Named after what it runs, so that a count of built programs (`Compilations`) names the stage.
+        program.__name__ = program.__qualname__ = name or _name(fn)
+        self._jit = jax.jit(program, static_argnums=0)
 
     @property
     def state(self) -> nnx.State:
@@ -108,6 +111,11 @@ def _zeros(shapes):
         else jnp.zeros(shape, dtype)
         for shape, dtype in shapes
     ]
+
+
+def _name(fn) -> str:
+    """The name of a model function, of a partial's function, or "program"."""
+    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "program")
 
 
 def _replicated(fn):

@@ -135,6 +135,13 @@ class GenerationRequest:
         kinds.STEP_CACHE,
         metavar="on|NAME=VALUE,...",
     )
+    bucket: bool = setting(
+        "run the transformer over the image's and the references' tokens padded (and masked) to the next "
+        "of a few sizes, so that a new photo size reuses a compiled program: the same image, up to float "
+        "rounding; --no-bucket runs the exact size (no padding, one program per size)",
+        kinds.OPTIONAL_BOOL,
+        default=True,
+    )
     loras: tuple = setting(
         "apply a LoRA to this request's images, unmerged, at SCALE (default 1): a name --lora-dir or "
         "--lora-named offers (pipe.load_lora in Python), or on the command line a LoRA file; repeat for "
@@ -168,6 +175,8 @@ class GenerationRequest:
         fix(self, "sigmas", _sigmas(self.sigmas))
         if self.use_kv is not None and not isinstance(self.use_kv, bool):
             raise InputError(f"use_kv (--kv) must be True, False or None, got {self.use_kv!r}")
+        if not isinstance(self.bucket, bool):
+            raise InputError(f"bucket (--bucket / --no-bucket) must be True or False, got {self.bucket!r}")
         if self.output_type not in OUTPUT_TYPES:
             raise InputError(f"output_type must be 'pil', 'np' or 'latent', got {self.output_type!r}")
         self._check_repaint()

@@ -72,6 +72,7 @@ class Resolved:
             cached=self.mode.conditioning is Conditioning.CACHED,
             guided=self.mode.guided,
             cache=None if self.request.cache is None else self.request.cache.structure,
+            bucket=self.request.bucket,
         )
 
 

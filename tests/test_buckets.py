@@ -1,0 +1,186 @@
+"""Token buckets (`klein.models.buckets`): the transformer runs over the image's and the references' tokens
+padded to a few sizes, the padding's keys masked, so that a photo of a new size reuses a compiled program
+and gets the image of its exact size (up to float summation order). The parity tests against diffusers
+(tests/test_pipeline.py, tests/test_inpaint.py, ...) run bucketed by default at sizes that pad."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from klein.models import buckets
+from klein.models import transformer as T
+from klein.models.rope import rope_tables
+from klein.models.transformer_config import TransformerConfig
+from klein.pipeline.compilations import Compilations
+from klein.pipeline.loading import load_pipeline
+from klein.sampling import image_ids, reference_ids, text_ids
+from tests.support.compare import max_abs
+from tests.support.pictures import ellipse_mask, picture
+
+TRANSFORMER_PROGRAMS = {"prefill", "step", "step_cfg", "cached_step", "states"}
+"""The names of the transformer's programs as `Compilations` reports them (`klein.pipeline.programs`)."""
+EXACT = 2e-5
+"""float32: a bucketed run against the exact size differs only in summation order."""
+
+
+@given(st.integers(1, 300_000))
+def test_a_bucket_holds_its_stream_with_at_most_a_quarter_more(tokens):
+    bucket = buckets.size(tokens)
+    assert tokens <= bucket
+    assert bucket < 1.25 * tokens or bucket - tokens < buckets.STEP
+    assert buckets.size(bucket) == bucket and bucket % buckets.STEP == 0
+    assert bucket in buckets.ladder(tokens)
+
+
+def test_the_buckets_waste_a_tenth_over_the_sizes_people_use():
+    sizes = [(h // 16) * (w // 16) for h in range(512, 1537, 16) for w in range(512, 1537, 16)]
+    waste = np.mean([buckets.size(n) / n - 1 for n in sizes])
+    assert waste < 0.15, waste
+    for h, w in ((512, 512), (512, 768), (768, 1024), (1024, 1024), (1024, 1536), (1536, 1536)):
+        assert buckets.size(h * w // 256) == h * w // 256 or (h, w) == (1536, 1536)
+    assert len(buckets.ladder(4 * 4096)) == 36
+
+
+CONFIG = TransformerConfig(
+    num_layers=2,
+    num_single_layers=2,
+    num_attention_heads=4,
+    attention_head_dim=16,
+    joint_attention_dim=64,
+    axes_dims_rope=(4, 4, 4, 4),
+)
+
+
+def _rope(ids):
+    return tuple(jnp.asarray(t) for t in rope_tables(ids, CONFIG.axes_dims_rope, CONFIG.rope_theta))
+
+
+def _padded(rng, array, padded, fill):
+    """`array` [..., S, C] padded along its token axis to `padded` with zeros or noise."""
+    extra = padded - array.shape[-2]
+    shape = (*array.shape[:-2], extra, array.shape[-1])
+    pad = rng.standard_normal(shape).astype(np.float32) if fill == "noise" else np.zeros(shape, np.float32)
+    return np.concatenate([array, pad], axis=-2)
+
+
+@pytest.mark.parametrize("fill", ["zeros", "noise"])
+def test_padding_masked_by_its_rank_cannot_change_a_real_token(fill):
+    """Standard editing and KV editing with the image (15 -> 32 tokens) and the references (13 -> 16)
+    padded, the padding zeros or noise: the real tokens' velocities are those of the exact streams. The
+    same padding left unmasked changes them (the check is sensitive)."""
+    model, rng = T.Flux2Transformer(CONFIG, rngs=nnx.Rngs(0)), np.random.default_rng(0)
+    grid, refs = (3, 5), [(2, 5), (1, 3)]
+    n, r = 15, 13
+    img = rng.standard_normal((2, n, 128)).astype(np.float32)
+    ref = rng.standard_normal((r, 128)).astype(np.float32)
+    txt = rng.standard_normal((2, 7, 64)).astype(np.float32)
+    t = np.array([0.9, 0.4], np.float32)
+    common = (txt, t)
+    img_ids, ref_ids = image_ids(*grid), reference_ids(refs)
+    txt_rope = _rope(text_ids(7))
+    n_b, r_b = 32, buckets.size(r)
+    assert (buckets.size(n), r_b) == (16, 16)  # 32 > the bucket: padded further still, and as exact
+
+    def exact():
+        kv = T.prefill(model, ref, _rope(ref_ids))
+        edit = T.forward(model, img, txt, t, _rope(img_ids), txt_rope, refs=(ref[None], _rope(ref_ids)))
+        return edit, T.forward_cached(model, img, *common, _rope(img_ids), txt_rope, kv)
+
+    def bucketed(masked: bool):
+        img_rank, ref_rank = (buckets.ranks(n, n_b), buckets.ranks(r, r_b)) if masked else (None, None)
+        x, y = _padded(rng, img, n_b, fill), _padded(rng, ref, r_b, fill)
+        img_rope, ref_rope = _rope(buckets.pad(img_ids, n_b)), _rope(buckets.pad(ref_ids, r_b))
+        kv = T.prefill(model, y, ref_rope, ref_rank)
+        edit = T.forward(
+            model,
+            x,
+            txt,
+            t,
+            img_rope,
+            txt_rope,
+            refs=(y[None], ref_rope),
+            img_rank=img_rank,
+            ref_rank=ref_rank,
+        )
+        kv_step = T.forward_cached(model, x, *common, img_rope, txt_rope, kv, img_rank=img_rank)
+        return edit[:, :n], kv_step[:, :n]
+
+    want = jax.jit(exact)()
+    got = jax.jit(lambda: bucketed(True))()
+    for g, w in zip(got, want, strict=True):
+        assert max_abs(g, w) < 1e-5
+    unmasked = jax.jit(lambda: bucketed(False))()
+    for g, w in zip(unmasked, want, strict=True):
+        assert max_abs(g, w) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def demo(klein_home):
+    pipe = load_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+SOURCE = picture(80, 112, 7)
+REQUESTS = {  # each at sizes that pad: 80x80 px is 25 image tokens (bucket 32), 80x112 35 (48)
+    "text-to-image": dict(prompt="a fox", height=80, width=80),
+    "kv": dict(prompt="a fox", image=[picture(80, 112, 1), picture(64, 80, 2)]),
+    "references": dict(prompt="a fox", image=[picture(80, 112, 1), picture(64, 80, 2)], use_kv=False),
+    "inpainting": dict(
+        prompt="a fox", image=[SOURCE], mask_image=ellipse_mask(80, 112, (0.2, 0.2, 0.8, 0.7))
+    ),
+    "step cache": dict(
+        prompt="a fox", height=80, width=80, num_inference_steps=6, cache="warmup=1,threshold=1"
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", REQUESTS)
+def test_a_bucketed_request_makes_the_image_of_its_exact_size(demo, mode):
+    request = dict(REQUESTS[mode], seed=3, output_type="np")
+    request.setdefault("num_inference_steps", 2)
+    bucketed = demo(**request)
+    exact = demo(**request, bucket=False)
+    assert bucketed.settings.request.bucket and not exact.settings.request.bucket
+    assert bucketed.images.shape == exact.images.shape
+    assert max_abs(bucketed.images, exact.images) < EXACT
+    if mode == "step cache":  # the cache measured the real tokens alone, and decided the same
+        report, exact_report = bucketed.step_cache, exact.step_cache
+        assert (report.cached == exact_report.cached).all() and report.cached.any()
+        np.testing.assert_allclose(report.diffs, exact_report.diffs, rtol=1e-4, atol=1e-6)
+
+
+NEW_SIZES = {  # a first request, then sizes of the same buckets no request met before
+    "text-to-image": [dict(height=80, width=80), dict(height=96, width=80), dict(height=64, width=112)],
+    "kv": [
+        dict(image=[picture(80, 112, 1)]),
+        dict(image=[picture(96, 96, 2)]),
+        dict(image=[picture(96, 112, 3)]),
+    ],
+    "references": [
+        dict(image=[picture(80, 112, 1)], use_kv=False),
+        dict(image=[picture(96, 96, 2)], use_kv=False),
+        dict(image=[picture(96, 112, 3)], use_kv=False),
+    ],
+}
+
+
+@pytest.mark.parametrize("mode", NEW_SIZES)
+def test_a_new_size_in_a_warm_bucket_builds_no_transformer_program(demo, mode):
+    """Only the VAE's and a few small programs are built for a new size (the transformer's are where
+    the compile time is); `bucket=False` builds the transformer's for each size."""
+    first, *rest = [
+        dict(prompt="a fox", seed=1, num_inference_steps=2, **change) for change in NEW_SIZES[mode]
+    ]
+    demo(**first)
+    for request in rest:
+        with Compilations() as built:
+            demo(**request)
+        assert not TRANSFORMER_PROGRAMS & {name[4:-1] for name in built.names}, (request, built.names)
+    with Compilations() as built:
+        demo(**rest[-1], bucket=False)
+    assert TRANSFORMER_PROGRAMS & {name[4:-1] for name in built.names}
