@@ -3,9 +3,15 @@ padded to a few sizes, the padding's keys masked, so that a photo of a new size 
 and gets the image of its exact size (up to float summation order). The parity tests against diffusers
 (tests/test_pipeline.py, tests/test_inpaint.py, ...) run bucketed by default at sizes that pad."""
 
+import io
+import time
+from collections import Counter
+
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import PIL.Image
 import pytest
 from flax import nnx
 from hypothesis import given
@@ -18,6 +24,8 @@ from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.compilations import Compilations
 from klein.pipeline.loading import load_pipeline
 from klein.sampling import image_ids, reference_ids, text_ids
+from tests.support import lora_files as lf
+from tests.support import serve_process
 from tests.support.compare import max_abs
 from tests.support.pictures import ellipse_mask, picture
 
@@ -184,3 +192,71 @@ def test_a_new_size_in_a_warm_bucket_builds_no_transformer_program(demo, mode):
     with Compilations() as built:
         demo(**rest[-1], bucket=False)
     assert TRANSFORMER_PROGRAMS & {name[4:-1] for name in built.names}
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _built(url: str) -> Counter:
+    return Counter(
+        {
+            name.split('"')[1]: value
+            for name, value in serve_process.metrics(url).items()
+            if name.startswith("klein_programs_built_total")
+        }
+    )
+
+
+@pytest.mark.slow
+def test_after_warm_up_new_photo_sizes_two_images_a_repaint_and_a_lora_build_no_transformer_program(
+    klein_home, tmp_path
+):
+    """Over loopback, as the page's loop sends them, after a warm-up at 96x96 (36 tokens: the 48 bucket):
+    photos of three sizes never seen (80x112, 112x80, 96x112: 35, 35 and 42 tokens), two images of one, a
+    repaint, a LoRA offered by name. The server builds only the VAE's programs for the new sizes (and a
+    few small ones: noise, padding, slicing), never a text encoder's or a transformer's (jax's count of
+    the programs it lowers, in /metrics)."""
+    demo_config = load_pipeline().config
+    lora = lf.write_bfl(
+        tmp_path / "ink.safetensors", lf.random_lora(lf.linear_shapes(demo_config, "bfl"), 4, 0)
+    )
+    flags = (
+        "--warm-size",
+        "96x96",
+        "--max-batch",
+        "2",
+        "--max-references",
+        "1",
+        "--lora-named",
+        f"ink={lora}",
+    )
+    with serve_process.running(klein_home, *flags, warm=True) as url:
+        deadline = time.monotonic() + 300
+        while httpx.get(url + "/healthz").status_code != 200:
+            assert time.monotonic() < deadline, "the warm-up did not end"
+            time.sleep(0.5)
+        warmed = _built(url)
+        assert warmed["step"] > 0 and warmed["prefill"] > 0
+        photos = [picture(80, 112, 1), picture(112, 80, 2), picture(96, 112, 3)]
+        mask = PIL.Image.new("L", (96, 112), 0)
+        mask.paste(255, (0, 0, 48, 112))
+        edits = [
+            ({"image": photos[0]}, {}),
+            ({"image": photos[1]}, {}),
+            ({"image": photos[2]}, {}),
+            ({"image": photos[0]}, {"n": "2"}),
+            ({"image": photos[2], "mask": mask}, {"strength": "0.7"}),
+            ({"image": photos[1]}, {"loras": "ink:0.8"}),
+        ]
+        for files, fields in edits:
+            sent = {name: (f"{name}.png", _png(image), "image/png") for name, image in files.items()}
+            data = {"prompt": "a hat", "seed": "3", "num_inference_steps": "2", **fields}
+            response = httpx.post(url + "/v1/images/edits", files=sent, data=data, timeout=300)
+            assert response.status_code == 200, response.text
+            assert len(response.json()["data"]) == int(fields.get("n", 1))
+        built = _built(url) - warmed
+    assert not built.keys() & {"prompt_embeddings", *TRANSFORMER_PROGRAMS}, built
+    assert built["decode_latents"] >= 3 and built["encode_latents"] >= 3, built  # the VAE at each new size

@@ -210,11 +210,21 @@ def test_klein_serve_warms_its_limits_at_the_size_asked_or_nothing():
     assert warm_shapes(flags, options) == (
         *(warmup.Shape(n, height=64, width=128) for n in range(3)),
         warmup.Shape(0, 2, height=64, width=128),
+        warmup.Shape(1, 2, height=64, width=128),
         warmup.Shape(1, repaint=True, height=64, width=128),
     )
     assert warm_shapes(parser.parse_args(["--no-warm"]), options) == ()
     with pytest.raises(InputError, match="--warm-size: .*multiple of 16"):
         parser.parse_args(["--warm-size", "100x64"])
+    # Several sizes: those of another's token buckets warm nothing more (64x128: 32 tokens; 80x80: 25,
+    # padded to 32, and its references' 50 to 64 as 128x64's two); 96x96's 36 tokens pad to 48.
+    flags = parser.parse_args(
+        "--warm-size 128x64,64x128,80x80,96x96 --max-references 2 --max-batch 2".split()
+    )
+    planned = warm_shapes(flags, options)
+    assert [(s.width, s.height) for s in planned] == [(128, 64)] * 6 + [(96, 96)] * 6
+    assert [s.streams.image for s in planned] == [32] * 6 + [48] * 6
+    assert len({s.programs for s in planned}) == 12
 
 
 def test_klein_plan_counts_the_programs_an_editing_run_meets(capsys):

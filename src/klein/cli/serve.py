@@ -151,32 +151,38 @@ def _add_warm_flags(add) -> None:
     )
     add(
         "--warm-size",
-        type=_warm_size,
-        default=(DEFAULT_SIZE, DEFAULT_SIZE),
-        metavar="WxH",
-        help=f"size compiled ahead: 0 to {warmup.REFERENCES} references (at most --max-references) of it, "
-        f"each batch up to --max-batch, an inpainting (default: {DEFAULT_SIZE}x{DEFAULT_SIZE})",
+        type=_warm_sizes,
+        default=((DEFAULT_SIZE, DEFAULT_SIZE),),
+        metavar="WxH[,WxH...]",
+        help=f"sizes compiled ahead, each with 0 to {warmup.REFERENCES} references (at most --max-references) "
+        "of it, each batch up to --max-batch and an inpainting; a program serves every size of its token "
+        "buckets, so the default also covers every photo over 1 MP (resized to 1024^2's area), any aspect "
+        f"(default: {DEFAULT_SIZE}x{DEFAULT_SIZE})",
     )
 
 
-def _warm_size(text: str) -> tuple[int, int]:
-    """ "WxH" -> (width, height), each side a multiple of 16 px and at least a reference's smallest."""
-    match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", text)
-    sides = (int(match.group(1)), int(match.group(2))) if match else ()
-    if not sides or any(side < MIN_REFERENCE_SIDE or side % MULTIPLE for side in sides):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give WxH in px, each side a multiple of {MULTIPLE} and at least {MIN_REFERENCE_SIDE}"
-        )
-    return sides
+def _warm_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """ "WxH[,WxH...]" -> ((width, height), ...), each side a multiple of 16 px and at least a reference's
+    smallest."""
+    sizes = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", part.strip())
+        sides = (int(match.group(1)), int(match.group(2))) if match else ()
+        if not sides or any(side < MIN_REFERENCE_SIDE or side % MULTIPLE for side in sides):
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: give WxH in px, each side a multiple of {MULTIPLE} and at least "
+                f"{MIN_REFERENCE_SIDE} (several: 1024x1024,768x512)"
+            )
+        sizes.append(sides)
+    return tuple(sizes)
 
 
 def warm_shapes(flags: argparse.Namespace, options: ServeOptions) -> tuple[warmup.Shape, ...]:
     """What the server compiles before it is ready (`klein.pipeline.warmup`): none with --no-warm."""
     if not flags.warm:
         return ()
-    width, height = flags.warm_size
     references = min(options.max_references, warmup.REFERENCES)
-    return warmup.shapes(references, range(1, options.max_batch + 1), height, width)
+    return warmup.at_sizes(references, range(1, options.max_batch + 1), flags.warm_size)
 
 
 _LIMITS = {

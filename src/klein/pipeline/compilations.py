@@ -1,9 +1,11 @@
-"""Counting the programs jax builds, for the zero-recompile test, the warm-up log and the compile benchmark:
-a program counts when jax lowers it (a miss of the jitted function's in-memory cache), whether XLA then
-compiles it or reads it back from the persistent cache.
+"""Counting the programs jax builds, for the zero-recompile test, the warm-up log, the compile benchmark and a
+server's metrics: a program counts when jax lowers it (a miss of the jitted function's in-memory cache),
+whether XLA then compiles it or reads it back from the persistent cache.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import jax.monitoring
 
@@ -33,3 +35,17 @@ class Compilations:
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+BUILT: Counter[str] = Counter()
+"""Programs this process has built since klein was imported, by the name of the function jitted (the
+pipeline's are named after their stage: `step`, `prefill`, `decode_latents`, ...)."""
+
+
+def _count(event: str, duration: float, **kwargs) -> None:
+    if event == LOWERED:
+        name = kwargs.get("fun_name", "?")
+        BUILT[name[4:-1] if name.startswith("jit(") else name] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)

@@ -186,7 +186,8 @@ class Repaint:
     """What inpainting and image-to-image add to the steps (docs/design.md, "Inpainting")."""
 
     source: jax.Array
-    """float[1, N, C]: the source image's tokens (the first reference's)."""
+    """float[1, N, C]: the source image's tokens (the first reference's), zeros over the image stream's
+    padding (N counts it: the token bucket's)."""
     noise: jax.Array
     """float[B, N, C]: the noise the steps started from, which re-noises the source after each step."""
     mask: jax.Array | None
@@ -195,15 +196,11 @@ class Repaint:
     """Start from the source noised to the first step's level; False when the caller gave the latents,
     which are then both the noise and the start, as in diffusers' inpainting pipeline."""
 
-    def padded(self, batch: int, tokens: int) -> Repaint:
-        """The same with the noise padded with zeros to `batch` images (the mesh's padding), and the
-        noise, source and mask to `tokens` tokens (the image's token bucket: the padding keeps its zeros)."""
+    def padded(self, batch: int) -> Repaint:
+        """The same with the noise padded with zeros to `batch` images (the mesh's padding)."""
         extra = batch - self.noise.shape[0]
         noise = jnp.pad(self.noise, [(0, extra), (0, 0), (0, 0)]) if extra else self.noise
-        mask = None if self.mask is None else pad_tokens(self.mask, tokens)
-        return dataclasses.replace(
-            self, noise=pad_tokens(noise, tokens), source=pad_tokens(self.source, tokens), mask=mask
-        )
+        return dataclasses.replace(self, noise=noise)
 
     def start(self, sigma) -> jax.Array:
         """The latents the steps start from: the source noised to the first step's level."""

@@ -26,6 +26,7 @@ from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget, planning_mesh
+from klein.models import buckets
 from klein.models.buckets import Streams
 from klein.pipeline import cache_keys, denoise
 from klein.pipeline import prompts as text
@@ -193,17 +194,22 @@ class Flux2KleinPipeline(DiffusersSurface):
             warnings.warn(note, stacklevel=2)
         # 5. Reference encoding (VAE, and the prefill for cached references).
         references = self._references(request, prepared, run, stages)
-        # 6. Noise, and the source to repaint from it.
+        # 6. Noise and the source to repaint from it, and the steps' inputs, over the transformer's token
+        #    streams (their buckets: the padding's small programs are built here, outside the stages).
         gh, gw = self._grid(run.request.height, run.request.width)
-        x = self._initial_noise(request.latents, run.request.seed, run.images, gh, gw)
-        repaint = self._repaint(request, references, x, mask, sizes) if request.repaints else None
+        streams = run.workload.streams
+        x = self._initial_noise(request.latents, run.request.seed, run.images, gh, gw, streams.image)
+        repaint = self._repaint(request, references, x, mask, sizes, gh * gw) if request.repaints else None
+        inputs = denoise.step_inputs(
+            self._rope, run.mode.conditioning, (gh, gw), txt.shape[1], references, streams
+        )
         # 7. Denoising, under the request's unmerged LoRAs.
         steps = run.steps - run.first_step
         x, cache_report = stages.run(
-            "denoise", self._denoise, x, txt, references, run, repaint, progress, on_step_end, total=steps
+            "denoise", self._denoise, x, txt, inputs, run, repaint, progress, on_step_end, total=steps
         )
         # 8. Decoding (or the VAE's latents, channels first as diffusers returns them), with the record of what ran.
-        latents = sampling.unpack(x, gh, gw)
+        latents = sampling.unpack(x[:, : gh * gw], gh, gw)
         settings = self._settings(run, sizes, cut)
         if request.output_type == "latent":
             out = np.asarray(stages.run("latents", self._programs.vae_latents, latents), np.float32)
@@ -245,12 +251,14 @@ class Flux2KleinPipeline(DiffusersSurface):
         return references
 
     def _repaint(
-        self, request: GenerationRequest, references: References, noise, mask, sizes
+        self, request: GenerationRequest, references: References, noise, mask, sizes, tokens: int
     ) -> denoise.Repaint:
-        """The source's tokens (the first reference's, of `sizes[0]`), the noise and the mask, on the device."""
-        source = references.tokens[: noise.shape[1]][None]  # the first reference's: never its padding
+        """The source's `tokens` tokens (the first reference's, of `sizes[0]`), the noise and the mask, on
+        the device, each padded with zeros as the noise is (its token bucket: the padding stays zero)."""
+        padded = noise.shape[1]
+        source = denoise.pad_tokens(references.tokens[:tokens][None], padded)
         latent = None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
-        latent = None if latent is None else jnp.asarray(latent[None])
+        latent = None if latent is None else jnp.asarray(buckets.pad(latent, padded)[None])
         return denoise.Repaint(source, noise, latent, noised_start=request.latents is None)
 
     def check(self, request: GenerationRequest, reference_sizes=()) -> None:
@@ -352,7 +360,9 @@ class Flux2KleinPipeline(DiffusersSurface):
         shape = (batch, self.config.in_channels, *self._grid(height, width))
         return np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
 
-    def _initial_noise(self, latents, seed, batch, gh, gw):
+    def _initial_noise(self, latents, seed, batch, gh, gw, tokens: int):
+        """The noise the steps start from, packed [B, gh * gw, C] and padded with zero tokens to `tokens`
+        (on the host: no program for a new size)."""
         shape = (batch, self.config.in_channels, gh, gw)
         if latents is None:
             token = self.vae_config.pixels_per_token
@@ -360,24 +370,23 @@ class Flux2KleinPipeline(DiffusersSurface):
         latents = np.asarray(latents, np.float32)
         if latents.shape != shape:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
-        return jnp.asarray(sampling.pack(latents), self.dtype)
+        return jnp.asarray(buckets.pad(sampling.pack(latents), tokens, axis=1), self.dtype)
 
-    def _denoise(self, x, txt, references, run: Resolved, repaint=None, progress=None, on_step_end=None):
+    def _denoise(self, x, txt, inputs, run: Resolved, repaint=None, progress=None, on_step_end=None):
+        """The steps over x [B, N, C] (N: the image's token stream) from `inputs` = (ropes, cond)
+        (`denoise.step_inputs`): the latents of the images, their padding tokens included."""
         h, w = self._grid(run.request.height, run.request.width)
-        steps, first, streams = run.steps, run.first_step, run.workload.streams
+        steps, first, (ropes, cond) = run.steps, run.first_step, inputs
         schedule = sampling.sigmas(run.request.num_inference_steps, h * w, run.request.sigmas)
         if repaint is not None and repaint.noised_start:
             x = repaint.start(schedule[first])
-        ropes, cond = denoise.step_inputs(
-            self._rope, run.mode.conditioning, (h, w), txt.shape[1], references, streams
-        )
         step = self._programs.steps[run.mode]
         scale = jnp.float32(run.request.guidance_scale or 1.0)
         ways = sharding.ways(planning_mesh(self.mesh), "batch")
-        x, txt = denoise.pad_batch(denoise.pad_tokens(x, streams.image), txt, run.mode.guided, ways)
+        x, txt = denoise.pad_batch(x, txt, run.mode.guided, ways)
         x = sharding.put(x, sharding.TOKENS, self.mesh)
         if repaint is not None:
-            repaint = repaint.padded(*x.shape[:2])
+            repaint = repaint.padded(x.shape[0])
         adapted = self._loras.rows(run.request.lora_sets, run.request.num_images_per_prompt)
         adapted = denoise.batch_rows(adapted, x.shape[0], run.mode.guided)
         cache = None
@@ -394,7 +403,7 @@ class Flux2KleinPipeline(DiffusersSurface):
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress(StageEvent("denoise", i + 1 - first, steps - first))
-        return x[: run.images, : h * w], None if cache is None else cache.report()
+        return x[: run.images], None if cache is None else cache.report()
 
 
 def _source(request: GenerationRequest, mask) -> masks.Source | None:

@@ -1,8 +1,9 @@
 """Compiled ahead: the requests a pipeline runs once before it serves, so that a person's first image
-meets programs already built (docs/design/compiling.md, "Compiled ahead"). jax builds one program per
-input shape (output size, images, references' sizes and count, mode, whether any image runs under
-unmerged LoRAs); everything else a request varies is data. So warming runs one small request of each
-`Shape` a front end expects, its pixels blank, one step, its output dropped.
+meets programs already built (docs/design/compiling.md, "Compiled ahead"). jax builds one transformer
+program per input shape (the token buckets of the output and of the references together, images, mode,
+whether any image runs under unmerged LoRAs) and a VAE program per exact size; everything else a request
+varies is data. So warming runs one small request of each `Shape` a front end expects, its pixels blank,
+one step, its output dropped; shapes of the same buckets warm once.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections.abc import Callable, Sequence
 import PIL.Image
 
 from klein.errors import InputError
+from klein.models import buckets
 from klein.pipeline.compilations import Compilations
 from klein.request.request import GenerationRequest
-from klein.request.resolve import DEFAULT_SIZE
+from klein.request.resolve import DEFAULT_SIZE, MULTIPLE
 
 log = logging.getLogger("klein.warmup")
 
@@ -38,23 +40,52 @@ class Shape:
     lora: str | None = None
     """A LoRA loaded by name that every image runs under: any one builds the programs of all."""
 
+    @property
+    def streams(self) -> buckets.Streams:
+        """The token streams its transformer programs run over (each reference of its size, prepared)."""
+        tokens = (self.height // MULTIPLE) * (self.width // MULTIPLE)
+        return buckets.Streams.of(tokens, self.references * tokens, True)
+
+    @property
+    def programs(self) -> tuple:
+        """What decides its transformer programs: shapes that agree here build the same ones."""
+        return self.streams, self.images, self.repaint, self.lora is not None
+
     def __str__(self) -> str:
         refs = "no references" if not self.references else f"{self.references} reference(s)"
         kind = ", inpainting" if self.repaint else ""
         lora = f", under LoRA {self.lora}" if self.lora else ""
-        return f"{self.width}x{self.height}, {refs}, {self.images} image(s){kind}{lora}"
+        streams = self.streams
+        tokens = f"{streams.image} image tokens" + (
+            f", {streams.references} reference tokens" if self.references else ""
+        )
+        return f"{self.width}x{self.height}, {refs}, {self.images} image(s){kind}{lora} ({tokens})"
 
 
 def shapes(
     references: int = REFERENCES, batches: Sequence[int] = (1,), height=DEFAULT_SIZE, width=DEFAULT_SIZE
 ) -> tuple[Shape, ...]:
     """The default set: 0..`references` references at one size, each number of images in `batches`
-    without references, and an inpainting of one source."""
+    without references and with one (an edit's), and an inpainting of one source."""
     size = dict(height=height, width=width)
     edits = [Shape(n, **size) for n in range(references + 1)]
-    batched = [Shape(0, images, **size) for images in batches if images != 1]
+    batched = [
+        Shape(n, images, **size) for images in batches if images != 1 for n in range(min(references, 1) + 1)
+    ]
     repaint = [Shape(1, repaint=True, **size)] if references else []
     return tuple(edits + batched + repaint)
+
+
+def at_sizes(references: int, batches: Sequence[int], sizes: Sequence[tuple[int, int]]) -> tuple[Shape, ...]:
+    """`shapes` at each (width, height) of `sizes`, less those whose programs an earlier one builds (a
+    size of the same token buckets: 768x1024 after 1024x768)."""
+    planned, seen = [], set()
+    for width, height in sizes:
+        for shape in shapes(references, batches, height, width):
+            if shape.programs not in seen:
+                seen.add(shape.programs)
+                planned.append(shape)
+    return tuple(planned)
 
 
 def request(shape: Shape) -> GenerationRequest:

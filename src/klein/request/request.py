@@ -175,6 +175,8 @@ class GenerationRequest:
         fix(self, "sigmas", _sigmas(self.sigmas))
         if self.use_kv is not None and not isinstance(self.use_kv, bool):
             raise InputError(f"use_kv (--kv) must be True, False or None, got {self.use_kv!r}")
+        if self.bucket is None:  # not given (a flag left out, a body without it): the default
+            fix(self, "bucket", True)
         if not isinstance(self.bucket, bool):
             raise InputError(f"bucket (--bucket / --no-bucket) must be True or False, got {self.bucket!r}")
         if self.output_type not in OUTPUT_TYPES:

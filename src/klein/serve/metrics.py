@@ -10,6 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from klein.pipeline import compilations
+
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
 """Histogram buckets: a demo step on a CPU (milliseconds) to a 9b request on a CPU (minutes)."""
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -79,6 +81,12 @@ class Metrics(Collector):
 
     def collect(self):
         yield GaugeMetricFamily("klein_queue_depth", "requests waiting for the worker", self.queue_depth())
+        built = CounterMetricFamily(
+            "klein_programs_built", "programs jax built in this process, by function", labels=["program"]
+        )
+        for program, count in sorted(compilations.BUILT.items()):
+            built.add_metric([program], count)
+        yield built
         yield GaugeMetricFamily("klein_event_streams", "open job event streams", self.streams())
         results = self.results
         if results is not None:

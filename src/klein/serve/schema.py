@@ -115,11 +115,11 @@ class _OpenAIBody(BaseModel):
 
 UNUSED = ("quality", "style", "background", "moderation", "output_compression", "input_fidelity")
 """OpenAI's fields that ask for something klein does not do: a warning when given."""
-SETTINGS = ("seed", "num_inference_steps", "guidance_scale", "strength")
+SETTINGS = ("seed", "num_inference_steps", "guidance_scale", "strength", "bucket")
 """klein's own settings a body may carry, named, typed, bounded and documented as `GenerationRequest`
 declares them."""
 _SPECS = {field.name: spec for field, spec in settings_of(GenerationRequest) if field.name in SETTINGS}
-_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float}
+_TYPES = {kinds.INT.name: int, kinds.FLOAT.name: float, kinds.OPTIONAL_BOOL.name: bool}
 
 
 def _body_field(spec: kinds.Setting):
