@@ -17,6 +17,7 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
+from klein.io import demo as demo_checkpoint
 from klein.models import buckets
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
@@ -127,9 +128,12 @@ def test_padding_masked_by_its_rank_cannot_change_a_real_token(fill):
 
 
 @pytest.fixture(scope="module")
-def demo(klein_home):
+def demo(klein_home, tmp_path_factory):
+    """The demo pipeline, offering a LoRA by name ("ink") for requests to apply unmerged."""
     pipe = load_pipeline()
     pipe.set_progress_bar_config(disable=True)
+    lora = lf.random_lora(lf.linear_shapes(pipe.config, "bfl"), 4, 0)
+    pipe.load_lora("ink", lf.write_bfl(tmp_path_factory.mktemp("lora") / "ink.safetensors", lora))
     return pipe
 
 
@@ -144,6 +148,7 @@ REQUESTS = {  # each at sizes that pad: 80x80 px is 25 image tokens (bucket 32),
     "step cache": dict(
         prompt="a fox", height=80, width=80, num_inference_steps=6, cache="warmup=1,threshold=1"
     ),
+    "kv under a LoRA": dict(prompt="a fox", image=[picture(80, 112, 1)], loras=[("ink", 0.8)]),
 }
 
 
@@ -219,10 +224,8 @@ def test_after_warm_up_new_photo_sizes_two_images_a_repaint_and_a_lora_build_no_
     repaint, a LoRA offered by name. The server builds only the VAE's programs for the new sizes (and a
     few small ones: noise, padding, slicing), never a text encoder's or a transformer's (jax's count of
     the programs it lowers, in /metrics)."""
-    demo_config = load_pipeline().config
-    lora = lf.write_bfl(
-        tmp_path / "ink.safetensors", lf.random_lora(lf.linear_shapes(demo_config, "bfl"), 4, 0)
-    )
+    shapes = lf.linear_shapes(TransformerConfig.from_diffusers(demo_checkpoint.TRANSFORMER), "bfl")
+    lora = lf.write_bfl(tmp_path / "ink.safetensors", lf.random_lora(shapes, 4, 0))
     flags = (
         "--warm-size",
         "96x96",

@@ -1,5 +1,5 @@
 """Token buckets: the sizes the transformer's programs are compiled for, so that a photo of a new size
-reuses a program built for another (docs/design/requests.md, "Token buckets").
+reuses a program built for another (docs/design/compiling.md, "Token buckets").
 
 A stream of n tokens (an image's, or all references' together) is padded with masked tokens up to the
 smallest bucket of at least n. Buckets keep the two bits after the leading one: 4, 5, 6 or 7 times a power
