@@ -1,0 +1,67 @@
+"""Block-scaled products compiled for Blackwell on this machine without a GPU (jax's CUDA plugin, as
+tests/test_gpu_compile.py): a block Linear with `compute="nvfp4"` / `"mxfp8"` is cuDNN's block-scaled GEMM
+on a B200 (sm_100) and an RTX 5090 (sm_120), its operands E2M1 / E4M3 with E4M3 / E8M0 block scales; on an
+H100, which has no such unit, XLA rewrites the same program into a widened product.
+
+Compiled, never run: the optimised HLO is what the tests read."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from klein.aot import topology
+from klein.models import products
+from klein.sharding import use
+from tests.test_gpu_compile_8bit import needs_plugin
+
+OPERANDS = {"nvfp4": ("f4e2m1fn", "f8e4m3fn"), "mxfp8": ("f8e4m3fn", "f8e8m0fnu")}
+
+
+def compiled_product(target: str, compute: str) -> str:
+    """Optimised HLO of a [2048, 4096] x [4096 -> 4096] block Linear stored for `compute` on `target`."""
+    mesh, _ = topology.mesh(target, None)
+    whole = NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=whole)
+    rows = jax.ShapeDtypeStruct((4096, products.packed_width(compute, 4096)), jnp.uint8, sharding=whole)
+    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=whole)
+
+    def product(x, rows, scale):
+        weight = products.Weight(rows, scale, compute=compute, out_in=True, blocks=compute)
+        return products.product(x, weight, jnp.bfloat16)
+
+    with use(mesh):
+        return jax.jit(product).lower(x, rows, scale).compile().as_text()
+
+
+def block_scaled_gemms(hlo: str) -> list[list[str]]:
+    """The operand types ("f4e2m1fn[1,4096,4096]") of every cuDNN block-scaled GEMM."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", hlo))
+    calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"__cudnn\$blockScaledDot\"", hlo)
+    return [[types[name.strip().lstrip("%")] for name in call.split(",")] for call in calls]
+
+
+# Not ("rtx-5090", "nvfp4"): XLA's LLVM cannot select the float32 -> E2M1 conversion quantising the
+# activations for sm_120 ("Cannot select: intrinsic %llvm.nvvm.ff.to.e2m1x2.rn.satfinite", a fatal error
+# that ends the process): docs say so; sm_100 compiles it.
+@needs_plugin
+@pytest.mark.parametrize("target, compute", [("b200", "nvfp4"), ("b200", "mxfp8"), ("rtx-5090", "mxfp8")])
+def test_a_block_scaled_linear_is_cudnns_block_scaled_gemm_on_blackwell(target, compute):
+    hlo = compiled_product(target, compute)
+    (gemm,) = block_scaled_gemms(hlo)
+    values, scales = OPERANDS[compute]
+    block = 16 if compute == "nvfp4" else 32
+    assert gemm == [
+        f"{values}[1,2048,4096]", f"{values}[1,4096,4096]",
+        f"{scales}[1,2048,{4096 // block}]", f"{scales}[1,4096,{4096 // block}]",
+    ]  # fmt: skip
+
+
+@needs_plugin
+def test_an_h100_has_no_block_scaled_gemm():
+    """Before Blackwell the same program is a plain product (what the Blackwell test is sensitive to)."""
+    hlo = compiled_product("h100", "nvfp4")
+    assert block_scaled_gemms(hlo) == [] and "__cublas$lt$matmul" in hlo
