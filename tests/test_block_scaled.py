@@ -79,3 +79,15 @@ def test_block_linears_are_quantised_at_load_and_an_nvfp4_files_blocks_kept():
         )
         assert ("final",) not in forms
         assert transformer_checkpoint.quantised_keys(plan, forms) == {"a.weight": compute}
+
+
+def test_e2m1_codes_counted_are_the_conversions():
+    """`block_scaled.e2m1` (codes counted from midpoints, NumPy and JAX) rounds as a conversion to
+    float4_e2m1fn does, ties to even included."""
+    values = np.concatenate([np.linspace(-6, 6, 4801), [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -5, -0.25]])
+    values = values.astype(np.float32)
+    wanted = values.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(block_scaled.e2m1(values).astype(np.float32), wanted)
+    np.testing.assert_array_equal(
+        np.asarray(block_scaled.e2m1(jnp.asarray(values)).astype(jnp.float32)), wanted
+    )

@@ -44,11 +44,9 @@ def block_scaled_gemms(hlo: str) -> list[list[str]]:
     return [[types[name.strip().lstrip("%")] for name in call.split(",")] for call in calls]
 
 
-# Not ("rtx-5090", "nvfp4"): XLA's LLVM cannot select the float32 -> E2M1 conversion quantising the
-# activations for sm_120 ("Cannot select: intrinsic %llvm.nvvm.ff.to.e2m1x2.rn.satfinite", a fatal error
-# that ends the process): docs say so; sm_100 compiles it.
 @needs_plugin
-@pytest.mark.parametrize("target, compute", [("b200", "nvfp4"), ("b200", "mxfp8"), ("rtx-5090", "mxfp8")])
+@pytest.mark.parametrize("target", ["b200", "rtx-5090"])
+@pytest.mark.parametrize("compute", products.BLOCK_SCALED)
 def test_a_block_scaled_linear_is_cudnns_block_scaled_gemm_on_blackwell(target, compute):
     hlo = compiled_product(target, compute)
     (gemm,) = block_scaled_gemms(hlo)

@@ -70,7 +70,37 @@ def quantise(values, compute: str, tensor=None):
         scales = stacks.view(xp.maximum(exponent, 1).astype(xp.uint8), form.scales)
     wide = scales.astype(np.float32)
     elements = xp.clip(blocks / xp.where(wide > 0, wide, np.float32(1)), -form.top, form.top)
-    return elements.astype(form.values).reshape(*lead, width), scales[..., 0]
+    elements = elements.reshape(*lead, width)
+    return (e2m1(elements) if form.tensor_scale else elements.astype(form.values)), scales[..., 0]
+
+
+# Between E2M1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: the midpoints, a tie going to the even code.
+_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+
+def e2m1(values):
+    """float4_e2m1fn of float32 `values` (NumPy or JAX) in [-6, 6], rounded to nearest even: its code
+    counted from the midpoints it passes rather than converted, as XLA cannot convert to E2M1 for sm_120
+    (its LLVM has no `llvm.nvvm.ff.to.e2m1x2.rn.satfinite` there: a fatal error)."""
+    xp = np if isinstance(values, np.ndarray) else jnp
+    magnitude = xp.abs(values)
+    codes = sum(
+        ((magnitude >= m) if tie_up else (magnitude > m)).astype(np.uint8) for m, tie_up in _MIDPOINTS
+    )
+    codes = codes | ((values < 0).astype(np.uint8) << np.uint8(3))
+    if xp is np:
+        return codes.view(ml_dtypes.float4_e2m1fn)
+    # Two codes a byte, the first in the low nibble, as XLA packs E2M1.
+    pairs = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+    return jax.lax.bitcast_convert_type(pairs, jnp.float4_e2m1fn).reshape(codes.shape)
 
 
 def dequantise(elements, scales, compute: str, tensor=1):
