@@ -1,7 +1,8 @@
 """Block-scaled products compiled for Blackwell on this machine without a GPU (jax's CUDA plugin, as
 tests/test_gpu_compile.py): a block Linear with `compute="nvfp4"` / `"mxfp8"` is cuDNN's block-scaled GEMM
 on a B200 (sm_100) and an RTX 5090 (sm_120), its operands E2M1 / E4M3 with E4M3 / E8M0 block scales; on an
-H100, which has no such unit, XLA rewrites the same program into a widened product.
+H100, which has no such unit, XLA rewrites the same program into a widened product. klein-9b-kv's cached
+step for a B200 multiplies every block weight so, passing its weights at 9/16 (33/32) byte each.
 
 Compiled, never run: the optimised HLO is what the tests read."""
 
@@ -13,10 +14,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from klein.aot import topology
+from klein.aot import compiled, topology
+from klein.memory import plan
 from klein.models import products
+from klein.request import planning
 from klein.sharding import use
-from tests.test_gpu_compile_8bit import needs_plugin
+from tests.support.hlo import dims_of, operations
+from tests.test_gpu_compile_8bit import BLOCK_WEIGHTS, needs_plugin
 
 OPERANDS = {"nvfp4": ("f4e2m1fn", "f8e4m3fn"), "mxfp8": ("f8e4m3fn", "f8e8m0fnu")}
 
@@ -63,3 +67,38 @@ def test_an_h100_has_no_block_scaled_gemm():
     """Before Blackwell the same program is a plain product (what the Blackwell test is sensitive to)."""
     hlo = compiled_product("h100", "nvfp4")
     assert block_scaled_gemms(hlo) == [] and "__cublas$lt$matmul" in hlo
+
+
+@pytest.fixture(scope="module")
+def b200_9b_kv_block_scaled():
+    """klein-9b-kv's cached step, 1024^2 with 2 references, compiled for one B200 with each block-scaled
+    compute: {compute: (analysis, optimised HLO)}. About 15 s of one core each."""
+    mesh, spec = topology.mesh("b200", None)
+    work = planning.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
+    models = plan.published("klein-9b-kv", "bfloat16")
+    out = {}
+    for compute in products.BLOCK_SCALED:
+        programs = {}
+        stages = compiled.analyse(models, work, "bfloat16", mesh, ("step",), programs, compute=compute)
+        out[compute] = stages["step"], programs["step"]
+    return out
+
+
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("compute, weights", [("nvfp4", (5.5e9, 6e9)), ("mxfp8", (9.5e9, 10e9))])
+def test_klein_9b_kv_blocks_are_block_scaled_gemms_on_a_b200(b200_9b_kv_block_scaled, compute, weights):
+    step, hlo = b200_9b_kv_block_scaled[compute]
+    values, scales = OPERANDS[compute]
+    gemms = block_scaled_gemms(hlo)
+    assert {tuple(re.sub(r"\[.*", "", t) for t in gemm) for gemm in gemms} == {
+        (values, values, scales, scales)
+    }
+    stored = {dims_of(gemm[1].split("[1,")[1].rstrip("]")) for gemm in gemms}
+    assert BLOCK_WEIGHTS <= stored
+    # Nothing widened: no conversion of a weight's elements (E2M1 / E4M3, or their bytes) to a wider type
+    # (the activations' block scales are, to divide by: the only conversions from 8 bits).
+    assert [ins for _, ins in operations(hlo, "convert") if ins[0][0] in {"u8", values}] == []
+    kv = 2 * 4096 * 32 * 2 * 4096 * 2  # the reference KV: tokens x layers x (k, v) x width x bf16
+    # 9B block weights at 9/16 byte (NVFP4) or 33/32 (MXFP8), the rest in bf16 (fp8: kv + 9e9 to 10e9).
+    assert kv + weights[0] < step.arguments < kv + weights[1]
