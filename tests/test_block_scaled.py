@@ -6,10 +6,12 @@ format's, and the compute chosen at load."""
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from jax import numpy as jnp
 
 from klein.io import transformer_checkpoint
 from klein.models import block_scaled, products
+from klein.pipeline.loading import load_pipeline
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 
@@ -91,3 +93,22 @@ def test_e2m1_codes_counted_are_the_conversions():
     np.testing.assert_array_equal(
         np.asarray(block_scaled.e2m1(jnp.asarray(values)).astype(jnp.float32)), wanted
     )
+
+
+@pytest.mark.parametrize("compute", products.BLOCK_SCALED)
+def test_the_demo_loads_and_runs_block_scaled(klein_home, compute):
+    """`compute=` reaches the blocks: their kernels quantised at load into rows of blocks, the image
+    near the bf16 one (the demo's tiny random model: a loose bound, 4 bits further than 8)."""
+
+    def image(pipe):
+        return np.asarray(
+            pipe("a red fox", height=64, width=64, num_inference_steps=2, seed=3).images[0], float
+        )
+
+    pipe = load_pipeline(compute=compute, residency="all")
+    assert pipe.compute == compute
+    state = dict(nnx.to_flat_state(pipe._models["transformer"].get()[1]))
+    stored = state[("single_transformer_blocks", "attn", "to_qkv_mlp_proj", "weight")].get_value()
+    assert stored.dtype.itemsize == 1 and stored.ndim == 3  # [L, out, bytes]
+    error = np.abs(image(pipe) - image(load_pipeline(compute="bf16", residency="all"))).mean()
+    assert 0 < error < (6.0 if compute == "nvfp4" else 3.0), error
