@@ -52,10 +52,11 @@ def tensor_scale(values, compute: str):
     return xp.where(largest > 0, largest * np.float32(1 / (6.0 * E4M3_TOP)), np.float32(1)).astype(np.float32)
 
 
-def quantise(values, compute: str, tensor=None):
+def quantise(values, compute: str, tensor=None, paired=False):
     """(values in the format's element type [..., K], block scales in its scale type [..., K / block]) of
     float `values` [..., K] (NumPy or JAX) over `tensor` (`tensor_scale`'s if None): `values ~ elements *
-    block scales * tensor`, each rounded to nearest even."""
+    block scales * tensor`, each rounded to nearest even; E2M1 ones in the order of a weight's
+    (`weight_parts`: each pair swapped) if `paired`."""
     xp = np if isinstance(values, np.ndarray) else jnp
     form = FORMATS[compute]
     tensor = tensor_scale(values, compute) if tensor is None else tensor
@@ -71,7 +72,7 @@ def quantise(values, compute: str, tensor=None):
     wide = scales.astype(np.float32)
     elements = xp.clip(blocks / xp.where(wide > 0, wide, np.float32(1)), -form.top, form.top)
     elements = elements.reshape(*lead, width)
-    return (e2m1(elements) if form.tensor_scale else elements.astype(form.values)), scales[..., 0]
+    return (e2m1(elements, paired) if form.tensor_scale else elements.astype(form.values)), scales[..., 0]
 
 
 # Between E2M1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: the midpoints, a tie going to the even code.
@@ -86,10 +87,11 @@ _MIDPOINTS = (
 )
 
 
-def e2m1(values):
+def e2m1(values, paired=False):
     """float4_e2m1fn of float32 `values` (NumPy or JAX) in [-6, 6], rounded to nearest even: its code
     counted from the midpoints it passes rather than converted, as XLA cannot convert to E2M1 for sm_120
-    (its LLVM has no `llvm.nvvm.ff.to.e2m1x2.rn.satfinite` there: a fatal error)."""
+    (its LLVM has no `llvm.nvvm.ff.to.e2m1x2.rn.satfinite` there: a fatal error). `paired` (JAX only):
+    each pair of values swapped, as a weight's stored bytes give them (`weight_parts`)."""
     xp = np if isinstance(values, np.ndarray) else jnp
     magnitude = xp.abs(values)
     codes = sum(
@@ -98,8 +100,9 @@ def e2m1(values):
     codes = codes | ((values < 0).astype(np.uint8) << np.uint8(3))
     if xp is np:
         return codes.view(ml_dtypes.float4_e2m1fn)
-    # Two codes a byte, the first in the low nibble, as XLA packs E2M1.
-    pairs = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+    # Two codes a byte, the first in the low nibble as XLA packs E2M1 (the high one if `paired`).
+    first, second = (codes[..., 1::2], codes[..., 0::2]) if paired else (codes[..., 0::2], codes[..., 1::2])
+    pairs = first | (second << np.uint8(4))
     return jax.lax.bitcast_convert_type(pairs, jnp.float4_e2m1fn).reshape(codes.shape)
 
 
@@ -113,14 +116,16 @@ def dequantise(elements, scales, compute: str, tensor=1):
 
 def weight_parts(raw, compute: str):
     """(elements [out, in], block scales [out, in / block]) of one layer's rows of blocks `raw`
-    [out, bytes] (any 8-bit dtype: a stack slices its layers as float8): bytes reinterpreted, not widened."""
+    [out, bytes] (any 8-bit dtype: a stack slices its layers as float8): bytes reinterpreted, not widened;
+    NVFP4's with each pair of values swapped (a product with `quantise(..., paired=True)` is the same)."""
     raw = stacks.view(raw, jnp.uint8)
     rows = raw.shape[0]
     if compute == NVFP4:
         blocks = raw.reshape(rows, -1, nvfp4.BLOCK_BYTES)
+        # A byte's high nibble is its first value (`nvfp4.dequantise`); bitcast gives the low one first:
+        # each pair swapped, as the activations are then quantised (`quantise`'s `paired`), not reversed.
         pairs = jax.lax.bitcast_convert_type(blocks[..., : nvfp4.BLOCK // 2], jnp.float4_e2m1fn)
-        # A byte's high nibble is its first value (`nvfp4.dequantise`); bitcast gives the low one first.
-        elements = pairs[..., ::-1].reshape(rows, -1)
+        elements = pairs.reshape(rows, -1)
         return elements, stacks.view(blocks[..., -1], jnp.float8_e4m3fn)
     blocks = raw.reshape(rows, -1, mxfp8.BLOCK_BYTES)
     elements = stacks.view(blocks[..., : mxfp8.BLOCK], jnp.float8_e4m3fn).reshape(rows, -1)
@@ -135,7 +140,7 @@ def product(x, raw, weight_tensor, compute: str, gpu: bool):
     *lead, width = x.shape
     rows = x.reshape(-1, width)
     x_tensor = tensor_scale(rows, compute)
-    x_elements, x_scales = quantise(rows, compute, x_tensor)
+    x_elements, x_scales = quantise(rows, compute, x_tensor, paired=True)
     w_elements, w_scales = weight_parts(raw, compute)
     if gpu:
         total = jax.nn.scaled_matmul(x_elements[None], w_elements[None], x_scales[None], w_scales[None])[0]
