@@ -37,8 +37,13 @@ def test_each_figure_is_written_once_in_the_device_table():
     figures = {devices.FP8_FROM}
     for device in devices.DEVICES.values():
         figures |= {device.device_kind, device.source, device.capability, device.memory_bytes}
-        figures |= {device.memory_bytes / devices.MIB, device.bandwidth, device.bandwidth / devices.GB}
-        figures |= {peak / devices.TB for peak in (device.bf16_flops, device.fp8_flops, device.int8_flops)}
+        figures |= {device.memory_bytes / devices.MIB, device.bandwidth}
+        # In GB/s, unless a whole number of TB/s (the B200's 8: 8000 would match a port, 8 anything).
+        figures |= {device.bandwidth / devices.GB} if device.bandwidth % devices.TB else set()
+        figures |= {
+            peak / devices.TB
+            for peak in (device.bf16_flops, device.fp8_flops, device.int8_flops, device.fp4_flops)
+        }
     figures -= {"", 0}
     for path in SOURCE.rglob("*.py"):
         written = _literals(path) & figures
@@ -52,6 +57,26 @@ def test_each_figure_is_written_once_in_the_device_table():
     }
     assert {name for name in imported if name.startswith("klein")} == {"klein.errors"}
     assert all(name.split(".")[0] in {*sys.stdlib_module_names, "klein", "__future__"} for name in imported)
+
+
+@pytest.mark.parametrize(
+    "typed, name, capability",
+    [("B200", "b200", "10.0"), ("RTX 5090", "rtx-5090", "12.0"), ("5080", "rtx-5080", "12.0"),
+     ("rtx5070", "rtx-5070", "12.0")],
+)  # fmt: skip
+def test_blackwell_cards_have_fp4_peaks_and_compile_targets(typed, name, capability):
+    """Blackwell's cards, datacenter (sm_100) and GeForce (sm_120): described to XLA, with a dense FP4
+    (NVFP4) peak twice their FP8 one on the B200 and four times on GeForce (FP8 with FP32 accumulation),
+    MXFP8 at FP8's rate; cards before Blackwell have none."""
+    card = devices.DEVICES[devices.find(typed)]
+    assert (card.name, card.capability, card.gpu is not None) == (name, capability, True)
+    assert name in devices.TARGETS and card.device_kind.startswith("NVIDIA ") and card.source
+    assert card.fp4_flops / card.fp8_flops == (2 if name == "b200" else 4)
+    assert card.device_flops_for(devices.NVFP4) == card.fp4_flops
+    assert card.device_flops_for(devices.MXFP8) == card.fp8_flops > card.device_flops_for(devices.BF16)
+    assert card.limit <= card.memory_gib * devices.GIB
+    assert devices.DEVICES["h200"].fp4_flops == 0
+    assert devices.DEVICES["h200"].device_flops_for(devices.NVFP4) == devices.DEVICES["h200"].bf16_flops
 
 
 def test_an_old_name_is_the_same_entry_with_a_note(capsys):

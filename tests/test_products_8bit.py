@@ -175,7 +175,9 @@ def test_auto_picks_what_the_device_multiplies_fastest(device, compute):
 
 
 def test_an_unknown_compute_is_refused_before_anything_loads():
-    with pytest.raises(InputError, match="compute must be one of auto, bf16, fp8, int8, got 'fp4'"):
+    with pytest.raises(
+        InputError, match="compute must be one of auto, bf16, fp8, int8, nvfp4, mxfp8, got 'fp4'"
+    ):
         load_pipeline(compute="fp4")
 
 

@@ -47,3 +47,16 @@ def test_a_chip_without_a_published_8_bit_peak_is_given_its_bf16_one():
     ironwood = devices.DEVICES["tpu7x"]
     assert ironwood.int8_flops == 0 and ironwood.device_flops_for("int8") == ironwood.device_flops
     assert ironwood.device_flops_for("fp8") == pytest.approx(4614e12 / 2)  # two TensorCores a chip
+
+
+@pytest.mark.parametrize("compute, peak", [("nvfp4", 9000e12), ("mxfp8", 4500e12)])
+def test_block_scaled_products_run_at_the_fp4_or_fp8_peak_on_a_b200(compute, peak):
+    b200 = devices.DEVICES["b200"]
+    work, share = roofline.stage_flops(MODELS, WORK)["step"], roofline.product_shares(MODELS, WORK)["step"]
+    assert compute_times(b200, compute)["step"] == pytest.approx(
+        work * ((1 - share) / 2250e12 + share / peak)
+    )
+    table = roofline.describe(
+        roofline.times(MODELS, WORK, 4, sharding.abstract_mesh("tensor=1"), MOVED, b200), b200, 1
+    )
+    assert "2250 TFLOP/s bf16 (4500 FP8, 9000 FP4), 8000 GB/s" in table

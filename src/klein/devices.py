@@ -18,6 +18,7 @@ from klein.errors import InputError
 RESERVED_GIB = 1
 GIB, GB, TB, MIB = 2**30, 10**9, 1e12, 2**20
 BF16, FP8, INT8 = "bf16", "fp8", "int8"
+NVFP4, MXFP8 = "nvfp4", "mxfp8"
 FP8_FROM = (8, 9)
 """The compute capability of NVIDIA's first FP8 tensor cores (Ada; Hopper and Blackwell after it)."""
 GIVEN_COMPUTE = INT8
@@ -60,6 +61,8 @@ class Device:
     fp8_flops: float = 0.0
     """0 also where it has no FP8 units."""
     int8_flops: float = 0.0
+    fp4_flops: float = 0.0
+    """Block-scaled 4-bit (NVFP4) products; 0 where it has no FP4 units (before Blackwell)."""
     devices_per_chip: int = 1
     """JAX's devices per chip (TPU7x: a device per TensorCore, two a chip)."""
     source: str = ""
@@ -89,9 +92,10 @@ class Device:
         return self.bf16_flops / self.devices_per_chip
 
     def device_flops_for(self, compute: str) -> float:
-        """Peak per device of the products `compute` ("bf16", "fp8", "int8") makes (bf16's where that one
-        is not published)."""
-        peak = {FP8: self.fp8_flops, INT8: self.int8_flops}.get(compute) or self.bf16_flops
+        """Peak per device of the products `compute` ("bf16", "fp8", "int8", "nvfp4", "mxfp8": an MX product
+        runs at its element type's rate) makes (bf16's where that one is not published)."""
+        peaks = {FP8: self.fp8_flops, INT8: self.int8_flops, NVFP4: self.fp4_flops, MXFP8: self.fp8_flops}
+        peak = peaks.get(compute) or self.bf16_flops
         return peak / self.devices_per_chip
 
     @property
@@ -101,18 +105,30 @@ class Device:
 
 _HOPPER = GpuTarget(132, 1.98, 50 * MIB, 233472, 232448, 2048)
 _ADA = dict(shared_per_sm=102400, shared_per_block_optin=101376, threads_per_sm=1536)
+_RTX_BLACKWELL = "NVIDIA RTX Blackwell GPU architecture whitepaper"
 _TABLE = (
     # 8 and 12 GB consumer cards: what most people who download a quantized file own.
     Device("rtx-3060-ti", 8, "8.6"), Device("rtx-3070", 8, "8.6"), Device("rtx-4060", 8, "8.9"),
     Device("rtx-4060-ti", 8, "8.9"), Device("rtx-5060", 8, "12.0"), Device("rtx-3080", 10, "8.6"),
     Device("rtx-3060", 12, "8.6"), Device("rtx-3080-12gb", 12, "8.6"), Device("rtx-4070", 12, "8.9"),
-    Device("rtx-4070-super", 12, "8.9"), Device("rtx-4070-ti", 12, "8.9"), Device("rtx-5070", 12, "12.0"),
-    Device("rtx-4060-ti-16gb", 16, "8.9"), Device("rtx-4080", 16, "8.9"), Device("rtx-5080", 16, "12.0"),
+    Device("rtx-4070-super", 12, "8.9"), Device("rtx-4070-ti", 12, "8.9"),
+    # GeForce Blackwell (sm_120, Ada's shared memory and threads per SM): dense peaks with FP32
+    # accumulation, FP4 the block-scaled (NVFP4) rate.
+    Device("rtx-5070", 12, "12.0", "NVIDIA GeForce RTX 5070", "NVIDIA GeForce RTX 5070", 12227 * MIB,
+           672 * GB, 61.7 * TB, 123.5 * TB, 247 * TB, 494 * TB, source=_RTX_BLACKWELL,
+           gpu=GpuTarget(48, 2.51, 48 * MIB, **_ADA)),
+    Device("rtx-4060-ti-16gb", 16, "8.9"), Device("rtx-4080", 16, "8.9"),
+    Device("rtx-5080", 16, "12.0", "NVIDIA GeForce RTX 5080", "NVIDIA GeForce RTX 5080", 16303 * MIB,
+           960 * GB, 112.6 * TB, 225.1 * TB, 450.2 * TB, 900.4 * TB, source=_RTX_BLACKWELL,
+           gpu=GpuTarget(84, 2.62, 64 * MIB, **_ADA)),
     Device("rtx-3090", 24, "8.6"),
     Device("rtx-4090", 24, "8.9", "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 4090", 24564 * MIB,
            1008 * GB, 165 * TB, 330 * TB, 661 * TB, source="NVIDIA Ada GPU architecture whitepaper",
            gpu=GpuTarget(128, 2.52, 72 * MIB, **_ADA)),
-    Device("rtx-5090", 32, "12.0"), Device("l4", 24, "8.9"),
+    Device("rtx-5090", 32, "12.0", "NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 5090", 32607 * MIB,
+           1792 * GB, 209.5 * TB, 419 * TB, 838 * TB, 1676 * TB, source=_RTX_BLACKWELL,
+           gpu=GpuTarget(170, 2.41, 96 * MIB, **_ADA)),
+    Device("l4", 24, "8.9"),
     Device("l40s", 48, "8.9", "NVIDIA L40S", "NVIDIA L40S", 46068 * MIB,  # ECC on, as NVIDIA ships it
            864 * GB, 362 * TB, 733 * TB, 733 * TB, source="nvidia.com/en-us/data-center/l40s",
            gpu=GpuTarget(142, 2.52, 96 * MIB, **_ADA)),
@@ -121,6 +137,10 @@ _TABLE = (
            989 * TB, 1979 * TB, 1979 * TB, source="nvidia.com/en-us/data-center/h100", gpu=_HOPPER),
     Device("h200", 141, "9.0", "NVIDIA H200", "NVIDIA H200", 151397597184, 4.8 * TB,
            989 * TB, 1979 * TB, 1979 * TB, source="nvidia.com/en-us/data-center/h200", gpu=_HOPPER),
+    # HGX B200's page gives 8 GPUs' sparse peaks: a GPU's dense peak is an eighth of it, halved.
+    Device("b200", 180, "10.0", "NVIDIA B200", "NVIDIA B200", 183359 * MIB, 8 * TB, 2250 * TB, 4500 * TB,
+           4500 * TB, 9000 * TB, source="nvidia.com/en-us/data-center/hgx",
+           gpu=GpuTarget(148, 1.965, 126 * MIB, 233472, 232448, 2048)),
     Device("tpu-v5e", 16, "", "TPU v5e", "TPU v5 lite", 16 * GB, 819 * GB, 197 * TB, int8_flops=394 * TB,
            source="cloud.google.com/tpu/docs/v5e", slice="v5e:2x4"),
     Device("tpu-v6e", 32, "", "TPU v6e (Trillium)", "TPU v6 lite", 32 * GB, 1640 * GB, 918 * TB,

@@ -3,8 +3,8 @@
 
 Each stage takes the longer of its FLOPs (`klein.bench.flops`, split over the devices that share it) over
 the device's peak and its bytes (XLA's arguments and outputs per device) over its HBM bandwidth, as
-`klein.devices` gives them per device. Under 8-bit compute the blocks' products run at the FP8 / INT8
-peak (the bf16 one where a chip has none), attention at bf16.
+`klein.devices` gives them per device. Under 8-bit or block-scaled compute the blocks' products run at
+the FP8 / INT8 / FP4 peak (MXFP8 at FP8's; the bf16 one where a chip has none), attention at bf16.
 """
 
 from __future__ import annotations
@@ -105,9 +105,11 @@ def per_image(stage_times: dict[str, StageTime], images: int) -> float:
 
 def describe(stage_times: dict[str, StageTime], on: Device, images: int) -> str:
     """The roofline table of `klein plan --target --compiled`, with the chip figures it used."""
-    fp8 = f" ({on.fp8_flops / on.devices_per_chip / TB:.0f} FP8)" if on.fp8_flops else ""
+    peaks = {"FP8": on.fp8_flops, "FP4": on.fp4_flops}  # beside bf16's, where the chip has them
+    named = [f"{peak / on.devices_per_chip / TB:.0f} {name}" for name, peak in peaks.items() if peak]
+    low = f" ({', '.join(named)})" if named else ""
     lines = [
-        f"roofline per device ({on.label}: {on.device_flops / TB:.0f} TFLOP/s bf16{fp8}, "
+        f"roofline per device ({on.label}: {on.device_flops / TB:.0f} TFLOP/s bf16{low}, "
         f"{on.device_bandwidth / GB:.0f} GB/s HBM per device; {on.source}); estimated, not run:",
         f"  {'stage':<9}{'TFLOP':>9}{'GiB moved':>11}{'compute':>10}{'memory':>10}{'runs':>6}",
     ]

@@ -211,7 +211,8 @@ def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, pla
     from klein.models import products
 
     variant, models, dtype = files
-    models = dataclasses.replace(models, compute=compute if compute in products.EIGHT_BIT else products.BF16)
+    planned = compute if compute in (*products.EIGHT_BIT, *products.BLOCK_SCALED) else products.BF16
+    models = dataclasses.replace(models, compute=planned)
     request = dict(
         refs=flags.refs, size=flags.size, ref_size=flags.ref_size, batch=flags.batch, cache=flags.cache
     )
@@ -228,7 +229,11 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     memory = planning.plan(**asked)
     found = planning.suggestions(asked, limit, room)
     report = dict(plan.as_json(memory, limit, where), compute=compute, suggestions=planning.as_json(found))
-    products = "in bf16" if compute == "bf16" else "in 8 bits, their weights one byte each"
+    products = {
+        "bf16": "in bf16",
+        "nvfp4": "block-scaled in 4 bits (NVFP4), their weights 9/16 byte each",
+        "mxfp8": "block-scaled in 8 bits (MXFP8), their weights 33/32 byte each",
+    }.get(compute, "in 8 bits, their weights one byte each")
     lines = (
         plan.describe(memory, limit, where),
         planning.describe(found, limit),

@@ -48,8 +48,15 @@ def stored_forms(
     (module path -> block format) as the file's quantisation blocks, widened inside a bf16 product."""
     forms: dict[tuple, Stored] = dict.fromkeys(shipped_fp8, SHIPPED_FP8)
     forms.update({path: packed(kind) for path, kind in (blocks or {}).items()})
-    if compute in products.EIGHT_BIT:
-        for path in (path[:-1] for path in plan if path[-1] == "kernel" and path[0] in STACKED):
+    for path in (path[:-1] for path in plan if path[-1] == "kernel" and path[0] in STACKED):
+        if compute in products.BLOCK_SCALED:
+            # A file's blocks of the compute's own format are multiplied as stored; others stay widened.
+            kept = (blocks or {}).get(path)
+            if kept == compute:
+                forms[path] = dataclasses.replace(forms[path], compute=compute)
+            elif kept is None and path not in shipped_fp8:
+                forms[path] = quantised(compute)
+        elif compute in products.EIGHT_BIT:
             if path in shipped_fp8 and compute == products.FP8:
                 forms[path] = dataclasses.replace(
                     SHIPPED_FP8, compute=compute, input_scale=path in input_scaled
@@ -61,7 +68,7 @@ def stored_forms(
 
 def quantised_keys(plan: dict[tuple, list[str]], forms: dict) -> dict[str, str]:
     """The checkpoint keys of the weights `forms` quantise at load, each with its compute."""
-    per_channel = {path: form for path, form in forms.items() if form.per_channel}
+    per_channel = {path: form for path, form in forms.items() if form.per_channel or form.at_load}
     return {key: form.compute for path, form in per_channel.items() for key in plan[(*path, "kernel")]}
 
 

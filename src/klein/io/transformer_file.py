@@ -119,9 +119,18 @@ def load_transformer_file(
     abstract = abstract_transformer(cfg, dtype, forms)
     # 3. Read every diffusers key from its BFL tensor; quantised weights of the other modules are
     # dequantised, and quantised again per channel where the form says so.
-    raw = {key for module, form in forms.items() if not form.per_channel for key in plan[(*module, "kernel")]}
+    kept_forms = {module: form for module, form in forms.items() if not form.at_load}
+    raw = {
+        key
+        for module, form in kept_forms.items()
+        if not form.per_channel
+        for key in plan[(*module, "kernel")]
+    }
     as_blocks = {
-        key: form.blocks for module, form in forms.items() if form.blocks for key in plan[(*module, "kernel")]
+        key: form.blocks
+        for module, form in kept_forms.items()
+        if form.blocks
+        for key in plan[(*module, "kernel")]
     }
     blocks_of = operator.attrgetter("blocks") if isinstance(source, GGUFSource) else nvfp4_file.Blocks
     wanted = expected_shapes(abstract, STACKED, key_map)

@@ -90,13 +90,15 @@ class Stored:
     """A Linear's stored form: its 8-bit kernel dtype, a scale per output channel (else per tensor), how
     its product is made (bf16, fp8 or int8), and whether a per-tensor activation scale is stored (an FP8
     file's `input_scale`) for an 8-bit product; or the block format (`products.BLOCKS`) of a kernel kept
-    as a file's quantisation blocks."""
+    as a file's quantisation blocks, or quantised at load into them (`at_load`, for a block-scaled
+    product: `products.BLOCK_SCALED`)."""
 
     kernel: type
     per_channel: bool
     compute: str
     input_scale: bool = False
     blocks: str | tuple[str, ...] | None = None
+    at_load: bool = False
 
 
 SHIPPED_FP8 = Stored(jnp.float8_e4m3fn, per_channel=False, compute=products.BF16)
@@ -110,7 +112,9 @@ def packed(blocks: str | tuple[str, ...]) -> Stored:
 
 
 def quantised(compute: str) -> Stored:
-    """The form a weight takes when quantised at load for `compute`'s 8-bit products."""
+    """The form a weight takes when quantised at load for `compute`'s 8-bit or block-scaled products."""
+    if compute in products.BLOCK_SCALED:
+        return Stored(jnp.uint8, per_channel=False, compute=compute, blocks=compute, at_load=True)
     return Stored(products.EIGHT_BIT[compute][0], per_channel=True, compute=compute)
 
 

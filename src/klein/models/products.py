@@ -16,15 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein import sharding
-from klein.models import gguf_blocks, nvfp4, stacks
+from klein.models import block_scaled, gguf_blocks, mxfp8, nvfp4, stacks
 
 BF16, FP8, INT8 = "bf16", "fp8", "int8"
 # 8-bit compute -> (operand dtype, largest value quantised to, accumulator dtype)
 EIGHT_BIT = {FP8: (jnp.float8_e4m3fn, 448.0, jnp.float32), INT8: (jnp.int8, 127.0, jnp.int32)}
-NVFP4 = "nvfp4"
-# Block formats a kernel may be stored in ([out, in / values * bytes] uint8, widened inside the product):
-# GGUF's ggml types, and NVFP4 (whose per-tensor scale is the Linear's `weight_scale`).
-BLOCKS = (*gguf_blocks.TYPES, NVFP4)
+NVFP4, MXFP8 = block_scaled.NVFP4, block_scaled.MXFP8
+BLOCK_SCALED = (NVFP4, MXFP8)
+"""Computes whose products take both operands in blocks of the format of that name (`block_scaled`)."""
+# Block formats a kernel may be stored in ([out, in / values * bytes] uint8, widened inside the product
+# unless its compute is block-scaled): GGUF's ggml types, NVFP4 (whose per-tensor scale is the Linear's
+# `weight_scale`) and MXFP8.
+BLOCKS = (*gguf_blocks.TYPES, *BLOCK_SCALED)
 MIXED = tuple  # `blocks` of a stack of several ggml types: those types, each layer's row tagged with one
 
 
@@ -35,7 +38,8 @@ MIXED = tuple  # `blocks` of a stack of several ggml types: those types, each la
 )
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """A Linear's stored weight and how it is multiplied (`compute`: bf16, fp8 or int8), as `product`
+    """A Linear's stored weight and how it is multiplied (`compute`: bf16, fp8, int8 or, for a kernel of
+    that block format, nvfp4 or mxfp8), as `product`
     reads it: `array` [in, out], or [out, in] if `out_in` (rows of blocks when `blocks` names their
     format); `scale` None, float32[] or float32[out] on the output columns; `input_scale` float32[], an
     FP8 file's activation scale. A pytree whose layout is static, so a jitted function may take one."""
@@ -61,8 +65,13 @@ def product(x, weight: Weight, dtype, low_rank=None, gain=None):
     `low_rank` float32[..., out]: unmerged adapters' term (`klein.models.adapters.term`), added in float32
     before the one rounding, and `gain` (with it) float32 broadcast to [..., out]: DoRA's scale on the base
     product. A kernel of quantisation blocks is widened to float32 here, so only the layer
-    being run exists wide."""
+    being run exists wide, unless its compute is block-scaled (`BLOCK_SCALED`): then `x` is quantised
+    in blocks too and the blocks are multiplied as stored (`block_scaled.product`)."""
     kernel, scale, compute, out_in = weight.array, weight.scale, weight.compute, weight.out_in
+    if compute in BLOCK_SCALED and jnp.dtype(kernel.dtype).itemsize == 1:
+        total = block_scaled.product(x, kernel, scale, compute, sharding.platform() in ("gpu", "cuda"))
+        extra = 0 if low_rank is None else low_rank
+        return (total * (1 if gain is None else gain) + extra).astype(dtype)
     # A block format's kernel is its bytes, unless a merged LoRA widened it already.
     if weight.blocks is not None and jnp.dtype(kernel.dtype).itemsize == 1:
         kernel = unpacked(kernel, weight.blocks, dtype)
@@ -102,7 +111,8 @@ def unpacked(raw, blocks: str | tuple[str, ...], dtype=jnp.float32):
     to `dtype`."""
     if isinstance(blocks, MIXED):
         return _switched(raw, blocks, dtype)
-    wide = nvfp4.dequantise(raw) if blocks == NVFP4 else gguf_blocks.dequantise(raw, blocks)
+    own = {NVFP4: nvfp4.dequantise, MXFP8: mxfp8.dequantise}.get(blocks)
+    wide = own(raw) if own else gguf_blocks.dequantise(raw, blocks)
     return wide.astype(dtype)
 
 
@@ -143,7 +153,8 @@ def unpacked_width(blocks: str | tuple[str, ...], width: int) -> int:
 
 def _sizes(blocks: str) -> tuple[int, int]:
     """(values, bytes) of one block of format `blocks`."""
-    return (nvfp4.BLOCK, nvfp4.BLOCK_BYTES) if blocks == NVFP4 else gguf_blocks.sizes(blocks)
+    own = {NVFP4: (nvfp4.BLOCK, nvfp4.BLOCK_BYTES), MXFP8: (mxfp8.BLOCK, mxfp8.BLOCK_BYTES)}
+    return own[blocks] if blocks in own else gguf_blocks.sizes(blocks)
 
 
 def quantise(values, compute: str, axis: int):

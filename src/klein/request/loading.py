@@ -13,7 +13,7 @@ from klein.request.kinds import setting, settings_of
 
 RESIDENCY = (AUTO, *POLICIES)
 """Residency policies (`klein.memory.residency`): auto picks the first of the others that fits."""
-COMPUTE = (AUTO, "bf16", "fp8", "int8")
+COMPUTE = (AUTO, "bf16", "fp8", "int8", "nvfp4", "mxfp8")
 """How the transformer's block products are made (`klein.models.products`): auto picks from the device."""
 
 
@@ -89,8 +89,9 @@ class LoadOptions:
     )
     compute: str = setting(
         "the transformer blocks' products: bf16, fp8 (FP8 e4m3 weights with a scale per channel, or BFL's "
-        "FP8 files as shipped, and activations quantised per token) or int8 (W8A8, per channel and per "
-        "token); attention and norms stay bf16/fp32. auto (default): fp8 on GPUs with FP8 tensor cores "
+        "FP8 files as shipped, and activations quantised per token), int8 (W8A8, per channel and per "
+        "token), nvfp4 or mxfp8 (both operands block-scaled: 4-bit blocks of 16, 8-bit blocks of 32; "
+        "Blackwell multiplies them in hardware, elsewhere emulated); attention and norms stay bf16/fp32. auto (default): fp8 on GPUs with FP8 tensor cores "
         "and TPU v7, int8 on other GPUs and TPUs, bf16 on CPUs",
         kinds.TEXT,
         default=AUTO,
