@@ -1,5 +1,5 @@
 """Sharded runs equal single-device runs, on 8 simulated CPU devices: the presets and 2-D meshes on
-shapes that divide, and requests that do not (one image on data=8, odd text, image and reference token
+shapes that divide, and requests that do not (one image on data=2, odd text, image and reference token
 counts on context=2 and context=4), which are padded rather than refused; attention memory per device
 linear in tokens.
 
@@ -53,12 +53,12 @@ CONFIG = TransformerConfig(
 )
 BATCH, GRID, TEXT = 8, (4, 4), 16
 REFS = [(2, 4), (4, 2), (2, 4)]  # three references, 24 tokens
-# Each axis alone where it splits weights (fsdp, tensor), and each beside another (data and context split
-# only tokens and images: alone, they are the 2-D meshes' halves).
-MESHES = ["fsdp", "tensor", "data=2,tensor=4", "fsdp=4,context=2"]
+# Every axis beside another: the weights split by fsdp and tensor, the images by data, the tokens by context
+# (each axis alone is a 2-D mesh's half: the tests' time is the compiling, one program per mesh).
+MESHES = ["data=2,tensor=4", "fsdp=4,context=2"]
 DEMO = TransformerConfig.from_diffusers(demo.TRANSFORMER)
 ODD = dict(batch=1, grid=(3, 5), text=7, refs=[(3, 3), (2, 3)])
-ODD_MESHES = ["data", "fsdp=4,context=2", "data=2,context=4"]
+ODD_MESHES = ["fsdp=4,context=2", "data=2,context=4"]
 
 
 @pytest.fixture(scope="module")
@@ -195,15 +195,13 @@ def test_indivisible_requests_are_padded_and_equal_single_device(odd_sharded, od
 
 def test_padded_reference_kv_is_split_and_its_padding_masked(model, odd_sharded, odd_single, odd_inputs):
     spec, out = odd_sharded
-    ways = sharding.parse(spec).get("context", 1)
+    ways = sharding.parse(spec)["context"]
     kv, want = out["cache"], odd_single["cache"]
     padded = -(-15 // ways) * ways
     assert kv.num_tokens == padded
     for array in kv.arrays:
         assert {shard.data.shape[1] for shard in array.addressable_shards} == {padded // ways}
     np.testing.assert_allclose(np.asarray(kv.single_v)[:, :15], np.asarray(want.single_v), atol=TOL)
-    if ways == 1:
-        return
     assert np.array_equal(np.asarray(kv.key_rank)[0] > 0, np.arange(padded) >= 15)
     if ways != 4:  # the check below compiles another program: once is enough
         return

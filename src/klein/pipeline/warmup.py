@@ -150,6 +150,6 @@ def describe_programs(references: int, cached: bool) -> str:
     run = f"an editing run of 0-{references} references" if references else "a run without references"
     return (
         f"programs: {run} at this size meets {sum(counts.values())} "
-        f"large programs ({parts}), each compiled once (klein serve compiles them ahead); another output "
-        "size, reference size or number of images compiles its own"
+        f"large programs ({parts}), each compiled once (klein serve compiles them ahead) for every size of "
+        "the same token buckets; another bucket or number of images compiles its own"
     )
