@@ -26,9 +26,13 @@ MASKED = 2**30
 _LOW = -1e30  # running max before any key: finite, so that exp(_LOW - _LOW) is 1 and not NaN
 
 
-def attention(q, k, v, q_rank=None, k_rank=None, *, causal: bool = False) -> jnp.ndarray:
+def attention(
+    q, k, v, q_rank=None, k_rank=None, *, causal: bool = False, keys_only: bool = False
+) -> jnp.ndarray:
+    """`keys_only`: every query ranks 0 and some keys `MASKED` (padding), so every query sees every real key:
+    the blocked kernel then adds a bias to the masked keys' scores rather than comparing ranks."""
     mesh, platform = jax.sharding.get_abstract_mesh(), sharding.platform()
-    local = functools.partial(_local, causal=causal, platform=platform)
+    local = functools.partial(_local, causal=causal, platform=platform, keys_only=keys_only)
     if _one_device(mesh):  # nothing to split: the kernel as it is (cuDNN's too, which takes no ranks)
         return local(q, k, v, q_rank, k_rank)
     if q_rank is None:
@@ -150,7 +154,7 @@ def _padded_keys(q, k, v, k_rank):
         return attention(q, k, v)
     if _cudnn(q, sharding.platform()) and _one_device(jax.sharding.get_abstract_mesh()):
         return _cudnn_padded_keys(q, k, v, k_rank)
-    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank)
+    return attention(q, k, v, jnp.zeros((1, q.shape[1]), jnp.int32), k_rank, keys_only=True)
 
 
 def _cudnn_padded_keys(q, k, v, k_rank):
@@ -177,14 +181,14 @@ def _splash(q, platform: str) -> bool:
     return splash.supports(q)
 
 
-def _local(q, k, v, q_rank, k_rank, causal: bool = False, platform: str = "cpu"):
+def _local(q, k, v, q_rank, k_rank, causal: bool = False, platform: str = "cpu", keys_only: bool = False):
     if _splash(q, platform):
         from klein.models import splash
 
         return splash.attention(q, k, v, q_rank, k_rank, causal, interpret=platform != "tpu")
     if q_rank is None and _cudnn(q, platform):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
-    return _blocked(q, k, v, q_rank, k_rank)
+    return _blocked(q, k, v, None if keys_only else q_rank, k_rank)
 
 
 def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
@@ -216,7 +220,9 @@ def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
 def _blocked(q, k, v, q_rank, k_rank):
     """Tiles of QUERY_BLOCK x KEY_BLOCK on one device, heads-major, an online softmax in float32 over the
     key blocks. Keys are cut into even blocks once, before the loop (no key padded, so no mask without
-    ranks; `benchmarks/attention_speed.py`)."""
+    ranks; `benchmarks/attention_speed.py`). With `k_rank` alone (every query sees every real key) the
+    masked keys' scores get a bias of `_LOW` instead: no compare per score, and a block of padding alone
+    weighs nothing once a real key is met (the running max's correction zeroes it)."""
     _, sq, h, dh = q.shape
     sk, groups = k.shape[1], h // k.shape[2]
     q_size = min(QUERY_BLOCK, sq)
@@ -233,8 +239,14 @@ def _blocked(q, k, v, q_rank, k_rank):
     q = rearrange(q, "b (n q) (k g) d -> n b k (g q) d", n=q_count, g=groups)  # a key head's queries
     k, v = (rearrange(x, "b s k d -> b k s d") for x in (k, v))
     # Key blocks are cut once, before the loop over query blocks; no key is padded.
+    bias = None if masked or k_rank is None else jnp.where(k_rank > 0, _LOW, 0.0).astype(jnp.float32)
     blocks = [
-        (k[:, :, s : s + k_size], v[:, :, s : s + k_size], k_rank[:, s : s + k_size] if masked else None)
+        (
+            k[:, :, s : s + k_size],
+            v[:, :, s : s + k_size],
+            k_rank[:, s : s + k_size] if masked else None,
+            None if bias is None else bias[:, None, None, s : s + k_size],
+        )
         for s in range(0, sk, k_size)
     ]
 
@@ -255,10 +267,12 @@ def _blocked(q, k, v, q_rank, k_rank):
     return rearrange(out, "n b k (g q) d -> b (n q) (k g) d", g=groups)[:, :sq]
 
 
-def _tile(carry, q_block, k_block, v_block, k_rank, q_rank, masked: bool):
+def _tile(carry, q_block, k_block, v_block, k_rank, bias, q_rank, masked: bool):
     """Fold one key block into the running (max, sum, weighted values) of a query block."""
     running_max, total, acc = carry
     scores = jnp.einsum("bkqd,bkjd->bkqj", q_block, k_block, preferred_element_type=jnp.float32)
+    if bias is not None:
+        scores = scores + bias
     if masked:
         allowed = k_rank[:, None, None, :] <= q_rank[:, None, :, None]
         scores = jnp.where(allowed, scores, _LOW)
