@@ -60,8 +60,10 @@ def test_device_bytes_count_every_array_of_a_reference_set(klein_home, monkeypat
     pipe = load_pipeline()
     z = pipe.encode_reference_latents(np.zeros((64, 64, 3), np.float32))
     references = pipe.references_from_latents([z, z], cached=True)
-    kv_bytes = sum(a.nbytes for a in references.kv.arrays)
+    kv = references.kv
+    kv_bytes = sum(a.nbytes for a in kv.arrays) + kv.key_rank.nbytes  # the bucket's ranks: int32[1, R]
     assert device_bytes(z) == z.nbytes == 4 * 4 * 128 * 4
+    assert kv.key_rank.shape == (1, 32)
     assert device_bytes(references) == references.tokens.nbytes + kv_bytes > 2 * z.nbytes
 
 
