@@ -15,12 +15,18 @@ FORWARDED = ("KLEIN_HOME", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE", "XLA_FLAGS
 
 
 def start(address: str | None, settings: dict[str, str] | None = None) -> None:
-    """`ray.init` at `address` (None: a local instance), forwarding klein's variables to the workers, with
+    """`ray.init` at `address` (None: a local instance of its own, never another process's running one:
+    `ray.init()` would join it, and die with it), forwarding klein's variables to the workers, with
     `settings` (more variables) beside them."""
     env = {name: os.environ[name] for name in FORWARDED if name in os.environ} | (settings or {})
     env |= {name: value for name, value in os.environ.items() if name.startswith("JAX_")}
     try:
-        ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address=address or "local",
+            runtime_env={"env_vars": env},
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     except ConnectionError as error:
         raise InputError(f"--ray-address {address}: cannot join the Ray cluster ({error})") from None
 
