@@ -61,19 +61,25 @@ def moved_eight_bits(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def h100_9b_kv_8bit():
-    """klein-9b-kv's cached step, 1024^2 with 2 references, compiled for one H100 with each 8-bit
-    compute and bf16 (to compare): {compute: (analysis, optimised HLO)}. About 11 s of one core each."""
-    mesh, spec = topology.mesh("h100", None)
+def compiled_9b_kv_steps(target: str, computes) -> dict:
+    """klein-9b-kv's cached step, 1024^2 with 2 references, compiled for one `target` card with each of
+    `computes`: {compute: (analysis, optimised HLO)}."""
+    mesh, spec = topology.mesh(target, None)
     work = planning.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
     models = plan.published("klein-9b-kv", "bfloat16")
     out = {}
-    for compute in (products.FP8, products.INT8, products.BF16):
+    for compute in computes:
         programs = {}
         stages = compiled.analyse(models, work, "bfloat16", mesh, ("step",), programs, compute=compute)
         out[compute] = stages["step"], programs["step"]
     return out
+
+
+@pytest.fixture(scope="module")
+def h100_9b_kv_8bit():
+    """`compiled_9b_kv_steps` for one H100 with each 8-bit compute and bf16 (to compare). About 11 s of one
+    core each."""
+    return compiled_9b_kv_steps("h100", (products.FP8, products.INT8, products.BF16))
 
 
 @pytest.mark.slow

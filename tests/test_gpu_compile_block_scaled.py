@@ -14,13 +14,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from klein.aot import compiled, topology
-from klein.memory import plan
+from klein.aot import topology
 from klein.models import products
-from klein.request import planning
 from klein.sharding import use
 from tests.support.hlo import dims_of, operations
-from tests.test_gpu_compile_8bit import BLOCK_WEIGHTS, needs_plugin
+from tests.test_gpu_compile_8bit import BLOCK_WEIGHTS, compiled_9b_kv_steps, needs_plugin
 
 OPERANDS = {"nvfp4": ("f4e2m1fn", "f8e4m3fn"), "mxfp8": ("f8e4m3fn", "f8e8m0fnu")}
 
@@ -74,17 +72,8 @@ def test_an_h100_has_no_block_scaled_gemm():
 
 @pytest.fixture(scope="module")
 def b200_9b_kv_block_scaled():
-    """klein-9b-kv's cached step, 1024^2 with 2 references, compiled for one B200 with each block-scaled
-    compute: {compute: (analysis, optimised HLO)}. About 15 s of one core each."""
-    mesh, spec = topology.mesh("b200", None)
-    work = planning.plan("klein-9b-kv", spec, refs=2, size=(1024, 1024)).workload
-    models = plan.published("klein-9b-kv", "bfloat16")
-    out = {}
-    for compute in products.BLOCK_SCALED:
-        programs = {}
-        stages = compiled.analyse(models, work, "bfloat16", mesh, ("step",), programs, compute=compute)
-        out[compute] = stages["step"], programs["step"]
-    return out
+    """`compiled_9b_kv_steps` for one B200 with each block-scaled compute. About 15 s of one core each."""
+    return compiled_9b_kv_steps("b200", products.BLOCK_SCALED)
 
 
 @pytest.mark.slow
