@@ -3,6 +3,7 @@ the front and N replicas; then waiting for SIGTERM or Ctrl+C, and taking the app
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,13 @@ REPLICA_CONCURRENCY = 4
 replica holds as many goes to another (`router`), and with every replica full it waits at the router."""
 
 
+SERVE_PATIENCE = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+"""Seconds Ray Serve waits for a proxy's first and later health checks (its defaults: 5 and 10)."""
+
+
 def serve_replicas(
     loading,
     options: ServeOptions,
@@ -41,7 +49,13 @@ def serve_replicas(
 ) -> int:
     """Serve until SIGTERM / SIGINT, each replica compiling the `warm` shapes (`klein.pipeline.warmup`)
     before it is ready; the exit code."""
-    ray_runtime.start(address, {PROXY_CALLBACK: proxy.IMPORT_PATH})
+    # Serve kills a proxy that has not answered its first check within 5 s, which a small machine under load
+    # exceeds (2 busy cores: the start failed with "ActorDiedError ... ProxyActor"). A local instance and its
+    # workers inherit these; an operator's own values win.
+    for name, seconds in SERVE_PATIENCE.items():
+        os.environ.setdefault(name, seconds)
+    patience = {name: os.environ[name] for name in SERVE_PATIENCE}
+    ray_runtime.start(address, {PROXY_CALLBACK: proxy.IMPORT_PATH, **patience})
     # Routing by reference set, unless `load` asks for Serve's default router.
     by_reference = RequestRouterConfig(request_router_class=ReferenceRouter)
     stop = threading.Event()
