@@ -58,7 +58,8 @@ REFS = [(2, 4), (4, 2), (2, 4)]  # three references, 24 tokens
 MESHES = ["data=2,tensor=4", "fsdp=4,context=2"]
 DEMO = TransformerConfig.from_diffusers(demo.TRANSFORMER)
 ODD = dict(batch=1, grid=(3, 5), text=7, refs=[(3, 3), (2, 3)])
-ODD_MESHES = ["fsdp=4,context=2", "data=2,context=4"]
+# Odd tokens on context=2 are the one-block test's (one program per mesh: each costs tens of seconds).
+ODD_MESHES = ["data=2,context=4"]
 
 
 @pytest.fixture(scope="module")
