@@ -18,7 +18,6 @@ import klein
 from klein import InputError
 from klein.memory import residency
 from tests.support.pictures import ellipse_mask, picture
-from tests.test_readme import python_blocks
 
 
 def run_script(source: str, folder, cwd) -> dict:
@@ -309,11 +308,3 @@ def test_saving_over_a_file_names_the_python_argument(pipes, tmp_path):
     with pytest.raises(InputError, match="^path .*cat.jpg: klein writes PNG files"):
         out.save(tmp_path / "cat.jpg")
     assert out.save(tmp_path / "cat.png", overwrite=True) == [tmp_path / "cat.png"]
-
-
-def test_the_readmes_python_example_runs_twice_in_a_row(klein_home, tmp_path, monkeypatch):
-    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
-    monkeypatch.chdir(tmp_path)
-    for _ in range(2):
-        exec(compile(python_blocks()[0], "README.md", "exec"), {})
-    assert sorted(p.name for p in tmp_path.glob("cat-*.png")) == [f"cat-{i}.png" for i in range(4)]

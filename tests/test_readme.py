@@ -39,10 +39,6 @@ def python_examples() -> list[tuple[Path, str]]:
     ]
 
 
-def python_blocks() -> list[str]:
-    return [block for _, block in python_examples()]
-
-
 def test_the_readme_examples_run_twice_and_their_settings_round_trip(klein_home, tmp_path, monkeypatch):
     """Run as a script is run again: twice in a row in the same folder, each time from a fresh scope (what a
     second run meets is the first run's files)."""
