@@ -1,6 +1,6 @@
 """What XLA's GPU programs hold at each stage's widest point, for the planner (`klein.memory.plan`) when it
-plans for an NVIDIA card: read from the buffer assignment of the real programs compiled for an H100
-(`klein plan --target h100 --compiled`; docs/design/compiling.md, "GPU programs from any machine", says
+plans for an NVIDIA card: read from the buffer assignment of the real programs compiled for an H100 (a
+B200 for block-scaled products; `klein plan --target h100 --compiled`; docs/design/compiling.md, "GPU programs from any machine", says
 why they differ from the CPU's). A stage's peak is the largest of a few points, not the sum of every
 tensor it makes. Bytes per device; `itemsize`: the activations' bytes per value (and the weights', in
 bf16 compute); `compute`: how the blocks' products are made (`klein.models.products`), which sets the
@@ -27,8 +27,8 @@ def kernel_bytes(compute: str, itemsize: int) -> Fraction:
 
 def product_bytes(compute: str, itemsize: int) -> int:
     """Bytes per value of a block's product as its GEMM writes it: float32 where the operands are 8-bit or
-    block-scaled (accumulated so, and the scales applied before the one rounding: the consumers read
-    it so, the fused projection's [tokens, 3d + 2mlp] lives through the attention), else `itemsize`."""
+    block-scaled (accumulated so, its scales applied before the one rounding, in the GEMM's consumers,
+    which read it so), else `itemsize`."""
     return 4 if compute in products.EIGHT_BIT or compute in products.BLOCK_SCALED else itemsize
 
 
