@@ -2,8 +2,8 @@
 from the `gpu-plan` extra, the card described by `klein.aot.gpu_targets`): klein-9b-kv's cached
 denoising step and its prefill at 1024^2 with 2 references of 1024^2 for an H100 attend with cuDNN's
 fused kernel (no score buffer of queries by keys), multiply their weights in bf16 (no float32 copy of
-one), and fit the card, with a roofline time from the card's bf16 peak; `klein plan --target h100`
-plans against the card and refuses a count of no cards.
+one, in the decoder either), and fit the card, with a roofline time from the card's bf16 peak; `klein
+plan --target h100` plans against the card and refuses a count of no cards.
 
 Compiled, never run: the optimised HLO and XLA's memory analysis are what the tests read."""
 
@@ -80,6 +80,9 @@ def test_klein_9b_kv_attends_with_cudnn_in_bf16_on_an_h100(h100_9b_kv):
         assert len(operands) > 20 and widened_weights(hlo) == [], stage
         # The products' large operands are the bf16 weights and activations as stored.
         assert {t for t, d in operands if math.prod(d) >= 2**20} == {"bf16"}, stage
+    # The upsamplers' kernels are summed from their taps in one fusion, in bf16 out: not a product of
+    # the 0/1 taps with a float32 copy of the weight (f32[1769472, 3] when they were).
+    assert widened_weights(programs["decode"]) == []
     card = devices.of_kind(mesh.devices.flat[0].device_kind)
     for stage in stages.values():
         assert stage.arguments + stage.outputs + stage.temporaries < card.device_memory

@@ -1,5 +1,6 @@
 """The memory planner against hand calculations for klein-9b-kv (docs/design.md, "Architecture" and "Sharding")."""
 
+import dataclasses
 import json
 
 import jax
@@ -11,8 +12,8 @@ from klein import InputError, sharding
 from klein.aot import compiled
 from klein.cli import main as cli
 from klein.io import demo
-from klein.memory import admission, process
-from klein.memory.plan import FLUX2_VAE, Workload, request_memory
+from klein.memory import admission, gpu_estimate, process
+from klein.memory.plan import FLUX2_VAE, Workload, published, request_memory
 from klein.models import transformer as T
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -35,6 +36,30 @@ def test_klein_9b_kv_weights_and_kv_by_hand(mesh, fsdp, context):
     # Norm weights are replicated rather than split: a few hundred KiB on top of the exact share.
     assert p.transformer == pytest.approx(PARAMS_9B * 2 / fsdp, rel=2e-3)
     assert p.memory.reference_kv == 4 * TOKENS_1024 * KV_PER_TOKEN / context == 8 * GiB / context
+
+
+def test_a_gpus_8_bit_and_block_scaled_steps_hold_their_products_in_float32():
+    """klein-9b-kv's cached step with 2 references on one card: under an 8-bit or block-scaled compute
+    its widest point is a single block's attention, where the fused projection's GEMM output [4608,
+    36864] is float32 (the scales are applied to it before the one rounding), and so are the queries
+    scaled from it, beside the residual, the bf16 queries and attention output, the keys and values of
+    12,800 tokens and the prompt embeddings (as XLA compiles them: tests/test_gpu_compile_8bit.py);
+    bf16's is the projection (its output in bf16, 0.34 GiB less); text encoder and decoder the same."""
+    memory = {
+        compute: plan(
+            "klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024), platform="gpu",
+            models=dataclasses.replace(published("klein-9b-kv", "bfloat16"), compute=compute),
+        ).memory
+        for compute in ("bf16", "fp8", "int8", "nvfp4", "mxfp8")
+    }  # fmt: skip
+    queries, keys, fused, width = 512 + TOKENS_1024, 512 + 3 * TOKENS_1024, 3 * 4096 + 2 * 12288, 4096
+    attention = queries * (fused * 4 + width * (2 + 2 + 2 + 4)) + 2 * keys * width * 2 + 512 * 12288 * 2
+    assert memory["bf16"].step < attention - 0.3 * GiB
+    for compute in ("fp8", "int8", "nvfp4", "mxfp8"):
+        assert memory[compute].step == attention
+        assert (memory[compute].text, memory[compute].decode) == (memory["bf16"].text, memory["bf16"].decode)
+    kernels = {c: gpu_estimate.kernel_bytes(c, 2) for c in ("bf16", "fp8", "int8", "nvfp4", "mxfp8")}
+    assert kernels == dict(bf16=2, fp8=1, int8=1, nvfp4=0.5625, mxfp8=1.03125)
 
 
 def test_tensor_parallelism_splits_kv_heads_and_activations():

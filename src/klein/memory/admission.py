@@ -13,6 +13,7 @@ from klein import sharding
 from klein.errors import CannotFitError
 from klein.memory import plan, process
 from klein.memory.plan import RequestMemory, Workload
+from klein.models import products
 from klein.models.vae import PIXELS_PER_TOKEN
 
 
@@ -138,23 +139,37 @@ def planning_mesh(mesh):
     return mesh.abstract_mesh if mesh is not None else sharding.abstract_mesh("single")
 
 
-def estimates(models, mesh, work: plan.Workload, itemsize: int) -> tuple[plan.RequestMemory, ...]:
+def estimates(
+    models, mesh, work: plan.Workload, itemsize: int, compute: str = products.BF16
+) -> tuple[plan.RequestMemory, ...]:
     """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
-    located checkpoint it loads) on `mesh` (`klein.memory.plan.request_memory`)."""
+    located checkpoint it loads) on `mesh`, the blocks' products made as `compute` says
+    (`klein.memory.plan.request_memory`)."""
     platform = sharding.local_devices(mesh)[0].platform
     configs, shape = (models.config, models.text_config, models.vae_config), planning_mesh(mesh)
     return tuple(
-        plan.request_memory(*configs, shape, work, itemsize, tiled_decode=tiled, platform=platform)
+        plan.request_memory(
+            *configs, shape, work, itemsize, tiled_decode=tiled, platform=platform, compute=compute
+        )
         for tiled in (False, True)
     )
 
 
 class Budget:
-    """Admission for the models of `models` on `mesh`, computing with `itemsize`-byte floats. `weights()`:
-    (weight bytes on the device now, weight bytes the residency policy holds while a request runs)."""
+    """Admission for the models of `models` on `mesh`, computing with `itemsize`-byte floats and the blocks'
+    products made as `compute` says. `weights()`: (weight bytes on the device now, weight bytes the
+    residency policy holds while a request runs)."""
 
-    def __init__(self, models, mesh, itemsize: int, weights: Callable[[], tuple[int, int]]):
+    def __init__(
+        self,
+        models,
+        mesh,
+        itemsize: int,
+        weights: Callable[[], tuple[int, int]],
+        compute: str = products.BF16,
+    ):
         self.models, self.mesh, self.itemsize, self._weights = models, mesh, itemsize, weights
+        self.compute = compute
         self._owned: tuple[int, tuple, str] | None = None
         """With `own`: (bytes for requests and caches, the caches counted against them, whence)."""
 
@@ -197,11 +212,13 @@ class Budget:
         room, where = self._room(limit, cap)
         if not (placed and limit is None and self._owned is None):
             room -= adapters
-        if estimates(self.models, self.mesh, work, self.itemsize)[0].peak <= room:
+        if estimates(self.models, self.mesh, work, self.itemsize, self.compute)[0].peak <= room:
             return False
 
         def estimate(work: plan.Workload) -> plan.RequestMemory:  # the tiled decoder's where it is less
-            return min(estimates(self.models, self.mesh, work, self.itemsize), key=lambda m: m.peak)
+            return min(
+                estimates(self.models, self.mesh, work, self.itemsize, self.compute), key=lambda m: m.peak
+            )
 
         check(work, estimate, room, where)
         return True

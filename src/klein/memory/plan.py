@@ -109,11 +109,13 @@ def request_memory(
     itemsize: int,
     tiled_decode: bool = False,
     platform: str = "accelerator",
+    compute: str = products.BF16,
 ) -> RequestMemory:
     """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes,
     for the programs of a `platform` device: "cpu" (this machine's, which copies the layers of bf16
     weights it runs: in bf16 where it multiplies bf16 in place, else in float32), "gpu" (an NVIDIA card's,
-    `klein.memory.gpu_estimate`), anything else an accelerator's (a TPU's)."""
+    `klein.memory.gpu_estimate`, whose blocks' products are made as `compute` says), anything else an
+    accelerator's (a TPU's)."""
     copies = None  # bytes per weight of the CPU's layer copies (`layer_copies`)
     if platform == "cpu" and itemsize < 4:
         copies = itemsize if products.in_place(platform) else 4
@@ -123,8 +125,10 @@ def request_memory(
     keys = TEXT_TOKENS + image + refs
     tokens = (prefilled, batch, keys - prefilled, keys)  # (the prefill's, the step's batch, queries, keys)
     kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
-    stages = _gpu_stages if platform == "gpu" else _stages
-    prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
+    if platform == "gpu":
+        prefill, text, step = _gpu_stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, compute)
+    else:
+        prefill, text, step = _stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
     gpu_itemsize = itemsize if platform == "gpu" else None
     return RequestMemory(
@@ -174,8 +178,11 @@ def _stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, 
     return prefill, text_layer + _text_activations(text_config, prompts, itemsize), step
 
 
-def _gpu_stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
-    """`_stages` for XLA:GPU's programs (`klein.memory.gpu_estimate`)."""
+def _gpu_stages(
+    cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, compute
+) -> tuple:
+    """`_stages` for XLA:GPU's programs (`klein.memory.gpu_estimate`), the blocks' products made as
+    `compute` says."""
     refs, batch, queries, keys = tokens
     tensor, data, context = (sharding.ways(mesh, axis) for axis in ("heads", "batch", "seq"))
     # cuDNN's fused attention runs on one card only, in bf16 (`klein.models.attention`); elsewhere the
@@ -187,8 +194,10 @@ def _gpu_stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tup
         b, s_q = -(-b // data), -(-s_q // context)
         blocked = 2 * b * s_k * cfg.hidden // tensor * itemsize
         blocked += b * cfg.num_attention_heads // tensor * _score_tile(s_q, s_k) * 4 * 2
-        single = gpu_estimate.single_block(cfg, b * s_q, b * s_k, tensor, itemsize, 0 if fused else blocked)
-        return max(single, gpu_estimate.double_block(cfg, b * s_q, streams, tensor, itemsize))
+        single = gpu_estimate.single_block(
+            cfg, b * s_q, b * s_k, tensor, itemsize, 0 if fused else blocked, compute
+        )
+        return max(single, gpu_estimate.double_block(cfg, b * s_q, streams, tensor, itemsize, compute))
 
     text = gpu_estimate.text_layer(text_config, prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize)
     # Around the blocked kernel on several cards, XLA holds the reference KV heads-major: the step a
@@ -265,7 +274,9 @@ def plan(
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
-        memory=request_memory(cfg, text_config, models.vae, abstract, work, e, platform=platform),
+        memory=request_memory(
+            cfg, text_config, models.vae, abstract, work, e, platform=platform, compute=models.compute
+        ),
         workload=work,
         caches_references=models.variant.kv,
         process=process.footprint(platform),

@@ -180,6 +180,24 @@ class Downsample(nnx.Module):
 _PHASE_TAPS = (((1, 0, 0), (0, 1, 1)), ((1, 1, 0), (0, 0, 1)))
 
 
+def _phase_kernel(weights: jax.Array) -> jax.Array:
+    """float32 kernel[p, q, i, (row parity a, column parity b, o)] of a 2x2 VALID conv over the padded
+    input, from the 3x3 conv's `weights` [y, x, i, o]: each entry the sum of the taps `_PHASE_TAPS`
+    maps onto it, added in float32 (bf16 weights are rounded once, not once per tap). Added, not
+    multiplied by the 0/1 taps: XLA makes such an einsum a GEMM over a float32 copy of the weight; these
+    sums are one elementwise fusion."""
+    wide = weights.astype(jnp.float32)
+
+    def tap(a: int, p: int, b: int, q: int) -> jax.Array:  # [i, o]
+        rows, columns = _PHASE_TAPS[a][p], _PHASE_TAPS[b][q]
+        return sum(wide[y, x] for y in range(3) if rows[y] for x in range(3) if columns[x])
+
+    def parities(p: int, q: int) -> jax.Array:  # [i, a, b, o]
+        return jnp.stack([jnp.stack([tap(a, p, b, q) for b in (0, 1)], 1) for a in (0, 1)], 1)
+
+    return jnp.stack([jnp.stack([parities(p, q) for q in (0, 1)]) for p in (0, 1)])
+
+
 class Upsample(nnx.Module):
     """Nearest-neighbour 2x upsampling, then a 3x3 conv, computed on the low-resolution input.
 
@@ -196,10 +214,7 @@ class Upsample(nnx.Module):
         b, h, w, c = x.shape
         weights = self.conv.kernel[...]
         dtype = jnp.result_type(x, weights)
-        taps = jnp.asarray(_PHASE_TAPS, jnp.float32)  # [parity, 2, 3]
-        # kernel[p, q, i, (row parity, column parity, o)] for a 2x2 VALID conv over the padded input;
-        # taps are summed in float32, so bf16 weights are rounded once, not once per tap.
-        kernel = jnp.einsum("apy,bqx,yxio->pqiabo", taps, taps, weights.astype(jnp.float32)).astype(dtype)
+        kernel = _phase_kernel(weights).astype(dtype)
         padded = jnp.pad(x.astype(dtype), ((0, 0), (1, 1), (1, 1), (0, 0)))
         out = jax.lax.conv_general_dilated(
             padded,

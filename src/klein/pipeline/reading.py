@@ -70,7 +70,7 @@ def read(options: LoadOptions) -> Loaded:
     limit, where = admission.memory_for_plan(devices, options.memory_cap)
     typical = resolve.typical(located.variant).workload
     # The decode runs tiled where only that fits (`Budget.admit`).
-    request = min(memory.peak for memory in estimates(located, mesh, typical, dtype.itemsize))
+    request = min(memory.peak for memory in estimates(located, mesh, typical, dtype.itemsize, compute))
     own = process.footprint(devices[0].platform)
     policy = residency.choose(options.residency, sizes, request, limit, where, own)
 
