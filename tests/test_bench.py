@@ -239,3 +239,12 @@ def test_bfloat16_checkpoint_loads(tmp_path):
     pipe = load_pipeline(tmp_path / "ckpt", dtype="bfloat16")
     image = pipe("a cat", height=32, width=32, num_inference_steps=1, seed=0, output_type="np").images
     assert image.shape == (1, 32, 32, 3) and np.isfinite(image).all()
+
+
+def test_bench_cpu_bf16_is_bench_cpu_in_bf16():
+    """The bf16 config runs bench-cpu's shapes, cases and rounds on the same weights stored in bf16, which
+    both engines load in (and the matmul peak is measured in) as they do bench-cpu's in float32."""
+    cpu, bf16 = CONFIGS["bench-cpu"], CONFIGS["bench-cpu-bf16"]
+    assert (cpu.checkpoint.dtype, bf16.checkpoint.dtype) == ("float32", "bfloat16")
+    same = dataclasses.replace(bf16, name=cpu.name, checkpoint=cpu.checkpoint, minutes=cpu.minutes)
+    assert same == cpu

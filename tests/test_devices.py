@@ -33,8 +33,8 @@ def _literals(path: Path) -> set:
 
 def test_each_figure_is_written_once_in_the_device_table():
     """No other module holds a device's name as jax reports it, its compute capability, the capability
-    FP8 starts at, the memory its programs see, its bandwidth, its peaks or its page: they read the table."""
-    figures = {devices.FP8_FROM}
+    FP8 (block-scaled products) start at, the memory its programs see, its bandwidth, its peaks or its page: they read the table."""
+    figures = {devices.FP8_FROM, devices.BLOCK_SCALED_FROM}
     for device in devices.DEVICES.values():
         figures |= {device.device_kind, device.source, device.capability, device.memory_bytes}
         figures |= {device.memory_bytes / devices.MIB, device.bandwidth}
@@ -77,6 +77,34 @@ def test_blackwell_cards_have_fp4_peaks_and_compile_targets(typed, name, capabil
     assert card.limit <= card.memory_gib * devices.GIB
     assert devices.DEVICES["h200"].fp4_flops == 0
     assert devices.DEVICES["h200"].device_flops_for(devices.NVFP4) == devices.DEVICES["h200"].bf16_flops
+
+
+def test_auto_takes_a_block_scaled_product_whose_image_keeps_the_threshold():
+    """On Blackwell `auto` takes nvfp4 where its image SSIM against bf16 keeps `AUTO_SSIM`, else mxfp8
+    where that one does, else fp8; the quality table (`QUALITY`) decides which."""
+    least = devices.AUTO_SSIM
+    assert devices.auto_pick({"nvfp4": least, "mxfp8": least}) == "nvfp4"
+    assert devices.auto_pick({"nvfp4": least - 1e-4, "mxfp8": least}) == "mxfp8"
+    assert devices.auto_pick({"nvfp4": least - 1e-4, "mxfp8": least - 1e-4}) == "fp8"
+    assert devices.BLOCK_SCALED_AUTO == devices.auto_pick(devices.QUALITY)
+
+
+def test_auto_on_each_card_is_what_the_listing_says():
+    """`Device.compute` (what `klein --help` and `klein plan --device` show) is `auto_compute` of that
+    card's devices: the block-scaled product from compute capability 10.0, fp8 from 8.9, int8 before."""
+    wanted = {"b200": "nvfp4", "rtx-5090": "nvfp4", "rtx-5070": "nvfp4", "h100-80gb": "fp8", "l40s": "fp8",
+              "rtx-4090": "fp8", "rtx-3090": "int8", "a100-80gb": "int8", "tpu7x": "fp8", "tpu-v6e": "int8"}  # fmt: skip
+    for name, compute in wanted.items():
+        card = devices.DEVICES[name]
+        jax_device = SimpleNamespace(
+            platform="gpu" if card.capability else "tpu",
+            device_kind=card.device_kind or f"NVIDIA {name}",
+            compute_capability=card.capability,
+        )
+        assert (card.compute, devices.auto_compute(jax_device)) == (compute, compute), name
+        assert f"{name} ({compute})" in devices.listing()
+    cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
+    assert devices.auto_compute(cpu) == "bf16"
 
 
 def test_an_old_name_is_the_same_entry_with_a_note(capsys):

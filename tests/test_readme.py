@@ -153,3 +153,15 @@ def test_the_documents_measured_tables_are_those_of_their_benchmark_files(marker
     assert len(shown) == len(measured), (source, len(shown), len(measured))
     for readme_row, file_row in zip(shown, measured, strict=True):
         assert file_row[1 : len(readme_row)] == readme_row[1:], (readme_row, file_row)
+
+
+def test_auto_on_blackwell_is_what_the_quality_table_passes():
+    """`klein.devices.QUALITY`, which decides the block-scaled product `auto` takes on Blackwell, holds
+    the image SSIMs of the quality table in docs/design/checkpoints.md, figure for figure."""
+    from klein import devices
+
+    rows = _table_after(
+        (ROOT / "docs" / "design" / "checkpoints.md").read_text(), "### Quality of the low-precision paths"
+    )
+    ssim = {row[0]: float(row[1]) for row in rows}
+    assert devices.QUALITY == {compute: ssim[compute] for compute in devices.QUALITY}

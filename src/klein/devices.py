@@ -21,9 +21,19 @@ BF16, FP8, INT8 = "bf16", "fp8", "int8"
 NVFP4, MXFP8 = "nvfp4", "mxfp8"
 FP8_FROM = (8, 9)
 """The compute capability of NVIDIA's first FP8 tensor cores (Ada; Hopper and Blackwell after it)."""
+BLOCK_SCALED_FROM = (10, 0)
+"""The compute capability of NVIDIA's first tensor cores that multiply block-scaled (NVFP4, MXFP8) products
+(Blackwell: B200 sm_100, GeForce RTX 50 sm_120)."""
+AUTO_SSIM = 0.98
+"""The least image SSIM against bf16 a block-scaled product keeps in the quality table for `auto` to take it."""
+QUALITY = {NVFP4: 0.9983, MXFP8: 0.9995}
+"""Each block-scaled product's image SSIM against bf16 at klein-4b's width with the real VAE (random
+weights, 1 double + 2 single blocks, 512^2 px, 4 steps), as docs/design/checkpoints.md gives it ("Quality of
+the low-precision paths", `benchmarks/quality_low_precision.py`)."""
 GIVEN_COMPUTE = INT8
 """What `--compute auto` is planned as on a device given by its memory: 8-bit products (fp8 or int8, as
-the device multiplies; the same bytes either way)."""
+the device multiplies; the same bytes either way), as on every card before Blackwell; on Blackwell nvfp4
+keeps its weights in fewer bytes, so such a plan errs on the roomy side there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +170,9 @@ SLICES = tuple(device.slice for device in _TABLE if device.slice)
 
 
 def auto_compute(device) -> str:
-    """What `compute="auto"` picks on the jax `device`: the product its hardware multiplies fastest. FP8 on
-    GPUs with FP8 tensor cores (`FP8_FROM`) and on TPUs with an FP8 peak (TPU7x); INT8 on other GPUs and
+    """What `compute="auto"` picks on the jax `device`: the product its hardware multiplies fastest. On
+    Blackwell (`BLOCK_SCALED_FROM`) the block-scaled product the quality table passes (`BLOCK_SCALED_AUTO`);
+    FP8 on other GPUs with FP8 tensor cores (`FP8_FROM`) and on TPUs with an FP8 peak (TPU7x); INT8 on other GPUs and
     TPUs (v5e / v6e multiply int8 at twice their bf16 rate); bf16 on CPUs, which have neither (XLA:CPU
     widens float8 products and its int8 product is slower than its bf16 one here, and quantising the
     activations costs more: docs/design.md)."""
@@ -170,9 +181,23 @@ def auto_compute(device) -> str:
     return _fastest(device.platform, capability, chip.fp8_flops if chip else 0.0)
 
 
+def auto_pick(ssims: dict[str, float]) -> str:
+    """What `auto` multiplies on a card from `BLOCK_SCALED_FROM`, given each block-scaled product's image
+    SSIM against bf16: the first of nvfp4 (twice mxfp8's rate, half its bytes) and mxfp8 that keeps
+    `AUTO_SSIM`, else fp8."""
+    return next((compute for compute in (NVFP4, MXFP8) if ssims.get(compute, 0) >= AUTO_SSIM), FP8)
+
+
+BLOCK_SCALED_AUTO = auto_pick(QUALITY)
+"""What `auto` multiplies on a card from `BLOCK_SCALED_FROM`, by the quality table (`QUALITY`)."""
+
+
 def _fastest(platform: str, capability: str, fp8_flops: float) -> str:
     if platform == "gpu":
-        return FP8 if tuple(int(n) for n in capability.split(".")[:2]) >= FP8_FROM else INT8
+        version = tuple(int(n) for n in capability.split(".")[:2])
+        if version >= BLOCK_SCALED_FROM:
+            return BLOCK_SCALED_AUTO
+        return FP8 if version >= FP8_FROM else INT8
     if platform == "tpu":
         return FP8 if fp8_flops else INT8
     return BF16

@@ -1,6 +1,7 @@
 """Benchmark configurations: a random checkpoint, the output and reference sizes, and how often to run.
 The real configs keep FLUX.2 [klein]'s true dimensions (bf16, for an accelerator); `bench-cpu` scales them
-down to fit its `minutes` on two CPU cores; `tiny` runs the same code in seconds (the CI test).
+down to fit its `minutes` on two CPU cores (float32), `bench-cpu-bf16` is the same in bf16, the precision
+users run; `tiny` runs the same code in seconds (the CI test).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class BenchConfig:
     """Sides of the square matrix products that measure the machine's peak (`klein.bench.peak`)."""
     minutes: int | None = None
     """About how long the whole run takes on two idle CPU cores, as measured (`klein bench --help` and
-    the README say it); None for a config not meant for a CPU."""
+    the README say it); None for a config not meant for a CPU or not yet run whole."""
 
     @property
     def kv(self) -> bool:
@@ -68,6 +69,13 @@ QWEN3_4B = dict(text_encoder_config(2560, 9728, 36, 32, 8, 128), vocab_size=1519
 CPU_TRANSFORMER = dataclasses.replace(
     KLEIN_9B, num_layers=2, num_single_layers=4, num_attention_heads=2, joint_attention_dim=768
 )
+# An eighth of the real VAE's width: decoding then costs about a third of text-to-image denoising, roughly
+# its share on the real model on a GPU.
+CPU_CHECKPOINT = RandomCheckpoint(
+    _transformer(CPU_TRANSFORMER),
+    dict(VAE, block_out_channels=[16, 32, 64, 64], norm_num_groups=16),
+    text_encoder_config(256, 768, 28, 4, 2, 64),
+)
 
 
 def _real(name: str, transformer: TransformerConfig, text_encoder: dict, pipeline: str) -> BenchConfig:
@@ -92,18 +100,12 @@ CONFIGS = {
             repeats=1,
             peak_sizes=(128, 256),
         ),
+        BenchConfig("bench-cpu", CPU_CHECKPOINT, output_sizes=(512, 256), reference_size=512, minutes=15),
         BenchConfig(
-            "bench-cpu",
-            RandomCheckpoint(
-                _transformer(CPU_TRANSFORMER),
-                # An eighth of the real VAE's width: decoding then costs about a third of text-to-image
-                # denoising, roughly its share on the real model on a GPU.
-                dict(VAE, block_out_channels=[16, 32, 64, 64], norm_num_groups=16),
-                text_encoder_config(256, 768, 28, 4, 2, 64),
-            ),
+            "bench-cpu-bf16",
+            dataclasses.replace(CPU_CHECKPOINT, dtype="bfloat16"),
             output_sizes=(512, 256),
             reference_size=512,
-            minutes=15,
         ),
         _real("real-9b", KLEIN_9B, QWEN3_8B, "Flux2KleinKVPipeline"),
         _real("real-4b", KLEIN_4B, QWEN3_4B, "Flux2KleinPipeline"),

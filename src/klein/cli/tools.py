@@ -303,7 +303,7 @@ def _compiled(memory, models, dtype, compute: str, mesh=None) -> dict:
 def _compute(flags) -> tuple[str, str, str]:
     """(`--compute` as planned, as the plan names it, whose choice it is). auto is what the named device or
     this machine's multiplies fastest; on a device given by its memory, 8-bit products (fp8 or int8, the same
-    bytes) as on every card klein knows (`klein.devices.GIVEN_COMPUTE`), so that it plans as such a card."""
+    bytes) as on every card before Blackwell (`klein.devices.GIVEN_COMPUTE`), so that it plans as such a card."""
     from klein.pipeline.reading import compute_of
 
     if flags.compute != "auto":
@@ -357,9 +357,10 @@ peak and reports each engine's transformer FLOP/s and fraction of it. Prints a M
 writes <config>.json, .md and .png to --out. Needs the test extra (torch, diffusers, matplotlib):
 pip install -e .[test]
 
-configs: bench-cpu (scaled-down geometry, about {minutes} min on two quiet CPU cores), real-9b and real-4b (true
-dimensions, bf16, for an accelerator), tiny (seconds; what CI runs). Random checkpoints are
-written once under $KLEIN_HOME/bench."""
+configs: bench-cpu (scaled-down geometry, about {minutes} min on two quiet CPU cores, float32),
+bench-cpu-bf16 (the same in bf16, the precision users run), real-9b and real-4b (true dimensions,
+bf16, for an accelerator), tiny (seconds; what CI runs). Random checkpoints are written once under
+$KLEIN_HOME/bench."""
 
 
 def bench_parser() -> argparse.ArgumentParser:

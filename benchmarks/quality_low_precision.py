@@ -1,4 +1,5 @@
-"""Quality and CPU speed of the 8-bit products (`compute="fp8" | "int8"`) against bf16, at klein-4b's width.
+"""Quality and CPU speed of the low-precision products (`compute="fp8" | "int8" | "nvfp4" | "mxfp8"`) against
+bf16, at klein-4b's width.
 
 A random bf16 checkpoint (written once under $KLEIN_HOME/bench) with klein-4b's transformer width (hidden
 3072, 24 heads, SwiGLU 9216) but `--double` / `--single` blocks instead of 5 / 20, the real-size FLUX.2 VAE
@@ -6,16 +7,22 @@ A random bf16 checkpoint (written once under $KLEIN_HOME/bench) with klein-4b's 
 
 1. per path, the image against bf16's (same prompt, seed, steps): SSIM, PSNR and the largest error in
    8-bit levels, and the warm time of one denoising step on this CPU;
-2. per block Linear, the relative error ||y_8bit - y_bf16|| / ||y_bf16|| of its product, averaged over the
+2. per block Linear, the relative error ||y_path - y_bf16|| / ||y_bf16|| of its product, averaged over the
    layers of its stack, with the inputs that Linear sees in the bf16 transformer's first step (noise
-   latents, random text states) and the weights quantised as `load_pipeline(compute=...)` quantises them.
+   latents, random text states) and the weights quantised as `load_pipeline(compute=...)` quantises them
+   (per output channel for fp8 / int8, into rows of blocks for nvfp4 / mxfp8);
+3. the compute `auto` may take on a card that multiplies block-scaled products (`klein.devices.auto_pick`
+   of the SSIMs above: the first of nvfp4, mxfp8 whose image keeps `devices.AUTO_SSIM`, else fp8).
+
+On a CPU the block-scaled products are emulated in float32 (`klein.models.block_scaled`): their error is
+the formats', their time is not what a Blackwell card's tensor cores take.
 
 Random weights: the numbers say how far each path's arithmetic moves the products and the image through
 these layers. They cannot say how visible that is on a trained model (trained weights and activations have
 outlier channels that random ones lack, which per-channel / per-token scales exist for), nor how error
 grows through 25 blocks instead of the few run here.
 
-    PYTHONPATH=src:. python benchmarks/quality_8bit.py --double 1 --single 2 --size 512 --steps 4
+    PYTHONPATH=src:. python benchmarks/quality_low_precision.py --double 1 --single 2 --size 512 --steps 4
 """
 
 import argparse
@@ -28,18 +35,19 @@ import numpy as np
 from flax import nnx
 from skimage.metrics import structural_similarity
 
+from klein import devices
 from klein.bench.configs import REAL_VAE, _transformer
 from klein.io.demo import RandomCheckpoint, ensure_checkpoint, text_encoder_config
 from klein.io.paths import klein_home
 from klein.io.transformer_checkpoint import STACKED, load_transformer
-from klein.models import layers, products, stacks
+from klein.models import block_scaled, layers, products, stacks
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import KLEIN_4B
 from klein.pipeline.loading import load_pipeline
 from klein.sampling import image_ids, text_ids
 
-PATHS = ("bf16", "fp8", "int8")
+PATHS = ("bf16", "fp8", "int8", "nvfp4", "mxfp8")
 PROMPT = "a lighthouse on a cliff at dusk, waves below"
 
 
@@ -55,7 +63,7 @@ def checkpoint(double: int, single: int):
         pipeline="Flux2KleinPipeline",
         dtype="bfloat16",
     )
-    return ensure_checkpoint(klein_home() / "bench" / f"quality-8bit-4b-{double}-{single}", spec)
+    return ensure_checkpoint(klein_home() / "bench" / f"quality-4b-{double}-{single}", spec)
 
 
 def images_and_steps(folder, size: int, steps: int, repeats: int) -> dict[str, tuple[np.ndarray, float]]:
@@ -109,26 +117,37 @@ def linear_inputs(model, tokens: int, text: int) -> dict[tuple, list[np.ndarray]
 
 
 def product_errors(model, inputs: dict[tuple, list[np.ndarray]]) -> dict[tuple, dict[str, float]]:
-    """Per Linear path, per 8-bit path: the mean over layers of the relative error of its product."""
+    """Per Linear path, per low-precision path: the mean over layers of the relative error of its product."""
     state = dict(nnx.to_flat_state(nnx.state(model)))
     errors = {}
     for path, xs in sorted(inputs.items()):
         stack = np.asarray(stacks.as_float(np.asarray(state[(*path, "kernel")].get_value())))
         row = defaultdict(list)
         for layer, x in enumerate(xs):
-            weight = stack[layer]
+            weight = stack[layer]  # [in, out]
             exact = np.asarray(
                 products.product(jnp.asarray(x), products.Weight(jnp.asarray(weight)), jnp.bfloat16)
             )
             exact = exact.astype(np.float32)
             for compute in PATHS[1:]:
-                kernel, scale = products.quantise(weight.astype(np.float32), compute, 0)
-                quantised = products.Weight(jnp.asarray(kernel), jnp.asarray(scale[0]), compute=compute)
-                got = products.product(jnp.asarray(x), quantised, jnp.bfloat16)
+                got = products.product(jnp.asarray(x), quantised(weight, compute), jnp.bfloat16)
                 diff = np.asarray(got, np.float32) - exact
                 row[compute].append(float(np.linalg.norm(diff) / np.linalg.norm(exact)))
         errors[path] = {compute: float(np.mean(v)) for compute, v in row.items()}
     return errors
+
+
+def quantised(weight: np.ndarray, compute: str) -> products.Weight:
+    """A bf16 kernel [in, out] stored as `load_pipeline(compute=compute)` stores it: 8-bit per output
+    channel (`klein.io.quantised.Quantised`), or rows of blocks [out, bytes] over NVFP4's per-tensor
+    scale (`klein.io.quantised.BlockRows`)."""
+    wide = weight.astype(np.float32)
+    if compute in products.BLOCK_SCALED:
+        rows, tensor = block_scaled.rows_of_blocks(wide.T, compute)
+        scale = jnp.asarray(tensor) if block_scaled.FORMATS[compute].tensor_scale else None
+        return products.Weight(jnp.asarray(rows), scale, compute=compute, out_in=True, blocks=compute)
+    kernel, scale = products.quantise(wide, compute, 0)
+    return products.Weight(jnp.asarray(kernel), jnp.asarray(scale[0]), compute=compute)
 
 
 def main():
@@ -150,21 +169,30 @@ def main():
     reference, bf16_step = runs["bf16"]
     print("| path | SSIM vs bf16 | PSNR vs bf16 (dB) | max error (levels of 255) | s / step | vs bf16 |")
     print("|---|---|---|---|---|---|")
+    ssims = {}
     for compute, (image, step) in runs.items():
         if compute == "bf16":
             print(f"| bf16 | 1 | inf | 0 | {step:.2f} | 1.00x |")
             continue
-        ssim = structural_similarity(reference, image, channel_axis=2, data_range=1.0)
+        ssims[compute] = structural_similarity(reference, image, channel_axis=2, data_range=1.0)
         mse = float(np.mean((reference - image) ** 2))
         psnr = 10 * np.log10(1.0 / mse) if mse else float("inf")
         worst = float(np.abs(reference - image).max()) * 255
-        print(f"| {compute} | {ssim:.4f} | {psnr:.1f} | {worst:.0f} | {step:.2f} | {step / bf16_step:.2f}x |")
+        print(
+            f"| {compute} | {ssims[compute]:.4f} | {psnr:.1f} | {worst:.0f} | {step:.2f} "
+            f"| {step / bf16_step:.2f}x |"
+        )
     model = load_transformer(folder / "transformer", jnp.bfloat16)
     errors = product_errors(model, linear_inputs(model, (args.size // 16) ** 2, 512))
-    print("\n| Linear (mean over its layers) | fp8 relative error | int8 relative error |")
-    print("|---|---|---|")
+    low = PATHS[1:]
+    print(f"\n| Linear (mean over its layers) | {' | '.join(f'{c} relative error' for c in low)} |")
+    print("|---" * (len(low) + 1) + "|")
     for path, row in errors.items():
-        print(f"| {'.'.join(map(str, path))} | {row['fp8']:.4f} | {row['int8']:.4f} |")
+        print(f"| {'.'.join(map(str, path))} | {' | '.join(f'{row[c]:.4f}' for c in low)} |")
+    print(
+        f"\nauto on a card that multiplies block-scaled products (SSIM vs bf16 >= {devices.AUTO_SSIM}): "
+        f"{devices.auto_pick(ssims)}"
+    )
 
 
 if __name__ == "__main__":
