@@ -39,7 +39,8 @@ def main():
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     print(
-        f"{m} x {k} by {k} x {n}; jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+        f"{m} x {k} by {k} x {n}; jax {jax.__version__}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )
     for dtype in args.dtypes:
         for name, run in routes(a, b, dtype).items():

@@ -66,10 +66,13 @@ def checkpoint(double: int, single: int):
     return ensure_checkpoint(klein_home() / "bench" / f"quality-4b-{double}-{single}", spec)
 
 
-def images_and_steps(folder, size: int, steps: int, repeats: int) -> dict[str, tuple[np.ndarray, float]]:
-    """Per path: (the image in [0, 1], seconds per denoising step: the best of `repeats` warm runs)."""
+def images_and_steps(
+    folder, size: int, steps: int, repeats: int, paths=PATHS
+) -> dict[str, tuple[np.ndarray, float]]:
+    """Per path of `paths` (bf16 first): (the image in [0, 1], seconds per denoising step: the best of
+    `repeats` warm runs)."""
     out = {}
-    for compute in PATHS:
+    for compute in paths:
         pipe = load_pipeline(folder, compute=compute, residency="all")
         settings = dict(height=size, width=size, seed=0, output_type="np")
         pipe(PROMPT, num_inference_steps=1, **settings)  # compiles the step, the text encoder and the decoder
@@ -116,8 +119,11 @@ def linear_inputs(model, tokens: int, text: int) -> dict[tuple, list[np.ndarray]
     return seen
 
 
-def product_errors(model, inputs: dict[tuple, list[np.ndarray]]) -> dict[tuple, dict[str, float]]:
-    """Per Linear path, per low-precision path: the mean over layers of the relative error of its product."""
+def product_errors(
+    model, inputs: dict[tuple, list[np.ndarray]], paths=PATHS[1:]
+) -> dict[tuple, dict[str, float]]:
+    """Per Linear path, per low-precision path of `paths`: the mean over layers of the relative error of
+    its product."""
     state = dict(nnx.to_flat_state(nnx.state(model)))
     errors = {}
     for path, xs in sorted(inputs.items()):
@@ -129,7 +135,7 @@ def product_errors(model, inputs: dict[tuple, list[np.ndarray]]) -> dict[tuple, 
                 products.product(jnp.asarray(x), products.Weight(jnp.asarray(weight)), jnp.bfloat16)
             )
             exact = exact.astype(np.float32)
-            for compute in PATHS[1:]:
+            for compute in paths:
                 got = products.product(jnp.asarray(x), quantised(weight, compute), jnp.bfloat16)
                 diff = np.asarray(got, np.float32) - exact
                 row[compute].append(float(np.linalg.norm(diff) / np.linalg.norm(exact)))
@@ -159,13 +165,15 @@ def main():
     parser.add_argument("--size", type=int, default=512, help="square image side, px")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per path (the best is kept)")
+    parser.add_argument("--paths", nargs="+", choices=PATHS[1:], default=PATHS[1:], help="beside bf16")
+    parser.add_argument("--images-only", action="store_true", help="no per-Linear errors")
     args = parser.parse_args()
     folder = checkpoint(args.double, args.single)
     print(
         f"klein-4b width, {args.double} double + {args.single} single blocks, real VAE, {args.size}^2 px, "
         f"{args.steps} steps, random weights; {jax.devices()[0].device_kind}"
     )
-    runs = images_and_steps(folder, args.size, args.steps, args.repeats)
+    runs = images_and_steps(folder, args.size, args.steps, args.repeats, ("bf16", *args.paths))
     reference, bf16_step = runs["bf16"]
     print("| path | SSIM vs bf16 | PSNR vs bf16 (dB) | max error (levels of 255) | s / step | vs bf16 |")
     print("|---|---|---|---|---|---|")
@@ -182,17 +190,19 @@ def main():
             f"| {compute} | {ssims[compute]:.4f} | {psnr:.1f} | {worst:.0f} | {step:.2f} "
             f"| {step / bf16_step:.2f}x |"
         )
-    model = load_transformer(folder / "transformer", jnp.bfloat16)
-    errors = product_errors(model, linear_inputs(model, (args.size // 16) ** 2, 512))
-    low = PATHS[1:]
-    print(f"\n| Linear (mean over its layers) | {' | '.join(f'{c} relative error' for c in low)} |")
-    print("|---" * (len(low) + 1) + "|")
-    for path, row in errors.items():
-        print(f"| {'.'.join(map(str, path))} | {' | '.join(f'{row[c]:.4f}' for c in low)} |")
     print(
         f"\nauto on a card that multiplies block-scaled products (SSIM vs bf16 >= {devices.AUTO_SSIM}): "
         f"{devices.auto_pick(ssims)}"
     )
+    if args.images_only:
+        return
+    model = load_transformer(folder / "transformer", jnp.bfloat16)
+    errors = product_errors(model, linear_inputs(model, (args.size // 16) ** 2, 512), args.paths)
+    low = args.paths
+    print(f"\n| Linear (mean over its layers) | {' | '.join(f'{c} relative error' for c in low)} |")
+    print("|---" * (len(low) + 1) + "|")
+    for path, row in errors.items():
+        print(f"| {'.'.join(map(str, path))} | {' | '.join(f'{row[c]:.4f}' for c in low)} |")
 
 
 if __name__ == "__main__":

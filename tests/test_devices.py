@@ -33,7 +33,8 @@ def _literals(path: Path) -> set:
 
 def test_each_figure_is_written_once_in_the_device_table():
     """No other module holds a device's name as jax reports it, its compute capability, the capability
-    FP8 (block-scaled products) start at, the memory its programs see, its bandwidth, its peaks or its page: they read the table."""
+    FP8 (block-scaled products) start at, the memory its programs see, its bandwidth, its peaks or its
+    page: they read the table."""
     figures = {devices.FP8_FROM, devices.BLOCK_SCALED_FROM}
     for device in devices.DEVICES.values():
         figures |= {device.device_kind, device.source, device.capability, device.memory_bytes}
@@ -92,8 +93,10 @@ def test_auto_takes_a_block_scaled_product_whose_image_keeps_the_threshold():
 def test_auto_on_each_card_is_what_the_listing_says():
     """`Device.compute` (what `klein --help` and `klein plan --device` show) is `auto_compute` of that
     card's devices: the block-scaled product from compute capability 10.0, fp8 from 8.9, int8 before."""
-    wanted = {"b200": "nvfp4", "rtx-5090": "nvfp4", "rtx-5070": "nvfp4", "h100-80gb": "fp8", "l40s": "fp8",
-              "rtx-4090": "fp8", "rtx-3090": "int8", "a100-80gb": "int8", "tpu7x": "fp8", "tpu-v6e": "int8"}  # fmt: skip
+    wanted = {
+        "b200": "nvfp4", "rtx-5090": "nvfp4", "rtx-5070": "nvfp4", "h100-80gb": "fp8", "l40s": "fp8",
+        "rtx-4090": "fp8", "rtx-3090": "int8", "a100-80gb": "int8", "tpu7x": "fp8", "tpu-v6e": "int8",
+    }  # fmt: skip
     for name, compute in wanted.items():
         card = devices.DEVICES[name]
         jax_device = SimpleNamespace(

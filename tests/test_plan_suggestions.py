@@ -112,8 +112,8 @@ def test_a_memory_cap_that_leaves_no_room_suggests_the_cap_that_would():
 @pytest.mark.parametrize("card", ["rtx-4060", "rtx-3060", "rtx-4070", "rtx-4090"])
 def test_a_device_memory_plans_as_the_named_card_of_that_memory(card, capsys):
     """`--device-memory 12GB` is the memory of a 12 GB card (GB as memory is counted), less what the
-    runtime keeps, planned with the 8-bit products `--compute auto` makes on every card before Blackwell: the same plan as
-    the card's name; each says which compute it assumes."""
+    runtime keeps, planned with the 8-bit products `--compute auto` makes on every card before Blackwell:
+    the same plan as the card's name; each says which compute it assumes."""
     args = ["plan", "--model", "klein-9b-kv", "--refs", "1"]
     reports, texts = {}, {}
     for named in (["--device", card], ["--device-memory", f"{devices.DEVICES[card].memory_gib}GB"]):

@@ -25,7 +25,8 @@ BLOCK_SCALED_FROM = (10, 0)
 """The compute capability of NVIDIA's first tensor cores that multiply block-scaled (NVFP4, MXFP8) products
 (Blackwell: B200 sm_100, GeForce RTX 50 sm_120)."""
 AUTO_SSIM = 0.98
-"""The least image SSIM against bf16 a block-scaled product keeps in the quality table for `auto` to take it."""
+"""The least image SSIM against bf16 a block-scaled product keeps in the quality table (`QUALITY`) for
+`auto` to take it."""
 QUALITY = {NVFP4: 0.9983, MXFP8: 0.9995}
 """Each block-scaled product's image SSIM against bf16 at klein-4b's width with the real VAE (random
 weights, 1 double + 2 single blocks, 512^2 px, 4 steps), as docs/design/checkpoints.md gives it ("Quality of
@@ -171,11 +172,11 @@ SLICES = tuple(device.slice for device in _TABLE if device.slice)
 
 def auto_compute(device) -> str:
     """What `compute="auto"` picks on the jax `device`: the product its hardware multiplies fastest. On
-    Blackwell (`BLOCK_SCALED_FROM`) the block-scaled product the quality table passes (`BLOCK_SCALED_AUTO`);
-    FP8 on other GPUs with FP8 tensor cores (`FP8_FROM`) and on TPUs with an FP8 peak (TPU7x); INT8 on other GPUs and
-    TPUs (v5e / v6e multiply int8 at twice their bf16 rate); bf16 on CPUs, which have neither (XLA:CPU
-    widens float8 products and its int8 product is slower than its bf16 one here, and quantising the
-    activations costs more: docs/design.md)."""
+    Blackwell (`BLOCK_SCALED_FROM`) the block-scaled product the quality table passes
+    (`BLOCK_SCALED_AUTO`); FP8 on other GPUs with FP8 tensor cores (`FP8_FROM`) and on TPUs with an FP8
+    peak (TPU7x); INT8 on other GPUs and TPUs (v5e / v6e multiply int8 at twice their bf16 rate); bf16
+    on CPUs, which have neither (XLA:CPU widens float8 products and its int8 product is slower than its
+    bf16 one here, and quantising the activations costs more: docs/design.md)."""
     chip = of_kind(device.device_kind)
     capability = str(getattr(device, "compute_capability", "") or "0.0")
     return _fastest(device.platform, capability, chip.fp8_flops if chip else 0.0)

@@ -303,7 +303,8 @@ def _compiled(memory, models, dtype, compute: str, mesh=None) -> dict:
 def _compute(flags) -> tuple[str, str, str]:
     """(`--compute` as planned, as the plan names it, whose choice it is). auto is what the named device or
     this machine's multiplies fastest; on a device given by its memory, 8-bit products (fp8 or int8, the same
-    bytes) as on every card before Blackwell (`klein.devices.GIVEN_COMPUTE`), so that it plans as such a card."""
+    bytes) as on every card before Blackwell (`klein.devices.GIVEN_COMPUTE`), so that it plans as such a
+    card."""
     from klein.pipeline.reading import compute_of
 
     if flags.compute != "auto":
