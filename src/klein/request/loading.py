@@ -91,8 +91,9 @@ class LoadOptions:
         "the transformer blocks' products: bf16, fp8 (FP8 e4m3 weights with a scale per channel, or BFL's "
         "FP8 files as shipped, and activations quantised per token), int8 (W8A8, per channel and per "
         "token), nvfp4 or mxfp8 (both operands block-scaled: 4-bit blocks of 16, 8-bit blocks of 32; "
-        "Blackwell multiplies them in hardware, elsewhere emulated); attention and norms stay bf16/fp32. auto (default): fp8 on GPUs with FP8 tensor cores "
-        "and TPU v7, int8 on other GPUs and TPUs, bf16 on CPUs",
+        "Blackwell multiplies them in hardware, elsewhere emulated); attention and norms stay bf16/fp32. "
+        "auto (default): nvfp4 on Blackwell, fp8 on other GPUs with FP8 tensor cores and TPU v7, int8 on "
+        "other GPUs and TPUs, bf16 on CPUs",
         kinds.TEXT,
         default=AUTO,
         choices=COMPUTE,
