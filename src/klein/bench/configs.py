@@ -96,7 +96,7 @@ CONFIGS = {
             DEMO,
             output_sizes=(48, 32),
             reference_size=64,
-            reference_counts=(1, 2),
+            reference_counts=(1,),
             repeats=1,
             peak_sizes=(128, 256),
         ),
