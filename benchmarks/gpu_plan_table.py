@@ -37,8 +37,13 @@ ROWS = (
 )
 
 
+def published(variant: str, compute: str) -> plan.Models:
+    """The published checkpoint of `variant` in bf16, its blocks' products made as `compute` says."""
+    return dataclasses.replace(plan.published(variant, "bfloat16"), compute=compute)
+
+
 def planned(variant: str, refs: int, compute: str) -> plan.MemoryPlan:
-    models = dataclasses.replace(plan.published(variant, "bfloat16"), compute=compute)
+    models = published(variant, compute)
     return planning.plan(variant, "tensor=1", refs=refs, size=(1024, 1024), platform="gpu", models=models)
 
 
@@ -61,8 +66,11 @@ def compiled_step(variant: str, target: str, work: plan.Workload, compute: str) 
     from klein.aot import compiled, topology
 
     mesh, _ = topology.mesh(target, None)
-    models = dataclasses.replace(plan.published(variant, "bfloat16"), compute=compute)
-    return vars(compiled.analyse(models, work, "bfloat16", mesh, ("step",), compute=compute)["step"])
+    return vars(
+        compiled.analyse(published(variant, compute), work, "bfloat16", mesh, ("step",), compute=compute)[
+            "step"
+        ]
+    )
 
 
 def cell(variant: str, refs: int, target: str, compute: str, compile_it: bool) -> str:
@@ -78,7 +86,7 @@ def cell(variant: str, refs: int, target: str, compute: str, compile_it: bool) -
         analyses["step"] = analysis  # the roofline reads its compiled bytes
         used = plan.beyond_weights("step", analysis)
         step = f", step {p.memory.step / 2**30:.2f} / {used / 2**30:.2f} GiB = {p.memory.step / used:.2f}"
-    models = dataclasses.replace(plan.published(variant, "bfloat16"), compute=compute)
+    models = published(variant, compute)
     mesh = sharding.abstract_mesh("tensor=1")  # one card: no stage's work is split
     times = roofline.times(models, p.workload, models.variant.steps, mesh, analyses, card, compute)
     return f"{text}, {roofline.per_image(times, p.workload.images) * 1e3:.0f} ms{step}"

@@ -156,20 +156,12 @@ def estimates(
 
 
 class Budget:
-    """Admission for the models of `models` on `mesh`, computing with `itemsize`-byte floats and the blocks'
-    products made as `compute` says. `weights()`: (weight bytes on the device now, weight bytes the
-    residency policy holds while a request runs)."""
+    """Admission for the models of the pipeline `models` on `mesh`, computing with `itemsize`-byte floats
+    and the blocks' products made as its `compute` says. `weights()`: (weight bytes on the device now,
+    weight bytes the residency policy holds while a request runs)."""
 
-    def __init__(
-        self,
-        models,
-        mesh,
-        itemsize: int,
-        weights: Callable[[], tuple[int, int]],
-        compute: str = products.BF16,
-    ):
+    def __init__(self, models, mesh, itemsize: int, weights: Callable[[], tuple[int, int]]):
         self.models, self.mesh, self.itemsize, self._weights = models, mesh, itemsize, weights
-        self.compute = compute
         self._owned: tuple[int, tuple, str] | None = None
         """With `own`: (bytes for requests and caches, the caches counted against them, whence)."""
 
@@ -212,12 +204,13 @@ class Budget:
         room, where = self._room(limit, cap)
         if not (placed and limit is None and self._owned is None):
             room -= adapters
-        if estimates(self.models, self.mesh, work, self.itemsize, self.compute)[0].peak <= room:
+        if estimates(self.models, self.mesh, work, self.itemsize, self.models.compute)[0].peak <= room:
             return False
 
         def estimate(work: plan.Workload) -> plan.RequestMemory:  # the tiled decoder's where it is less
             return min(
-                estimates(self.models, self.mesh, work, self.itemsize, self.compute), key=lambda m: m.peak
+                estimates(self.models, self.mesh, work, self.itemsize, self.models.compute),
+                key=lambda m: m.peak,
             )
 
         check(work, estimate, room, where)

@@ -67,7 +67,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.adapters = self._loras.slots
         """LoRAs loaded by name (`load_lora`) that requests apply unmerged (`GenerationRequest.loras`)."""
         held = functools.partial(residency_policy.held, models, policy, self.weight_bytes)
-        self.budget = Budget(self, self.mesh, self.dtype.itemsize, held, self.compute)
+        self.budget = Budget(self, self.mesh, self.dtype.itemsize, held)
         """What a request may add to the weights, and whether it fits (`own_memory`)."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
