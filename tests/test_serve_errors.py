@@ -117,7 +117,14 @@ CASES = [
     ("cache form field not JSON", edits([png(1)], cache="{threshold"), 400, "cache"),
     ("unknown reference id", generations(references="0123abcd"), 404, "references"),
     ("cannot fit", generations(size="1024x960", n=10), 422, None),
-    ("body not JSON", lambda url: httpx.post(url + "/v1/images/generations", content=b"{nope"), 400, None),
+    (
+        "body not JSON",
+        lambda url: httpx.post(
+            url + "/v1/images/generations", content=b"{nope", headers={"Content-Type": "application/json"}
+        ),
+        400,
+        None,
+    ),
     ("edit without images", edits([]), 400, "image"),
     ("too many references", edits([png(i) for i in range(4)]), 400, "image"),
     ("not an image", edits([b"GIF89a but not really"]), 400, "image"),

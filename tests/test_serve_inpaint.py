@@ -84,6 +84,8 @@ def test_a_new_mask_on_the_same_source_reuses_its_encoding(client):
         (PIL.Image.new("RGBA", SIZE, (0, 0, 0, 255)), {}, "all black"),  # opaque: nothing transparent
         (None, {"strength": 1.5}, "strength"),
         (None, {"strength": 0.0}, "no denoising step"),
+        # OpenAI's API refuses a mask of another size (Python resizes it, as diffusers does).
+        (PIL.Image.new("L", (96, 96), 255), {}, "the mask is 96x96 px but the image to repaint is 96x64 px"),
     ],
 )
 def test_bad_inpainting_inputs_are_400s_that_say_why(serve_url, mask, extra, words):

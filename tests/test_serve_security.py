@@ -101,6 +101,28 @@ def test_a_keyed_server_answers_any_host_name(keyed):
     assert httpx.get(url + "/v1/config", headers={"Host": "images.behind-a-proxy.example"}).status_code == 401
 
 
+def test_a_keyed_servers_docs_open_without_the_key_and_try_it_out_sends_it(keyed):
+    """/docs and its schema hold no data: a browser, which sends no key to open a page, loads them; the
+    schema declares the Bearer key, which Swagger UI's Authorize button takes and each call then sends."""
+    _, url = keyed
+    assert httpx.get(url + "/docs").status_code == 200
+    assert httpx.get(url + "/static/docs/swagger-ui-bundle.js").status_code == 200
+    schema = httpx.get(url + "/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["api_key"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "an API key of this server",
+    }
+    assert schema["security"] == [{"api_key": []}] and schema["paths"]["/healthz"]["get"]["security"] == []
+    # The models list, as every other /v1 route, needs the key.
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers=bearer("gamma-key")).json()["object"] == "list"
+
+
+def test_a_keyless_servers_schema_declares_no_key(serve_url):
+    assert "security" not in httpx.get(serve_url + "/openapi.json").json()
+
+
 def test_a_key_over_its_requests_a_minute_gets_429_with_retry_after(keyed):
     _, url = keyed
     answers = [httpx.get(url + "/v1/config", headers=bearer("alpha-key")) for _ in range(3)]

@@ -54,6 +54,18 @@ def check_not_black(mask: PIL.Image.Image) -> None:
         raise InputError(ALL_BLACK)
 
 
+def other_size(mask: PIL.Image.Image, image: PIL.Image.Image) -> str | None:
+    """What is wrong with a mask of another size than the image it repaints, or None: OpenAI's images API
+    refuses such a mask, so klein's HTTP API does too (Python and the CLI resize it to the image, as
+    diffusers does, and say so in the result's notes)."""
+    if mask.size == image.size:
+        return None
+    return (
+        f"the mask is {mask.width}x{mask.height} px but the image to repaint is {image.width}x{image.height} "
+        "px (WxH): send a mask of the image's size"
+    )
+
+
 def from_alpha(picture: PIL.Image.Image) -> PIL.Image.Image:
     """OpenAI's mask convention -> klein's: where a picture with transparency is fully transparent is the
     area to repaint (white), everything else black; a picture without transparency is read as a mask

@@ -52,14 +52,19 @@ def read_paths(key: str, text: str) -> tuple[str, ...]:
     raise InputError(f"{key} must be a path or a list of paths like \"['a.png','b.png']\", got {text}")
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+"""Numbers as text in ASCII digits only: Python's int() and float() also take other scripts' digits ("６４")
+and underscores ("1_0"), which in a setting are a mistake, not 64 and 10."""
+
+
 def read_int(key: str, text: str) -> int | None:
     if _none(text):
         return None
-    value = _literal(text)
-    # bool is an int subclass; height=True is a mistake, not 1.
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise InputError(f"{key} must be an integer, got {text!r}")
+    # Not height=True (bool is an int subclass) nor 1_0 or 0x10: a plain integer.
+    if _INTEGER.fullmatch(text.strip()) and len(text.strip()) <= 100:
+        return int(text)
+    raise InputError(f"{key} must be an integer in the digits 0-9, got {text!r:.60}")
 
 
 def _number(value: object) -> bool:
@@ -69,10 +74,9 @@ def _number(value: object) -> bool:
 def read_float(key: str, text: str) -> float | None:
     if _none(text):
         return None
-    value = _literal(text)
-    if _number(value):
-        return float(value)
-    raise InputError(f"{key} must be a number, got {text!r}")
+    if _DECIMAL.fullmatch(text.strip()) and len(text.strip()) <= 100:
+        return float(text)
+    raise InputError(f"{key} must be a number in the digits 0-9, got {text!r:.60}")
 
 
 _BOOL_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True)
@@ -86,7 +90,7 @@ UNITS |= {"g": 2**30, "gb": 2**30, "gib": 2**30}
 
 def parse_size(text: str) -> int:
     """ "4096", "512KiB", "64 MiB", "2GiB" -> bytes (binary units; KB and MB mean KiB and MiB here)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match and match.group(2).lower()
     if not match or unit not in UNITS:
         raise InputError(f"{text!r} is not a size; give bytes or KiB/MiB/GiB, e.g. 512MiB or 2GiB")

@@ -261,7 +261,7 @@ def output_size(
 def parse_size(text: str, name: str, also: str = "") -> tuple[int, int]:
     """ "WxH" -> (width, height) in px, each side at least MIN_SIDE: the HTTP API's `size` and `klein
     generate --size`, `name` naming it in the mistake's message and `also` the front end's other forms."""
-    match = re.fullmatch(r"(\d{1,6})x(\d{1,6})", text.strip())
+    match = re.fullmatch(r"([0-9]{1,6})x([0-9]{1,6})", text.strip())  # ASCII digits: not "６４"
     if not match:
         raise InputError(f'{name} must be "WxH" in px (e.g. "512x512"){also}, got {text!r:.40}')
     width, height = int(match.group(1)), int(match.group(2))

@@ -1,5 +1,6 @@
 """The OpenAPI docs of `klein serve`: GET /docs (Swagger UI from the package, not a CDN), and what the schema
-says beyond the routes' signatures: the multipart bodies, the image routes' answers, this server's limits."""
+says beyond the routes' signatures: the multipart bodies, the image routes' answers, this server's limits
+and API key."""
 
 from __future__ import annotations
 
@@ -174,6 +175,22 @@ def with_limits(openapi: dict, max_steps: int, max_images: int) -> dict:
                     each["maximum"] = most
             if "description" in field:
                 field["description"] = re.sub(r"\b1 to \d+", f"1 to {most}", field["description"])
+    return openapi
+
+
+KEYLESS = ("/healthz",)
+"""The API routes a keyed server answers without its key (the page and the docs are no API routes)."""
+
+
+def with_key(openapi: dict) -> dict:
+    """`openapi` with the Bearer key every route of a keyed server needs: /docs then has an Authorize
+    button, whose key "Try it out" sends."""
+    schemes = openapi.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes["api_key"] = {"type": "http", "scheme": "bearer", "description": "an API key of this server"}
+    openapi["security"] = [{"api_key": []}]
+    for path in KEYLESS:
+        for operation in openapi["paths"].get(path, {}).values():
+            operation["security"] = []
     return openapi
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +17,7 @@ from klein.serve.errors import ApiError
 from klein.serve.generation import Generation
 from klein.serve.guard import Guard
 from klein.serve.metrics import CONTENT_TYPE
+from klein.serve.model_list import model_list
 from klein.serve.quotas import Quotas, owner, shares
 from klein.serve.service import Service
 from klein.serve.streams import EventStreams
@@ -44,9 +46,11 @@ def create_app(service: Service) -> FastAPI:
     build, options = app.openapi, service.options
 
     def openapi() -> dict:
-        """`app.openapi` with the server's limits in the schema (it is built once, on first request)."""
+        """`app.openapi` with the server's limits and key in the schema (built once, on first request)."""
         if app.openapi_schema is None:
             app.openapi_schema = api_docs.with_limits(build(), options.max_steps, options.max_images)
+            if options.access.keys:
+                api_docs.with_key(app.openapi_schema)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -96,6 +100,12 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
     async def loras():
         return service.loras()
 
+    started = int(time.time())
+
+    @app.get("/v1/models")
+    async def models():
+        return model_list(service.health()["model"], started)
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(service.metrics.render(), media_type=CONTENT_TYPE)
@@ -125,12 +135,14 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
         async def submit() -> Job:
             nonlocal generation_request
             service.worker.check_room()  # before any image is decoded
+            mask = None
             if form.mask is not None:
                 mask = await uploads.read_mask(form.mask, options)
                 generation_request = dataclasses.replace(generation_request, mask_image=mask)
             images = ()
             if body.references is None:
-                images = tuple(await uploads.prepare(form.images, options, generation_request.repaints))
+                repaints = generation_request.repaints
+                images = tuple(await uploads.prepare(form.images, options, repaints, mask))
             return await _generation(service, _work(service, body, request, generation_request, images))
 
         return await _wait(service.worker, await _submitted(quotas, request, submit), request)

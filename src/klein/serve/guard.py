@@ -13,9 +13,12 @@ from klein.serve.errors import ApiError
 from klein.serve.quotas import Quotas
 from klein.serve.security import STATE_CHANGING, Access
 
-PUBLIC = ("/healthz", "/")
+# No data in these, so no key needed (a browser sends none to open them); the API calls /docs makes need it.
+PUBLIC = ("/healthz", "/", "/docs", "/openapi.json")
 PUBLIC_PREFIX = "/static/"  # the web page's and the docs' files: no data, so no key needed
 PREFLIGHT_SECONDS = 600
+NOT_FRAMED = [(b"x-frame-options", b"DENY"), (b"content-security-policy", b"frame-ancestors 'none'")]
+"""On every response: no other site may show the page (or /docs) in a frame, to trick clicks on it."""
 
 
 class Guard:
@@ -38,7 +41,7 @@ class Guard:
         async def counted(message):
             if message["type"] == "http.response.start":
                 status.append(str(message["status"]))
-                message["headers"] = [*message.get("headers", []), *cors]
+                message["headers"] = [*message.get("headers", []), *cors, *NOT_FRAMED]
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 metrics.count_request(status[0], time.perf_counter() - started)

@@ -25,7 +25,7 @@ def asset(name: str, assets: dict[str, str] = ASSETS, folder: str = "static") ->
     return Response(body, media_type=assets[name], headers=HEADERS)
 
 
-@router.get("/")
+@router.api_route("/", methods=["GET", "HEAD"])  # HEAD: as GET, the server sends no body
 def index() -> Response:
     return asset("index.html")
 

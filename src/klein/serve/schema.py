@@ -182,13 +182,15 @@ def validate(values: dict) -> ImageBody:
 
 
 def not_json(content_type: str | None) -> ApiError | None:
-    """A 415 saying what to send, for a body of a JSON route that was sent as something else (a form)."""
-    kind = (content_type or "application/json").split(";")[0].strip().lower()
+    """A 415 saying what to send, for a body of a JSON route that was sent as something else (a form) or
+    without a Content-Type (read as bytes, not JSON: the media type is what is wrong, not the fields)."""
+    kind = (content_type or "").split(";")[0].strip().lower()
     if kind == "application/json" or kind.endswith("+json"):
         return None
+    sent = f"not {kind:.60}" if kind else "and this one has no Content-Type"
     return ApiError(
         415,
-        f"this route takes a JSON body (Content-Type: application/json), not {kind:.60}; image files go to "
+        f"this route takes a JSON body (Content-Type: application/json), {sent}; image files go to "
         "/v1/images/edits or /v1/references as multipart/form-data",
         "unsupported_media_type",
     )

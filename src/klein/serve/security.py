@@ -147,7 +147,7 @@ def parse_key_line(line: str, where: str, label: str | None = None) -> ApiKey:
     limits = {}
     for word in words:
         name, _, value = word.partition("=")
-        if name not in LIMITS or not re.fullmatch(r"[1-9]\d{0,8}", value) or name in limits:
+        if name not in LIMITS or not re.fullmatch(r"[1-9][0-9]{0,8}", value) or name in limits:
             raise InputError(
                 f"{where}: {word!r} is not a key limit; after the key come rpm=N (requests a minute) "
                 "and jobs=N (jobs at once), each at most once"

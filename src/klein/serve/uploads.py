@@ -8,12 +8,14 @@ import dataclasses
 import PIL.Image
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from klein import images, masks
 from klein.errors import InputError, counted
 from klein.pipeline import cache_keys
+from klein.serve import body_cap
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage
@@ -22,6 +24,8 @@ IMAGE_FIELDS = ("image", "image[]")
 MASK_FIELD = "mask"
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")  # what a form is sent as
 MAX_FIELD_BYTES = 64 * 2**10  # one text field (a prompt is far shorter)
+LIMIT_CODES = {"files": "too_many_references", "fields": "too_many_fields", "maximum size": "field_too_large"}
+"""The error code of each limit the multipart parser names (by a word of its message)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +72,13 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
             else:
                 fields[key] = value
         await form.close()
-    except MultiPartException as error:
-        code = "too_many_references" if "files" in str(error).lower() else "invalid_multipart"
-        raise ApiError(400, f"malformed or over-limit multipart body: {error}", code, None) from None
+    except body_cap.TooLarge:
+        raise
+    except (MultiPartException, HTTPException) as error:
+        # In an app, Starlette raises the parser's MultiPartException as an HTTPException (400).
+        said = error.detail if isinstance(error, HTTPException) else error.message
+        code = next((code for word, code in LIMIT_CODES.items() if word in said.lower()), "invalid_multipart")
+        raise ApiError(400, f"malformed or over-limit multipart body: {said}", code, None) from None
     if len(files) > options.max_references:
         raise ApiError(
             400,
@@ -84,22 +92,26 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
     return Form(fields, files, masks_sent[0] if masks_sent else None)
 
 
-async def prepare(files: list[bytes], options: ServeOptions, source: bool = False) -> list[PreparedImage]:
+async def prepare(
+    files: list[bytes], options: ServeOptions, source: bool = False, mask: PIL.Image.Image | None = None
+) -> list[PreparedImage]:
     """Decode and prepare a form's images (`read_form` counted them) in a worker thread of the loop's pool;
-    `source`: the first is the image an edit repaints."""
+    `source`: the first is the image an edit repaints, with `mask` (refused unless of its size)."""
     if not files:
         raise ApiError(
             400, "no image: send one or more image files as 'image' (or 'image[]')", "missing_image", "image"
         )
-    return await run_in_threadpool(_prepare_all, files, options.max_pixels, source)
+    return await run_in_threadpool(_prepare_all, files, options.max_pixels, source, mask)
 
 
-def _prepare_all(files: list[bytes], max_pixels: int, source: bool) -> list[PreparedImage]:
+def _prepare_all(files: list[bytes], max_pixels: int, source: bool, mask=None) -> list[PreparedImage]:
     prepared = []
     for index, data in enumerate(files):
         name = f"image {index + 1}"
         try:
             picture = images.read_image(data, name, max_pixels, formats=images.UPLOAD_FORMATS)
+            if mask is not None and index == 0 and masks.other_size(mask, picture):
+                raise ApiError(400, masks.other_size(mask, picture), "invalid_image", MASK_FIELD)
             if source and index == 0:
                 prepared.append(PreparedImage.of(masks.prepare_source(picture).pixels, cache_keys.SOURCE))
             else:
