@@ -4,6 +4,7 @@ name `klein` exports from the module that defines it. `mkdocs build --strict` (i
 links between pages and that each documented name exists."""
 
 import re
+import tomllib
 
 import klein
 from tests.test_readme import README, ROOT, site_pages
@@ -44,3 +45,11 @@ def test_the_api_reference_documents_each_export_where_klein_finds_it():
     documented = set(re.findall(r"^::: (\S+)$", (DOCS / "api.md").read_text(), re.M))
     expected = {f"{klein._LAZY.get(name, 'klein')}.{name}" for name in klein.__all__}
     assert expected <= documented, sorted(expected - documented)
+
+
+def test_the_docs_extra_has_the_formatter_mkdocstrings_formats_signatures_with():
+    """mkdocstrings formats signatures with ruff (or black), and warns without one: the docs extra pins ruff
+    as the test extra does."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    ruff = [pin for pin in extras["test"] if pin.startswith("ruff==")]
+    assert ruff and ruff[0] in extras["docs"], extras["docs"]
