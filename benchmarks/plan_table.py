@@ -2,7 +2,7 @@
 the quantized files people run on 8-12 GB cards: GGUF transformers with a Q4_K Qwen3 GGUF text encoder,
 BFL's NVFP4) for one 1024x1024 image, its peak under each residency policy, and what `auto` picks on
 each card of `CARDS` (with the 8-bit products `--compute auto` makes there: FP8 on RTX 40xx / 50xx, INT8
-on RTX 30xx). Planned, not measured: `benchmarks/real_size.py --quantized` writes the full-size files for
+on RTX 30xx), each planned for the cards' GPU programs as `klein plan --device` plans them. Planned, not measured: `benchmarks/real_size.py --quantized` writes the full-size files for
 the measured runs.
 
     python benchmarks/plan_table.py
@@ -39,7 +39,7 @@ ROWS = [
 def planned(variant: str, refs: int, transformer, text_encoder, compute: str = products.BF16):
     models = plan.in_format(plan.published(variant, "bfloat16"), transformer, text_encoder)
     models = dataclasses.replace(models, compute=compute)
-    return planning.plan(variant, refs=refs, size=(1024, 1024), models=models)
+    return planning.plan(variant, refs=refs, size=(1024, 1024), models=models, platform="gpu")
 
 
 def auto_on(card: str, variant: str, refs: int, transformer, text_encoder) -> str:

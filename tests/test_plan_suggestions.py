@@ -23,7 +23,8 @@ def published(variant: str, compute: str) -> plan.Models:
 
 
 def asked(variant="klein-9b-kv", compute="fp8", **changes) -> dict:
-    """`planning.plan`'s arguments, as `klein plan` passes them for a named card."""
+    """`planning.plan`'s arguments for a device of 8-bit products, planned for an accelerator's programs
+    (as `klein plan` plans a TPU chip; a named NVIDIA card with `platform="gpu"`)."""
     args = dict(variant=variant, mesh="single", refs=0, size=(1024, 1024), ref_size=None, batch=1)
     args |= dict(dtype="bfloat16", models=published(variant, compute), platform="accelerator")
     return args | changes
@@ -47,11 +48,11 @@ def test_nothing_fits_on_an_8_gb_card_lists_what_would_with_the_planner_s_figure
     limit = 7 * GiB
     assert report["auto"] is None and report["device_memory"]["bytes"] == limit
     found = {s["change"]: s for s in report["suggestions"]}
-    base = asked(refs=2)
+    base = asked(refs=2, platform="gpu")  # a named NVIDIA card plans its GPU programs
     expected = {
-        "--refs 0": base | dict(refs=0),
-        "--ref-size 640x640": base | dict(ref_size=(640, 640)),
-        "--size 768x768 (references too)": base | dict(size=(768, 768)),
+        "--refs 1": base | dict(refs=1),
+        "--ref-size 896x896": base | dict(ref_size=(896, 896)),
+        "--size 896x896 (references too)": base | dict(size=(896, 896)),
         "the smaller model (--model klein-4b)": base
         | dict(variant="klein-4b", models=published("klein-4b", "fp8")),
     }
@@ -59,17 +60,17 @@ def test_nothing_fits_on_an_8_gb_card_lists_what_would_with_the_planner_s_figure
         policy, peak = auto(planning.plan(**arguments).policies, limit)
         assert (found[change]["policy"], found[change]["peak_bytes"]) == (policy, peak), change
         assert found[change]["fits"] and peak <= limit
-    q4 = next(s for change, s in found.items() if change.startswith("a Q4_K GGUF transformer"))
+    q8 = next(s for change, s in found.items() if change.startswith("a Q8_0 GGUF transformer"))
     policy, peak = auto(
-        planning.plan(**base | dict(models=plan.in_format(base["models"], "Q4_K", "Q4_K"))).policies, limit
+        planning.plan(**base | dict(models=plan.in_format(base["models"], "Q8_0", "Q4_K"))).policies, limit
     )
-    assert (q4["policy"], q4["peak_bytes"], q4["fits"]) == ("stream", peak, False) and peak > limit
-    assert q4["then"]["change"] == "--refs 1" and q4["then"]["fits"]
-    assert {"Q8_0", "NVFP4"} <= {word for change in found for word in ("Q8_0", "NVFP4") if word in change}
+    assert (q8["policy"], q8["peak_bytes"], q8["fits"]) == ("stream", peak, False) and peak > limit
+    assert q8["then"]["change"] == "--refs 1" and q8["then"]["fits"]
+    assert {"Q4_K", "NVFP4"} <= {word for change in found for word in ("Q4_K", "NVFP4") if word in change}
     assert all(s["fits"] == (s["peak_bytes"] <= limit) for s in found.values())
     text = run_klein(klein_home, *args, cwd=tmp_path)
     assert "nothing fits\nwhat would fit in 7.00 GiB" in text.stdout
-    assert f"  --refs 0: stream {found['--refs 0']['peak_bytes'] / GiB:.2f} GiB, fits" in text.stdout
+    assert f"  --refs 1: stream {found['--refs 1']['peak_bytes'] / GiB:.2f} GiB, fits" in text.stdout
 
 
 def test_each_smaller_request_is_the_largest_that_fits():

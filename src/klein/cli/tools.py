@@ -141,9 +141,7 @@ def plan_command(flags: argparse.Namespace) -> int:
     mesh = flags.mesh or "single"
     files = _plan_files(flags)
     compute, shown, whose = _compute(flags)
-    # Planned for this machine's own device when no other is named (on a CPU: one memory, maybe widening).
-    local_cpu = flags.device is None and flags.device_memory is None and _local_device().platform == "cpu"
-    asked = _asked(flags, files, compute, mesh, "cpu" if local_cpu else "accelerator")
+    asked = _asked(flags, files, compute, mesh, _platform(flags))
     models, dtype = asked["models"], asked["dtype"]
     memory, report, text = _plan_report(asked, _device_memory(flags), shown, whose)
     report["programs"] = warmup.programs(flags.refs, memory.workload.cached)
@@ -318,6 +316,18 @@ def _compute(flags) -> tuple[str, str, str]:
         return devices.GIVEN_COMPUTE, "fp8 or int8", given
     compute = compute_of("auto", _local_device())
     return compute, compute, f"--compute auto on this machine's {_local_device().platform}"
+
+
+def _platform(flags) -> str:
+    """The platform whose programs the plan estimates (`klein.memory.plan.request_memory`): a named NVIDIA
+    card's ("gpu": as `--target`, the README's GPU table and a load on that card plan them) or TPU chip's; a
+    device given by its memory as a card of that memory; else this machine's own device's (on a CPU: one
+    memory, maybe widening)."""
+    if flags.device is not None:
+        return "gpu" if devices.DEVICES[flags.device].capability else "tpu"
+    if flags.device_memory is not None:
+        return "gpu"
+    return _local_device().platform
 
 
 def _local_device():

@@ -12,6 +12,7 @@ from klein.errors import InputError, counted
 from klein.memory import plan as planner
 from klein.memory import residency
 from klein.memory.admission import gib, smaller_sides
+from klein.models import products
 from klein.models.variants import SIZES, name_of
 from klein.request.request import GenerationRequest
 from klein.request.resolve import MIN_SIDE, resolve
@@ -46,8 +47,18 @@ def plan(
     )
     run = resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
     references = f"{counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px"
-    asked = f"{batch} x {size[0]}x{size[1]} px, {references}, {dtype}"
+    asked = f"{batch} x {size[0]}x{size[1]} px, {references}, {precision(dtype, models)}"
     return planner.plan(variant, models, run.workload, asked, mesh, dtype, platform)
+
+
+def precision(dtype: str, models: planner.Models) -> str:
+    """What a plan's weights are stored and multiplied in, in words: `dtype`, but for the transformer blocks'
+    where an 8-bit or block-scaled compute keeps them narrower, or where the file ships FP8 Linears."""
+    if models.compute != products.BF16:
+        return f"{dtype}, the transformer blocks' weights and products in {models.compute}"
+    if models.fp8:
+        return f"{dtype}, the transformer file's FP8 Linears kept in 8 bits"
+    return dtype
 
 
 @dataclasses.dataclass(frozen=True)
