@@ -232,7 +232,7 @@ def test_results_record_what_made_each_output_and_resume_refuses_other_model_fla
     made_by = entries[0]["made_by"]
     assert (made_by["model"], made_by["lora"], made_by["dtype"]) == ("demo", [], None)
     settings = entries[1]["settings"]
-    assert (settings["prompt"], settings["seed"], settings["model"]) == ("edit 1", "1", pipe.name)
+    assert (settings["prompt"], settings["seed"], settings["model"]) == ("edit 1", 1, pipe.name)  # typed
 
     # Another dtype (or model, or LoRA set) on resume: exit 2 before any model loads, naming it.
     refused = run_batch(klein_home, requests, "--out", out, "--resume", "--dtype", "bfloat16")

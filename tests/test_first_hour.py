@@ -130,3 +130,65 @@ def test_argument_errors_come_before_any_loading_bar(bad, klein_home, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 2 and done.stderr.startswith("error: "), done.stderr
     assert "loading" not in done.stderr
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """The Hugging Face hub unreachable and its cache empty: a repo id is refused at once, saying why."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+@pytest.mark.parametrize("model", ["klein-4b", "black-forest-labs/flux.2-klein-4b"])
+def test_generate_takes_the_names_plan_takes_and_a_repo_id_in_any_case(offline, model, capsys):
+    """`klein plan --model klein-4b` plans; `klein generate --model klein-4b` looks for the same published
+    repo, as does its id in the wrong case (the hub's cache would miss it), by the repo's own spelling."""
+    assert cli.main(["generate", "--model", model, "--prompt", "a fox"]) == 2
+    error = capsys.readouterr().err
+    assert "black-forest-labs/FLUX.2-klein-4B: not in the local Hugging Face cache" in error
+    assert "unknown model" not in error
+
+
+def test_a_misspelt_repo_id_gets_the_published_one_and_python_is_told_in_its_words(offline):
+    from klein.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as refused:
+        load_pipeline("black-forest-labs/FLUX.2-klein-4")
+    message = str(refused.value)
+    assert "did you mean 'black-forest-labs/FLUX.2-klein-4B'?" in message
+    # Python has no --model (nor a part's flag): the words fit every front end and part.
+    assert "give a local folder in its place" in message and "--model" not in message
+    with pytest.raises(CheckpointError, match="unknown model 'klein-4B'; did you mean 'klein-4b'"):
+        load_pipeline("klein-4B")
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_plan_on_a_named_card_is_the_readmes_gpu_table(compute, capsys):
+    """`klein plan --device h100-80gb` plans the card's GPU programs, as the README's table
+    (benchmarks/gpu_plan_table.py, `--target`) does, and its first line says what the weights are in."""
+    from benchmarks import gpu_plan_table
+
+    args = ["plan", "--model", "klein-9b-kv", "--refs", "2", "--device", "h100-80gb", "--compute", compute]
+    assert cli.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    table = gpu_plan_table.planned("klein-9b-kv", 2, compute)
+    assert report["policies"][0] == {"name": "all", "peak_bytes": table.total, "fits": True}
+    assert cli.main(args) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    in_8_bits = "bfloat16, the transformer blocks' weights and products in fp8"
+    assert head.endswith(in_8_bits if compute == "fp8" else "of 1024x1024 px, bfloat16"), head
+
+
+def test_batch_records_settings_as_typed_json(pipe):
+    """results.jsonl's settings are JSON values (numbers, booleans, null, lists), as the PNG's text chunks
+    read back: not the text ("384", "True") the chunks hold."""
+    from klein.batch import outputs
+
+    out = pipe(prompt="a fox", height=32, width=48, num_inference_steps=1, seed=7)
+    record = json.loads(json.dumps(outputs.record(out.settings, "test")))
+    assert (record["height"], record["width"], record["steps"], record["seed"]) == (32, 48, 1, 7)
+    assert record["guidance"] is None and record["kv"] in (True, False) and record["bucket"] is True
+    assert record["image"] == [] and record["lora_apply"] == [] and record["prompt"] == "a fox"
+    assert record["model"] == pipe.name

@@ -2,7 +2,7 @@
 lines finish and rewritten atomically, in line order, at the end of a run (docs/design/serving.md, "Batch").
 
     {"line": 7, "status": "done", "outputs": ["line-00007-ab12cd34.png"], "seed": 123,
-     "settings": {"prompt": "...", "steps": "4", "model": "...", "loras": "...", ...},
+     "settings": {"prompt": "...", "steps": 4, "kv": true, "model": "...", "loras": [...], ...},
      "made_by": {"model": "/models/klein-9b-kv", "lora": [["/loras/ink.safetensors", 0.8]], ...}}
     {"line": 9, "status": "error", "error": "image 'cat.png' not found (...)"}
 """

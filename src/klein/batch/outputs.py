@@ -12,6 +12,9 @@ import PIL.Image
 from klein.batch.lines import Line
 from klein.errors import InputError
 from klein.io import png
+from klein.request import kinds
+from klein.request.kinds import settings_of, short_name
+from klein.request.request import GenerationRequest
 
 MADE_BY = "made_by"
 """The PNG text chunk holding the model flags of the run that wrote it (JSON)."""
@@ -40,6 +43,34 @@ def write(out: Path, line: Line, images, settings, version: str, made_by: dict) 
         text = settings.metadata(index, version) | {MADE_BY: json.dumps(made_by)}
         png.write_png(image, path, png.png_metadata(text), overwrite=True)
     return paths
+
+
+def record(settings, version: str) -> dict:
+    """What results.jsonl records of the settings a line ran with (`ran`): its first PNG's text chunks (less
+    its index and Software), each value typed as JSON types it: numbers, booleans, null and lists, not the
+    text a PNG holds ("height": 384, "kv": true)."""
+    text = settings.metadata(0, version)
+    return {key: _typed(key, value) for key, value in text.items() if key not in ("index", "Software")}
+
+
+# Each text chunk's kind (`klein.request.kinds`), by the short name it is written under.
+_KINDS = {short_name(field, spec): spec.kind for field, spec in settings_of(GenerationRequest) if spec.kind}
+_WRITTEN_AS_JSON = (kinds.PATHS, kinds.LORAS)
+_READ_BACK = (kinds.INT, kinds.FLOAT, kinds.FLOATS, kinds.BOOL, kinds.OPTIONAL_BOOL)
+
+
+def _typed(key: str, text: str):
+    kind = _KINDS.get(key)
+    if kind in _WRITTEN_AS_JSON or key in ("loras", "lora_adapters"):
+        return json.loads(text)
+    if kind in _READ_BACK:
+        value = kind.read(key, text)
+        return list(value) if isinstance(value, tuple) else value
+    if kind is kinds.PATH or kind is kinds.STEP_CACHE:
+        return None if text in ("none", "off") else text
+    if key == "reference_sizes":
+        return text.split(",") if text else []
+    return text
 
 
 def metadata(path: Path) -> dict[str, str]:

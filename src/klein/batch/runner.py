@@ -51,7 +51,5 @@ class Runner:
             return manifest.failed(line.number, worded(error, BATCH))
         settings = outputs.ran(line, result)
         paths = outputs.write(self.out, line, result.images, settings, self.version, self.made_by)
-        recorded = {
-            k: v for k, v in settings.metadata(0, self.version).items() if k not in ("index", "Software")
-        }
+        recorded = outputs.record(settings, self.version)
         return manifest.done(line.number, paths, result.seed, result.settings.notes, recorded)
