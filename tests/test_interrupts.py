@@ -153,8 +153,9 @@ def test_ctrl_c_stops_serve_cleanly(klein_home):
 
 
 def test_ctrl_c_stops_serve_while_it_compiles_ahead(klein_home):
-    """Warming (compiling ahead in its worker thread) for longer than the grace: stopped at once past it."""
+    """Warming (compiling ahead in its worker thread, for longer than the grace): no job runs, so nothing
+    is waited for: a clean stop at once, not the grace waited out."""
     process, _ = serve_process.start(klein_home, "--warm-size", "2048x2048", warm=True)
     code, took = Running.interrupt_process(process)
-    assert code == interrupts.EXIT_INTERRUPTED, serve_process.log_of(process)
-    assert took < cli_serve.GRACE + STOPPED_WITHIN - interrupts.GRACE
+    assert code == 0, serve_process.log_of(process)
+    assert took < STOPPED_WITHIN < cli_serve.GRACE

@@ -22,7 +22,7 @@ from klein.serve.options import ServeOptions, show_size
 from klein.version import version
 
 GRACE = 10.0
-"""Seconds a Ctrl+C leaves the running job (or the compiling ahead) to finish before klein stops at once."""
+"""Seconds a Ctrl+C leaves the running job to finish before klein stops at once (compiling ahead: none)."""
 
 DESCRIPTION = """\
 Serve an OpenAI-compatible images API (POST /v1/images/generations, /v1/images/edits), reference
@@ -48,8 +48,8 @@ examples:
 EXAMPLES += f"""
 
 SIGTERM stops gracefully: nothing new is accepted, the running job finishes, exit 0. Ctrl+C too, but gives
-the running job (or the compiling ahead) {GRACE:g} s: past them, or at a second Ctrl+C, klein stops at once,
-exit 130 (the running job's client gets no answer)."""
+the running job {GRACE:g} s: past them, or at a second Ctrl+C, klein stops at once, exit 130 (the running
+job's client gets no answer). Compiling ahead, no job runs: either stops at once, exit 0."""
 
 
 def serve_parser() -> argparse.ArgumentParser:

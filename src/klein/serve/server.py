@@ -3,7 +3,9 @@ the running one finishes, and `klein serve` exits 0."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
 import PIL.Image
 import uvicorn
@@ -48,11 +50,19 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
     # uvicorn raises a caught SIGTERM again once it has shut down; by then the stop was graceful, so the
     # handler it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    stopped = False  # asked to: by SIGTERM or Ctrl+C
     try:
         server.run()
+        stopped = True
     except SystemExit:
         raise InputError(f"cannot serve on {host}:{port} (is the port in use? see the log above)") from None
     finally:
         service.worker.stop()
+        if stopped and service.warming:
+            # Compiling ahead runs no one's job: nothing to wait for. Stopped at once, a clean stop; not by
+            # returning, since the interpreter's exit under a compile in flight aborts in XLA's threads.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         service.worker.join()
     return 0
