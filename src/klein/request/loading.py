@@ -22,7 +22,9 @@ class LoadOptions:
     """Everything about loading a pipeline; None means the default."""
 
     model: str | None = setting(
-        'checkpoint folder or Hugging Face repo id (default: "demo", the offline demo checkpoint)', kinds.TEXT
+        "checkpoint folder, Hugging Face repo id or published variant (klein-4b, ...: its repo) "
+        '(default: "demo", the offline demo checkpoint)',
+        kinds.TEXT,
     )
     transformer: str | None = setting(
         "transformer: a BFL single file (.safetensors, FP8 too), a GGUF file, a folder or repo id",
