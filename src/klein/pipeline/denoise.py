@@ -116,12 +116,11 @@ def cached_step_function(mode: Mode, passes: int, structure):
 def cache_states_function(mode: Mode, passes: int, structure):
     """`fn(model, x, txt, sigma, sigma_next, ropes, cond, scale, knobs)`: the states before the first step
     of `cached_step_function(mode, passes, structure)` (zeros; only their shapes are ever traced)."""
-    step = cached_step_function(mode, passes, structure)
+    return functools.partial(_cache_states, cached_step_function(mode, passes, structure))
 
-    def states(model, x, txt, sigma, sigma_next, ropes, cond, scale, knobs):
-        return step(model, x, txt, sigma, sigma_next, ropes, cond, scale, (step_cache.PROBE, knobs))[1][0]
 
-    return states
+def _cache_states(step, model, x, txt, sigma, sigma_next, ropes, cond, scale, knobs):
+    return step(model, x, txt, sigma, sigma_next, ropes, cond, scale, (step_cache.PROBE, knobs))[1][0]
 
 
 def step_inputs(

@@ -61,12 +61,7 @@ class Compiled:
         self._weights = weights
         self._mesh = mesh
 
-        def program(graphdef, state, bank, *args):
-            return adapters.run(fn, nnx.merge(graphdef, state), bank, *args)
-
-        # Named after what it runs, so that a count of built programs (`Compilations`) names the stage.
-        program.__name__ = program.__qualname__ = name or _name(fn)
-        self._jit = jax.jit(program, static_argnums=0)
+        self._jit = _jitted(fn, name or _name(fn))
 
     @property
     def state(self) -> nnx.State:
@@ -113,6 +108,49 @@ def _zeros(shapes):
     ]
 
 
+def _jitted(fn, name: str):
+    """`fn` jitted over (graphdef, state, bank, *args), the graphdef static: one jitted function per model
+    function in the process, so that every pipeline of the same model (an equal graphdef) on the same mesh
+    (jax keys its cache on `jax.set_mesh`) shares its programs instead of building them again."""
+    key = _identity(fn)
+    if key is None:
+        return _jit(fn, name)
+    if (key, name) not in _JITTED:
+        _JITTED[(key, name)] = _jit(fn, name)
+    return _JITTED[(key, name)]
+
+
+_JITTED: dict = {}
+
+
+def _jit(fn, name: str):
+    def program(graphdef, state, bank, *args):
+        return adapters.run(fn, nnx.merge(graphdef, state), bank, *args)
+
+    # Named after what it runs, so that a count of built programs (`Compilations`) names the stage.
+    program.__name__ = program.__qualname__ = name
+    return jax.jit(program, static_argnums=0)
+
+
+def _identity(fn):
+    """A hashable value equal for equal model functions: the function itself, or a partial's function and
+    arguments; None where that cannot be told (a closure, an unhashable argument)."""
+    if isinstance(fn, functools.partial):
+        parts = (_identity(fn.func), *(_argument(arg) for arg in fn.args))
+        return None if fn.keywords or None in parts else parts
+    return fn if getattr(fn, "__closure__", None) is None else None
+
+
+def _argument(value):
+    if callable(value) and not isinstance(value, type):
+        return _identity(value)
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return value
+
+
 def _name(fn) -> str:
     """The name of a model function, of a partial's function, or "program"."""
     return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "program")
@@ -121,4 +159,8 @@ def _name(fn) -> str:
 def _replicated(fn):
     """`fn(vae, latents)` with its output on every device: pixels are wanted whole on the host (of every
     process)."""
-    return lambda vae, latents: sharding.constrain(fn(vae, latents), ())
+    return functools.partial(_replicate, fn)
+
+
+def _replicate(fn, vae, latents):
+    return sharding.constrain(fn(vae, latents), ())
