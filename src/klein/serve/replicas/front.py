@@ -74,14 +74,15 @@ class Jobs:
             self.jobs.add(job)
 
     def abandon(self, job: Job) -> None:
-        """Cancel a job whose client went away: Serve cancels the call, the replica drops it if queued."""
+        """Cancel a job whose client went away: Serve cancels the call, the replica drops it if queued, else
+        stops it at its next step."""
         call = self._calls.pop(job.id, None)
         if call is not None:
             call.cancel()
 
     def cancel(self, job: Job) -> None:
-        """DELETE /v1/jobs/{id}: the call cancelled (the replica drops the job if queued, else it runs to
-        its end unseen), the job cancelled here at once."""
+        """DELETE /v1/jobs/{id}: the call cancelled (the replica drops the job if queued, else stops it at
+        its next step), the job cancelled here at once."""
         self.abandon(job)
         if not job.finished:
             job.finish(error=cancelled(job.id))
