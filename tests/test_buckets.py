@@ -238,6 +238,10 @@ def test_after_warm_up_new_photo_sizes_two_images_a_repaint_and_a_lora_build_no_
             time.sleep(0.5)
         warmed = _built(url)
         assert warmed["step"] > 0 and warmed["prefill"] > 0
+        # The probes of /healthz while it warmed are counted as such, not as errors.
+        counted = serve_process.metrics(url)
+        assert counted['klein_requests_total{status="warming"}'] >= 1
+        assert not [name for name in counted if 'status="503"' in name], counted
         photos = [picture(80, 112, 1), picture(112, 80, 2), picture(96, 112, 3)]
         mask = PIL.Image.new("L", (96, 112), 0)
         mask.paste(255, (0, 0, 48, 112))

@@ -3,6 +3,7 @@ budget and expiry, a finished job's inputs dropped, cancel and the time limit (t
 the event-stream cap, and admission against the budget read when the service starts."""
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -178,5 +179,35 @@ def test_admission_uses_the_budget_read_at_start_not_a_reading_beside_a_running_
         monkeypatch.setattr(demo.budget, "_owned", None)  # without a budget read at start: the live reading
         with pytest.raises(ApiError, match="free now"):
             service.check(work)
+    finally:
+        service.worker.stop()
+
+
+def test_a_job_of_a_batch_whose_client_leaves_stops_at_its_next_step_and_its_batch_mate_runs_on(demo):
+    """Two queued generations run as one batch; the client of one leaves a few steps in: that job ends
+    (dropped) while the batch runs on, and the other's result comes from the batch, not from a run alone."""
+    service = Service(demo, ServeOptions(max_batch=2), "test")
+    try:
+        gate = threading.Event()
+        blocker = service.worker.submit(lambda job: gate.wait(60) and {"data": []})
+        asked = GenerationRequest(prompt="a fox", height=64, width=64, num_inference_steps=40, seed=1)
+        works = [Generation(asked), Generation(dataclasses.replace(asked, prompt="a hen", seed=2))]
+        leaving, staying = [asyncio.run(service.submit_generation(work)) for work in works]
+        gate.set()
+        assert blocker.future.result(60) == {"data": []}
+        deadline = time.monotonic() + 120
+        while (leaving.progress or {}).get("step", 0) < 2:  # the batch has run a few steps
+            assert time.monotonic() < deadline and not leaving.finished, "the batch did not start"
+            time.sleep(0.005)
+        service.worker.abandon(leaving)  # what the route does when the client has gone
+        with pytest.raises(ApiError) as raised:
+            leaving.future.result(60)
+        left_at = leaving.progress["step"]
+        assert raised.value.code == "client_closed" and not staying.finished
+        assert len(staying.future.result(120)["data"]) == 1
+        assert left_at < staying.progress["step"] == 40
+        metrics = service.metrics.registry.get_sample_value
+        assert metrics("klein_batches_total") == 1  # the other job was not run again alone
+        assert metrics("klein_jobs_total", {"status": "dropped"}) == 1
     finally:
         service.worker.stop()

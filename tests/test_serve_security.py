@@ -242,8 +242,17 @@ def test_no_cors_headers_unless_configured(serve_url):
 def test_key_lines_read_limits_and_refuse_what_is_not_one():
     assert parse_key_line("k1 rpm=60 jobs=2", "x") == ApiKey("k1", "x", rpm=60, jobs=2)
     assert parse_key_line("  k2  ", "x") == ApiKey("k2", "x")
-    for line in ("k rps=5", "k rpm=0", "k rpm=5 rpm=6", "k jobs=two", "   "):
-        with pytest.raises(InputError, match="rpm=N|empty"):
+    assert parse_key_line("k3 operator rpm=5", "x") == ApiKey("k3", "x", rpm=5, operator=True)
+    for line in (
+        "k rps=5",
+        "k rpm=0",
+        "k rpm=5 rpm=6",
+        "k jobs=two",
+        "k operator operator",
+        "k admin",
+        "   ",
+    ):
+        with pytest.raises(InputError, match="rpm=N|empty|operator"):
             parse_key_line(line, "keys.txt line 3")
 
 

@@ -1,12 +1,17 @@
-"""A server several API keys share (issue 44), against real servers on 127.0.0.1 with two keys: each key's
-jobs and reference sets are its own (another key's id is answered as an unknown one, even an id computed
-from the images' bytes), each key has its share of the reference cache and of the event streams, /metrics
-shows each key's use by its label only; a set a key may use still works when its latents were evicted,
-under a LoRA it was not prefilled under; and a repaint's source is never a reference id. The replicas'
-front keeps the same rules (its job table and reference store, in process)."""
+"""A server several API keys share (issue 44), against real servers on 127.0.0.1 with two keys (and, on one,
+an operator's key): each key's jobs, reference sets and cached prompts are its own (another key's id is
+answered as an unknown one, even an id computed from the images' bytes; another key's prompt is a miss),
+each key has its share of the reference cache and of the event streams, /metrics and /v1/config show a key
+its own figures by its label and the server's sums (the operator every key's), which LoRAs are resident is
+each key's; a synchronous request whose client leaves stops at its next step; a set a key may use still
+works when its latents were evicted, under a LoRA it was not prefilled under; and a repaint's source is
+never a reference id. The replicas' front keeps the same rules (its job table and reference store, in
+process)."""
 
 import io
+import json
 import re
+import socket
 import time
 
 import httpx
@@ -24,8 +29,11 @@ from tests.support import lora_files as lf
 from tests.support.serve_process import metrics, png, start, stop
 
 KEYS = "alpha-key-5d1e\nbeta-key-77c2\n"
+OPERATOR_KEYS = KEYS + "ops-key-90aa operator\n"
 ALPHA, BETA = {"Authorization": "Bearer alpha-key-5d1e"}, {"Authorization": "Bearer beta-key-77c2"}
-ALPHA_LABEL = "--api-key-file line 1"
+OPERATOR = {"Authorization": "Bearer ops-key-90aa"}
+ALPHA_AUTH = "Authorization: Bearer alpha-key-5d1e"
+ALPHA_LABEL, BETA_LABEL = "--api-key-file line 1", "--api-key-file line 2"
 SHORT = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "seed": 1}
 SLOW = {"prompt": "a slow fox", "size": "512x512", "num_inference_steps": 50, "seed": 2}
 CACHE_BYTES = 60000
@@ -33,16 +41,16 @@ CACHE_BYTES = 60000
 keys and values) 24 KiB, so one set of one image, and its latents, fit in a share with room to spare."""
 
 
-def key_file(tmp_path_factory):
+def key_file(tmp_path_factory, keys: str = KEYS):
     path = tmp_path_factory.mktemp("keys") / "keys.txt"
-    path.write_text(KEYS)
+    path.write_text(keys)
     return path
 
 
 @pytest.fixture(scope="module")
 def keyed(klein_home, tmp_path_factory):
-    """The URL of a server with two keys and 2 event streams (one each)."""
-    flags = ("--api-key-file", str(key_file(tmp_path_factory)), "--max-event-streams", "2")
+    """The URL of a server with two keys and the operator's, and 2 event streams (one for each key)."""
+    flags = ("--api-key-file", str(key_file(tmp_path_factory, OPERATOR_KEYS)), "--max-event-streams", "2")
     process, url = start(klein_home, *flags)
     yield url
     stop(process)
@@ -75,6 +83,10 @@ def generate(url: str, headers: dict, **fields) -> httpx.Response:
 
 def error(answer: httpx.Response) -> dict:
     return answer.json()["error"]
+
+
+def config(url: str, headers: dict) -> dict:
+    return httpx.get(url + "/v1/config", headers=headers, timeout=30).json()
 
 
 def test_another_keys_job_is_an_unknown_id_to_read_stream_or_delete(keyed):
@@ -115,7 +127,7 @@ def test_another_keys_reference_set_cannot_be_seen_used_or_deleted_even_by_its_c
     assert httpx.get(f"{keyed}/v1/references/{mine['id']}", headers=ALPHA, timeout=30).json()["cached"]
 
 
-def test_one_key_holds_its_share_of_the_event_streams_and_metrics_show_each_keys_use(keyed):
+def test_one_key_holds_its_share_of_the_event_streams_and_metrics_show_the_operator_each_keys_use(keyed):
     slow = httpx.post(keyed + "/v1/jobs", json=SLOW, headers=ALPHA, timeout=60).json()["id"]
     queued = httpx.post(keyed + "/v1/jobs", json=SHORT, headers=BETA, timeout=60).json()["id"]
     try:
@@ -126,17 +138,83 @@ def test_one_key_holds_its_share_of_the_event_streams_and_metrics_show_each_keys
             assert "this API key" in error(second)["message"]
             with httpx.stream("GET", f"{keyed}/v1/jobs/{queued}/events", headers=BETA, timeout=60) as other:
                 assert other.status_code == 200
-                shown = metrics(keyed, ALPHA)
+                shown = metrics(keyed, OPERATOR)
                 assert shown[f'klein_key_event_streams{{key="{ALPHA_LABEL}"}}'] == 1
-                assert shown['klein_key_event_streams{key="--api-key-file line 2"}'] == 1
+                assert shown[f'klein_key_event_streams{{key="{BETA_LABEL}"}}'] == 1
     finally:
         for job, headers in ((slow, ALPHA), (queued, BETA)):
             httpx.delete(f"{keyed}/v1/jobs/{job}", headers=headers, timeout=30)
     upload(keyed, ALPHA, 4402)
-    text = httpx.get(keyed + "/metrics", headers=BETA, timeout=30).text
+    text = httpx.get(keyed + "/metrics", headers=OPERATOR, timeout=30).text
     held = re.search(rf'klein_key_reference_cache_bytes{{key="{ALPHA_LABEL}"}} (\S+)', text)
     assert held and float(held.group(1)) > 0, text
     assert "alpha-key-5d1e" not in text and "keys.txt" not in text
+
+
+def test_a_key_sees_its_own_figures_and_the_sums_in_metrics_and_config(keyed):
+    upload(keyed, ALPHA, 4412)
+    upload(keyed, BETA, 4413)
+    for headers, own, other in ((ALPHA, ALPHA_LABEL, BETA_LABEL), (BETA, BETA_LABEL, ALPHA_LABEL)):
+        shown = metrics(keyed, headers)
+        assert shown[f'klein_key_reference_cache_bytes{{key="{own}"}}'] > 0
+        assert not [name for name in shown if other in name], shown
+        assert shown["klein_reference_cache_bytes"] > 0  # the server's sum
+    done = {name: config(keyed, headers)["jobs_done"] for name, headers in (("alpha", ALPHA), ("beta", BETA))}
+    everyone = config(keyed, OPERATOR)["jobs_done"]
+    assert generate(keyed, ALPHA, prompt="a counted fox").status_code == 200
+    assert config(keyed, ALPHA)["jobs_done"] == done["alpha"] + 1
+    assert config(keyed, BETA)["jobs_done"] == done["beta"]  # another key's job is not counted for it
+    assert config(keyed, OPERATOR)["jobs_done"] == everyone + 1
+
+
+def test_a_key_finds_only_its_own_prompts_in_the_prompt_cache(keyed):
+    """Another key's prompt is a miss, as a prompt nobody sent is (by the cache's counts, which decide the
+    time the text stage takes); a key's own prompt sent again is a hit."""
+    assert generate(keyed, BETA, prompt="beta warms its own negative prompt").status_code == 200
+
+    def lookups(headers: dict, prompt: str) -> tuple[float, float]:
+        before = metrics(keyed, OPERATOR)
+        assert generate(keyed, headers, prompt=prompt).status_code == 200
+        after = metrics(keyed, OPERATOR)
+        return tuple(
+            after[f"klein_prompt_cache_{k}_total"] - before[f"klein_prompt_cache_{k}_total"]
+            for k in ("hits", "misses")
+        )
+
+    alphas = "a lighthouse only alpha sent"
+    assert generate(keyed, ALPHA, prompt=alphas).status_code == 200
+    fresh = lookups(BETA, "a lighthouse nobody sent")
+    assert lookups(BETA, alphas) == fresh
+    assert fresh[1] >= 1  # the prompt itself missed
+    again = lookups(ALPHA, alphas)
+    assert again[0] > fresh[0] and again[1] < fresh[1]  # the key's own prompt: a hit
+
+
+def test_a_synchronous_request_whose_client_leaves_stops_at_its_next_step(keyed):
+    """Alpha's long request, its client gone once it runs, stops at its next step: beta's request, queued
+    behind it, is answered after a few of alpha's 50 steps, not after all of them."""
+    before = metrics(keyed, OPERATOR)
+    started = before.get('klein_stage_seconds_count{stage="queue_wait"}', 0)
+    body = json.dumps({**SLOW, "prompt": "a fox whose client leaves"}).encode()
+    host, port = keyed.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        head = (
+            f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}:{port}\r\n{ALPHA_AUTH}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        client.sendall(head.encode() + body)
+        deadline = time.monotonic() + 120
+        while metrics(keyed, OPERATOR).get('klein_stage_seconds_count{stage="queue_wait"}', 0) == started:
+            assert time.monotonic() < deadline, "the request did not start"
+            time.sleep(0.05)
+    # The client has left while its job runs.
+    assert generate(keyed, BETA, prompt="a fox that waited").status_code == 200
+    after = metrics(keyed, OPERATOR)
+    jobs = {status: f'klein_jobs_total{{status="{status}"}}' for status in ("done", "dropped")}
+    ran = {status: after.get(name, 0) - before.get(name, 0) for status, name in jobs.items()}
+    assert (ran["done"], ran["dropped"]) == (1, 1)  # beta's done, alpha's dropped
+    steps = after["klein_steps_total"] - before["klein_steps_total"]
+    assert steps < SLOW["num_inference_steps"] + SHORT["num_inference_steps"], steps
 
 
 def test_a_repaint_names_its_source_by_file_not_by_reference_id(keyed):
@@ -175,6 +253,21 @@ def test_one_keys_uploads_do_not_evict_another_keys_sets(small_cache):
     kept = httpx.get(f"{small_cache}/v1/references/{theirs}", headers=BETA, timeout=30)
     assert kept.status_code == 200 and kept.json()["cached"], kept.text
     assert generate(small_cache, BETA, references=theirs).json()["klein"]["references"]["cache"] == "hit"
+
+
+def test_which_loras_are_resident_is_each_keys_own(small_cache):
+    """A LoRA another key brought to a slot is not resident for a key (its first use writes the slot again,
+    as a cold one does), so neither /v1/loras nor a faster request tells it what another key uses."""
+
+    def resident(headers: dict) -> bool:
+        listed = httpx.get(small_cache + "/v1/loras", headers=headers, timeout=30).json()["data"]
+        return {entry["name"]: entry["resident"] for entry in listed}["ink"]
+
+    ink = [{"name": "ink", "scale": 0.5}]
+    assert generate(small_cache, ALPHA, prompt="an inked fox", loras=ink).status_code == 200
+    assert resident(ALPHA) and not resident(BETA)
+    assert generate(small_cache, BETA, prompt="an inked fox", loras=ink).status_code == 200
+    assert resident(BETA) and resident(ALPHA)
 
 
 def test_the_fronts_job_table_and_reference_store_are_each_keys_own(monkeypatch):

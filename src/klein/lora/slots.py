@@ -95,6 +95,10 @@ class AdapterSlots:
         """The names whose factors are in a slot now."""
         return tuple(self._resident)
 
+    def release(self, name: str) -> None:
+        """Give up `name`'s slot: the next batch that uses it writes it into a slot again, as a first use."""
+        self._resident.pop(name, None)
+
     def info(self, name: str) -> LoraInfo:
         return self._loaded[name].info
 

@@ -134,14 +134,14 @@ class ByteBudgetCache:
                 self._held[entry.owner] -= entry.size
             return entry is not None
 
-    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
-        """The value under `key`, or `compute()`'s, kept for next time if it fits."""
+    def get(self, key: Hashable, compute: Callable[[], Any], owner: Hashable = None) -> Any:
+        """The value under `key`, or `compute()`'s, kept for next time as `owner`'s if it fits."""
         entry = self.lookup(key)
         if entry is None:
             started = time.perf_counter()
             value = compute()
             jax.block_until_ready(arrays(value))
-            entry = self.put(key, value, time.perf_counter() - started)
+            entry = self.put(key, value, time.perf_counter() - started, owner)
         return entry.value
 
 

@@ -43,8 +43,8 @@ def of_set(key, digests: tuple[str, ...], owner: str | None = None) -> bool:
     return isinstance(key, tuple) and key[:3] == ("set", owner, digests)
 
 
-def prompt_key(weights_id: str, prompt: str) -> tuple:
-    return ("prompt", weights_id, prompt)
+def prompt_key(weights_id: str, prompt: str, owner: str | None = None) -> tuple:
+    return ("prompt", owner, weights_id, prompt)
 
 
 def adapted_weights_id(weights_id: str, adapters: tuple[tuple[str, float], ...]) -> str:

@@ -82,6 +82,9 @@ class Flux2KleinPipeline(DiffusersSurface):
         `encode_prompt` reuses each prompt's embeddings under `cache_keys.prompt_key`. Under a policy that
         moves the text encoder off the device, a byte-bounded one by default: a new prompt alone brings it
         back."""
+        self.prompt_owner: str | None = None
+        """Whose prompts `encode_prompt` looks up and keeps (`klein serve`: the API key's label, set around
+        each job): an owner finds its own prompts only, so no cache hit tells it what another sent."""
         self.rope_cache = ByteBudgetCache(ROPE_CACHE_BYTES)
         """RoPE tables by position ids, the only device arrays the pipeline keeps beyond the weights."""
         self._bar_options: dict = {}
@@ -139,9 +142,10 @@ class Flux2KleinPipeline(DiffusersSurface):
         whichever prompts repeat."""
         if self.prompt_cache is None:
             return self._encode_prompts(list(prompts))
+        owner = self.prompt_owner
         found = {
             p: self.prompt_cache.get(
-                cache_keys.prompt_key(self.weights_id, p), lambda p=p: self._encode_prompts([p])
+                cache_keys.prompt_key(self.weights_id, p, owner), lambda p=p: self._encode_prompts([p]), owner
             )
             for p in dict.fromkeys(prompts)
         }

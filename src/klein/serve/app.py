@@ -21,6 +21,7 @@ from klein.serve.model_list import model_list
 from klein.serve.quotas import Quotas, owner, shares
 from klein.serve.service import Service
 from klein.serve.streams import EventStreams
+from klein.serve.viewer import viewer
 from klein.serve.worker import Job
 
 DISCONNECT_POLL = 0.25  # seconds between checks that a waiting client is still there
@@ -93,12 +94,12 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
         return JSONResponse(health, 503 if health["status"] == "warming" else 200)
 
     @app.get("/v1/config")
-    async def config():
-        return service.config()
+    async def config(request: Request):
+        return service.config(viewer(request.scope))
 
     @app.get("/v1/loras")
-    async def loras():
-        return service.loras()
+    async def loras(request: Request):
+        return service.loras(viewer(request.scope))
 
     started = int(time.time())
 
@@ -107,8 +108,8 @@ def _routes(app: FastAPI, service: Service, quotas: Quotas) -> None:
         return model_list(service.health()["model"], started)
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request):
+        return Response(service.metrics.render(viewer(request.scope)), media_type=CONTENT_TYPE)
 
     @app.post("/v1/images/generations", responses=api_docs.responses(api_docs.ImagesResponse))
     async def generations(body: schema.ImageBody, request: Request):
@@ -262,11 +263,13 @@ def _unknown_reference(reference_id: str) -> ApiError:
 
 
 async def _wait(worker, job: Job, request: Request) -> dict:
-    """The job's result (or its error raised); drops the job if the client leaves before it starts."""
+    """The job's result (or its error raised); if the client leaves first, the job is dropped if queued,
+    else stopped at its next step, as a DELETEd job is (its work is nobody's now)."""
     future = asyncio.wrap_future(job.future)
     while True:
         done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL)
         if done:
             return future.result()
-        if job.status == "queued" and await request.is_disconnected():
+        if await request.is_disconnected():
             worker.abandon(job)
+            raise errors.client_closed()

@@ -12,15 +12,20 @@ import numpy as np
 from klein.request.resolve import output_size
 from klein.serve.generation import Generation, respond, step_cache
 from klein.serve.reference_sets import ReferenceSets
+from klein.serve.worker import Stopped, together
 
 
-def run_batch(pipe, sets: ReferenceSets, works: list[Generation], progresses, version: str) -> list[dict]:
+def run_batch(pipe, sets: ReferenceSets, works: list[Generation], steps, version: str) -> list[dict | None]:
     """Generate `works` (equal `batch_key`s) as few batches as the adapter slots allow (one, unless they
-    name more LoRAs together than there are slots); one response body per work, in order."""
+    name more LoRAs together than there are slots); one response body per work, in order, None for a work
+    whose step function stopped it (`steps`: `klein.serve.worker.Worker.batch_steps`)."""
     bodies = []
     for group in _within_slots(works, pipe.adapters.slots):
-        chosen = [progresses[i] for i in group]
-        bodies += _run_together(pipe, sets, [works[i] for i in group], chosen, version)
+        chosen = together([steps[i] for i in group])
+        try:
+            bodies += _run_together(pipe, sets, [works[i] for i in group], chosen, version)
+        except Stopped:  # every work of the group stopped (each has had its answer): the next group runs
+            bodies += [None] * len(group)
     return bodies
 
 
@@ -39,7 +44,7 @@ def _within_slots(works: list[Generation], slots: int) -> list[list[int]]:
     return groups
 
 
-def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses, version: str) -> list[dict]:
+def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progress, version: str) -> list[dict]:
     """Generate `works` as one batch."""
     encoded = works[0].references(sets)
     first = works[0].request
@@ -60,7 +65,7 @@ def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses
         seed=None,
         loras=loras,
     )
-    out = pipe.generate(dataclasses.replace(request, references=refs), _fan_out(progresses))
+    out = pipe.generate(dataclasses.replace(request, references=refs), progress)
     # The batch's notes on cut prompts name every prompt; each request hears of its own only.
     cut = set(pipe.prompt_notes(prompts))
     shared = [note for note in out.settings.notes if note not in cut]
@@ -82,11 +87,3 @@ def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progresses
         )
         start += n
     return bodies
-
-
-def _fan_out(progresses):
-    def progress(event) -> None:
-        for each in progresses:
-            each(event)
-
-    return progress

@@ -29,15 +29,15 @@ class Generation:
 
     @property
     def batch_key(self) -> tuple:
-        """Generations with equal keys can run as one batch: same size, steps, guidance, step cache and
-        references (then one LoRA set, as their keys and values are computed once, and one owner's); a repaint
-        runs alone. (Under one cache each image still decides on its own.)"""
+        """Generations with equal keys can run as one batch: one owner's (an API key's: a batch's prompts,
+        LoRA slots and timings are then one key's, so none tells a key of another's work), same size, steps,
+        guidance, step cache and references (then one LoRA set, as their keys and values are computed once);
+        a repaint runs alone. (Under one cache each image still decides on its own.)"""
         r = self.request
         if r.repaints:
             return (id(self),)
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         loras = frozenset(r.lora_sets[0]) if refs is not None else None
-        owner = self.owner if refs is not None else None
         return (
             r.width,
             r.height,
@@ -47,7 +47,7 @@ class Generation:
             r.cache,
             refs,
             loras,
-            owner,
+            self.owner,
         )
 
     def reference_sizes(self, sets: ReferenceSets) -> tuple[tuple[int, int], ...]:

@@ -40,7 +40,7 @@ class Guard:
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                status.append(str(message["status"]))
+                status.append(_label(scope["path"], message["status"]))
                 message["headers"] = [*message.get("headers", []), *cors, *NOT_FRAMED]
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -100,3 +100,9 @@ class Guard:
         self.quotas.request(key)
         scope.setdefault("state", {})["api_key"] = key
         return None
+
+
+def _label(path: str, status: int) -> str:
+    """A response's status as klein_requests_total counts it: /healthz's 503 while compiling ahead is
+    "warming" (a probe asked early, not an error)."""
+    return "warming" if path == "/healthz" and status == 503 else str(status)

@@ -1,9 +1,12 @@
 """`GET /metrics` through `prometheus_client`, a registry for each `Metrics` (several services in one process
-stay apart); the figures that live elsewhere are read when scraped, not copied."""
+stay apart); the figures that live elsewhere are read when scraped, not copied. A figure by API key is shown
+to that key and to the operator's (`klein.serve.viewer`); the rest are the server's sums."""
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -11,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from klein.pipeline import compilations
+from klein.serve.viewer import ALL, Viewer
 
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
 """Histogram buckets: a demo step on a CPU (milliseconds) to a 9b request on a CPU (minutes)."""
@@ -27,6 +31,10 @@ class Metrics(Collector):
             "klein_request_seconds", "HTTP request latency, until the last byte", ["status"]
         )
         self._jobs = counter("klein_jobs", "jobs by outcome", ["status"])
+        self._steps = counter("klein_steps", "denoising steps run by jobs (a batch's step once for each job)")
+        self._done: collections.Counter[str | None] = collections.Counter()
+        """Jobs done by owner, for /v1/config."""
+        self._lock = threading.Lock()
         self._batches = counter("klein_batches", "batches of several jobs run")
         self._batched = counter("klein_batched_jobs", "jobs run in those batches")
         self._stages = histogram(
@@ -56,8 +64,15 @@ class Metrics(Collector):
         self._requests.labels(status).inc()
         self._latency.labels(status).observe(seconds)
 
-    def count_job(self, status: str) -> None:
+    def count_job(self, status: str, owner: str | None = None) -> None:
+        """A job of `owner`'s (an API key's label; None without keys) ended as `status`."""
         self._jobs.labels(status).inc()
+        if status == "done":
+            with self._lock:
+                self._done[owner] += 1
+
+    def count_step(self) -> None:
+        self._steps.inc()
 
     def count_batch(self, jobs: int) -> None:
         self._batches.inc()
@@ -71,13 +86,14 @@ class Metrics(Collector):
         for stage, seconds in body["klein"]["timings"].items():
             self.observe(stage, seconds)
 
-    @property
-    def jobs_done(self) -> int:
-        return int(self.registry.get_sample_value("klein_jobs_total", {"status": "done"}) or 0)
+    def jobs_done(self, viewer: Viewer = ALL) -> int:
+        """Jobs done: every key's for the operator (and without keys), else the asking key's."""
+        with self._lock:
+            return sum(count for owner, count in self._done.items() if viewer.sees(owner))
 
-    def render(self) -> bytes:
-        """The exposition text (`CONTENT_TYPE`)."""
-        return generate_latest(self.registry)
+    def render(self, viewer: Viewer = ALL) -> bytes:
+        """The exposition text (`CONTENT_TYPE`), with the figures by API key that `viewer` may see."""
+        return generate_latest(self.registry) + generate_latest(_ByKey(self.keys, viewer))
 
     def collect(self):
         yield GaugeMetricFamily("klein_queue_depth", "requests waiting for the worker", self.queue_depth())
@@ -99,14 +115,6 @@ class Metrics(Collector):
             yield CounterMetricFamily(
                 "klein_result_store_expired", "results dropped: expired, or for room", results.expired
             )
-        for name, figure in self.keys.items():
-            family = GaugeMetricFamily(
-                f"klein_key_{name}", f"{name.replace('_', ' ')} by API key", labels=["key"]
-            )
-            for label, value in sorted(figure().items(), key=lambda item: str(item[0])):
-                if label is not None:
-                    family.add_metric([label], value)
-            yield family
         for prefix, cache in self.caches.items():
             stats = cache.stats
             for name, help_, value in (
@@ -122,3 +130,20 @@ class Metrics(Collector):
                 ("too_large", "entries larger than the budget, used and not kept", stats.too_large),
             ):
                 yield CounterMetricFamily(f"klein_{prefix}_{name}", help_, value)
+
+
+class _ByKey:
+    """The figures by API key (`Metrics.watch_keys`) that a viewer may see, as klein_key_NAME{key}."""
+
+    def __init__(self, figures: dict[str, Callable[[], dict]], viewer: Viewer):
+        self.figures, self.viewer = figures, viewer
+
+    def collect(self):
+        for name, figure in self.figures.items():
+            family = GaugeMetricFamily(
+                f"klein_key_{name}", f"{name.replace('_', ' ')} by API key", labels=["key"]
+            )
+            for label, value in sorted(figure().items(), key=lambda item: str(item[0])):
+                if label is not None and self.viewer.sees(label):
+                    family.add_metric([label], value)
+            yield family

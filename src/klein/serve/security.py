@@ -18,6 +18,8 @@ LOOPBACK_NAMES = ("localhost",)
 WILDCARDS = ("0.0.0.0", "::", "")
 STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
 LIMITS = ("rpm", "jobs")
+OPERATOR = "operator"
+"""The word after a key that lets it see every key's figures."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,8 @@ class ApiKey:
     """Requests a minute; None: no limit."""
     jobs: int | None = None
     """Jobs queued or running at once; None: no limit."""
+    operator: bool = False
+    """Sees every key's figures (/metrics, /v1/config, /v1/loras); another key sees its own and the sums."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,20 +144,24 @@ def _read_key_file(path: Path) -> list[ApiKey]:
 
 
 def parse_key_line(line: str, where: str, label: str | None = None) -> ApiKey:
-    """`KEY [rpm=N] [jobs=N]` -> an `ApiKey` labelled `label` (else `where`, which errors name)."""
+    """`KEY [rpm=N] [jobs=N] [operator]` -> an `ApiKey` labelled `label` (else `where`, which errors
+    name)."""
     if not line.split():
         raise InputError(f"{where}: the key is empty")
     secret, *words = line.split()
     limits = {}
-    for word in words:
+    operator = OPERATOR in words
+    for word in (word for word in words if word != OPERATOR):
         name, _, value = word.partition("=")
         if name not in LIMITS or not re.fullmatch(r"[1-9][0-9]{0,8}", value) or name in limits:
             raise InputError(
-                f"{where}: {word!r} is not a key limit; after the key come rpm=N (requests a minute) "
-                "and jobs=N (jobs at once), each at most once"
+                f"{where}: {word!r} is not a key limit; after the key come rpm=N (requests a minute), "
+                "jobs=N (jobs at once) and the word operator (it sees every key's figures), each at most once"
             )
         limits[name] = int(value)
-    return ApiKey(secret, label or where, **limits)
+    if words.count(OPERATOR) > 1:
+        raise InputError(f"{where}: 'operator' is given twice; give it once")
+    return ApiKey(secret, label or where, **limits, operator=operator)
 
 
 def read_list(text: str | None, what: str) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -14,9 +15,11 @@ from klein.pipeline.cache import ByteBudgetCache
 from klein.request.resolve import MIN_SIDE, MULTIPLE, caches_references, typical
 from klein.serve import batching, errors, generation, quotas
 from klein.serve.jobs import JobTable
+from klein.serve.lora_residency import LoraResidency
 from klein.serve.metrics import Metrics
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage, ReferenceSets
+from klein.serve.viewer import ALL, Viewer
 from klein.serve.worker import Job, Worker
 
 
@@ -27,9 +30,12 @@ class Service:
         """Compiling the shapes `warm` names; done compiling them."""
         self.metrics = Metrics()
         pipe.adapters.limit(options.lora_bytes)
-        self.reference_cache = ByteBudgetCache(options.cache_bytes, quotas.shares(options.access))
-        self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes)
+        shares = quotas.shares(options.access)
+        self.reference_cache = ByteBudgetCache(options.cache_bytes, shares)
+        self.prompt_cache = ByteBudgetCache(options.prompt_cache_bytes, shares)
+        """Each key's prompts under keys of its own (`pipe.prompt_owner`), within its share."""
         pipe.prompt_cache = self.prompt_cache
+        self.residency = LoraResidency(pipe.adapters)
         cached = caches_references(pipe.variant, pipe.name)
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         jobs = JobTable(options.max_result_bytes, options.result_ttl)
@@ -54,6 +60,7 @@ class Service:
         started = time.perf_counter()
         try:
             built = warmup.warm(self.pipe, shapes, log)
+            self.residency.after(None, self.pipe.adapters.resident)  # warmed under LoRAs: no key's
             self.warmed = True
             log(f"ready: {built} programs compiled ahead in {time.perf_counter() - started:.0f} s")
         finally:
@@ -72,33 +79,54 @@ class Service:
         self.check(work)
         images = work.request.num_images_per_prompt
         run = functools.partial(self._generate, work)
-        return self.worker.submit(run, work.batch_key, images, work, keep)
+        return self.worker.submit(run, work.batch_key, images, work, keep, work.owner)
 
     async def submit_references(self, images: tuple[PreparedImage, ...], owner: str | None = None) -> Job:
         """Encode a set of `owner`'s (the label of the API key that sent it; None without keys)."""
-        return self.worker.submit(lambda job: generation.encode_references(self.sets, images, owner))
+        encode = functools.partial(generation.encode_references, self.sets, images, owner)
+        return self.worker.submit(lambda job: encode(), owner=owner)
 
     def _generate(self, work: generation.Generation, job: Job) -> dict:
-        result = generation.run(self.pipe, self.sets, work, job.step, self.version)
+        with self._as(work.owner, [work]):
+            result = generation.run(self.pipe, self.sets, work, job.step, self.version)
         self.metrics.observe_timings(result)
         return result
 
-    def _generate_batch(self, jobs: list[Job]) -> list[dict]:
+    def _generate_batch(self, jobs: list[Job]) -> list[dict | None]:
         works = [job.spec for job in jobs]
-        results = batching.run_batch(self.pipe, self.sets, works, [job.step for job in jobs], self.version)
-        self.metrics.observe_timings(results[0])
+        steps = self.worker.batch_steps(jobs)
+        with self._as(works[0].owner, works):  # one owner's: `Generation.batch_key`
+            results = batching.run_batch(self.pipe, self.sets, works, steps, self.version)
+        answered = [result for result in results if result is not None]  # None: stopped in the batch
+        if answered:
+            self.metrics.observe_timings(answered[0])
         return results
 
-    def loras(self) -> dict:
+    @contextlib.contextmanager
+    def _as(self, owner: str | None, works: list[generation.Generation]):
+        """Run `owner`'s works: its prompts looked up and kept as its own, its LoRAs' slots as a key
+        that never used them finds them (`LoraResidency`)."""
+        names = {use.name for work in works for uses in work.request.lora_sets for use in uses}
+        self.residency.before(owner, names)
+        self.pipe.prompt_owner = owner
+        try:
+            yield
+        finally:
+            self.pipe.prompt_owner = None
+            self.residency.after(owner, names)
+
+    def loras(self, viewer: Viewer = ALL) -> dict:
         """GET /v1/loras: the LoRAs requests may name (the operator's --lora-dir / --lora-named), each with
-        its file's hash and kind (LoRA, LoHa, LoKr, DoRA), and the adapter slots they share on the device."""
+        its file's hash and kind (LoRA, LoHa, LoKr, DoRA), whether it is resident (for a key: for that key,
+        `LoraResidency`), and the adapter slots they share on the device."""
         adapters = self.pipe.adapters
+        resident = set(adapters.resident) if viewer.operator else self.residency.resident_for(viewer.owner)
         listed = [
             {
                 "name": name,
                 "sha256": adapters.info(name).sha256,
                 "kind": adapters.kind(name),
-                "resident": name in adapters.resident,
+                "resident": name in resident,
             }
             for name in adapters.names
         ]
@@ -118,9 +146,9 @@ class Service:
             "compute": self.pipe.compute,
         }
 
-    def config(self) -> dict:
-        """GET /v1/config: the limits and defaults a client (the web page) needs, jobs done, and whether the
-        server is compiling ahead (`warming`) or has (`warmed`)."""
+    def config(self, viewer: Viewer = ALL) -> dict:
+        """GET /v1/config: the limits and defaults a client (the web page) needs, jobs done (for a key: its
+        own), and whether the server is compiling ahead (`warming`) or has (`warmed`)."""
         variant, options = self.pipe.variant, self.options
         defaults = typical(variant)  # what a request that names no steps or guidance gets
         return {
@@ -137,7 +165,7 @@ class Service:
             "default_guidance_scale": defaults.request.guidance_scale,
             "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
-            "jobs_done": self.metrics.jobs_done,
+            "jobs_done": self.metrics.jobs_done(viewer),
             "warming": self.warming,
             "warmed": self.warmed,
         }

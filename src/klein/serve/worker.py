@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -43,6 +44,8 @@ class Job:
     deadline: float | None = None
     """`time.monotonic()` past which the running job stops (`--job-timeout`), from when it started."""
     on_finish: Callable[[Job], None] | None = None
+    on_step: Callable[[], None] | None = None
+    """Called after each denoising step the job runs (the worker counts them)."""
     owner: str | None = None
     """The label of the API key that made it (None without keys): only that key finds it by id."""
 
@@ -65,6 +68,8 @@ class Job:
         if event.is_step:
             self.progress = {"step": event.done, "steps": event.total}
             self.events.append(("step", dict(self.progress)))
+            if self.on_step is not None:
+                self.on_step()
         else:
             stage = {"stage": event.stage, "label": event.label, "compiling": event.compiling}
             self.events.append(("stage", stage))
@@ -101,10 +106,34 @@ class Job:
 
 
 CANCELLED = "cancelled"
+OUTCOMES = {CANCELLED: CANCELLED, "job_timeout": "job_timeout", "client_closed": "dropped"}
+"""The klein_jobs_total status of a job ended by each error code (any other: "error")."""
 
 
 def cancelled(job_id: str) -> errors.ApiError:
     return errors.ApiError(409, f"job {job_id} was cancelled (DELETE /v1/jobs/{job_id})", CANCELLED)
+
+
+class Stopped(Exception):
+    """Every job of a batch had to stop (`together`): the batch ends."""
+
+
+def together(steps: list[Callable]) -> Callable:
+    """One progress for jobs that run as one batch, from their step functions (`Worker.batch_steps`): a
+    job's step that raises (the job cancelled, its client gone, its time up) leaves it out from then on,
+    and the batch stops (`Stopped`) only when all of them have, so that its other jobs run on unaffected."""
+    live = list(steps)
+
+    def progress(event) -> None:
+        for step in list(live):
+            try:
+                step(event)
+            except errors.ApiError:
+                live.remove(step)
+        if not live:
+            raise Stopped
+
+    return progress
 
 
 class Worker:
@@ -143,9 +172,12 @@ class Worker:
         images: int = 1,
         spec=None,
         keep: bool = False,
+        owner: str | None = None,
     ) -> Job:
-        """Queue `work`; with `keep`, the job stays findable in `jobs` after it finishes."""
-        job = Job(work, batch_key=batch_key, images=images, spec=spec)
+        """Queue `work` of `owner`'s (an API key's label); with `keep`, the job stays findable in `jobs`
+        after it finishes."""
+        job = Job(work, batch_key=batch_key, images=images, spec=spec, owner=owner)
+        job.on_step = self.metrics.count_step
         with self._wake:
             if not self.accepting:
                 raise errors.ApiError(
@@ -166,20 +198,23 @@ class Worker:
             message = f"the queue is full ({self.max_queue} requests waiting); retry in about {seconds} s"
             raise errors.retry(429, message, "queue_full", seconds)
 
-    def abandon(self, job: Job, error: errors.ApiError | None = None) -> None:
-        """Drop `job` if it has not started: its client went away (or, with `error`, it was cancelled)."""
-        with self._wake:
-            if job in self._queue:
-                self._queue.remove(job)
-                self.metrics.count_job(error.code if error else "dropped")
-                job.finish(error=error or errors.client_closed())
+    def abandon(self, job: Job) -> None:
+        """Its client went away: drop `job` if it has not started, else stop it at its next step."""
+        self._stop(job, errors.client_closed())
 
     def cancel(self, job: Job) -> None:
         """Drop `job` if queued, or have it stop at its next step if running (DELETE /v1/jobs/{id})."""
-        with self._wake:  # a re-entrant lock, which `abandon` takes again
-            if not job.finished:
-                job.stopping = cancelled(job.id)
-                self.abandon(job, job.stopping)
+        self._stop(job, cancelled(job.id))
+
+    def _stop(self, job: Job, error: errors.ApiError) -> None:
+        """End `job` with `error`: at once if queued, else at its next step (`Job.step` raises it)."""
+        with self._wake:
+            if job.finished or job.stopping is not None:
+                return
+            job.stopping = error
+            if job in self._queue:
+                self._queue.remove(job)
+                self._failed(job, error)
 
     def stop(self) -> None:
         """Accept nothing more and fail the queued jobs; the running one finishes, then the thread ends."""
@@ -228,10 +263,22 @@ class Worker:
         return taken
 
     def _start_clock(self, job: Job) -> None:
-        """The job's time limit runs from now: as it starts, and again alone after its batch failed (another
-        job's cancel may have ended the batch)."""
+        """The job's time limit runs from now: as it starts, and again alone after its batch failed."""
         if self.job_timeout is not None:
             job.deadline = time.monotonic() + self.job_timeout
+
+    def batch_steps(self, jobs: list[Job]) -> list[Callable]:
+        """The step functions of jobs that run as one batch (for `together`): a job that must stop is
+        failed at once, its client answered, while the batch runs on for the others."""
+
+        def step(job: Job, event) -> None:
+            try:
+                job.step(event)
+            except errors.ApiError as error:
+                self._failed(job, error)
+                raise
+
+        return [functools.partial(step, job) for job in jobs]
 
     def _run_batch(self, jobs: list[Job]) -> None:
         started = time.perf_counter()
@@ -240,15 +287,18 @@ class Worker:
         try:
             results = self.run_batch(jobs)
         except Exception:  # e.g. the batch cannot fit where each job alone can: run them one by one
-            log.info("a batch of %d jobs failed as a whole; running them one by one", len(jobs))
-            for job in jobs:
+            left = [job for job in jobs if not job.finished]
+            if left:
+                log.info("a batch of %d jobs failed as a whole; running %d one by one", len(jobs), len(left))
+            for job in left:
                 self._run(job)
             return
         self.metrics.count_batch(len(jobs))
         for job, result in zip(jobs, results, strict=True):
             self.metrics.observe("queue_wait", started - job.submitted)
-            self.metrics.count_job("done")
-            job.finish(result=result)
+            if not job.finished:  # a job stopped in the batch has had its answer
+                self.metrics.count_job("done", job.owner)
+                job.finish(result=result)
 
     def _run(self, job: Job) -> None:
         started = time.perf_counter()
@@ -266,11 +316,12 @@ class Worker:
             log.exception("job %s failed", job.id)
             self._failed(job, errors.internal(error))
         else:
-            self.metrics.count_job("done")
+            self.metrics.count_job("done", job.owner)
             job.finish(result=result)
         elapsed = time.perf_counter() - started
         self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * elapsed
 
     def _failed(self, job: Job, error: errors.ApiError) -> None:
-        self.metrics.count_job(error.code if error.code in (CANCELLED, "job_timeout") else "error")
-        job.finish(error=error)
+        if not job.finished:
+            self.metrics.count_job(OUTCOMES.get(error.code, "error"), job.owner)
+            job.finish(error=error)

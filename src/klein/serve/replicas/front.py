@@ -21,6 +21,7 @@ from klein.serve.quotas import shares
 from klein.serve.replicas.affinity import routing_key
 from klein.serve.replicas.restarts import FrontJobTable
 from klein.serve.replicas.store import ReferenceStore
+from klein.serve.viewer import ALL, Viewer
 from klein.serve.worker import Job, cancelled
 
 log = logging.getLogger("klein.serve")
@@ -73,14 +74,15 @@ class Jobs:
             self.jobs.add(job)
 
     def abandon(self, job: Job) -> None:
-        """Cancel a job whose client went away: Serve cancels the call, the replica drops it if queued."""
+        """Cancel a job whose client went away: Serve cancels the call, the replica drops it if queued, else
+        stops it at its next step."""
         call = self._calls.pop(job.id, None)
         if call is not None:
             call.cancel()
 
     def cancel(self, job: Job) -> None:
-        """DELETE /v1/jobs/{id}: the call cancelled (the replica drops the job if queued, else it runs to
-        its end unseen), the job cancelled here at once."""
+        """DELETE /v1/jobs/{id}: the call cancelled (the replica drops the job if queued, else stops it at
+        its next step), the job cancelled here at once."""
         self.abandon(job)
         if not job.finished:
             job.finish(error=cancelled(job.id))
@@ -113,10 +115,10 @@ class Front:
             self._health = await self.handle.health.remote()
             self._config = await self.handle.config.remote()
 
-    def config(self) -> dict:
-        return {**self._config, "jobs_done": self.metrics.jobs_done, "replicas": self.replicas}
+    def config(self, viewer: Viewer = ALL) -> dict:
+        return {**self._config, "jobs_done": self.metrics.jobs_done(viewer), "replicas": self.replicas}
 
-    def loras(self) -> dict:
+    def loras(self, viewer: Viewer = ALL) -> dict:
         """GET /v1/loras: every replica offers the same LoRAs (one set of flags); which sit in slots is each
         replica's, so not said here."""
         listed = [{k: v for k, v in entry.items() if k != "resident"} for entry in self._loras["data"]]
@@ -190,7 +192,7 @@ class Front:
                 job.events.append(("stage", data))
             elif name == "done":
                 self.metrics.observe_timings(data)
-                self.metrics.count_job("done")
+                self.metrics.count_job("done", job.owner)
                 job.finish(result=data)
             elif name == "error":
                 self.metrics.count_job("error")
