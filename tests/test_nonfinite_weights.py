@@ -25,6 +25,10 @@ from klein.io.gguf_file import GGUFSource
 from klein.io.safetensors import TensorSource
 from klein.lora.loading import read_lora
 from klein.models.transformer_config import TransformerConfig
+from klein.serve.errors import ApiError
+from klein.serve.jobs import JobTable
+from klein.serve.metrics import Metrics
+from klein.serve.worker import Worker
 from tests.support import lora_files as lf
 from tests.support import lyco_files
 from tests.support.serve_process import free_port
@@ -243,3 +247,21 @@ def test_serve_refuses_a_spoilt_offered_lora_at_start(klein_home, tmp_path):
         [*command, "--lora-dir", tmp_path], env=env, capture_output=True, text=True, timeout=120
     )
     assert_clean_error(result, f"{path}: tensor '{FIRST}.lora_B.weight' holds 1 NaN value")
+
+
+def test_a_served_model_read_for_a_request_answers_503_without_a_traceback(tmp_path, caplog):
+    """Under `--residency sequential` the transformer is read when a request first needs it: a spoilt one
+    fails that job with a 503 naming no server path (the log names the file and tensor, without a traceback
+    as for a bug), and the worker goes on."""
+    path = tmp_path / "spoilt.safetensors"
+    save_file({"x_embedder.weight": torch.tensor([[1.0, float("nan")]])}, str(path))
+    worker = Worker(8, Metrics(), JobTable(2**30, 60))
+    job = worker.submit(lambda job: TensorSource.from_file(path).get("x_embedder.weight"))
+    with pytest.raises(ApiError) as raised:
+        job.future.result(30)
+    assert (raised.value.status, raised.value.code) == (503, "weights_refused")
+    assert "log" in raised.value.message and str(tmp_path) not in raised.value.message
+    assert f"{path}: tensor 'x_embedder.weight' holds 1 NaN value" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert worker.submit(lambda job: {"data": []}).future.result(10) == {"data": []}
+    worker.stop()
