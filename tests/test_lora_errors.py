@@ -52,6 +52,16 @@ def test_another_model_size_names_the_key_and_both_shapes(tmp_path):
     refused(file, "another model size", ".lora_A.weight' has shape (4, 64)", "needs (4, 32)", "width 64")
 
 
+def test_same_width_other_layer_sizes_names_the_layer_sizes(tmp_path):
+    """A LoRA of this model's width whose MLP is wider: the message names the sizes that differ (it said
+    "The LoRA is for width 32, the model is width 32")."""
+    other = dataclasses.replace(CFG, mlp_ratio=4.0)  # the MLP's hidden layer 128 wide, not 96
+    file = lf.write_bfl(tmp_path / "mlp.safetensors", lf.random_lora(lf.linear_shapes(other, "bfl"), 4, 0))
+    message = refused(file, "img_mlp.0.lora_B.weight' has shape (256, 4)", "needs (192, 4)")
+    assert "The layer is 256 x 32 (outputs x inputs) in the LoRA, 192 x 32 in this model" in message
+    assert "width 32, the model is width 32" not in message
+
+
 def test_real_sizes_are_named(tmp_path):
     """A klein-9b LoRA on klein-4b (the real configs; only shapes are built, no weights)."""
     klein_4b = TransformerConfig(num_layers=5, num_single_layers=20, num_attention_heads=24)
@@ -121,6 +131,7 @@ def test_not_a_lora(tmp_path, tiny_transformer):
     (tmp_path / "notes.safetensors").write_text("not tensors")
     refused(tmp_path / "notes.safetensors", "not a readable safetensors file")
     refused(tmp_path / "absent.safetensors", "LoRA", "no such file")
+    refused("/dev/zero", "LoRA /dev/zero: not a file or a folder", "a .safetensors file")
 
 
 @pytest.mark.parametrize(

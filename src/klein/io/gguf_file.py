@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import ml_dtypes
 import numpy as np
 
 from klein.errors import CheckpointError
+from klein.io import finite
 from klein.io.gguf_header import read_header
 from klein.io.safetensors import read_rows
 
@@ -21,6 +23,12 @@ SUPPORTED = (
 )  # fmt: skip
 # The tensors read as their floats (as `gguf.quants.dequantize` takes them); any other as its bytes.
 _FLOATS = {_T.F32: np.dtype(np.float32), _T.F16: np.dtype(np.float16)}
+# The bytes of a block of each quantised type at which a float16 scale starts (llama.cpp's `d`, and `m` or
+# `dmin` where the type has one); its other fields are small integers: its values are finite where these are.
+_SCALES = {
+    _T.Q8_0: (0,), _T.Q4_0: (0,), _T.Q5_0: (0,), _T.Q4_1: (0, 2), _T.Q5_1: (0, 2),
+    _T.Q2_K: (80, 82), _T.Q3_K: (108,), _T.Q4_K: (0, 2), _T.Q5_K: (0, 2), _T.Q6_K: (208,),
+}  # fmt: skip
 
 
 class GGUFSource:
@@ -50,10 +58,20 @@ class GGUFSource:
         return gguf.quants.dequantize(self.stored(key, rows), self.header.types[key])
 
     def stored(self, key: str, rows: slice | None = None) -> np.ndarray:
-        """Tensor `key` (or `rows` of its first axis) as stored: a quantised one as uint8 rows of blocks."""
-        dtype = _FLOATS.get(self.header.types[key], np.dtype(np.uint8))
+        """Tensor `key` (or `rows` of its first axis) as stored: a quantised one as uint8 rows of blocks; a
+        CheckpointError if a value read, or a block's scale, is NaN or infinite (`klein.io.finite`)."""
+        kind = self.header.types[key]
+        dtype = _FLOATS.get(kind, np.dtype(np.uint8))
         shape = self.blocks.shape(key) if dtype == np.uint8 else self.header.shapes[key]
-        return read_rows(self._path, dtype, shape, self.header.offsets[key], rows)
+        raw = read_rows(self._path, dtype, shape, self.header.offsets[key], rows)
+        if kind in _SCALES:
+            words = raw.reshape(-1, gguf.GGML_QUANT_SIZES[kind][1]).view(np.uint16)
+            finite.checked_scales(
+                words[:, [at // 2 for at in _SCALES[kind]]].view(np.float16), self._path, key
+            )
+        else:  # float values, BF16's as their bytes
+            finite.checked(raw.view(ml_dtypes.bfloat16) if kind == _T.BF16 else raw, self._path, key)
+        return raw
 
     @property
     def blocks(self) -> Blocks:

@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from klein.errors import CheckpointError
+from klein.io import finite
 from klein.io.json_file import read_json
 
 
@@ -90,12 +91,14 @@ class TensorSource:
         return merged
 
     def get(self, key: str, rows: slice | None = None) -> np.ndarray:
-        """Tensor `key`, or only `rows` of its first axis (`read_rows`)."""
+        """Tensor `key`, or only `rows` of its first axis (`read_rows`); a CheckpointError if a value read
+        is NaN or infinite (`klein.io.finite`)."""
         path = self._file_of[key]
         try:
-            return read_rows(path, *_entry(path, key), rows)
+            array = read_rows(path, *_entry(path, key), rows)
         except (KeyError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{key}' ({exc})") from None
+        return finite.checked(array, path, key)
 
 
 def read_rows(path: Path, dtype: np.dtype, shape, offset: int, rows: slice | None = None) -> np.ndarray:

@@ -79,6 +79,10 @@ def locate(name: str) -> Path:
         path = sources.resolve(name)[0]  # a repo id (or the error saying where it was looked for)
     if path.is_file():
         return path
+    if not path.is_dir():  # a device, a pipe, a socket: nothing to read a LoRA from
+        raise CheckpointError(
+            f"LoRA {name}: not a file or a folder; give a .safetensors file, or a folder holding one"
+        )
     found = sorted(path.glob("*.safetensors"))
     if len(found) != 1:
         listed = ", ".join(p.name for p in found) or "none"

@@ -295,6 +295,16 @@ def _peft_alphas(metadata: dict[str, str], where: str):
         rs = bool(config.get("use_rslora", False))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{where}: unreadable LoRA config in the safetensors header ({exc})") from None
+    numbers = {"lora_alpha" if lora else "alpha": alpha, "r": r}
+    numbers |= {f"alpha_pattern[{k!r}]": v for k, v in alphas.items()}
+    numbers |= {f"rank_pattern[{k!r}]": v for k, v in ranks.items()}
+    for name, value in numbers.items():
+        if value is not None and not math.isfinite(value):
+            # JSON from Python may spell NaN and Infinity, and each would make every image black.
+            raise CheckpointError(
+                f"{where}: the LoRA config in the safetensors header says {name} is {value}; it must be a "
+                "finite number (the file was saved from a training run that diverged, or its header damaged)"
+            )
 
     def scale(module: str, rank: int | None) -> float:
         a = _matching(alphas, module, alpha)

@@ -122,8 +122,18 @@ def _check_shapes(adapter: layouts.Adapter, targets, shapes, parsed, cfg, where:
         if got != wanted:
             raise CheckpointError(
                 f"{where}: made for another model size: {name} has shape {got}, this model needs {wanted}. "
-                f"The LoRA is for {_size(_lora_width(parsed))}, the model is {_size(cfg.hidden)}."
+                f"{_sizes(adapter.form.shape, want, _lora_width(parsed), cfg.hidden)}"
             )
+
+
+def _sizes(lora: tuple[int, int], model: tuple[int, int], lora_width: int | None, width: int) -> str:
+    """Which sizes differ, in words: the models' widths where they differ, else the layer's (out, in)."""
+    if lora_width != width:
+        return f"The LoRA is for {_size(lora_width)}, the model is {_size(width)}."
+    return (
+        f"The layer is {lora[0]} x {lora[1]} (outputs x inputs) in the LoRA, {model[0]} x {model[1]} in this "
+        f"model: the LoRA is for a model of this width ({width}) whose layers have other sizes."
+    )
 
 
 def _split(adapter: layouts.Adapter, target: Target, where: str) -> list[Update]:

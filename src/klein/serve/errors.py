@@ -47,6 +47,17 @@ def from_input_error(error: InputError) -> ApiError:
     return ApiError(400, str(error), "invalid_request")
 
 
+def weights_refused() -> ApiError:
+    """The server's own weights could not be read for a request (a model a residency policy reads when a
+    request needs it, refused: `klein.io.finite`); the log names the file, the client is told no path."""
+    return ApiError(
+        503,
+        "the server cannot load its model's weights (its log names the file and why); the operator must "
+        "replace the file",
+        "weights_refused",
+    )
+
+
 def internal(error: Exception) -> ApiError:
     return ApiError(
         500, f"internal error: {type(error).__name__}; the server logged the traceback", "internal"

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from klein.errors import InputError
+from klein.errors import CheckpointError, InputError
 from klein.serve import errors
 from klein.serve.jobs import JobTable
 
@@ -312,6 +312,9 @@ class Worker:
             self._failed(job, error)
         except InputError as error:
             self._failed(job, errors.from_input_error(error))
+        except CheckpointError as error:  # the server's own weights, read as a request first needed them
+            log.error("job %s: %s", job.id, error)
+            self._failed(job, errors.weights_refused())
         except Exception as error:  # a bug: log it, answer 500, keep serving
             log.exception("job %s failed", job.id)
             self._failed(job, errors.internal(error))
