@@ -2,12 +2,19 @@
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every test runs on the CPU unless KLEIN_TEST_TPU=1 leaves JAX the platforms it finds: on a TPU host, the
+# tests marked `tpu` then run on the chip (docs/testing.md, "On a TPU").
+if os.environ.get("KLEIN_TEST_TPU") != "1":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-torch.set_num_threads(1)
+try:
+    import torch  # noqa: E402
+except ImportError:  # a TPU host runs the `tpu` tests, which compare with no torch reference
+    pass
+else:
+    torch.set_num_threads(1)
 
 # Files whose tests take minutes, longest first (as CI's 2-core runs time them): under pytest-xdist
 # (`-n 2 --dist loadfile`, a file per worker) they start first, in this order, so that the workers finish
@@ -44,6 +51,18 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: otherwise file order
+    on_chip = [item for item in items if item.get_closest_marker("tpu")]
+    if on_chip and not on_a_tpu():
+        skip = pytest.mark.skip(reason="needs a TPU: KLEIN_TEST_TPU=1 where JAX sees one (docs/testing.md)")
+        for item in on_chip:
+            item.add_marker(skip)
+
+
+def on_a_tpu() -> bool:
+    """Whether this process's JAX runs on a TPU (never where conftest pinned it to the CPU)."""
+    import jax
+
+    return jax.default_backend() == "tpu"
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,12 @@ import pytest
 from klein.models import attention as A
 from klein.models.attention import MASKED, QUERY_BLOCK, attention, isolated_span_attention
 from tests.support.compare import max_abs
+from tests.support.platforms import cpu_only
+
+pytestmark = cpu_only(
+    "float32 bounds of 1e-5 for products a TPU makes in bf16 passes by default (on a v5e 9 of these failed); "
+    "tests/tpu/test_tpu_attention.py compares on the chip under `highest` precision"
+)
 
 
 def qkv(n_q, n_k, heads=3, kv_heads=3, dtype=jnp.float32, seed=0, batch=2):

@@ -17,6 +17,12 @@ from klein.models import splash
 from klein.models.attention import MASKED, attention, isolated_span_attention
 from klein.sharding import use
 from tests.support.compare import max_abs
+from tests.support.platforms import cpu_only
+
+pytestmark = cpu_only(
+    "Pallas' interpret mode and the CPU's platform (on a v5e 8 of these failed: float32 bounds at the "
+    "default precision, the seam picking the compiled kernel); tests/tpu/test_tpu_attention.py runs it compiled"
+)
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 

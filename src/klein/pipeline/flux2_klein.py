@@ -34,7 +34,7 @@ from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.cache_run import CacheRun
 from klein.pipeline.diffusers_surface import DiffusersSurface
 from klein.pipeline.output import GenerationOutput
-from klein.pipeline.programs import Programs
+from klein.pipeline.programs import Programs, products_precision
 from klein.pipeline.reading import Loaded
 from klein.pipeline.stage_events import StageEvent
 from klein.pipeline.timing import Stages
@@ -58,7 +58,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.residency, self._models, self.weight_bytes = loaded.policy, models, loaded.sizes
         policy = functools.partial(getattr, self, "residency")  # read at each use: offloading changes it
         hold = functools.partial(residency_policy.hold, models, policy)
-        self._programs = Programs(hold, self.mesh)
+        self._programs = Programs(hold, self.mesh, products_precision(self.dtype))
         self._loras = Loras(self.config, self.dtype, hold(residency_policy.TRANSFORMER), self.mesh)
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
         models[residency_policy.TRANSFORMER].loaded = lambda state: self._loras.weights.merge_again()

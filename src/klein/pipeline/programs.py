@@ -3,6 +3,7 @@ policy may move between calls."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -21,20 +22,24 @@ from klein.request.modes import Mode
 class Programs:
     """The programs of a pipeline's stages, over the models `hold(name)` brings to the device
     (`() -> (graphdef, state)`): the text encoder's; the VAE's (encoding, decoding plain and tiled, the
-    VAE's latents); the transformer's (the prefill, and one step per mode)."""
+    VAE's latents); the transformer's (the prefill, and one step per mode).
 
-    def __init__(self, hold, mesh):
+    `precision`: the matrix products' (`jax.default_matmul_precision`), or None for the device's default
+    (`products_precision`)."""
+
+    def __init__(self, hold, mesh, precision: str | None = None):
         vae, transformer = hold(residency.VAE), hold(residency.TRANSFORMER)
-        self.text = Compiled(qwen3.prompt_embeddings, hold(residency.TEXT_ENCODER), mesh)
-        self.encode = Compiled(vae_model.encode_latents, vae, mesh)
+        compiled = functools.partial(Compiled, mesh=mesh, precision=precision)
+        self.text = compiled(qwen3.prompt_embeddings, hold(residency.TEXT_ENCODER))
+        self.encode = compiled(vae_model.encode_latents, vae)
         self.decode, self.decode_tiled, self.vae_latents = (
-            Compiled(_replicated(fn), vae, mesh, fn.__name__)
+            compiled(_replicated(fn), vae, name=fn.__name__)
             for fn in (vae_model.decode_latents, vae_model.decode_latents_tiled, vae_model.vae_latents)
         )
-        self.prefill = Compiled(T.prefill, transformer, mesh)
+        self.prefill = compiled(T.prefill, transformer)
         modes = [Mode(conditioning, guided) for conditioning in denoise.VELOCITY for guided in (False, True)]
-        self.steps = {mode: Compiled(denoise.step_function(mode), transformer, mesh) for mode in modes}
-        self._transformer, self._mesh, self._cached = transformer, mesh, {}
+        self.steps = {mode: compiled(denoise.step_function(mode), transformer) for mode in modes}
+        self._transformer, self._compiled, self._cached = transformer, compiled, {}
 
     def cached_step(self, mode: Mode, passes: int, structure) -> tuple[Compiled, Compiled]:
         """(the step, the states before its first step) of `mode` under a step cache of `structure` in
@@ -42,7 +47,7 @@ class Programs:
         key = (mode, passes, structure)
         if key not in self._cached:
             self._cached[key] = tuple(
-                Compiled(make(mode, passes, structure), self._transformer, self._mesh)
+                self._compiled(make(mode, passes, structure), self._transformer)
                 for make in (denoise.cached_step_function, denoise.cache_states_function)
             )
         return self._cached[key]
@@ -54,12 +59,14 @@ class Compiled:
     Weights are arguments rather than closed-over constants, so XLA neither embeds nor copies them,
     and one compilation per input shape serves every call. They are asked for at every call
     (`weights()` -> (graphdef, state)), so that the residency policy can move them in between. With a
-    mesh, tracing sees it, so the model's logical sharding constraints resolve against it.
+    mesh, tracing sees it, so the model's logical sharding constraints resolve against it. With a
+    `precision`, tracing runs under it (`jax.default_matmul_precision`), which jax keys its programs on.
     """
 
-    def __init__(self, fn, weights, mesh=None, name: str | None = None):
+    def __init__(self, fn, weights, mesh=None, name: str | None = None, precision: str | None = None):
         self._weights = weights
         self._mesh = mesh
+        self._precision = precision
 
         self._jit = _jitted(fn, name or _name(fn))
 
@@ -71,7 +78,7 @@ class Compiled:
         """Zeros of the shapes this program would return for these arguments (traced, never run), each
         [B, S, D] array split as the token streams are."""
         graphdef, state = self._weights()
-        with sharding.use(self._mesh):
+        with sharding.use(self._mesh), _products(self._precision):
             if self._mesh is None:
                 args, adapted = jax.tree.map(_committed, (args, adapted))
             shapes = jax.eval_shape(self._jit, graphdef, state, adapted, *args)
@@ -82,10 +89,21 @@ class Compiled:
         """`adapted`: None, or (bank, rows) of unmerged LoRAs (`klein.models.adapters.run`), arguments
         like the weights: a program with adapters serves every LoRA set and strength."""
         graphdef, state = self._weights()
-        with sharding.use(self._mesh):
+        with sharding.use(self._mesh), _products(self._precision):
             if self._mesh is None:
                 args, adapted = jax.tree.map(_committed, (args, adapted))
             return self._jit(graphdef, state, adapted, *args)
+
+
+def products_precision(dtype) -> str | None:
+    """The matrix products' precision for a pipeline computing in `dtype`: "highest" for float32, so that
+    float32 means float32 on every device (a TPU's default multiplies float32 in bf16 passes, agreeing
+    with a CPU's to about three digits; a GPU's may take TF32); None (the device's default) otherwise."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _products(precision: str | None):
+    return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
 
 
 def _committed(value):
