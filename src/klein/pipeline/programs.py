@@ -67,7 +67,6 @@ class Compiled:
         self._weights = weights
         self._mesh = mesh
         self._precision = precision
-
         self._jit = _jitted(fn, name or _name(fn))
 
     @property
