@@ -9,11 +9,12 @@ import PIL.Image
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from klein import images, masks
 from klein.errors import InputError, counted
 from klein.pipeline import cache_keys
+from klein.serve import errors
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage
@@ -71,6 +72,8 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
     except MultiPartException as error:
         code = "too_many_references" if "files" in str(error).lower() else "invalid_multipart"
         raise ApiError(400, f"malformed or over-limit multipart body: {error}", code, None) from None
+    except ClientDisconnect:  # gone, or cut for sending too slowly (klein.serve.connections)
+        raise errors.client_closed() from None
     if len(files) > options.max_references:
         raise ApiError(
             400,
