@@ -169,6 +169,7 @@ def test_sigterm_stops_the_server_while_a_client_trickles_its_body(server):
         assert answered(sock, 0.5) == b""  # taken in: the server waits for the rest
         process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 40
+        refused = answered(sock, 2)  # cut at once: its request could only be refused
         while code is None and time.monotonic() < deadline:
             try:
                 sock.sendall(b"x")  # a byte every 2 s
@@ -181,3 +182,4 @@ def test_sigterm_stops_the_server_while_a_client_trickles_its_body(server):
     if code is None:
         process.kill()
     assert code == 0, log_of(process)
+    assert refused.startswith(b"HTTP/1.1 503") and b"shutting_down" in refused, refused

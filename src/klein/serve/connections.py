@@ -23,7 +23,7 @@ from klein.serve.options import ServeOptions, show_size
 RATE_WINDOW = 5.0
 """Seconds over which a request body's rate is measured against --min-body-rate."""
 LINGER = 2.0
-"""Seconds a client refused before its body was read may go on sending (discarded) while it reads the
+"""Seconds a client answered before its body was read may go on sending (discarded) while it reads the
 answer; then its connection is closed."""
 TICK = 0.5
 """Seconds between the checks of every connection's clocks."""
@@ -104,6 +104,8 @@ class Protocol(H11Protocol):
         """(when the current body-rate window started, bytes received in it)."""
         self.draining: float | None = None
         """Since when a refused body has been discarded."""
+        self.answered = False
+        """Whether `answer` ended it: what the client still sends is dropped."""
 
     @classmethod
     def factory(cls, options: ServeOptions) -> Callable[..., Protocol]:
@@ -128,6 +130,8 @@ class Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.answered:
+            return
         cycle = self.cycle
         if self.awaiting is None and self.conn.their_state is h11.IDLE:
             self.awaiting = self.loop.time()  # the next request's first byte
@@ -210,4 +214,9 @@ class Protocol(H11Protocol):
         if self.cycle is not None:
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-        self.close()
+        # Closed only once the client has had time to read the answer: a socket closed with its bytes unread
+        # would send a reset, which can reach the client before the answer does.
+        self.pool.closed(self)
+        self.answered = True
+        self.transport.write_eof()
+        self.loop.call_later(LINGER, self.transport.close)

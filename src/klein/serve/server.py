@@ -50,8 +50,9 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
     )
     server = _Server(config, service)
     # uvicorn raises a caught SIGTERM again once it has shut down; by then the stop was graceful, so the
-    # handler it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.
-    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    # disposition it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.
+    # Ignored rather than handled: a Python handler would wake `klein.cli.interrupts` as a second SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         server.run()
     except SystemExit:
