@@ -210,8 +210,9 @@ _LIMITS = {
     "first byte; then it is closed",
     "min-body-rate": "bytes a second a request body must arrive at, over every 5 s; a slower client gets 408 "
     "and is cut",
-    "upload-budget-bytes": "request bodies all clients may be sending at once, each counted by its "
-    "Content-Length (or its cap) from its headers; a body past them gets 429 with Retry-After before it is read",
+    "upload-budget-bytes": "bytes of request bodies being received at once, all clients together, each body "
+    "counted by its Content-Length (or its cap) from its headers; one past them gets 429 with Retry-After "
+    "before it is read",
     "shutdown-grace": "seconds the running job has to finish after SIGTERM or Ctrl+C; then klein stops at once",
 }
 RATES = ("min_body_rate",)
