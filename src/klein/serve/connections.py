@@ -152,7 +152,8 @@ class Protocol(H11Protocol):
     def receiving(self) -> bool:
         """Whether the request under way is still sending its body, unanswered."""
         cycle = self.cycle
-        return cycle is not None and not cycle.response_started and self.conn.their_state is h11.SEND_BODY
+        unanswered = cycle is not None and not cycle.response_started and not self.answered
+        return unanswered and self.conn.their_state is h11.SEND_BODY
 
     def check(self, now: float) -> None:
         """Close it if a clock has run out: the headers', the body rate's, or a refused body's."""
@@ -185,7 +186,9 @@ class Protocol(H11Protocol):
                 self.close()
 
     def shutdown(self) -> None:
-        if self.receiving():  # its request could only be refused: the worker takes no more
+        if self.answered:
+            self.transport.close()  # no need to linger: the server is going
+        elif self.receiving():  # its request could only be refused: the worker takes no more
             self.answer(ApiError(503, "the server is shutting down", "shutting_down"))
         else:
             super().shutdown()
@@ -197,6 +200,8 @@ class Protocol(H11Protocol):
     def answer(self, error: ApiError) -> None:
         """Send `error` (unless a response has begun) and close; the app's request, if any, sees its client
         gone."""
+        if self.answered or self.transport.is_closing():
+            return
         body = json.dumps(error.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(name.lower().encode(), value.encode()) for name, value in error.headers.items()]
