@@ -1,7 +1,7 @@
 """`klein serve` against clients that hold its sockets, over loopback with raw sockets: idle connections
 that never send a byte (they lock no keyed client out, and are closed), a body trickled in (cut), uploads
-refused from their headers before their body is sent (a full queue, the body budget), and SIGTERM with a
-client still sending (the server exits). One server for the file; the SIGTERM test ends it, last."""
+refused from their headers before their body is sent (the body budget, the key's jobs, a full queue), and
+SIGTERM with a client still sending (the server exits). One server for the file; the SIGTERM test ends it, last."""
 
 import selectors
 import signal
@@ -16,6 +16,7 @@ from tests.support.serve_process import log_of, start, stop
 
 KEY = "connections-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMITED = "limited-key"  # jobs=1
 IDLE = 256  # --limit-concurrency's default: every connection uvicorn would serve
 UPLOAD = 48 * 2**20  # four 2048^2 PNGs of noise
 # Running (compiling, then stepping) for well over the moments a test needs the queue full.
@@ -25,7 +26,8 @@ SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 1, "se
 
 @pytest.fixture(scope="module")
 def server(klein_home):
-    process, url = start(klein_home, "--api-key", KEY, "--max-queue", "1")
+    env = {"KLEIN_API_KEY": f"{LIMITED} jobs=1"}
+    process, url = start(klein_home, "--api-key", KEY, "--max-queue", "2", env=env)
     yield process, url
     stop(process)
 
@@ -35,10 +37,10 @@ def connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
-def upload_head(length: int, path: str = "/v1/images/edits") -> bytes:
-    """The headers of a multipart upload of `length` bytes, with the key."""
+def upload_head(length: int, key: str = KEY) -> bytes:
+    """The headers of a multipart edit of `length` bytes, with `key`."""
     return (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/images/edits HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
         f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {length}\r\n\r\n"
     ).encode()
 
@@ -142,20 +144,29 @@ def test_an_upload_past_the_body_budget_is_refused_from_its_headers(server):
             sock.close()
 
 
-def test_an_upload_to_a_full_queue_is_refused_before_its_body_is_sent(server):
+def refused_upload(url: str, key: str) -> bytes:
+    """The answer to a 48 MiB upload with `key`, of which 64 KiB is sent before it is read."""
+    with connect(url) as sock:
+        sock.sendall(upload_head(UPLOAD, key) + file_part(2**16))
+        return answered(sock, 10)
+
+
+def test_an_upload_past_its_key_s_jobs_or_to_a_full_queue_is_refused_before_its_body_is_sent(server):
     _, url = server
     running = httpx.post(url + "/v1/jobs", json=LONG, headers=AUTH).json()["id"]
     wait_for(lambda: status(url, running) == "running", "the long job to start")
-    queued = httpx.post(url + "/v1/jobs", json=SHORT, headers=AUTH)
+    jobs = [httpx.post(url + "/v1/jobs", json=SHORT, headers={"Authorization": f"Bearer {LIMITED}"})]
     try:
-        assert queued.status_code == 202  # --max-queue 1: full
-        with connect(url) as sock:
-            sock.sendall(upload_head(UPLOAD) + file_part(2**16))  # 64 KiB of the 48 MiB
-            refused = answered(sock, 10)
-        assert refused.startswith(b"HTTP/1.1 429"), refused
-        assert b"queue_full" in refused and b"retry-after:" in refused.lower()
+        assert jobs[0].status_code == 202  # queued: the limited key's one job
+        over = refused_upload(url, LIMITED)
+        assert over.startswith(b"HTTP/1.1 429") and b"rate_limited" in over and b"1 job at once" in over, over
+        jobs.append(httpx.post(url + "/v1/jobs", json=SHORT, headers=AUTH))
+        assert jobs[1].status_code == 202  # --max-queue 2: full
+        full = refused_upload(url, KEY)
+        assert full.startswith(b"HTTP/1.1 429"), full
+        assert b"queue_full" in full and b"retry-after:" in full.lower()
     finally:
-        for job in (queued.json().get("id"), running):
+        for job in [*(job.json().get("id") for job in jobs), running]:
             if job is not None:
                 httpx.delete(f"{url}/v1/jobs/{job}", headers=AUTH)
         wait_for(lambda: status(url, running) == "cancelled", "the long job to stop")  # the worker is free
