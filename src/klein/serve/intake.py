@@ -10,7 +10,6 @@ from collections.abc import Callable
 from starlette.datastructures import Headers
 
 from klein.serve import errors
-from klein.serve.options import show_size
 from klein.serve.quotas import Quotas
 
 JOB_ROUTES = frozenset({"/v1/images/generations", "/v1/images/edits", "/v1/references", "/v1/jobs"})
@@ -39,9 +38,9 @@ class Intake:
         if size and self.held + size > self.budget:
             raise errors.retry(
                 429,
-                f"the request bodies being received hold {show_size(self.held)} of the "
-                f"{show_size(self.budget)} allowed at once (--upload-budget-bytes), too few for this one's "
-                f"{show_size(size)}; retry in {RETRY_SECONDS} s",
+                f"the request bodies being received hold {_mib(self.held)} of the {_mib(self.budget)} "
+                f"allowed at once (--upload-budget-bytes), too few for this one's {_mib(size)}; retry in "
+                f"{RETRY_SECONDS} s",
                 "uploads_busy",
                 RETRY_SECONDS,
             )
@@ -55,3 +54,7 @@ class Intake:
                 self.held -= size
 
         return release
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"

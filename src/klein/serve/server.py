@@ -44,6 +44,7 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
         # h11 (not httptools, where installed), held to the limits uvicorn lacks: klein.serve.connections
         # counts the connections (--limit-concurrency), so uvicorn's own count, idle sockets included, is off.
         http=Protocol.factory(options),
+        ws="none",  # no route takes a WebSocket, and an upgraded connection would leave klein's clocks
         limit_concurrency=None,
         timeout_keep_alive=options.keep_alive_timeout,
         timeout_graceful_shutdown=options.shutdown_grace,
