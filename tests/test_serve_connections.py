@@ -27,7 +27,8 @@ SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 1, "se
 @pytest.fixture(scope="module")
 def server(klein_home):
     env = {"KLEIN_API_KEY": f"{LIMITED} jobs=1"}
-    process, url = start(klein_home, "--api-key", KEY, "--max-queue", "2", env=env)
+    flags = ("--api-key", KEY, "--max-queue", "2", "--header-timeout", "2")  # 2: the idle test's wait
+    process, url = start(klein_home, *flags, env=env)
     yield process, url
     stop(process)
 
@@ -105,7 +106,7 @@ def test_idle_unauthenticated_sockets_lock_no_keyed_client_out_and_are_closed(se
         config = httpx.get(url + "/v1/config", headers=AUTH, timeout=10)
         assert config.status_code == 200, config.text
         assert httpx.get(url + "/healthz", timeout=10).status_code == 200
-        # Past --header-timeout (10 s) each is closed, if a newer one has not closed it already.
+        # Past --header-timeout (2 s) each is closed, if a newer one has not closed it already.
         assert closed_by_server(idle, 30) == IDLE
     finally:
         for sock in idle:
