@@ -16,7 +16,6 @@ import time
 import pytest
 
 from klein.cli import interrupts
-from klein.cli import serve as cli_serve
 from tests.support import serve_process
 
 pytestmark = pytest.mark.slow
@@ -155,7 +154,9 @@ def test_ctrl_c_stops_serve_cleanly(klein_home):
 def test_ctrl_c_stops_serve_while_it_compiles_ahead(klein_home):
     """Warming (compiling ahead in its worker thread, for longer than the grace): no job runs, so nothing
     is waited for: a clean stop at once, not the grace waited out."""
-    process, _ = serve_process.start(klein_home, "--warm-size", "2048x2048", warm=True)
+    grace = 20  # --shutdown-grace: well under the compiling's time
+    flags = ("--warm-size", "2048x2048", "--shutdown-grace", str(grace))
+    process, _ = serve_process.start(klein_home, *flags, warm=True)
     code, took = Running.interrupt_process(process)
     assert code == 0, serve_process.log_of(process)
-    assert took < STOPPED_WITHIN < cli_serve.GRACE
+    assert took < STOPPED_WITHIN < grace

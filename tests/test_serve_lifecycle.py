@@ -27,7 +27,9 @@ SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 2, "se
 
 @pytest.fixture(scope="module")
 def server(klein_home):
-    process, url = start(klein_home, "--max-queue", "2", "--max-batch", "4", "--api-key", KEY)
+    # The long job finishes after SIGTERM however slow the machine: a grace it cannot run past.
+    flags = ("--max-queue", "2", "--max-batch", "4", "--api-key", KEY, "--shutdown-grace", "600")
+    process, url = start(klein_home, *flags)
     yield process, url
     stop(process)
 

@@ -1,7 +1,7 @@
 """`klein serve` over loopback, for work that cannot run forever: the per-job time limit (504, through the
 openai client), DELETE /v1/jobs/{id} on a queued, a running and a finished job, the cap on open event
-streams (429 with Retry-After), uvicorn's connection limit (503) and keep-alive timeout, and kept
-results that expire (404 saying so)."""
+streams (429 with Retry-After), the connection limit (503 past it, while idle sockets make room) and the
+keep-alive timeout, and kept results that expire (404 saying so)."""
 
 import json
 import socket
@@ -92,19 +92,27 @@ def test_cancel_a_running_and_a_queued_job_and_cap_event_streams(server):
     assert gone.status_code == 404 and "deleted" in gone.json()["error"]["message"]
 
 
-def test_connections_past_the_limit_get_503_and_idle_ones_are_closed(server):
+def test_idle_sockets_lock_no_one_out_busy_ones_past_the_limit_get_503_and_idle_ones_are_closed(server):
     url = server
     host, port = url.removeprefix("http://").split(":")
-    idle = [socket.create_connection((host, int(port))) for _ in range(6)]
+    connect = lambda: socket.create_connection((host, int(port)), timeout=30)  # noqa: E731
+    idle = [connect() for _ in range(6)]  # never a byte: the oldest makes room for a new connection
     try:
-        wait_for(lambda: _refused(url), "uvicorn to count the idle connections")
+        assert httpx.get(url + "/healthz").status_code == 200
     finally:
         for sock in idle:
             sock.close()
+    busy = [connect() for _ in range(6)]  # each a request under way, its body not sent yet
+    try:
+        for sock in busy:
+            sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n")
+        wait_for(lambda: _refused(url), "the server to count the busy connections")
+    finally:
+        for sock in busy:
+            sock.close()
     wait_for(lambda: httpx.get(url + "/healthz").status_code == 200, "the connections' slots back")
-    with socket.create_connection((host, int(port))) as sock:
+    with connect() as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        sock.settimeout(30)  # the server closes the idle connection after --keep-alive-timeout 1
         received = b""
         while chunk := sock.recv(4096):  # a timeout here: the connection was kept open
             received += chunk
@@ -113,6 +121,10 @@ def test_connections_past_the_limit_get_503_and_idle_ones_are_closed(server):
 
 def _refused(url: str) -> bool:
     try:
-        return httpx.get(url + "/healthz", timeout=5).status_code == 503
+        response = httpx.get(url + "/healthz", timeout=5)
     except httpx.HTTPError:
         return False
+    if response.status_code != 503:
+        return False
+    assert response.json()["error"]["code"] == "too_many_connections"
+    return int(response.headers["Retry-After"]) >= 1

@@ -36,6 +36,12 @@ def test_limits_must_be_positive():
         (["--result-ttl", "soon"], "invalid float value"),
         (["--max-result-bytes", "lots"], "'lots' is not a size"),
         (["--port", "http"], "invalid int value"),
+        (["--min-body-rate", "0"], "--min-body-rate must be a positive number"),
+        (["--header-timeout", "soon"], "invalid float value"),
+        (
+            ["--upload-budget-bytes", "1MiB"],
+            "--upload-budget-bytes (1MiB) must be at least --max-upload-bytes",
+        ),
     ],
 )
 def test_bad_serve_flags_exit_2_with_one_line(capsys, argv, words):

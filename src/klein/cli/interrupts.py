@@ -24,10 +24,13 @@ GRACE = 3.0
 
 
 @contextlib.contextmanager
-def stoppable(grace: float = GRACE, stopping: str = "stopping") -> Iterator[None]:
+def stoppable(
+    grace: float = GRACE, stopping: str = "stopping", signals: tuple[int, ...] = (signal.SIGINT,)
+) -> Iterator[None]:
     """Within: a Ctrl+C prints `stopping` and is a KeyboardInterrupt as usual, and the process exits 130
-    `grace` seconds later if it has not by then, or at once on a second Ctrl+C. Leaving ends the watch,
-    unless by that KeyboardInterrupt: then it goes on, so that an exit stuck in XLA ends in time too."""
+    `grace` seconds later if it has not by then, or at once on a second Ctrl+C. `signals`: those watched so
+    (each whose Python handler runs: `klein serve` adds SIGTERM, exit 143). Leaving ends the watch, unless
+    by that KeyboardInterrupt: then it goes on, so that an exit stuck in XLA ends in time too."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
@@ -36,7 +39,7 @@ def stoppable(grace: float = GRACE, stopping: str = "stopping") -> Iterator[None
     previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     ended = threading.Event()
     watcher = threading.Thread(
-        target=_watch, args=(read, grace, stopping, ended), name="klein-interrupts", daemon=True
+        target=_watch, args=(read, grace, stopping, ended, signals), name="klein-interrupts", daemon=True
     )
     watcher.start()
     interrupted = False
@@ -52,35 +55,36 @@ def stoppable(grace: float = GRACE, stopping: str = "stopping") -> Iterator[None
             os.close(write)  # wakes the watcher, which closes `read`
 
 
-def _watch(read: int, grace: float, stopping: str, ended: threading.Event) -> None:
-    deadline = None
+def _watch(read: int, grace: float, stopping: str, ended: threading.Event, watched: tuple[int, ...]) -> None:
+    deadline, code = None, EXIT_INTERRUPTED
     while True:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _, _ = select.select([read], [], [], timeout)  # the GIL is free meanwhile
         if not ready and not ended.is_set():
-            exit_now()  # the grace is over
+            exit_now(code)  # the grace is over
         signals = os.read(read, 64) if ready else b""
         if ended.is_set() or not signals:
             os.close(read)
             return
         for number in signals:
-            if number != signal.SIGINT:
+            if number not in watched:
                 continue
             if deadline is not None:
-                exit_now()  # a second Ctrl+C
-            deadline = time.monotonic() + grace
-            _say(f"{stopping} (Ctrl+C again to stop at once)")
+                exit_now(code)  # a second signal
+            deadline, code = time.monotonic() + grace, 128 + number  # as a shell reports a signal's stop
+            again = " (Ctrl+C again to stop at once)" if number == signal.SIGINT else ""
+            _say(f"{stopping}{again}")
 
 
-def exit_now() -> NoReturn:
-    """Remove the temporary files of the writes under way and exit 130 without waiting for anything: not
+def exit_now(code: int = EXIT_INTERRUPTED) -> NoReturn:
+    """Remove the temporary files of the writes under way and exit `code` without waiting for anything: not
     for the computation in flight, which the interpreter's exit would (and a second Ctrl+C meanwhile would
     end the process by the signal, not with 130)."""
     durable.remove_temporaries()
     _say("interrupted")
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()  # the paths already reported
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(code)
 
 
 def _say(line: str) -> None:

@@ -21,9 +21,6 @@ from klein.serve import security
 from klein.serve.options import ServeOptions, show_size
 from klein.version import version
 
-GRACE = 10.0
-"""Seconds a Ctrl+C leaves the running job to finish before klein stops at once (compiling ahead: none)."""
-
 DESCRIPTION = """\
 Serve an OpenAI-compatible images API (POST /v1/images/generations, /v1/images/edits), reference
 sets kept encoded across requests (POST /v1/references), jobs with progress events (/v1/jobs), /healthz,
@@ -45,11 +42,12 @@ examples:
   klein serve --replicas 2 --model black-forest-labs/FLUX.2-klein-9b-kv  # 2 replicas on a local Ray
   curl -s localhost:8000/v1/images/generations -H 'Content-Type: application/json' \\
       -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'"""
-EXAMPLES += f"""
+EXAMPLES += """
 
-SIGTERM stops gracefully: nothing new is accepted, the running job finishes, exit 0. Ctrl+C too, but gives
-the running job {GRACE:g} s: past them, or at a second Ctrl+C, klein stops at once, exit 130 (the running
-job's client gets no answer). Compiling ahead, no job runs: either stops at once, exit 0."""
+SIGTERM and Ctrl+C stop gracefully: nothing new is accepted, queued jobs and clients still sending a body get
+503, and the running job has --shutdown-grace seconds to finish: exit 0. Past them, or at a second signal,
+klein stops at once: exit 143 after SIGTERM, 130 after Ctrl+C (the running job's client gets no answer).
+Compiling ahead, no job runs: either signal stops it at once, exit 0."""
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -95,7 +93,7 @@ def serve_parser() -> argparse.ArgumentParser:
     defaults = ServeOptions()
     for name, help_ in _LIMITS.items():
         field = name.replace("-", "_")
-        sized = field.endswith("bytes")
+        sized = field.endswith("bytes") or field in RATES
         default = getattr(defaults, field)
         seconds = isinstance(default, float)
         add(
@@ -112,6 +110,8 @@ def _shown(field: str, default) -> str:
     """A default as a person reads it (2GiB, 2048x2048 px), not a raw count."""
     if field.endswith("bytes"):
         return show_size(default)
+    if field in RATES:
+        return f"{show_size(default)}/s"
     return show_pixels(default) if field == "max_pixels" else str(default)
 
 
@@ -201,9 +201,22 @@ _LIMITS = {
     "result-ttl": "seconds a finished /v1/jobs result is kept; then GET /v1/jobs/ID says it expired",
     "job-timeout": "seconds a job may run; past it, it stops at its next denoising step (504)",
     "max-event-streams": "open /v1/jobs/ID/events streams; more get 429 with Retry-After",
-    "limit-concurrency": "connections uvicorn serves at once; more get 503",
-    "keep-alive-timeout": "seconds an idle HTTP connection stays open",
+    "limit-concurrency": "connections open at once; past them a new one closes the oldest idle connection "
+    "that has shown no API key, or gets 503 if none is",
+    "max-unauthenticated": "connections open at once that have shown no valid API key (without keys: that have "
+    "sent no request); past them a new one closes the oldest idle one of them, or gets 503 if none is",
+    "keep-alive-timeout": "seconds an idle HTTP connection stays open between requests",
+    "header-timeout": "seconds a connection has to send a request's headers, from its opening or the request's "
+    "first byte; then it is closed",
+    "min-body-rate": "bytes a second a request body must arrive at, over every 5 s; a slower client gets 408 "
+    "and is cut",
+    "upload-budget-bytes": "bytes of request bodies being received at once, all clients together, each body "
+    "counted by its Content-Length (or its cap) from its headers; one past them gets 429 with Retry-After "
+    "before it is read",
+    "shutdown-grace": "seconds the running job has to finish after SIGTERM or Ctrl+C; then klein stops at once",
 }
+RATES = ("min_body_rate",)
+"""The limits in bytes a second: SIZE text, shown with /s."""
 
 
 def serve_command(flags: argparse.Namespace) -> int:
@@ -257,12 +270,13 @@ def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> in
     from klein.serve.server import serve
 
     print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)
-    stopping = f"stopping: nothing new is accepted; the running job has {GRACE:g} s to finish"
-    with interrupts.stoppable(GRACE, stopping):
+    grace = options.shutdown_grace
+    stopping = f"stopping: nothing new is accepted; the running job has {grace:g} s to finish"
+    with interrupts.stoppable(grace, stopping, (signal.SIGINT, signal.SIGTERM)):
         pipe = load(loading)
         pipe.memory_limit = flags.memory_limit
         # While it serves, uvicorn's handler takes Ctrl+C (a graceful stop, as SIGTERM's) and raises it again
         # once stopped, to the handler it found: ignored, rather than a KeyboardInterrupt (exit 130) after a
-        # clean stop. The watch of `stoppable` still sees every Ctrl+C.
+        # clean stop. The watch of `stoppable` still sees every Ctrl+C and SIGTERM.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return serve(pipe, options, flags.host, flags.port, version(), warm_shapes(flags, options))

@@ -1,5 +1,6 @@
 """What every HTTP request of `klein serve` passes before a route sees it: Host, Origin, CORS preflight, the
-API key and its rate, the body cap; every response counted for /metrics."""
+API key and its rate, the body cap, the queue and the body budget (`intake`); every response counted for
+/metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from starlette.datastructures import Headers
 
 from klein.serve import body_cap
 from klein.serve.errors import ApiError
+from klein.serve.intake import Intake
 from klein.serve.quotas import Quotas
 from klein.serve.security import STATE_CHANGING, Access
 
@@ -27,6 +29,7 @@ class Guard:
     def __init__(self, app, service, quotas: Quotas):
         self.app, self.service, self.quotas = app, service, quotas
         self.access: Access = service.options.access
+        self.intake = Intake(service, quotas)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -55,7 +58,14 @@ class Guard:
         allowed, what = body_cap.limit(headers, self.service.options.max_upload_bytes)
         if headers.get("content-length", "").isdigit() and int(headers["content-length"]) > allowed:
             return await body_cap.TooLarge(allowed, what).error.response()(scope, receive, counted)
-        return await self.app(scope, body_cap.capped(receive, allowed, what), counted)
+        try:
+            release = self.intake.admit(scope, headers, allowed)
+        except ApiError as error:
+            return await error.response()(scope, receive, counted)
+        try:
+            return await self.app(scope, body_cap.capped(receive, allowed, what), counted)
+        finally:
+            release()
 
     def _admit(self, scope, headers: Headers) -> Response | None:
         """None to let the request through; a response (a preflight's), or an `ApiError`, to stop it."""

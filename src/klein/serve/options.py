@@ -40,7 +40,13 @@ class ServeOptions:
     job_timeout: float = 1800.0
     max_event_streams: int = 64
     limit_concurrency: int = 256
+    max_unauthenticated: int = 64
     keep_alive_timeout: float = 5.0
+    header_timeout: float = 10.0
+    min_body_rate: int = 4 * 2**10
+    """Bytes a second."""
+    upload_budget_bytes: int = 512 * 2**20
+    shutdown_grace: float = 20.0
     access: Access = Access()
 
     def __post_init__(self) -> None:
@@ -49,3 +55,8 @@ class ServeOptions:
             if field.name != "access" and (not isinstance(value, int | float) or value <= 0):
                 flag = "--" + field.name.replace("_", "-")
                 raise InputError(f"{flag} must be a positive number, got {value!r}")
+        if self.upload_budget_bytes < self.max_upload_bytes:
+            raise InputError(
+                f"--upload-budget-bytes ({show_size(self.upload_budget_bytes)}) must be at least "
+                f"--max-upload-bytes ({show_size(self.max_upload_bytes)}): a body that large could never be read"
+            )

@@ -49,6 +49,14 @@ class Quotas:
                 raise _limited(f"{counted(key.rpm, 'request')} a minute", key, retry)
             self._tokens[key.label] = (tokens - 1, now)
 
+    def check_job(self, key: ApiKey | None) -> None:
+        """A 429 if `key` holds all its job slots, taking none (asked from a request's headers, before its
+        body is read; `job` takes the slot once it is)."""
+        if key is not None and key.jobs is not None:
+            with self._lock:
+                if self._jobs.get(key.label, 0) >= key.jobs:
+                    raise _limited(f"{counted(key.jobs, 'job')} at once", key, 1)
+
     def job(self, key: ApiKey | None) -> Callable[[], None]:
         """Take one of `key`'s job slots (a 429 if all are taken); the function that gives it back."""
         if key is None or key.jobs is None:

@@ -1,5 +1,6 @@
-"""Running the service under uvicorn, with the graceful stop SIGTERM asks for: queued jobs fail (503),
-the running one finishes, and `klein serve` exits 0."""
+"""Running the service under uvicorn, with the graceful stop SIGTERM and Ctrl+C ask for: queued jobs fail
+(503), clients still sending a body are answered 503 and cut, the running job has --shutdown-grace seconds
+to finish, and `klein serve` exits 0 (past the grace, `klein.cli.interrupts` ends it: 143, or 130)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import uvicorn
 
 from klein.errors import InputError
 from klein.serve.app import create_app
+from klein.serve.connections import Protocol
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
 
@@ -41,15 +43,19 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
         # `klein.cli.interrupts` sees a Ctrl+C that uvicorn handles too, and stops at once past its grace.
         loop="asyncio",
         log_level="info",
-        # Past this many connections uvicorn answers 503 at once, rather than taking sockets and memory
-        # without bound; idle keep-alive connections are closed after the timeout.
-        limit_concurrency=options.limit_concurrency,
+        # h11 (not httptools, where installed), held to the limits uvicorn lacks: klein.serve.connections
+        # counts the connections (--limit-concurrency), so uvicorn's own count, idle sockets included, is off.
+        http=Protocol.factory(options),
+        ws="none",  # no route takes a WebSocket, and an upgraded connection would leave klein's clocks
+        limit_concurrency=None,
         timeout_keep_alive=options.keep_alive_timeout,
+        timeout_graceful_shutdown=options.shutdown_grace,
     )
     server = _Server(config, service)
     # uvicorn raises a caught SIGTERM again once it has shut down; by then the stop was graceful, so the
-    # handler it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.
-    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    # disposition it restores is this one, which lets `klein serve` exit 0 instead of dying by the signal.
+    # Ignored rather than handled: a Python handler would wake `klein.cli.interrupts` as a second SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stopped = False  # asked to: by SIGTERM or Ctrl+C
     try:
         server.run()

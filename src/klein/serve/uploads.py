@@ -10,12 +10,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from klein import images, masks
 from klein.errors import InputError, counted
 from klein.pipeline import cache_keys
-from klein.serve import body_cap
+from klein.serve import body_cap, errors
 from klein.serve.errors import ApiError
 from klein.serve.options import ServeOptions
 from klein.serve.reference_sets import PreparedImage
@@ -79,6 +79,8 @@ async def read_form(request: Request, options: ServeOptions, mask: bool = False)
         said = error.detail if isinstance(error, HTTPException) else error.message
         code = next((code for word, code in LIMIT_CODES.items() if word in said.lower()), "invalid_multipart")
         raise ApiError(400, f"malformed or over-limit multipart body: {said}", code, None) from None
+    except ClientDisconnect:  # gone, or cut for sending too slowly (klein.serve.connections)
+        raise errors.client_closed() from None
     if len(files) > options.max_references:
         raise ApiError(
             400,
