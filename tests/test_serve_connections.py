@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.serve_process import log_of, start, stop
+from tests.support.serve_process import job_status, log_of, start, stop, wait_for
 
 KEY = "connections-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -66,17 +66,6 @@ def answered(sock: socket.socket, seconds: float) -> bytes:
     except (TimeoutError, ConnectionError):
         pass
     return received
-
-
-def wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + 120
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def status(url: str, job: str) -> str:
-    return httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["status"]
 
 
 def closed_by_server(sockets: list[socket.socket], seconds: float) -> int:
@@ -155,7 +144,7 @@ def refused_upload(url: str, key: str) -> bytes:
 def test_an_upload_past_its_key_s_jobs_or_to_a_full_queue_is_refused_before_its_body_is_sent(server):
     _, url = server
     running = httpx.post(url + "/v1/jobs", json=LONG, headers=AUTH).json()["id"]
-    wait_for(lambda: status(url, running) == "running", "the long job to start")
+    wait_for(lambda: job_status(url, running, AUTH) == "running", "the long job to start")
     jobs = [httpx.post(url + "/v1/jobs", json=SHORT, headers={"Authorization": f"Bearer {LIMITED}"})]
     try:
         assert jobs[0].status_code == 202  # queued: the limited key's one job
@@ -170,7 +159,9 @@ def test_an_upload_past_its_key_s_jobs_or_to_a_full_queue_is_refused_before_its_
         for job in [*(job.json().get("id") for job in jobs), running]:
             if job is not None:
                 httpx.delete(f"{url}/v1/jobs/{job}", headers=AUTH)
-        wait_for(lambda: status(url, running) == "cancelled", "the long job to stop")  # the worker is free
+        wait_for(
+            lambda: job_status(url, running, AUTH) == "cancelled", "the long job to stop"
+        )  # the worker is free
 
 
 def test_sigterm_stops_the_server_while_a_client_trickles_its_body(server):

@@ -7,7 +7,6 @@ import io
 import json
 import signal
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -15,7 +14,7 @@ import PIL.Image
 import pytest
 
 from tests.support.compare import max_abs
-from tests.support.serve_process import log_of, metrics, start, stop
+from tests.support.serve_process import log_of, metrics, start, stop, wait_for
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -58,13 +57,6 @@ def events(url: str, job: str) -> list[tuple[str, dict]]:
 
 def submit(url: str, body: dict) -> httpx.Response:
     return httpx.post(url + "/v1/jobs", json=body, headers=AUTH)
-
-
-def wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + 120
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def pixels(result: dict, index: int = 0) -> tuple[np.ndarray, dict]:

@@ -6,28 +6,16 @@ keep-alive timeout, and kept results that expire (404 saying so)."""
 import json
 import socket
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.support.serve_process import metrics, running
+from tests.support.serve_process import job_status, metrics, running, wait_for
 
 # Long enough (several seconds of steps, even compiled) to be running while a test acts on it.
 LONG = {"prompt": "a long job", "size": "1280x1280", "num_inference_steps": 40, "seed": 1}
 SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 1, "seed": 2}
-
-
-def wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + 120
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def status(url: str, job: str) -> str:
-    return httpx.get(f"{url}/v1/jobs/{job}").json()["status"]
 
 
 def test_a_job_past_the_time_limit_is_a_504_and_the_server_goes_on(klein_home):
@@ -82,11 +70,11 @@ def test_cancel_a_running_and_a_queued_job_and_cap_event_streams(server):
     assert sum(name == "step" for name, _ in received) < 40
     view = httpx.get(f"{url}/v1/jobs/{long}").json()
     assert view["status"] == "cancelled" and view["result"] is None
-    assert status(url, queued) == "cancelled"
+    assert job_status(url, queued) == "cancelled"
     wait_for(lambda: metrics(url)["klein_event_streams"] == 0, "the stream's slot back")
 
     done = httpx.post(url + "/v1/jobs", json=SHORT).json()["id"]  # the worker goes on
-    wait_for(lambda: status(url, done) == "done", "a job after the cancelled one")
+    wait_for(lambda: job_status(url, done) == "done", "a job after the cancelled one")
     assert httpx.delete(f"{url}/v1/jobs/{done}").json()["deleted"] is True
     gone = httpx.get(f"{url}/v1/jobs/{done}")
     assert gone.status_code == 404 and "deleted" in gone.json()["error"]["message"]

@@ -94,3 +94,16 @@ def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
     text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     return {name: float(value) for name, value in samples}
+
+
+def wait_for(predicate, what: str, seconds: float = 120) -> None:
+    """Until `predicate()` is true, failing the test after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def job_status(url: str, job: str, headers: dict | None = None) -> str:
+    """A job's status, as GET /v1/jobs/{job} says it."""
+    return httpx.get(f"{url}/v1/jobs/{job}", headers=headers).json()["status"]
