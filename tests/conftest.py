@@ -2,18 +2,10 @@
 
 import os
 
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-
 # Every test runs on the CPU unless KLEIN_TEST_TPU=1 leaves JAX the platforms it finds: on a TPU host, the
 # tests marked `tpu` then run on the chip (docs/testing.md, "On a TPU").
 if os.environ.get("KLEIN_TEST_TPU") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # The tests' tiny programs run for milliseconds and compile for far longer: XLA's CPU code is generated
-    # with LLVM's optimisation off (XLA's own passes over the program are unchanged), in this process and
-    # in every process it starts (servers, CLI runs), which takes a fifth off the suite's CPU time
-    # (docs/testing.md). Tests that need XLA's ordinary compile times take it out (test_interrupts.py).
-    if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 import pytest  # noqa: E402
 

@@ -16,7 +16,6 @@ import time
 import pytest
 
 from klein.cli import interrupts
-from tests.conftest import FAST_COMPILE
 from tests.support import serve_process
 
 pytestmark = pytest.mark.slow
@@ -42,8 +41,6 @@ class Running:
 
     def __init__(self, klein_home, *args, cwd, env=None):
         env = {**os.environ, "KLEIN_HOME": str(klein_home), "JAX_PLATFORMS": "cpu", **(env or {})}
-        # XLA's ordinary compile times: the stages these tests interrupt last for seconds only with them.
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
         command = [sys.executable, "-m", "klein.cli.main", *map(str, args)]
         self.process = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

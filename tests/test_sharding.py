@@ -24,10 +24,10 @@ from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import KLEIN_9B
-from tests.conftest import FAST_COMPILE
 from tests.support.compare import max_abs
 
 ROOT = Path(__file__).resolve().parent.parent
+FAST_COMPILE = "--xla_backend_optimization_level=0"
 CHILD_SECONDS = 420
 
 

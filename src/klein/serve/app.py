@@ -272,4 +272,6 @@ async def _wait(worker, job: Job, request: Request) -> dict:
             return future.result()
         if await request.is_disconnected():
             worker.abandon(job)
+            # Nobody reads the job's end now: marked as read, so asyncio does not log it as lost.
+            future.add_done_callback(lambda ended: ended.cancelled() or ended.exception())
             raise errors.client_closed()
