@@ -11,7 +11,7 @@ from klein.errors import CheckpointError, InputError
 from klein.io import taef2_checkpoint
 from klein.io.taef2_checkpoint import load_taef2
 from klein.pipeline.preview import Previewer
-from tests.support.taef2_reference import reference_decoder, save_reference
+from tests.support.taef2_reference import reference_decoder, reference_frames, save_reference
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +24,6 @@ def packed_latents(batch: int, h: int, w: int, seed: int = 0) -> np.ndarray:
     """float32[batch, h * w, 128] normalised latents as the step callback sees them, wide enough (std 2)
     that the decoder's soft clamp matters."""
     return 2 * np.random.default_rng(seed).standard_normal((batch, h * w, 128)).astype(np.float32)
-
-
-def reference_frames(decoder, latents: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The reference's [B, 16h, 16w, 3]: tokens to a [B, 128, h, w] grid, unpatchified as ComfyUI feeds
-    TAEF2 (channel 4c + 2dy + dx is channel c at pixel (2i + dy, 2j + dx))."""
-    b = latents.shape[0]
-    grid = torch.from_numpy(latents).reshape(b, h, w, 128).permute(0, 3, 1, 2)
-    z = grid.reshape(b, 32, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, 32, 2 * h, 2 * w)
-    with torch.no_grad():
-        return decoder(z).permute(0, 2, 3, 1).numpy()
 
 
 @pytest.mark.parametrize("layout", ["decoder", "module", "diffusers"])

@@ -6,6 +6,7 @@ decoder's (`1.weight`, `3.pool.1.bias`, ...), so random weights saved from it ar
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -98,3 +99,13 @@ def save_reference(decoder: nn.Sequential, path, layout: str = "decoder", dtype=
             64, 3, 3, 3, dtype=dtype
         )
     save_file(state, str(path))
+
+
+def reference_frames(decoder, latents: np.ndarray, h: int, w: int) -> np.ndarray:
+    """The reference's [B, 16h, 16w, 3]: tokens to a [B, 128, h, w] grid, unpatchified as ComfyUI feeds
+    TAEF2 (channel 4c + 2dy + dx is channel c at pixel (2i + dy, 2j + dx))."""
+    b = latents.shape[0]
+    grid = torch.from_numpy(np.array(latents, np.float32)).reshape(b, h, w, 128).permute(0, 3, 1, 2)
+    z = grid.reshape(b, 32, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, 32, 2 * h, 2 * w)
+    with torch.no_grad():
+        return decoder(z).permute(0, 2, 3, 1).numpy()
