@@ -7,6 +7,7 @@ import pytest
 
 from klein.errors import InputError
 from klein.io import taef2_checkpoint
+from klein.pipeline.preview import Previewer
 from tests.support.taef2_reference import reference_decoder, reference_frames, save_reference
 
 FAST = dict(height=48, width=64, num_inference_steps=2, seed=3)
@@ -55,6 +56,19 @@ def test_preview_true_reads_klein_s_folder_and_says_what_to_download(pipes, taef
     (tmp_path / "taef2.safetensors").write_bytes(taef2[0].read_bytes())
     pipe(prompt="a cat", preview=True, callback_on_step_end=callback, **FAST)
     assert len(frames) == 2 and frames[0][0].size == (64, 48)
+
+
+def test_only_the_frames_a_callback_reads_are_decoded(pipes, taef2, monkeypatch):
+    decoded, seen = [], []
+    images = Previewer.images
+    monkeypatch.setattr(Previewer, "images", lambda self, *args: decoded.append(1) or images(self, *args))
+
+    def every_other_step(p, step, timestep, kwargs):
+        assert "preview" in kwargs
+        seen.append(kwargs["preview"] if step % 2 else kwargs.get("latents").shape)
+
+    pipes("distilled")(prompt="a cat", preview=taef2[0], callback_on_step_end=every_other_step, **FAST)
+    assert len(decoded) == 1 and len(seen) == 2 and len(seen[1]) == 1
 
 
 @pytest.mark.parametrize(

@@ -215,7 +215,7 @@ class DiffusersSurface:
         previews = preview.previewer(options.preview, channels) if options.preview else None
 
         def on_step_end(i, t, latents, grid):
-            return step_end(self, i, t, preview.step_kwargs(latents, grid, previews))
+            return step_end(self, i, t, preview.StepKwargs(latents, grid, previews))
 
         try:
             out = self.generate(request, progress or bar, on_step_end=step_end and on_step_end)

@@ -60,9 +60,23 @@ def _load(path: str, stamp, latent_channels: int) -> Previewer:
     return Previewer(taef2_checkpoint.load_taef2(path, latent_channels=latent_channels))
 
 
-def step_kwargs(latents: np.ndarray, grid, previews: Previewer | None) -> dict:
-    """The dict a diffusers-style step callback receives: the latents, and under `preview=` the step's
-    frames as "preview" (RGB images, one per image)."""
-    if previews is None:
-        return {"latents": latents}
-    return {"latents": latents, "preview": previews.images(latents, grid)}
+class StepKwargs(dict):
+    """The dict a diffusers-style step callback receives: "latents", and under `preview=` the step's frames
+    as "preview" (RGB images, one per image), decoded when the callback first reads them: a callback that
+    shows every fourth step pays for those alone."""
+
+    def __init__(self, latents: np.ndarray, grid, previews: Previewer | None):
+        super().__init__(latents=latents)
+        self._frames = None if previews is None else functools.partial(previews.images, latents, grid)
+
+    def __missing__(self, key):
+        if key != "preview" or self._frames is None:
+            raise KeyError(key)
+        self[key] = frames = self._frames()
+        return frames
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(key) or (key == "preview" and self._frames is not None)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
