@@ -48,7 +48,7 @@ def missing_message(path: Path) -> str:
     """What to do when the weights are not at `path`."""
     return (
         f"previews need TAEF2's decoder weights, and {path} does not exist: download {DOWNLOAD} "
-        f"(2.7 MB) to {default_path()}, or pass the path of a TAEF2 safetensors file (taef2.safetensors "
+        f"to {default_path()}, or pass the path of a TAEF2 safetensors file (taef2.safetensors "
         f"or taef2_decoder.safetensors)"
     )
 
