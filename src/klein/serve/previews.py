@@ -23,6 +23,11 @@ SIDE = 384
 QUALITY = 80  # JPEG quality of a frame
 
 
+def available() -> bool:
+    """Whether TAEF2's weights are where the server reads them (GET /v1/config tells the page)."""
+    return taef2_checkpoint.default_path().is_file()
+
+
 def previewer(pipe):
     """The server's TAEF2 (`$KLEIN_HOME/taef2.safetensors`), or a 400 saying why there is none."""
     path = taef2_checkpoint.default_path()

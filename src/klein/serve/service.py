@@ -168,6 +168,7 @@ class Service:
             "default_guidance_scale": defaults.request.guidance_scale,
             "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
+            "previews": previews.available(),
             "jobs_done": self.metrics.jobs_done(viewer),
             "warming": self.warming,
             "warmed": self.warmed,
