@@ -2,8 +2,8 @@
 approximate images at the output's size (docs/previews.md).
 
 A frame shows the latents as they stand after the step: noise at first, the image emerging as the noise
-level falls. TAEF2 costs a small fraction of the VAE, but not nothing (docs/previews.md has the figures),
-so callers decode only the frames they show.
+level falls. A frame costs about a tenth of the VAE's decode (docs/previews.md has the figures), so
+callers decode only the frames they show.
 """
 
 from __future__ import annotations
