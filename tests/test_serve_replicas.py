@@ -146,6 +146,18 @@ def test_a_job_streams_its_steps_through_the_front_as_on_one_server(url):
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "num_inference_steps"
 
 
+def test_previews_are_not_relayed_behind_replicas_and_the_result_says_so(url):
+    assert front.get(url + "/v1/config").json()["previews"] is False  # the page does not ask for them
+    body = {"prompt": "a lighthouse", "size": "64x64", "seed": 1, "preview": True, **STEPS}
+    created = front.post(url + "/v1/jobs", json=body)
+    assert created.status_code == 202, created.text
+    with front.stream("GET", f"{url}/v1/jobs/{created.json()['id']}/events", timeout=120) as stream:
+        names = [line.removeprefix("event: ") for line in stream.iter_lines() if line.startswith("event: ")]
+    assert "preview" not in names and names[-1] == "done"
+    done = front.get(f"{url}/v1/jobs/{created.json()['id']}").json()
+    assert any("preview is ignored behind --replicas" in note for note in done["result"]["klein"]["warnings"])
+
+
 def test_b_a_replica_killed_under_load_costs_503s_with_retry_after_only(url):
     ids = [
         front.post(url + "/v1/references", files=[("image", picture(200 + s))], timeout=60).json()["id"]

@@ -232,10 +232,11 @@ def batch_rows(adapted, batch: int, guided: bool):
     return bank, np.concatenate([rows, rows]) if guided else rows
 
 
-def step_end(callback, step: int, sigma: float, x, images: int, tokens: int):
-    """Hand the step's latents (the first `images` images' first `tokens` tokens: no padding) to a
-    diffusers-style callback; take back the latents it returns."""
-    outputs = callback(step, float(sigma) * 1000, np.asarray(x[:images, :tokens], np.float32)) or {}
+def step_end(callback, step: int, sigma: float, x, images: int, grid: tuple[int, int]):
+    """Hand the step's latents (the first `images` images' tokens of the h x w token `grid`: no padding)
+    and the grid to a diffusers-style callback; take back the latents it returns."""
+    tokens = grid[0] * grid[1]
+    outputs = callback(step, float(sigma) * 1000, np.asarray(x[:images, :tokens], np.float32), grid) or {}
     if not isinstance(outputs, dict):
         raise InputError(f"callback_on_step_end must return a dict (or None), got {type(outputs).__name__}")
     latents = outputs.get("latents")

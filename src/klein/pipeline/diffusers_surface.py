@@ -19,7 +19,7 @@ from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.memory import residency as residency_policy
 from klein.models.variants import VARIANTS
-from klein.pipeline import reading
+from klein.pipeline import preview, reading
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.output import GenerationOutput
 from klein.pipeline.progress_bar import CallBar
@@ -200,7 +200,8 @@ class DiffusersSurface:
         """Generate from a `GenerationRequest`, or from a prompt and settings named as its fields, by
         keyword as diffusers' scripts pass them (`pipe(prompt=..., image=[...], num_inference_steps=...)`)
         or with the prompt first. diffusers' other arguments (`generator`, `return_dict`,
-        `callback_on_step_end`, ...) are read or refused by `klein.request.diffusers_args`.
+        `callback_on_step_end`, ...) are read or refused by `klein.request.diffusers_args`; klein's own
+        `preview=True` (or TAEF2's path) adds each step's frames to the callback's dict as "preview".
         `progress(event)` hears of every stage and step (`klein.pipeline.stage_events.StageEvent`); without
         one, a tqdm bar on stderr shows them (`set_progress_bar_config`)."""
         settings, options = diffusers_args.split(settings)
@@ -210,12 +211,14 @@ class DiffusersSurface:
             request = GenerationRequest.create(prompt=prompt, **settings)
         bar = None if progress is not None or self._bar_options.get("disable") else CallBar(self._bar_options)
         step_end = options.callback_on_step_end
+        channels = self.vae_config.latent_channels
+        previews = preview.previewer(options.preview, channels) if options.preview else None
+
+        def on_step_end(i, t, latents, grid):
+            return step_end(self, i, t, preview.StepKwargs(latents, grid, previews))
+
         try:
-            out = self.generate(
-                request,
-                progress or bar,
-                on_step_end=step_end and (lambda i, t, latents: step_end(self, i, t, {"latents": latents})),
-            )
+            out = self.generate(request, progress or bar, on_step_end=step_end and on_step_end)
         finally:
             if bar:
                 bar.close()

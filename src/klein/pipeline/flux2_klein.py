@@ -177,9 +177,9 @@ class Flux2KleinPipeline(DiffusersSurface):
 
     def generate(self, request: GenerationRequest, progress=None, *, on_step_end=None) -> GenerationOutput:
         """Run `request`. `progress(event)` as each stage starts, starts compiling and ends, and after
-        each denoising step (`klein.pipeline.stage_events`); `on_step_end(step, timestep, latents)` after
-        each step with the latents (numpy, packed [B, tokens, C], as diffusers' callback sees them),
-        returning a dict whose "latents", if any, replace them."""
+        each denoising step (`klein.pipeline.stage_events`); `on_step_end(step, timestep, latents, grid)`
+        after each step with the latents (numpy, packed [B, h * w, C], as diffusers' callback sees them)
+        and their token grid (h, w), returning a dict whose "latents", if any, replace them."""
         stages = Stages(self.counters, {}, progress)
         # 1. References, prepared on the host: their sizes decide the output size. A source to repaint
         #    (inpainting, image-to-image) is the first, prepared as diffusers prepares it (`klein.masks`).
@@ -403,7 +403,7 @@ class Flux2KleinPipeline(DiffusersSurface):
                 x = repaint.after_step(x, schedule[i + 1])
             if on_step_end:
                 # Counted from the first step that runs, as diffusers counts a shortened (strength) schedule.
-                x = denoise.step_end(on_step_end, i - first, schedule[i], x, run.images, h * w)
+                x = denoise.step_end(on_step_end, i - first, schedule[i], x, run.images, (h, w))
             if progress:
                 x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
                 progress(StageEvent("denoise", i + 1 - first, steps - first))

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 from klein.errors import PYTHON, InputError, no_negative_prompt
+from klein.io import taef2_checkpoint
 from klein.models.qwen3 import PROMPT_LAYERS, PROMPT_TOKENS
 
 _REFUSED = {
@@ -30,6 +32,9 @@ class CallOptions:
     callback_on_step_end: Callable | None = None
     """`callback(pipe, step, timestep, {"latents": ...})` after each denoising step; a returned "latents"
     replaces the latents."""
+    preview: bool | str | os.PathLike = False
+    """True, or the path of TAEF2's weights: the callback's dict also holds the step's "preview" frames
+    (`klein.pipeline.preview`); True reads the weights from klein's folder."""
 
 
 def split(settings: dict) -> tuple[dict, CallOptions]:
@@ -61,7 +66,18 @@ def split(settings: dict) -> tuple[dict, CallOptions]:
             f"callback_on_step_end_tensor_inputs may only name 'latents' (klein's step keeps no other "
             f"tensor the callback could change), got {list(inputs)!r}"
         )
-    return settings, CallOptions(return_dict, callback)
+    preview = settings.pop("preview", None) or False
+    if not isinstance(preview, bool | str | os.PathLike):
+        raise InputError(
+            f"preview must be True (TAEF2's weights at {taef2_checkpoint.default_path()}), the path of "
+            f"TAEF2's safetensors file, or False; got {type(preview).__name__}"
+        )
+    if preview and callback is None:
+        raise InputError(
+            "preview= decodes each step's latents for callback_on_step_end, and no callback is given: pass "
+            "callback_on_step_end=fn, which finds the frames as kwargs['preview']"
+        )
+    return settings, CallOptions(return_dict, callback, preview)
 
 
 def _check_fixed(settings: dict) -> None:

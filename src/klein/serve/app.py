@@ -183,7 +183,7 @@ def _references(app: FastAPI, service: Service, quotas: Quotas) -> None:
 def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def create_job(body: schema.ImageBody, request: Request):
-        work = _work(service, body, request)
+        work = _work(service, body, request, job=True)
         job = await _submitted(quotas, request, lambda: _generation(service, work, keep=True))
         return {"id": job.id, "status": job.status}
 
@@ -217,11 +217,14 @@ def _jobs(app: FastAPI, service: Service, quotas: Quotas) -> None:
         return StreamingResponse(streams.stream(job, whose), media_type="text/event-stream")
 
 
-def _work(service: Service, body: schema.ImageBody, request: Request, asked=None, images=()) -> Generation:
-    """The generation a body asks for (`asked`: its request, if not read from it here)."""
+def _work(
+    service: Service, body: schema.ImageBody, request: Request, asked=None, images=(), job: bool = False
+) -> Generation:
+    """The generation a body asks for (`asked`: its request, if not read from it here); `job`: for POST
+    /v1/jobs, whose events may carry previews."""
     asked = schema.to_request(body, service.options) if asked is None else asked
-    notes = schema.ignored(body, service.health()["model"])
-    return Generation(asked, images, body.references, notes, owner(request.scope))
+    notes = schema.ignored(body, service.health()["model"], job)
+    return Generation(asked, images, body.references, notes, owner(request.scope), body.preview and job)
 
 
 async def _generation(service: Service, work: Generation, keep: bool = False) -> Job:

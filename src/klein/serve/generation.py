@@ -26,15 +26,18 @@ class Generation:
     """Fields of the body the server accepted but ignored, for the response's `warnings`."""
     owner: str | None = None
     """The label of the API key that sent it (None without keys): whose reference sets it names."""
+    preview: bool = False
+    """Frames of the first image in the job's events as it denoises (`klein.serve.previews`)."""
 
     @property
     def batch_key(self) -> tuple:
         """Generations with equal keys can run as one batch: one owner's (an API key's: a batch's prompts,
         LoRA slots and timings are then one key's, so none tells a key of another's work), same size, steps,
         guidance, step cache and references (then one LoRA set, as their keys and values are computed once);
-        a repaint runs alone. (Under one cache each image still decides on its own.)"""
+        a repaint, and a job with previews (its frames are its first image's), runs alone. (Under one cache
+        each image still decides on its own.)"""
         r = self.request
-        if r.repaints:
+        if r.repaints or self.preview:
             return (id(self),)
         refs = set_id(tuple(i.digest for i in self.images)) if self.images else self.reference_id
         loras = frozenset(r.lora_sets[0]) if refs is not None else None
@@ -67,13 +70,13 @@ class Generation:
         return None
 
 
-def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: str) -> dict:
-    """Generate, and the contract's response body."""
+def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: str, on_step_end=None) -> dict:
+    """Generate, and the contract's response body; `on_step_end` as `generate` takes it (previews)."""
     encoded = generation.references(sets)
     request = generation.request
     if encoded is not None:
         request = dataclasses.replace(request, references=encoded.references)
-    out = pipe.generate(request, progress)
+    out = pipe.generate(request, progress, on_step_end=on_step_end)
     cache = step_cache(out.step_cache)
     return respond(out.images, out.settings, encoded, out.timings, version, generation.notes, cache)
 

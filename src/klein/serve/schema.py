@@ -98,6 +98,12 @@ class _OpenAIBody(BaseModel):
         + "); the response's klein.step_cache says which steps each block group reused (a form field: the "
         "text, or the object as JSON)",
     )
+    preview: bool = Field(
+        False,
+        description='POST /v1/jobs: the job\'s events also carry "preview" frames, at most one a second, the '
+        "first image as TAEF2 decodes the latents after a step (a JPEG data URL; the server needs TAEF2's "
+        "weights, docs/previews.md); elsewhere ignored, with a warning",
+    )
     model: str | None = Field(
         None, description="accepted as OpenAI's clients send it; the server runs its model"
     )
@@ -135,6 +141,7 @@ ImageBody = pydantic.create_model(
 # Form fields are text: how each typed one reads (klein's setting kinds, the same as key=value words).
 _FORM_READERS = {
     "n": kinds.read_int,
+    "preview": kinds.read_bool,
     "loras": lambda key, text: _loras_field(text),
     "cache": lambda key, text: _cache_field(text),
 }
@@ -260,9 +267,12 @@ def to_request(body: ImageBody, options: ServeOptions) -> GenerationRequest:
         ) from None
 
 
-def ignored(body: ImageBody, model_name: str) -> tuple[str, ...]:
-    """OpenAI's fields that a body gives and klein does not use, in words for the response's `warnings`."""
+def ignored(body: ImageBody, model_name: str, job: bool = False) -> tuple[str, ...]:
+    """OpenAI's fields that a body gives and klein does not use, and `preview` outside a `job` (POST
+    /v1/jobs), in words for the response's `warnings`."""
     notes = []
+    if body.preview and not job:
+        notes.append("preview is ignored: previews stream as a job's events (POST /v1/jobs, then its events)")
     if body.model is not None and body.model != model_name:
         notes.append(f"model {body.model!r:.80} is ignored: this server runs {model_name}")
     if body.output_format is not None and body.output_format.lower() != "png":

@@ -13,7 +13,7 @@ from klein.errors import InputError
 from klein.pipeline import warmup
 from klein.pipeline.cache import ByteBudgetCache
 from klein.request.resolve import MIN_SIDE, MULTIPLE, caches_references, typical
-from klein.serve import batching, errors, generation, quotas
+from klein.serve import batching, errors, generation, previews, quotas
 from klein.serve.jobs import JobTable
 from klein.serve.lora_residency import LoraResidency
 from klein.serve.metrics import Metrics
@@ -72,6 +72,8 @@ class Service:
             self.pipe.check(work.request, work.reference_sizes(self.sets))
         except InputError as error:
             raise errors.from_input_error(error) from None
+        if work.preview:
+            previews.previewer(self.pipe)
 
     async def submit_generation(self, work: generation.Generation, keep: bool = False) -> Job:
         """Queue a generation (refused now, as an `ApiError`, if the worker would refuse it); with `keep`
@@ -87,8 +89,9 @@ class Service:
         return self.worker.submit(lambda job: encode(), owner=owner)
 
     def _generate(self, work: generation.Generation, job: Job) -> dict:
+        frames = previews.Frames(previews.previewer(self.pipe), job.events) if work.preview else None
         with self._as(work.owner, [work]):
-            result = generation.run(self.pipe, self.sets, work, job.step, self.version)
+            result = generation.run(self.pipe, self.sets, work, job.step, self.version, frames)
         self.metrics.observe_timings(result)
         return result
 
@@ -165,6 +168,7 @@ class Service:
             "default_guidance_scale": defaults.request.guidance_scale,
             "guided": defaults.mode.guided,
             "cached_references": self.sets.cached,
+            "previews": previews.available(),
             "jobs_done": self.metrics.jobs_done(viewer),
             "warming": self.warming,
             "warmed": self.warmed,

@@ -30,6 +30,7 @@ RETRY_AFTER = 5
 it at once; the replacement takes longer (a pipeline load)."""
 WARMING_POLL = 1.0
 """Seconds between the front's questions to replicas compiling ahead (`Front.follow_warming`)."""
+NO_PREVIEWS = "preview is ignored behind --replicas: the front does not relay a replica's frames yet"
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)
 """A replica died, or cannot be reached, while it held the request."""
 APP, REPLICA = "klein", "Replica"
@@ -116,7 +117,8 @@ class Front:
             self._config = await self.handle.config.remote()
 
     def config(self, viewer: Viewer = ALL) -> dict:
-        return {**self._config, "jobs_done": self.metrics.jobs_done(viewer), "replicas": self.replicas}
+        jobs_done = self.metrics.jobs_done(viewer)
+        return {**self._config, "jobs_done": jobs_done, "replicas": self.replicas, "previews": False}
 
     def loras(self, viewer: Viewer = ALL) -> dict:
         """GET /v1/loras: every replica offers the same LoRAs (one set of flags); which sit in slots is each
@@ -134,6 +136,8 @@ class Front:
     async def submit_generation(self, work: Generation, keep: bool = False) -> Job:
         """Send a generation to a replica; its job once the replica has accepted it (what it refuses is
         raised here, as a single server refuses before queueing); with `keep`, findable by id."""
+        if work.preview:  # the replica would decode frames nobody gets: none, and the result says so
+            work = dataclasses.replace(work, preview=False, notes=(*work.notes, NO_PREVIEWS))
         key = self.sets.put(work.images, work.owner) if work.images else work.reference_id
         images = (self.sets.images(key, work.owner),) if key is not None else ()
         sent = dataclasses.replace(work, images=(), reference_id=key)

@@ -103,7 +103,8 @@ async function submitJob(body) {
 async function submitRepaint(body, painted) {
   const refs = references.current();
   const form = new FormData();
-  for (const [name, value] of Object.entries(body)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
+  const { preview, ...fields } = body; // a repaint is answered whole, not a job: it has no previews
+  for (const [name, value] of Object.entries(fields)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
   for (const ref of refs) form.append("image", ref.blob, ref.name);
   if (painted) form.append("mask", painted, "mask.png");
   const started = performance.now();

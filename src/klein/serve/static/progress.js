@@ -1,7 +1,8 @@
 // How the running edit is going, above the results: a status line, which names the server's stage
 // (waiting for its warm-up, encoding, compiling, step k of n, decoding) and, at the end, the time taken,
 // apart from the wait for a warm-up; the progress bar, which follows the bytes of a reference upload, then
-// the denoising steps (a repaint, one request, shows no steps); and, once, a notice that a fresh server's
+// the denoising steps (a repaint, one request, shows no steps); on a server with previews, the first image
+// as it forms (a frame at most each second, decoded by TAEF2); and, once, a notice that a fresh server's
 // first request compiles the model's programs and so takes much longer than the ones after it.
 import { $, counted, formatSeconds } from "./dom.js";
 
@@ -39,6 +40,8 @@ export function end(ok) {
   if (ok) compileAhead = false;
   $("notice").hidden = true;
   $("progress").hidden = true;
+  $("preview").hidden = true;
+  $("preview").removeAttribute("src");
 }
 
 // An edit asked for while the server warms up waits for it, before anything is sent.
@@ -78,6 +81,10 @@ export function jobEvent(event) {
   } else if (event.name === "step") {
     const { step, steps } = event.data;
     setStatus(`Step ${step} of ${steps}`, step / steps);
+  } else if (event.name === "preview" && event.data.image) {
+    const frame = $("preview");
+    frame.src = event.data.image;
+    frame.hidden = false;
   }
 }
 

@@ -70,6 +70,7 @@ export function readSettings() {
   if (loras.length) body.loras = loras;
   const cache = readCache();
   if (cache !== null) body.cache = cache;
+  if (limits.previews) body.preview = true; // the server has TAEF2: show the image as it forms
   return body;
 }
 
