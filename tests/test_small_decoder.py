@@ -154,3 +154,5 @@ def test_the_plan_counts_the_smaller_decoder(demo_small, klein_home, monkeypatch
         count = sum(t.numel() for k, t in model.state_dict().items() if not k.endswith("num_batches_tracked"))
         assert planned["weights"]["vae"] == 4 * count < full["weights"]["vae"]
         assert planned["request_bytes"]["decode"] < full["request_bytes"]["decode"]
+    assert cli.main(["plan", "--vae", str(forms["whole"].parent / "none.safetensors")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
