@@ -61,9 +61,9 @@ def load_vae(folder: str | Path, dtype=jnp.float32, *, place=None) -> Autoencode
 
 
 def load_vae_file(path: str | Path, dtype=jnp.float32, *, place=None, own: Path | None = None):
-    """A whole VAE saved as one safetensors file without a config, in BFL's names (`ae.safetensors`,
-    `full_encoder_small_decoder.safetensors`) or diffusers'; its widths from the file, the rest from `own`
-    (`vae_config`); or a decoder alone, completed by `own`."""
+    """A VAE saved as one safetensors file without a config: a whole one in BFL's names (`ae.safetensors`,
+    `full_encoder_small_decoder.safetensors`) or diffusers', or a decoder alone (`small_decoder.safetensors`)
+    completed by `own`; its widths from the file, the rest from `own` (`vae_config`)."""
     return _load(*_opened(Path(path), own), dtype, place)
 
 

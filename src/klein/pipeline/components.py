@@ -1,6 +1,7 @@
 """Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one (a
-transformer file, the FLUX.2 `ae.safetensors` or a small decoder, a Qwen3 folder or GGUF), each a local file or folder or a
-Hugging Face repo id; a folder or repo holding a whole pipeline gives the part's subfolder.
+transformer file, the FLUX.2 `ae.safetensors` or FLUX.2-small-decoder's files, a Qwen3 folder or GGUF),
+each a local file or folder or a Hugging Face repo id; a folder or repo holding a whole pipeline gives the
+part's subfolder.
 """
 
 from __future__ import annotations
