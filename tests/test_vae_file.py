@@ -9,8 +9,8 @@ from flax import nnx
 
 from klein.errors import CheckpointError
 from klein.io.bfl_vae_keys import bfl_vae_key
-from klein.io.vae_checkpoint import load_vae, load_vae_file, read_config
-from tests.support.bfl_files import write_safetensors
+from klein.io.vae_checkpoint import load_vae, load_vae_file
+from tests.support.bfl_files import vae_to_bfl, write_safetensors
 from tests.support.tiny_vae import build_vae
 
 # FLUX.2's additions to the latent-diffusion names, as diffusers' convert_flux2_to_diffusers.py maps them.
@@ -31,21 +31,10 @@ def vae(tmp_path_factory):
     return folder / "vae", build_vae(folder)
 
 
-def bfl_state(model) -> dict[str, torch.Tensor]:
-    """The diffusers VAE in BFL naming, mid-block attention projections as 1x1 convolutions."""
-    levels = len(model.config.block_out_channels)
-    out = {}
-    for key, tensor in model.state_dict().items():
-        name = bfl_vae_key(key, levels)
-        is_attention = ".attn_1." in name and name.endswith(".weight") and tensor.ndim == 2
-        out[name] = tensor[:, :, None, None] if is_attention else tensor
-    return out
-
-
 def test_bfl_names_agree_with_diffusers(vae):
     _, model = vae
     state = model.state_dict()
-    bfl = bfl_state(model)
+    bfl = vae_to_bfl(model)
     back = convert_ldm_vae_checkpoint(dict(bfl), dict(model.config))
     assert back.keys() == state.keys() - FLUX2_ONLY.keys()
     for key, tensor in back.items():
@@ -61,9 +50,9 @@ def flat(model):
 @pytest.mark.parametrize("naming", ["bfl", "diffusers"])
 def test_single_file_equals_folder(vae, tmp_path, naming):
     folder, model = vae
-    state = bfl_state(model) if naming == "bfl" else model.state_dict()
+    state = vae_to_bfl(model) if naming == "bfl" else model.state_dict()
     path = write_safetensors(tmp_path / "ae.safetensors", state)
-    ours = load_vae_file(path, config=read_config(folder / "config.json"))
+    ours = load_vae_file(path, own=folder)  # its GroupNorm groups and blocks per level
     want = flat(load_vae(folder))
     got = flat(ours)
     assert got.keys() == want.keys()
@@ -73,9 +62,9 @@ def test_single_file_equals_folder(vae, tmp_path, naming):
 
 def test_default_config_is_the_real_vae(vae, tmp_path):
     _, model = vae
-    path = write_safetensors(tmp_path / "ae.safetensors", bfl_state(model))
-    with pytest.raises(CheckpointError, match="does not match the model"):
-        load_vae_file(path)  # the tiny file against the released FLUX.2 VAE's shapes
+    path = write_safetensors(tmp_path / "ae.safetensors", vae_to_bfl(model))
+    with pytest.raises(CheckpointError, match="with norm_num_groups=32"):
+        load_vae_file(path)  # the tiny file's widths under the released FLUX.2 VAE's config
 
 
 def test_transformer_passed_as_vae(tiny_transformer, tmp_path):

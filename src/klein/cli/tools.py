@@ -55,6 +55,12 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     add("--transformer", metavar="FILE", help="a transformer file (BFL, FP8, GGUF, NVFP4) in --model's place")
     add("--text-encoder", metavar="FILE", help="a Qwen3 GGUF text encoder, at the bytes its tensors take")
+    add(
+        "--vae",
+        metavar="FILE|FOLDER",
+        help="a VAE as klein generate --vae takes it, at its widths: FLUX.2-small-decoder's files count "
+        "its narrower decoder (small_decoder.safetensors with --model's encoder)",
+    )
     add("--mesh", help='axis sizes, e.g. "fsdp=4,context=2" (default: single; --target: all on tensor)')
     add("--target", metavar="NAME", help=f"a TPU slice or NVIDIA cards, e.g. {targets}, {gpus}, h100-80gb:8")
     add("--refs", type=int, default=0, help="reference images (default: 0)")
@@ -242,14 +248,29 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
 
 def _plan_files(flags: argparse.Namespace):
     """(name, `klein.memory.plan.Models`, dtype) of --model, or of --transformer in its place, with the
-    quantized Linears of --text-encoder's file."""
+    quantized Linears of --text-encoder's file and the widths of --vae's."""
     from klein.memory import plan
 
     transformer = flags.transformer and str(_existing(flags.transformer, "--transformer"))
     variant, models, dtype = _plan_model(transformer or flags.model, flags.dtype)
     if flags.text_encoder is not None:
         models = plan.with_files(models, text_encoder=_existing(flags.text_encoder, "--text-encoder"))
+    if flags.vae is not None:
+        models = dataclasses.replace(models, vae=_planned_vae(flags.vae, models.vae))
     return variant, models, dtype
+
+
+def _planned_vae(name: str, own):
+    """The config of --vae: a folder's config.json, or a single file's widths over `own` (the model's VAE
+    config, which also gives a decoder-only file its encoder)."""
+    from klein.io import vae_checkpoint
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return vae_checkpoint.read_config((path / "vae" if (path / "vae").is_dir() else path) / "config.json")
+    if not path.is_file():
+        raise InputError(f"--vae {name}: no such file or folder; give the path of the downloaded VAE")
+    return vae_checkpoint.file_config(path, own)
 
 
 def _existing(name: str, flag: str) -> Path:

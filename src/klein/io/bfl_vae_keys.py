@@ -1,6 +1,8 @@
 """Black Forest Labs' own key names for the FLUX.2 VAE (`ae.safetensors` of FLUX.2 [dev], ComfyUI's
-`flux2-vae.safetensors`), declared against diffusers' AutoencoderKLFlux2 names: the original latent-diffusion
-names, a decoder counting levels from the lowest resolution, 1x1 convolutions for the attention's Linears.
+`flux2-vae.safetensors`, FLUX.2-small-decoder's `full_encoder_small_decoder.safetensors`), declared against
+diffusers' AutoencoderKLFlux2 names: the original latent-diffusion names, a decoder counting levels from the
+lowest resolution, 1x1 convolutions for the attention's Linears. BFL's decoder alone
+(`small_decoder.safetensors`) has the same names less their `decoder.` prefix.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ def bfl_vae_key(key: str, levels: int) -> str:
     return key
 
 
-def piece(key: str, levels: int):
-    """How to read diffusers key `key` from a BFL VAE file."""
+DECODER = "decoder."
+"""The prefix of BFL's decoder keys, `post_quant_conv` included; a decoder-only file leaves it out."""
+
+
+def piece(key: str, levels: int, bare_decoder: bool = False):
+    """How to read diffusers key `key` from a BFL VAE file, or with `bare_decoder` from BFL's decoder
+    alone (its keys without the `decoder.` prefix)."""
     stored = bfl_vae_key(key, levels)
+    if bare_decoder:
+        stored = stored.removeprefix(DECODER)
     return Squeezed(stored) if _ATTENTION_WEIGHT.search(key) else Whole(stored)

@@ -149,3 +149,28 @@ class MappedSource:
 
     def get(self, key: str) -> np.ndarray:
         return self._table[key].read(self._source) if key in self._table else self._source.get(key)
+
+
+class Joined:
+    """Several sources seen as one: `parts` pairs each source with the predicate saying which of its keys it
+    gives (a decoder-only VAE file, and the encoder and latent statistics of another VAE); a key two parts
+    give comes from the first."""
+
+    def __init__(self, parts: Iterable[tuple]):
+        self._owner = {}
+        for source, gives in parts:
+            for key in source.keys():
+                if gives(key):
+                    self._owner.setdefault(key, source)
+
+    def keys(self) -> set[str]:
+        return set(self._owner)
+
+    def file_of(self, key: str) -> Path:
+        return self._owner[key].file_of(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._owner[key].shape(key)
+
+    def get(self, key: str) -> np.ndarray:
+        return self._owner[key].get(key)

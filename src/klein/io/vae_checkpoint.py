@@ -1,8 +1,16 @@
-"""Loading the FLUX.2 VAE into Flax NNX: from a diffusers `vae/` folder (config.json + safetensors), or from
-one single file in BFL or diffusers naming."""
+"""Loading the FLUX.2 VAE into Flax NNX: from a diffusers `vae/` folder (config.json + safetensors), from
+one single file in BFL or diffusers naming, or from a decoder alone (FLUX.2-small-decoder's
+`small_decoder.safetensors`, BFL's decoder keys without their `decoder.` prefix) completed by the encoder and
+latent statistics of another VAE, the model's own.
+
+A single file has no config: its widths per level, the encoder's and the decoder's apart (the small
+decoder's are [96, 192, 384, 384] under the encoder's [128, 256, 512, 512]), are read from the shape of
+each level's first convolution; the rest is FLUX.2's (or the completing VAE's).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -13,15 +21,35 @@ from klein.errors import CheckpointError
 from klein.io import bfl_vae_keys
 from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
-from klein.io.mapped import MappedSource
+from klein.io.mapped import Joined, MappedSource
 from klein.io.safetensors import TensorSource
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 
 # BatchNorm's training-step counter: saved by torch, meaningless for inference.
 SKIPPED_KEYS = frozenset({"bn.num_batches_tracked"})
-# One key that each naming of a single-file VAE has.
-_BFL_MARKER = "encoder.down.0.block.0.conv1.weight"
-_DIFFUSERS_MARKER = "encoder.down_blocks.0.resnets.0.conv1.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Naming:
+    """One naming of a single-file VAE: the keys of the first convolution of encoder and decoder level {}."""
+
+    name: str
+    encoder: str | None
+    """None: files of this naming hold a decoder only."""
+    decoder: str
+    lowest_first: bool
+    """Whether the decoder's levels count from the lowest resolution (diffusers') or the full one (BFL's)."""
+
+
+_BFL = _Naming("BFL", "encoder.down.{}.block.0.conv1.weight", "decoder.up.{}.block.0.conv1.weight", False)
+_DIFFUSERS = _Naming(
+    "diffusers",
+    "encoder.down_blocks.{}.resnets.0.conv1.weight",
+    "decoder.up_blocks.{}.resnets.0.conv1.weight",
+    True,
+)
+_BARE_DECODER = _Naming("BFL decoder-only", None, "up.{}.block.0.conv1.weight", False)
+_NAMINGS = (_BFL, _DIFFUSERS, _BARE_DECODER)
 
 
 def load_vae(folder: str | Path, dtype=jnp.float32, *, place=None) -> AutoencoderKLFlux2:
@@ -32,29 +60,44 @@ def load_vae(folder: str | Path, dtype=jnp.float32, *, place=None) -> Autoencode
     return _load(cfg, TensorSource.from_folder(folder, "diffusion_pytorch_model"), dtype, place)
 
 
-def load_vae_file(
-    path: str | Path, dtype=jnp.float32, *, place=None, config: VAEConfig | None = None
-) -> AutoencoderKLFlux2:
-    """A VAE saved as one safetensors file without a config, in BFL's names (`ae.safetensors`) or diffusers';
-    `config` defaults to the released FLUX.2 VAE, the one every klein variant uses."""
+def load_vae_file(path: str | Path, dtype=jnp.float32, *, place=None, own: Path | None = None):
+    """A VAE saved as one safetensors file without a config: a whole one in BFL's names (`ae.safetensors`,
+    `full_encoder_small_decoder.safetensors`) or diffusers', or a decoder alone (`small_decoder.safetensors`)
+    completed by `own`; its widths from the file, the rest from `own` (`vae_config`)."""
+    return _load(*_opened(Path(path), own), dtype, place)
+
+
+def vae_config(path: str | Path, own: Path | None = None) -> VAEConfig:
+    """The config of the VAE at `path` (what `load_vae` or `load_vae_file` loads), read from configs and
+    headers only. A single file's widths are its own; the rest comes from `own`, the model's own VAE (a
+    folder or a whole file; default: FLUX.2's config), which also completes a decoder-only file with its
+    encoder and latent statistics."""
+    return _opened(Path(path), own)[0]
+
+
+def file_config(path: str | Path, base: VAEConfig) -> VAEConfig:
+    """The config of the single-file VAE at `path`: its widths from the file; the rest, and a decoder-only
+    file's encoder widths, from `base` (for a plan, which knows the model's own VAE by its config alone)."""
     path = Path(path)
-    cfg = config or VAEConfig.flux2()
     source = TensorSource.from_file(path)
-    if _BFL_MARKER in source.keys():
-        levels = len(cfg.decoder_channels)
-        table = {key: bfl_vae_keys.piece(key, levels) for key in expected_shapes(abstract_vae(cfg))}
-        source = MappedSource(source, table)
-    elif _DIFFUSERS_MARKER not in source.keys():
-        raise CheckpointError(
-            f"{path}: not a FLUX.2 VAE: it has neither '{_BFL_MARKER}' (BFL names) nor '{_DIFFUSERS_MARKER}' "
-            f"(diffusers names); is it a transformer or a text encoder?"
-        )
-    return _load(cfg, source, dtype, place)
+    naming = _naming(path, source)
+    if _holds_encoder(source, naming):
+        return _configured(path, base, _widths(source, naming, encoder=True), _widths(source, naming))
+    return _configured(path, base, base.block_out_channels, _widths(source, naming))
 
 
 def abstract_vae(cfg: VAEConfig) -> AutoencoderKLFlux2:
     """The VAE's parameter shapes, allocating nothing."""
     return nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
+
+
+def read_config(path: Path) -> VAEConfig:
+    """The VAEConfig of a diffusers `vae/config.json`."""
+    raw = read_json(path, "the VAE config")
+    try:
+        return VAEConfig.from_diffusers_config(raw)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def _load(cfg: VAEConfig, source, dtype, place) -> AutoencoderKLFlux2:
@@ -66,10 +109,65 @@ def _load(cfg: VAEConfig, source, dtype, place) -> AutoencoderKLFlux2:
     return vae
 
 
-def read_config(path: Path) -> VAEConfig:
-    """The VAEConfig of a diffusers `vae/config.json`."""
-    raw = read_json(path, "the VAE config")
+def _opened(path: Path, own: Path | None) -> tuple[VAEConfig, object]:
+    """(config, tensors under diffusers' names) of the VAE at `path` (`vae_config`)."""
+    if path.is_dir():
+        return read_config(path / "config.json"), TensorSource.from_folder(path, "diffusion_pytorch_model")
+    source = TensorSource.from_file(path)
+    naming = _naming(path, source)
+    whole = _holds_encoder(source, naming)
+    if not whole and own is None:
+        raise CheckpointError(
+            f"{path}: a VAE decoder alone (as FLUX.2-small-decoder's small_decoder.safetensors), whose encoder "
+            "and latent statistics come from the model's own VAE: name the model too (--model), or give a file "
+            "holding both (full_encoder_small_decoder.safetensors)"
+        )
+    base, rest = _opened(own, None) if own is not None else (VAEConfig.flux2(), None)
+    cfg = file_config(path, base)
+    if naming is not _DIFFUSERS:
+        levels, bare = len(cfg.decoder_channels), naming is _BARE_DECODER
+        table = {key: bfl_vae_keys.piece(key, levels, bare) for key in expected_shapes(abstract_vae(cfg))}
+        source = MappedSource(source, table)
+    if whole:
+        return cfg, source
+    return cfg, Joined([(source, lambda key: True), (rest, lambda key: not _in_decoder(key))])
+
+
+def _naming(path: Path, source: TensorSource) -> _Naming:
+    keys = source.keys()
+    for naming in _NAMINGS:
+        if naming.decoder.format(0) in keys:
+            return naming
+    markers = " or ".join(f"'{n.decoder.format(0)}' ({n.name} names)" for n in _NAMINGS)
+    raise CheckpointError(
+        f"{path}: not a FLUX.2 VAE: it has none of {markers}; is it a transformer or a text encoder?"
+    )
+
+
+def _holds_encoder(source: TensorSource, naming: _Naming) -> bool:
+    return naming.encoder is not None and naming.encoder.format(0) in source.keys()
+
+
+def _widths(source: TensorSource, naming: _Naming, encoder: bool = False) -> tuple[int, ...]:
+    """Channels per level, full resolution first: the output channels of each level's first convolution."""
+    pattern, keys = naming.encoder if encoder else naming.decoder, source.keys()
+    widths = []
+    while pattern.format(len(widths)) in keys:
+        widths.append(source.shape(pattern.format(len(widths)))[0])
+    return tuple(widths[::-1] if naming.lowest_first and not encoder else widths)
+
+
+def _configured(path: Path, base: VAEConfig, encoder: tuple, decoder: tuple) -> VAEConfig:
+    """`base` with these widths, checked as a config.json would be."""
+    fields = dataclasses.asdict(base) | dict(block_out_channels=encoder, decoder_block_out_channels=decoder)
+    if decoder == encoder:
+        fields["decoder_block_out_channels"] = None
     try:
-        return VAEConfig.from_diffusers_config(raw)
+        return VAEConfig.from_diffusers_config(fields)
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
+
+
+def _in_decoder(key: str) -> bool:
+    """Whether diffusers key `key` is the decoder's (BFL's decoder holds the post-quant conv)."""
+    return key.startswith(("decoder.", "post_quant_conv."))

@@ -102,6 +102,13 @@ def _check_supported(config: dict) -> None:
     ):
         if key in config and list(config[key]) != [kind] * levels:
             problems.append(f"{key}={config[key]!r}")
+    if decoder_levels != encoder_levels:  # the decoder would not undo the encoder's downscaling
+        problems.append(f"{decoder_levels} decoder levels for {encoder_levels} encoder levels")
+    groups = config.get("norm_num_groups", VAEConfig.norm_num_groups)
+    widths = (*(config.get("block_out_channels") or ()), *(config.get("decoder_block_out_channels") or ()))
+    odd = sorted({width for width in widths if width % groups})
+    if odd:
+        problems.append(f"widths {odd} with norm_num_groups={groups} (a GroupNorm needs multiples of it)")
     if problems:
         raise CheckpointError(f"VAE config: unsupported {', '.join(problems)}")
 

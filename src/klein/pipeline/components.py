@@ -1,6 +1,7 @@
 """Where the parts of a pipeline come from: one diffusers-layout checkpoint, or parts named one by one (a
-transformer file, the FLUX.2 `ae.safetensors`, a Qwen3 folder or GGUF), each a local file or folder or a
-Hugging Face repo id; a folder or repo holding a whole pipeline gives the part's subfolder.
+transformer file, the FLUX.2 `ae.safetensors` or FLUX.2-small-decoder's files, a Qwen3 folder or GGUF),
+each a local file or folder or a Hugging Face repo id; a folder or repo holding a whole pipeline gives the
+part's subfolder.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from klein import dtypes, sharding
 from klein.errors import CheckpointError, InputError
-from klein.io import sources
+from klein.io import sources, vae_checkpoint
 from klein.io.gguf_tokenizer import holds_tokenizer
 from klein.io.safetensors import TensorSource
 from klein.io.text_encoder_checkpoint import load_text_encoder
@@ -22,8 +23,6 @@ from klein.io.text_encoder_gguf import load_text_encoder_gguf, read_gguf_config
 from klein.io.transformer_checkpoint import load_transformer
 from klein.io.transformer_checkpoint import read_config as read_transformer_config
 from klein.io.transformer_file import file_config, load_transformer_file
-from klein.io.vae_checkpoint import load_vae, load_vae_file
-from klein.io.vae_checkpoint import read_config as read_vae_config
 from klein.models import products, variants
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
@@ -57,6 +56,9 @@ class Located:
     config: TransformerConfig
     text_config: Qwen3Config
     vae_config: VAEConfig
+    own_vae: Path | None
+    """Where `vae` is a single file, the model's own VAE, if any: it gives the file's config (widths aside)
+    and completes a decoder-only file (`small_decoder.safetensors`) with its encoder and latent statistics."""
     stored_dtype: np.dtype
     """The float dtype the transformer's weights are stored in (FP8 files: bfloat16, their compute dtype)."""
     fp8: bool
@@ -88,6 +90,7 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
         sharding.check_divisible(mesh, "the transformer", sharding.transformer_dims(config))
         sharding.check_divisible(mesh, "the text encoder", sharding.text_encoder_dims(text_config))
     vae = _part(named["vae"], "vae")
+    own_vae = _own_vae(root) if vae.is_file() else None
     return Located(
         name=str(parts.transformer) if parts.transformer else name,
         variant=found,
@@ -97,7 +100,8 @@ def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
         tokenizer=_part(named["tokenizer"], "tokenizer"),
         config=config,
         text_config=text_config,
-        vae_config=VAEConfig.flux2() if vae.is_file() else read_vae_config(vae / "config.json"),
+        vae_config=vae_checkpoint.vae_config(vae, own_vae),
+        own_vae=own_vae,
         **_stored(transformer),
     )
 
@@ -133,8 +137,10 @@ def load_text_encoder_part(
 
 
 def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:
-    path = located.vae
-    return (load_vae_file if path.is_file() else load_vae)(path, dtype, place=sharding.placer(mesh))
+    path, place = located.vae, sharding.placer(mesh)
+    if path.is_file():
+        return vae_checkpoint.load_vae_file(path, dtype, place=place, own=located.own_vae)
+    return vae_checkpoint.load_vae(path, dtype, place=place)
 
 
 def _check_text_encoder(path: Path, text: Qwen3Config, config: TransformerConfig, variant) -> None:
@@ -212,6 +218,12 @@ def _part(spec, subfolder: str) -> Path:
     """A part's own file or folder: `<folder>/<subfolder>` when the folder holds a whole pipeline."""
     path = _locate(spec)
     return path / subfolder if (path / subfolder).is_dir() else path
+
+
+def _own_vae(root: Path | None) -> Path | None:
+    """The VAE folder of the model at `root`, if it has one."""
+    folder = None if root is None else _part(root, "vae")
+    return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
 def _tokenizer_beside(text_encoder: Path) -> Path:

@@ -30,8 +30,9 @@ def load_pipeline(
     warm: bool | Sequence[warmup.Shape] = False,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id (or a published variant's
-    name, "klein-4b": its repo), or "demo" (the default when nothing is named); or from parts: `transformer` a BFL / FP8 / NVFP4 / GGUF file or a folder, `vae` a folder or
-    `ae.safetensors`, `text_encoder` and `tokenizer` folders, each also a repo id (`klein.pipeline.components`).
+    name, "klein-4b": its repo), or "demo" (the default when nothing is named); or from parts: `transformer` a BFL / FP8 / NVFP4 / GGUF file or a folder, `vae` a folder,
+    `ae.safetensors` or a small decoder (`full_encoder_small_decoder.safetensors`; `small_decoder.safetensors`
+    alone, the encoder then `source`'s), `text_encoder` and `tokenizer` folders, each also a repo id (`klein.pipeline.components`).
     `variant` names the transformer's variant when its file name does not; `dequantize` widens FP8, NVFP4
     and GGUF weights to `dtype` at load instead of keeping them quantised. `loras` are merged into the transformer (see
     `Flux2KleinPipeline.set_loras`: each a path or repo id, `"path:scale"` or `(path, scale)`).

@@ -37,7 +37,11 @@ class LoadOptions:
         metavar="FOLDER|FILE",
     )
     vae: str | None = setting(
-        "VAE: ae.safetensors (BFL or diffusers names), a folder or repo id", kinds.TEXT, metavar="FILE|FOLDER"
+        "VAE: ae.safetensors (BFL or diffusers names), a folder or repo id; or FLUX.2-small-decoder's "
+        "full_encoder_small_decoder.safetensors, or its small_decoder.safetensors (the decoder alone, the "
+        "encoder then --model's)",
+        kinds.TEXT,
+        metavar="FILE|FOLDER",
     )
     tokenizer: str | None = setting(
         "tokenizer folder or repo id (default: --model's, else the text encoder's)",
