@@ -2,6 +2,7 @@
 `output_type`, `return_dict`, `callback_on_step_end`); what klein cannot honour is refused naming the
 alternative; each call draws a tqdm bar on stderr unless `set_progress_bar_config(disable=True)`."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -161,6 +162,7 @@ STAGED = dict(
 def test_stages_are_told_as_they_start_compile_and_end_from_one_place(pipes):
     """The pipeline's stage events, which the CLI, the tqdm bar and the server's job events all read."""
     pipe, heard = pipes("distilled"), []
+    jax.clear_caches()  # as in a new process: pipelines of one model share their programs in this one
     pipe(progress=heard.append, **STAGED)
     started = [e.stage for e in heard if e.done == 0 and not (e.compiling or e.finished)]
     ended = [e for e in heard if e.finished]
