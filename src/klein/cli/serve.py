@@ -38,7 +38,7 @@ EXAMPLES = """\
 examples:
   klein serve                                                    # demo checkpoint, port 8000
   KLEIN_API_KEY=$(cat key.txt) klein serve --host 0.0.0.0 --model black-forest-labs/FLUX.2-klein-9b-kv
-  klein serve --host 0.0.0.0 --api-key-file keys.txt          # a key a line: KEY [rpm=N] [jobs=N]
+  klein serve --host 0.0.0.0 --api-key-file keys.txt          # a key a line: KEY [rpm=N] [jobs=N] [operator]
   klein serve --replicas 2 --model black-forest-labs/FLUX.2-klein-9b-kv  # 2 replicas on a local Ray
   curl -s localhost:8000/v1/images/generations -H 'Content-Type: application/json' \\
       -d '{"prompt": "a red fox", "size": "512x512", "seed": 7}'"""
