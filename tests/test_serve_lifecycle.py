@@ -4,7 +4,6 @@
 
 import base64
 import io
-import json
 import signal
 import threading
 
@@ -14,7 +13,7 @@ import PIL.Image
 import pytest
 
 from tests.support.compare import max_abs
-from tests.support.serve_process import log_of, metrics, start, stop, wait_for
+from tests.support.serve_process import job_events, log_of, metrics, start, stop, wait_for
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -45,14 +44,7 @@ def test_the_api_key_guards_every_route_but_healthz(server):
 
 
 def events(url: str, job: str) -> list[tuple[str, dict]]:
-    received, name = [], None
-    with httpx.stream("GET", f"{url}/v1/jobs/{job}/events", headers=AUTH, timeout=300) as stream:
-        for line in stream.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                received.append((name, json.loads(line.removeprefix("data: "))))
-    return received
+    return job_events(url, job, AUTH)
 
 
 def submit(url: str, body: dict) -> httpx.Response:

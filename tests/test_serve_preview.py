@@ -18,7 +18,7 @@ from klein.io.demo import VERSION
 from klein.io.taef2_checkpoint import load_taef2
 from klein.pipeline.preview import Previewer
 from klein.serve.previews import Frames
-from tests.support.serve_process import running
+from tests.support.serve_process import job_events, running
 from tests.support.taef2_reference import reference_decoder, save_reference
 
 
@@ -38,14 +38,7 @@ def url(home):
 
 
 def events_of(url: str, job: str) -> list[tuple[str, dict]]:
-    events, name = [], None
-    with httpx.stream("GET", f"{url}/v1/jobs/{job}/events", timeout=120) as stream:
-        for line in stream.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line.removeprefix("data: "))))
-    return events
+    return job_events(url, job, timeout=120)
 
 
 def jpeg(url: str) -> PIL.Image.Image:

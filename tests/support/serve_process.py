@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import socket
@@ -107,3 +108,17 @@ def wait_for(predicate, what: str, seconds: float = 120) -> None:
 def job_status(url: str, job: str, headers: dict | None = None) -> str:
     """A job's status, as GET /v1/jobs/{job} says it."""
     return httpx.get(f"{url}/v1/jobs/{job}", headers=headers).json()["status"]
+
+
+def job_events(
+    url: str, job: str, headers: dict | None = None, timeout: float = 300
+) -> list[tuple[str, dict]]:
+    """A job's event stream read to its end: (event name, data) pairs."""
+    events, name = [], None
+    with httpx.stream("GET", f"{url}/v1/jobs/{job}/events", headers=headers, timeout=timeout) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line.removeprefix("data: "))))
+    return events
