@@ -7,6 +7,19 @@ import os
 if os.environ.get("KLEIN_TEST_TPU") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the whole run, empty at its start: pytest-xdist's workers and every
+# `klein` subprocess they start inherit it, so a program compiled once is read back everywhere else (as
+# jax's cache does for a user between processes), and no run reads programs an earlier run left in
+# ~/.cache/klein: the suite costs here what it costs on a fresh machine.
+if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's first process: xdist's workers inherit its folder
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="klein-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"  # klein's own threshold
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
 import pytest  # noqa: E402
 
 try:

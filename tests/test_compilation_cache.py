@@ -31,7 +31,8 @@ def test_load_keeps_the_cache_the_user_configured(klein_home, tmp_path, jax_cach
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 5.0
 
 
-def test_load_uses_kleins_folder_when_none_is_configured(klein_home, jax_cache_settings):
+def test_load_uses_kleins_folder_when_none_is_configured(klein_home, jax_cache_settings, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)  # the suite's own (tests/conftest.py)
     jax.config.update(DIR, None)
     jax.config.update(MIN_SECONDS, 1.0)
     load(LoadOptions())
