@@ -4,10 +4,16 @@ chip's published peak (`klein.devices`: v5e 197 TFLOP/s bf16, 394 int8) and of a
 this process (`klein.bench.peak`, an 8192^3 bf16 product), and the device's memory peak.
 
 1. Writes, once, the full-size random klein-4b checkpoint (`real-4b` of `klein.bench.configs`: every tensor at
-   its published shape, bf16, the real VAE and Qwen3-4B; ~16 GB) under --root, as `benchmarks/real_size.py`.
+   its published shape, bf16, the real VAE and Qwen3-4B; ~16 GB) under --root, as `benchmarks/real_size.py`
+   does; by default each weight a random block repeated (`demo.write_checkpoint(tiled=True)`: drawing 16 GB
+   of random numbers takes minutes, writing a tiled one what the disk takes), `--draw random` draws it all.
 2. Loads it (`load_pipeline`, the default residency and compute), makes a first image (its compilation
    counted apart, as the pipeline's timings book it), then --repeats more, timing each stage
-   (`GenerationOutput.timings`): the stage times are the median over the repeats.
+   (`GenerationOutput.timings`): the stage times are the median over the repeats. The load and the first
+   call are also split by phase (`benchmarks/load_phases.py`: reads, host transposes and quantisation,
+   device_put, compiling); `--host-path` reads as on a CPU (transposes and quantisation in NumPy) instead of
+   `klein.io.device_loading`'s way. Run it twice with the same $KLEIN_HOME: the second run's first call is
+   a new process's first image with the compilation cache warm (`compilation_cache_entries` says which).
 3. Prints a table and writes it all as JSON to --out (docs/benchmarks/tpu-v5e.json).
 
 FLOPs are `klein.bench.flops`' model (the text encoder's layers up to the deepest it reads, the transformer's
@@ -25,11 +31,13 @@ import time
 from pathlib import Path
 
 import jax
+import load_phases
 
 from klein import devices
 from klein.bench import flops, peak
 from klein.bench.configs import CONFIGS, TEXT_TOKENS
-from klein.io import demo
+from klein.io import demo, device_loading
+from klein.pipeline import compilation_cache
 from klein.pipeline.loading import load_pipeline
 
 PROMPT = "a red fox sitting in fresh snow, morning light"
@@ -52,6 +60,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--config", choices=tuple(CONFIGS), default="real-4b", help="the checkpoint (default: %(default)s)"
     )
     parser.add_argument("--compute", default="auto", help="bf16, int8 or auto (default: %(default)s)")
+    parser.add_argument(
+        "--draw",
+        choices=("tiled", "random"),
+        default="tiled",
+        help="checkpoint values (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--host-path", action="store_true", help="read as on a CPU: transposes and quantisation on the host"
+    )
     return parser.parse_args(argv)
 
 
@@ -67,30 +84,39 @@ def stage_flops(pipe, size: int, steps: int) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = jax.devices()[0]
+    started = time.perf_counter()
+    device = jax.devices()[0]  # opens the device: seconds on a TPU
+    backend = time.perf_counter() - started
     known = devices.of_kind(device.device_kind)
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
 
     started = time.perf_counter()
     spec = CONFIGS[args.config].checkpoint
-    folder = demo.ensure_checkpoint(args.root / args.config, spec)
+    folder = demo.ensure_checkpoint(args.root / args.config, spec, tiled=args.draw == "tiled")
     written = time.perf_counter() - started
     print(f"checkpoint {folder}: {written:.0f} s (0 if it existed)", flush=True)
 
     measured_peak = peak.matmul_flops_per_second("bfloat16", PEAK_SIZE)
     print(f"measured bf16 product peak: {measured_peak / 1e12:.1f} TFLOP/s", flush=True)
 
+    if args.host_path:
+        device_loading.wanted = lambda place: False
+    cached = compilation_cache.contents().entries
     started = time.perf_counter()
-    pipe = load_pipeline(folder, compute=args.compute)
+    with load_phases.timed() as phases:
+        pipe = load_pipeline(folder, compute=args.compute)
     pipe.set_progress_bar_config(disable=True)
     load = time.perf_counter() - started
     print(f"load: {load:.1f} s (residency {pipe.residency}, compute {pipe.compute})", flush=True)
+    print(f"  its phases (s): {phases.seconds()}", flush=True)
 
     request = dict(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps, seed=0)
     started = time.perf_counter()
-    first = pipe(**request, output_type="np")
+    with load_phases.timed() as first_phases:
+        first = pipe(**request, output_type="np")
     first_call = time.perf_counter() - started
     print(f"first call: {first_call:.1f} s, its stages {_rounded(first.timings)}", flush=True)
+    print(f"  its phases (s): {first_phases.seconds()}", flush=True)
     runs = []
     for i in range(args.repeats):
         started = time.perf_counter()
@@ -124,9 +150,17 @@ def main(argv=None) -> dict:
         spec_peak_tflop_per_s=spec_peak / 1e12,
         measured_peak_tflop_per_s=round(measured_peak / 1e12, 1),
         checkpoint_written_seconds=round(written, 1),
+        read_on_device=not args.host_path and device_loading.wanted(None),
+        compilation_cache_entries=cached,
         load_seconds=round(load, 1),
+        load_phases=phases.seconds(),
+        load_phase_calls=phases.calls(),
         first_call_seconds=round(first_call, 1),
         first_call_stages=_rounded(first.timings),
+        first_call_phases=first_phases.seconds(),
+        first_call_phase_calls=first_phases.calls(),
+        backend_seconds=round(backend, 1),
+        first_image_seconds=round(backend + load + first_call, 1),
         image_seconds=round(statistics.median(run["wall"] for run in runs), 3),
         stages=stages,
         device_peak_bytes=stats.get("peak_bytes_in_use"),
