@@ -40,10 +40,11 @@ def main(argv=None) -> int:
         if host.ndim != 2:
             continue
         started = time.perf_counter()
-        transposed = np.asarray(device_loading._transposed(jax.device_put(host), (1, 0)))
+        programs = device_loading._Programs()
+        transposed = np.asarray(programs.transposed(jax.device_put(host), (1, 0)))
         weight = jax.device_put(host)
-        scales = np.asarray(device_loading._scales(weight))
-        values = np.asarray(device_loading._quantised(weight, np.float32(1) / scales, None))
+        scales = np.asarray(programs.scales(weight))
+        values = np.asarray(programs.quantised(weight, np.float32(1) / scales, None))
         seconds = time.perf_counter() - started
         want_values, want_scales = products.quantise(host, products.INT8, 1)
         same = (

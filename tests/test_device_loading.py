@@ -27,9 +27,9 @@ def every_weight(monkeypatch):
     prepared = []
     original = device_loading._prepared
 
-    def counted(source, job, key, host, stash):
+    def counted(source, job, key, *args):
         prepared.append(key)
-        return original(source, job, key, host, stash)
+        return original(source, job, key, *args)
 
     monkeypatch.setattr(device_loading, "_prepared", counted)
     monkeypatch.setattr(device_loading, "wanted", lambda place: True)
@@ -79,12 +79,12 @@ def test_text_encoder_and_vae_read_on_the_device_equal_the_host_read(folder, eve
 
 def test_a_changed_quantisation_is_seen(folder, every_weight, monkeypatch):
     """The comparison can fail: device quantisation with the reciprocal 1% off differs."""
-    original = device_loading._quantised
+    original = device_loading._Programs.quantised
 
-    def off(weight, reciprocal, axes):
-        return original(weight, reciprocal * np.float32(1.01), axes)
+    def off(self, weight, reciprocal, axes):
+        return original(self, weight, reciprocal * np.float32(1.01), axes)
 
-    monkeypatch.setattr(device_loading, "_quantised", off)
+    monkeypatch.setattr(device_loading._Programs, "quantised", off)
     load = lambda: load_transformer(folder / "transformer", jnp.bfloat16, compute=products.INT8)  # noqa: E731
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(device_loading, "wanted", lambda place: False)

@@ -5,6 +5,8 @@ to NNX's, and quantised for int8 products, in NumPy: on a TPU host those passes,
 a load (a bf16 transpose in NumPy runs at well under 1 GB/s). Here each large weight is read as it is stored,
 by threads that read `READ_AHEAD` tensors ahead of the transfers, sent to the device as it is and
 transposed there (and quantised there for int8) into its place in its stack, the stack updated in place.
+The small programs that do it (a few per shape of weight: tens of them, a tenth of a second or more each to
+compile) are compiled by the reading threads as each shape first comes, beside the reads and transfers.
 
 The weights are bit for bit those of the host path: a transpose moves bits, a cast to the same dtype is
 none, and the int8 quantisation is `klein.models.products.quantise`'s float32 operations in its order, the
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +59,13 @@ def fill(jobs: list[Job], source, host_read: Callable[[Job, object], np.ndarray]
     Reads run `READ_AHEAD` ahead of the transfers, in threads."""
     stash: dict[str, np.ndarray] = {}  # scales of weights quantised on the device, by their scale key
     scaled = _ScalesFrom(source, stash)
+    programs = _Programs()
     tasks = []  # (job index, layer index or None, read: () -> host array, prefetch?)
     for index, job in enumerate(jobs):
         if _on_device(job, source):
             for layer, key in enumerate(job.keys):
-                tasks.append((index, layer, functools.partial(_read_stored, source, job, key), True))
+                read = functools.partial(_read_stored, source, job, key, programs)
+                tasks.append((index, layer, read, True))
         else:  # the scales of weights quantised on the device are stashed then: read when their turn comes
             later = any(isinstance(_piece(source, key), ChannelScales) for key in job.keys)
             tasks.append((index, None, functools.partial(host_read, job, scaled), not later))
@@ -70,13 +75,13 @@ def fill(jobs: list[Job], source, host_read: Callable[[Job, object], np.ndarray]
         if layer is None:
             results[index] = jax.device_put(as_bits(host) if job.layers else host)
             continue
-        value = _prepared(source, job, job.keys[layer], host, stash)
+        value = _prepared(source, job, job.keys[layer], host, stash, programs)
         if not job.layers:
             results[index] = value
         elif layer == 0:
-            results[index] = _stack(value, len(job.keys))
+            results[index] = programs.stack(value, len(job.keys))
         else:
-            results[index] = _into(results[index], value, layer)
+            results[index] = programs.into(results[index], value, layer)
     return results
 
 
@@ -99,29 +104,91 @@ def _int8(source, key) -> bool:
     return type(piece) is Quantised and piece.compute == products.INT8
 
 
-def _read_stored(source, job: Job, key: str) -> np.ndarray:
+def _read_stored(source, job: Job, key: str, programs: _Programs) -> np.ndarray:
     """Tensor `key` as stored (PyTorch layout; a weight to quantise in its float form), in the dtype it is
-    kept in; its shape checked as the host path checks it."""
+    kept in, its shape checked as the host path checks it; the programs that prepare it compiled."""
     from klein.io.loading import check_shape  # loading imports this module
 
     check_shape(source, key, job.want)
     piece = _piece(source, key)
     if _int8(source, key):
-        return np.asarray(piece.piece.read(source.inner))
-    return source.get(key).astype(job.target_dtype, copy=False)
+        host = np.asarray(piece.piece.read(source.inner))
+    else:
+        host = source.get(key).astype(job.target_dtype, copy=False)
+    programs.compile(job, host, _int8(source, key))
+    return host
 
 
-def _prepared(source, job: Job, key: str, host: np.ndarray, stash: dict) -> jax.Array:
+def _prepared(source, job: Job, key: str, host: np.ndarray, stash: dict, programs) -> jax.Array:
     """Layer `key` of `job` on the device in NNX's layout (as bits where it is a stack's): transposed,
     quantised first for int8 (its scales left in `stash`)."""
     if not _int8(source, key):
         stored = as_bits(host) if job.layers else host
-        return _transposed(jax.device_put(stored), job.axes)
+        return programs.transposed(jax.device_put(stored), job.axes)
     weight = jax.device_put(host)
-    scales = np.asarray(_scales(weight))  # float32[out, 1]: exact on any device
+    scales = np.asarray(programs.scales(weight))  # float32[out, 1]: exact on any device
     stash[key.removesuffix(".weight") + ".weight_scale"] = scales[:, 0]
     reciprocal = np.float32(1) / scales  # NumPy's division, as `products.in_8_bits` divides
-    return _quantised(weight, reciprocal, job.axes)
+    return programs.quantised(weight, reciprocal, job.axes)
+
+
+class _Programs:
+    """The device programs of one load, each compiled once (by whichever thread first needs it; the others
+    wait for it) and called as compiled."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._compiled: dict[tuple, Future] = {}
+
+    def compile(self, job: Job, host: np.ndarray, int8: bool) -> None:
+        """Compile every program that prepares a layer like `host` of `job` (read as stored)."""
+        spec = jax.ShapeDtypeStruct
+        if int8:
+            weight = spec(host.shape, host.dtype)
+            self._get(_scales, weight)
+            out = self._get(_quantised, weight, spec((host.shape[0], 1), np.float32), axes=job.axes)
+        else:
+            stored = as_bits(host[:0]) if job.layers else host[:0]
+            out = self._get(_transposed, spec(host.shape, stored.dtype), axes=job.axes)
+        if job.layers:
+            layer = out.out_info
+            stack = self._get(_stack, layer, count=len(job.keys)).out_info
+            self._get(_into, stack, layer, spec((), np.int32))
+
+    def transposed(self, array, axes):
+        return self._get(_transposed, array, axes=axes)(array)
+
+    def scales(self, weight):
+        return self._get(_scales, weight)(weight)
+
+    def quantised(self, weight, reciprocal, axes):
+        return self._get(_quantised, weight, reciprocal, axes=axes)(weight, reciprocal)
+
+    def stack(self, first, count):
+        return self._get(_stack, first, count=count)(first)
+
+    def into(self, stack, value, index):
+        index = np.int32(index)
+        return self._get(_into, stack, value, index)(stack, value, index)
+
+    def _get(self, function, *args, **static):
+        """`function` compiled for arguments shaped as `args` (arrays or `jax.ShapeDtypeStruct`s) and the
+        `static` ones."""
+        shapes = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in args)
+        key = (function, shapes, tuple(sorted(static.items())))
+        with self._lock:
+            future = self._compiled.get(key)
+            mine = future is None
+            if mine:
+                future = self._compiled[key] = Future()
+        if mine:
+            try:
+                specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+                future.set_result(function.lower(*specs, **static).compile())
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+        return future.result()
 
 
 def _read_ahead(tasks: list) -> Iterator[np.ndarray]:
