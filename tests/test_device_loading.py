@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.torch import load_file, save_file
 
+from klein.errors import CheckpointError
 from klein.io import device_loading
 from klein.io.text_encoder_checkpoint import load_text_encoder
 from klein.io.transformer_checkpoint import load_transformer
@@ -96,3 +98,16 @@ def test_a_changed_quantisation_is_seen(folder, every_weight, monkeypatch):
 def test_only_accelerators_read_this_way_by_default():
     assert not device_loading.wanted(None)  # the tests' CPU
     assert not device_loading.wanted(lambda path, array: jax.device_put(array))
+
+
+@pytest.mark.parametrize("compute", [products.BF16, products.INT8])
+def test_a_nan_weight_read_for_the_device_is_refused_by_name(folder, every_weight, tmp_path, compute):
+    """A weight read ahead by a thread is checked finite as on the host path, and the load fails naming it."""
+    key = "transformer_blocks.0.attn.to_k.weight"
+    (tmp_path / "config.json").write_bytes((folder / "transformer" / "config.json").read_bytes())
+    tensors = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    tensors[key] = tensors[key].clone()
+    tensors[key][1, 2] = float("nan")
+    save_file(tensors, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"tensor '{key}' holds 1 NaN value"):
+        load_transformer(tmp_path, jnp.bfloat16, compute=compute)
