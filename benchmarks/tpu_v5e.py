@@ -4,10 +4,16 @@ chip's published peak (`klein.devices`: v5e 197 TFLOP/s bf16, 394 int8) and of a
 this process (`klein.bench.peak`, an 8192^3 bf16 product), and the device's memory peak.
 
 1. Writes, once, the full-size random klein-4b checkpoint (`real-4b` of `klein.bench.configs`: every tensor at
-   its published shape, bf16, the real VAE and Qwen3-4B; ~16 GB) under --root, as `benchmarks/real_size.py`.
+   its published shape, bf16, the real VAE and Qwen3-4B; ~16 GB) under --root, as `benchmarks/real_size.py`
+   does; by default each weight a random block repeated (`demo.write_checkpoint(tiled=True)`: drawing 16 GB
+   of random numbers takes minutes, writing a tiled one what the disk takes), `--draw random` draws it all.
 2. Loads it (`load_pipeline`, the default residency and compute), makes a first image (its compilation
    counted apart, as the pipeline's timings book it), then --repeats more, timing each stage
-   (`GenerationOutput.timings`): the stage times are the median over the repeats.
+   (`GenerationOutput.timings`): the stage times are the median over the repeats. The load and the first
+   call are also split by phase (`benchmarks/load_phases.py`: reads, host transposes and quantisation,
+   device_put, compiling); `--host-path` reads as on a CPU (transposes and quantisation in NumPy) instead of
+   `klein.io.device_loading`'s way. Run it twice with the same $KLEIN_HOME: the second run's first call is
+   a new process's first image with the compilation cache warm (`compilation_cache_entries` says which).
 3. Prints a table and writes it all as JSON to --out (docs/benchmarks/tpu-v5e.json).
 
 FLOPs are `klein.bench.flops`' model (the text encoder's layers up to the deepest it reads, the transformer's
@@ -25,16 +31,22 @@ import time
 from pathlib import Path
 
 import jax
+import load_phases
 
 from klein import devices
 from klein.bench import flops, peak
 from klein.bench.configs import CONFIGS, TEXT_TOKENS
-from klein.io import demo
+from klein.io import demo, device_loading
+from klein.memory import residency
+from klein.pipeline import compilation_cache
 from klein.pipeline.loading import load_pipeline
 
 PROMPT = "a red fox sitting in fresh snow, morning light"
 STAGES = ("text", "denoise", "decode")
 PEAK_SIZE = 8192
+CACHED_SECONDS = 1e-3
+"""A stage this short did not run: the repeats use the first call's prompt, whose embedding is cached (under
+`sequential` a new prompt would move the text encoder back for each image)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +64,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--config", choices=tuple(CONFIGS), default="real-4b", help="the checkpoint (default: %(default)s)"
     )
     parser.add_argument("--compute", default="auto", help="bf16, int8 or auto (default: %(default)s)")
+    parser.add_argument(
+        "--draw",
+        choices=("tiled", "random"),
+        default="tiled",
+        help="checkpoint values (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--host-path", action="store_true", help="read as on a CPU: transposes and quantisation on the host"
+    )
+    parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="time the load, then the transformer's read (the text encoder moved off first), and stop",
+    )
     return parser.parse_args(argv)
 
 
@@ -67,30 +93,41 @@ def stage_flops(pipe, size: int, steps: int) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = jax.devices()[0]
+    started = time.perf_counter()
+    device = jax.devices()[0]  # opens the device: seconds on a TPU
+    backend = time.perf_counter() - started
     known = devices.of_kind(device.device_kind)
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
 
     started = time.perf_counter()
     spec = CONFIGS[args.config].checkpoint
-    folder = demo.ensure_checkpoint(args.root / args.config, spec)
+    folder = demo.ensure_checkpoint(args.root / args.config, spec, tiled=args.draw == "tiled")
     written = time.perf_counter() - started
     print(f"checkpoint {folder}: {written:.0f} s (0 if it existed)", flush=True)
 
     measured_peak = peak.matmul_flops_per_second("bfloat16", PEAK_SIZE)
     print(f"measured bf16 product peak: {measured_peak / 1e12:.1f} TFLOP/s", flush=True)
 
+    if args.host_path:
+        device_loading.wanted = lambda place: False
+    cached = compilation_cache.contents().entries
     started = time.perf_counter()
-    pipe = load_pipeline(folder, compute=args.compute)
+    with load_phases.timed() as phases:
+        pipe = load_pipeline(folder, compute=args.compute)
     pipe.set_progress_bar_config(disable=True)
     load = time.perf_counter() - started
     print(f"load: {load:.1f} s (residency {pipe.residency}, compute {pipe.compute})", flush=True)
+    print(f"  its phases (s): {phases.seconds()}", flush=True)
+    if args.load_only:
+        return _load_only(args, pipe, device, load, phases, backend)
 
     request = dict(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps, seed=0)
     started = time.perf_counter()
-    first = pipe(**request, output_type="np")
+    with load_phases.timed() as first_phases:
+        first = pipe(**request, output_type="np")
     first_call = time.perf_counter() - started
     print(f"first call: {first_call:.1f} s, its stages {_rounded(first.timings)}", flush=True)
+    print(f"  its phases (s): {first_phases.seconds()}", flush=True)
     runs = []
     for i in range(args.repeats):
         started = time.perf_counter()
@@ -103,6 +140,9 @@ def main(argv=None) -> dict:
     stages = {}
     for stage in STAGES:
         seconds = statistics.median(run[stage] for run in runs)
+        if seconds < CACHED_SECONDS:  # the same prompt again: its embedding cached, the encoder not run
+            stages[stage] = dict(seconds=round(seconds, 4), flops=0.0, cached=True)
+            continue
         rate = work[stage] / seconds
         stages[stage] = dict(
             seconds=round(seconds, 4),
@@ -124,15 +164,57 @@ def main(argv=None) -> dict:
         spec_peak_tflop_per_s=spec_peak / 1e12,
         measured_peak_tflop_per_s=round(measured_peak / 1e12, 1),
         checkpoint_written_seconds=round(written, 1),
+        read_on_device=not args.host_path and device_loading.wanted(None),
+        compilation_cache_entries=cached,
         load_seconds=round(load, 1),
+        load_phases=phases.seconds(),
+        load_phase_calls=phases.calls(),
         first_call_seconds=round(first_call, 1),
         first_call_stages=_rounded(first.timings),
+        first_call_phases=first_phases.seconds(),
+        first_call_phase_calls=first_phases.calls(),
+        backend_seconds=round(backend, 1),
+        first_image_seconds=round(backend + load + first_call, 1),
         image_seconds=round(statistics.median(run["wall"] for run in runs), 3),
         stages=stages,
         device_peak_bytes=stats.get("peak_bytes_in_use"),
         device_bytes=stats.get("bytes_limit"),
     )
     print(table(report), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _load_only(args, pipe, device, load: float, phases, backend: float) -> dict:
+    """The load's figures, and the transformer's read after it (under `sequential`, the first request's)."""
+    started = time.perf_counter()
+    jax.block_until_ready(jax.tree.leaves(pipe._models[residency.TEXT_ENCODER].get()[1]))
+    waited = time.perf_counter() - started
+    started = time.perf_counter()
+    with load_phases.timed() as read_phases:
+        _, state = residency.hold(pipe._models, lambda: pipe.residency, residency.TRANSFORMER)()
+        jax.block_until_ready(jax.tree.leaves(state))
+    transformer = time.perf_counter() - started
+    print(
+        f"load's transfers finished {waited:.1f} s later; transformer read: {transformer:.1f} s", flush=True
+    )
+    print(f"  its phases (s): {read_phases.seconds()}", flush=True)
+    report = dict(
+        device=device.device_kind,
+        jax=jax.__version__,
+        model=args.config,
+        compute=pipe.compute,
+        residency=pipe.residency,
+        read_on_device=not args.host_path and device_loading.wanted(None),
+        backend_seconds=round(backend, 1),
+        load_seconds=round(load, 1),
+        load_phases=phases.seconds(),
+        load_phase_calls=phases.calls(),
+        load_transfers_after_seconds=round(waited, 1),
+        transformer_read_seconds=round(transformer, 1),
+        transformer_read_phases=read_phases.seconds(),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -146,6 +228,9 @@ def table(report: dict) -> str:
         f"| first call (compiles) | {report['first_call_seconds']} | | | |",
     ]
     for stage, entry in report["stages"].items():
+        if entry.get("cached"):
+            rows.append(f"| {stage} (cached: the same prompt) | {entry['seconds']} | | | |")
+            continue
         spec = entry["share_of_spec_peak"]
         rows.append(
             f"| {stage} | {entry['seconds']} | {entry['tflop_per_s']} | {'' if spec is None else f'{spec:.0%}'} "

@@ -152,3 +152,25 @@ def test_an_interrupted_write_leaves_nothing_behind(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         demo.ensure_checkpoint(tmp_path / "ckpt", SPEC, shard_bytes=LIMIT, progress=interrupt)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tiled_checkpoint_has_every_tensor_at_its_shape_finite_and_repeated(written, tmp_path):
+    """`tiled`: the same keys, shapes and dtypes as a drawn checkpoint, finite, each weight one block of
+    rows repeated (here blocks of 2 rows, far smaller than the weights)."""
+    one, _, _ = written
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(demo, "TILE_BYTES", 2 * 4 * 64)  # two float32 rows of 64
+        demo.write_checkpoint(tmp_path, SPEC, seed=3, tiled=True)
+    repeated = 0
+    for component, prefix in PREFIXES.items():
+        drawn = TensorSource.from_file(one / component / f"{prefix}.safetensors")
+        tiled = TensorSource.from_file(tmp_path / component / f"{prefix}.safetensors")
+        assert tiled.keys() == drawn.keys()
+        for key in drawn.keys():
+            assert (tiled.shape(key), tiled.dtype(key)) == (drawn.shape(key), drawn.dtype(key)), key
+            value = tiled.get(key).astype(np.float32)  # get refuses NaN and infinities
+            if value.ndim >= 2 and value.shape[1:] == (64,) and value.shape[0] > 2:
+                assert np.array_equal(value[2:4], value[: len(value[2:4])]), key
+                assert not np.array_equal(value[0], value[1]), key
+                repeated += 1
+    assert repeated

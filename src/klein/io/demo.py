@@ -37,6 +37,8 @@ SHARD_BYTES = 2 * 2**30
 """Tensor bytes per shard at most (a tensor larger than that gets a shard of its own)."""
 DRAW_BYTES = 128 * 2**20
 """float32 bytes drawn at once when a sharded component is written (a block of one tensor's rows)."""
+TILE_BYTES = 4 * 2**20
+"""The random block a tiled checkpoint repeats down each weight (`write_checkpoint`)."""
 TRANSFORMER = dict(
     _class_name="Flux2Transformer2DModel",
     patch_size=1,
@@ -120,15 +122,21 @@ far, the component's tensor bytes)."""
 
 
 def ensure_checkpoint(
-    home: Path, spec: RandomCheckpoint, *, shard_bytes: int = SHARD_BYTES, progress: Progress | None = None
+    home: Path,
+    spec: RandomCheckpoint,
+    *,
+    shard_bytes: int = SHARD_BYTES,
+    progress: Progress | None = None,
+    tiled: bool = False,
 ) -> Path:
-    """`home`, written with `spec` on first use, atomically (never half-written, even when interrupted)."""
+    """`home`, written with `spec` on first use, atomically (never half-written, even when interrupted);
+    `tiled`: each weight a random block repeated (`write_checkpoint`)."""
     if (home / "model_index.json").is_file():
         return home
     home.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=home.parent))
     try:
-        write_checkpoint(staging, spec, shard_bytes=shard_bytes, progress=progress)
+        write_checkpoint(staging, spec, shard_bytes=shard_bytes, progress=progress, tiled=tiled)
         staging.rename(home)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -145,9 +153,12 @@ def write_checkpoint(
     *,
     shard_bytes: int = SHARD_BYTES,
     progress: Progress | None = None,
+    tiled: bool = False,
 ) -> None:
     """Write every component of `spec` with random weights to `folder` (which may exist, empty); one of
-    more than `shard_bytes` as shards of at most that."""
+    more than `shard_bytes` as shards of at most that. `tiled`: each weight of two or more axes is one
+    random block of rows (`TILE_BYTES`) repeated, as fast to write as the disk takes it (tens of GB of true-
+    size weights whose values matter only for being finite and of the right scale; not the same values)."""
     rng = np.random.default_rng(seed)
     dtype = dtypes.dtype(spec.dtype)
     vocab = _write_tokenizer(folder / "tokenizer")
@@ -155,7 +166,10 @@ def write_checkpoint(
     configs = dict(transformer=spec.transformer, vae=spec.vae, text_encoder=text_config)
     for name, shapes in tensor_shapes(spec, vocab).items():
         prefix = "model" if name == "text_encoder" else "diffusion_pytorch_model"
-        _write_component(folder / name, prefix, configs[name], shapes, rng, dtype, shard_bytes, progress)
+        draw = _tiled if tiled else _random
+        _write_component(
+            folder / name, prefix, configs[name], shapes, rng, dtype, shard_bytes, progress, draw
+        )
     _write_json(
         folder / "scheduler" / "scheduler_config.json",
         dict(
@@ -220,7 +234,21 @@ def _random(key: str, shape: tuple, rng: np.random.Generator, dtype, block_bytes
         yield ((rng.random(block, dtype=np.float32) * 2 - 1) * bound).astype(dtype, copy=False)
 
 
-def _write_component(folder: Path, prefix: str, config: dict, shapes: dict, rng, dtype, limit, progress):
+def _tiled(key: str, shape: tuple, rng: np.random.Generator, dtype, block_bytes: int) -> Iterator:
+    """`_random`'s values of a block of rows of at most `TILE_BYTES` as float32, repeated down the tensor."""
+    if len(shape) < 2 or key.endswith("running_var"):
+        yield from _random(key, shape, rng, dtype, block_bytes)
+        return
+    row = int(np.prod(shape[1:]))
+    rows = max(1, min(shape[0], TILE_BYTES // (4 * row)))
+    block = next(_random(key, (rows, *shape[1:]), rng, dtype, TILE_BYTES))
+    for start in range(0, shape[0], rows):
+        yield block[: shape[0] - start]
+
+
+def _write_component(
+    folder: Path, prefix: str, config: dict, shapes: dict, rng, dtype, limit, progress, draw=None
+):
     folder.mkdir(parents=True)
     _write_json(folder / "config.json", config)
     keys = sorted(shapes)  # the order of the draws
@@ -233,7 +261,7 @@ def _write_component(folder: Path, prefix: str, config: dict, shapes: dict, rng,
         names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     written = 0
     for name, shard in zip(names, shards, strict=True):
-        _write_streamed(folder / name, {key: shapes[key] for key in shard}, rng, dtype)
+        _write_streamed(folder / name, {key: shapes[key] for key in shard}, rng, dtype, draw or _random)
         written += sum(sizes[key] for key in shard)
         if progress:
             progress(folder / name, written, total)
@@ -260,7 +288,7 @@ def _shards(keys: list[str], sizes: dict[str, int], limit: int) -> list[list[str
     return shards
 
 
-def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype) -> None:
+def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype, draw=None) -> None:
     """A safetensors file of random `shapes` (in key order), laid out as `safetensors.numpy.save_file` does,
     each tensor drawn, cast and written one block of rows at a time."""
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -279,7 +307,7 @@ def _write_streamed(path: Path, shapes: dict[str, tuple], rng, dtype) -> None:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         for key, shape in shapes.items():
-            for block in _random(key, shape, rng, dtype, DRAW_BYTES):
+            for block in (draw or _random)(key, shape, rng, dtype, DRAW_BYTES):
                 block.tofile(f)
         # Written, then out of the page cache: tens of GB of shards would otherwise crowd out every other
         # process's cached files (and, while dirty, their memory).

@@ -141,6 +141,15 @@ class MappedSource:
     def keys(self) -> set[str]:
         return set(self._table) | self._rest
 
+    @property
+    def inner(self):
+        """The source the pieces read."""
+        return self._source
+
+    def piece(self, key: str):
+        """The piece that reads `key`, or None where `key` is a stored tensor read as it is."""
+        return self._table.get(key)
+
     def file_of(self, key: str) -> Path:
         return self._source.file_of(self._table[key].keys[0] if key in self._table else key)
 
