@@ -6,5 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 rm -rf .venv-comfyui
 python3 -m venv .venv-comfyui
-.venv-comfyui/bin/python -m pip install --quiet --no-compile -r tests/comfyui/requirements.txt
+.venv-comfyui/bin/python -m pip install --quiet -r tests/comfyui/requirements.txt
 tar -xzf tests/comfyui/ComfyUI-a125cd84.tar.gz -C .venv-comfyui
+.venv-comfyui/bin/python -m compileall -q .venv-comfyui/ComfyUI > /dev/null
