@@ -181,7 +181,9 @@ def test_klein_errors_are_comfyui_execution_errors(servers):
     error = _error(entry)
     assert error["node_type"] == "KleinGenerate" and error["exception_type"].endswith("KleinError")
     assert error["exception_message"].rstrip("\n") == answer.json()["error"]["message"]  # ComfyUI adds a \n
-    assert "nope" in error["exception_message"]
+    assert error["exception_message"].startswith(
+        "loras: no LoRA named 'nope' is offered"
+    )  # as docs/comfyui.md says
     closed = f"http://127.0.0.1:{serve_process.free_port()}"
     entry, _ = comfy.run(comfy_url, _workflow("klein_generate", closed, "2", **settings))
     assert _error(entry)["exception_message"].startswith(f"cannot reach klein serve at {closed}: ")
