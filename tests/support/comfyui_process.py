@@ -34,6 +34,8 @@ def installed() -> bool:
 def start(base: pathlib.Path) -> tuple[subprocess.Popen, str]:
     """(process, URL) of ComfyUI with `base` as its --base-directory and the pack in its custom_nodes/,
     started, not yet ready (`wait_ready`): the caller may start other things meanwhile."""
+    if not installed():
+        raise RuntimeError(f"no ComfyUI at {SOURCE} (with {VENV}/bin/python): bash tests/comfyui/install.sh")
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
     (base / "custom_nodes" / PACK.name).symlink_to(PACK, target_is_directory=True)
     port = free_port()
