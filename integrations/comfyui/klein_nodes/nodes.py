@@ -4,6 +4,11 @@ so this file imports without ComfyUI."""
 
 from __future__ import annotations
 
+import base64
+import json
+
+import torch
+
 from . import convert
 from .client import Client, KleinError
 from .references import ReferenceSets
@@ -61,9 +66,7 @@ def _fields(prompt, seed, steps, loras="", step_cache="", guidance=0.0) -> dict:
     return body
 
 
-def _images(result: dict):
-    import base64
-
+def _images(result: dict) -> torch.Tensor:
     return convert.images_of([base64.b64decode(item["b64_json"]) for item in result["data"]])
 
 
@@ -204,10 +207,10 @@ class KleinInpaint:
     CATEGORY = CATEGORY
 
     def inpaint(self, server, image, mask, prompt, seed, steps, strength, **optional):
-        import torch
-
         body = _fields(prompt, seed, steps, **optional) | {"size": "auto", "strength": strength}
-        fields = {name: value if isinstance(value, str) else _json(value) for name, value in body.items()}
+        fields = {
+            name: value if isinstance(value, str) else json.dumps(value) for name, value in body.items()
+        }
         images = convert.image_pngs(image)
         height, width = image.shape[-3], image.shape[-2]
         bar = _progress_bar(len(images))
@@ -217,12 +220,6 @@ class KleinInpaint:
             out.append(_images(server.post_files("/v1/images/edits", fields, files)))
             bar(i + 1, len(images))
         return (torch.cat(out),)
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 NODES = {
