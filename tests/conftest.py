@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "test_bf16_parity.py",
     "test_step_cache_parity.py",
     "test_step_cache.py",
+    "test_comfyui.py",
 )
 
 
