@@ -165,10 +165,11 @@ def rope_of(config, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
     return tuple(jnp.asarray(t) for t in tables)
 
 
-def pad_batch(x, txt, guided: bool, ways: int):
+def pad_batch(x, txt, guided: bool, ways: int, to: int | None = None):
     """Pad the batch with zero images (and their zero prompts) to a multiple of `ways` (the mesh's batch
-    axes), so that it splits over the devices; the caller drops them. Images never see each other."""
-    extra = -x.shape[0] % ways
+    axes), so that it splits over the devices, or to `to` images (a warm program's batch: a multiple of
+    `ways` too); the caller drops them. Images never see each other."""
+    extra = -x.shape[0] % ways if to is None else to - x.shape[0]
     if not extra:
         return x, txt
 

@@ -110,7 +110,8 @@ def request(shape: Shape) -> GenerationRequest:
 def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda line: None) -> int:
     """Run a request of each shape in `planned` on `pipe`, telling `log` of each; the programs built. A
     shape the pipeline refuses (one that cannot fit) is skipped. The pipeline's work counters are left as
-    they were: warming is not work a caller asked for."""
+    they were: warming is not work a caller asked for. Then `pipe` runs a request whose shapes are not
+    warm on the smallest warm ones that hold it, compiling its own behind (`klein.pipeline.warm_buckets`)."""
     counters = pipe.counters.copy()
     planned, loras = tuple(planned), pipe.adapters.names
     if loras:  # each shape again under a LoRA offered by name, so that a request naming one builds nothing
@@ -128,6 +129,7 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
         log(f"{heading}: {len(built)} programs, {time.perf_counter() - start:.1f} s")
     pipe.counters.clear()
     pipe.counters.update(counters)
+    pipe.warm_buckets.fallback = True  # from now on a request of a cold shape runs on a warm one
     return total
 
 

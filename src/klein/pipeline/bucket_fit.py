@@ -1,0 +1,132 @@
+"""The pipeline's side of warm buckets first (`klein.pipeline.warm_buckets`): the shape of a request's
+steps and prefill, the one it runs on, and the compilation of its own behind the requests, from blank
+inputs built as the request builds its own (so that the program compiled is the one it would call)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from klein import sampling, sharding
+from klein.memory.admission import planning_mesh
+from klein.models.buckets import Streams, size
+from klein.pipeline import denoise
+from klein.pipeline.warm_buckets import Fit, PrefillShape, StepShape
+from klein.request.modes import Conditioning
+from klein.request.references import References
+
+
+def step_fit(pipe, run, references: References | None) -> Fit | None:
+    """The shape `run`'s steps run on, or None where they run over their exact sizes (`bucket=False`) or
+    under a step cache (whose programs depend on its structure too: they run on their own buckets)."""
+    streams = run.workload.streams
+    if not streams.masked or run.request.cache is not None:
+        return None
+    cached = run.mode.conditioning is Conditioning.CACHED
+    tight = StepShape(
+        run.mode,
+        _batch(pipe, run.images),
+        streams.image,
+        references.kv.num_tokens if cached else streams.references,
+        any(run.request.lora_sets),
+    )
+    return pipe.warm_buckets.step(tight, fixed_references=cached)
+
+
+def streams(fit: Fit | None, run) -> Streams:
+    """The token streams the steps run over: those of the shape they run on."""
+    if fit is None:
+        return run.workload.streams
+    return Streams(fit.used.image, fit.used.references, True)
+
+
+def batch(fit: Fit | None, pipe, images: int) -> int:
+    """The rows the steps run: the shape's (padded with blank images), or a multiple of the mesh's ways."""
+    return _batch(pipe, images) if fit is None else fit.used.batch
+
+
+def _batch(pipe, images: int) -> int:
+    ways = sharding.ways(planning_mesh(pipe.mesh), "batch")
+    return images + -images % ways
+
+
+def compile_steps_behind(pipe, fit: Fit | None, run, txt, references: References | None, grid) -> None:
+    """After a request that ran on a larger shape: compile its own behind the requests, and under KV
+    editing whose references were prefilled over a larger bucket, the steps over their own bucket too
+    (what the references' next prefill will give, once its own program is warm)."""
+    if fit is None:
+        return
+    shapes = [fit.tight] if fit.larger else []
+    if run.mode.conditioning is Conditioning.CACHED and references is not None:
+        own = size(references.tokens.shape[0])
+        if own < fit.tight.references:
+            shapes.append(StepShape(fit.tight.mode, fit.tight.batch, fit.tight.image, own, fit.tight.lora))
+    # The LoRA rows are the worker's to prepare (they may place adapters): here, not on the compiling thread.
+    loras = (
+        pipe._loras.rows(run.request.lora_sets, run.request.num_images_per_prompt),
+        pipe._loras.rows([run.request.lora_sets[0]]),
+    )
+    for shape in shapes:
+        if shape not in pipe.warm_buckets.warm:
+            compile_it = functools.partial(_compile_step, pipe, shape, run, txt, references, grid, loras)
+            pipe.warm_buckets.behind(shape, compile_it)
+
+
+def _compile_step(pipe, shape: StepShape, run, txt, references: References | None, grid, loras) -> None:
+    """Compile the step of `shape` from blank latents (and blank cached keys of its count), the request's
+    prompts, references and schedule: the arguments `klein.pipeline.denoising.run_steps` passes. `loras`:
+    the rows of the request's unmerged LoRAs, for its images and for its references' prefill."""
+    rope = functools.partial(denoise.rope_of, pipe.config)  # not the pipeline's cache: another thread
+    own = Streams(shape.image, shape.references, True)
+    if run.mode.conditioning is Conditioning.CACHED and references.kv.num_tokens != shape.references:
+        kv = _blank_kv(pipe, references, shape.references, loras[1])
+        references = References(references.tokens, references.ids, references.pixel_sizes, kv)
+    ropes, cond = denoise.step_inputs(rope, run.mode.conditioning, grid, txt.shape[1], references, own)
+    x = jnp.zeros((run.images, shape.image, pipe.config.in_channels), pipe.dtype)
+    ways = sharding.ways(planning_mesh(pipe.mesh), "batch")
+    x, txt = denoise.pad_batch(x, txt, run.mode.guided, ways, shape.batch)
+    x = sharding.put(x, sharding.TOKENS, pipe.mesh)
+    adapted = denoise.batch_rows(loras[0], x.shape[0], run.mode.guided)
+    schedule = sampling.sigmas(run.request.num_inference_steps, grid[0] * grid[1], run.request.sigmas)
+    scale = jnp.float32(run.request.guidance_scale or 1.0)
+    step = pipe._programs.steps[run.mode]
+    step.ahead(x, txt, schedule[0], schedule[1], ropes, cond, scale, adapted=adapted)
+
+
+def _blank_kv(pipe, references: References, tokens: int, adapted):
+    """Zeros of the cached keys and values a prefill of `references` over `tokens` gives (never run)."""
+    rope = functools.partial(denoise.rope_of, pipe.config)
+    inputs = denoise.prefill_inputs(rope, references, Streams(0, tokens, True))
+    return pipe._programs.prefill.zeros(*inputs, adapted=adapted)
+
+
+def report(pipe, fit: Fit | None, references: References | None, image_tokens: int, images: int):
+    """What the steps ran on, for the response (`WarmBuckets.report`); None without a fit."""
+    if fit is None:
+        return None
+    reference_tokens = 0 if references is None else references.tokens.shape[0]
+    return pipe.warm_buckets.report(fit, (image_tokens, reference_tokens), images)
+
+
+def prefill_fit(pipe, references: References, bucket: bool, loras) -> tuple[Fit | None, Streams]:
+    """The shape a prefill of `references` runs on (None over their exact count), and its streams."""
+    own = Streams.of(0, references.tokens.shape[0], bucket)
+    if not bucket:
+        return None, own
+    fit = pipe.warm_buckets.prefill(PrefillShape(own.references, bool(loras)))
+    return fit, Streams(0, fit.used.references, True)
+
+
+def compile_prefill_behind(pipe, fit: Fit | None, references: References, adapted) -> None:
+    """After a prefill that ran over a larger bucket: compile its own behind the requests (`adapted`: the
+    prefill's LoRA rows)."""
+    if fit is None or not fit.larger:
+        return
+
+    def compile_it():
+        rope = functools.partial(denoise.rope_of, pipe.config)
+        inputs = denoise.prefill_inputs(rope, references, Streams(0, fit.tight.references, True))
+        pipe._programs.prefill.ahead(*inputs, adapted=adapted)
+
+    pipe.warm_buckets.behind(fit.tight, compile_it)

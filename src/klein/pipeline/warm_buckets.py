@@ -1,0 +1,184 @@
+"""Warm buckets first (docs/design/compiling.md, "Warm buckets first"): a request whose transformer
+programs were never built runs at once on the smallest built ones that hold it (more padding, masked as
+any bucket's: the same image up to float rounding), while one thread compiles its own behind the requests;
+later requests of that shape then run on them.
+
+A shape is warm once its program exists in this process: run by a request (the warm-up's included) or
+compiled behind. The choice is made per request, by `WarmBuckets.step` and `WarmBuckets.prefill`, and only
+once `fallback` is on (`klein.pipeline.warmup.warm` turns it on: a warmed pipeline, and so `klein serve`);
+otherwise every request runs its own buckets, compiling them in the foreground as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from klein.pipeline import compilations
+from klein.request.modes import Mode
+
+log = logging.getLogger("klein.warm_buckets")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What decides a denoising step's program: the mode, the batch (after a mesh's padding), the image's
+    token stream, the references' (their cached keys' count under KV editing, 0 without references) and
+    whether unmerged LoRAs run."""
+
+    mode: Mode
+    batch: int
+    image: int
+    references: int
+    lora: bool
+
+    def holds(self, other: StepShape, fixed_references: bool) -> bool:
+        """Whether `other` can run on this shape's program, padded: as many rows or fewer, as many tokens
+        or fewer in each stream; the references' exactly as many when they come as cached keys (their
+        count is the program's, and padding them would be a program per count)."""
+        references = (
+            self.references == other.references if fixed_references else (self.references >= other.references)
+        )
+        same = (self.mode, self.lora) == (other.mode, other.lora)
+        return same and references and self.batch >= other.batch and self.image >= other.image
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (self.image + self.references)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillShape:
+    """What decides a prefill's program: the references' token stream, and whether unmerged LoRAs run."""
+
+    references: int
+    lora: bool
+
+    def holds(self, other: PrefillShape, fixed_references: bool = False) -> bool:
+        return self.lora == other.lora and self.references >= other.references
+
+    @property
+    def tokens(self) -> int:
+        return self.references
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The shape a request runs on (`used`) and its own (`tight`)."""
+
+    tight: StepShape | PrefillShape
+    used: StepShape | PrefillShape
+
+    @property
+    def larger(self) -> bool:
+        """Whether it runs on a larger warm shape than its own."""
+        return self.used != self.tight
+
+
+class WarmBuckets:
+    """The warm shapes of one pipeline's programs, the choice of one per request, and the thread that
+    compiles the tight ones behind the requests."""
+
+    def __init__(self):
+        self.fallback = False
+        """Run a request on a larger warm shape when its own is not warm (and compile its own behind)."""
+        self.warm: set = set()
+        """Shapes whose programs exist in this process."""
+        self.pending: set = set()
+        """Shapes queued or compiling behind the requests."""
+        self.counts: Counter[str] = Counter()
+        """"larger": requests run on a larger shape; "compiled": shapes compiled behind; "failed"."""
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def saw(self, fit: Fit | None) -> None:
+        """`fit.used` ran: its program exists (None: a run over exact sizes, not tracked)."""
+        if fit is None:
+            return
+        with self._lock:
+            self.warm.add(fit.used)
+
+    def step(self, tight: StepShape, fixed_references: bool) -> Fit:
+        """The shape a step of `tight` runs on: its own when warm (or without `fallback`), else the warm
+        shape of fewest tokens that holds it, else its own (compiled now)."""
+        return self._fit(tight, fixed_references)
+
+    def prefill(self, tight: PrefillShape) -> Fit:
+        """The shape a prefill of `tight` runs on, as `step` chooses."""
+        return self._fit(tight, False)
+
+    def _fit(self, tight, fixed_references: bool) -> Fit:
+        with self._lock:
+            if not self.fallback or tight in self.warm:
+                return Fit(tight, tight)
+            held = [shape for shape in self.warm if type(shape) is type(tight)]
+            held = [shape for shape in held if shape.holds(tight, fixed_references)]
+        if not held:
+            return Fit(tight, tight)
+        self.counts["larger"] += 1
+        return Fit(tight, min(held, key=lambda shape: (shape.tokens, str(shape))))
+
+    def behind(self, shape, compile_it: Callable[[], None]) -> None:
+        """Compile `shape`'s programs by `compile_it()` on the compiling thread, unless warm or queued;
+        `shape` is warm once it returns."""
+        with self._lock:
+            if shape in self.warm or shape in self.pending:
+                return
+            self.pending.add(shape)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._compile, name="klein-compile-behind", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((shape, compile_it))
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or compiling (tests, benchmarks); whether that happened in time."""
+        done = threading.Event()
+        self._queue.put((None, done.set))
+        return done.wait(timeout)
+
+    def _compile(self) -> None:
+        """The compiling thread: one shape at a time, at the lowest CPU priority (Linux sets it per thread),
+        its programs counted as built behind (`compilations.BUILT_BEHIND`)."""
+        compilations.behind()
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):  # not Linux, or not allowed: a normal priority
+            pass
+        while True:
+            shape, compile_it = self._queue.get()
+            try:
+                compile_it()
+                if shape is not None:
+                    with self._lock:
+                        self.warm.add(shape)
+                    self.counts["compiled"] += 1
+            except Exception:  # the foreground compiles it when a request needs it, as without this thread
+                log.exception("compiling %s behind the requests failed", shape)
+                self.counts["failed"] += 1
+            finally:
+                with self._lock:
+                    self.pending.discard(shape)
+
+    def report(self, fit: Fit, real_tokens: tuple[int, int], images: int) -> dict:
+        """What a request ran on, for its response (`klein.buckets`): the tokens of its image and its
+        references, the buckets of its own shape and of the shape it ran on, the padded tokens, and the
+        shapes still compiling behind."""
+        used, tight = fit.used, fit.tight
+        real = images * sum(real_tokens)
+        return {
+            "image_tokens": real_tokens[0],
+            "reference_tokens": real_tokens[1],
+            "bucket": [used.batch, used.image, used.references],
+            "own_bucket": [tight.batch, tight.image, tight.references],
+            "larger": fit.larger,
+            "padded_tokens": used.tokens - real,
+            "compiling_behind": len(self.pending),
+        }
