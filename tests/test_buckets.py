@@ -22,8 +22,10 @@ from klein.models import buckets
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
+from klein.pipeline import warmup
 from klein.pipeline.compilations import Compilations
 from klein.pipeline.loading import load_pipeline
+from klein.pipeline.warm_buckets import WarmBuckets
 from klein.sampling import image_ids, reference_ids, text_ids
 from tests.support import lora_files as lf
 from tests.support import serve_process
@@ -194,18 +196,68 @@ def test_a_new_size_in_a_warm_bucket_builds_no_transformer_program(demo, mode):
     assert TRANSFORMER_PROGRAMS & {name[4:-1] for name in built.names}
 
 
+COLD = {  # after a warm-up at 96x96 (36 tokens: the 48 bucket), streams of buckets no request met
+    "kv": dict(image=[picture(64, 64, 1)]),  # 16 image and 16 reference tokens: their own buckets 16
+    "text-to-image, two images": dict(height=64, width=80, num_images_per_prompt=2),  # 20 tokens: 32
+}
+
+
+def _names(built) -> set:
+    return {name[4:-1] for name in built.names}
+
+
+def test_a_warmed_pipeline_runs_cold_buckets_on_a_warm_one_and_compiles_their_own_behind(demo, monkeypatch):
+    """Once warmed, a request of buckets never built runs at once on the smallest warm program that holds
+    it (more padding, masked: within `EXACT` of its exact size, where the same padding unmasked is not),
+    building no transformer program in the foreground; its own compile behind it and serve the next."""
+    kept, demo.warm_buckets = demo.warm_buckets, WarmBuckets()
+    queued = {}  # the compiles behind, held back until the larger buckets are checked
+    try:
+        warmup.warm(demo, warmup.at_sizes(1, (1, 2), ((96, 96),)))
+        monkeypatch.setattr(
+            demo.warm_buckets, "behind", lambda shape, compile_it: queued.setdefault(shape, compile_it)
+        )
+        runs = {
+            mode: dict(prompt="a fox", seed=3, num_inference_steps=2, output_type="np", **r)
+            for mode, r in COLD.items()
+        }
+        for mode, request in runs.items():
+            with Compilations() as built:
+                out = demo(**request)
+            assert out.buckets["larger"] and out.buckets["bucket"][1] == 48, (mode, out.buckets)
+            assert not TRANSFORMER_PROGRAMS & _names(built), (mode, built.names)
+            exact = demo(**request, bucket=False)
+            assert max_abs(out.images, exact.images) < EXACT, mode
+            with monkeypatch.context() as unmasked:  # the padding seen as tokens: the check is sensitive
+                unmasked.setattr(buckets, "ranks", lambda real, padded: np.zeros(padded, np.int32))
+                assert max_abs(demo(**request).images, exact.images) > 1e-3, mode
+        monkeypatch.undo()
+        for shape, compile_it in queued.items():
+            demo.warm_buckets.behind(shape, compile_it)
+        assert demo.warm_buckets.drain(300) and not demo.warm_buckets.pending
+        assert demo.warm_buckets.counts["compiled"] >= 3, demo.warm_buckets.counts  # two steps, a prefill
+        for mode, request in runs.items():
+            with Compilations() as built:
+                out = demo(**request)
+            assert not out.buckets["larger"] and out.buckets["bucket"] == out.buckets["own_bucket"], mode
+            assert not TRANSFORMER_PROGRAMS & _names(built), (mode, built.names)
+            assert max_abs(out.images, demo(**request, bucket=False).images) < EXACT, mode
+    finally:
+        demo.warm_buckets = kept
+
+
 def _png(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-def _built(url: str) -> Counter:
+def _built(url: str, metric: str = "klein_programs_built_total") -> Counter:
     return Counter(
         {
             name.split('"')[1]: value
             for name, value in serve_process.metrics(url).items()
-            if name.startswith("klein_programs_built_total")
+            if name.startswith(metric)
         }
     )
 
@@ -260,5 +312,36 @@ def test_after_warm_up_new_photo_sizes_two_images_a_repaint_and_a_lora_build_no_
             assert response.status_code == 200, response.text
             assert len(response.json()["data"]) == int(fields.get("n", 1))
         built = _built(url) - warmed
+        # Warm buckets first: a photo and a text-to-image of buckets never built (16 and 20 tokens: buckets
+        # 16 and 32) run on the warm 48 at once, and their own compile behind them, in /metrics.
+        cold = [({"image": picture(64, 64, 4)}, {"n": "2"}), ({}, {"size": "80x64"})]
+        assert _cold(url, cold) == [True, True]
+        behind = _built(url, "klein_programs_built_behind_total")
+        foreground = _built(url) - warmed - behind
+        serve_process.wait_for(
+            lambda: not serve_process.metrics(url)["klein_compiles_behind_pending"], "compiles"
+        )
+        counted = serve_process.metrics(url)
+        assert counted["klein_compiles_behind_total"] >= 3 and counted["klein_larger_bucket_runs_total"] >= 3
+        assert _built(url, "klein_programs_built_behind_total")["step"] >= 2
+        assert _cold(url, cold) == [False, False]  # now on their own
     assert not built.keys() & {"prompt_embeddings", *TRANSFORMER_PROGRAMS}, built
     assert built["decode_latents"] >= 3 and built["encode_latents"] >= 3, built  # the VAE at each new size
+    assert not foreground.keys() & {"prompt_embeddings", *TRANSFORMER_PROGRAMS}, foreground
+
+
+def _cold(url: str, requests) -> list[bool]:
+    """Send each (files, fields) as an edit (a text-to-image without files); whether each ran on a larger
+    bucket than its own (`klein.buckets` of the response)."""
+    larger = []
+    for files, fields in requests:
+        data = {"prompt": "a hat", "seed": "3", "num_inference_steps": "2", **fields}
+        if files:
+            sent = {name: (f"{name}.png", _png(image), "image/png") for name, image in files.items()}
+            response = httpx.post(url + "/v1/images/edits", files=sent, data=data, timeout=300)
+        else:
+            body = {**data, "seed": 3, "num_inference_steps": 2}
+            response = httpx.post(url + "/v1/images/generations", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        larger.append(response.json()["klein"]["buckets"]["larger"])
+    return larger
