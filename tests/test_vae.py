@@ -16,6 +16,7 @@ from klein.errors import CheckpointError
 from klein.io.loading import expected_shapes
 from klein.io.vae_checkpoint import SKIPPED_KEYS, load_vae
 from klein.models import vae as flax_vae
+from klein.models import vae_tiled
 from tests.support.compare import assert_close, rel_err
 from tests.support.tiny_vae import build_vae
 
@@ -26,7 +27,7 @@ encode_mean = nnx.jit(lambda vae, images: vae.encode_mean(images))
 decode = nnx.jit(lambda vae, z: vae.decode(z))
 encode_latents = nnx.jit(flax_vae.encode_latents)
 decode_latents = nnx.jit(flax_vae.decode_latents)
-decode_latents_tiled = nnx.jit(flax_vae.decode_latents_tiled, static_argnames=("tile", "overlap"))
+decode_latents_tiled = nnx.jit(vae_tiled.decode_latents_tiled, static_argnames=("tile", "overlap"))
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,17 @@ inputs built as the request builds its own (so that the program compiled is the 
 from __future__ import annotations
 
 import functools
+import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from klein import sampling, sharding
 from klein.memory.admission import planning_mesh
 from klein.models.buckets import Streams, size
 from klein.pipeline import denoise
-from klein.pipeline.warm_buckets import Fit, PrefillShape, StepShape
+from klein.pipeline.warm_buckets import CanvasShape, Fit, NoiseShape, PrefillShape, StepShape
 from klein.request.modes import Conditioning
 from klein.request.references import References
 
@@ -31,7 +34,7 @@ def step_fit(pipe, run, references: References | None) -> Fit | None:
         references.kv.num_tokens if cached else streams.references,
         any(run.request.lora_sets),
     )
-    return pipe.warm_buckets.step(tight, fixed_references=cached)
+    return pipe.warm_buckets.fit(tight, fixed_references=cached)
 
 
 def streams(fit: Fit | None, run) -> Streams:
@@ -49,6 +52,14 @@ def batch(fit: Fit | None, pipe, images: int) -> int:
 def _batch(pipe, images: int) -> int:
     ways = sharding.ways(planning_mesh(pipe.mesh), "batch")
     return images + -images % ways
+
+
+def after_steps(pipe, fit: Fit | None, run, txt, references: References | None, grid) -> dict | None:
+    """After the steps ran on `fit.used`: it is warm; its own compiles behind if it was not; and what they
+    ran on, for the response (`report`)."""
+    pipe.warm_buckets.saw(fit)
+    compile_steps_behind(pipe, fit, run, txt, references, grid)
+    return report(pipe, fit, references, grid[0] * grid[1], run.images)
 
 
 def compile_steps_behind(pipe, fit: Fit | None, run, txt, references: References | None, grid) -> None:
@@ -114,7 +125,7 @@ def prefill_fit(pipe, references: References, bucket: bool, loras) -> tuple[Fit 
     own = Streams.of(0, references.tokens.shape[0], bucket)
     if not bucket:
         return None, own
-    fit = pipe.warm_buckets.prefill(PrefillShape(own.references, bool(loras)))
+    fit = pipe.warm_buckets.fit(PrefillShape(own.references, bool(loras)))
     return fit, Streams(0, fit.used.references, True)
 
 
@@ -130,3 +141,54 @@ def compile_prefill_behind(pipe, fit: Fit | None, references: References, adapte
         pipe._programs.prefill.ahead(*inputs, adapted=adapted)
 
     pipe.warm_buckets.behind(fit.tight, compile_it)
+
+
+def noise(pipe, seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """float32[shape]: the noise of `seed`, drawn flat at a warm length and cut: under jax's (default)
+    partitionable threefry each value depends on its index alone, so a prefix of a longer draw is the
+    shorter draw, and a seed makes the same noise at any length (`tests/test_buckets.py`)."""
+    values = math.prod(shape)
+    fit = pipe.warm_buckets.fit(NoiseShape(size(values)))
+    flat = np.asarray(jax.random.normal(jax.random.key(seed), (fit.used.length,), jnp.float32))
+    pipe.warm_buckets.saw(fit)
+    if fit.larger:
+        length = fit.tight.length
+        draw = lambda: jax.block_until_ready(jax.random.normal(jax.random.key(0), (length,), jnp.float32))  # noqa: E731
+        pipe.warm_buckets.behind(fit.tight, draw)
+    return flat[:values].reshape(shape)
+
+
+def encode(pipe, prepared: np.ndarray):
+    """One prepared reference float32[H, W, 3] -> its latents float[H/16, W/16, C] on the device, encoded on
+    the smallest warm canvas that holds it (its own once warm: `klein.models.vae_canvas`), cut on the host."""
+    height, width = prepared.shape[:2]
+    fit = pipe.warm_buckets.fit(CanvasShape("encode", 1, height, width))
+    canvas = np.zeros((1, fit.used.height, fit.used.width, 3), np.float32)
+    canvas[0, :height, :width] = prepared
+    extent = np.array([height, width], np.int32)
+    out = np.asarray(pipe._programs.encode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
+    pipe.warm_buckets.saw(fit)
+    if fit.larger:
+        blank = functools.partial(jnp.zeros, (1, height, width, 3), pipe.dtype)
+        pipe.warm_buckets.behind(fit.tight, lambda: pipe._programs.encode_canvas.ahead(blank(), extent))
+    token = pipe.vae_config.pixels_per_token
+    return denoise.to_device(out[0, : height // token, : width // token])
+
+
+def decode(pipe, latents: np.ndarray) -> np.ndarray:
+    """Latents float[B, h, w, C] (host) -> images float[B, 16h, 16w, 3] (host), decoded on the smallest
+    warm canvas that holds them (its own once warm), the batch padded with blank latents."""
+    images, rows, columns, channels = latents.shape
+    token = pipe.vae_config.pixels_per_token
+    height, width = rows * token, columns * token
+    fit = pipe.warm_buckets.fit(CanvasShape("decode", images, height, width))
+    used = fit.used
+    canvas = np.zeros((used.batch, used.height // token, used.width // token, channels), latents.dtype)
+    canvas[:images, :rows, :columns] = latents
+    extent = np.array([height, width], np.int32)
+    out = np.asarray(pipe._programs.decode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
+    pipe.warm_buckets.saw(fit)
+    if fit.larger:
+        blank = functools.partial(jnp.zeros, (images, rows, columns, channels), pipe.dtype)
+        pipe.warm_buckets.behind(fit.tight, lambda: pipe._programs.decode_canvas.ahead(blank(), extent))
+    return out[:images, :height, :width]

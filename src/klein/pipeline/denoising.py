@@ -4,6 +4,7 @@ repaint, callback and progress between steps (`klein.pipeline.flux2_klein.Flux2K
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from klein import masks, sampling, sharding
 from klein.memory.admission import planning_mesh
@@ -15,8 +16,8 @@ from klein.pipeline.stage_events import StageEvent
 
 def run_steps(pipe, x, txt, inputs, run, batch: int, repaint=None, progress=None, on_step_end=None):
     """The steps of `pipe` over x [B, N, C] (N: the image's token stream) from `inputs` = (ropes, cond)
-    (`denoise.step_inputs`), the batch padded with blank images to `batch` rows: the latents of the
-    request's images, their padding tokens included, and the step cache's report (None without one)."""
+    (`denoise.step_inputs`), the batch padded with blank images to `batch` rows: the latents, their
+    padding rows and tokens included (cut on the host), and the step cache's report (None without one)."""
     h, w = pipe._grid(run.request.height, run.request.width)
     steps, first, (ropes, cond) = run.steps, run.first_step, inputs
     schedule = sampling.sigmas(run.request.num_inference_steps, h * w, run.request.sigmas)
@@ -45,7 +46,7 @@ def run_steps(pipe, x, txt, inputs, run, batch: int, repaint=None, progress=None
         if progress:
             x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
             progress(StageEvent("denoise", i + 1 - first, steps - first))
-    return x[: run.images], None if cache is None else cache.report()
+    return x, None if cache is None else cache.report()
 
 
 def repaint_inputs(request, references, noise, mask, sizes, tokens: int) -> denoise.Repaint:
@@ -53,7 +54,7 @@ def repaint_inputs(request, references, noise, mask, sizes, tokens: int) -> deno
     `sizes[0]`), the noise and the mask, on the device, each padded with zeros as the noise is (its token
     stream: the padding stays zero)."""
     padded = noise.shape[1]
-    source = denoise.pad_tokens(references.tokens[:tokens][None], padded)
+    source = denoise.to_device(buckets.pad(np.asarray(references.tokens)[:tokens], padded)[None])  # host
     latent = None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
-    latent = None if latent is None else jnp.asarray(buckets.pad(latent, padded)[None])
+    latent = None if latent is None else denoise.to_device(buckets.pad(latent, padded)[None])
     return denoise.Repaint(source, noise, latent, noised_start=request.latents is None)

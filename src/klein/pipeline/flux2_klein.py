@@ -200,9 +200,8 @@ class Flux2KleinPipeline(DiffusersSurface):
         # 5. Reference encoding (VAE, and the prefill for cached references).
         references = self._references(request, prepared, run, stages)
         # 6. Noise and the source to repaint from it, and the steps' inputs, over the transformer's token
-        #    streams (their buckets: the padding's small programs are built here, outside the stages).
-        #    The streams and batch are those of the smallest warm program that holds them, once the
-        #    pipeline is warmed, while its own compiles behind the requests (`klein.pipeline.bucket_fit`).
+        #    streams: their buckets, or once the pipeline is warmed the smallest warm ones that hold them,
+        #    while their own compile behind the requests (`klein.pipeline.bucket_fit`). Padded on the host.
         gh, gw = self._grid(run.request.height, run.request.width)
         fit = bucket_fit.step_fit(self, run, references)
         streams = bucket_fit.streams(fit, run)
@@ -216,18 +215,16 @@ class Flux2KleinPipeline(DiffusersSurface):
         x, cache_report = stages.run(
             "denoise", run_steps, self, x, txt, inputs, run, rows, repaint, progress, on_step_end, total=steps
         )
-        self.warm_buckets.saw(fit)
-        bucket_fit.compile_steps_behind(self, fit, run, txt, references, (gh, gw))
-        ran = bucket_fit.report(self, fit, references, gh * gw, run.images)
+        ran = bucket_fit.after_steps(self, fit, run, txt, references, (gh, gw))
         # 8. Decoding (or the VAE's latents, channels first as diffusers returns them), with the record of what ran.
-        latents = sampling.unpack(x[:, : gh * gw], gh, gw)
+        latents = sampling.unpack(np.asarray(x)[: run.images, : gh * gw], gh, gw)  # cut on the host
         settings = self._settings(run, sizes, cut)
         if request.output_type == "latent":
             out = np.asarray(stages.run("latents", self._programs.vae_latents, latents), np.float32)
             return GenerationOutput(
                 out.transpose(0, 3, 1, 2), run.request.seed, stages.timings, settings, cache_report, ran
             )
-        decoder = self._programs.decode_tiled if tiled else self._programs.decode
+        decoder = self._programs.decode_tiled if tiled else functools.partial(bucket_fit.decode, self)
         decoded = np.asarray(stages.run("decode_tiled" if tiled else "decode", decoder, latents))
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
         if request.padding_mask_crop is not None:
@@ -294,13 +291,13 @@ class Flux2KleinPipeline(DiffusersSurface):
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
         float[H/16, W/16, C]: the per-image half of reference encoding, reusable in any set."""
-        return self._programs.encode(jnp.asarray(prepared[None], self.dtype))[0]
+        return bucket_fit.encode(self, prepared)
 
     def references_from_latents(self, latents: Sequence[jax.Array], cached: bool, loras=()) -> References:
         """An ordered set of per-image latents -> `References`, with the prefill's keys/values when
         `cached` (the set half of reference encoding: positions and keys/values depend on the order),
         computed under the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s)."""
-        tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
+        tokens = denoise.to_device(np.concatenate([np.asarray(z).reshape(-1, z.shape[-1]) for z in latents]))
         sizes = [tuple(z.shape[:2]) for z in latents]
         token = self.vae_config.pixels_per_token
         references = References(
@@ -359,8 +356,7 @@ class Flux2KleinPipeline(DiffusersSurface):
     def noise(self, seed: int, batch: int, height: int, width: int) -> np.ndarray:
         """float32[batch, C, height/16, width/16]: the initial noise a request with this seed starts from
         (requests run together may pass their noises, concatenated, as `latents`)."""
-        shape = (batch, self.config.in_channels, *self._grid(height, width))
-        return np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+        return bucket_fit.noise(self, seed, (batch, self.config.in_channels, *self._grid(height, width)))
 
     def _initial_noise(self, latents, seed, batch, gh, gw, tokens: int):
         """The noise the steps start from, packed [B, gh * gw, C] and padded with zero tokens to `tokens`
@@ -372,7 +368,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         latents = np.asarray(latents, np.float32)
         if latents.shape != shape:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
-        return jnp.asarray(buckets.pad(sampling.pack(latents), tokens, axis=1), self.dtype)
+        return denoise.to_device(buckets.pad(sampling.pack(latents), tokens, axis=1), self.dtype)
 
 
 def _source(request: GenerationRequest, mask) -> masks.Source | None:

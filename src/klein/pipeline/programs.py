@@ -13,7 +13,7 @@ from flax import nnx
 
 from klein import sharding
 from klein.memory import residency
-from klein.models import adapters, qwen3
+from klein.models import adapters, qwen3, vae_tiled
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import denoise
@@ -33,9 +33,13 @@ class Programs:
         compiled = functools.partial(Compiled, mesh=mesh, precision=precision)
         self.text = compiled(qwen3.prompt_embeddings, hold(residency.TEXT_ENCODER))
         self.encode = compiled(vae_model.encode_latents, vae)
+        self.encode_canvas = compiled(vae_model.encode_latents_on_canvas, vae)
+        self.decode_canvas = compiled(
+            _replicated(vae_model.decode_latents_on_canvas), vae, name="decode_latents_on_canvas"
+        )
         self.decode, self.decode_tiled, self.vae_latents = (
             compiled(_replicated(fn), vae, name=fn.__name__)
-            for fn in (vae_model.decode_latents, vae_model.decode_latents_tiled, vae_model.vae_latents)
+            for fn in (vae_model.decode_latents, vae_tiled.decode_latents_tiled, vae_model.vae_latents)
         )
         self.prefill = compiled(T.prefill, transformer)
         modes = [Mode(conditioning, guided) for conditioning in denoise.VELOCITY for guided in (False, True)]
@@ -212,5 +216,5 @@ def _replicated(fn):
     return functools.partial(_replicate, fn)
 
 
-def _replicate(fn, vae, latents):
-    return sharding.constrain(fn(vae, latents), ())
+def _replicate(fn, vae, latents, *args):
+    return sharding.constrain(fn(vae, latents, *args), ())

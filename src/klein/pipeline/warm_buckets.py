@@ -68,6 +68,39 @@ class PrefillShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class CanvasShape:
+    """What decides a VAE program on a canvas (`klein.models.vae_canvas`): encoding or decoding, the
+    batch, the canvas's height and width in px."""
+
+    kind: str
+    batch: int
+    height: int
+    width: int
+
+    def holds(self, other: CanvasShape, fixed_references: bool = False) -> bool:
+        same = self.kind == other.kind and self.batch >= other.batch
+        return same and self.height >= other.height and self.width >= other.width
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.height * self.width
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseShape:
+    """The length of a draw of noise (`klein.pipeline.bucket_fit.noise`)."""
+
+    length: int
+
+    def holds(self, other: NoiseShape, fixed_references: bool = False) -> bool:
+        return self.length >= other.length
+
+    @property
+    def tokens(self) -> int:
+        return self.length
+
+
+@dataclasses.dataclass(frozen=True)
 class Fit:
     """The shape a request runs on (`used`) and its own (`tight`)."""
 
@@ -104,16 +137,9 @@ class WarmBuckets:
         with self._lock:
             self.warm.add(fit.used)
 
-    def step(self, tight: StepShape, fixed_references: bool) -> Fit:
-        """The shape a step of `tight` runs on: its own when warm (or without `fallback`), else the warm
-        shape of fewest tokens that holds it, else its own (compiled now)."""
-        return self._fit(tight, fixed_references)
-
-    def prefill(self, tight: PrefillShape) -> Fit:
-        """The shape a prefill of `tight` runs on, as `step` chooses."""
-        return self._fit(tight, False)
-
-    def _fit(self, tight, fixed_references: bool) -> Fit:
+    def fit(self, tight, fixed_references: bool = False) -> Fit:
+        """The shape a program of `tight` runs on: its own when warm (or without `fallback`), else the warm
+        shape of fewest tokens (pixels, values) that holds it, else its own (compiled now)."""
         with self._lock:
             if not self.fallback or tight in self.warm:
                 return Fit(tight, tight)
