@@ -27,7 +27,7 @@ from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget
 from klein.models import buckets
-from klein.pipeline import bucket_fit, cache_keys, denoise
+from klein.pipeline import bucket_fit, cache_keys, denoise, split_batch
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.denoising import repaint_inputs, run_steps
@@ -192,6 +192,8 @@ class Flux2KleinPipeline(DiffusersSurface):
         run = self._resolve(request, sizes, mask)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
         tiled = self._admit(run)
+        if parts := split_batch.rows(self, run, on_step_end):  # a batch no warm program holds: in parts
+            return split_batch.generate(self, request, run, parts, progress)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
         txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
         cut = self.prompt_notes(request.prompts)

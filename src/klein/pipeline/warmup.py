@@ -25,6 +25,9 @@ log = logging.getLogger("klein.warmup")
 
 REFERENCES = 4
 """References warmed by default: 0 to this many (the page's and the API's usual edits)."""
+NOISE_IMAGES = 10
+"""Images whose noise the warm-up draws at its largest size (`klein serve`'s default `--max-images`), so
+that a batch run in parts (`klein.pipeline.split_batch`) cuts its noise from a warm draw."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +130,9 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
             continue
         total += len(built)
         log(f"{heading}: {len(built)} programs, {time.perf_counter() - start:.1f} s")
+    if planned:  # noise for a batch of up to NOISE_IMAGES at the largest size: larger batches cut from it
+        largest = max(planned, key=lambda shape: shape.height * shape.width)
+        pipe.noise(0, NOISE_IMAGES, largest.height, largest.width)
     pipe.counters.clear()
     pipe.counters.update(counters)
     pipe.warm_buckets.fallback = True  # from now on a request of a cold shape runs on a warm one
