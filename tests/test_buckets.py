@@ -215,7 +215,7 @@ def test_a_warmed_pipeline_runs_cold_buckets_on_a_warm_one_and_compiles_their_ow
     it (more padding, masked, and blank images: within `EXACT` of its exact size, where the same padding
     unmasked is not; a batch larger than every warm one in parts), building no program in the foreground;
     its own compile behind it and serve the next."""
-    kept, demo.warm_buckets = demo.warm_buckets, WarmBuckets()
+    kept, demo.warm_buckets = demo.warm_buckets, WarmBuckets(demo.warm_buckets.allowed)
     queued = {}  # the compiles behind, held back until the larger buckets are checked
     try:
         warmup.warm(demo, warmup.at_sizes(1, (1, 3), ((96, 96),)))

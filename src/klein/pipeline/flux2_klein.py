@@ -74,7 +74,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         """Bytes klein may hold in all per device (`LoadOptions.memory_cap`): a request may use what the
         resident weights and, on a CPU, the process (`klein.memory.process`) leave of it; None: no cap."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
-        self.warm_buckets = WarmBuckets()
+        self.warm_buckets = WarmBuckets(lambda: self.residency == "all")
         """The shapes whose programs exist, and the larger ones requests run on once warmed."""
         self.prompt_cache = (
             None if self.residency == "all" else ByteBudgetCache(residency_policy.PROMPT_CACHE_BYTES)

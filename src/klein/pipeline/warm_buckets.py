@@ -117,9 +117,12 @@ class WarmBuckets:
     """The warm shapes of one pipeline's programs, the choice of one per request, and the thread that
     compiles the tight ones behind the requests."""
 
-    def __init__(self):
+    def __init__(self, allowed: Callable[[], bool] = lambda: True):
         self.fallback = False
         """Run a request on a larger warm shape when its own is not warm (and compile its own behind)."""
+        self.allowed = allowed
+        """Whether compiling behind is safe now (read at each choice and compile): a program asks for its
+        weights, which under a residency policy that moves them would move under the worker."""
         self.warm: set = set()
         """Shapes whose programs exist in this process."""
         self.pending: set = set()
@@ -141,13 +144,13 @@ class WarmBuckets:
         """The shape a program of `tight` runs on: its own when warm (or without `fallback`), else the warm
         shape of fewest tokens (pixels, values) that holds it, else its own (compiled now)."""
         with self._lock:
-            if not self.fallback or tight in self.warm:
+            if not self.fallback or tight in self.warm or not self.allowed():
                 return Fit(tight, tight)
             held = [shape for shape in self.warm if type(shape) is type(tight)]
             held = [shape for shape in held if shape.holds(tight, fixed_references)]
-        if not held:
-            return Fit(tight, tight)
-        self.counts["larger"] += 1
+            if not held:
+                return Fit(tight, tight)
+            self.counts["larger"] += 1
         return Fit(tight, min(held, key=lambda shape: (shape.tokens, str(shape))))
 
     def behind(self, shape, compile_it: Callable[[], None]) -> None:
@@ -181,14 +184,17 @@ class WarmBuckets:
         while True:
             shape, compile_it = self._queue.get()
             try:
+                if shape is not None and not self.allowed():  # the weights may move now: the foreground's
+                    continue
                 compile_it()
                 if shape is not None:
                     with self._lock:
                         self.warm.add(shape)
-                    self.counts["compiled"] += 1
+                        self.counts["compiled"] += 1
             except Exception:  # the foreground compiles it when a request needs it, as without this thread
                 log.exception("compiling %s behind the requests failed", shape)
-                self.counts["failed"] += 1
+                with self._lock:
+                    self.counts["failed"] += 1
             finally:
                 with self._lock:
                     self.pending.discard(shape)
