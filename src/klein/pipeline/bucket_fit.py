@@ -121,11 +121,18 @@ def report(pipe, fit: Fit | None, references: References | None, image_tokens: i
 
 
 def prefill_fit(pipe, references: References, bucket: bool, loras) -> tuple[Fit | None, Streams]:
-    """The shape a prefill of `references` runs on (None over their exact count), and its streams."""
+    """The shape a prefill of `references` runs on (None over their exact count), and its streams: a warm
+    one whose keys' count a warm step takes (its own is not used before its steps are compiled too)."""
     own = Streams.of(0, references.tokens.shape[0], bucket)
     if not bucket:
         return None, own
-    fit = pipe.warm_buckets.fit(PrefillShape(own.references, bool(loras)))
+    buckets = pipe.warm_buckets
+
+    def stepped(shape: PrefillShape) -> bool:  # keys of its count meet a warm step (or none is warm yet)
+        steps = [s for s in buckets.warm if isinstance(s, StepShape) and s.lora == shape.lora]
+        return not steps or any(s.references == shape.references for s in steps)
+
+    fit = buckets.fit(PrefillShape(own.references, bool(loras)), usable=stepped)
     return fit, Streams(0, fit.used.references, True)
 
 

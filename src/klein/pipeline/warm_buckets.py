@@ -140,13 +140,17 @@ class WarmBuckets:
         with self._lock:
             self.warm.add(fit.used)
 
-    def fit(self, tight, fixed_references: bool = False) -> Fit:
+    def fit(
+        self, tight, fixed_references: bool = False, usable: Callable[[object], bool] | None = None
+    ) -> Fit:
         """The shape a program of `tight` runs on: its own when warm (or without `fallback`), else the warm
-        shape of fewest tokens (pixels, values) that holds it, else its own (compiled now)."""
+        shape of fewest tokens (pixels, values) that holds it, else its own (compiled now). `usable(shape)`:
+        whether a warm shape may be chosen (a prefill's, whether steps over its keys are warm too)."""
+        usable = usable or (lambda shape: True)
         with self._lock:
-            if not self.fallback or tight in self.warm or not self.allowed():
+            if not self.fallback or not self.allowed() or (tight in self.warm and usable(tight)):
                 return Fit(tight, tight)
-            held = [shape for shape in self.warm if type(shape) is type(tight)]
+            held = [shape for shape in self.warm if type(shape) is type(tight) and usable(shape)]
             held = [shape for shape in held if shape.holds(tight, fixed_references)]
             if not held:
                 return Fit(tight, tight)
