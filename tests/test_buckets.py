@@ -205,16 +205,16 @@ def test_noise_drawn_flat_at_a_longer_length_is_the_noise_of_its_shape(demo):
 
 COLD = {  # after a warm-up at 96x96 (36 tokens: the 48 bucket) of 1 and 3 images, buckets no request met
     "kv": dict(image=[picture(64, 64, 1)]),  # 16 image and 16 reference tokens: their own buckets 16
-    "text-to-image, 2 images": dict(height=64, width=80, num_images_per_prompt=2),  # 20 tokens: 32; on 3
+    "text-to-image, 2 images": dict(height=64, width=80, num_images_per_prompt=2),  # 20 tokens: 32; 1 + 1
     "text-to-image, 4 images": dict(height=64, width=64, num_images_per_prompt=4),  # in parts of 3 and 1
 }
 
 
 def test_a_warmed_pipeline_runs_cold_buckets_on_a_warm_one_and_compiles_their_own_behind(demo, monkeypatch):
     """Once warmed, a request of buckets never built runs at once on the smallest warm programs that hold
-    it (more padding, masked, and blank images: within `EXACT` of its exact size, where the same padding
-    unmasked is not; a batch larger than every warm one in parts), building no program in the foreground;
-    its own compile behind it and serve the next."""
+    it (more padding, masked: within `EXACT` of its exact size, where the same padding unmasked is not; a
+    batch of no warm size in parts of warm sizes), building no program in the foreground; its own compile
+    behind it and serve the next."""
     kept, demo.warm_buckets = demo.warm_buckets, WarmBuckets(demo.warm_buckets.allowed)
     queued = {}  # the compiles behind, held back until the larger buckets are checked
     try:
@@ -230,8 +230,8 @@ def test_a_warmed_pipeline_runs_cold_buckets_on_a_warm_one_and_compiles_their_ow
             with Compilations() as built:
                 out = demo(**request)
             assert out.buckets["larger"] and out.buckets["bucket"][1] == 48, (mode, out.buckets)
-            assert out.buckets["bucket"][0] == (1 if mode == "kv" else 3), out.buckets  # blank images
-            assert out.buckets.get("parts", 1) == (2 if "4 images" in mode else 1), out.buckets
+            assert out.buckets["bucket"][0] == (3 if "4 images" in mode else 1), out.buckets  # 3 + 1, 1 + 1
+            assert out.buckets.get("parts", 1) == (1 if mode == "kv" else 2), out.buckets
             assert not built.names, (mode, built.names)
             exact = demo(**request, bucket=False)
             assert max_abs(out.images, exact.images) < EXACT, mode

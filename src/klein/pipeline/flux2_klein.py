@@ -192,7 +192,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         run = self._resolve(request, sizes, mask)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
         tiled = self._admit(run)
-        if parts := split_batch.rows(self, run, on_step_end):  # a batch no warm program holds: in parts
+        if parts := split_batch.parts(self, run, on_step_end):  # a batch of no warm program's size
             return split_batch.generate(self, request, run, parts, progress)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
         txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)

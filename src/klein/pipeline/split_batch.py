@@ -1,7 +1,8 @@
-"""A batch larger than every warm one, run in parts of a warm batch (docs/design/compiling.md, "Warm buckets
-first"): two images with only one-image programs warm are two requests of one image each, from the noise
-rows the whole batch would start from (the same images up to float rounding), over references encoded
-once; their outputs joined as the batch's."""
+"""A batch of a size no warm program has, run in parts of warm sizes (docs/design/compiling.md, "Warm
+buckets first"): two images with only one-image programs warm are two requests of one image each, from the
+noise rows the whole batch would start from (the same images up to float rounding), over references
+encoded once; their outputs joined as the batch's. Parts rather than a batch padded with blank images up to
+a larger warm one: the prompts' rows of a batch of a new size would be stacked by programs of that size."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from klein.pipeline.output import GenerationOutput
 from klein.pipeline.warm_buckets import StepShape
 
 
-def rows(pipe, run, on_step_end=None) -> int | None:
-    """The images each part runs, when `run`'s batch should run in parts: a warmed pipeline (`fallback`)
-    with a warm step of its mode and LoRA-ness whose batch is smaller, none as large; None otherwise (and
-    under a step cache, a repaint or a per-step callback, which run whole)."""
+def parts(pipe, run, on_step_end=None) -> list[int] | None:
+    """The images of each part, when `run`'s batch should run in parts: a warmed pipeline (`fallback`)
+    with warm steps of its mode and LoRA-ness, none of its batch but smaller ones (each part the largest
+    that fits what is left); None otherwise (and under a step cache, a repaint or a per-step callback,
+    which run whole)."""
     buckets, request = pipe.warm_buckets, run.request
     if not buckets.fallback or not request.bucket or request.cache is not None or request.repaints:
         return None
@@ -28,13 +30,17 @@ def rows(pipe, run, on_step_end=None) -> int | None:
         for shape in list(buckets.warm)
         if isinstance(shape, StepShape) and (shape.mode, shape.lora) == (run.mode, lora)
     }
-    if not batches or max(batches) >= run.images:
+    if run.images in batches or not any(batch < run.images for batch in batches):
         return None
-    return max(batches)
+    sizes, left = [], run.images
+    while left:
+        sizes.append(max((batch for batch in batches if batch <= left), default=left))
+        left -= sizes[-1]
+    return sizes
 
 
-def generate(pipe, request, run, per_part: int, progress=None) -> GenerationOutput:
-    """`request` (resolved as `run`) in parts of `per_part` images, joined."""
+def generate(pipe, request, run, sizes: list[int], progress=None) -> GenerationOutput:
+    """`request` (resolved as `run`) in parts of `sizes` images, joined."""
     references = request.references
     if request.image:  # encoded once for every part, under the LoRAs a whole run would prefill them with
         references = pipe.encode_references(request.image, request.use_kv, loras=request.lora_sets[0])
@@ -44,19 +50,22 @@ def generate(pipe, request, run, per_part: int, progress=None) -> GenerationOutp
     per = request.num_images_per_prompt
     prompts = [p for p in request.prompts for _ in range(per)]
     sets = [s for s in request.lora_sets for _ in range(per)]
-    outs = []
-    for start in range(0, run.images, per_part):
-        stop = min(start + per_part, run.images)
+    outs, start = [], 0
+    for size in sizes:
+        stop = start + size
+        # One prompt's images under one LoRA set: asked for as a warm-up asks for a batch (one prompt, n).
+        one = len(set(zip(prompts[start:stop], sets[start:stop], strict=True))) == 1
         part = dataclasses.replace(
             run.request,
-            prompt=tuple(prompts[start:stop]),
-            num_images_per_prompt=1,
+            prompt=prompts[start] if one else tuple(prompts[start:stop]),
+            num_images_per_prompt=size if one else 1,
             latents=np.asarray(noise)[start:stop],
-            loras=request.loras if len(request.prompts) == 1 else tuple(sets[start:stop]),
+            loras=sets[start] if one else tuple(sets[start:stop]),
             image=(),
             references=references,
         )
         outs.append(pipe.generate(part, progress))
+        start = stop
     return _joined(outs, run.request, len(outs))
 
 

@@ -38,14 +38,15 @@ class StepShape:
     lora: bool
 
     def holds(self, other: StepShape, fixed_references: bool) -> bool:
-        """Whether `other` can run on this shape's program, padded: as many rows or fewer, as many tokens
-        or fewer in each stream; the references' exactly as many when they come as cached keys (their
-        count is the program's, and padding them would be a program per count)."""
+        """Whether `other` can run on this shape's program, padded: as many rows (a batch no warm one
+        equals runs in parts: `klein.pipeline.split_batch`), as many tokens or fewer in each stream; the
+        references' exactly as many when they come as cached keys (their count is the program's, and
+        padding them would be a program per count)."""
         references = (
             self.references == other.references if fixed_references else (self.references >= other.references)
         )
         same = (self.mode, self.lora) == (other.mode, other.lora)
-        return same and references and self.batch >= other.batch and self.image >= other.image
+        return same and references and self.batch == other.batch and self.image >= other.image
 
     @property
     def tokens(self) -> int:
