@@ -15,6 +15,7 @@ cost, which the token columns give (and `benchmarks/buckets.py` times per step a
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 import warnings
@@ -52,11 +53,22 @@ def run(pipe, name: str, steps: int) -> str:
     ran = out.buckets or {}
     tokens = lambda bucket: f"{bucket[0]} x ({bucket[1]:,} + {bucket[2]:,})" if bucket else "-"  # noqa: E731
     programs = ", ".join(sorted(set(built.names))) or "none"
+    parts = f", in {ran['parts']} parts" if ran.get("parts") else ""
     return (
-        f"| {name} | {tokens(ran.get('bucket'))} | {tokens(ran.get('own_bucket'))} | "
+        f"| {name} | {tokens(ran.get('bucket'))}{parts} | {tokens(ran.get('own_bucket'))} | "
         f"{ran.get('padded_tokens', 0):,} | {seconds:.2f} s | {out.timings.get('compile', 0.0):.2f} s | "
         f"{len(built)}: {programs} |"
     )
+
+
+def cpu() -> str:
+    """The CPU's model name (Linux), else the machine's kind."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = info.read().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def main() -> None:
@@ -68,9 +80,7 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
     start = time.perf_counter()
     warmup.warm(pipe, warmup.at_sizes(warmup.REFERENCES, (1,), ((1024, 1024),)))
-    print(
-        f"{platform.processor() or platform.machine()}; demo checkpoint; warm-up {time.perf_counter() - start:.0f} s"
-    )
+    print(f"{cpu()}, {os.cpu_count()} cores; demo checkpoint; warm-up {time.perf_counter() - start:.0f} s")
     header = "| request | steps ran over (batch x (image + references)) | own bucket | padded tokens | wall | foreground compile | foreground programs |"
     for phase in ("first, on the warm buckets", "again, on its own (compiled behind)"):
         print(f"\n{phase}\n\n{header}\n|---|---|---|---|---|---|---|")
