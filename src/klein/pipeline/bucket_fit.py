@@ -45,7 +45,7 @@ def streams(fit: Fit | None, run) -> Streams:
 
 
 def batch(fit: Fit | None, pipe, images: int) -> int:
-    """The rows the steps run: the shape's (padded with blank images), or a multiple of the mesh's ways."""
+    """The rows the steps run: the batch after a mesh's padding (a multiple of its ways)."""
     return _batch(pipe, images) if fit is None else fit.used.batch
 
 
