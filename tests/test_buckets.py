@@ -22,8 +22,10 @@ from klein.models import buckets
 from klein.models import transformer as T
 from klein.models.rope import rope_tables
 from klein.models.transformer_config import TransformerConfig
+from klein.pipeline import warmup
 from klein.pipeline.compilations import Compilations
 from klein.pipeline.loading import load_pipeline
+from klein.pipeline.warm_buckets import WarmBuckets
 from klein.sampling import image_ids, reference_ids, text_ids
 from tests.support import lora_files as lf
 from tests.support import serve_process
@@ -194,18 +196,75 @@ def test_a_new_size_in_a_warm_bucket_builds_no_transformer_program(demo, mode):
     assert TRANSFORMER_PROGRAMS & {name[4:-1] for name in built.names}
 
 
+def test_noise_drawn_flat_at_a_longer_length_is_the_noise_of_its_shape(demo):
+    """A seed's noise is drawn at a warm length and cut (2 x 128 x 3 x 5 = 3,840 values from a draw of
+    4,096): jax's partitionable threefry makes each value depend on its index alone."""
+    want = np.asarray(jax.random.normal(jax.random.key(5), (2, 128, 3, 5), jnp.float32))
+    np.testing.assert_array_equal(demo.noise(5, 2, 48, 80), want)
+
+
+COLD = {  # after a warm-up at 96x96 (36 tokens: the 48 bucket) of 1 and 3 images, buckets no request met
+    "kv": dict(image=[picture(64, 64, 1)]),  # 16 image and 16 reference tokens: their own buckets 16
+    "text-to-image, 2 images": dict(height=64, width=80, num_images_per_prompt=2),  # 20 tokens: 32; 1 + 1
+    "text-to-image, 4 images": dict(height=64, width=64, num_images_per_prompt=4),  # in parts of 3 and 1
+}
+
+
+def test_a_warmed_pipeline_runs_cold_buckets_on_a_warm_one_and_compiles_their_own_behind(demo, monkeypatch):
+    """Once warmed, a request of buckets never built runs at once on the smallest warm programs that hold
+    it (more padding, masked: within `EXACT` of its exact size, where the same padding unmasked is not; a
+    batch of no warm size in parts of warm sizes), building no program in the foreground; its own compile
+    behind it and serve the next."""
+    kept, demo.warm_buckets = demo.warm_buckets, WarmBuckets(demo.warm_buckets.allowed)
+    queued = {}  # the compiles behind, held back until the larger buckets are checked
+    try:
+        warmup.warm(demo, warmup.at_sizes(1, (1, 3), ((96, 96),)))
+        monkeypatch.setattr(
+            demo.warm_buckets, "behind", lambda shape, compile_it: queued.setdefault(shape, compile_it)
+        )
+        runs = {
+            mode: dict(prompt="a fox", seed=3, num_inference_steps=2, output_type="np", **r)
+            for mode, r in COLD.items()
+        }
+        for mode, request in runs.items():
+            with Compilations() as built:
+                out = demo(**request)
+            assert out.buckets["larger"] and out.buckets["bucket"][1] == 48, (mode, out.buckets)
+            assert out.buckets["bucket"][0] == (3 if "4 images" in mode else 1), out.buckets  # 3 + 1, 1 + 1
+            assert out.buckets.get("parts", 1) == (1 if mode == "kv" else 2), out.buckets
+            assert not built.names, (mode, built.names)
+            exact = demo(**request, bucket=False)
+            assert max_abs(out.images, exact.images) < EXACT, mode
+            with monkeypatch.context() as unmasked:  # the padding seen as tokens: the check is sensitive
+                unmasked.setattr(buckets, "ranks", lambda real, padded: np.zeros(padded, np.int32))
+                assert max_abs(demo(**request).images, exact.images) > 1e-3, mode
+        monkeypatch.undo()
+        for shape, compile_it in queued.items():
+            demo.warm_buckets.behind(shape, compile_it)
+        assert demo.warm_buckets.drain(300) and not demo.warm_buckets.pending
+        assert demo.warm_buckets.counts["compiled"] >= 5, demo.warm_buckets.counts  # steps, a prefill, VAE
+        for mode, request in runs.items():
+            with Compilations() as built:
+                out = demo(**request)
+            assert not out.buckets["larger"] and out.buckets["bucket"] == out.buckets["own_bucket"], mode
+            assert not built.names, (mode, built.names)
+            assert max_abs(out.images, demo(**request, bucket=False).images) < EXACT, mode
+    finally:
+        demo.warm_buckets = kept
+
+
 def _png(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-def _built(url: str) -> Counter:
+def _built(url: str, metric: str = "klein_programs_built_total") -> Counter:
     return Counter(
         {
             name.split('"')[1]: value
             for name, value in serve_process.metrics(url).items()
-            if name.startswith("klein_programs_built_total")
+            if name.startswith(metric)
         }
     )
 
@@ -216,9 +275,11 @@ def test_after_warm_up_new_photo_sizes_two_images_a_repaint_and_a_lora_build_no_
 ):
     """Over loopback, as the page's loop sends them, after a warm-up at 96x96 (36 tokens: the 48 bucket):
     photos of three sizes never seen (80x112, 112x80, 96x112: 35, 35 and 42 tokens), two images of one, a
-    repaint, a LoRA offered by name. The server builds only the VAE's programs for the new sizes (and a
-    few small ones: noise, padding, slicing), never a text encoder's or a transformer's (jax's count of
-    the programs it lowers, in /metrics)."""
+    repaint, a LoRA offered by name. The server builds only the VAE's programs for the new sizes (a
+    canvas of 96x96 cannot hold them), never a text encoder's or a transformer's (jax's count of the
+    programs it lowers, in /metrics). Then, warm buckets first, two images of a 64x64 photo and an 80x64
+    text-to-image (buckets 16 and 32) run at once on the warm ones, building nothing in the foreground,
+    while their own compile behind them; then they run on their own."""
     shapes = lf.linear_shapes(TransformerConfig.from_diffusers(demo_checkpoint.TRANSFORMER), "bfl")
     lora = lf.write_bfl(tmp_path / "ink.safetensors", lf.random_lora(shapes, 4, 0))
     flags = (
@@ -260,5 +321,38 @@ def test_after_warm_up_new_photo_sizes_two_images_a_repaint_and_a_lora_build_no_
             assert response.status_code == 200, response.text
             assert len(response.json()["data"]) == int(fields.get("n", 1))
         built = _built(url) - warmed
+        # Warm buckets first: a photo and a text-to-image of buckets never built (16 and 20 tokens: buckets
+        # 16 and 32) run on the warm 48 at once, and their own compile behind them, in /metrics.
+        cold = [({"image": picture(64, 64, 4)}, {"n": "2"}), ({}, {"size": "80x64"})]
+        before, behind = _built(url), _built(url, "klein_programs_built_behind_total")
+        assert _cold(url, cold) == [True, True]
+        serve_process.wait_for(
+            lambda: not serve_process.metrics(url)["klein_compiles_behind_pending"], "compiles"
+        )
+        behind = _built(url, "klein_programs_built_behind_total") - behind
+        foreground = _built(url) - before - behind
+        counted = serve_process.metrics(url)
+        assert counted["klein_compiles_behind_total"] >= 3 and counted["klein_larger_bucket_runs_total"] >= 3
+        assert _cold(url, cold) == [False, False]  # now on their own
     assert not built.keys() & {"prompt_embeddings", *TRANSFORMER_PROGRAMS}, built
-    assert built["decode_latents"] >= 3 and built["encode_latents"] >= 3, built  # the VAE at each new size
+    assert built["decode_latents_on_canvas"] >= 3, built  # the VAE at each new size: no warm canvas holds it
+    assert built["encode_latents_on_canvas"] >= 3, built
+    assert not foreground, foreground  # the cold buckets built nothing in the foreground
+    assert behind["step"] >= 2 and behind["prefill"] and behind["decode_latents_on_canvas"], behind
+
+
+def _cold(url: str, requests) -> list[bool]:
+    """Send each (files, fields) as an edit (a text-to-image without files); whether each ran on a larger
+    bucket than its own (`klein.buckets` of the response)."""
+    larger = []
+    for files, fields in requests:
+        data = {"prompt": "a hat", "seed": "3", "num_inference_steps": "2", **fields}
+        if files:
+            sent = {name: (f"{name}.png", _png(image), "image/png") for name, image in files.items()}
+            response = httpx.post(url + "/v1/images/edits", files=sent, data=data, timeout=300)
+        else:
+            body = {**data, "seed": 3, "num_inference_steps": 2}
+            response = httpx.post(url + "/v1/images/generations", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        larger.append(response.json()["klein"]["buckets"]["larger"])
+    return larger

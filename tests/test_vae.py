@@ -16,6 +16,7 @@ from klein.errors import CheckpointError
 from klein.io.loading import expected_shapes
 from klein.io.vae_checkpoint import SKIPPED_KEYS, load_vae
 from klein.models import vae as flax_vae
+from klein.models import vae_tiled
 from tests.support.compare import assert_close, rel_err
 from tests.support.tiny_vae import build_vae
 
@@ -26,7 +27,11 @@ encode_mean = nnx.jit(lambda vae, images: vae.encode_mean(images))
 decode = nnx.jit(lambda vae, z: vae.decode(z))
 encode_latents = nnx.jit(flax_vae.encode_latents)
 decode_latents = nnx.jit(flax_vae.decode_latents)
-decode_latents_tiled = nnx.jit(flax_vae.decode_latents_tiled, static_argnames=("tile", "overlap"))
+decode_latents_tiled = nnx.jit(vae_tiled.decode_latents_tiled, static_argnames=("tile", "overlap"))
+encode_on_canvas = nnx.jit(flax_vae.encode_latents_on_canvas)
+decode_on_canvas = nnx.jit(flax_vae.decode_latents_on_canvas)
+CANVAS = 1e-5
+"""float32: an image on a larger canvas against its own size differs in summation order only."""
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,30 @@ def test_decode_latents_matches_pipeline_decode(tiny_vae, pipeline):
     ours = decode_latents(tiny_vae[2], jnp.asarray(latents))
     assert ours.shape == (2, 48, 96, 3)
     assert_close(ours, ref, TOL)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_an_image_on_a_larger_canvas_encodes_and_decodes_as_at_its_own_size(tiny_vae, masked):
+    """48x80 px (3x5 tokens) at the top left of a 96x128 canvas, zeros beyond: the canvas's latents and
+    pixels there are those of the image's own size within `CANVAS` (every convolution, GroupNorm and the
+    mid-block attention masked: `klein.models.vae_canvas`); the same canvas run plainly is not."""
+    ours = tiny_vae[2]
+    x, z = images(48, 80), normal(2, 3, 5, 128)
+    pixels, latents = np.zeros((2, 96, 128, 3), np.float32), np.zeros((2, 6, 8, 128), np.float32)
+    pixels[:, :48, :80], latents[:, :3, :5] = x, z
+    extent = np.array([48, 80], np.int32)
+    if masked:
+        encoded, decoded = encode_on_canvas(ours, pixels, extent), decode_on_canvas(ours, latents, extent)
+    else:
+        encoded, decoded = encode_latents(ours, pixels), decode_latents(ours, latents)
+    errors = (
+        rel_err(np.asarray(encoded)[:, :3, :5], encode_latents(ours, x)),
+        rel_err(np.asarray(decoded)[:, :48, :80], decode_latents(ours, z)),
+    )
+    if masked:
+        assert max(errors) < CANVAS, errors
+    else:
+        assert min(errors) > 1e-3, errors
 
 
 def _scaled(vae, path: str, index, factor: float):

@@ -156,8 +156,9 @@ def _add_warm_flags(add) -> None:
         metavar="WxH[,WxH...]",
         help=f"sizes compiled ahead, each with 0 to {warmup.REFERENCES} references (at most --max-references) "
         "of it, each batch up to --max-batch and an inpainting; a program serves every size of its token "
-        "buckets, so the default also covers every photo over 1 MP (resized to 1024^2's area), any aspect "
-        f"(default: {DEFAULT_SIZE}x{DEFAULT_SIZE})",
+        "buckets, so the default also covers every photo over 1 MP (resized to 1024^2's area), any aspect; "
+        "a request of other buckets runs at once on the smallest warm ones that hold it while its own compile "
+        f"in the background (default: {DEFAULT_SIZE}x{DEFAULT_SIZE})",
     )
 
 

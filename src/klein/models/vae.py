@@ -9,8 +9,9 @@ latent grid; Y/16, X/16 the transformer's token grid (one token = a 2x2 patch of
   2x2 patches of VAE latents, channel `4 * c + 2 * dy + dx`, normalised with the BatchNorm running
   statistics as `(z - mean) / sqrt(var + eps)`.
 
-`decode_latents_tiled` holds a bounded amount of memory at any size, for outputs whose plain decode does
-not fit (docs/design/memory.md, "Decoding memory").
+`klein.models.vae_tiled.decode_latents_tiled` holds a bounded amount of memory at any size, for outputs
+whose plain decode does not fit (docs/design/memory.md, "Decoding memory"); `klein.models.vae_canvas` runs
+an image inside a larger canvas, the padding masked.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from einops import rearrange
 from flax import nnx
 
 from klein.errors import CheckpointError
-from klein.models.attention import attention
+from klein.models import vae_canvas
+from klein.models.attention import Keys, attend
 
 _PATCH = 2  # latents are patchified 2x2 into transformer channels
 PIXELS_PER_TOKEN = 16
@@ -138,9 +140,14 @@ class GroupNorm(nnx.GroupNorm):
         b, c, g = x.shape[0], x.shape[-1], self.num_groups
         dtype = jnp.result_type(x, self.scale[...])
         pixels = x.reshape(b, -1, c).astype(jnp.float32)
-        first = pixels[:, :1]
+        first = pixels[:, :1]  # on a canvas too: its top-left pixel is the image's
         centred = pixels - first
-        mean, square = jnp.mean(centred, axis=1), jnp.mean(centred * centred, axis=1)  # [B, C]
+        real = vae_canvas.weights(x)  # None, or the image's pixels on a canvas: the statistics are theirs
+        if real is None:
+            mean, square = jnp.mean(centred, axis=1), jnp.mean(centred * centred, axis=1)  # [B, C]
+        else:
+            count = jnp.sum(real)
+            mean, square = (jnp.sum(v * real, axis=1) / count for v in (centred, centred * centred))
         channel_mean = (first[:, 0] + mean).reshape(b, g, c // g)
         channel_var = jnp.maximum(square - mean * mean, 0.0).reshape(b, g, c // g)
         group_mean = jnp.mean(channel_mean, axis=-1, keepdims=True)
@@ -163,8 +170,8 @@ class ResnetBlock(nnx.Module):
         self.conv_shortcut = _conv(cin, cout, 1, **kw) if cin != cout else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.conv1(nnx.silu(self.norm1(x)))
-        h = self.conv2(nnx.silu(self.norm2(h)))
+        h = self.conv1(vae_canvas.zeroed(nnx.silu(self.norm1(x))))
+        h = self.conv2(vae_canvas.zeroed(nnx.silu(self.norm2(h))))
         skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
         return skip + h
 
@@ -178,7 +185,7 @@ class Downsample(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.conv(x)
+        return self.conv(vae_canvas.zeroed(x))
 
 
 # Nearest-neighbour 2x upsampling then a 3x3 conv, per output parity: output row 2i reads upsampled
@@ -222,7 +229,7 @@ class Upsample(nnx.Module):
         weights = self.conv.kernel[...]
         dtype = jnp.result_type(x, weights)
         kernel = _phase_kernel(weights).astype(dtype)
-        padded = jnp.pad(x.astype(dtype), ((0, 0), (1, 1), (1, 1), (0, 0)))
+        padded = jnp.pad(vae_canvas.zeroed(x).astype(dtype), ((0, 0), (1, 1), (1, 1), (0, 0)))
         out = jax.lax.conv_general_dilated(
             padded,
             kernel.reshape(2, 2, c, 4 * c),
@@ -250,7 +257,7 @@ class Attention(nnx.Module):
         b, h, w, c = x.shape
         tokens = self.group_norm(x).reshape(b, h * w, c)
         q, k, v = (p(tokens)[:, :, None] for p in (self.to_q, self.to_k, self.to_v))  # one head
-        out = attention(q, k, v)[:, :, 0]
+        out = attend(q, k, v, Keys(rank=vae_canvas.key_rank(x)))[:, :, 0]
         return x + self.to_out[0](out).reshape(x.shape)
 
 
@@ -316,7 +323,7 @@ class Encoder(nnx.Module):
         for block in self.down_blocks:
             x = block(x)
         x = self.mid_block(x)
-        return self.conv_out(nnx.silu(self.conv_norm_out(x)))
+        return self.conv_out(vae_canvas.zeroed(nnx.silu(self.conv_norm_out(x))))
 
 
 class Decoder(nnx.Module):
@@ -332,10 +339,10 @@ class Decoder(nnx.Module):
         self.conv_out = _conv(widths[-1], cfg.out_channels, 3, **kw)
 
     def __call__(self, z: jax.Array) -> jax.Array:
-        x = self.mid_block(self.conv_in(z))
+        x = self.mid_block(self.conv_in(vae_canvas.zeroed(z)))
         for block in self.up_blocks:
             x = block(x)
-        return self.conv_out(nnx.silu(self.conv_norm_out(x)))
+        return self.conv_out(vae_canvas.zeroed(nnx.silu(self.conv_norm_out(x))))
 
 
 class LatentNorm(nnx.Module):
@@ -406,56 +413,16 @@ def vae_latents(vae: AutoencoderKLFlux2, latents: jax.Array) -> jax.Array:
     return unpatchify((latents * vae.bn.std() + mean).astype(latents.dtype))
 
 
-def decode_latents_tiled(
-    vae: AutoencoderKLFlux2, latents: jax.Array, *, tile: int = 64, overlap: int = 16
-) -> jax.Array:
-    """`decode_latents` in overlapping square tiles of `tile` tokens (16 px each), blended linearly.
-
-    Memory is that of one plain decode of a `16 * tile` px square (tiles run one after another), for
-    any image size. The defaults are diffusers' tiling defaults (1024 px tiles, 256 px blend). Not
-    exact: each tile takes GroupNorm statistics and attention context from its own area only, so the
-    result drifts from the plain decode by as much as diffusers' `tiled_decode` does (tested); the
-    linear blend over `overlap` tokens hides the seams. Edge tiles are moved inwards rather than
-    cropped, so every tile has the same shape (one compilation).
-    """
-    if not 0 <= overlap < tile:
-        raise ValueError(f"tiles of {tile} tokens cannot overlap by {overlap}")
-    z = vae_latents(vae, latents)
-    _, h, w, _ = z.shape
-    rows = _tile_starts(h, _PATCH * tile, _PATCH * overlap)
-    cols = _tile_starts(w, _PATCH * tile, _PATCH * overlap)
-    size_h, size_w = min(h, _PATCH * tile), min(w, _PATCH * tile)
-    tiles = jnp.stack([z[:, y : y + size_h, x : x + size_w] for y in rows for x in cols])
-    # lax.map runs the tiles sequentially inside one program, so only one tile's activations are live.
-    images = jax.lax.map(vae.decode, tiles)
-    scale = vae.config.downscale
-    starts = [(y * scale, x * scale) for y in rows for x in cols]
-    return _blend(images, starts, (h * scale, w * scale), _PATCH * overlap * scale)
+def encode_latents_on_canvas(vae: AutoencoderKLFlux2, images: jax.Array, extent) -> jax.Array:
+    """`encode_latents` of images of `extent` (int32[2]: height, width px) at the top left of `images`
+    float[B, Y, X, 3], zeros beyond (`klein.models.vae_canvas`): their latents at the top left of the
+    output, anything beyond."""
+    with vae_canvas.on_canvas(extent, images.shape[1]):
+        return encode_latents(vae, images)
 
 
-def _tile_starts(size: int, tile: int, overlap: int) -> list[int]:
-    """Tile offsets along one axis: a stride of `tile - overlap`, the last tile flush with the end."""
-    if size <= tile:
-        return [0]
-    return [*range(0, size - tile, tile - overlap), size - tile]
-
-
-def _blend(images: jax.Array, starts: list, size: tuple[int, int], ramp: int) -> jax.Array:
-    """Weighted average of decoded tiles float[N, B, th, tw, 3] whose top-left pixels are `starts`."""
-    _, b, th, tw, c = images.shape
-    height, width = size
-    total = jnp.zeros((b, height, width, c), jnp.float32)
-    weight = jnp.zeros((height, width), jnp.float32)
-    for image, (y, x) in zip(images, starts, strict=True):
-        tile_weight = jnp.outer(_window(y, th, height, ramp), _window(x, tw, width, ramp))
-        total = total.at[:, y : y + th, x : x + tw].add(tile_weight[:, :, None] * image)
-        weight = weight.at[y : y + th, x : x + tw].add(tile_weight)
-    return (total / weight[:, :, None]).astype(images.dtype)
-
-
-def _window(start: int, length: int, size: int, ramp: int) -> jax.Array:
-    """Blend weights of one tile along one axis: linear ramps over `ramp` px at edges inside the image."""
-    pos = jnp.arange(length, dtype=jnp.float32) + 0.5
-    up = jnp.minimum(pos / ramp, 1.0) if start > 0 else 1.0
-    down = jnp.minimum((length - pos) / ramp, 1.0) if start + length < size else 1.0
-    return jnp.ones((length,), jnp.float32) * up * down
+def decode_latents_on_canvas(vae: AutoencoderKLFlux2, latents: jax.Array, extent) -> jax.Array:
+    """`decode_latents` of latents of an image of `extent` (int32[2]: height, width px) at the top left of
+    `latents` float[B, Y/16, X/16, 128]: its pixels at the top left of the output, anything beyond."""
+    with vae_canvas.on_canvas(extent, latents.shape[1] * vae.config.pixels_per_token):
+        return decode_latents(vae, latents)

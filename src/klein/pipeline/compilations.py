@@ -5,6 +5,7 @@ whether XLA then compiles it or reads it back from the persistent cache.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import jax.monitoring
@@ -15,14 +16,16 @@ LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
 class Compilations:
     """`with Compilations() as built:` ... `built.names`: the functions whose programs were built inside,
-    in order, one entry a program; `built.seconds`: the time spent lowering them."""
+    in order, one entry a program; `built.seconds`: the time spent lowering them. Only this thread's: a
+    program another thread builds meanwhile (a server's background compiles) is not this thread's wait."""
 
     def __init__(self):
         self.names: list[str] = []
         self.seconds = 0.0
+        self._thread = threading.get_ident()
 
     def _heard(self, event: str, duration: float, **kwargs) -> None:
-        if event == LOWERED:
+        if event == LOWERED and threading.get_ident() == self._thread:
             self.names.append(kwargs.get("fun_name", "?"))
             self.seconds += duration
 
@@ -40,12 +43,23 @@ class Compilations:
 BUILT: Counter[str] = Counter()
 """Programs this process has built since klein was imported, by the name of the function jitted (the
 pipeline's are named after their stage: `step`, `prefill`, `decode_latents`, ...)."""
+BUILT_BEHIND: Counter[str] = Counter()
+"""Those of `BUILT` built by a thread marked `behind()` (`klein.pipeline.warm_buckets`' background compiles)."""
+_marked = threading.local()
+
+
+def behind() -> None:
+    """Mark this thread as one that compiles behind the requests: its programs count in `BUILT_BEHIND` too."""
+    _marked.behind = True
 
 
 def _count(event: str, duration: float, **kwargs) -> None:
     if event == LOWERED:
         name = kwargs.get("fun_name", "?")
-        BUILT[name[4:-1] if name.startswith("jit(") else name] += 1
+        name = name[4:-1] if name.startswith("jit(") else name
+        BUILT[name] += 1
+        if getattr(_marked, "behind", False):
+            BUILT_BEHIND[name] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count)

@@ -146,8 +146,8 @@ def prefill_inputs(rope, references: References, streams: Streams) -> tuple:
     and the steps of standard editing take them; `rope` as `step_inputs`'."""
     ids, rank = padded_stream(references.ids, streams.references, streams.masked)
     tokens, extra = references.tokens, streams.references - references.tokens.shape[0]
-    if extra:
-        tokens = jnp.concatenate([tokens, jnp.zeros((extra, tokens.shape[1]), tokens.dtype)])
+    if extra:  # on the host: a device program would be one per count of tokens
+        tokens = to_device(buckets.pad(np.asarray(tokens), streams.references))
     return tokens, rope(ids), rank
 
 
@@ -159,16 +159,23 @@ def padded_stream(ids: np.ndarray, padded: int, masked: bool) -> tuple[np.ndarra
     return buckets.pad(ids, padded), buckets.ranks(len(ids), padded)
 
 
+def to_device(array, dtype=None) -> jax.Array:
+    """A host array on the default device, converted to `dtype` on the host first: a transfer, where
+    `jnp.asarray` builds a small program per shape (a new size's would be built in the foreground)."""
+    return jax.device_put(np.asarray(array, dtype))
+
+
 def rope_of(config, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """The rope tables (cos, sin) float32[S, Dh] of position ids int[S, 4] under a transformer config."""
     tables = rope_tables(np.ascontiguousarray(ids, np.int64), config.axes_dims_rope, config.rope_theta)
-    return tuple(jnp.asarray(t) for t in tables)
+    return tuple(to_device(t) for t in tables)
 
 
-def pad_batch(x, txt, guided: bool, ways: int):
+def pad_batch(x, txt, guided: bool, ways: int, to: int | None = None):
     """Pad the batch with zero images (and their zero prompts) to a multiple of `ways` (the mesh's batch
-    axes), so that it splits over the devices; the caller drops them. Images never see each other."""
-    extra = -x.shape[0] % ways
+    axes), so that it splits over the devices, or to `to` images (a warm program's batch: a multiple of
+    `ways` too); the caller drops them. Images never see each other."""
+    extra = -x.shape[0] % ways if to is None else to - x.shape[0]
     if not extra:
         return x, txt
 

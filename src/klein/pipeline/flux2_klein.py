@@ -20,24 +20,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from klein import images, masks, sampling, sharding
+from klein import images, masks, sampling
 from klein.errors import InputError
 from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
-from klein.memory.admission import Budget, planning_mesh
+from klein.memory.admission import Budget
 from klein.models import buckets
-from klein.models.buckets import Streams
-from klein.pipeline import cache_keys, denoise
+from klein.pipeline import bucket_fit, cache_keys, denoise, split_batch
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
-from klein.pipeline.cache_run import CacheRun
+from klein.pipeline.denoising import repaint_inputs, run_steps
 from klein.pipeline.diffusers_surface import DiffusersSurface
 from klein.pipeline.output import GenerationOutput
 from klein.pipeline.programs import Programs, products_precision
 from klein.pipeline.reading import Loaded
-from klein.pipeline.stage_events import StageEvent
 from klein.pipeline.timing import Stages
+from klein.pipeline.warm_buckets import WarmBuckets
 from klein.request.modes import Conditioning
 from klein.request.references import References
 from klein.request.request import GenerationRequest, Settings, as_images
@@ -75,6 +74,8 @@ class Flux2KleinPipeline(DiffusersSurface):
         """Bytes klein may hold in all per device (`LoadOptions.memory_cap`): a request may use what the
         resident weights and, on a CPU, the process (`klein.memory.process`) leave of it; None: no cap."""
         self.counters = Counter()  # work actually done, per stage (lets tests prove reuse)
+        self.warm_buckets = WarmBuckets(lambda: self.residency == "all")
+        """The shapes whose programs exist, and the larger ones requests run on once warmed."""
         self.prompt_cache = (
             None if self.residency == "all" else ByteBudgetCache(residency_policy.PROMPT_CACHE_BYTES)
         )
@@ -191,6 +192,8 @@ class Flux2KleinPipeline(DiffusersSurface):
         run = self._resolve(request, sizes, mask)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
         tiled = self._admit(run)
+        if parts := split_batch.parts(self, run, on_step_end):  # a batch of no warm program's size
+            return split_batch.generate(self, request, run, parts, progress)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
         txt = stages.run("text", self._prompt_batch, request.prompts, request.num_images_per_prompt, run)
         cut = self.prompt_notes(request.prompts)
@@ -199,33 +202,36 @@ class Flux2KleinPipeline(DiffusersSurface):
         # 5. Reference encoding (VAE, and the prefill for cached references).
         references = self._references(request, prepared, run, stages)
         # 6. Noise and the source to repaint from it, and the steps' inputs, over the transformer's token
-        #    streams (their buckets: the padding's small programs are built here, outside the stages).
+        #    streams: their buckets, or once the pipeline is warmed the smallest warm ones that hold them,
+        #    while their own compile behind the requests (`klein.pipeline.bucket_fit`). Padded on the host.
         gh, gw = self._grid(run.request.height, run.request.width)
-        streams = run.workload.streams
+        fit = bucket_fit.step_fit(self, run, references)
+        streams = bucket_fit.streams(fit, run)
         x = self._initial_noise(request.latents, run.request.seed, run.images, gh, gw, streams.image)
-        repaint = self._repaint(request, references, x, mask, sizes, gh * gw) if request.repaints else None
+        repaint = repaint_inputs(request, references, x, mask, sizes, gh * gw) if request.repaints else None
         inputs = denoise.step_inputs(
             self._rope, run.mode.conditioning, (gh, gw), txt.shape[1], references, streams
         )
         # 7. Denoising, under the request's unmerged LoRAs.
-        steps = run.steps - run.first_step
+        steps, rows = run.steps - run.first_step, bucket_fit.batch(fit, self, run.images)
         x, cache_report = stages.run(
-            "denoise", self._denoise, x, txt, inputs, run, repaint, progress, on_step_end, total=steps
+            "denoise", run_steps, self, x, txt, inputs, run, rows, repaint, progress, on_step_end, total=steps
         )
+        ran = bucket_fit.after_steps(self, fit, run, txt, references, (gh, gw))
         # 8. Decoding (or the VAE's latents, channels first as diffusers returns them), with the record of what ran.
-        latents = sampling.unpack(x[:, : gh * gw], gh, gw)
+        latents = sampling.unpack(np.asarray(x)[: run.images, : gh * gw], gh, gw)  # cut on the host
         settings = self._settings(run, sizes, cut)
         if request.output_type == "latent":
             out = np.asarray(stages.run("latents", self._programs.vae_latents, latents), np.float32)
             return GenerationOutput(
-                out.transpose(0, 3, 1, 2), run.request.seed, stages.timings, settings, cache_report
+                out.transpose(0, 3, 1, 2), run.request.seed, stages.timings, settings, cache_report, ran
             )
-        decoder = self._programs.decode_tiled if tiled else self._programs.decode
+        decoder = self._programs.decode_tiled if tiled else functools.partial(bucket_fit.decode, self)
         decoded = np.asarray(stages.run("decode_tiled" if tiled else "decode", decoder, latents))
         out = images.to_pil(decoded) if request.output_type == "pil" else images.to_float01(decoded)
         if request.padding_mask_crop is not None:
             out = [masks.overlay(picture, source, mask) for picture in out]
-        return GenerationOutput(out, run.request.seed, stages.timings, settings, cache_report)
+        return GenerationOutput(out, run.request.seed, stages.timings, settings, cache_report, ran)
 
     def _settings(self, run: Resolved, sizes, cut: tuple[str, ...]) -> Settings:
         return Settings(
@@ -253,17 +259,6 @@ class Flux2KleinPipeline(DiffusersSurface):
             if references.weights_id != self.adapted_weights_id(loras):  # cached under other weights (LoRAs)
                 return self._prefilled(references, stages, loras, bucket)
         return references
-
-    def _repaint(
-        self, request: GenerationRequest, references: References, noise, mask, sizes, tokens: int
-    ) -> denoise.Repaint:
-        """The source's `tokens` tokens (the first reference's, of `sizes[0]`), the noise and the mask, on
-        the device, each padded with zeros as the noise is (its token bucket: the padding stays zero)."""
-        padded = noise.shape[1]
-        source = denoise.pad_tokens(references.tokens[:tokens][None], padded)
-        latent = None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
-        latent = None if latent is None else jnp.asarray(buckets.pad(latent, padded)[None])
-        return denoise.Repaint(source, noise, latent, noised_start=request.latents is None)
 
     def check(self, request: GenerationRequest, reference_sizes=()) -> None:
         """Refuse now what `generate` would refuse before any device work: settings that do not apply,
@@ -298,13 +293,13 @@ class Flux2KleinPipeline(DiffusersSurface):
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
         float[H/16, W/16, C]: the per-image half of reference encoding, reusable in any set."""
-        return self._programs.encode(jnp.asarray(prepared[None], self.dtype))[0]
+        return bucket_fit.encode(self, prepared)
 
     def references_from_latents(self, latents: Sequence[jax.Array], cached: bool, loras=()) -> References:
         """An ordered set of per-image latents -> `References`, with the prefill's keys/values when
         `cached` (the set half of reference encoding: positions and keys/values depend on the order),
         computed under the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s)."""
-        tokens = jnp.concatenate([z.reshape(-1, z.shape[-1]) for z in latents])
+        tokens = denoise.to_device(np.concatenate([np.asarray(z).reshape(-1, z.shape[-1]) for z in latents]))
         sizes = [tuple(z.shape[:2]) for z in latents]
         token = self.vae_config.pixels_per_token
         references = References(
@@ -324,9 +319,11 @@ class Flux2KleinPipeline(DiffusersSurface):
         LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image), over the references'
         token bucket (masked padding) unless `bucket` is False."""
         adapted = self._loras.rows([loras])
-        streams = Streams.of(0, references.tokens.shape[0], bucket)
+        fit, streams = bucket_fit.prefill_fit(self, references, bucket, loras)
         inputs = denoise.prefill_inputs(self._rope, references, streams)
         kv = stages.run("prefill", lambda: self._programs.prefill(*inputs, adapted=adapted))
+        self.warm_buckets.saw(fit)
+        bucket_fit.compile_prefill_behind(self, fit, references, adapted)
         return dataclasses.replace(references, kv=kv, weights_id=self.adapted_weights_id(loras))
 
     def _rope(self, ids: np.ndarray):
@@ -361,8 +358,7 @@ class Flux2KleinPipeline(DiffusersSurface):
     def noise(self, seed: int, batch: int, height: int, width: int) -> np.ndarray:
         """float32[batch, C, height/16, width/16]: the initial noise a request with this seed starts from
         (requests run together may pass their noises, concatenated, as `latents`)."""
-        shape = (batch, self.config.in_channels, *self._grid(height, width))
-        return np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+        return bucket_fit.noise(self, seed, (batch, self.config.in_channels, *self._grid(height, width)))
 
     def _initial_noise(self, latents, seed, batch, gh, gw, tokens: int):
         """The noise the steps start from, packed [B, gh * gw, C] and padded with zero tokens to `tokens`
@@ -374,40 +370,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         latents = np.asarray(latents, np.float32)
         if latents.shape != shape:
             raise InputError(f"latents must have shape {shape}, got {latents.shape}")
-        return jnp.asarray(buckets.pad(sampling.pack(latents), tokens, axis=1), self.dtype)
-
-    def _denoise(self, x, txt, inputs, run: Resolved, repaint=None, progress=None, on_step_end=None):
-        """The steps over x [B, N, C] (N: the image's token stream) from `inputs` = (ropes, cond)
-        (`denoise.step_inputs`): the latents of the images, their padding tokens included."""
-        h, w = self._grid(run.request.height, run.request.width)
-        steps, first, (ropes, cond) = run.steps, run.first_step, inputs
-        schedule = sampling.sigmas(run.request.num_inference_steps, h * w, run.request.sigmas)
-        if repaint is not None and repaint.noised_start:
-            x = repaint.start(schedule[first])
-        step = self._programs.steps[run.mode]
-        scale = jnp.float32(run.request.guidance_scale or 1.0)
-        ways = sharding.ways(planning_mesh(self.mesh), "batch")
-        x, txt = denoise.pad_batch(x, txt, run.mode.guided, ways)
-        x = sharding.put(x, sharding.TOKENS, self.mesh)
-        if repaint is not None:
-            repaint = repaint.padded(x.shape[0])
-        adapted = self._loras.rows(run.request.lora_sets, run.request.num_images_per_prompt)
-        adapted = denoise.batch_rows(adapted, x.shape[0], run.mode.guided)
-        cache = None
-        if run.request.cache is not None:
-            cache = CacheRun(self._programs, run, x.shape[0], steps - first)
-            step = cache.step(x, txt, schedule[first], schedule[first + 1], ropes, cond, scale, adapted)
-        for i in range(first, steps):
-            x = step(x, txt, schedule[i], schedule[i + 1], ropes, cond, scale, adapted=adapted)
-            if repaint is not None:
-                x = repaint.after_step(x, schedule[i + 1])
-            if on_step_end:
-                # Counted from the first step that runs, as diffusers counts a shortened (strength) schedule.
-                x = denoise.step_end(on_step_end, i - first, schedule[i], x, run.images, (h, w))
-            if progress:
-                x.block_until_ready()  # dispatch is asynchronous: report steps as they finish
-                progress(StageEvent("denoise", i + 1 - first, steps - first))
-        return x[: run.images], None if cache is None else cache.report()
+        return denoise.to_device(buckets.pad(sampling.pack(latents), tokens, axis=1), self.dtype)
 
 
 def _source(request: GenerationRequest, mask) -> masks.Source | None:

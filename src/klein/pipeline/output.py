@@ -26,6 +26,9 @@ class GenerationOutput:
     """What ran (`klein.request.request.Settings`): the PNG metadata is written from it."""
     step_cache: CacheReport | None = None
     """What the request's step cache decided at each step (None without one)."""
+    buckets: dict | None = None
+    """The token buckets its steps ran on, its own and the padding (`klein.pipeline.warm_buckets.WarmBuckets.
+    report`); None over exact sizes or under a step cache."""
 
     def save(self, path: str | Path = ".", overwrite: bool = False) -> list[Path]:
         """Write the images as PNGs carrying their settings (`GenerationRequest.from_metadata` reads them

@@ -8,11 +8,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from klein import sharding
 from klein.memory import residency
-from klein.models import adapters, qwen3
+from klein.models import adapters, qwen3, vae_tiled
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import denoise
@@ -32,9 +33,13 @@ class Programs:
         compiled = functools.partial(Compiled, mesh=mesh, precision=precision)
         self.text = compiled(qwen3.prompt_embeddings, hold(residency.TEXT_ENCODER))
         self.encode = compiled(vae_model.encode_latents, vae)
+        self.encode_canvas = compiled(vae_model.encode_latents_on_canvas, vae)
+        self.decode_canvas = compiled(
+            _replicated(vae_model.decode_latents_on_canvas), vae, name="decode_latents_on_canvas"
+        )
         self.decode, self.decode_tiled, self.vae_latents = (
             compiled(_replicated(fn), vae, name=fn.__name__)
-            for fn in (vae_model.decode_latents, vae_model.decode_latents_tiled, vae_model.vae_latents)
+            for fn in (vae_model.decode_latents, vae_tiled.decode_latents_tiled, vae_model.vae_latents)
         )
         self.prefill = compiled(T.prefill, transformer)
         modes = [Mode(conditioning, guided) for conditioning in denoise.VELOCITY for guided in (False, True)]
@@ -68,6 +73,8 @@ class Compiled:
         self._mesh = mesh
         self._precision = precision
         self._jit = _jitted(fn, name or _name(fn))
+        self._ahead: dict = {}
+        """Executables compiled ahead (`ahead`) by the signature of their arguments."""
 
     @property
     def state(self) -> nnx.State:
@@ -84,6 +91,17 @@ class Compiled:
             leaves, tree = jax.tree.flatten(shapes)
             return jax.tree.unflatten(tree, _zeros(tuple((s.shape, s.dtype) for s in leaves)))
 
+    def ahead(self, *args, adapted=None) -> None:
+        """Compile the program of these arguments' shapes without running it (their values unused: blank
+        inputs do), for later calls with arguments of the same shapes and placement to run (on any thread:
+        `klein.pipeline.warm_buckets` compiles behind the requests)."""
+        graphdef, state = self._weights()
+        with sharding.use(self._mesh), _products(self._precision):
+            if self._mesh is None:
+                args, adapted = jax.tree.map(_committed, (args, adapted))
+            executable = self._jit.lower(graphdef, state, adapted, *args).compile()
+        self._ahead[_signature((state, adapted, args))] = executable
+
     def __call__(self, *args, adapted=None):
         """`adapted`: None, or (bank, rows) of unmerged LoRAs (`klein.models.adapters.run`), arguments
         like the weights: a program with adapters serves every LoRA set and strength."""
@@ -91,7 +109,26 @@ class Compiled:
         with sharding.use(self._mesh), _products(self._precision):
             if self._mesh is None:
                 args, adapted = jax.tree.map(_committed, (args, adapted))
+            executable = self._ahead.get(_signature((state, adapted, args))) if self._ahead else None
+            if executable is not None:
+                return executable(state, adapted, *args)
             return self._jit(graphdef, state, adapted, *args)
+
+
+def _signature(tree) -> tuple:
+    """What a compiled executable needs its arguments to agree on: their structure, and each array's shape,
+    dtype and placement (anything else by value)."""
+    leaves, structure = jax.tree.flatten(tree)
+    return structure, tuple(
+        (leaf.shape, leaf.dtype, leaf.sharding) if isinstance(leaf, jax.Array) else _value(leaf)
+        for leaf in leaves
+    )
+
+
+def _value(leaf):
+    """A hashable stand-in for a leaf that is not a jax array: its shape and dtype (numpy, Python numbers,
+    traced as arrays whatever their value)."""
+    return (np.shape(leaf), np.result_type(leaf))
 
 
 def products_precision(dtype) -> str | None:
@@ -179,5 +216,5 @@ def _replicated(fn):
     return functools.partial(_replicate, fn)
 
 
-def _replicate(fn, vae, latents):
-    return sharding.constrain(fn(vae, latents), ())
+def _replicate(fn, vae, latents, *args):
+    return sharding.constrain(fn(vae, latents, *args), ())

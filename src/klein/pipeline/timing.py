@@ -13,18 +13,23 @@ from klein.pipeline.stage_events import StageEvent
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """jax's event around a backend compilation (or its load from the persistent cache)."""
-_compile_seconds = [0.0]  # XLA compilation time so far in this process
-_running = threading.local()  # .on_compile: what the stage running on this thread does when XLA compiles
+_thread = threading.local()  # .compiled: XLA compilation time so far on this thread (a background compile
+# of another thread is not this thread's wait); .on_compile: what the stage running here does when XLA compiles
+
+
+def compiled_seconds() -> float:
+    """Seconds this thread has spent in XLA compilation (or loading from the persistent cache)."""
+    return getattr(_thread, "compiled", 0.0)
 
 
 def _on_duration(event: str, seconds: float, **_kwargs) -> None:
-    if event == COMPILE_EVENT:
-        _compile_seconds[0] += seconds
+    if event == COMPILE_EVENT:  # jax tells its listeners on the thread that compiled
+        _thread.compiled = compiled_seconds() + seconds
 
 
 def _on_start(event: str, _value: float, **_kwargs) -> None:
     # jax records the start time of a compilation as a scalar under the same name as its duration.
-    on_compile = getattr(_running, "on_compile", None)
+    on_compile = getattr(_thread, "on_compile", None)
     if event == COMPILE_EVENT and on_compile is not None:
         on_compile()
 
@@ -43,18 +48,18 @@ class Timed:
         self.seconds = self.compiling = 0.0
 
     def __enter__(self):
-        self.start, self.compiled = time.perf_counter(), _compile_seconds[0]
-        self._outer = getattr(_running, "on_compile", None)
-        _running.on_compile = self._compiles if self.on_compile else None
+        self.start, self.compiled = time.perf_counter(), compiled_seconds()
+        self._outer = getattr(_thread, "on_compile", None)
+        _thread.on_compile = self._compiles if self.on_compile else None
         return self
 
     def _compiles(self):
-        _running.on_compile = None  # once per stage
+        _thread.on_compile = None  # once per stage
         self.on_compile()
 
     def __exit__(self, *exc):
-        _running.on_compile = self._outer
-        self.compiling = _compile_seconds[0] - self.compiled
+        _thread.on_compile = self._outer
+        self.compiling = compiled_seconds() - self.compiled
         self.seconds = time.perf_counter() - self.start - self.compiling
         for stage, seconds in ((self.stage, self.seconds), ("compile", self.compiling)):
             self.timings[stage] = self.timings.get(stage, 0.0) + seconds

@@ -25,6 +25,9 @@ log = logging.getLogger("klein.warmup")
 
 REFERENCES = 4
 """References warmed by default: 0 to this many (the page's and the API's usual edits)."""
+NOISE_IMAGES = 10
+"""Images whose noise the warm-up draws at its largest size (`klein serve`'s default `--max-images`), so
+that a batch run in parts (`klein.pipeline.split_batch`) cuts its noise from a warm draw."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +113,8 @@ def request(shape: Shape) -> GenerationRequest:
 def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda line: None) -> int:
     """Run a request of each shape in `planned` on `pipe`, telling `log` of each; the programs built. A
     shape the pipeline refuses (one that cannot fit) is skipped. The pipeline's work counters are left as
-    they were: warming is not work a caller asked for."""
+    they were: warming is not work a caller asked for. Then `pipe` runs a request whose shapes are not
+    warm on the smallest warm ones that hold it, compiling its own behind (`klein.pipeline.warm_buckets`)."""
     counters = pipe.counters.copy()
     planned, loras = tuple(planned), pipe.adapters.names
     if loras:  # each shape again under a LoRA offered by name, so that a request naming one builds nothing
@@ -126,8 +130,12 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
             continue
         total += len(built)
         log(f"{heading}: {len(built)} programs, {time.perf_counter() - start:.1f} s")
+    if planned:  # noise for a batch of up to NOISE_IMAGES at the largest size: larger batches cut from it
+        largest = max(planned, key=lambda shape: shape.height * shape.width)
+        pipe.noise(0, NOISE_IMAGES, largest.height, largest.width)
     pipe.counters.clear()
     pipe.counters.update(counters)
+    pipe.warm_buckets.fallback = True  # from now on a request of a cold shape runs on a warm one
     return total
 
 

@@ -111,6 +111,21 @@ class StepCacheUsed(BaseModel):
     )
 
 
+class BucketsUsed(BaseModel):
+    image_tokens: int = Field(description="the output image's tokens (one per 16 x 16 px)")
+    reference_tokens: int = Field(description="all references' tokens together")
+    bucket: list[int] = Field(
+        description="what the steps ran over: [images, image stream, references stream]"
+    )
+    own_bucket: list[int] = Field(description="the request's own buckets, as `bucket`")
+    larger: bool = Field(
+        description="ran on larger warm buckets than its own, which were compiling in the background"
+    )
+    padded_tokens: int = Field(description="masked tokens the steps ran beside the real ones")
+    compiling_behind: int = Field(description="shapes queued or compiling in the background")
+    parts: int | None = Field(None, description="parts a batch of no warm size ran in (absent: whole)")
+
+
 class KleinFields(BaseModel):
     seed: int
     settings: dict = Field(
@@ -119,6 +134,9 @@ class KleinFields(BaseModel):
     timings: dict[str, float] = Field(description="seconds per stage (compile apart)")
     references: ReferencesUsed | None
     step_cache: StepCacheUsed | None = Field(description="what a step cache decided (null without one)")
+    buckets: BucketsUsed | None = Field(
+        description="the token buckets the steps ran on (null over exact sizes or under a step cache)"
+    )
     warnings: list[str] = Field(description="what the request gave but was changed or ignored")
 
 

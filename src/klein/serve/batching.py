@@ -83,7 +83,16 @@ def _run_together(pipe, sets: ReferenceSets, works: list[Generation], progress, 
         settings = dataclasses.replace(out.settings, request=ran, notes=notes, adapters=adapters)
         cache = step_cache(out.step_cache, start)
         bodies.append(
-            respond(out.images[start : start + n], settings, encoded, out.timings, version, work.notes, cache)
+            respond(
+                out.images[start : start + n],
+                settings,
+                encoded,
+                out.timings,
+                version,
+                work.notes,
+                cache,
+                out.buckets,
+            )
         )
         start += n
     return bodies

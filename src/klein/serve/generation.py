@@ -78,7 +78,9 @@ def run(pipe, sets: ReferenceSets, generation: Generation, progress, version: st
         request = dataclasses.replace(request, references=encoded.references)
     out = pipe.generate(request, progress, on_step_end=on_step_end)
     cache = step_cache(out.step_cache)
-    return respond(out.images, out.settings, encoded, out.timings, version, generation.notes, cache)
+    return respond(
+        out.images, out.settings, encoded, out.timings, version, generation.notes, cache, out.buckets
+    )
 
 
 def respond(
@@ -89,10 +91,12 @@ def respond(
     version: str,
     notes=(),
     cache: dict | None = None,
+    buckets: dict | None = None,
 ) -> dict:
     """The response body for the images of one request and the settings they ran with; `warnings` lists
     what the request gave but was changed or ignored (the pipeline's notes, then the server's); `cache`:
-    what a step cache decided (`step_cache`)."""
+    what a step cache decided (`step_cache`); `buckets`: the token buckets its steps ran on
+    (`GenerationOutput.buckets`)."""
     extra, references = {}, None
     if encoded:  # the references by the hash of their prepared pixels, as the reference cache keys them
         hashed = tuple(f"prepared-sha256:{digest}" for digest in encoded.digests)
@@ -110,6 +114,7 @@ def respond(
             "timings": _add(encoded.timings if encoded else {}, timings),
             "references": references,
             "step_cache": cache,
+            "buckets": buckets,
             "warnings": [*settings.notes, *notes],
         },
     }

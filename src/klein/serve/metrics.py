@@ -45,6 +45,8 @@ class Metrics(Collector):
         self.caches: dict = {}
         self.results = None
         self.keys: dict[str, Callable[[], dict]] = {}
+        self.warm_buckets = None
+        """The pipeline's `klein.pipeline.warm_buckets.WarmBuckets`, read when scraped."""
         self.registry.register(self)  # `collect` reads the figures that live elsewhere at each scrape
 
     def watch(self, queue_depth: Callable[[], int], caches: dict, results=None) -> None:
@@ -100,9 +102,31 @@ class Metrics(Collector):
         built = CounterMetricFamily(
             "klein_programs_built", "programs jax built in this process, by function", labels=["program"]
         )
-        for program, count in sorted(compilations.BUILT.items()):
-            built.add_metric([program], count)
-        yield built
+        behind = CounterMetricFamily(
+            "klein_programs_built_behind",
+            "of those, programs built behind the requests (warm buckets first), by function",
+            labels=["program"],
+        )
+        for family, counts in ((built, compilations.BUILT), (behind, compilations.BUILT_BEHIND)):
+            for program, count in sorted(counts.items()):
+                family.add_metric([program], count)
+            yield family
+        buckets = self.warm_buckets
+        if buckets is not None:
+            counts = buckets.counts
+            yield GaugeMetricFamily(
+                "klein_compiles_behind_pending",
+                "shapes queued or compiling behind the requests",
+                len(buckets.pending),
+            )
+            yield CounterMetricFamily(
+                "klein_compiles_behind", "shapes compiled behind the requests", counts["compiled"]
+            )
+            yield CounterMetricFamily(
+                "klein_larger_bucket_runs",
+                "steps or prefills run on a larger warm shape than their own, while it was not warm",
+                counts["larger"],
+            )
         yield GaugeMetricFamily("klein_event_streams", "open job event streams", self.streams())
         results = self.results
         if results is not None:

@@ -52,6 +52,7 @@ class Service:
         caches = {"reference_cache": self.reference_cache, "prompt_cache": self.prompt_cache}
         self.metrics.watch(lambda: self.worker.depth, {**caches, "rope_cache": pipe.rope_cache}, jobs)
         self.metrics.watch_keys(reference_cache_bytes=self.reference_cache.held)
+        self.metrics.warm_buckets = pipe.warm_buckets
 
     def _warm(self, shapes: tuple[warmup.Shape, ...]) -> None:
         def log(line: str) -> None:
