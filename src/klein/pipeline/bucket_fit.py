@@ -173,7 +173,7 @@ def encode(pipe, prepared: np.ndarray):
     canvas = np.zeros((1, fit.used.height, fit.used.width, 3), np.float32)
     canvas[0, :height, :width] = prepared
     extent = np.array([height, width], np.int32)
-    out = np.asarray(pipe._programs.encode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
+    out = denoise.to_host(pipe._programs.encode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
     pipe.warm_buckets.saw(fit)
     if fit.larger:
         blank = functools.partial(jnp.zeros, (1, height, width, 3), pipe.dtype)
@@ -193,7 +193,7 @@ def decode(pipe, latents: np.ndarray) -> np.ndarray:
     canvas = np.zeros((used.batch, used.height // token, used.width // token, channels), latents.dtype)
     canvas[:images, :rows, :columns] = latents
     extent = np.array([height, width], np.int32)
-    out = np.asarray(pipe._programs.decode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
+    out = denoise.to_host(pipe._programs.decode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
     pipe.warm_buckets.saw(fit)
     if fit.larger:
         blank = functools.partial(jnp.zeros, (images, rows, columns, channels), pipe.dtype)

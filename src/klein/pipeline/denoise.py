@@ -165,6 +165,16 @@ def to_device(array, dtype=None) -> jax.Array:
     return jax.device_put(np.asarray(array, dtype))
 
 
+def to_host(array: jax.Array) -> np.ndarray:
+    """`array`'s values on the host, whole: gathered from every process where its shards span several
+    (a mesh across processes; every process calls this, in step)."""
+    if array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def rope_of(config, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """The rope tables (cos, sin) float32[S, Dh] of position ids int[S, 4] under a transformer config."""
     tables = rope_tables(np.ascontiguousarray(ids, np.int64), config.axes_dims_rope, config.rope_theta)

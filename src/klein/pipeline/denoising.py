@@ -4,7 +4,6 @@ repaint, callback and progress between steps (`klein.pipeline.flux2_klein.Flux2K
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from klein import masks, sampling, sharding
 from klein.memory.admission import planning_mesh
@@ -54,7 +53,7 @@ def repaint_inputs(request, references, noise, mask, sizes, tokens: int) -> deno
     `sizes[0]`), the noise and the mask, on the device, each padded with zeros as the noise is (its token
     stream: the padding stays zero)."""
     padded = noise.shape[1]
-    source = denoise.to_device(buckets.pad(np.asarray(references.tokens)[:tokens], padded)[None])  # host
+    source = denoise.to_device(buckets.pad(denoise.to_host(references.tokens)[:tokens], padded)[None])  # host
     latent = None if mask is None else masks.latent_mask(mask, sizes[0], request.padding_mask_crop)
     latent = None if latent is None else denoise.to_device(buckets.pad(latent, padded)[None])
     return denoise.Repaint(source, noise, latent, noised_start=request.latents is None)

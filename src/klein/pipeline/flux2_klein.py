@@ -219,7 +219,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         )
         ran = bucket_fit.after_steps(self, fit, run, txt, references, (gh, gw))
         # 8. Decoding (or the VAE's latents, channels first as diffusers returns them), with the record of what ran.
-        latents = sampling.unpack(np.asarray(x)[: run.images, : gh * gw], gh, gw)  # cut on the host
+        latents = sampling.unpack(denoise.to_host(x)[: run.images, : gh * gw], gh, gw)  # cut on the host
         settings = self._settings(run, sizes, cut)
         if request.output_type == "latent":
             out = np.asarray(stages.run("latents", self._programs.vae_latents, latents), np.float32)
@@ -299,7 +299,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         """An ordered set of per-image latents -> `References`, with the prefill's keys/values when
         `cached` (the set half of reference encoding: positions and keys/values depend on the order),
         computed under the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s)."""
-        tokens = denoise.to_device(np.concatenate([np.asarray(z).reshape(-1, z.shape[-1]) for z in latents]))
+        tokens = denoise.to_device(np.concatenate([denoise.to_host(z).reshape(-1, z.shape[-1]) for z in latents]))
         sizes = [tuple(z.shape[:2]) for z in latents]
         token = self.vae_config.pixels_per_token
         references = References(
