@@ -299,7 +299,9 @@ class Flux2KleinPipeline(DiffusersSurface):
         """An ordered set of per-image latents -> `References`, with the prefill's keys/values when
         `cached` (the set half of reference encoding: positions and keys/values depend on the order),
         computed under the unmerged LoRAs `loras` (`klein.request.loras.LoraUse`s)."""
-        tokens = denoise.to_device(np.concatenate([denoise.to_host(z).reshape(-1, z.shape[-1]) for z in latents]))
+        tokens = denoise.to_device(
+            np.concatenate([denoise.to_host(z).reshape(-1, z.shape[-1]) for z in latents])
+        )
         sizes = [tuple(z.shape[:2]) for z in latents]
         token = self.vae_config.pixels_per_token
         references = References(
