@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from klein.errors import CheckpointError
 from klein.io.mapped import MappedSource
 from klein.io.quantised import ChannelScales, Quantised
 from klein.models import products
@@ -98,6 +99,16 @@ def _piece(source, key):
     return source.piece(key) if isinstance(source, MappedSource) else None
 
 
+def check_shape(source, key: str, want: tuple) -> None:
+    """A CheckpointError unless tensor `key` of `source` has the PyTorch-layout shape `want`."""
+    shape = source.shape(key)
+    if want != shape:
+        raise CheckpointError(
+            f"{source.file_of(key)}: tensor '{key}' has shape {shape}, "
+            f"the model expects {want}; wrong model variant or config?"
+        )
+
+
 def _int8(source, key) -> bool:
     """Whether `source` reads `key` quantised per channel for int8 (`klein.io.quantised.Quantised`)."""
     piece = _piece(source, key)
@@ -107,8 +118,6 @@ def _int8(source, key) -> bool:
 def _read_stored(source, job: Job, key: str, programs: _Programs) -> np.ndarray:
     """Tensor `key` as stored (PyTorch layout; a weight to quantise in its float form), in the dtype it is
     kept in, its shape checked as the host path checks it; the programs that prepare it compiled."""
-    from klein.io.loading import check_shape  # loading imports this module
-
     check_shape(source, key, job.want)
     piece = _piece(source, key)
     if _int8(source, key):

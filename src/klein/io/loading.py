@@ -159,23 +159,13 @@ def _target_dtype(abstract, dtype) -> np.dtype:
     return np.dtype(dtype) if floating and dtype is not None else abstract.dtype
 
 
-def check_shape(source, key: str, want: tuple) -> None:
-    """A CheckpointError unless tensor `key` of `source` has the PyTorch-layout shape `want`."""
-    shape = source.shape(key)
-    if want != shape:
-        raise CheckpointError(
-            f"{source.file_of(key)}: tensor '{key}' has shape {shape}, "
-            f"the model expects {want}; wrong model variant or config?"
-        )
-
-
 def _read(source, path, keys, layers, abstract, dtype) -> np.ndarray:
     target_dtype = _target_dtype(abstract, dtype)
     out = _aligned_empty(abstract.shape, target_dtype)
     want = _torch_shape(path, abstract.shape[1:] if layers else abstract.shape)
     axes = _kernel_axes(path, len(want))
     for i, key in enumerate(keys):
-        check_shape(source, key, want)
+        device_loading.check_shape(source, key, want)
         value = source.get(key)
         value = (value if axes is None else value.transpose(axes)).astype(target_dtype, copy=False)
         if layers:
