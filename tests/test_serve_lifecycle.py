@@ -19,7 +19,7 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Long enough (several seconds of steps, even with its program already compiled) to still be running while a
 # test fills the queue behind it.
-LONG = {"prompt": "a long job", "size": "1280x1280", "num_inference_steps": 40, "seed": 1}
+LONG = {"prompt": "a long job", "size": "1024x1024", "num_inference_steps": 40, "seed": 1}
 SHORT = {"prompt": "a short job", "size": "64x64", "num_inference_steps": 2, "seed": 2}
 
 
