@@ -84,7 +84,9 @@ def test_a_memory_cap_leaves_a_request_what_the_weights_and_the_process_leave(pi
 def test_a_refusal_names_the_largest_smaller_requests_that_fit_and_they_do(pipe):
     """What the refusal offers is judged as the request would be: each offered size is admitted."""
     request = GenerationRequest.create(prompt="x", height=1024, width=1024, num_images_per_prompt=2)
-    pipe.memory_limit = 256 * 2**20  # one 1024x1024 image (its decode 0.20 GiB) fits; two do not
+    one = pipe._resolve(GenerationRequest.create(prompt="x", height=1024, width=1024), ()).workload
+    # One 1024x1024 image fits, decoding in tiles; two do not.
+    pipe.memory_limit = admission.estimates(pipe, pipe.mesh, one, pipe.dtype.itemsize)[1].peak
     try:
         with pytest.raises(InputError, match="these fit: ") as refused:
             pipe.check(request)

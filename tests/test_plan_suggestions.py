@@ -57,12 +57,15 @@ def test_nothing_fits_on_an_8_gb_card_lists_what_would_with_the_planner_s_figure
         | dict(variant="klein-4b", models=published("klein-4b", "fp8")),
     }
     for change, arguments in expected.items():
-        policy, peak = auto(planning.plan(**arguments).policies, limit)
+        policy, peak = auto(planning.plan(**arguments).policies_on(limit), limit)
         assert (found[change]["policy"], found[change]["peak_bytes"]) == (policy, peak), change
         assert found[change]["fits"] and peak <= limit
     q8 = next(s for change, s in found.items() if change.startswith("a Q8_0 GGUF transformer"))
     policy, peak = auto(
-        planning.plan(**base | dict(models=plan.in_format(base["models"], "Q8_0", "Q4_K"))).policies, limit
+        planning.plan(**base | dict(models=plan.in_format(base["models"], "Q8_0", "Q4_K"))).policies_on(
+            limit
+        ),
+        limit,
     )
     assert (q8["policy"], q8["peak_bytes"], q8["fits"]) == ("stream", peak, False) and peak > limit
     assert q8["then"]["change"] == "--refs 1" and q8["then"]["fits"]
@@ -76,16 +79,16 @@ def test_nothing_fits_on_an_8_gb_card_lists_what_would_with_the_planner_s_figure
 def test_each_smaller_request_is_the_largest_that_fits():
     """The size, the references and their number go down only as far as they must: one step larger does
     not fit."""
-    limit = 7 * GiB
+    limit = int(4.5 * GiB)
     found = {s.change: s for s in planning.suggestions(asked(refs=2), limit)}
     larger = {
         "--refs 0": dict(refs=1),
         "--ref-size 640x640": dict(ref_size=(768, 768)),
-        "--size 768x768 (references too)": dict(size=(896, 896)),
+        "--size 640x640 (references too)": dict(size=(768, 768)),
     }
     for change, step in larger.items():
         assert found[change].fits
-        assert min(planning.plan(**asked(refs=2) | step).policies.values()) > limit, change
+        assert min(planning.plan(**asked(refs=2) | step).policies_on(limit).values()) > limit, change
 
 
 def test_a_plan_that_fits_suggests_nothing(capsys):
@@ -97,16 +100,16 @@ def test_a_plan_that_fits_suggests_nothing(capsys):
 def test_a_memory_cap_that_leaves_no_room_suggests_the_cap_that_would():
     """Below the device's own memory a cap is what leaves no room: the suggested cap is the least that fits,
     and under it auto has a policy."""
-    base = asked("klein-4b")
-    found = {s.change: s for s in planning.suggestions(base, 3 * GiB, memory=23 * GiB)}
+    base, limit = asked("klein-4b"), int(1.5 * GiB)  # below its tiled decode's least
+    found = {s.change: s for s in planning.suggestions(base, limit, memory=23 * GiB)}
     cap = next(change for change in found if change.startswith("--memory-cap "))
     assert found[cap].fits
-    least = min(planning.plan(**base).policies.values())
+    least = min(planning.plan(**base).policies_on(limit).values())
     cap_bytes = float(cap.removeprefix("--memory-cap ").removesuffix("GiB")) * GiB
     assert least <= cap_bytes < least + 0.01 * GiB
     # Without the device's memory (or with less than the cap would need) no cap is suggested.
     assert not any(
-        c.startswith("--memory-cap") for c in (s.change for s in planning.suggestions(base, 3 * GiB))
+        c.startswith("--memory-cap") for c in (s.change for s in planning.suggestions(base, limit))
     )
 
 

@@ -67,20 +67,29 @@ def _host_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check(work: Workload, estimate: Callable[[Workload], RequestMemory], limit: int, where: str) -> None:
+def check(
+    work: Workload,
+    estimate: Callable[[Workload], RequestMemory],
+    limit: int,
+    where: str,
+    beyond: Callable[[RequestMemory], int] = lambda memory: memory.peak,
+) -> None:
     """A `CannotFitError` (an `InputError`) when `work`'s memory (`estimate`, the planner's) does not fit
     `limit`: with the estimate, the limit, what to reduce and the largest smaller forms of the same request
-    that fit (`smaller_requests`), each with its figure."""
+    that fit (`smaller_requests`), each with its figure. `beyond`: the bytes of a request's memory that
+    `limit` is for (its peak, or less under a residency policy whose turns hold lighter weights:
+    `klein.memory.residency.beyond`)."""
     memory = estimate(work)
-    if memory.peak <= limit:
+    peak = beyond(memory)
+    if peak <= limit:
         return
     parts = sorted(memory.parts().items(), key=lambda item: -item[1])
     terms = ", ".join(f"{name.replace('_', ' ')} {gib(value)}" for name, value in parts if value)
-    fitting = smaller_requests(work, lambda smaller: estimate(smaller).peak, limit)
+    fitting = smaller_requests(work, lambda smaller: beyond(estimate(smaller)), limit)
     fits = f"; at this memory these fit: {', '.join(fitting)}" if fitting else ""
     raise CannotFitError(
-        f"this request needs about {gib(memory.peak)} of device memory beyond the loaded weights "
-        f"({terms}), {gib(memory.peak - limit)} more than the {gib(limit)} {where}; ask for less: smaller "
+        f"this request needs about {gib(peak)} of device memory beyond the loaded weights "
+        f"({terms}), {gib(peak - limit)} more than the {gib(limit)} {where}; ask for less: smaller "
         f"or fewer images (height, width, num_images_per_prompt) or fewer or smaller references{fits}"
     )
 
@@ -158,10 +167,19 @@ def estimates(
 class Budget:
     """Admission for the models of the pipeline `models` on `mesh`, computing with `itemsize`-byte floats
     and the blocks' products made as its `compute` says. `weights()`: (weight bytes on the device now,
-    weight bytes the residency policy holds while a request runs)."""
+    weight bytes the residency policy holds while a request runs); `beyond(memory)`: the bytes of a
+    request's memory it needs beside those (`check`), its peak unless given."""
 
-    def __init__(self, models, mesh, itemsize: int, weights: Callable[[], tuple[int, int]]):
+    def __init__(
+        self,
+        models,
+        mesh,
+        itemsize: int,
+        weights: Callable[[], tuple[int, int]],
+        beyond: Callable[[RequestMemory], int] = lambda memory: memory.peak,
+    ):
         self.models, self.mesh, self.itemsize, self._weights = models, mesh, itemsize, weights
+        self._beyond = beyond
         self._owned: tuple[int, tuple, str] | None = None
         """With `own`: (bytes for requests and caches, the caches counted against them, whence)."""
 
@@ -204,16 +222,17 @@ class Budget:
         room, where = self._room(limit, cap)
         if not (placed and limit is None and self._owned is None):
             room -= adapters
-        if estimates(self.models, self.mesh, work, self.itemsize, self.models.compute)[0].peak <= room:
+        plain = estimates(self.models, self.mesh, work, self.itemsize, self.models.compute)[0]
+        if self._beyond(plain) <= room:
             return False
 
         def estimate(work: plan.Workload) -> plan.RequestMemory:  # the tiled decoder's where it is less
             return min(
                 estimates(self.models, self.mesh, work, self.itemsize, self.models.compute),
-                key=lambda m: m.peak,
+                key=self._beyond,
             )
 
-        check(work, estimate, room, where)
+        check(work, estimate, room, where, self._beyond)
         return True
 
 

@@ -29,7 +29,7 @@ from klein.io import text_encoder_gguf, transformer_file
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
 from klein.memory import gpu_estimate, process, residency, stored
-from klein.models import buckets, products, step_cache
+from klein.models import buckets, products, step_cache, vae_tiled
 from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
@@ -39,8 +39,6 @@ from klein.models.variants import VARIANTS, Variant
 
 FLUX2_VAE = VAEConfig.flux2()
 TEXT_TOKENS = 512
-# Tiles of `decode_latents_tiled`, in px per side: 64 tokens of 16 px (diffusers' tiling default).
-DECODE_TILE = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +62,9 @@ class Workload:
     """A step cache's structure (None: none): its states are held across the steps (`step_cache_bytes`)."""
     bucket: bool = True
     """The transformer runs over token buckets (`klein.models.buckets`), not the exact counts."""
+    prefilled: bool = False
+    """The references come with their keys and values (encoded earlier): held through the text encoder's
+    turn too, where fresh ones are prefilled after it."""
 
     @property
     def streams(self) -> buckets.Streams:
@@ -83,10 +84,22 @@ class RequestMemory:
     decode: int
     step_cache: int = 0
     """A step cache's states, held beside every denoising step (`step_cache_bytes`)."""
+    text_kv: int = 0
+    """The reference KV held while the text encoder runs: references that arrive prefilled."""
 
     @property
     def peak(self) -> int:
         return self.reference_kv + max(self.prefill, self.text, self.step + self.step_cache, self.decode)
+
+    def during(self, models: frozenset[str]) -> int:
+        """The request's peak while only `models` (a residency policy's set) are on the device: the stages
+        that run then. The text runs before any prefill, so a fresh request's reference KV does not exist
+        yet in the text encoder's turn."""
+        if residency.TRANSFORMER not in models:
+            return self.text_kv + self.text if residency.TEXT_ENCODER in models else 0
+        if residency.TEXT_ENCODER in models:
+            return self.peak
+        return self.reference_kv + max(self.prefill, self.step + self.step_cache, self.decode)
 
     def parts(self) -> dict[str, int]:
         """The named terms, for messages: what to reduce."""
@@ -140,6 +153,7 @@ def request_memory(
             vae_config, work.images, work.height, work.width, tiled_decode, gpu_itemsize
         ),
         step_cache=step_cache_bytes(cfg, mesh, work.cache, batch, image, refs - prefilled, itemsize),
+        text_kv=kv if work.prefilled else 0,
     )
 
 
@@ -234,12 +248,25 @@ class MemoryPlan:
     def total(self) -> int:
         return self.transformer + self.text_encoder + self.vae + self.memory.peak + self.process
 
+    tiled: RequestMemory | None = None
+    """The request with the decoder run in tiles (`klein.models.vae_tiled`): what runs where the plain
+    decode does not fit."""
+
     @property
     def policies(self) -> dict[str, int]:
         """Peak bytes per device under each residency policy (`klein.memory.residency`), `all` = `total`."""
+        return self.policies_on(None)
+
+    def policies_on(self, limit: int | None) -> dict[str, int]:
+        """`policies` as a pipeline runs them on a device of `limit` bytes: with the tiled decoder where
+        the plain one does not fit (`klein.memory.admission.Budget.admit`)."""
         sizes = dict(transformer=self.transformer, text_encoder=self.text_encoder, vae=self.vae)
-        streamed = {residency.streamed(name): size for name, size in self.streamed.items()}
-        return residency.peaks({**sizes, **streamed}, self.memory.peak + self.process)
+        sizes |= {residency.streamed(name): size for name, size in self.streamed.items()}
+        plain = residency.peaks(sizes, lambda models: self.memory.during(models) + self.process)
+        if limit is None or self.tiled is None:
+            return plain
+        tiled = residency.peaks(sizes, lambda models: self.tiled.during(models) + self.process)
+        return {name: peak if peak <= limit else min(peak, tiled[name]) for name, peak in plain.items()}
 
 
 def plan(
@@ -264,6 +291,17 @@ def plan(
         cfg, text_config, models.vae, abstract, e, models.fp8, models.compute, models.quantized
     )
     sizes = residency.on(platform, held)
+    memory = functools.partial(
+        request_memory,
+        cfg,
+        text_config,
+        models.vae,
+        abstract,
+        work,
+        e,
+        platform=platform,
+        compute=models.compute,
+    )
     return MemoryPlan(
         variant=variant,
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
@@ -274,12 +312,11 @@ def plan(
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
         vae=sizes["vae"],
-        memory=request_memory(
-            cfg, text_config, models.vae, abstract, work, e, platform=platform, compute=models.compute
-        ),
+        memory=memory(),
         workload=work,
         caches_references=models.variant.kv,
         process=process.footprint(platform),
+        tiled=memory(tiled_decode=True),
     )
 
 
@@ -535,8 +572,12 @@ def _decode_activations(
     out = gpu_itemsize or 4
     if not tiled:
         return images * (_decoder_level_bytes(vae, height, width, gpu_itemsize) + height * width * 3 * out)
-    tile_h, tile_w = min(height, DECODE_TILE), min(width, DECODE_TILE)
-    tiles = _tile_count(height) * _tile_count(width)
+    rows, columns = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
+    tile, overlap = vae_tiled.tiling(rows, columns)
+    tile_h, tile_w = min(rows, tile) * PIXELS_PER_TOKEN, min(columns, tile) * PIXELS_PER_TOKEN
+    tiles = len(vae_tiled.tile_starts(rows, tile, overlap)) * len(
+        vae_tiled.tile_starts(columns, tile, overlap)
+    )
     tile_pixels = tiles * images * tile_h * tile_w * 3 * out
     level = _decoder_level_bytes(vae, tile_h, tile_w, gpu_itemsize)
     return images * level + tile_pixels + 2 * images * height * width * 3 * 4
@@ -556,14 +597,6 @@ def _decoder_level_bytes(vae: VAEConfig, height: int, width: int, gpu_itemsize: 
         else:
             levels.append(3 * pixels * wide * 4)
     return max(levels)
-
-
-def _tile_count(size: int) -> int:
-    """Tiles along one side, as `decode_latents_tiled` lays them (overlapping by a quarter)."""
-    if size <= DECODE_TILE:
-        return 1
-    stride = DECODE_TILE * 3 // 4
-    return -(-(size - DECODE_TILE) // stride) + 1
 
 
 def _score_tile(queries: int, keys: int) -> int:
@@ -597,6 +630,8 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
         ("activations, KV prefill", p.memory.prefill, "estimate" if p.memory.prefill else no_kv),
         ("activations, decode", p.memory.decode, "estimate"),
     ]
+    if p.tiled is not None and p.tiled.decode < p.memory.decode:
+        rows.append(("activations, tiled decode", p.tiled.decode, "where the plain decode does not fit"))
     if p.process:
         rows.append(("klein's own process", p.process, "Python, JAX, programs, tokenizer: the CPU's memory"))
     rows.append(
@@ -606,12 +641,14 @@ def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
     lines = [head, "per device:"]
     lines += [f"  {name:<27}{residency.gib(value):>10}  {note}".rstrip() for name, value, note in rows]
     lines.append("peak per device under each residency policy:")
-    for policy, peak in p.policies.items():
+    policies, plain = p.policies_on(limit), p.policies
+    for policy, peak in policies.items():
         fits = "" if limit is None else ("fits" if peak <= limit else "does not fit")
+        fits += ", decoding in tiles" * (peak < plain[policy] and peak <= (limit or 0))
         summary = residency.SUMMARIES[policy]
         lines.append(f"  {policy:<27}{residency.gib(peak):>10}  {summary}{'; ' + fits if fits else ''}")
     if limit is not None:
-        chosen = next((name for name, peak in p.policies.items() if peak <= limit), None)
+        chosen = next((name for name, peak in policies.items() if peak <= limit), None)
         lines.append(f"auto on {residency.gib(limit)} ({where}): {chosen or 'nothing fits'}")
     return "\n".join(lines)
 
@@ -643,7 +680,7 @@ def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
     """The plan for tools: bytes per device, each policy's peak, and `auto`'s choice on `limit`."""
     policies = [
         dict(name=name, peak_bytes=peak, fits=None if limit is None else peak <= limit)
-        for name, peak in p.policies.items()
+        for name, peak in p.policies_on(limit).items()
     ]
     return dict(
         variant=p.variant,
@@ -653,6 +690,7 @@ def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
         transformer_params=p.transformer_params,
         weights=dict(transformer=p.transformer, text_encoder=p.text_encoder, vae=p.vae),
         request_bytes=dict(p.memory.parts(), peak=p.memory.peak),
+        tiled_decode_bytes=None if p.tiled is None else p.tiled.decode,
         process_bytes=p.process,
         policies=policies,
         device_memory=None if limit is None else dict(bytes=limit, source=where),

@@ -5,6 +5,8 @@ Off the device a model's weights live in host memory, or nowhere (`klein.pipelin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from klein.errors import CannotFitError
 
 AUTO = "auto"
@@ -52,10 +54,25 @@ def on(platform: str, sizes: dict[str, int]) -> dict[str, int]:
 def resident_weights(policy: str, sizes: dict[str, int]) -> int:
     """The most weight bytes `policy` holds on the device at once, given each model's bytes (and those
     it streams, under `streamed(model)`)."""
+    return max(_set_weights(policy, sizes).values())
+
+
+def _set_weights(policy: str, sizes: dict[str, int]) -> dict[frozenset[str], int]:
+    """Weight bytes of each set of models `policy` holds at once."""
     held = dict(sizes)
     if policy in STREAMS:
         held = {model: size - sizes.get(streamed(model), 0) for model, size in sizes.items()}
-    return max(sum(held[model] for model in together) for together in POLICIES[policy])
+    return {together: sum(held[model] for model in together) for together in POLICIES[policy]}
+
+
+Request = int | Callable[[frozenset[str]], int]
+"""A request's device bytes beside the weights: the same whatever is resident, or `(models) -> bytes`
+while the set `models` is on the device (`klein.memory.plan.RequestMemory.during`: under `sequential`
+the text encoder's turn runs the text alone)."""
+
+
+def _during(request: Request) -> Callable[[frozenset[str]], int]:
+    return request if callable(request) else lambda _: request
 
 
 def hold(models: dict, policy, name: str):
@@ -80,12 +97,26 @@ def held(models: dict, policy, sizes: dict[str, int]) -> tuple[int, int]:
     return now, resident_weights(policy(), sizes)
 
 
-def peaks(sizes: dict[str, int], request: int) -> dict[str, int]:
-    """Planned peak bytes under each policy: its largest resident set plus `request`'s own bytes."""
-    return {policy: resident_weights(policy, sizes) + request for policy in POLICIES}
+def peaks(sizes: dict[str, int], request: Request) -> dict[str, int]:
+    """Planned peak bytes under each policy: the most any of its resident sets holds with `request`'s
+    bytes during that set's turn beside it."""
+    during = _during(request)
+    return {
+        policy: max(weights + during(together) for together, weights in _set_weights(policy, sizes).items())
+        for policy in POLICIES
+    }
 
 
-def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: str, process: int = 0) -> str:
+def beyond(policy: str, sizes: dict[str, int], request: Request) -> int:
+    """`request`'s bytes beyond the most weight bytes `policy` holds (`resident_weights`): what it needs
+    free with those weights on the device; less than its largest turn where that turn's models are the
+    lighter ones."""
+    return peaks(sizes, request)[policy] - resident_weights(policy, sizes)
+
+
+def choose(
+    policy: str, sizes: dict[str, int], request: Request, limit: int, where: str, process: int = 0
+) -> str:
     """`policy`, or under `auto` the first policy that fits `limit`; a `CannotFitError` naming the
     estimates, the limit and what would fit when the asked policy (or, under auto, every policy) does not.
     `process`: bytes of klein's own process in the same memory (`klein.memory.process`; the CPU's).
@@ -93,17 +124,19 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
     Where no policy has room for `request` (a typical one), `auto` takes the policy that leaves requests
     the most room, if its weights fit: smaller requests then run, each admitted against what is left,
     rather than none (a memory cap below a 1024x1024 request's needs is such a case)."""
-    planned = peaks(sizes, request + process)
+    during = _during(request)
+    planned = peaks(sizes, lambda models: during(models) + process)
     fitting = [name for name, peak in planned.items() if peak <= limit]
     chosen = (fitting[0] if fitting else None) if policy == AUTO else policy
     if chosen in fitting:
         return chosen
+    weights = {name: resident_weights(name, sizes) + process for name in POLICIES}
     roomiest = min(planned, key=planned.get)
-    if policy == AUTO and planned[roomiest] - request <= limit:
+    if policy == AUTO and weights[roomiest] <= limit:
         return roomiest
     estimates = ", ".join(f"{name} {gib(peak)}" for name, peak in planned.items())
     held = "the weights and klein's own process" if process else "the weights"
-    alone = f"{held} alone need {gib(planned[roomiest] - request)}"  # what loads, for smaller requests
+    alone = f"{held} alone need {gib(weights[roomiest])}"  # what loads, for smaller requests
     advice = (
         f"use --residency {fitting[0]}"
         if fitting
@@ -111,8 +144,9 @@ def choose(policy: str, sizes: dict[str, int], request: int, limit: int, where: 
         "lists what would fit, with its figures), or a device with more memory"
     )
     asked = "no residency policy fits" if policy == AUTO else f"residency {policy} does not fit"
-    parts = f"the weights, a {gib(request)} request and klein's own {gib(process)}"
-    parts = parts if process else f"the weights and a {gib(request)} request"
+    whole = during(frozenset(MODELS))
+    parts = f"the weights, a {gib(whole)} request and klein's own {gib(process)}"
+    parts = parts if process else f"the weights and a {gib(whole)} request"
     raise CannotFitError(
         f"{asked}: {parts} need about {estimates}, more than the {gib(limit)} {where}; {advice}"
     )

@@ -8,25 +8,41 @@ import jax.numpy as jnp
 
 from klein.models.vae import _PATCH, AutoencoderKLFlux2, vae_latents
 
+TILE, OVERLAP = 64, 16
+"""diffusers' tiling defaults, in tokens of 16 px: 1024 px tiles, 256 px blend."""
+
+
+def tiling(rows: int, columns: int) -> tuple[int, int]:
+    """(tile, overlap) in tokens for latents of `rows` x `columns` tokens: diffusers' defaults, but where
+    those hold the whole image in one tile (saving nothing: 1024^2 and below) two tiles a side overlapping
+    by an eighth of it, each about a third of the image's area."""
+    longest = max(rows, columns)
+    if longest > TILE or longest < 4:
+        return TILE, OVERLAP
+    overlap = longest // 8
+    return -(-(longest + overlap) // 2), overlap
+
 
 def decode_latents_tiled(
-    vae: AutoencoderKLFlux2, latents: jax.Array, *, tile: int = 64, overlap: int = 16
+    vae: AutoencoderKLFlux2, latents: jax.Array, *, tile: int | None = None, overlap: int | None = None
 ) -> jax.Array:
-    """`decode_latents` in overlapping square tiles of `tile` tokens (16 px each), blended linearly.
+    """`decode_latents` in overlapping square tiles of `tile` tokens (16 px each), blended linearly;
+    by default as `tiling` lays them for the latents' size.
 
     Memory is that of one plain decode of a `16 * tile` px square (tiles run one after another), for
-    any image size. The defaults are diffusers' tiling defaults (1024 px tiles, 256 px blend). Not
-    exact: each tile takes GroupNorm statistics and attention context from its own area only, so the
-    result drifts from the plain decode by as much as diffusers' `tiled_decode` does (tested); the
-    linear blend over `overlap` tokens hides the seams. Edge tiles are moved inwards rather than
-    cropped, so every tile has the same shape (one compilation).
+    any image size. Not exact: each tile takes GroupNorm statistics and attention context from its own
+    area only, so the result drifts from the plain decode by as much as diffusers' `tiled_decode` does
+    (tested); the linear blend over `overlap` tokens hides the seams. Edge tiles are moved inwards rather
+    than cropped, so every tile has the same shape (one compilation).
     """
+    if tile is None or overlap is None:
+        tile, overlap = tiling(*latents.shape[1:3])
     if not 0 <= overlap < tile:
         raise ValueError(f"tiles of {tile} tokens cannot overlap by {overlap}")
     z = vae_latents(vae, latents)
     _, h, w, _ = z.shape
-    rows = _tile_starts(h, _PATCH * tile, _PATCH * overlap)
-    cols = _tile_starts(w, _PATCH * tile, _PATCH * overlap)
+    rows = tile_starts(h, _PATCH * tile, _PATCH * overlap)
+    cols = tile_starts(w, _PATCH * tile, _PATCH * overlap)
     size_h, size_w = min(h, _PATCH * tile), min(w, _PATCH * tile)
     tiles = jnp.stack([z[:, y : y + size_h, x : x + size_w] for y in rows for x in cols])
     # lax.map runs the tiles sequentially inside one program, so only one tile's activations are live.
@@ -36,7 +52,7 @@ def decode_latents_tiled(
     return _blend(images, starts, (h * scale, w * scale), _PATCH * overlap * scale)
 
 
-def _tile_starts(size: int, tile: int, overlap: int) -> list[int]:
+def tile_starts(size: int, tile: int, overlap: int) -> list[int]:
     """Tile offsets along one axis: a stride of `tile - overlap`, the last tile flush with the end."""
     if size <= tile:
         return [0]

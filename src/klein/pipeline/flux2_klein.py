@@ -66,7 +66,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.adapters = self._loras.slots
         """LoRAs loaded by name (`load_lora`) that requests apply unmerged (`GenerationRequest.loras`)."""
         held = functools.partial(residency_policy.held, models, policy, self.weight_bytes)
-        self.budget = Budget(self, self.mesh, self.dtype.itemsize, held)
+        self.budget = Budget(self, self.mesh, self.dtype.itemsize, held, self._beyond)
         """What a request may add to the weights, and whether it fits (`own_memory`)."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
@@ -289,6 +289,11 @@ class Flux2KleinPipeline(DiffusersSurface):
         slots = self.adapters
         charged = slots.device_bytes if slots.placed or any(run.request.lora_sets) else 0
         return self.budget.admit(run.workload, self.memory_limit, self.memory_cap, charged, slots.placed)
+
+    def _beyond(self, memory) -> int:
+        """A request's bytes (`klein.memory.plan.RequestMemory`) beyond the weights the residency policy
+        holds: under `sequential` each model's turn runs its own stages only."""
+        return residency_policy.beyond(self.residency, self.weight_bytes, memory.during)
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents

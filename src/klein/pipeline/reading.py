@@ -70,7 +70,11 @@ def read(options: LoadOptions) -> Loaded:
     limit, where = admission.memory_for_plan(devices, options.memory_cap)
     typical = resolve.typical(located.variant).workload
     # The decode runs tiled where only that fits (`Budget.admit`).
-    request = min(memory.peak for memory in estimates(located, mesh, typical, dtype.itemsize, compute))
+    memories = estimates(located, mesh, typical, dtype.itemsize, compute)
+
+    def request(models: frozenset[str]) -> int:  # during each residency set's turn
+        return min(memory.during(models) for memory in memories)
+
     own = process.footprint(devices[0].platform)
     policy = residency.choose(options.residency, sizes, request, limit, where, own)
 

@@ -100,7 +100,7 @@ def _planned(asked: dict, change: str, limit: int) -> Suggestion | None:
     """`asked` planned against `limit`, as `auto` picks its policy; None where it cannot be planned (a
     smaller model whose heads a mesh does not divide)."""
     try:
-        peaks = plan(**asked).policies
+        peaks = plan(**asked).policies_on(limit)
     except InputError:
         return None
     fitting = [name for name, peak in peaks.items() if peak <= limit]

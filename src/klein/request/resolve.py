@@ -73,6 +73,7 @@ class Resolved:
             guided=self.mode.guided,
             cache=None if self.request.cache is None else self.request.cache.structure,
             bucket=self.request.bucket,
+            prefilled=self.request.references is not None and self.request.references.cached,
         )
 
 
