@@ -218,11 +218,15 @@ class Budget:
     ) -> bool:
         """Refuse `work` if it cannot fit the `_room(limit, cap)` (`check`); True when only the tiled decoder
         makes it fit. `adapters`: the bytes of unmerged LoRAs' slots, `placed` when they are on the device
-        already, where a live reading of free memory counts them."""
+        already, where a live reading of free memory counts them, as it counts the keys and values of
+        references that come prefilled (`Workload.prefilled`)."""
         room, where = self._room(limit, cap)
-        if not (placed and limit is None and self._owned is None):
+        live = limit is None and self._owned is None
+        if not (placed and live):
             room -= adapters
         plain = estimates(self.models, self.mesh, work, self.itemsize, self.models.compute)[0]
+        if work.prefilled and live:
+            room += plain.reference_kv
         if self._beyond(plain) <= room:
             return False
 
