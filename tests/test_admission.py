@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from klein import GenerationRequest, InputError, sharding
 from klein.memory import admission, plan, process, residency
@@ -172,3 +173,46 @@ def test_a_step_cache_counts_its_states_and_a_request_that_fits_only_without_the
             pipe.check(cached)
     finally:
         pipe.memory_limit = None
+
+
+def test_references_encoded_apart_are_refused_before_their_prefill(pipe):
+    """`encode_references` judges its prefill (the keys and values and its own activations) before running
+    it: one byte short, refused naming the prefill, nothing run; with that byte, it runs."""
+    picture = Image.new("RGB", (256, 256))
+    work = plan.Workload(1, 1, 256, 256, 16 * 16, cached=True, guided=False)
+    memory = admission.estimates(pipe, pipe.mesh, work, pipe.dtype.itemsize)[0]
+    needed = memory.reference_kv + memory.prefill
+    before = pipe.counters["prefill"]
+    pipe.memory_limit = needed - 1
+    try:
+        with pytest.raises(InputError, match="kv prefill"):
+            pipe.encode_references([picture])
+        assert pipe.counters["prefill"] == before
+        pipe.memory_limit = needed
+        assert pipe.encode_references([picture]).cached
+        assert pipe.counters["prefill"] == before + 1
+    finally:
+        pipe.memory_limit = None
+
+
+def test_prefilled_references_count_once_against_free_memory(pipe, monkeypatch):
+    """Free memory read live already counts the keys and values of references that come prefilled: a request
+    over them needs free only what it adds; the same request with references still to prefill needs more."""
+    refs = pipe.encode_references([Image.new("RGB", (256, 256))])
+    request = GenerationRequest.create(prompt="x", height=64, width=64, references=refs)
+    work = pipe._resolve(request, refs.pixel_sizes).workload
+    plain = admission.estimates(pipe, pipe.mesh, work, pipe.dtype.itemsize)[0]
+    assert work.prefilled and plain.reference_kv > 0
+    free = plain.peak - plain.reference_kv
+    monkeypatch.setattr(admission, "available_bytes", lambda devices: (free, "free on the device"))
+    assert pipe.budget.admit(work) is False  # fits as it is: the plain decode
+
+    def plain_fits(work) -> bool:
+        try:
+            return pipe.budget.admit(work) is False
+        except InputError:
+            return False
+
+    assert not plain_fits(dataclasses.replace(work, prefilled=False))
+    monkeypatch.setattr(admission, "available_bytes", lambda devices: (free - 1, "free on the device"))
+    assert not plain_fits(work)

@@ -239,6 +239,20 @@ class Budget:
         check(work, estimate, room, where, self._beyond)
         return True
 
+    def admit_prefill(self, work: plan.Workload, limit=None, cap=None) -> None:
+        """Refuse the prefill of `work`'s references if its keys and values and its own activations cannot
+        fit the `_room(limit, cap)`: references encoded apart (`encode_references`), before any request
+        that will use them is known, are judged on what their prefill holds."""
+        room, where = self._room(limit, cap)
+
+        def prefill(work: plan.Workload) -> plan.RequestMemory:
+            memory = estimates(self.models, self.mesh, work, self.itemsize, self.models.compute)[0]
+            return RequestMemory(
+                reference_kv=memory.reference_kv, prefill=memory.prefill, text=0, step=0, decode=0
+            )
+
+        check(work, prefill, room, where, self._beyond)
+
 
 def gib(value: int) -> str:
     """Bytes in a refusal or a suggestion: GiB, or MiB below an eighth of one."""

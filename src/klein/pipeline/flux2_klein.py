@@ -26,6 +26,7 @@ from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget
+from klein.memory.plan import Workload
 from klein.models import buckets
 from klein.pipeline import bucket_fit, cache_keys, denoise, split_batch
 from klein.pipeline import prompts as text
@@ -325,6 +326,9 @@ class Flux2KleinPipeline(DiffusersSurface):
         """`references` with their keys and values, computed under the merged weights and the unmerged
         LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image), over the references'
         token bucket (masked padding) unless `bucket` is False."""
+        (height, width), tokens = references.pixel_sizes[0], references.tokens.shape[0]
+        work = Workload(1, 1, height, width, tokens, cached=True, guided=False, bucket=bucket)
+        self.budget.admit_prefill(work, self.memory_limit, self.memory_cap)  # before anything is allocated
         adapted = self._loras.rows([loras])
         fit, streams = bucket_fit.prefill_fit(self, references, bucket, loras)
         inputs = denoise.prefill_inputs(self._rope, references, streams)

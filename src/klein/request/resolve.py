@@ -52,6 +52,8 @@ class Resolved:
     first_step: int = 0
     """The step the schedule starts at: 0, or later when a strength below 1 repaints a source (the
     steps before it are skipped, and the source noised to that step is where the steps start)."""
+    prefilled: bool = False
+    """The references come with their keys and values (encoded apart, `References.kv`)."""
 
     @property
     def steps(self) -> int:
@@ -73,7 +75,7 @@ class Resolved:
             guided=self.mode.guided,
             cache=None if self.request.cache is None else self.request.cache.structure,
             bucket=self.request.bucket,
-            prefilled=self.request.references is not None and self.request.references.cached,
+            prefilled=self.prefilled,
         )
 
 
@@ -134,7 +136,8 @@ def resolve(
     notes = kept + _notes(request, variant, filled, rounded)
     repaint = repaint_words(request.mask_image is not None, strength) if request.repaints else None
     mode = Mode(conditioning, scale is not None, repaint)
-    return Resolved(filled, mode, images, sizes, rounded, notes, first_step)
+    prefilled = request.references is not None and request.references.cached
+    return Resolved(filled, mode, images, sizes, rounded, notes, first_step, prefilled=prefilled)
 
 
 def _check_loras(request: GenerationRequest, conditioning: Conditioning, adapters) -> None:
