@@ -45,7 +45,7 @@ def planned(variant: str, refs: int, transformer, text_encoder, compute: str = p
 def auto_on(card: str, variant: str, refs: int, transformer, text_encoder) -> str:
     on = planned(variant, refs, transformer, text_encoder, devices.DEVICES[card].compute)
     limit = devices.DEVICES[card].limit
-    return next((name for name, peak in on.policies.items() if peak <= limit), "nothing fits")
+    return next((name for name, peak in on.policies_on(limit).items() if peak <= limit), "nothing fits")
 
 
 def main() -> None:
