@@ -550,10 +550,10 @@ def layer_copies(cfg: TransformerConfig, text_config: Qwen3Config, mesh, itemsiz
 
 
 def text_table_copy(config: Qwen3Config, itemsize: int) -> int:
-    """What a TPU's text encoder program holds beyond `_text_activations`, as the size of its embedding
-    table: measured on one v5e chip, Qwen3-8B in bf16 over one prompt of 512 tokens, its turn under
-    `sequential` peaked 1.34 to 1.45 GB above its weights (`docs/benchmarks/tpu-v5e-kv.json`; the
-    estimate's own terms are 0.09 GB of that, the table 1.24 GB)."""
+    """What a TPU's text encoder program holds beyond `_text_activations`: a copy of its embedding table.
+    Qwen3-8B in bf16 over one prompt of 512 tokens compiled for a v5e holds 1.245 GB of temporaries (XLA's
+    analysis; the table is 1.245 GB), and on one v5e chip its turn under `sequential` peaked 1.34 to 1.45
+    GB above its weights (`docs/benchmarks/tpu-v5e-kv.json`; the estimate's own terms are 0.09 GB)."""
     return config.vocab_size * config.hidden_size * itemsize
 
 
