@@ -239,10 +239,13 @@ class Budget:
         check(work, estimate, room, where, self._beyond)
         return True
 
-    def admit_prefill(self, work: plan.Workload, limit=None, cap=None) -> None:
-        """Refuse the prefill of `work`'s references if its keys and values and its own activations cannot
-        fit the `_room(limit, cap)`: references encoded apart (`encode_references`), before any request
-        that will use them is known, are judged on what their prefill holds."""
+    def admit_prefill(self, references, bucket: bool, limit=None, cap=None) -> None:
+        """Refuse the prefill of `references` (`klein.request.references.References`, over their token
+        bucket unless `bucket` is False) if its keys and values and its own activations cannot fit the
+        `_room(limit, cap)`: references encoded apart (`encode_references`), before any request that will
+        use them is known, are judged on what their prefill holds."""
+        (height, width), tokens = references.pixel_sizes[0], references.tokens.shape[0]
+        work = plan.Workload(1, 1, height, width, tokens, cached=True, guided=False, bucket=bucket)
         room, where = self._room(limit, cap)
 
         def prefill(work: plan.Workload) -> plan.RequestMemory:

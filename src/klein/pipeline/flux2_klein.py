@@ -26,7 +26,6 @@ from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget
-from klein.memory.plan import Workload
 from klein.models import buckets
 from klein.pipeline import bucket_fit, cache_keys, denoise, split_batch
 from klein.pipeline import prompts as text
@@ -67,7 +66,9 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.adapters = self._loras.slots
         """LoRAs loaded by name (`load_lora`) that requests apply unmerged (`GenerationRequest.loras`)."""
         held = functools.partial(residency_policy.held, models, policy, self.weight_bytes)
-        self.budget = Budget(self, self.mesh, self.dtype.itemsize, held, self._beyond)
+        # A request needs free what its largest turn holds beyond the weights the policy keeps.
+        beyond = lambda memory: residency_policy.beyond(self.residency, self.weight_bytes, memory.during)  # noqa: E731
+        self.budget = Budget(self, self.mesh, self.dtype.itemsize, held, beyond)
         """What a request may add to the weights, and whether it fits (`own_memory`)."""
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
@@ -291,11 +292,6 @@ class Flux2KleinPipeline(DiffusersSurface):
         charged = slots.device_bytes if slots.placed or any(run.request.lora_sets) else 0
         return self.budget.admit(run.workload, self.memory_limit, self.memory_cap, charged, slots.placed)
 
-    def _beyond(self, memory) -> int:
-        """A request's bytes (`klein.memory.plan.RequestMemory`) beyond the weights the residency policy
-        holds: under `sequential` each model's turn runs its own stages only."""
-        return residency_policy.beyond(self.residency, self.weight_bytes, memory.during)
-
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
         float[H/16, W/16, C]: the per-image half of reference encoding, reusable in any set."""
@@ -326,9 +322,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         """`references` with their keys and values, computed under the merged weights and the unmerged
         LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image), over the references'
         token bucket (masked padding) unless `bucket` is False."""
-        (height, width), tokens = references.pixel_sizes[0], references.tokens.shape[0]
-        work = Workload(1, 1, height, width, tokens, cached=True, guided=False, bucket=bucket)
-        self.budget.admit_prefill(work, self.memory_limit, self.memory_cap)  # before anything is allocated
+        self.budget.admit_prefill(references, bucket, self.memory_limit, self.memory_cap)  # before allocating
         adapted = self._loras.rows([loras])
         fit, streams = bucket_fit.prefill_fit(self, references, bucket, loras)
         inputs = denoise.prefill_inputs(self._rope, references, streams)
