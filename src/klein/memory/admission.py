@@ -7,6 +7,7 @@ refusal names the smaller forms of the request that would fit (`smaller_requests
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 
 from klein import sharding
@@ -72,7 +73,7 @@ def check(
     estimate: Callable[[Workload], RequestMemory],
     limit: int,
     where: str,
-    beyond: Callable[[RequestMemory], int] = lambda memory: memory.peak,
+    beyond: Callable[[RequestMemory], int] = operator.attrgetter("peak"),
 ) -> None:
     """A `CannotFitError` (an `InputError`) when `work`'s memory (`estimate`, the planner's) does not fit
     `limit`: with the estimate, the limit, what to reduce and the largest smaller forms of the same request
@@ -176,7 +177,7 @@ class Budget:
         mesh,
         itemsize: int,
         weights: Callable[[], tuple[int, int]],
-        beyond: Callable[[RequestMemory], int] = lambda memory: memory.peak,
+        beyond: Callable[[RequestMemory], int] = operator.attrgetter("peak"),
     ):
         self.models, self.mesh, self.itemsize, self._weights = models, mesh, itemsize, weights
         self._beyond = beyond

@@ -100,18 +100,18 @@ def held(models: dict, policy, sizes: dict[str, int]) -> tuple[int, int]:
 def peaks(sizes: dict[str, int], request: Request) -> dict[str, int]:
     """Planned peak bytes under each policy: the most any of its resident sets holds with `request`'s
     bytes during that set's turn beside it."""
-    during = _during(request)
-    return {
-        policy: max(weights + during(together) for together, weights in _set_weights(policy, sizes).items())
-        for policy in POLICIES
-    }
+    return {policy: _peak(policy, sizes, _during(request)) for policy in POLICIES}
+
+
+def _peak(policy: str, sizes: dict[str, int], during: Callable[[frozenset[str]], int]) -> int:
+    return max(weights + during(together) for together, weights in _set_weights(policy, sizes).items())
 
 
 def beyond(policy: str, sizes: dict[str, int], request: Request) -> int:
     """`request`'s bytes beyond the most weight bytes `policy` holds (`resident_weights`): what it needs
     free with those weights on the device; less than its largest turn where that turn's models are the
     lighter ones."""
-    return peaks(sizes, request)[policy] - resident_weights(policy, sizes)
+    return _peak(policy, sizes, _during(request)) - resident_weights(policy, sizes)
 
 
 def choose(
