@@ -20,7 +20,7 @@ from flax import nnx  # noqa: E402
 
 from klein import sharding  # noqa: E402
 from klein.io.demo import TRANSFORMER  # noqa: E402
-from klein.memory import plan
+from klein.memory import activations
 from klein.models import transformer as T  # noqa: E402
 from klein.models.transformer_config import KLEIN_9B, TransformerConfig  # noqa: E402
 
@@ -39,7 +39,7 @@ def temporaries(cfg, mesh) -> int:
 
 
 def estimate(cfg, spec: str) -> int:
-    return plan._activations(cfg, sharding.abstract_mesh(spec), 1, TOKENS, TOKENS, 4)
+    return activations.activations(cfg, sharding.abstract_mesh(spec), 1, TOKENS, TOKENS, 4)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin compiles withou
 
 from klein import devices, sharding  # noqa: E402
 from klein.bench import roofline  # noqa: E402
-from klein.memory import plan  # noqa: E402
+from klein.memory import plan, plan_report  # noqa: E402
 from klein.models import products  # noqa: E402
 from klein.request import planning  # noqa: E402
 
@@ -84,7 +84,7 @@ def cell(variant: str, refs: int, target: str, compute: str, compile_it: bool) -
     if compile_it:
         analysis = compiled_step(variant, target, p.workload, compute)
         analyses["step"] = analysis  # the roofline reads its compiled bytes
-        used = plan.beyond_weights("step", analysis)
+        used = plan_report.beyond_weights("step", analysis)
         step = f", step {p.memory.step / 2**30:.2f} / {used / 2**30:.2f} GiB = {p.memory.step / used:.2f}"
     models = published(variant, compute)
     mesh = sharding.abstract_mesh("tensor=1")  # one card: no stage's work is split

@@ -21,7 +21,7 @@ from flax import nnx
 from klein import dtypes
 from klein.bench.flops import decode_flops
 from klein.bench.runner import cpu_model
-from klein.memory import plan
+from klein.memory import activations
 from klein.models import vae as V
 
 FULL = V.VAEConfig.flux2()
@@ -72,7 +72,7 @@ def main() -> None:
                 best[name] = min(best[name], time.perf_counter() - start)
         for name, (_, analysis) in runs.items():
             cfg, count = DECODERS[name], models[name][1]
-            planned = plan._decode_activations(cfg, 1, size, size, tiled=False)
+            planned = activations.decode_activations(cfg, 1, size, size, tiled=False)
             print(
                 f"| {name}, {size} | {count / 1e6:.1f} M | {decode_flops(cfg, 1, size, size) / 1e9:.0f} "
                 f"| {best[name]:.2f} | {analysis.argument_size_in_bytes / MiB:.0f} "

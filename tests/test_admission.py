@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from klein import GenerationRequest, InputError, sharding
-from klein.memory import admission, plan, process, residency
+from klein.memory import activations, admission, plan, process, residency
 from klein.pipeline.loading import load_pipeline
 from klein.request.step_cache import StepCache
 from tests.test_cli import assert_clean_error, run_klein
@@ -163,7 +163,7 @@ def test_a_step_cache_counts_its_states_and_a_request_that_fits_only_without_the
     behind = StepCache(compute_last=1, taylorseer_order=2).structure  # the single blocks keep [text, image]
     single = (text + image) + ladder * (text + image)
     assert (
-        plan.step_cache_bytes(pipe.config, admission.planning_mesh(None), behind, 2, image, 0, 4)
+        activations.step_cache_bytes(pipe.config, admission.planning_mesh(None), behind, 2, image, 0, 4)
         == 2 * 2 * (double + single) * row
     )
     pipe.memory_limit = 7.5 * 2**20

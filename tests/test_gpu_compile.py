@@ -21,7 +21,7 @@ from klein import devices
 from klein.aot import compiled, topology
 from klein.bench import roofline
 from klein.cli import main as cli
-from klein.memory import plan
+from klein.memory import plan, plan_report
 from klein.request import planning
 from klein.sharding import use
 from tests.support.hlo import dims_of, dot_operands
@@ -98,7 +98,7 @@ def test_the_planner_estimates_every_h100_stage_within_15_percent(h100_9b_kv):
     weights; the accelerator estimate the GPU was planned with before misses three of the four
     (docs/design.md, "GPU programs from any machine")."""
     _, stages, _ = h100_9b_kv
-    compiled_bytes = {name: plan.beyond_weights(name, vars(a)) for name, a in stages.items()}
+    compiled_bytes = {name: plan_report.beyond_weights(name, vars(a)) for name, a in stages.items()}
     gpu = planning.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024), platform="gpu").memory.parts()
     other = planning.plan("klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024)).memory.parts()
     parts = dict(text="text_encoder", prefill="kv_prefill", step="denoise_step", decode="decode")

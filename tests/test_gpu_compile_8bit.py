@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from klein.aot import compiled, topology
-from klein.memory import plan
+from klein.memory import plan, plan_report
 from klein.models import products
 from klein.request import planning
 from klein.sharding import use
@@ -78,7 +78,7 @@ def compiled_9b_kv_steps(target: str, computes) -> dict:
 
 def planned_9b_kv_step(compute: str) -> int:
     """The GPU planner's estimate (`klein.memory.gpu_estimate`) of `compiled_9b_kv_steps`'s step with
-    `compute`: the bytes `plan.beyond_weights` reads from the compiled one's analysis."""
+    `compute`: the bytes `plan_report.beyond_weights` reads from the compiled one's analysis."""
     models = dataclasses.replace(plan.published("klein-9b-kv", "bfloat16"), compute=compute)
     planned = planning.plan(
         "klein-9b-kv", "tensor=1", refs=2, size=(1024, 1024), platform="gpu", models=models
@@ -109,7 +109,7 @@ def test_klein_9b_kv_blocks_multiply_in_8_bits_on_an_h100(h100_9b_kv_8bit, compu
     bf16_step = h100_9b_kv_8bit[products.BF16][0]
     assert step.temporaries < 1.5 * bf16_step.temporaries  # 0.94 GiB, bf16 0.67 (5.81 as [in, out])
     # The planner counts the float32 products the scales are applied to (0.70 of it when it did not).
-    assert 0.85 <= planned_9b_kv_step(compute) / plan.beyond_weights("step", vars(step)) <= 1.15
+    assert 0.85 <= planned_9b_kv_step(compute) / plan_report.beyond_weights("step", vars(step)) <= 1.15
     assert "__cudnn$fmha" in hlo  # attention stays bf16, fused
     kv = 2 * 4096 * 32 * 2 * 4096 * 2  # the reference KV: tokens x layers x (k, v) x width x bf16
     assert kv + 9e9 < step.arguments < kv + 10e9  # 9B weights at a byte (bf16: over kv + 17e9)

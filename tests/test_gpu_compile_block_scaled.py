@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from klein.aot import topology
-from klein.memory import plan
+from klein.memory import plan_report
 from klein.models import products
 from klein.sharding import use
 from tests.support.hlo import dims_of, operations
@@ -96,4 +96,4 @@ def test_klein_9b_kv_blocks_are_block_scaled_gemms_on_a_b200(b200_9b_kv_block_sc
     # 9B block weights at 9/16 byte (NVFP4) or 33/32 (MXFP8), the rest in bf16 (fp8: kv + 9e9 to 10e9).
     assert kv + weights[0] < step.arguments < kv + weights[1]
     # The planner counts the GEMM's float32 output the scales are applied to (0.70 of it when it did not).
-    assert 0.85 <= planned_9b_kv_step(compute) / plan.beyond_weights("step", vars(step)) <= 1.15
+    assert 0.85 <= planned_9b_kv_step(compute) / plan_report.beyond_weights("step", vars(step)) <= 1.15

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from klein.cli import main as cli
-from klein.memory import plan, residency
+from klein.memory import activations, plan, residency
 from klein.models import products, vae_tiled
 from klein.models.variants import VARIANTS
 from klein.request import resolve
@@ -55,7 +55,7 @@ def test_a_1024_image_decodes_in_four_tiles_and_the_plan_counts_them():
     assert vae_tiled.tiling(2, 2) == (vae_tiled.TILE, vae_tiled.OVERLAP)  # too small to split
     p = planned(1)
     assert p.tiled.decode < p.memory.decode / 3 + 0.1 * GiB
-    assert p.tiled.decode == plan._decode_activations(plan.FLUX2_VAE, 1, 1024, 1024, True)
+    assert p.tiled.decode == activations.decode_activations(plan.FLUX2_VAE, 1, 1024, 1024, True)
     # The tiled plan is what runs where the plain decode does not fit, and only there.
     plain, tiled = p.policies["sequential"], planned(1).policies_on(int(13.5 * GiB))["sequential"]
     assert tiled < 13.5 * GiB < plain and planned(1).policies_on(16 * GiB)["sequential"] == plain
@@ -76,7 +76,7 @@ def test_auto_keeps_the_layers_on_a_v5e_for_one_and_two_references(refs, policy,
 
 def test_the_planned_peaks_beside_the_chip_s():
     """Each run the chip made: its measured peak (the process's running maximum) within 0.15 GiB above the
-    planned peak of its policy, never more (the text encoder's turn, `plan.text_table_copy`), and no more
+    planned peak of its policy, never more (the text encoder's turn, `activations.text_table_copy`), and no more
     than 1.8 GiB below it (the transformer's turn is planned above what the chip used: docs/devices.md)."""
     report = json.loads((ROOT / "docs" / "benchmarks" / "tpu-v5e-kv.json").read_text())
     seen = 0

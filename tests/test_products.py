@@ -48,7 +48,7 @@ def test_a_bf16_linear_is_the_float32_product_rounded_once(rows):
 def test_a_bf16_product_holds_no_float32_copy_of_its_weight_where_the_backend_can(rows):
     """Where the compiler multiplies bf16 into float32 in place (`in_place`), no product widens its
     weight, a single row included; where it cannot, the planner counts the widened copies instead
-    (`klein.memory.plan.layer_copies` in float32), and the plain product widens."""
+    (`klein.memory.activations.layer_copies` in float32), and the plain product widens."""
     layer = Linear(D_IN, D_OUT, nnx.Rngs(0), jnp.bfloat16)
     graphdef, state = nnx.split(layer)
     x = jax.ShapeDtypeStruct((1, rows, D_IN), jnp.bfloat16)

@@ -139,7 +139,7 @@ def plan_command(flags: argparse.Namespace) -> int:
     """Print the per-device memory plan of `klein plan`: a table, or JSON with --json."""
     import json
 
-    from klein.memory import plan
+    from klein.memory import plan_report
     from klein.pipeline import warmup
 
     if flags.target is not None:
@@ -159,7 +159,7 @@ def plan_command(flags: argparse.Namespace) -> int:
             )
         stages = _compiled(memory, models, dtypes.dtype(dtype), compute)
         report["compiled"] = stages
-        text += "\n" + plan.describe_compiled(memory, stages)
+        text += "\n" + plan_report.describe_compiled(memory, stages)
     print(json.dumps(report, indent=2) if flags.json else text)
     return 0
 
@@ -171,7 +171,7 @@ def _target_command(flags: argparse.Namespace) -> int:
 
     from klein.aot import topology
     from klein.bench import roofline
-    from klein.memory import plan
+    from klein.memory import plan_report
     from klein.pipeline.reading import compute_of
 
     if flags.device is not None:
@@ -203,7 +203,7 @@ def _target_command(flags: argparse.Namespace) -> int:
             stages={name: dict(dataclasses.asdict(t), seconds=t.seconds) for name, t in times.items()},
             seconds_per_image=roofline.per_image(times, memory.workload.images),
         )
-        text += "\n" + plan.describe_compiled(memory, stages, f"for {flags.target}")
+        text += "\n" + plan_report.describe_compiled(memory, stages, f"for {flags.target}")
         text += "\n" + roofline.describe(times, on, memory.workload.images)
     print(json.dumps(report, indent=2) if flags.json else text)
     return 0
@@ -226,20 +226,22 @@ def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, pla
 def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str):
     """(the plan of `asked`, its JSON report, its text) against `device` (`_device_memory`), with what
     would fit where nothing does and the compute planned, `whose` it is."""
-    from klein.memory import plan
+    from klein.memory import plan_report
     from klein.request import planning
 
     limit, where, room = device
     memory = planning.plan(**asked)
     found = planning.suggestions(asked, limit, room)
-    report = dict(plan.as_json(memory, limit, where), compute=compute, suggestions=planning.as_json(found))
+    report = dict(
+        plan_report.as_json(memory, limit, where), compute=compute, suggestions=planning.as_json(found)
+    )
     products = {
         "bf16": "in bf16",
         "nvfp4": "block-scaled in 4 bits (NVFP4), their weights 9/16 byte each",
         "mxfp8": "block-scaled in 8 bits (MXFP8), their weights 33/32 byte each",
     }.get(compute, "in 8 bits, their weights one byte each")
     lines = (
-        plan.describe(memory, limit, where),
+        plan_report.describe(memory, limit, where),
         planning.describe(found, limit),
         f"compute: {compute} ({whose}: the transformer blocks' products {products})",
     )

@@ -3,11 +3,11 @@ buying hardware) and for admission (before a request allocates anything, `klein.
 
 Weights and the reference KV cache are exact: shapes from `nnx.eval_shape`, split by `klein.sharding`'s
 rules on an abstract mesh, so no devices are needed. What a request adds is an estimate of each stage's
-widest point per device (text encoder, KV prefill, denoise step, decode: `_activations` and its siblings
-list the terms); the stages run one after another, so a request's peak is the reference KV plus its
+widest point per device (text encoder, KV prefill, denoise step, decode: `klein.memory.activations`
+lists the terms); the stages run one after another, so a request's peak is the reference KV plus its
 largest stage. That is an accelerator's estimate (a TPU's); a CPU's adds the layer copies it makes
-(`layer_copies`), and a GPU's programs are planned apart (`klein.memory.gpu_estimate`): `request_memory`
-decides which. See docs/design/memory.md and docs/design/requests.md, "Admission".
+(`klein.memory.activations.layer_copies`), and a GPU's programs are planned apart
+(`klein.memory.gpu_estimate`): `request_memory` decides which. See docs/design/memory.md and docs/design/requests.md, "Admission".
 """
 
 from __future__ import annotations
@@ -28,9 +28,16 @@ from klein.errors import CheckpointError, InputError
 from klein.io import text_encoder_gguf, transformer_file
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
-from klein.memory import gpu_estimate, process, residency, stored
-from klein.models import buckets, products, step_cache, vae_tiled
-from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
+from klein.memory import process, residency, stored
+from klein.memory.activations import (
+    TEXT_TOKENS,
+    decode_activations,
+    gpu_stages,
+    stages,
+    step_cache_bytes,
+    text_table_copy,
+)
+from klein.models import buckets, products, step_cache
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -38,7 +45,6 @@ from klein.models.vae import PIXELS_PER_TOKEN, AutoencoderKLFlux2, VAEConfig
 from klein.models.variants import VARIANTS, Variant
 
 FLUX2_VAE = VAEConfig.flux2()
-TEXT_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +145,9 @@ def request_memory(
     tokens = (prefilled, batch, keys - prefilled, keys)  # (the prefill's, the step's batch, queries, keys)
     kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
     if platform == "gpu":
-        prefill, text, step = _gpu_stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, compute)
+        prefill, text, step = gpu_stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, compute)
     else:
-        prefill, text, step = _stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
+        prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
         if platform != "cpu":
             text += text_table_copy(text_config, itemsize)
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
@@ -151,77 +157,12 @@ def request_memory(
         prefill=prefill,
         text=text,
         step=embeddings + step,  # the prompt embeddings every step reads, and the step's own
-        decode=_decode_activations(
+        decode=decode_activations(
             vae_config, work.images, work.height, work.width, tiled_decode, gpu_itemsize
         ),
         step_cache=step_cache_bytes(cfg, mesh, work.cache, batch, image, refs - prefilled, itemsize),
         text_kv=kv if work.prefilled else 0,
     )
-
-
-def step_cache_bytes(
-    cfg: TransformerConfig, mesh, cache, rows: int, image: int, references: int, itemsize: int
-) -> int:
-    """Bytes of a step cache's states (`klein.models.step_cache.Group`) over `rows` (a pass's images, both
-    passes under guidance, separate or doubled) for `image` tokens and the `references` tokens the steps
-    run as queries (none when their keys and values are cached): per row, the double blocks' Fn residual
-    of the image stream [N, D] and order + 1 residuals of each stream ([N, D] + [T, D]); the single
-    blocks' Fn residual [T + N, D] and order + 1 residuals of what their last blocks read (the image's
-    [image, D] when no block follows the cached ones, else [T + N, D]); N = image + references, T the
-    text tokens. Held twice while a step runs: the states it reads and those it returns (not donated)."""
-    if cache is None:
-        return 0
-    stream, joint, ladder = image + references, TEXT_TOKENS + image + references, cache.order + 1
-    double = stream + ladder * (stream + TEXT_TOKENS)
-    single = joint + ladder * (image if cache.compute_last == 0 else joint)
-    per_row = -(-(double + single) // sharding.ways(mesh, "seq")) * cfg.hidden * itemsize
-    return 2 * -(-rows // sharding.ways(mesh, "batch")) * per_row
-
-
-def _stages(cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, copies) -> tuple:
-    """(prefill, text encoder, step beyond the prompt embeddings) of an accelerator's programs, or a CPU's
-    (`copies`: of the layers it runs), over `tokens` (`request_memory`'s)."""
-    refs, batch, queries, keys = tokens
-    layer, text_layer = layer_copies(cfg, text_config, mesh, copies) if copies else (0, 0)
-    rounded = copies == itemsize < 4  # a CPU multiplying bf16 in place
-    prefill = 0
-    if refs:
-        # The prefill runs the double blocks' image stream alone: half their weights are copied.
-        prefill = layer // 2 + _activations(cfg, mesh, 1, refs, refs, itemsize)
-        prefill += _rounding(cfg, mesh, 1, refs, itemsize, rounded)
-    step = layer + _activations(cfg, mesh, batch, queries, keys, itemsize)
-    step += _rounding(cfg, mesh, batch, queries, itemsize, rounded)
-    return prefill, text_layer + _text_activations(text_config, prompts, itemsize), step
-
-
-def _gpu_stages(
-    cfg, text_config, mesh, itemsize: int, prompts: int, tokens: tuple, kv: int, compute
-) -> tuple:
-    """`_stages` for XLA:GPU's programs (`klein.memory.gpu_estimate`), the blocks' products made as
-    `compute` says."""
-    refs, batch, queries, keys = tokens
-    tensor, data, context = (sharding.ways(mesh, axis) for axis in ("heads", "batch", "seq"))
-    # cuDNN's fused attention runs on one card only, in bf16 (`klein.models.attention`); elsewhere the
-    # blocked kernel adds its key blocks and score tiles.
-    fused = math.prod(mesh.shape.values()) == 1 and itemsize == 2
-    fused = fused and cfg.attention_head_dim <= CUDNN_MAX_HEAD_DIM
-
-    def blocks(b: int, s_q: int, s_k: int, streams: int = 2) -> int:
-        b, s_q = -(-b // data), -(-s_q // context)
-        blocked = 2 * b * s_k * cfg.hidden // tensor * itemsize
-        blocked += b * cfg.num_attention_heads // tensor * _score_tile(s_q, s_k) * 4 * 2
-        single = gpu_estimate.single_block(
-            cfg, b * s_q, b * s_k, tensor, itemsize, 0 if fused else blocked, compute
-        )
-        return max(single, gpu_estimate.double_block(cfg, b * s_q, streams, tensor, itemsize, compute))
-
-    text = gpu_estimate.text_layer(text_config, prompts * TEXT_TOKENS, len(PROMPT_LAYERS), tensor, itemsize)
-    # Around the blocked kernel on several cards, XLA holds the reference KV heads-major: the step a
-    # transposed copy of all of it, the prefill its stacks of keys (or values) before their layout's copy
-    # (measured once: klein-9b-kv, 2 references, h100:2 on tensor; docs/design/compiling.md).
-    transposed = 0 if fused else kv
-    prefill = blocks(1, refs, refs, streams=1) + transposed // 2 if refs else 0
-    return prefill, text, blocks(batch, queries, keys) + transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,219 +431,3 @@ def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> i
     tokens = -(-tokens // context) * context
     shape = (layers, tokens, cfg.num_attention_heads, cfg.attention_head_dim)
     return 2 * _shard_bytes(shape, sharding.REFERENCE_KV, mesh, itemsize)
-
-
-def _activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: int, itemsize: int) -> int:
-    """The live tensors around a single-stream block's attention, per device: b the batch per data shard
-    (x2 with CFG), s_q the queries per context shard; the keys are all-gathered under context
-    parallelism, and the scores are one tile of the blocked attention (`_score_tile`)."""
-    b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
-    tensor, d, mlp = sharding.ways(mesh, "heads"), cfg.hidden, cfg.mlp_hidden
-    fused = 3 * d + 2 * mlp
-    live = [
-        b * s_q * d * itemsize,  # residual stream
-        b * s_q * fused // tensor * itemsize,  # fused projection (q, k, v and the MLP input)
-        # attention output and MLP, joined for the output projection
-        b * s_q * (d + mlp) // tensor * itemsize,
-        4 * b * keys * d // tensor * itemsize,  # gathered keys and values, and their attention blocks
-        b * cfg.num_attention_heads // tensor * _score_tile(s_q, keys) * 4 * 2,  # scores, weights
-    ]
-    if sharding.ways(mesh, "embed") > 1:
-        live.append((d * fused + (d + mlp) * d) // tensor * itemsize)  # one gathered single block
-    return sum(live)
-
-
-def _rounding(cfg: TransformerConfig, mesh, batch: int, queries: int, itemsize: int, rounded: bool) -> int:
-    """Where a CPU multiplies bf16 in place (`klein.models.products`), the fused projection's product
-    lives in float32 before its rounding: its bytes beyond the rounded copy, less what XLA fits into the
-    single block's own weight copies, dead by then (fitted to `memory_analysis()` from 4,600 to 21,000
-    tokens: nothing below ~5,000 tokens, about 1 GiB at 16,000-21,000)."""
-    if not rounded:
-        return 0
-    b, s_q = -(-batch // sharding.ways(mesh, "batch")), -(-queries // sharding.ways(mesh, "seq"))
-    d, mlp, tensor = cfg.hidden, cfg.mlp_hidden, sharding.ways(mesh, "heads")
-    single = (d * (3 * d + 2 * mlp) + (d + mlp) * d) // tensor * itemsize
-    return max(0, b * s_q * (3 * d + 2 * mlp) // tensor * (4 - itemsize) - single)
-
-
-# XLA:CPU cuts each layer it runs out of its stack into buffers of its own (a bf16 stack is stored as its
-# bits, `klein.models.stacks`, and viewed as bf16 by a copy), widened to float32 where it cannot multiply
-# bf16 as it is (`klein.models.products`), and its scheduler cuts the next layer's kernels while the
-# current ones are still live: as multiples of one layer. Fitted to `memory_analysis()` of the real
-# programs at the published sizes (`klein plan --compiled` prints them; the figures are in
-# docs/design/memory.md).
-COPIED_DOUBLE_BLOCKS = {2: 1.2, 4: 1.42}
-COPIED_DECODER_LAYERS = {2: 0.9, 4: 0.9}
-
-
-def layer_copies(cfg: TransformerConfig, text_config: Qwen3Config, mesh, itemsize: int) -> tuple[int, int]:
-    """Bytes of the copies of the running layer's weights, of `itemsize` bytes each, that a CPU holds while
-    it runs the transformer, and the text encoder (`COPIED_DOUBLE_BLOCKS`)."""
-    d, mlp = cfg.hidden, cfg.mlp_hidden
-    double = 8 * d * d + 6 * d * mlp  # q, k, v, out of both streams; both streams' SwiGLU
-    t = text_config
-    decoder = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)
-    decoder += 3 * t.hidden_size * t.intermediate_size
-    tensor = sharding.ways(mesh, "heads")
-    return int(COPIED_DOUBLE_BLOCKS[itemsize] * itemsize * double) // tensor, int(
-        COPIED_DECODER_LAYERS[itemsize] * itemsize * decoder
-    ) // tensor
-
-
-def text_table_copy(config: Qwen3Config, itemsize: int) -> int:
-    """What a TPU's text encoder program holds beyond `_text_activations`: a copy of its embedding table.
-    Qwen3-8B in bf16 over one prompt of 512 tokens compiled for a v5e holds 1.245 GB of temporaries (XLA's
-    analysis; the table is 1.245 GB), and on one v5e chip its turn under `sequential` peaked 1.34 to 1.45
-    GB above its weights (`docs/benchmarks/tpu-v5e-kv.json`; the estimate's own terms are 0.09 GB)."""
-    return config.vocab_size * config.hidden_size * itemsize
-
-
-def _text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:
-    """One decoder layer's live tensors over `prompts` x 512 tokens, and the hidden states kept for the
-    embedding. The text encoder runs whole on every device (its batch is the prompts, not the images)."""
-    tokens = prompts * TEXT_TOKENS
-    heads = config.num_attention_heads + 2 * config.num_key_value_heads
-    live = [
-        2 * tokens * config.hidden_size,  # residual stream and its norm
-        tokens * heads * config.head_dim,  # q, k, v
-        2 * tokens * config.intermediate_size,  # gate and up projections
-        len(PROMPT_LAYERS) * tokens * config.hidden_size,  # the hidden states of the embedding
-    ]
-    scores = prompts * config.num_attention_heads * _score_tile(TEXT_TOKENS, TEXT_TOKENS) * 4 * 2  # fp32
-    return sum(live) * itemsize + scores
-
-
-def _decode_activations(
-    vae: VAEConfig, images: int, height: int, width: int, tiled: bool, gpu_itemsize: int | None = None
-) -> int:
-    """The decoder's widest level for every image, plus the decoded pixels; tiled, one tile at a time, plus
-    the tiles and the blended pixels (float32). fp32 (GroupNorm statistics and the activations around
-    them, as XLA:CPU widens bf16 convolutions) unless `gpu_itemsize` is given: a GPU's program, in the
-    weights' dtype (`gpu_estimate.decoder_level`)."""
-    out = gpu_itemsize or 4
-    if not tiled:
-        return images * (_decoder_level_bytes(vae, height, width, gpu_itemsize) + height * width * 3 * out)
-    rows, columns = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
-    tile, overlap = vae_tiled.tiling(rows, columns)
-    tile_h, tile_w = min(rows, tile) * PIXELS_PER_TOKEN, min(columns, tile) * PIXELS_PER_TOKEN
-    tiles = len(vae_tiled.tile_starts(rows, tile, overlap)) * len(
-        vae_tiled.tile_starts(columns, tile, overlap)
-    )
-    tile_pixels = tiles * images * tile_h * tile_w * 3 * out
-    level = _decoder_level_bytes(vae, tile_h, tile_w, gpu_itemsize)
-    return images * level + tile_pixels + 2 * images * height * width * 3 * 4
-
-
-def _decoder_level_bytes(vae: VAEConfig, height: int, width: int, gpu_itemsize: int | None = None) -> int:
-    """Live bytes at the decoder's widest level for one image of `height` x `width` px: three copies at the
-    widest channel count a level sees, in fp32; on a GPU, its first layer's (`gpu_estimate.decoder_level`)."""
-    widths = tuple(reversed(vae.decoder_channels))  # lowest resolution first, as the decoder runs
-    levels = []
-    for level, channels in enumerate(widths):
-        scale = 2 ** (len(widths) - 1 - level)
-        wide = max(channels, widths[level - 1] if level else channels)
-        pixels = (height // scale) * (width // scale)
-        if gpu_itemsize:
-            levels.append(gpu_estimate.decoder_level(pixels, wide, channels, gpu_itemsize))
-        else:
-            levels.append(3 * pixels * wide * 4)
-    return max(levels)
-
-
-def _score_tile(queries: int, keys: int) -> int:
-    """Scores live at once per head: one tile of `QUERY_BLOCK` queries by the even key blocks of at
-    most `KEY_BLOCK` keys that `klein.models.attention` cuts `keys` into."""
-    key_blocks = -(-keys // KEY_BLOCK)
-    return min(QUERY_BLOCK, queries) * -(-keys // key_blocks)
-
-
-def _count(n: int) -> str:
-    """Parameters in the largest unit that keeps them readable: 4.02 B, 3.1 M (the demo's)."""
-    return f"{n / 1e9:.2f} B" if n >= 10**8 else f"{n / 1e6:.1f} M" if n >= 10**5 else f"{n:,}"
-
-
-def describe(p: MemoryPlan, limit: int | None = None, where: str = "") -> str:
-    """The plan as a table for people; with a device's `limit` in bytes (`where` it comes from), which
-    policies fit it and which one `auto` picks."""
-    no_kv = "no references planned (--refs)" if p.caches_references else "KV variants only"
-    rows = [
-        ("transformer weights", p.transformer, f"{_count(p.transformer_params)} params"),
-        ("text encoder weights", p.text_encoder, ""),
-        ("VAE weights", p.vae, "replicated"),
-        ("reference KV", p.memory.reference_kv, "" if p.memory.reference_kv else no_kv),
-        ("activations, text encoder", p.memory.text, "estimate"),
-        ("activations, denoise step", p.memory.step, "estimate"),
-        *(
-            (("step cache states", p.memory.step_cache, "held across the steps"),)
-            if p.memory.step_cache
-            else ()
-        ),
-        ("activations, KV prefill", p.memory.prefill, "estimate" if p.memory.prefill else no_kv),
-        ("activations, decode", p.memory.decode, "estimate"),
-    ]
-    if p.tiled is not None and p.tiled.decode < p.memory.decode:
-        rows.append(("activations, tiled decode", p.tiled.decode, "where the plain decode does not fit"))
-    if p.process:
-        rows.append(("klein's own process", p.process, "Python, JAX, programs, tokenizer: the CPU's memory"))
-    rows.append(
-        ("total", p.total, "weights + KV + the largest activation peak" + " + process" * bool(p.process))
-    )
-    head = f"{p.variant} on mesh {p.mesh} ({p.devices} device{'s' * (p.devices > 1)}): {p.request}"
-    lines = [head, "per device:"]
-    lines += [f"  {name:<27}{residency.gib(value):>10}  {note}".rstrip() for name, value, note in rows]
-    lines.append("peak per device under each residency policy:")
-    policies, plain = p.policies_on(limit), p.policies
-    for policy, peak in policies.items():
-        fits = "" if limit is None else ("fits" if peak <= limit else "does not fit")
-        fits += ", decoding in tiles" * (peak < plain[policy] and peak <= (limit or 0))
-        summary = residency.SUMMARIES[policy]
-        lines.append(f"  {policy:<27}{residency.gib(peak):>10}  {summary}{'; ' + fits if fits else ''}")
-    if limit is not None:
-        chosen = next((name for name, peak in policies.items() if peak <= limit), None)
-        lines.append(f"auto on {residency.gib(limit)} ({where}): {chosen or 'nothing fits'}")
-    return "\n".join(lines)
-
-
-def describe_compiled(
-    p: MemoryPlan, stages: dict[str, dict[str, int]], where: str = "on this machine"
-) -> str:
-    """Each compiled stage's memory (`klein.aot.compiled`: XLA's analysis, per device) beside the
-    planner's estimate; `where`: what it was compiled for."""
-    estimates = dict(text=p.memory.text, prefill=p.memory.prefill, step=p.memory.step, decode=p.memory.decode)
-    lines = [f"compiled {where} (XLA memory analysis per device) against the estimate, beyond the weights:"]
-    lines.append(f"  {'stage':<9}{'estimate':>12}{'compiled':>12}{'ratio':>8}{'arguments':>14}")
-    for name, analysis in stages.items():
-        used = beyond_weights(name, analysis)
-        ratio = f"{estimates[name] / used:.2f}" if used else "-"
-        lines.append(
-            f"  {name:<9}{residency.gib(estimates[name]):>12}{residency.gib(used):>12}{ratio:>8}{residency.gib(analysis['arguments']):>14}"
-        )
-    return "\n".join(lines)
-
-
-def beyond_weights(stage: str, analysis: dict[str, int]) -> int:
-    """The bytes of a compiled `stage` (`klein.aot.compiled`, as a dict) that its estimate plans: its
-    temporaries and outputs; the prefill's outputs are the reference KV, planned apart (`reference_kv`)."""
-    return analysis["temporaries"] + (0 if stage == "prefill" else analysis["outputs"])
-
-
-def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
-    """The plan for tools: bytes per device, each policy's peak, and `auto`'s choice on `limit`."""
-    policies = [
-        dict(name=name, peak_bytes=peak, fits=None if limit is None else peak <= limit)
-        for name, peak in p.policies_on(limit).items()
-    ]
-    return dict(
-        variant=p.variant,
-        mesh=p.mesh,
-        devices=p.devices,
-        request=p.request,
-        transformer_params=p.transformer_params,
-        weights=dict(transformer=p.transformer, text_encoder=p.text_encoder, vae=p.vae),
-        request_bytes=dict(p.memory.parts(), peak=p.memory.peak),
-        tiled_decode_bytes=None if p.tiled is None else p.tiled.decode,
-        process_bytes=p.process,
-        policies=policies,
-        device_memory=None if limit is None else dict(bytes=limit, source=where),
-        auto=None if limit is None else next((x["name"] for x in policies if x["fits"]), None),
-    )
