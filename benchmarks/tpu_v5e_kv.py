@@ -94,7 +94,10 @@ def run_mode(pipe, mode: str, pictures, args, limit: int) -> dict:
     size = (args.size, args.size)
     base = dict(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps)
     if mode == "warm":
-        warm = pipe.encode_references(pictures)
+        try:  # encoded apart, the references' prefill is admitted on its own (`Budget.admit_prefill`)
+            warm = pipe.encode_references(pictures)
+        except InputError as refused:
+            return dict(refused=str(refused), device_peak_bytes=_device_peak())
         request = GenerationRequest.create(**base, references=warm)
     else:
         request = GenerationRequest.create(**base, image=pictures, use_kv=mode == "kv")
@@ -105,8 +108,12 @@ def run_mode(pipe, mode: str, pictures, args, limit: int) -> dict:
         )
     except InputError as refused:
         entry["refused"] = str(refused)
-    entry["device_peak_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    entry["device_peak_bytes"] = _device_peak()
     return entry
+
+
+def _device_peak() -> int | None:
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
 def _rounded(timings: dict) -> dict:
