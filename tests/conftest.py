@@ -149,6 +149,26 @@ def serve_url(klein_home):
         yield url
 
 
+@pytest.fixture(scope="session")
+def serve_with(klein_home):
+    """`serve_with(*flags)`: the base URL of a `klein serve` (demo checkpoint) started with `flags`, once per
+    test session (per pytest-xdist worker) for every test file that asks for the same flags, and stopped at
+    the session's end: each server costs a process's imports, the demo's loading and its compilations."""
+    from tests.support import serve_process
+
+    started = {}
+
+    def get(*flags) -> str:
+        flags = tuple(map(str, flags))
+        if flags not in started:
+            started[flags] = serve_process.start(klein_home, *flags)
+        return started[flags][1]
+
+    yield get
+    for process, _ in started.values():
+        serve_process.stop(process)
+
+
 @pytest.fixture(scope="module")
 def browser():
     """Debian's headless Chromium through Playwright, for the page and docs tests."""
