@@ -9,8 +9,8 @@ image's pixels only, and the mid-block attention's keys of padding rank `MASKED`
 no-op: the VAE runs as it did.
 
 `canvas_size` is the canvas an image's own size runs on: its height and width rounded up to a few size
-classes, so that the photo sizes of a class share one program (docs/design/compiling.md, "What decides a
-VAE program").
+classes, so that the photo sizes of a class share one program (docs/design/compiling.md, "Canvas
+classes").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from klein.models.attention import MASKED
 
 CANVAS_STEP = 64
-"""px: a canvas's sides are multiples of this, and of an eighth of the power of two below them beyond 512."""
+"""px: a canvas's sides are multiples of this (beyond 1024 px, of an eighth of the power of two below them)."""
 
 _CANVAS: contextvars.ContextVar = contextvars.ContextVar("klein_vae_canvas", default=None)
 
