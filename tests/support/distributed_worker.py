@@ -7,6 +7,7 @@ Process 0 saves the images of seed 5 as OUT.npy; every process i saves those of 
 OUT-unseeded-i.npy.
 """
 
+import gc
 import sys
 
 import numpy as np
@@ -30,6 +31,7 @@ def main(mesh: str, out: str, *distributed: str) -> None:
 
     from klein.pipeline.loading import load_pipeline
 
+    gc.freeze()  # the modules above kept out of the collector's passes while the programs are traced
     pipe = load_pipeline("demo", mesh=mesh)
     refs = pipe.encode_references(references(), use_kv=True)
     kwargs = dict(references=refs, num_inference_steps=2, num_images_per_prompt=2, output_type="np")
