@@ -1,6 +1,8 @@
 """Sharding rules, mesh parsing and errors (in this one-device process), plus the runs that need more
 devices: tests/support/on_eight_devices.py in a child pytest on 8 simulated devices, and one generation as two
-processes over loopback against the same generation in one process.
+processes of 4 devices over loopback against the same generation in one process of 8 (the child's kv pipeline
+request on the child's pipeline mesh: after the child, that one process compiles nothing, its programs read
+back from the run's compilation cache).
 
 Children compile with LLVM optimisation off: their programs run for milliseconds and would compile for
 minutes on two cores; each comparison is between programs compiled alike.
@@ -29,6 +31,7 @@ from tests.support.compare import max_abs
 ROOT = Path(__file__).resolve().parent.parent
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 CHILD_SECONDS = 420
+PIPELINE_MESH = "data=2,fsdp=2,context=2"  # tests/support/on_eight_devices.py's
 
 
 def test_parse_mesh_specs():
@@ -139,7 +142,7 @@ def run_workers(klein_home, out: Path, devices: int, processes: int) -> np.ndarr
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = child_env(klein_home, devices)
-    command = [sys.executable, "-m", "tests.support.distributed_worker", "context=2,fsdp=2", str(out)]
+    command = [sys.executable, "-m", "tests.support.distributed_worker", PIPELINE_MESH, str(out)]
     distributed = (
         [[f"127.0.0.1:{port}", str(processes), str(i)] for i in range(processes)] if processes > 1 else [[]]
     )
@@ -162,9 +165,9 @@ def run_workers(klein_home, out: Path, devices: int, processes: int) -> np.ndarr
 
 @pytest.mark.slow
 def test_two_processes_give_the_image_of_one(klein_home, tmp_path):
-    one = run_workers(klein_home, tmp_path / "one", devices=4, processes=1)
-    two = run_workers(klein_home, tmp_path / "two", devices=2, processes=2)
-    assert one.shape == two.shape == (1, 64, 64, 3)
+    one = run_workers(klein_home, tmp_path / "one", devices=8, processes=1)
+    two = run_workers(klein_home, tmp_path / "two", devices=4, processes=2)
+    assert one.shape == two.shape == (2, 64, 64, 3)
     assert max_abs(one, two) <= 1e-5
     # Without a seed, both processes still draw the same noise (process 0's seed).
     unseeded = [np.load(tmp_path / f"two-unseeded-{i}.npy") for i in range(2)]
