@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from klein.dtypes import KV_INT8
 from klein.models import stacks
 
-INT8 = "int8"
-"""`kv_dtype` of 8-bit keys and values; None (or the compute dtype's name) keeps them in the compute dtype."""
-KV_DTYPES = ("auto", "dtype", INT8)
-"""The choices of `kv_dtype`: auto (8 bits only where the compute dtype's do not fit), the compute
-dtype's, 8 bits."""
+INT8 = KV_INT8
+"""`kv_dtype` of 8-bit keys and values (`klein.dtypes.KV_DTYPES`); None keeps them in the compute dtype."""
 PREFILL_PIECE = 4096
 """Reference tokens a piece of an 8-bit prefill runs its queries and MLP over (a 1024^2 reference)."""
 _LEVELS = 127.0
