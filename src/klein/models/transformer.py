@@ -151,6 +151,11 @@ def prefill(
     return ReferenceKV(*(constrain(a, REFERENCE_KV) for a in values), keys.rank, tuple(scales))
 
 
+def prefill_int8(model: Flux2Transformer, ref, ref_rope, ref_rank=None) -> ReferenceKV:
+    """`prefill` of 8-bit keys and values (`klein.models.reference_kv8`): a program of its own."""
+    return prefill(model, ref, ref_rope, ref_rank, reference_kv8.INT8)
+
+
 def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, ref, ref_rope):
     """KV semantics in one pass over [txt, ref, img]: reference tokens modulated at t = 0 and
     attending only to themselves. Returns the velocity of the image tokens float[B, N, C]."""
