@@ -85,10 +85,10 @@ def planned_peak(pipe, request: GenerationRequest, sizes, limit: int) -> dict:
     its keys and values as admission stores them (the compute dtype's where it refuses)."""
     run = pipe._resolve(request, sizes)
     try:
-        kv_dtype = pipe._admit(run)[1]
+        work = pipe._admit(run)[1]
     except InputError:
-        kv_dtype = run.kv_dtype
-    work = dataclasses.replace(run.workload, kv_dtype=kv_dtype)
+        work = run.workload
+    kv_dtype = work.kv_dtype
     models = plan.Models(pipe.config, pipe.text_config, pipe.vae_config, pipe.variant, compute=pipe.compute)
     p = plan.plan(pipe.variant.name, models, work, "benchmark", dtype=pipe.dtype.name)
     peaks = p.policies_on(limit)
@@ -98,6 +98,7 @@ def planned_peak(pipe, request: GenerationRequest, sizes, limit: int) -> dict:
         weights=dict(transformer=p.transformer, text_encoder=p.text_encoder, vae=p.vae),
         request_bytes=p.memory.parts(),
         kv_dtype=kv_dtype or "dtype",
+        text_cached=work.text_cached,
     )
 
 
@@ -131,6 +132,7 @@ def run_mode(pipe, mode: str, pictures, args, limit: int) -> dict:
             return dict(refused=str(refused), device_peak_bytes=_device_peak())
     if mode == "warm":
         try:  # encoded apart, the references' prefill is admitted on its own (`Budget.admit_prefill`)
+            pipe.encode_prompt([PROMPT])  # kept: the requests over the references need no text encoder
             warm = pipe.encode_references(pictures)
         except InputError as refused:
             return dict(refused=str(refused), device_peak_bytes=_device_peak())

@@ -12,6 +12,7 @@ from PIL import Image
 from klein import GenerationRequest, InputError
 from klein.cli.tools import plan_command, plan_parser
 from klein.memory import admission, plan
+from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.loading import load_pipeline
 
 IMAGE_TOL = 4 / 255
@@ -116,3 +117,27 @@ def test_plan_takes_int8_keys_and_values_for_four_references_on_a_v5e(capsys):
     assert two["kv_dtype"] == "dtype" and two["request_bytes"]["reference_kv"] == 4 * 2**30
     asked = _plan(capsys, "--refs", "2", "--kv-dtype", "int8")
     assert "reference keys and values in int8" in asked and "2.00 GiB" in asked
+
+
+def test_a_request_whose_prompts_are_kept_is_admitted_without_the_text_encoders_turn(pipe):
+    """Over references encoded apart, a kept prompt needs no text encoder: its turn is left out (4 warm
+    references on a v5e fit so); a new prompt brings it back, and is refused where that does not fit."""
+    refs = pipe.encode_references([Image.new("RGB", (128, 128), "blue")])
+    kept = GenerationRequest.create(prompt="kept", height=128, width=128, references=refs)
+    work = pipe._resolve(kept, refs.pixel_sizes).workload
+    cached = dataclasses.replace(work, text_cached=True)
+    estimate = admission.estimates(pipe, pipe.mesh, cached, pipe.dtype.itemsize)[0]
+    whole = admission.estimates(pipe, pipe.mesh, work, pipe.dtype.itemsize)[0]
+    assert estimate.text == 0 and pipe.budget._beyond(estimate) < pipe.budget._beyond(whole)
+    saved = pipe.prompt_cache
+    pipe.prompt_cache = ByteBudgetCache(2**24)
+    try:
+        pipe.encode_prompt(["kept"])
+        pipe.memory_limit = pipe.budget._beyond(estimate)
+        assert pipe._admit(pipe._resolve(kept, refs.pixel_sizes))[1].text_cached
+        pipe.generate(kept)
+        new = dataclasses.replace(kept, prompt="new")
+        with pytest.raises(InputError, match="text encoder"):
+            pipe.generate(new)
+    finally:
+        pipe.memory_limit, pipe.prompt_cache = None, saved

@@ -73,6 +73,9 @@ class Workload:
     prefilled: bool = False
     """The references come with their keys and values (encoded earlier): held through the text encoder's
     turn too, where fresh ones are prefilled after it."""
+    text_cached: bool = False
+    """Every prompt's embeddings are kept (the pipeline's prompt cache): the text encoder does not run, and
+    its turn holds nothing beyond its weights."""
     kv_dtype: str | None = None
     """How the references' keys and values are stored: None in the compute dtype, "int8" in 8 bits with
     per-head scales, prefilled in pieces (`klein.models.reference_kv8`)."""
@@ -164,13 +167,13 @@ def request_memory(
     return RequestMemory(
         reference_kv=kv,
         prefill=prefill,
-        text=text,
+        text=0 if work.text_cached else text,
         step=embeddings + step,  # the prompt embeddings every step reads, and the step's own
         decode=decode_activations(
             vae_config, work.images, work.height, work.width, tiled_decode, gpu_itemsize
         ),
         step_cache=step_cache_bytes(cfg, mesh, work.cache, batch, image, refs - prefilled, itemsize),
-        text_kv=kv if work.prefilled else 0,
+        text_kv=kv if work.prefilled and not work.text_cached else 0,
     )
 
 

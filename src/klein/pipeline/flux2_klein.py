@@ -26,6 +26,7 @@ from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget
+from klein.memory.plan import Workload
 from klein.models import buckets
 from klein.pipeline import bucket_fit, cache_keys, denoise, split_batch
 from klein.pipeline import prompts as text
@@ -197,7 +198,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
         run = self._resolve(request, sizes, mask)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
-        tiled, kv_dtype = self._admit(run)
+        tiled, admitted = self._admit(run)
         if parts := split_batch.parts(self, run, on_step_end):  # a batch of no warm program's size
             return split_batch.generate(self, request, run, parts, progress)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
@@ -206,7 +207,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         for note in cut:
             warnings.warn(note, stacklevel=2)
         # 5. Reference encoding (VAE, and the prefill for cached references).
-        references = self._references(request, prepared, run, stages, kv_dtype)
+        references = self._references(request, prepared, run, stages, admitted.kv_dtype)
         # 6. Noise and the source to repaint from it, and the steps' inputs, over the transformer's token
         #    streams: their buckets, or once the pipeline is warmed the smallest warm ones that hold them,
         #    while their own compile behind the requests (`klein.pipeline.bucket_fit`). Padded on the host.
@@ -289,15 +290,21 @@ class Flux2KleinPipeline(DiffusersSurface):
             warnings.warn(note, stacklevel=4)
         return run
 
-    def _admit(self, run: Resolved) -> tuple[bool, str | None]:
-        """Refuse `run` if it cannot fit; (True when only the tiled decoder makes it fit, how a prefill's
-        keys and values are stored: None or int8, `Budget.admit_kv`). The adapter slots of unmerged LoRAs
-        count once they are (or this request would put them) on the device."""
-        slots, work = self.adapters, run.workload
+    def _admit(self, run: Resolved) -> tuple[bool, Workload]:
+        """Refuse `run` if it cannot fit; (True when only the tiled decoder makes it fit, the workload as
+        admitted: a prefill's keys and values stored as `Budget.admit_kv` chose, the text encoder's turn
+        left out where every prompt's embeddings are kept). The adapter slots of unmerged LoRAs count once
+        they are (or this request would put them) on the device."""
+        slots, work = self.adapters, dataclasses.replace(run.workload, text_cached=self._prompts_kept(run))
         charged = slots.device_bytes if slots.placed or any(run.request.lora_sets) else 0
         limits = (self.memory_limit, self.memory_cap, charged, slots.placed)
-        tiled, work = self.budget.admit_kv(work, self.kv_dtype, *limits)
-        return tiled, work.kv_dtype
+        return self.budget.admit_kv(work, self.kv_dtype, *limits)
+
+    def _prompts_kept(self, run: Resolved) -> bool:
+        """Whether the prompt cache holds every prompt `run` encodes (the empty one too under CFG)."""
+        prompts = [*run.request.prompts, *[""] * run.mode.guided]
+        keys = [cache_keys.prompt_key(self.weights_id, p, self.prompt_owner) for p in prompts]
+        return self.prompt_cache is not None and all(key in self.prompt_cache for key in keys)
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
