@@ -272,11 +272,15 @@ class Budget:
         )
         return None if self._beyond(memory) <= room else KV_INT8
 
-    def admit_prefill(self, references, bucket: bool, limit=None, cap=None, kv_dtype=None) -> None:
+    def admit_prefill(
+        self, references, bucket: bool, limit=None, cap=None, kv_dtype: str = "dtype"
+    ) -> str | None:
         """Refuse the prefill of `references` (`klein.request.references.References`, over their token
         bucket unless `bucket` is False) if its keys and values and its own activations cannot fit the
         `_room(limit, cap)`: references encoded apart (`encode_references`), before any request that will
-        use them is known, are judged on what their prefill holds."""
+        use them is known, are judged on what their prefill holds. Returns how it stores its keys and values
+        (`kv_dtype` resolved by `prefill_kv`: None or int8)."""
+        kv_dtype = self.prefill_kv(references, bucket, kv_dtype, limit, cap)
         (height, width), tokens = references.pixel_sizes[0], references.tokens.shape[0]
         work = plan.Workload(1, 1, height, width, tokens, True, False, bucket=bucket, kv_dtype=kv_dtype)
         room, where = self._room(limit, cap)
@@ -288,6 +292,7 @@ class Budget:
             )
 
         check(work, prefill, room, where, self._beyond)
+        return kv_dtype
 
 
 def gib(value: int) -> str:

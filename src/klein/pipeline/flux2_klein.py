@@ -26,9 +26,8 @@ from klein.lora.applied import Loras
 from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget
-from klein.memory.plan import Workload
 from klein.models import buckets
-from klein.pipeline import bucket_fit, cache_keys, denoise, split_batch
+from klein.pipeline import admitting, bucket_fit, cache_keys, denoise, split_batch
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.denoising import repaint_inputs, run_steps
@@ -71,8 +70,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         beyond = lambda memory: residency_policy.beyond(self.residency, self.weight_bytes, memory.during)  # noqa: E731
         self.budget = Budget(self, self.mesh, self.dtype.itemsize, held, beyond)
         """What a request may add to the weights, and whether it fits (`own_memory`)."""
-        self.kv_dtype: str = loaded.kv_dtype
-        """How a KV variant stores reference keys and values (`klein.dtypes.KV_DTYPES`)."""
+        self.kv_dtype: str = loaded.kv_dtype  # how a KV variant stores reference keys and values (KV_DTYPES)
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
         self.memory_cap: int | None = loaded.memory_cap
@@ -179,9 +177,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         loras = tuple(loras)
         self.adapters.check_batch([loras])  # names no LoRA loaded: refused before any work
         prepared = _prepared(pictures, masks.prepare_source(images.as_pil(pictures[0])) if source else None)
-        return self._encode_references(
-            prepared, cached, Stages(self.counters, {}), loras, kv_dtype=self.kv_dtype
-        )
+        return self._encode_references(prepared, cached, Stages(self.counters, {}), loras)
 
     def generate(self, request: GenerationRequest, progress=None, *, on_step_end=None) -> GenerationOutput:
         """Run `request`. `progress(event)` as each stage starts, starts compiling and ends, and after
@@ -207,7 +203,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         for note in cut:
             warnings.warn(note, stacklevel=2)
         # 5. Reference encoding (VAE, and the prefill for cached references).
-        references = self._references(request, prepared, run, stages, admitted.kv_dtype)
+        references = self._references(request, prepared, run, stages, admitted.kv_dtype or "dtype")
         # 6. Noise and the source to repaint from it, and the steps' inputs, over the transformer's token
         #    streams: their buckets, or once the pipeline is warmed the smallest warm ones that hold them,
         #    while their own compile behind the requests (`klein.pipeline.bucket_fit`). Padded on the host.
@@ -255,9 +251,8 @@ class Flux2KleinPipeline(DiffusersSurface):
 
     def _references(self, request: GenerationRequest, prepared, run: Resolved, stages: Stages, kv_dtype):
         """The request's references, encoded from `prepared` or given, with keys and values under its
-        LoRAs where they are cached (`resolve` allows cached references one LoRA set per request), stored
-        as admitted (`kv_dtype`: None or int8)."""
-        loras, bucket, kv = request.lora_sets[0], request.bucket, kv_dtype or "dtype"
+        LoRAs where they are cached (`resolve` allows cached references one LoRA set per request)."""
+        loras, bucket, kv = request.lora_sets[0], request.bucket, kv_dtype
         if prepared:
             cached = run.mode.conditioning is Conditioning.CACHED
             return self._encode_references(prepared, cached, stages, loras, bucket, kv)
@@ -290,21 +285,10 @@ class Flux2KleinPipeline(DiffusersSurface):
             warnings.warn(note, stacklevel=4)
         return run
 
-    def _admit(self, run: Resolved) -> tuple[bool, Workload]:
+    def _admit(self, run: Resolved):
         """Refuse `run` if it cannot fit; (True when only the tiled decoder makes it fit, the workload as
-        admitted: a prefill's keys and values stored as `Budget.admit_kv` chose, the text encoder's turn
-        left out where every prompt's embeddings are kept). The adapter slots of unmerged LoRAs count once
-        they are (or this request would put them) on the device."""
-        slots, work = self.adapters, dataclasses.replace(run.workload, text_cached=self._prompts_kept(run))
-        charged = slots.device_bytes if slots.placed or any(run.request.lora_sets) else 0
-        limits = (self.memory_limit, self.memory_cap, charged, slots.placed)
-        return self.budget.admit_kv(work, self.kv_dtype, *limits)
-
-    def _prompts_kept(self, run: Resolved) -> bool:
-        """Whether the prompt cache holds every prompt `run` encodes (the empty one too under CFG)."""
-        prompts = [*run.request.prompts, *[""] * run.mode.guided]
-        keys = [cache_keys.prompt_key(self.weights_id, p, self.prompt_owner) for p in prompts]
-        return self.prompt_cache is not None and all(key in self.prompt_cache for key in keys)
+        admitted): `klein.pipeline.admitting.admit`."""
+        return admitting.admit(self, run)
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
@@ -323,35 +307,28 @@ class Flux2KleinPipeline(DiffusersSurface):
         references = References(
             tokens, sampling.reference_ids(sizes), tuple((h * token, w * token) for h, w in sizes), None
         )
-        return (
-            self._prefilled(references, Stages(self.counters, {}), loras, kv_dtype=self.kv_dtype)
-            if cached
-            else references
-        )
+        return self._prefilled(references, Stages(self.counters, {}), loras) if cached else references
 
     def _encode_references(
-        self, prepared, cached: bool, stages: Stages, loras=(), bucket: bool = True, kv_dtype: str = "dtype"
+        self, prepared, cached: bool, stages: Stages, loras=(), bucket: bool = True, kv_dtype=None
     ) -> References:
         latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
         references = self.references_from_latents(latents, cached=False)
         return self._prefilled(references, stages, loras, bucket, kv_dtype) if cached else references
 
-    def _prefilled(
-        self, references: References, stages: Stages, loras=(), bucket: bool = True, kv_dtype: str = "dtype"
-    ) -> References:
+    def _prefilled(self, references, stages: Stages, loras=(), bucket=True, kv_dtype=None) -> References:
         """`references` with their keys and values, computed under the merged weights and the unmerged
         LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image), over the references'
-        token bucket (masked padding) unless `bucket` is False, stored as `kv_dtype` (`KV_DTYPES`) says."""
-        limits = (self.memory_limit, self.memory_cap)
-        kv_dtype = self.budget.prefill_kv(references, bucket, kv_dtype, *limits)
-        self.budget.admit_prefill(references, bucket, *limits, kv_dtype)  # before allocating
+        token bucket (masked padding) unless `bucket` is False, stored as `kv_dtype` (None: the pipeline's)."""
+        kv_dtype = self.budget.admit_prefill(  # before allocating
+            references, bucket, self.memory_limit, self.memory_cap, kv_dtype or self.kv_dtype
+        )
         adapted = self._loras.rows([loras])
         fit, streams = bucket_fit.prefill_fit(self, references, bucket, loras)
         inputs = denoise.prefill_inputs(self._rope, references, streams)
-        program = self._programs.prefills[kv_dtype]
-        kv = stages.run("prefill", lambda: program(*inputs, adapted=adapted))
+        kv = stages.run("prefill", lambda: self._programs.prefills[kv_dtype](*inputs, adapted=adapted))
         self.warm_buckets.saw(fit)
-        bucket_fit.compile_prefill_behind(self, fit, references, adapted, program)
+        bucket_fit.compile_prefill_behind(self, fit, references, adapted, self._programs.prefills[kv_dtype])
         return dataclasses.replace(references, kv=kv, weights_id=self.adapted_weights_id(loras))
 
     def _rope(self, ids: np.ndarray):
