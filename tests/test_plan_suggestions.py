@@ -40,8 +40,9 @@ def auto(peaks: dict[str, int], limit: int) -> tuple[str, int]:
 def test_nothing_fits_on_an_8_gb_card_lists_what_would_with_the_planner_s_figures(klein_home, tmp_path):
     """klein-9b-kv with two references on an RTX 4060 (7 GiB, FP8 products): no policy fits. The plan
     lists the quantized files, the smaller model and the smaller requests that would, each figure the
-    planner's own for that change; a file that does not fit alone comes with the change that makes it fit."""
-    args = ("plan", "--model", "klein-9b-kv", "--refs", "2", "--device", "rtx-4060")
+    planner's own for that change; a file that does not fit alone comes with the change that makes it fit.
+    (Keys and values in bf16: under --kv-dtype auto their 8 bits let `stream` fit.)"""
+    args = ("plan", "--model", "klein-9b-kv", "--refs", "2", "--device", "rtx-4060", "--kv-dtype", "dtype")
     result = run_klein(klein_home, *args, "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

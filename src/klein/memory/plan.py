@@ -159,8 +159,8 @@ def request_memory(
         prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
         if platform != "cpu":
             text += text_table_copy(text_config, itemsize)
-    if quantised:
-        prefill = kv8_prefill(cfg, mesh, refs, itemsize, prefill)
+    if quantised:  # a GPU's prefill keeps its own estimate (of the whole prefill: above the pieces')
+        prefill = prefill if platform == "gpu" else kv8_prefill(cfg, mesh, refs, itemsize, prefill)
         step += kv8_widened(cfg, mesh, refs, itemsize)
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
     gpu_itemsize = itemsize if platform == "gpu" else None
