@@ -228,11 +228,11 @@ def _layers(
     piece = reference_kv8.PREFILL_PIECE if quantised else None
     real = None if keys.rank is None else keys.rank[0] == 0  # the tokens whose magnitudes set the scales
 
-    def cached(layer_kv):
+    def widened(layer_kv):
         return reference_kv8.floats(layer_kv, img.dtype)
 
     def double(block, streams, layer_kv):
-        attend = partial(attention.attend, keys=keys._replace(cached=cached(layer_kv)))
+        attend = partial(attention.attend, keys=keys._replace(cached=widened(layer_kv)))
         img, txt, (k, v) = block(*streams, img_mod, txt_mod, rope, attend, piece)
         return (img, txt), (
             tuple(reference_kv8.record(a[0], real, quantised) for a in (k, v)) if record else None
@@ -271,7 +271,7 @@ def _layers(
 
     def single(block, carry, layer):
         (x, recorded), (layer_kv, index) = carry, layer
-        attend = partial(attention.attend, keys=keys._replace(cached=cached(layer_kv)))
+        attend = partial(attention.attend, keys=keys._replace(cached=widened(layer_kv)))
         if piece is None:
             x, (k, v) = block(x, single_mod, rope, attend)
         else:
@@ -288,7 +288,7 @@ def _layers(
         return None, (*double_kv, *put(recorded, last, k, v))
     # The last block's queries are image tokens only, which see every key.
     last_keys = keys._replace(
-        isolated=None, cached=None if kv is None else cached(stacks.layer(single_kv, last))
+        isolated=None, cached=None if kv is None else widened(stacks.layer(single_kv, last))
     )
     first, count = rows
     start, stop = covering(first, count, x.shape[1])
