@@ -22,7 +22,6 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.support.pictures import picture
-from tests.support.serve_process import running
 from tests.test_page import GENERATION_TIMEOUT_MS, SERVE_FLAGS, generate, new_tab
 
 SOURCE = (128, 96)  # width, height: multiples of 16, so a result has the source's size
@@ -54,9 +53,8 @@ XMLHttpRequest.prototype.send = function (body) {
 
 
 @pytest.fixture(scope="module")
-def server(klein_home):
-    with running(klein_home, *map(str, SERVE_FLAGS)) as url:
-        yield url
+def server(serve_with):
+    return serve_with(*SERVE_FLAGS)  # test_page.py's server, where the same worker has started it
 
 
 @pytest.fixture

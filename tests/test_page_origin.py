@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import pytest
 from playwright.sync_api import expect
 
-from tests.support.serve_process import free_port, metrics, running
-from tests.test_page import generate, new_tab, png_file
+from tests.support.serve_process import free_port, metrics
+from tests.test_page import SERVE_FLAGS, generate, new_tab, png_file
 
 EVIL = "evil.example"
 # What a hostile page does: a form post with an image file, which browsers send cross-site unasked.
@@ -26,9 +26,9 @@ POST_FROM_EVIL = """async (target) => {
 
 
 @pytest.fixture(scope="module")
-def server(klein_home):
-    with running(klein_home, "--max-steps", "2") as url:
-        yield url
+def server(serve_with):
+    """test_page.py's server (its limits are beyond what these tests send), started once per worker."""
+    return serve_with(*SERVE_FLAGS)
 
 
 @pytest.fixture(scope="module")

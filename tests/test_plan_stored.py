@@ -27,7 +27,6 @@ from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.loading import load_pipeline
 from klein.request import planning
-from tests.test_cli import run_klein
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import quantized_files as files  # noqa: E402
@@ -231,13 +230,14 @@ def test_named_cards_know_their_memory_and_8_bit_products():
     assert "8 GB: rtx-3060-ti (int8)" in devices.listing()
 
 
-def test_klein_plan_on_an_8_gb_card(klein_home, tmp_path, capsys):
+def test_klein_plan_on_an_8_gb_card(klein_home, tmp_path, monkeypatch, capsys):
     """The quantized klein-9b-kv (Q4 transformer and text encoder) on an RTX 4060: FP8 products there, and
     `auto` takes the fastest policy that fits in 7 GiB."""
-    args = ("plan", "--model", "klein-9b-kv", "--size", "1024x1024", "--device", "rtx-4060", "--json")
-    result = run_klein(klein_home, *args, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    args = ["plan", "--model", "klein-9b-kv", "--size", "1024x1024", "--device", "rtx-4060", "--json"]
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(args) == 0  # in this process, as `klein plan` runs it
+    report = json.loads(capsys.readouterr().out)
     assert report["compute"] == "fp8" and report["device_memory"]["bytes"] == 7 * 2**30
     assert report["auto"] == "stream"
     with pytest.raises(SystemExit):

@@ -57,6 +57,10 @@ def test_a_1024_image_decodes_in_four_tiles_and_the_plan_counts_them():
     p = planned(1)
     assert p.tiled.decode < p.memory.decode / 3 + 0.1 * GiB
     assert p.tiled.decode == activations.decode_activations(plan.FLUX2_VAE, 1, 1024, 1024, True)
+    # The plain decode runs on the image's class of canvas (`vae_canvas.canvas_size`), and counts it.
+    photo = activations.decode_activations(plan.FLUX2_VAE, 1, 656, 992, False)
+    assert photo == activations.decode_activations(plan.FLUX2_VAE, 1, 704, 1024, False)
+    assert photo > activations.decode_activations(plan.FLUX2_VAE, 1, 640, 960, False)
     # The tiled plan is what runs where the plain decode does not fit, and only there.
     plain, tiled = p.policies["sequential"], planned(1).policies_on(int(13.5 * GiB))["sequential"]
     assert tiled < 13.5 * GiB < plain and planned(1).policies_on(16 * GiB)["sequential"] == plain

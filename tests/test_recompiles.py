@@ -19,7 +19,7 @@ from klein.cli.main import main
 from klein.cli.serve import serve_parser, warm_shapes
 from klein.errors import InputError
 from klein.images import prepare_reference
-from klein.pipeline import device_weights, warmup
+from klein.pipeline import bucket_fit, device_weights, warmup
 from klein.pipeline.compilations import Compilations
 from klein.pipeline.loading import load_pipeline
 from klein.serve.app import create_app
@@ -169,6 +169,33 @@ def test_a_warmed_pipeline_compiles_nothing_for_what_it_warmed(demo):
         for request in requests:
             demo(**request)
     assert built.names == []
+
+
+def test_the_sizes_of_a_canvas_class_share_the_vaes_programs(demo):
+    """A pipeline never warmed runs the VAE on its size's class of canvas (`vae_canvas.canvas_size`):
+    48x80 and 64x112 px share the 64x128 canvas's encoder and decoder, 80x80 builds a decoder of its own
+    (128x128); each comes back at its own size."""
+    jax.clear_caches()  # as in a new process: pipelines of one model share their programs in this one
+    token, channels = demo.vae_config.pixels_per_token, demo.config.in_channels
+    rng = np.random.default_rng(0)
+
+    def decoder_built(rows: int, columns: int) -> int:
+        latents = rng.standard_normal((1, rows, columns, channels)).astype(np.float32)
+        with Compilations() as built:
+            pixels = bucket_fit.decode(demo, latents)
+        assert pixels.shape == (1, rows * token, columns * token, 3)
+        return built.names.count("jit(decode_latents_on_canvas)")
+
+    def encoder_built(rows: int, columns: int) -> int:
+        with Compilations() as built:
+            latents = demo.encode_reference_latents(
+                rng.random((rows * token, columns * token, 3), np.float32)
+            )
+        assert latents.shape == (rows, columns, channels)
+        return built.names.count("jit(encode_latents_on_canvas)")
+
+    assert [decoder_built(*size) for size in ((3, 5), (4, 7), (5, 5))] == [1, 0, 1]
+    assert [encoder_built(*size) for size in ((3, 5), (4, 7))] == [1, 0]
 
 
 def test_a_shape_that_cannot_fit_is_skipped_and_said(demo, monkeypatch):

@@ -16,7 +16,7 @@ from klein.errors import CheckpointError
 from klein.io.loading import expected_shapes
 from klein.io.vae_checkpoint import SKIPPED_KEYS, load_vae
 from klein.models import vae as flax_vae
-from klein.models import vae_tiled
+from klein.models import vae_canvas, vae_tiled
 from tests.support.compare import assert_close, rel_err
 from tests.support.tiny_vae import build_vae
 
@@ -131,6 +131,29 @@ def test_an_image_on_a_larger_canvas_encodes_and_decodes_as_at_its_own_size(tiny
         assert max(errors) < CANVAS, errors
     else:
         assert min(errors) > 1e-3, errors
+
+
+def test_a_canvas_is_its_images_size_rounded_up_to_a_few_classes():
+    """Every side a multiple of 64 px (of 128 beyond 1024, 256 beyond 2048), the padding under 64 px up to
+    1024 and under an eighth of the side beyond 512, and a class runs on itself: 1024 px sides are 16
+    classes where 16 px steps were 64."""
+    sides = range(16, 4097, 16)
+    assert vae_canvas.canvas_size(656, 992) == (704, 1024)  # a 1000x667 photo, prepared
+    assert [vae_canvas.canvas_side(n) for n in (16, 48, 64, 80, 240, 528, 1040, 2064)] == [
+        64,
+        64,
+        64,
+        128,
+        256,
+        576,
+        1152,
+        2304,
+    ]
+    for n in sides:
+        side = vae_canvas.canvas_side(n)
+        assert side >= n and side % 64 == 0 and vae_canvas.canvas_side(side) == side, n
+        assert side - n < (64 if n <= 1024 else n / 8), n
+    assert len({vae_canvas.canvas_side(n) for n in sides if n <= 1024}) == 16
 
 
 def _scaled(vae, path: str, index, factor: float):

@@ -22,7 +22,7 @@ from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
 from klein.io.transformer_checkpoint import abstract_transformer, key_map, stored_forms
 from klein.io.vae_checkpoint import abstract_vae
 from klein.memory import plan
-from klein.models import products, qwen3, step_cache
+from klein.models import products, qwen3, step_cache, vae_canvas
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import denoise
@@ -107,7 +107,9 @@ def analyse(
         states = jax.tree.map(lambda a: place.tokens(a) if a.ndim == 3 else place.whole(a), states)
         step = denoise.cached_step_function(mode, passes, work.cache)
         place.compile("step", step, transformer, *inputs, (states, knobs))
-    latents = place.whole(_array((work.images, h, w, cfg.in_channels), dtype))
+    # Over the canvas the pipeline decodes on: the image's size class (`vae_canvas.canvas_size`).
+    canvas = tuple(side // token for side in vae_canvas.canvas_size(work.height, work.width))
+    latents = place.whole(_array((work.images, *canvas, cfg.in_channels), dtype))
     place.compile("decode", vae_model.decode_latents, decoder, latents)
     return place.analyses
 

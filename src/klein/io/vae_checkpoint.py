@@ -11,6 +11,7 @@ each level's first convolution; the rest is FLUX.2's (or the completing VAE's).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -87,8 +88,16 @@ def file_config(path: str | Path, base: VAEConfig) -> VAEConfig:
 
 
 def abstract_vae(cfg: VAEConfig) -> AutoencoderKLFlux2:
-    """The VAE's parameter shapes, allocating nothing."""
-    return nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0)))
+    """The VAE's parameter shapes, allocating nothing: a module of its own for each caller (loading fills
+    it), merged from shapes traced once per config."""
+    return nnx.merge(*_abstract_vae(cfg))
+
+
+@functools.cache
+def _abstract_vae(cfg: VAEConfig):
+    # Tracing the initialisers of its ~130 layers costs about a second of CPU (flax checks each random
+    # draw's sharding, and jax's message for a tracer walks the whole trace so far): once per config.
+    return nnx.split(nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0))))
 
 
 def read_config(path: Path) -> VAEConfig:

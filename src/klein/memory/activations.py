@@ -9,7 +9,7 @@ import math
 
 from klein import sharding
 from klein.memory import gpu_estimate
-from klein.models import reference_kv8, vae_tiled
+from klein.models import reference_kv8, vae_canvas, vae_tiled
 from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
@@ -189,13 +189,16 @@ def text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:
 def decode_activations(
     vae: VAEConfig, images: int, height: int, width: int, tiled: bool, gpu_itemsize: int | None = None
 ) -> int:
-    """The decoder's widest level for every image, plus the decoded pixels; tiled, one tile at a time, plus
-    the tiles and the blended pixels (float32). fp32 (GroupNorm statistics and the activations around
-    them, as XLA:CPU widens bf16 convolutions) unless `gpu_itemsize` is given: a GPU's program, in the
-    weights' dtype (`gpu_estimate.decoder_level`)."""
+    """The decoder's widest level for every image, plus the decoded pixels, over the canvas the image's
+    size runs on (`vae_canvas.canvas_size`: its class, larger than the image unless its sides are on a
+    class); tiled, one tile at a time, plus the tiles and the blended pixels (float32). fp32 (GroupNorm
+    statistics and the activations around them, as XLA:CPU widens bf16 convolutions) unless `gpu_itemsize`
+    is given: a GPU's program, in the weights' dtype (`gpu_estimate.decoder_level`)."""
     out = gpu_itemsize or 4
     if not tiled:
-        return images * (_decoder_level_bytes(vae, height, width, gpu_itemsize) + height * width * 3 * out)
+        canvas_h, canvas_w = vae_canvas.canvas_size(height, width)
+        level = _decoder_level_bytes(vae, canvas_h, canvas_w, gpu_itemsize)
+        return images * (level + canvas_h * canvas_w * 3 * out)
     rows, columns = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
     tile, overlap = vae_tiled.tiling(rows, columns)
     tile_h, tile_w = min(rows, tile) * PIXELS_PER_TOKEN, min(columns, tile) * PIXELS_PER_TOKEN

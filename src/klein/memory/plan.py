@@ -28,6 +28,7 @@ from klein.errors import CheckpointError, InputError
 from klein.io import text_encoder_gguf, transformer_file
 from klein.io.text_encoder_checkpoint import abstract_text_encoder
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
+from klein.io.vae_checkpoint import abstract_vae
 from klein.memory import process, residency, stored
 from klein.memory.activations import (
     TEXT_TOKENS,
@@ -43,7 +44,7 @@ from klein.models import buckets, products, reference_kv8, step_cache
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
-from klein.models.vae import PIXELS_PER_TOKEN, AutoencoderKLFlux2, VAEConfig
+from klein.models.vae import PIXELS_PER_TOKEN, VAEConfig
 from klein.models.variants import VARIANTS, Variant
 
 FLUX2_VAE = VAEConfig.flux2()
@@ -306,8 +307,11 @@ def _abstract_models(
     cfg: TransformerConfig, text_config: Qwen3Config, vae_config: VAEConfig = FLUX2_VAE
 ) -> tuple[nnx.Module, ...]:
     """Transformer, text encoder (the layers that run) and VAE as shapes only; read, never changed."""
-    vae = nnx.eval_shape(lambda: AutoencoderKLFlux2(vae_config, rngs=nnx.Rngs(0)))
-    return _plain_transformer(cfg), abstract_text_encoder(text_config, max(PROMPT_LAYERS)), vae
+    return (
+        _plain_transformer(cfg),
+        abstract_text_encoder(text_config, max(PROMPT_LAYERS)),
+        abstract_vae(vae_config),
+    )
 
 
 @functools.cache

@@ -7,6 +7,10 @@ there, as a convolution at the image's size pads with zeros), every GroupNorm ta
 image's pixels only, and the mid-block attention's keys of padding rank `MASKED`. The extent is data
 (traced), so the sizes a canvas holds share its program. Outside `on_canvas` every function here is a
 no-op: the VAE runs as it did.
+
+`canvas_size` is the canvas an image's own size runs on: its height and width rounded up to a few size
+classes, so that the photo sizes of a class share one program (docs/design/compiling.md, "Canvas
+classes").
 """
 
 from __future__ import annotations
@@ -18,7 +22,23 @@ import jax.numpy as jnp
 
 from klein.models.attention import MASKED
 
+CANVAS_STEP = 64
+"""px: a canvas's sides are multiples of this (beyond 1024 px, of an eighth of the power of two below them)."""
+
 _CANVAS: contextvars.ContextVar = contextvars.ContextVar("klein_vae_canvas", default=None)
+
+
+def canvas_side(pixels: int) -> int:
+    """The canvas side that a side of `pixels` px runs on: rounded up to a multiple of `CANVAS_STEP` (64 px)
+    up to 1024, beyond to a multiple of an eighth of the power of two below it (128 px up to 2048, 256 up
+    to 4096...): at most 63 px of padding up to 1024, at most an eighth of the side beyond 512."""
+    step = max(CANVAS_STEP, (1 << (max(pixels, 1) - 1).bit_length()) // 16)
+    return -(-pixels // step) * step
+
+
+def canvas_size(height: int, width: int) -> tuple[int, int]:
+    """(height, width) px of the canvas an image of `height` x `width` px runs on (`canvas_side` of each)."""
+    return canvas_side(height), canvas_side(width)
 
 
 @contextlib.contextmanager

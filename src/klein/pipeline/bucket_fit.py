@@ -14,6 +14,7 @@ import numpy as np
 from klein import sampling, sharding
 from klein.memory.admission import planning_mesh
 from klein.models.buckets import Streams, size
+from klein.models.vae_canvas import canvas_size
 from klein.pipeline import denoise
 from klein.pipeline.warm_buckets import CanvasShape, Fit, NoiseShape, PrefillShape, StepShape
 from klein.request.modes import Conditioning
@@ -168,28 +169,31 @@ def noise(pipe, seed: int, shape: tuple[int, ...]) -> np.ndarray:
 
 def encode(pipe, prepared: np.ndarray):
     """One prepared reference float32[H, W, 3] -> its latents float[H/16, W/16, C] on the device, encoded on
-    the smallest warm canvas that holds it (its own once warm: `klein.models.vae_canvas`), cut on the host."""
+    its size's class of canvas (`klein.models.vae_canvas.canvas_size`), or the smallest warm canvas that
+    holds it until that one is warm, cut on the host."""
     height, width = prepared.shape[:2]
-    fit = pipe.warm_buckets.fit(CanvasShape("encode", 1, height, width))
+    fit = pipe.warm_buckets.fit(CanvasShape("encode", 1, *canvas_size(height, width)))
     canvas = np.zeros((1, fit.used.height, fit.used.width, 3), np.float32)
     canvas[0, :height, :width] = prepared
     extent = np.array([height, width], np.int32)
     out = denoise.to_host(pipe._programs.encode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
     pipe.warm_buckets.saw(fit)
     if fit.larger:
-        blank = functools.partial(jnp.zeros, (1, height, width, 3), pipe.dtype)
-        pipe.warm_buckets.behind(fit.tight, lambda: pipe._programs.encode_canvas.ahead(blank(), extent))
+        own = fit.tight
+        blank = functools.partial(jnp.zeros, (1, own.height, own.width, 3), pipe.dtype)
+        pipe.warm_buckets.behind(own, lambda: pipe._programs.encode_canvas.ahead(blank(), extent))
     token = pipe.vae_config.pixels_per_token
     return denoise.to_device(out[0, : height // token, : width // token])
 
 
 def decode(pipe, latents: np.ndarray) -> np.ndarray:
-    """Latents float[B, h, w, C] (host) -> images float[B, 16h, 16w, 3] (host), decoded on the smallest
-    warm canvas that holds them (its own once warm), the batch padded with blank latents."""
+    """Latents float[B, h, w, C] (host) -> images float[B, 16h, 16w, 3] (host), decoded on their size's
+    class of canvas (`klein.models.vae_canvas.canvas_size`), or the smallest warm canvas that holds them
+    until that one is warm, the batch padded with blank latents."""
     images, rows, columns, channels = latents.shape
     token = pipe.vae_config.pixels_per_token
     height, width = rows * token, columns * token
-    fit = pipe.warm_buckets.fit(CanvasShape("decode", images, height, width))
+    fit = pipe.warm_buckets.fit(CanvasShape("decode", images, *canvas_size(height, width)))
     used = fit.used
     canvas = np.zeros((used.batch, used.height // token, used.width // token, channels), latents.dtype)
     canvas[:images, :rows, :columns] = latents
@@ -197,6 +201,9 @@ def decode(pipe, latents: np.ndarray) -> np.ndarray:
     out = denoise.to_host(pipe._programs.decode_canvas(denoise.to_device(canvas, pipe.dtype), extent))
     pipe.warm_buckets.saw(fit)
     if fit.larger:
-        blank = functools.partial(jnp.zeros, (images, rows, columns, channels), pipe.dtype)
-        pipe.warm_buckets.behind(fit.tight, lambda: pipe._programs.decode_canvas.ahead(blank(), extent))
+        own = fit.tight
+        blank = functools.partial(
+            jnp.zeros, (images, own.height // token, own.width // token, channels), pipe.dtype
+        )
+        pipe.warm_buckets.behind(own, lambda: pipe._programs.decode_canvas.ahead(blank(), extent))
     return out[:images, :height, :width]

@@ -71,7 +71,7 @@ class PrefillShape:
 @dataclasses.dataclass(frozen=True)
 class CanvasShape:
     """What decides a VAE program on a canvas (`klein.models.vae_canvas`): encoding or decoding, the
-    batch, the canvas's height and width in px."""
+    batch, the canvas's height and width in px (an image's own: its size's class, `vae_canvas.canvas_size`)."""
 
     kind: str
     batch: int

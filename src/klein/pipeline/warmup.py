@@ -1,9 +1,10 @@
 """Compiled ahead: the requests a pipeline runs once before it serves, so that a person's first image
 meets programs already built (docs/design/compiling.md, "Compiled ahead"). jax builds one transformer
 program per input shape (the token buckets of the output and of the references together, images, mode,
-whether any image runs under unmerged LoRAs) and a VAE program per exact size; everything else a request
-varies is data. So warming runs one small request of each `Shape` a front end expects, its pixels blank,
-one step, its output dropped; shapes of the same buckets warm once.
+whether any image runs under unmerged LoRAs) and a VAE program per canvas class
+(`klein.models.vae_canvas.canvas_size`); everything else a request varies is data. So warming runs one
+small request of each `Shape` a front end expects, its pixels blank, one step, its output dropped; shapes
+of the same buckets warm once.
 """
 
 from __future__ import annotations
