@@ -5,7 +5,9 @@ values), under the residency policy `auto` picks. Per run the stages' seconds (m
 first call that compiles), the KV speedups against their FLOP ceiling (`klein.bench.flops.kv_ceiling`), the
 device's measured memory peak (`peak_bytes_in_use`, the process's running maximum: the KV runs go first, by
 ascending references, then the uncached ones) beside the planner's peak for the same request and policy
-(`klein.memory.plan`, on the device's own `bytes_limit`); a request admission refuses is recorded so.
+(`klein.memory.plan`, on the device's own `bytes_limit`); a request admission refuses is recorded so. Reference
+keys and values as `--kv-dtype` says (auto: int8 only where the compute dtype's do not fit); mode "error"
+compares the image over int8 keys and values with the same request's over the compute dtype's.
 
 Writes, once, the full-size random checkpoint (`real-9b` of `klein.bench.configs`: klein-9b-kv's published
 shapes, bf16, Qwen3-8B and the real VAE; ~34 GB, tiled as `demo.write_checkpoint(tiled=True)` writes it)
@@ -35,7 +37,8 @@ from klein.memory import plan
 from klein.pipeline.loading import load_pipeline
 
 PROMPT = "the same scene at dusk, lanterns lit"
-MODES = ("kv", "warm", "uncached")
+MODES = ("kv", "warm", "uncached", "error")
+""""error": one image over 8-bit keys and values against the same over the compute dtype's."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="denoising steps (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls after the first")
     parser.add_argument("--compute", default="auto", help="bf16, int8 or auto (default: %(default)s)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="what to run")
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES, help="what to run")
+    parser.add_argument("--kv-dtype", default="auto", help="auto, dtype or int8 (default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -77,8 +81,14 @@ def timed(call, repeats: int) -> dict:
 
 
 def planned_peak(pipe, request: GenerationRequest, sizes, limit: int) -> dict:
-    """The planner's figures for `request` on `pipe`'s models under its residency policy on `limit` bytes."""
-    work = pipe._resolve(request, sizes).workload
+    """The planner's figures for `request` on `pipe`'s models under its residency policy on `limit` bytes,
+    its keys and values as admission stores them (the compute dtype's where it refuses)."""
+    run = pipe._resolve(request, sizes)
+    try:
+        work = pipe._admit(run)[1]
+    except InputError:
+        work = run.workload
+    kv_dtype = work.kv_dtype
     models = plan.Models(pipe.config, pipe.text_config, pipe.vae_config, pipe.variant, compute=pipe.compute)
     p = plan.plan(pipe.variant.name, models, work, "benchmark", dtype=pipe.dtype.name)
     peaks = p.policies_on(limit)
@@ -87,14 +97,42 @@ def planned_peak(pipe, request: GenerationRequest, sizes, limit: int) -> dict:
         tiled_decode=peaks[pipe.residency] < p.policies[pipe.residency],
         weights=dict(transformer=p.transformer, text_encoder=p.text_encoder, vae=p.vae),
         request_bytes=p.memory.parts(),
+        kv_dtype=kv_dtype or "dtype",
+        text_cached=work.text_cached,
+    )
+
+
+def kv_error(pipe, request: GenerationRequest) -> dict:
+    """The image of `request` (KV editing) over int8 keys and values against the same over the compute
+    dtype's: pixels in [0, 1]."""
+    kept, images = pipe.kv_dtype, {}
+    try:
+        for kv_dtype in ("dtype", "int8"):
+            pipe.kv_dtype = kv_dtype
+            images[kv_dtype] = np.asarray(pipe(dataclasses.replace(request, seed=0), output_type="np").images)
+    finally:
+        pipe.kv_dtype = kept
+    difference = np.abs(images["int8"].astype(np.float64) - images["dtype"])
+    mse = float(np.mean(difference**2))
+    return dict(
+        mean_abs=round(float(difference.mean()), 6),
+        max_abs=round(float(difference.max()), 6),
+        psnr_db=round(10 * np.log10(1 / mse), 2) if mse else None,
     )
 
 
 def run_mode(pipe, mode: str, pictures, args, limit: int) -> dict:
     size = (args.size, args.size)
     base = dict(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps)
+    if mode == "error":
+        request = GenerationRequest.create(**base, image=pictures, use_kv=True)
+        try:
+            return dict(kv_error=kv_error(pipe, request), device_peak_bytes=_device_peak())
+        except InputError as refused:
+            return dict(refused=str(refused), device_peak_bytes=_device_peak())
     if mode == "warm":
         try:  # encoded apart, the references' prefill is admitted on its own (`Budget.admit_prefill`)
+            pipe.encode_prompt([PROMPT])  # kept: the requests over the references need no text encoder
             warm = pipe.encode_references(pictures)
         except InputError as refused:
             return dict(refused=str(refused), device_peak_bytes=_device_peak())
@@ -130,7 +168,7 @@ def main(argv=None) -> dict:
     written = time.perf_counter() - started
     print(f"checkpoint {folder}: {written:.0f} s (0 if it existed)", flush=True)
     started = time.perf_counter()
-    pipe = load_pipeline(folder, compute=args.compute)
+    pipe = load_pipeline(folder, compute=args.compute, kv_dtype=args.kv_dtype)
     pipe.set_progress_bar_config(disable=True)
     load = time.perf_counter() - started
     limit = (device.memory_stats() or {}).get("bytes_limit", 0)
@@ -143,6 +181,7 @@ def main(argv=None) -> dict:
         model=f"{args.config}: random weights, {spec.dtype}",
         variant=pipe.variant.name,
         compute=pipe.compute,
+        kv_dtype=args.kv_dtype,
         residency=pipe.residency,
         size=args.size,
         steps=args.steps,

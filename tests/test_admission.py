@@ -183,7 +183,7 @@ def test_references_encoded_apart_are_refused_before_their_prefill(pipe):
     memory = admission.estimates(pipe, pipe.mesh, work, pipe.dtype.itemsize)[0]
     needed = memory.reference_kv + memory.prefill
     before = pipe.counters["prefill"]
-    pipe.memory_limit = needed - 1
+    pipe.memory_limit, pipe.kv_dtype = needed - 1, "dtype"  # (auto would prefill them in 8 bits)
     try:
         with pytest.raises(InputError, match="kv prefill"):
             pipe.encode_references([picture])
@@ -192,7 +192,7 @@ def test_references_encoded_apart_are_refused_before_their_prefill(pipe):
         assert pipe.encode_references([picture]).cached
         assert pipe.counters["prefill"] == before + 1
     finally:
-        pipe.memory_limit = None
+        pipe.memory_limit, pipe.kv_dtype = None, "auto"
 
 
 def test_prefilled_references_count_once_against_free_memory(pipe, monkeypatch):

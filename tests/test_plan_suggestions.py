@@ -42,8 +42,9 @@ def test_nothing_fits_on_an_8_gb_card_lists_what_would_with_the_planner_s_figure
 ):
     """klein-9b-kv with two references on an RTX 4060 (7 GiB, FP8 products): no policy fits. The plan
     lists the quantized files, the smaller model and the smaller requests that would, each figure the
-    planner's own for that change; a file that does not fit alone comes with the change that makes it fit."""
-    args = ["plan", "--model", "klein-9b-kv", "--refs", "2", "--device", "rtx-4060"]
+    planner's own for that change; a file that does not fit alone comes with the change that makes it fit.
+    (Keys and values in bf16: under --kv-dtype auto their 8 bits let `stream` fit.)"""
+    args = ["plan", "--model", "klein-9b-kv", "--refs", "2", "--device", "rtx-4060", "--kv-dtype", "dtype"]
     # In this process (the planner's models are built once), as `klein plan` runs it: the command as a
     # process is tested by the refusal in test_device_names_are_read_as_typed_and_a_mistake_names_the_nearest.
     monkeypatch.setenv("KLEIN_HOME", str(klein_home))

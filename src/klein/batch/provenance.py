@@ -24,6 +24,7 @@ MADE_BY = (
     "dequantize",
     "dtype",
     "compute",
+    "kv_dtype",
 )
 """The `LoadOptions` fields an output depends on."""
 RECORDED = (*MADE_BY, "lora_offered")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from klein import devices, dtypes
 from klein.cli.flags import Parser, size
-from klein.dtypes import DTYPES
+from klein.dtypes import DTYPES, KV_DTYPES
 from klein.errors import InputError
 from klein.request import kinds
 from klein.request.loading import COMPUTE, memory_cap
@@ -102,6 +102,14 @@ def plan_parser() -> argparse.ArgumentParser:
         metavar="on|NAME=VALUE,...",
         help="plan a request with a step cache (as klein generate --cache): its states are held through the "
         "steps, and --compiled compiles the cached step",
+    )
+    add(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="auto",
+        help="the references' keys and values (KV variants), as klein generate --kv-dtype: int8 in 8 bits "
+        "with per-head scales, dtype in the compute dtype (default: auto, int8 only where it lets a faster "
+        "residency policy fit the device)",
     )
     add("--json", action="store_true", help="print the plan as JSON, for tools")
     add(
@@ -218,7 +226,12 @@ def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, pla
     planned = compute if compute in (*products.EIGHT_BIT, *products.BLOCK_SCALED) else products.BF16
     models = dataclasses.replace(models, compute=planned)
     request = dict(
-        refs=flags.refs, size=flags.size, ref_size=flags.ref_size, batch=flags.batch, cache=flags.cache
+        refs=flags.refs,
+        size=flags.size,
+        ref_size=flags.ref_size,
+        batch=flags.batch,
+        cache=flags.cache,
+        kv_dtype=flags.kv_dtype,
     )
     return dict(variant=variant, mesh=mesh, **request, dtype=dtype, models=models, platform=platform)
 
@@ -230,6 +243,13 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     from klein.request import planning
 
     limit, where, room = device
+    kv = None
+    if asked.get("kv_dtype") != "auto":
+        kv = f"reference keys and values: {asked.get('kv_dtype')} (as --kv-dtype asks)"
+    elif limit is not None:
+        asked = planning.kv_choice(asked, limit)
+        why = "8 bits let a faster residency policy fit" if asked["kv_dtype"] == "int8" else "they fit"
+        kv = f"reference keys and values: {asked['kv_dtype']} (--kv-dtype auto: {why})"
     memory = planning.plan(**asked)
     found = planning.suggestions(asked, limit, room)
     report = dict(
@@ -244,6 +264,7 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
         plan_report.describe(memory, limit, where),
         planning.describe(found, limit),
         f"compute: {compute} ({whose}: the transformer blocks' products {products})",
+        kv if memory.workload.cached else None,
     )
     return memory, report, "\n".join(filter(None, lines))
 

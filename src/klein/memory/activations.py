@@ -9,7 +9,7 @@ import math
 
 from klein import sharding
 from klein.memory import gpu_estimate
-from klein.models import vae_canvas, vae_tiled
+from klein.models import reference_kv8, vae_canvas, vae_tiled
 from klein.models.attention import CUDNN_MAX_HEAD_DIM, KEY_BLOCK, QUERY_BLOCK
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
@@ -100,6 +100,30 @@ def activations(cfg: TransformerConfig, mesh, batch: int, queries: int, keys: in
     if sharding.ways(mesh, "embed") > 1:
         live.append((d * fused + (d + mlp) * d) // tensor * itemsize)  # one gathered single block
     return sum(live)
+
+
+def kv8_prefill(cfg: TransformerConfig, mesh, refs: int, itemsize: int, whole: int) -> int:
+    """The prefill `whole` (`stages`') of 8-bit keys and values, its blocks run in pieces of at most
+    `PREFILL_PIECE` tokens (`klein.models.reference_kv8`): the activations of one piece's queries over
+    every key, and beside them the whole stream three times (its residual, its modulated copy and the
+    output the pieces fill), where the whole prefill's are those of every query at once."""
+    if not refs:
+        return whole
+    count = -(-refs // reference_kv8.PREFILL_PIECE)
+    piece = -(-refs // count)
+    stream = -(-refs // sharding.ways(mesh, "seq")) * cfg.hidden * itemsize
+    pieces = 3 * stream + activations(cfg, mesh, 1, piece, refs, itemsize)
+    return (
+        whole
+        - activations(cfg, mesh, 1, refs, refs, itemsize)
+        + min(pieces, activations(cfg, mesh, 1, refs, refs, itemsize))
+    )
+
+
+def kv8_widened(cfg: TransformerConfig, mesh, refs: int, itemsize: int) -> int:
+    """What a step over 8-bit keys and values adds: one layer's keys and values widened to the compute
+    dtype before they are spliced into the layer's own."""
+    return 2 * refs * cfg.hidden // sharding.ways(mesh, "heads") * itemsize
 
 
 def _rounding(cfg: TransformerConfig, mesh, batch: int, queries: int, itemsize: int, rounded: bool) -> int:

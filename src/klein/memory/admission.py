@@ -11,6 +11,7 @@ import operator
 from collections.abc import Callable
 
 from klein import sharding
+from klein.dtypes import KV_INT8
 from klein.errors import CannotFitError
 from klein.memory import plan, process
 from klein.memory.plan import RequestMemory, Workload
@@ -240,13 +241,48 @@ class Budget:
         check(work, estimate, room, where, self._beyond)
         return True
 
-    def admit_prefill(self, references, bucket: bool, limit=None, cap=None) -> None:
+    def admit_kv(self, work: plan.Workload, kv_dtype: str, *args) -> tuple[bool, plan.Workload]:
+        """`admit` (`args` its own after `work`), with a fresh prefill's keys and values as `kv_dtype`
+        (`klein.dtypes.KV_DTYPES`) says: "auto" takes int8 only where the compute dtype's do not fit.
+        Returns (`admit`'s answer, `work` as admitted); references that come prefilled keep theirs."""
+        if not work.cached or work.prefilled or kv_dtype == "dtype":
+            return self.admit(work, *args), work
+        eight = dataclasses.replace(work, kv_dtype=KV_INT8)
+        if kv_dtype == KV_INT8:
+            return self.admit(eight, *args), eight
+        try:
+            return self.admit(work, *args), work
+        except CannotFitError as refused:
+            try:
+                return self.admit(eight, *args), eight
+            except CannotFitError:
+                raise refused from None
+
+    def prefill_kv(self, references, bucket: bool, kv_dtype: str, limit=None, cap=None) -> str | None:
+        """How references encoded apart store their keys and values (`kv_dtype` resolved): under "auto",
+        int8 where a request of one image of the first reference's size over them would not fit in the
+        compute dtype's, else None (the compute dtype)."""
+        if kv_dtype != "auto":
+            return KV_INT8 if kv_dtype == KV_INT8 else None
+        (height, width), tokens = references.pixel_sizes[0], references.tokens.shape[0]
+        work = plan.Workload(1, 1, height, width, tokens, True, False, bucket=bucket, prefilled=True)
+        room, _ = self._room(limit, cap)
+        memory = min(
+            estimates(self.models, self.mesh, work, self.itemsize, self.models.compute), key=self._beyond
+        )
+        return None if self._beyond(memory) <= room else KV_INT8
+
+    def admit_prefill(
+        self, references, bucket: bool, limit=None, cap=None, kv_dtype: str = "dtype"
+    ) -> str | None:
         """Refuse the prefill of `references` (`klein.request.references.References`, over their token
         bucket unless `bucket` is False) if its keys and values and its own activations cannot fit the
         `_room(limit, cap)`: references encoded apart (`encode_references`), before any request that will
-        use them is known, are judged on what their prefill holds."""
+        use them is known, are judged on what their prefill holds. Returns how it stores its keys and values
+        (`kv_dtype` resolved by `prefill_kv`: None or int8)."""
+        kv_dtype = self.prefill_kv(references, bucket, kv_dtype, limit, cap)
         (height, width), tokens = references.pixel_sizes[0], references.tokens.shape[0]
-        work = plan.Workload(1, 1, height, width, tokens, cached=True, guided=False, bucket=bucket)
+        work = plan.Workload(1, 1, height, width, tokens, True, False, bucket=bucket, kv_dtype=kv_dtype)
         room, where = self._room(limit, cap)
 
         def prefill(work: plan.Workload) -> plan.RequestMemory:
@@ -256,6 +292,7 @@ class Budget:
             )
 
         check(work, prefill, room, where, self._beyond)
+        return kv_dtype
 
 
 def gib(value: int) -> str:

@@ -34,11 +34,13 @@ from klein.memory.activations import (
     TEXT_TOKENS,
     decode_activations,
     gpu_stages,
+    kv8_prefill,
+    kv8_widened,
     stages,
     step_cache_bytes,
     text_table_copy,
 )
-from klein.models import buckets, products, step_cache
+from klein.models import buckets, products, reference_kv8, step_cache
 from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
@@ -72,6 +74,12 @@ class Workload:
     prefilled: bool = False
     """The references come with their keys and values (encoded earlier): held through the text encoder's
     turn too, where fresh ones are prefilled after it."""
+    text_cached: bool = False
+    """Every prompt's embeddings are kept (the pipeline's prompt cache): the text encoder does not run, and
+    its turn holds nothing beyond its weights."""
+    kv_dtype: str | None = None
+    """How the references' keys and values are stored: None in the compute dtype, "int8" in 8 bits with
+    per-head scales, prefilled in pieces (`klein.models.reference_kv8`)."""
 
     @property
     def streams(self) -> buckets.Streams:
@@ -144,25 +152,29 @@ def request_memory(
     prefilled = refs if work.cached else 0  # else the references are queries of every step
     keys = TEXT_TOKENS + image + refs
     tokens = (prefilled, batch, keys - prefilled, keys)  # (the prefill's, the step's batch, queries, keys)
-    kv = _reference_kv(cfg, refs, mesh, itemsize) if work.cached else 0
+    quantised = work.cached and work.kv_dtype == reference_kv8.INT8
+    kv = _reference_kv(cfg, refs, mesh, itemsize, quantised) if work.cached else 0
     if platform == "gpu":
         prefill, text, step = gpu_stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, compute)
     else:
         prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
         if platform != "cpu":
             text += text_table_copy(text_config, itemsize)
+    if quantised:  # a GPU's prefill keeps its own estimate (of the whole prefill: above the pieces')
+        prefill = prefill if platform == "gpu" else kv8_prefill(cfg, mesh, refs, itemsize, prefill)
+        step += kv8_widened(cfg, mesh, refs, itemsize)
     embeddings = -(-batch // sharding.ways(mesh, "batch")) * TEXT_TOKENS * cfg.joint_attention_dim * itemsize
     gpu_itemsize = itemsize if platform == "gpu" else None
     return RequestMemory(
         reference_kv=kv,
         prefill=prefill,
-        text=text,
+        text=0 if work.text_cached else text,
         step=embeddings + step,  # the prompt embeddings every step reads, and the step's own
         decode=decode_activations(
             vae_config, work.images, work.height, work.width, tiled_decode, gpu_itemsize
         ),
         step_cache=step_cache_bytes(cfg, mesh, work.cache, batch, image, refs - prefilled, itemsize),
-        text_kv=kv if work.prefilled else 0,
+        text_kv=kv if work.prefilled and not work.text_cached else 0,
     )
 
 
@@ -427,11 +439,15 @@ def _weights(
     return per_device, count
 
 
-def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int) -> int:
+def _reference_kv(cfg: TransformerConfig, tokens: int, mesh, itemsize: int, quantised: bool = False) -> int:
     """Keys and values of every layer, [L, R, H, Dh] each, split as the prefill leaves them (R padded
-    to a multiple of the context size)."""
+    to a multiple of the context size); `quantised`: int8, with their scales float32[L, H] on every device."""
     layers = cfg.num_layers + cfg.num_single_layers
     context = sharding.ways(mesh, "ref_seq")
     tokens = -(-tokens // context) * context
     shape = (layers, tokens, cfg.num_attention_heads, cfg.attention_head_dim)
+    if quantised:
+        return 2 * (
+            _shard_bytes(shape, sharding.REFERENCE_KV, mesh, 1) + layers * cfg.num_attention_heads * 4
+        )
     return 2 * _shard_bytes(shape, sharding.REFERENCE_KV, mesh, itemsize)

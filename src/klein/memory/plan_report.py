@@ -92,6 +92,7 @@ def as_json(p: MemoryPlan, limit: int | None = None, where: str = "") -> dict:
         transformer_params=p.transformer_params,
         weights=dict(transformer=p.transformer, text_encoder=p.text_encoder, vae=p.vae),
         request_bytes=dict(p.memory.parts(), peak=p.memory.peak),
+        kv_dtype=p.workload.kv_dtype or "dtype",
         tiled_decode_bytes=None if p.tiled is None else p.tiled.decode,
         process_bytes=p.process,
         policies=policies,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
@@ -58,8 +59,9 @@ class DoubleBlock(nnx.Module):
         self.ff_context = FeedForward(cfg.hidden, cfg.mlp_hidden, rngs, dtype)
         self.eps = cfg.eps
 
-    def __call__(self, img, txt, img_mod, txt_mod, rope, attend: Attend):
-        """img float[B, N, D]; txt float[B, T, D] or None (reference prefill); rope over [txt, img]."""
+    def __call__(self, img, txt, img_mod, txt_mod, rope, attend: Attend, piece: int | None = None):
+        """img float[B, N, D]; txt float[B, T, D] or None (reference prefill); rope over [txt, img].
+        `piece`: the prefill's MLP over pieces of this many tokens (`in_pieces`), or None: whole."""
         (shift, scale, gate), (shift2, scale2, gate2) = split_modulation(img_mod, 2)
         q, k, v = self.attn.image_qkv(modulate(img, shift, scale, self.eps))
         if txt is not None:
@@ -70,7 +72,12 @@ class DoubleBlock(nnx.Module):
         out = _merge_heads(attend(q, k, v))
         n_txt = 0 if txt is None else txt.shape[1]
         img = img + gate * self.attn.to_out(out[:, n_txt:])
-        img = img + gate2 * self.ff(modulate(img, shift2, scale2, self.eps))
+        if piece is None or txt is not None:
+            img = img + gate2 * self.ff(modulate(img, shift2, scale2, self.eps))
+        else:
+            img = in_pieces(
+                lambda x: x + gate2 * self.ff(modulate(x, shift2, scale2, self.eps)), piece, (img, 1)
+            )
         if txt is not None:
             txt = txt + c_gate * self.attn.to_add_out(out[:, :n_txt])
             txt = txt + c_gate2 * self.ff_context(modulate(txt, c_shift2, c_scale2, self.eps))
@@ -122,6 +129,23 @@ class SingleBlock(nnx.Module):
         gate = gate if gate.shape[1] == 1 else gate[:, start:stop]  # per-token modulation
         return x[:, start:stop] + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1))
 
+    def pieces(self, x, mod, rope, attend: Attend, piece: int):
+        """`__call__` with its queries, MLP and output projection over pieces of `piece` tokens
+        (`in_pieces`; a reference prefill's, whose modulation is one for every token): the keys and values
+        come from every token at once, as `rows` computes them. Exact, as `rows` is."""
+        shift, scale, gate = split_modulation(mod, 1)[0]
+        h = modulate(x, shift, scale, self.eps)
+        k, v = self._keys_values(h, rope)
+        fused, d = self.attn.to_qkv_mlp_proj, self.width
+
+        def one(h, x, *rope):
+            q = apply_rope(self.attn.norm_q(_heads(fused.columns(h, 0, d), self.head_dim)), rope)
+            out = _merge_heads(attend(q, k, v))
+            mlp = swiglu(fused.columns(h, 3 * d))
+            return x + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1))
+
+        return in_pieces(one, piece, (h, 1), (x, 1), *((t, 0) for t in rope)), (k, v)
+
     def keys_values(self, x, mod, rope):
         """The block's joint (k, v) alone, as `__call__` returns them (the last block of a reference
         prefill, whose output nothing reads): only the key and value columns of the fused projection."""
@@ -135,3 +159,23 @@ class SingleBlock(nnx.Module):
             for p in jnp.split(self.attn.to_qkv_mlp_proj.columns(h, d, 3 * d), 2, axis=-1)
         )
         return apply_rope(self.attn.norm_k(k), rope), v
+
+
+def in_pieces(fn, piece: int, *parts):
+    """`fn(*arrays)` -> float[B, S, D] over pieces of at most `piece` of the S tokens, one piece at a time
+    (`jax.lax.map`: one piece's tensors live at once), joined. `parts`: (array, its token axis); the tokens
+    are padded to even pieces, and the padding's rows dropped."""
+    size = parts[0][0].shape[parts[0][1]]
+    count = -(-size // piece)
+    piece = -(-size // count)
+
+    def cut(array, axis):
+        widths = [(0, 0)] * array.ndim
+        widths[axis] = (0, count * piece - size)
+        array = jnp.pad(array, widths)
+        array = array.reshape(*array.shape[:axis], count, piece, *array.shape[axis + 1 :])
+        return jnp.moveaxis(array, axis, 0)
+
+    out = jax.lax.map(lambda arrays: fn(*arrays), tuple(cut(a, axis) for a, axis in parts))
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape(out.shape[0], count * piece, *out.shape[3:])[:, :size]

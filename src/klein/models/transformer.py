@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from klein.models import attention, stacks, step_cache
+from klein.models import attention, reference_kv8, stacks, step_cache
 from klein.models.attention import Keys, Padded, key_rank, padded, stream_rank
 from klein.models.blocks import DoubleBlock, SingleBlock
 from klein.models.layers import AdaNormOut, Linear, Modulation, TimeGuidanceEmbed
@@ -29,13 +29,29 @@ class ReferenceKV(NamedTuple):
 
     R counts the padding of the references' token bucket and what a context-parallel prefill adds
     (`attention.padded`); `key_rank` then ranks it `MASKED` (int32[1, R], 0 for the references), and is
-    None where there is none."""
+    None where there is none.
+
+    `scales`: None, or the keys and values are int8 (`klein.models.reference_kv8`), each stack with its
+    scales float32[L, H] (double k, double v, single k, single v)."""
 
     double_k: jnp.ndarray  # [L_double, R, H, Dh]
     double_v: jnp.ndarray
     single_k: jnp.ndarray  # [L_single, R, H, Dh]
     single_v: jnp.ndarray
     key_rank: jnp.ndarray | None = None
+    scales: tuple | None = None
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """`reference_kv8.INT8` for 8-bit keys and values, else None (the compute dtype's)."""
+        return None if self.scales is None else reference_kv8.INT8
+
+    def stacks(self) -> tuple:
+        """(double (k, v), single (k, v)) as the layers read them: stacks, or (stack, scales) pairs."""
+        if self.scales is None:
+            return (self.double_k, self.double_v), (self.single_k, self.single_v)
+        pairs = tuple(zip(self.arrays, self.scales, strict=True))
+        return pairs[:2], pairs[2:]
 
     @property
     def num_tokens(self) -> int:
@@ -115,17 +131,29 @@ class Cached(NamedTuple):
     knobs: step_cache.Knobs
 
 
-def prefill(model: Flux2Transformer, ref, ref_rope, ref_rank=None) -> ReferenceKV:
+def prefill(
+    model: Flux2Transformer, ref, ref_rope, ref_rank=None, kv_dtype: str | None = None
+) -> ReferenceKV:
     """Reference keys/values for ref tokens float[R, C] (all references concatenated): the layers' walk
     over the references alone, recording each layer's keys and values. `ref_rank` as `forward`'s
-    `img_rank`: the padding's keys and values are recorded and ranked `MASKED` in the result."""
+    `img_rank`: the padding's keys and values are recorded and ranked `MASKED` in the result.
+    `kv_dtype` "int8": recorded in 8 bits, the blocks run in pieces (`klein.models.reference_kv8`)."""
     _, mods = _modulations(model, jnp.zeros((1,), jnp.float32))
     refs = padded(ref[None], ref_rope, ref_rank)
     keys = Keys(key_rank(refs))
     x = model.x_embedder(refs.tokens.astype(model.x_embedder.dtype))
-    _, recorded = _layers(model, x, None, mods, refs.rope, keys)
+    quantised = kv_dtype == reference_kv8.INT8
+    _, recorded = _layers(model, x, None, mods, refs.rope, keys, quantised=quantised)
     # Split along the reference tokens (context) and heads (tensor): no device holds the whole cache.
-    return ReferenceKV(*(constrain(a, REFERENCE_KV) for a in recorded), keys.rank)
+    if not quantised:
+        return ReferenceKV(*(constrain(a, REFERENCE_KV) for a in recorded), keys.rank)
+    values, scales = zip(*recorded, strict=True)
+    return ReferenceKV(*(constrain(a, REFERENCE_KV) for a in values), keys.rank, tuple(scales))
+
+
+def prefill_int8(model: Flux2Transformer, ref, ref_rope, ref_rank=None) -> ReferenceKV:
+    """`prefill` of 8-bit keys and values (`klein.models.reference_kv8`): a program of its own."""
+    return prefill(model, ref, ref_rope, ref_rank, reference_kv8.INT8)
 
 
 def forward_kv_uncached(model: Flux2Transformer, img, txt, t, img_rope, txt_rope, ref, ref_rope):
@@ -165,7 +193,18 @@ def _real_tokens(*streams: Padded):
     return None if rank is None else (rank[0] == 0).astype(jnp.float32)
 
 
-def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV | None = None, cache=None):
+def _layers(
+    model,
+    img,
+    txt,
+    mods,
+    rope,
+    keys: Keys,
+    rows=None,
+    kv: ReferenceKV | None = None,
+    cache=None,
+    quantised=False,
+):
     """The layer walk, one for every way to run it: the double blocks over the image stream img
     float[B, N, D] and the text stream txt float[B, T, D], the single blocks over [txt, img], the last
     single block. `mods` = (img_mod, txt_mod, single_mod); `keys`: what the queries see; `kv`: the
@@ -179,16 +218,25 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
 
     `cache`: None, or (`Cached`, the real tokens of the image stream and of [txt, img] as `_real_tokens`):
     each group then runs through `step_cache.through`, and the second value is (the groups' states,
-    their `Record`s)."""
+    their `Record`s).
+
+    `quantised` (a prefill's): keys and values recorded in 8 bits with their scales, the blocks run in
+    pieces (`klein.models.reference_kv8`); `kv`'s 8-bit ones are widened a layer at a time."""
     cfg, (img_mod, txt_mod, single_mod) = model.cfg, mods
     record, last = rows is None, cfg.num_single_layers - 1
-    double_kv = None if kv is None else (kv.double_k, kv.double_v)
-    single_kv = None if kv is None else (kv.single_k, kv.single_v)
+    double_kv, single_kv = (None, None) if kv is None else kv.stacks()
+    piece = reference_kv8.PREFILL_PIECE if quantised else None
+    real = None if keys.rank is None else keys.rank[0] == 0  # the tokens whose magnitudes set the scales
+
+    def widened(layer_kv):
+        return reference_kv8.floats(layer_kv, img.dtype)
 
     def double(block, streams, layer_kv):
-        attend = partial(attention.attend, keys=keys._replace(cached=layer_kv))
-        img, txt, (k, v) = block(*streams, img_mod, txt_mod, rope, attend)
-        return (img, txt), ((stacks.as_bits(k[0]), stacks.as_bits(v[0])) if record else None)
+        attend = partial(attention.attend, keys=keys._replace(cached=widened(layer_kv)))
+        img, txt, (k, v) = block(*streams, img_mod, txt_mod, rope, attend, piece)
+        return (img, txt), (
+            tuple(reference_kv8.record(a[0], real, quantised) for a in (k, v)) if record else None
+        )
 
     def run_double(streams, start, stop):
         if start >= stop:
@@ -214,13 +262,22 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
     recorded = None
     if record:
         layer = (x.shape[1], cfg.num_attention_heads, cfg.attention_head_dim)
-        recorded = (stacks.empty(cfg.num_single_layers, layer, x.dtype),) * 2
+        recorded = (reference_kv8.empty(cfg.num_single_layers, layer, x.dtype, quantised),) * 2
+
+    def put(recorded, index, k, v):
+        return tuple(
+            reference_kv8.put(r, index, a[0], real, quantised) for r, a in zip(recorded, (k, v), strict=True)
+        )
 
     def single(block, carry, layer):
         (x, recorded), (layer_kv, index) = carry, layer
-        x, (k, v) = block(x, single_mod, rope, partial(attention.attend, keys=keys._replace(cached=layer_kv)))
+        attend = partial(attention.attend, keys=keys._replace(cached=widened(layer_kv)))
+        if piece is None:
+            x, (k, v) = block(x, single_mod, rope, attend)
+        else:
+            x, (k, v) = block.pieces(x, single_mod, rope, attend, piece)
         if record:
-            recorded = (stacks.put(recorded[0], index, k[0]), stacks.put(recorded[1], index, v[0]))
+            recorded = put(recorded, index, k, v)
         return (x, recorded), None
 
     xs = (single_kv, jnp.arange(last) if record else None)
@@ -228,9 +285,11 @@ def _layers(model, img, txt, mods, rope, keys: Keys, rows=None, kv: ReferenceKV 
     if record:
         (x, recorded), _ = _scan(model.single_transformer_blocks, single, (x, recorded), last, xs)
         k, v = block.keys_values(constrain(x, TOKENS), single_mod, rope)
-        return None, (*double_kv, stacks.put(recorded[0], last, k[0]), stacks.put(recorded[1], last, v[0]))
+        return None, (*double_kv, *put(recorded, last, k, v))
     # The last block's queries are image tokens only, which see every key.
-    last_keys = keys._replace(isolated=None, cached=None if kv is None else stacks.layer(single_kv, last))
+    last_keys = keys._replace(
+        isolated=None, cached=None if kv is None else widened(stacks.layer(single_kv, last))
+    )
     first, count = rows
     start, stop = covering(first, count, x.shape[1])
 

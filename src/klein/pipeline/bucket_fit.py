@@ -137,16 +137,17 @@ def prefill_fit(pipe, references: References, bucket: bool, loras) -> tuple[Fit 
     return fit, Streams(0, fit.used.references, True)
 
 
-def compile_prefill_behind(pipe, fit: Fit | None, references: References, adapted) -> None:
+def compile_prefill_behind(pipe, fit: Fit | None, references: References, adapted, program=None) -> None:
     """After a prefill that ran over a larger bucket: compile its own behind the requests (`adapted`: the
-    prefill's LoRA rows)."""
+    prefill's LoRA rows; `program`: the prefill's, the pipeline's plain one unless given)."""
+    program = program or pipe._programs.prefill
     if fit is None or not fit.larger:
         return
 
     def compile_it():
         rope = functools.partial(denoise.rope_of, pipe.config)
         inputs = denoise.prefill_inputs(rope, references, Streams(0, fit.tight.references, True))
-        pipe._programs.prefill.ahead(*inputs, adapted=adapted)
+        program.ahead(*inputs, adapted=adapted)
 
     pipe.warm_buckets.behind(fit.tight, compile_it)
 

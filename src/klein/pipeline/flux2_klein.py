@@ -27,7 +27,7 @@ from klein.lora.files import LoraInfo
 from klein.memory import residency as residency_policy
 from klein.memory.admission import Budget
 from klein.models import buckets
-from klein.pipeline import bucket_fit, cache_keys, denoise, split_batch
+from klein.pipeline import admitting, bucket_fit, cache_keys, denoise, split_batch
 from klein.pipeline import prompts as text
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.denoising import repaint_inputs, run_steps
@@ -70,6 +70,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         beyond = lambda memory: residency_policy.beyond(self.residency, self.weight_bytes, memory.during)  # noqa: E731
         self.budget = Budget(self, self.mesh, self.dtype.itemsize, held, beyond)
         """What a request may add to the weights, and whether it fits (`own_memory`)."""
+        self.kv_dtype: str = loaded.kv_dtype  # how a KV variant stores reference keys and values (KV_DTYPES)
         self.memory_limit: int | None = None
         """Bytes a request may add to the loaded weights; None: what the device (or host) has free."""
         self.memory_cap: int | None = loaded.memory_cap
@@ -193,7 +194,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
         run = self._resolve(request, sizes, mask)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
-        tiled = self._admit(run)
+        tiled, admitted = self._admit(run)
         if parts := split_batch.parts(self, run, on_step_end):  # a batch of no warm program's size
             return split_batch.generate(self, request, run, parts, progress)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
@@ -202,7 +203,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         for note in cut:
             warnings.warn(note, stacklevel=2)
         # 5. Reference encoding (VAE, and the prefill for cached references).
-        references = self._references(request, prepared, run, stages)
+        references = self._references(request, prepared, run, stages, admitted.kv_dtype or "dtype")
         # 6. Noise and the source to repaint from it, and the steps' inputs, over the transformer's token
         #    streams: their buckets, or once the pipeline is warmed the smallest warm ones that hold them,
         #    while their own compile behind the requests (`klein.pipeline.bucket_fit`). Padded on the host.
@@ -248,18 +249,17 @@ class Flux2KleinPipeline(DiffusersSurface):
             self._loras.used(run.request.lora_sets),
         )
 
-    def _references(self, request: GenerationRequest, prepared, run: Resolved, stages: Stages):
+    def _references(self, request: GenerationRequest, prepared, run: Resolved, stages: Stages, kv_dtype):
         """The request's references, encoded from `prepared` or given, with keys and values under its
         LoRAs where they are cached (`resolve` allows cached references one LoRA set per request)."""
-        loras, bucket = request.lora_sets[0], request.bucket
+        loras, bucket, kv = request.lora_sets[0], request.bucket, kv_dtype
         if prepared:
-            return self._encode_references(
-                prepared, run.mode.conditioning is Conditioning.CACHED, stages, loras, bucket
-            )
+            cached = run.mode.conditioning is Conditioning.CACHED
+            return self._encode_references(prepared, cached, stages, loras, bucket, kv)
         references = request.references
         if references is not None and references.cached:
             if references.weights_id != self.adapted_weights_id(loras):  # cached under other weights (LoRAs)
-                return self._prefilled(references, stages, loras, bucket)
+                return self._prefilled(references, stages, loras, bucket, kv)
         return references
 
     def check(self, request: GenerationRequest, reference_sizes=()) -> None:
@@ -285,12 +285,10 @@ class Flux2KleinPipeline(DiffusersSurface):
             warnings.warn(note, stacklevel=4)
         return run
 
-    def _admit(self, run: Resolved) -> bool:
-        """Refuse `run` if it cannot fit; True when only the tiled decoder makes it fit. The adapter slots
-        of unmerged LoRAs count once they are (or this request would put them) on the device."""
-        slots = self.adapters
-        charged = slots.device_bytes if slots.placed or any(run.request.lora_sets) else 0
-        return self.budget.admit(run.workload, self.memory_limit, self.memory_cap, charged, slots.placed)
+    def _admit(self, run: Resolved):
+        """Refuse `run` if it cannot fit; (True when only the tiled decoder makes it fit, the workload as
+        admitted): `klein.pipeline.admitting.admit`."""
+        return admitting.admit(self, run)
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
@@ -312,23 +310,25 @@ class Flux2KleinPipeline(DiffusersSurface):
         return self._prefilled(references, Stages(self.counters, {}), loras) if cached else references
 
     def _encode_references(
-        self, prepared, cached: bool, stages: Stages, loras=(), bucket: bool = True
+        self, prepared, cached: bool, stages: Stages, loras=(), bucket: bool = True, kv_dtype=None
     ) -> References:
         latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
         references = self.references_from_latents(latents, cached=False)
-        return self._prefilled(references, stages, loras, bucket) if cached else references
+        return self._prefilled(references, stages, loras, bucket, kv_dtype) if cached else references
 
-    def _prefilled(self, references: References, stages: Stages, loras=(), bucket: bool = True) -> References:
+    def _prefilled(self, references, stages: Stages, loras=(), bucket=True, kv_dtype=None) -> References:
         """`references` with their keys and values, computed under the merged weights and the unmerged
         LoRAs `loras` (`LoraUse`s; one row of adapters: the prefill's one image), over the references'
-        token bucket (masked padding) unless `bucket` is False."""
-        self.budget.admit_prefill(references, bucket, self.memory_limit, self.memory_cap)  # before allocating
+        token bucket (masked padding) unless `bucket` is False, stored as `kv_dtype` (None: the pipeline's)."""
+        kv_dtype = self.budget.admit_prefill(  # before allocating
+            references, bucket, self.memory_limit, self.memory_cap, kv_dtype or self.kv_dtype
+        )
         adapted = self._loras.rows([loras])
         fit, streams = bucket_fit.prefill_fit(self, references, bucket, loras)
         inputs = denoise.prefill_inputs(self._rope, references, streams)
-        kv = stages.run("prefill", lambda: self._programs.prefill(*inputs, adapted=adapted))
+        kv = stages.run("prefill", lambda: self._programs.prefills[kv_dtype](*inputs, adapted=adapted))
         self.warm_buckets.saw(fit)
-        bucket_fit.compile_prefill_behind(self, fit, references, adapted)
+        bucket_fit.compile_prefill_behind(self, fit, references, adapted, self._programs.prefills[kv_dtype])
         return dataclasses.replace(references, kv=kv, weights_id=self.adapted_weights_id(loras))
 
     def _rope(self, ids: np.ndarray):

@@ -27,6 +27,7 @@ def load_pipeline(
     residency: str = AUTO,
     compute: str = AUTO,
     memory_cap: int | str | None = None,
+    kv_dtype: str = AUTO,
     warm: bool | Sequence[warmup.Shape] = False,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id (or a published variant's
@@ -49,6 +50,10 @@ def load_pipeline(
     memory_cap: bytes (or text such as "9GiB") klein may plan to hold per device, weights, requests and,
     on a CPU, its own process together: `auto` and admission plan against the smaller of this and what
     the device has free. None (the default): what the device has.
+
+    kv_dtype: a KV variant's reference keys and values: "int8" (8 bits, a scale per head and layer:
+    half the memory, `klein.models.reference_kv8`), "dtype" (the compute dtype's), "auto" (the default:
+    int8 only for a request whose keys and values do not fit in the compute dtype).
 
     compute: how the transformer blocks' products are made: "bf16", "fp8" (FP8 weights, activations
     quantised per token, float32 accumulation) or "int8" (W8A8, int32 accumulation); "auto" (the default)
@@ -76,6 +81,7 @@ def load_pipeline(
         compute=compute,
         mesh=mesh,
         memory_cap=memory_cap,
+        kv_dtype=kv_dtype,
     )
     pipe = load(options)
     if warm:

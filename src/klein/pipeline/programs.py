@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from klein import sharding
+from klein.dtypes import KV_INT8
 from klein.memory import residency
 from klein.models import adapters, qwen3, vae_tiled
 from klein.models import transformer as T
@@ -42,6 +43,8 @@ class Programs:
             for fn in (vae_model.decode_latents, vae_tiled.decode_latents_tiled, vae_model.vae_latents)
         )
         self.prefill = compiled(T.prefill, transformer)
+        self.prefills = {None: self.prefill, KV_INT8: compiled(T.prefill_int8, transformer)}
+        """The prefill by how it stores keys and values (`klein.models.reference_kv8`)."""
         modes = [Mode(conditioning, guided) for conditioning in denoise.VELOCITY for guided in (False, True)]
         self.steps = {mode: compiled(denoise.step_function(mode), transformer) for mode in modes}
         self._transformer, self._compiled, self._cached = transformer, compiled, {}

@@ -171,3 +171,9 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 def _raise_exception(message: str):
     raise jinja2.TemplateError(message)
+
+
+def kept(cache, keys) -> bool:
+    """Whether the prompt cache `cache` (None: none) holds every one of `keys` (`cache_keys.prompt_key`):
+    then the text encoder does not run for them."""
+    return cache is not None and all(key in cache for key in keys)

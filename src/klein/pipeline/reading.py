@@ -42,6 +42,8 @@ class Loaded:
     """The LoRAs to merge (`set_loras`), read and checked."""
     offered: dict
     """LoRAs to load by name (`load_lora`), read and checked."""
+    kv_dtype: str = "auto"
+    """How reference keys and values are stored (`klein.dtypes.KV_DTYPES`)."""
 
 
 def read(options: LoadOptions) -> Loaded:
@@ -96,7 +98,19 @@ def read(options: LoadOptions) -> Loaded:
     tokenizer = prompts.load_tokenizer(located.tokenizer)
     cap = options.memory_cap
     return Loaded(
-        located, weights, tokenizer, dtype, mesh, policy, sizes, compute, readers, cap, loras, named
+        located,
+        weights,
+        tokenizer,
+        dtype,
+        mesh,
+        policy,
+        sizes,
+        compute,
+        readers,
+        cap,
+        loras,
+        named,
+        kv_dtype=options.kv_dtype,
     )
 
 

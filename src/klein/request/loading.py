@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from klein.dtypes import DTYPES
+from klein.dtypes import DTYPES, KV_DTYPES
 from klein.errors import InputError
 from klein.memory.residency import AUTO, POLICIES
 from klein.request import kinds
@@ -103,6 +103,14 @@ class LoadOptions:
         kinds.TEXT,
         default=AUTO,
         choices=COMPUTE,
+    )
+    kv_dtype: str = setting(
+        "KV variants: the reference keys and values in int8 (8 bits with a scale per head and layer, half "
+        "the memory; the prefill then runs in pieces) or in the compute dtype (dtype); auto (default): int8 "
+        "only for a request whose keys and values do not fit in the compute dtype",
+        kinds.TEXT,
+        default=AUTO,
+        choices=KV_DTYPES,
     )
     mesh: str | None = setting(
         'shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single', kinds.TEXT

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from klein.dtypes import KV_INT8 as INT8
 from klein.errors import InputError, counted
 from klein.memory import plan as planner
 from klein.memory import residency
@@ -33,11 +34,14 @@ def plan(
     models: planner.Models | None = None,
     platform: str = "accelerator",
     cache=None,
+    kv_dtype: str | None = None,
 ) -> planner.MemoryPlan:
     """Plan `batch` images of `size` (width, height px) with `refs` references of `ref_size` each, for a
     published `variant`, or for the checkpoint `models` describes (`klein.memory.plan.plan`, which says
     what `platform` changes): the request resolved as the pipeline resolves one, its workload planned.
-    `cache`: a step cache in any form `GenerationRequest` takes (its states are planned too)."""
+    `cache`: a step cache in any form `GenerationRequest` takes (its states are planned too). `kv_dtype`:
+    the references' keys and values, "int8" in 8 bits (`klein.models.reference_kv8`); None, "auto" or
+    "dtype" in the compute dtype (`kv_choice` resolves auto against a device)."""
     models = models or planner.published(variant, dtype)
     ref_size = ref_size or size
     if batch < 1 or refs < 0 or min(*size, *ref_size) < MIN_SIDE:
@@ -48,7 +52,26 @@ def plan(
     run = resolve(request, models.variant, variant, [ref_size[::-1]] * refs, lambda: 0)
     references = f"{counted(refs, 'reference')} of {ref_size[0]}x{ref_size[1]} px"
     asked = f"{batch} x {size[0]}x{size[1]} px, {references}, {precision(dtype, models)}"
-    return planner.plan(variant, models, run.workload, asked, mesh, dtype, platform)
+    work = run.workload
+    if kv_dtype == INT8 and work.cached:
+        work, asked = dataclasses.replace(work, kv_dtype=INT8), f"{asked}, reference keys and values in int8"
+    return planner.plan(variant, models, work, asked, mesh, dtype, platform)
+
+
+def kv_choice(asked: dict, limit: int) -> dict:
+    """`asked` (`plan`'s arguments) with `kv_dtype` "auto" resolved as a pipeline's `auto` resolves it on a
+    device of `limit` bytes: "int8" where 8-bit keys and values let a faster residency policy fit than
+    the compute dtype's do (`residency.POLICIES`' order: no layers streamed), else "dtype"."""
+    if asked.get("kv_dtype") != "auto":
+        return asked
+    if not (asked["refs"] and asked["models"].variant.kv):
+        return asked | dict(kv_dtype="dtype")
+
+    def first(kv_dtype: str) -> int:
+        peaks = list(plan(**asked | dict(kv_dtype=kv_dtype)).policies_on(limit).values())
+        return next((i for i, peak in enumerate(peaks) if peak <= limit), len(peaks))
+
+    return asked | dict(kv_dtype=INT8 if first(INT8) < first("dtype") else "dtype")
 
 
 def precision(dtype: str, models: planner.Models) -> str:

@@ -54,6 +54,8 @@ class Resolved:
     steps before it are skipped, and the source noised to that step is where the steps start)."""
     prefilled: bool = False
     """The references come with their keys and values (encoded apart, `References.kv`)."""
+    kv_dtype: str | None = None
+    """How prefilled references store their keys and values: None (the compute dtype) or int8."""
 
     @property
     def steps(self) -> int:
@@ -76,6 +78,7 @@ class Resolved:
             cache=None if self.request.cache is None else self.request.cache.structure,
             bucket=self.request.bucket,
             prefilled=self.prefilled,
+            kv_dtype=self.kv_dtype,
         )
 
 
@@ -137,7 +140,8 @@ def resolve(
     repaint = repaint_words(request.mask_image is not None, strength) if request.repaints else None
     mode = Mode(conditioning, scale is not None, repaint)
     prefilled = request.references is not None and request.references.cached
-    return Resolved(filled, mode, images, sizes, rounded, notes, first_step, prefilled=prefilled)
+    kv_dtype = request.references.kv.kv_dtype if prefilled else None
+    return Resolved(filled, mode, images, sizes, rounded, notes, first_step, prefilled, kv_dtype)
 
 
 def _check_loras(request: GenerationRequest, conditioning: Conditioning, adapters) -> None:
