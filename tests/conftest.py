@@ -134,6 +134,13 @@ def pipes(tiny_pipelines):
     return get
 
 
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    """A `pytest.MonkeyPatch` for a module's fixtures, undone after the module's last test."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
 @pytest.fixture(scope="session")
 def klein_home(tmp_path_factory):
     """A KLEIN_HOME holding the demo checkpoint, written once here rather than raced for by subprocesses."""

@@ -20,12 +20,6 @@ def pipe(klein_home, monkeypatch_module):
     return load_pipeline("demo")
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
 def test_oversized_request_is_refused_before_any_work(pipe):
     before = dict(pipe.counters)
     with pytest.raises(

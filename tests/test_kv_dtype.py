@@ -26,12 +26,6 @@ def pipe(klein_home, monkeypatch_module):
     return load_pipeline("demo")
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
 def _request(**kwargs):
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 255, (128, 128, 3), np.uint8))
     return GenerationRequest.create(

@@ -45,12 +45,6 @@ def demo_pipes(klein_home, monkeypatch_module):
     return {policy: load_pipeline("demo", residency=policy) for policy in ("all", *POLICIES)}
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_gives_the_images_of_all(demo_pipes, policy, mode):
