@@ -119,7 +119,7 @@ def shows(sample: str, printed: str) -> bool:
 def test_bench_cpus_duration_is_the_one_its_config_gives():
     """The documents and `klein bench --help` say how long bench-cpu takes from one figure, its config's."""
     from klein.bench.configs import CONFIGS
-    from klein.cli.tools import bench_parser
+    from klein.cli.bench import bench_parser
 
     minutes = CONFIGS["bench-cpu"].minutes
     (said,) = re.findall(r"`bench-cpu` \(scaled-down geometry, fp32, about (\d+) minutes", everything_said())

@@ -159,7 +159,9 @@ def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["plan"]:
         return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
-        return tools.bench_command(tools.bench_parser().parse_args(argv[1:]))
+        from klein.cli import bench as cli_bench
+
+        return cli_bench.bench_command(cli_bench.bench_parser().parse_args(argv[1:]))
     if argv[:1] == ["cache"]:
         from klein.cli import cache as cli_cache
 
