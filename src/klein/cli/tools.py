@@ -11,10 +11,10 @@ from pathlib import Path
 
 from klein import devices, dtypes
 from klein.cli.flags import Parser, size
-from klein.dtypes import DTYPES, KV_DTYPES
+from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.request import kinds
-from klein.request.loading import COMPUTE, memory_cap
+from klein.request.loading import COMPUTE, KV_DTYPES, memory_cap
 
 PLAN_DESCRIPTION = """\
 Per-device memory of a klein model on a device mesh, from its configs alone (no weights are read, nothing
@@ -243,14 +243,20 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     from klein.request import planning
 
     limit, where, room = device
-    kv = None
+    kv, chosen = None, asked
     if asked.get("kv_dtype") != "auto":
         kv = f"reference keys and values: {asked.get('kv_dtype')} (as --kv-dtype asks)"
     elif limit is not None:
-        asked = planning.kv_choice(asked, limit)
-        why = "8 bits let a faster residency policy fit" if asked["kv_dtype"] == "int8" else "they fit"
-        kv = f"reference keys and values: {asked['kv_dtype']} (--kv-dtype auto: {why})"
-    memory = planning.plan(**asked)
+        chosen = planning.kv_choice(asked, limit)
+    memory = planning.plan(**chosen)
+    if chosen is not asked:
+        fits = min(memory.policies_on(limit).values()) <= limit
+        eight = chosen["kv_dtype"] == "int8"
+        why = (
+            ("8 bits let a faster residency policy fit" if eight else "they fit") if fits else "nothing fits"
+        )
+        why += "" if fits else (", in 8 bits the nearest" if eight else ", 8 bits no nearer")
+        kv = f"reference keys and values: {chosen['kv_dtype']} (--kv-dtype auto: {why})"
     found = planning.suggestions(asked, limit, room)
     report = dict(
         plan_report.as_json(memory, limit, where), compute=compute, suggestions=planning.as_json(found)

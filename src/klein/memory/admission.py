@@ -11,11 +11,11 @@ import operator
 from collections.abc import Callable
 
 from klein import sharding
-from klein.dtypes import KV_INT8
 from klein.errors import CannotFitError
 from klein.memory import plan, process
 from klein.memory.plan import RequestMemory, Workload
 from klein.models import products
+from klein.models.reference_kv8 import INT8 as KV_INT8
 from klein.models.vae import PIXELS_PER_TOKEN
 
 
@@ -243,7 +243,7 @@ class Budget:
 
     def admit_kv(self, work: plan.Workload, kv_dtype: str, *args) -> tuple[bool, plan.Workload]:
         """`admit` (`args` its own after `work`), with a fresh prefill's keys and values as `kv_dtype`
-        (`klein.dtypes.KV_DTYPES`) says: "auto" takes int8 only where the compute dtype's do not fit.
+        (`klein.request.loading.KV_DTYPES`) says: "auto" takes int8 only where the compute dtype's do not fit.
         Returns (`admit`'s answer, `work` as admitted); references that come prefilled keep theirs."""
         if not work.cached or work.prefilled or kv_dtype == "dtype":
             return self.admit(work, *args), work

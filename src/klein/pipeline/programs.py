@@ -12,11 +12,11 @@ import numpy as np
 from flax import nnx
 
 from klein import sharding
-from klein.dtypes import KV_INT8
 from klein.memory import residency
 from klein.models import adapters, qwen3, vae_tiled
 from klein.models import transformer as T
 from klein.models import vae as vae_model
+from klein.models.reference_kv8 import INT8 as KV_INT8
 from klein.pipeline import denoise
 from klein.request.modes import Mode
 

@@ -43,7 +43,7 @@ class Loaded:
     offered: dict
     """LoRAs to load by name (`load_lora`), read and checked."""
     kv_dtype: str = "auto"
-    """How reference keys and values are stored (`klein.dtypes.KV_DTYPES`)."""
+    """How reference keys and values are stored (`klein.request.loading.KV_DTYPES`)."""
 
 
 def read(options: LoadOptions) -> Loaded:

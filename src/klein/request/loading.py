@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from klein.dtypes import DTYPES, KV_DTYPES
+from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.memory.residency import AUTO, POLICIES
+from klein.models.reference_kv8 import INT8 as KV_INT8
 from klein.request import kinds
 from klein.request.kinds import setting, settings_of
+
+KV_DTYPES = ("auto", "dtype", KV_INT8)
+"""How a KV variant stores the references' keys and values (`kv_dtype`): auto (int8 only where the compute
+dtype's do not fit), dtype (the compute dtype's), int8 (8 bits with per-head scales,
+`klein.models.reference_kv8`)."""
 
 RESIDENCY = (AUTO, *POLICIES)
 """Residency policies (`klein.memory.residency`): auto picks the first of the others that fits."""

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from klein.dtypes import KV_INT8 as INT8
 from klein.errors import InputError, counted
 from klein.memory import plan as planner
 from klein.memory import residency
 from klein.memory.admission import gib, smaller_sides
 from klein.models import products
+from klein.models.reference_kv8 import INT8
 from klein.models.variants import SIZES, name_of
 from klein.request.request import GenerationRequest
 from klein.request.resolve import MIN_SIDE, resolve
@@ -61,17 +61,21 @@ def plan(
 def kv_choice(asked: dict, limit: int) -> dict:
     """`asked` (`plan`'s arguments) with `kv_dtype` "auto" resolved as a pipeline's `auto` resolves it on a
     device of `limit` bytes: "int8" where 8-bit keys and values let a faster residency policy fit than
-    the compute dtype's do (`residency.POLICIES`' order: no layers streamed), else "dtype"."""
+    the compute dtype's do (`residency.POLICIES`' order: no layers streamed), or where neither fits and
+    theirs is the smaller peak (how far the request is from fitting), else "dtype"."""
     if asked.get("kv_dtype") != "auto":
         return asked
     if not (asked["refs"] and asked["models"].variant.kv):
         return asked | dict(kv_dtype="dtype")
 
-    def first(kv_dtype: str) -> int:
+    def first(kv_dtype: str) -> tuple[int, int]:
+        """(the first policy that fits, else one past the last; the smallest peak)."""
         peaks = list(plan(**asked | dict(kv_dtype=kv_dtype)).policies_on(limit).values())
-        return next((i for i, peak in enumerate(peaks) if peak <= limit), len(peaks))
+        return next((i for i, peak in enumerate(peaks) if peak <= limit), len(peaks)), min(peaks)
 
-    return asked | dict(kv_dtype=INT8 if first(INT8) < first("dtype") else "dtype")
+    (eight, eight_peak), (plain, plain_peak) = first(INT8), first("dtype")
+    neither = min(eight_peak, plain_peak) > limit
+    return asked | dict(kv_dtype=INT8 if eight < plain or (neither and eight_peak < plain_peak) else "dtype")
 
 
 def precision(dtype: str, models: planner.Models) -> str:
@@ -99,7 +103,8 @@ class Suggestion:
 
 def suggestions(asked: dict, limit: int, memory: int | None = None) -> list[Suggestion]:
     """What would fit in `limit` bytes where the plan of `asked` (`plan`'s arguments, as keywords)
-    does not; none where it fits. `memory`: the device's own bytes, where a memory cap made `limit` less."""
+    does not; none where it fits. Each change is planned with `kv_dtype` "auto" resolved for it
+    (`kv_choice`), as a pipeline resolves it for the request it runs. `memory`: the device's own bytes, where a memory cap made `limit` less."""
     current = _planned(asked, "", limit)
     if current.fits:
         return []
@@ -123,7 +128,7 @@ def _planned(asked: dict, change: str, limit: int) -> Suggestion | None:
     """`asked` planned against `limit`, as `auto` picks its policy; None where it cannot be planned (a
     smaller model whose heads a mesh does not divide)."""
     try:
-        peaks = plan(**asked).policies_on(limit)
+        peaks = plan(**kv_choice(asked, limit)).policies_on(limit)
     except InputError:
         return None
     fitting = [name for name, peak in peaks.items() if peak <= limit]
