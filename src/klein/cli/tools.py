@@ -251,11 +251,8 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     memory = planning.plan(**chosen)
     if chosen is not asked:
         fits = min(memory.policies_on(limit).values()) <= limit
-        eight = chosen["kv_dtype"] == "int8"
-        why = (
-            ("8 bits let a faster residency policy fit" if eight else "they fit") if fits else "nothing fits"
-        )
-        why += "" if fits else (", in 8 bits the nearest" if eight else ", 8 bits no nearer")
+        why = "8 bits let a faster residency policy fit" if chosen["kv_dtype"] == "int8" else "they fit"
+        why = why if fits else "nothing fits in 8 bits either"
         kv = f"reference keys and values: {chosen['kv_dtype']} (--kv-dtype auto: {why})"
     found = planning.suggestions(asked, limit, room)
     report = dict(

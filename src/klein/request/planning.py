@@ -61,21 +61,18 @@ def plan(
 def kv_choice(asked: dict, limit: int) -> dict:
     """`asked` (`plan`'s arguments) with `kv_dtype` "auto" resolved as a pipeline's `auto` resolves it on a
     device of `limit` bytes: "int8" where 8-bit keys and values let a faster residency policy fit than
-    the compute dtype's do (`residency.POLICIES`' order: no layers streamed), or where neither fits and
-    theirs is the smaller peak (how far the request is from fitting), else "dtype"."""
+    the compute dtype's do (`residency.POLICIES`' order: no layers streamed), else "dtype" (where neither
+    fits too: the pipeline refuses the request either way)."""
     if asked.get("kv_dtype") != "auto":
         return asked
     if not (asked["refs"] and asked["models"].variant.kv):
         return asked | dict(kv_dtype="dtype")
 
-    def first(kv_dtype: str) -> tuple[int, int]:
-        """(the first policy that fits, else one past the last; the smallest peak)."""
+    def first(kv_dtype: str) -> int:
         peaks = list(plan(**asked | dict(kv_dtype=kv_dtype)).policies_on(limit).values())
-        return next((i for i, peak in enumerate(peaks) if peak <= limit), len(peaks)), min(peaks)
+        return next((i for i, peak in enumerate(peaks) if peak <= limit), len(peaks))
 
-    (eight, eight_peak), (plain, plain_peak) = first(INT8), first("dtype")
-    neither = min(eight_peak, plain_peak) > limit
-    return asked | dict(kv_dtype=INT8 if eight < plain or (neither and eight_peak < plain_peak) else "dtype")
+    return asked | dict(kv_dtype=INT8 if first(INT8) < first("dtype") else "dtype")
 
 
 def precision(dtype: str, models: planner.Models) -> str:
