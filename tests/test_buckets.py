@@ -82,49 +82,44 @@ def _padded(rng, array, padded, fill):
 def test_padding_masked_by_its_rank_cannot_change_a_real_token(fill):
     """Standard editing and KV editing with the image (15 -> 32 tokens) and the references (13 -> 16)
     padded, the padding zeros or noise: the real tokens' velocities are those of the exact streams. The
-    same padding left unmasked changes them (the check is sensitive)."""
-    model, rng = T.Flux2Transformer(CONFIG, rngs=nnx.Rngs(0)), np.random.default_rng(0)
+    same padding left unmasked changes them (the check is sensitive). The weights and streams are the
+    programs' arguments: both fills run the same three programs."""
+    graphdef, state = nnx.split(T.Flux2Transformer(CONFIG, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
     grid, refs = (3, 5), [(2, 5), (1, 3)]
     n, r = 15, 13
     img = rng.standard_normal((2, n, 128)).astype(np.float32)
     ref = rng.standard_normal((r, 128)).astype(np.float32)
     txt = rng.standard_normal((2, 7, 64)).astype(np.float32)
     t = np.array([0.9, 0.4], np.float32)
-    common = (txt, t)
     img_ids, ref_ids = image_ids(*grid), reference_ids(refs)
     txt_rope = _rope(text_ids(7))
     n_b, r_b = 32, buckets.size(r)
     assert (buckets.size(n), r_b) == (16, 16)  # 32 > the bucket: padded further still, and as exact
 
-    def exact():
-        kv = T.prefill(model, ref, _rope(ref_ids))
-        edit = T.forward(model, img, txt, t, _rope(img_ids), txt_rope, refs=(ref[None], _rope(ref_ids)))
-        return edit, T.forward_cached(model, img, *common, _rope(img_ids), txt_rope, kv)
-
-    def bucketed(masked: bool):
-        img_rank, ref_rank = (buckets.ranks(n, n_b), buckets.ranks(r, r_b)) if masked else (None, None)
-        x, y = _padded(rng, img, n_b, fill), _padded(rng, ref, r_b, fill)
-        img_rope, ref_rope = _rope(buckets.pad(img_ids, n_b)), _rope(buckets.pad(ref_ids, r_b))
+    @jax.jit
+    def editing(state, x, y, img_rope, ref_rope, img_rank, ref_rank):
+        """Standard and KV editing's velocities of the image's first `n` tokens."""
+        model = nnx.merge(graphdef, state)
         kv = T.prefill(model, y, ref_rope, ref_rank)
+        refs = (y[None], ref_rope)
         edit = T.forward(
-            model,
-            x,
-            txt,
-            t,
-            img_rope,
-            txt_rope,
-            refs=(y[None], ref_rope),
-            img_rank=img_rank,
-            ref_rank=ref_rank,
+            model, x, txt, t, img_rope, txt_rope, refs=refs, img_rank=img_rank, ref_rank=ref_rank
         )
-        kv_step = T.forward_cached(model, x, *common, img_rope, txt_rope, kv, img_rank=img_rank)
+        kv_step = T.forward_cached(model, x, txt, t, img_rope, txt_rope, kv, img_rank=img_rank)
         return edit[:, :n], kv_step[:, :n]
 
-    want = jax.jit(exact)()
-    got = jax.jit(lambda: bucketed(True))()
+    want = editing(state, img, ref, _rope(img_ids), _rope(ref_ids), None, None)
+    padded = (
+        _padded(rng, img, n_b, fill),
+        _padded(rng, ref, r_b, fill),
+        _rope(buckets.pad(img_ids, n_b)),
+        _rope(buckets.pad(ref_ids, r_b)),
+    )
+    got = editing(state, *padded, buckets.ranks(n, n_b), buckets.ranks(r, r_b))
     for g, w in zip(got, want, strict=True):
         assert max_abs(g, w) < 1e-5
-    unmasked = jax.jit(lambda: bucketed(False))()
+    unmasked = editing(state, *padded, None, None)
     for g, w in zip(unmasked, want, strict=True):
         assert max_abs(g, w) > 1e-3
 

@@ -22,7 +22,7 @@ from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
 from klein.io.transformer_checkpoint import abstract_transformer, key_map, stored_forms
 from klein.io.vae_checkpoint import abstract_vae
 from klein.memory import plan
-from klein.models import products, qwen3, step_cache, vae_canvas
+from klein.models import products, qwen3, reference_kv8, step_cache, vae_canvas
 from klein.models import transformer as T
 from klein.models import vae as vae_model
 from klein.pipeline import denoise
@@ -76,8 +76,10 @@ def analyse(
     mode = Mode(conditioning, work.guided)
     if mode.conditioning is Conditioning.CACHED:
         reference = place.whole(_abstract(denoise.prefill_inputs(rope, references, streams)))
-        place.compile("prefill", T.prefill, transformer, *reference)
-        kv = place.reference_kv(place.shapes(T.prefill, transformer, *reference))
+        # The keys and values as the plan keeps them: 8-bit ones are a prefill program of their own.
+        prefill = T.prefill_int8 if work.kv_dtype == reference_kv8.INT8 else T.prefill
+        place.compile("prefill", prefill, transformer, *reference)
+        kv = place.reference_kv(place.shapes(prefill, transformer, *reference))
         references = dataclasses.replace(references, kv=kv)
     ropes, cond = denoise.step_inputs(rope, mode.conditioning, (h, w), plan.TEXT_TOKENS, references, streams)
     if mode.conditioning is not Conditioning.CACHED:  # the prefill's keys/values are placed already
