@@ -12,7 +12,9 @@ from PIL import Image
 from klein import GenerationRequest, InputError
 from klein.cli.tools import plan_command, plan_parser
 from klein.memory import admission, plan
+from klein.pipeline import admitting, warmup
 from klein.pipeline.cache import ByteBudgetCache
+from klein.pipeline.compilations import Compilations
 from klein.pipeline.loading import load_pipeline
 
 IMAGE_TOL = 4 / 255
@@ -135,3 +137,29 @@ def test_a_request_whose_prompts_are_kept_is_admitted_without_the_text_encoders_
             pipe.generate(new)
     finally:
         pipe.memory_limit, pipe.prompt_cache = None, saved
+
+
+def test_warm_up_compiles_both_where_a_kept_prompt_and_a_new_one_store_them_apart(pipe):
+    """Where the compute dtype's keys and values fit beside a kept prompt but a new prompt's text encoder
+    leaves room only for 8-bit ones, `auto` takes either: the warm-up (whose own prompt is kept after its
+    first request) compiles both prefills, so that an edit with a new prompt then compiles nothing."""
+    shape = warmup.Shape(2, height=128, width=128)
+    run = pipe._resolve(warmup.request(shape), [(128, 128)] * 2)
+    new = dataclasses.replace(run.workload, text_cached=False, kv_dtype="int8")
+    limit = pipe.budget._beyond(admission.estimates(pipe, pipe.mesh, new, pipe.dtype.itemsize)[0])
+    fallback, saved = pipe.warm_buckets.fallback, pipe.prompt_cache
+    try:
+        pipe.memory_limit = limit
+        assert admitting.kv_choices(pipe, run) == ("int8",)  # no prompt cache (residency all): none kept
+        pipe.prompt_cache = ByteBudgetCache(2**24)  # as under sequential residency
+        assert admitting.kv_choices(pipe, run) == ("int8", "dtype")  # a new prompt, a kept one
+        with Compilations() as built:
+            warmup.warm(pipe, [shape])
+        assert {"prefill", "prefill_int8"} <= {name[4:-1] for name in built.names}, built.names
+        pictures = [Image.new("RGB", (128, 128), colour) for colour in ("red", "blue")]
+        edit = GenerationRequest.create(prompt="a new prompt", image=pictures, num_inference_steps=1)
+        with Compilations() as built:
+            pipe.generate(edit)
+        assert not {name for name in built.names if "prefill" in name or "step" in name}, built.names
+    finally:
+        pipe.memory_limit, pipe.warm_buckets.fallback, pipe.prompt_cache = None, fallback, saved

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from klein.errors import CannotFitError
 from klein.memory.plan import Workload
 from klein.pipeline import cache_keys
 from klein.pipeline import prompts as text
@@ -18,10 +19,30 @@ def admit(pipe, run: Resolved) -> tuple[bool, Workload]:
     as admitted: `Budget.admit_kv`)."""
     prompts = [*run.request.prompts, *[""] * run.mode.guided]
     keys = [cache_keys.prompt_key(pipe.weights_id, p, pipe.prompt_owner) for p in prompts]
-    slots, work = (
-        pipe.adapters,
-        dataclasses.replace(run.workload, text_cached=text.kept(pipe.prompt_cache, keys)),
-    )
+    work = dataclasses.replace(run.workload, text_cached=text.kept(pipe.prompt_cache, keys))
+    return pipe.budget.admit_kv(work, pipe.kv_dtype, *_limits(pipe, run))
+
+
+def kv_choices(pipe, run: Resolved) -> tuple[str, ...]:
+    """How `auto` would store the prefilled keys and values of `run` (`klein.request.loading.KV_DTYPES`:
+    "dtype" or "int8"), its prompts new, then kept: a kept prompt leaves the text encoder's turn out, which
+    can leave room for the compute dtype's where a new prompt takes 8 bits. Those that cannot fit are left
+    out; ("dtype",) for a run without prefilled references. Without a prompt cache no prompt is kept."""
+    chosen = []
+    for kept in (False, True) if pipe.prompt_cache is not None else (False,):
+        work = dataclasses.replace(run.workload, text_cached=kept)
+        try:
+            admitted = pipe.budget.admit_kv(work, "auto", *_limits(pipe, run))[1]
+        except CannotFitError:
+            continue
+        kv = admitted.kv_dtype or "dtype"
+        chosen += [kv] if kv not in chosen else []
+    return tuple(chosen)
+
+
+def _limits(pipe, run: Resolved) -> tuple:
+    """`Budget.admit`'s arguments after the workload: the pipeline's limit and cap, and the unmerged LoRAs'
+    slots, counted once they are on the device or `run` would put them there."""
+    slots = pipe.adapters
     charged = slots.device_bytes if slots.placed or any(run.request.lora_sets) else 0
-    limits = (pipe.memory_limit, pipe.memory_cap, charged, slots.placed)
-    return pipe.budget.admit_kv(work, pipe.kv_dtype, *limits)
+    return pipe.memory_limit, pipe.memory_cap, charged, slots.placed

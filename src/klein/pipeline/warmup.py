@@ -9,6 +9,7 @@ of the same buckets warm once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -18,6 +19,7 @@ import PIL.Image
 
 from klein.errors import InputError
 from klein.models import buckets
+from klein.pipeline import admitting
 from klein.pipeline.compilations import Compilations
 from klein.request.request import GenerationRequest
 from klein.request.resolve import DEFAULT_SIZE, MULTIPLE
@@ -125,7 +127,11 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
         start, heading = time.perf_counter(), f"warming {i}/{len(planned)}: {shape}"
         try:
             with Compilations() as built:
-                pipe.generate(request(shape))
+                kinds = _kv_dtypes(pipe, shape)
+                for kv_dtype in kinds:
+                    with _storing_kv(pipe, kv_dtype):
+                        pipe.generate(request(shape))
+            heading += f", keys and values in {' and '.join(kinds)}" if len(kinds) > 1 else ""
         except InputError as error:  # e.g. it cannot fit: a request of that shape is refused too
             log(f"{heading}: skipped: {error}")
             continue
@@ -138,6 +144,28 @@ def warm(pipe, planned: Sequence[Shape], log: Callable[[str], None] = lambda lin
     pipe.counters.update(counters)
     pipe.warm_buckets.fallback = True  # from now on a request of a cold shape runs on a warm one
     return total
+
+
+def _kv_dtypes(pipe, shape: Shape) -> tuple[str, ...]:
+    """The `kv_dtype`s to warm `shape` under: where `auto` would store its references' keys and values in
+    the compute dtype for a kept prompt and in 8 bits for a new one (`admitting.kv_choices`), each of them,
+    so that neither compiles in front of a request: the new prompt's first (its run keeps the warm-up's
+    prompt, which the kept prompt's run then finds); else the pipeline's own."""
+    if pipe.kv_dtype != "auto" or not shape.references:
+        return (pipe.kv_dtype,)
+    warm = request(shape)
+    run = pipe._resolve(warm, [(shape.height, shape.width)] * shape.references, warm.mask_image)
+    choices = admitting.kv_choices(pipe, run)
+    return choices if len(choices) > 1 else (pipe.kv_dtype,)
+
+
+@contextlib.contextmanager
+def _storing_kv(pipe, kv_dtype: str):
+    kept, pipe.kv_dtype = pipe.kv_dtype, kv_dtype
+    try:
+        yield
+    finally:
+        pipe.kv_dtype = kept
 
 
 def programs(references: int, cached: bool) -> dict[str, int]:
