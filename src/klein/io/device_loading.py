@@ -64,7 +64,9 @@ def fill(jobs: list[Job], source, host_read: Callable[[Job, object], np.ndarray]
     stash: dict[str, np.ndarray] = {}  # scales of weights quantised on the device, by their scale key
     scaled = _ScalesFrom(source, stash)
     programs = _Programs()
-    # Buffers used again where the device's memory is its own (a transfer copies); a CPU reads as before.
+    # Buffers used again where the device's memory is its own (a transfer copies); a CPU reads as before:
+    # its device_put aliases an aligned NumPy array, may_alias=False or not (jax 0.10.2), and the next read
+    # into the buffer would change the weights sent.
     buffers = read_buffers.Pool() if jax.devices()[0].platform != "cpu" else None
     tasks = []  # (job index, layer index or None, read: () -> host array or sent one, prefetch?)
     for index, job in enumerate(jobs):
@@ -134,8 +136,8 @@ def _sent(source, job: Job, key: str, programs: _Programs, buffers: read_buffers
         else:
             host = source.get(key).astype(job.target_dtype, copy=False)
         programs.compile(job, host, int8)
-        # A copy (never an alias of the buffer, as a CPU's could be), complete before the buffer is read again.
-        sent = jax.device_put(host if int8 or not job.layers else as_bits(host), may_alias=False)
+        # In the device's own memory, the transfer complete before the buffer is read into again.
+        sent = jax.device_put(host if int8 or not job.layers else as_bits(host))
         return sent.block_until_ready()
 
 
