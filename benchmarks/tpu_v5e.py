@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jax
 import load_phases
+import numpy as np
 
 from klein import devices
 from klein.bench import flops, peak
@@ -138,15 +139,15 @@ def main(argv=None) -> dict:
     work = stage_flops(pipe, args.size, args.steps)
     spec_peak = (known.int8_flops if pipe.compute == "int8" else known.bf16_flops) if known else 0.0
     stages = {}
-    for stage in STAGES:
+    for stage in [name for name in runs[0] if name not in ("compile", "wall")]:  # decode or decode_tiled
         seconds = statistics.median(run[stage] for run in runs)
         if seconds < CACHED_SECONDS:  # the same prompt again: its embedding cached, the encoder not run
             stages[stage] = dict(seconds=round(seconds, 4), flops=0.0, cached=True)
             continue
-        rate = work[stage] / seconds
+        rate = work["decode" if stage.startswith("decode") else stage] / seconds
         stages[stage] = dict(
             seconds=round(seconds, 4),
-            flops=work[stage],
+            flops=work["decode" if stage.startswith("decode") else stage],
             tflop_per_s=round(rate / 1e12, 1),
             share_of_spec_peak=round(rate / spec_peak, 3) if spec_peak else None,
             share_of_measured_peak=round(rate / measured_peak, 3),
@@ -171,6 +172,7 @@ def main(argv=None) -> dict:
         load_phase_calls=phases.calls(),
         first_call_seconds=round(first_call, 1),
         first_call_stages=_rounded(first.timings),
+        first_image_sum=float(np.asarray(first.images, np.float64).sum()),
         first_call_phases=first_phases.seconds(),
         first_call_phase_calls=first_phases.calls(),
         backend_seconds=round(backend, 1),

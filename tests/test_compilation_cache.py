@@ -74,3 +74,19 @@ def test_klein_cache_clear_refuses_a_folder_holding_other_files(
     assert main(["cache", "clear"]) == 2
     assert "thesis.tex" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["jit_step-ab12-cache", "thesis.tex"]
+
+
+def test_an_accelerator_keeps_every_program(klein_home, monkeypatch, jax_cache_settings):
+    """On a TPU or GPU a small program's compile (0.05-0.3 s) costs more than its read from the cache."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    platform = jax.devices()[0].platform
+    for kind, threshold in ((platform, 0.2), ("tpu", 0.0)):
+        jax.config.update(DIR, None)
+        jax.config.update(MIN_SECONDS, 1.0)
+
+        class Device:
+            platform = kind
+
+        monkeypatch.setattr(compilation_cache.jax, "devices", lambda: [Device()])
+        compilation_cache.enable()
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == threshold

@@ -111,3 +111,13 @@ def test_a_nan_weight_read_for_the_device_is_refused_by_name(folder, every_weigh
     save_file(tensors, str(tmp_path / "diffusion_pytorch_model.safetensors"))
     with pytest.raises(CheckpointError, match=f"tensor '{key}' holds 1 NaN value"):
         load_transformer(tmp_path, jnp.bfloat16, compute=compute)
+
+
+def test_a_cpu_reads_into_new_arrays(folder, every_weight, monkeypatch):
+    """Host buffers are used again only where a transfer copies: a CPU's device_put aliases an aligned NumPy
+    array (then the next read into the buffer would change the weights sent), so a CPU takes none."""
+    pools = []
+    original = device_loading.read_buffers.Pool
+    monkeypatch.setattr(device_loading.read_buffers, "Pool", lambda: pools.append(1) or original())
+    load_transformer(folder / "transformer", jnp.bfloat16, compute=products.INT8)
+    assert every_weight and not pools

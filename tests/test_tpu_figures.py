@@ -55,3 +55,30 @@ def test_the_int8_load_row_is_its_json():
     before = _figures(RUNS["int8, host path, cache cold"])["load_seconds"]
     assert f"| {run['load_seconds']} s (" in _doc()
     assert f"{before / run['load_seconds']:.1f}x faster than {before} s" in _doc()
+
+
+SECONDS_RUNS = {
+    "bf16, before": "bf16-main",
+    "bf16": "bf16-new",
+    "bf16, again": "bf16-new-again",
+    "int8, before": "int8-main",
+    "int8": "int8-new",
+}
+
+
+@pytest.mark.parametrize("label", list(SECONDS_RUNS))
+def test_a_loading_in_seconds_row_is_its_json(label):
+    run = _figures("tpu-v5e-load-seconds.json")[SECONDS_RUNS[label]]
+    row = (
+        f"| {label} | {run['residency']} | {run['backend_seconds']} s | {run['load_seconds']} s | "
+        f"{run['first_call_seconds']} s ({run['first_call_stages']['compile']:.1f}) | "
+        f"{run['first_image_seconds']} s | {run['image_seconds']:.2f} s |"
+    )
+    assert row in _doc()
+
+
+def test_the_runs_before_and_after_make_the_same_first_image():
+    """The buffers used again change how the weights are read, not what: the same first image."""
+    runs = _figures("tpu-v5e-load-seconds.json")
+    for dtype in ("bf16", "int8"):
+        assert runs[f"{dtype}-main"]["first_image_sum"] == runs[f"{dtype}-new"]["first_image_sum"]

@@ -3,8 +3,9 @@
 On a CPU (`klein.io.loading.load_module`'s own path) each Linear weight is transposed from PyTorch's layout
 to NNX's, and quantised for int8 products, in NumPy: on a TPU host those passes, not the reads, took most of
 a load (a bf16 transpose in NumPy runs at well under 1 GB/s). Here each large weight is read as it is stored,
-by threads that read `READ_AHEAD` tensors ahead of the transfers, sent to the device as it is and
-transposed there (and quantised there for int8) into its place in its stack, the stack updated in place.
+by threads that read `READ_AHEAD` tensors ahead into host buffers used again (`klein.io.read_buffers`: new
+arrays' pages cost more than the reads on a sandboxed TPU host), each thread sending what it read to the
+device as it is, to be transposed there (and quantised there for int8) into its place in its stack, the stack updated in place.
 The small programs that do it (a few per shape of weight: tens of them, a tenth of a second or more each to
 compile) are compiled by the reading threads as each shape first comes, beside the reads and transfers.
 
@@ -17,6 +18,7 @@ need not round as NumPy's does), the scales themselves a maximum and a product, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from klein.errors import CheckpointError
+from klein.io import read_buffers
 from klein.io.mapped import MappedSource
 from klein.io.quantised import ChannelScales, Quantised
 from klein.models import products
@@ -61,11 +64,15 @@ def fill(jobs: list[Job], source, host_read: Callable[[Job, object], np.ndarray]
     stash: dict[str, np.ndarray] = {}  # scales of weights quantised on the device, by their scale key
     scaled = _ScalesFrom(source, stash)
     programs = _Programs()
-    tasks = []  # (job index, layer index or None, read: () -> host array, prefetch?)
+    # Buffers used again where the device's memory is its own (a transfer copies); a CPU reads as before:
+    # its device_put aliases an aligned NumPy array, may_alias=False or not (jax 0.10.2), and the next read
+    # into the buffer would change the weights sent.
+    buffers = read_buffers.Pool() if jax.devices()[0].platform != "cpu" else None
+    tasks = []  # (job index, layer index or None, read: () -> host array or sent one, prefetch?)
     for index, job in enumerate(jobs):
         if _on_device(job, source):
             for layer, key in enumerate(job.keys):
-                read = functools.partial(_read_stored, source, job, key, programs)
+                read = functools.partial(_sent, source, job, key, programs, buffers)
                 tasks.append((index, layer, read, True))
         else:  # the scales of weights quantised on the device are stashed then: read when their turn comes
             later = any(isinstance(_piece(source, key), ChannelScales) for key in job.keys)
@@ -115,26 +122,31 @@ def _int8(source, key) -> bool:
     return type(piece) is Quantised and piece.compute == products.INT8
 
 
-def _read_stored(source, job: Job, key: str, programs: _Programs) -> np.ndarray:
+def _sent(source, job: Job, key: str, programs: _Programs, buffers: read_buffers.Pool | None) -> jax.Array:
     """Tensor `key` as stored (PyTorch layout; a weight to quantise in its float form), in the dtype it is
-    kept in, its shape checked as the host path checks it; the programs that prepare it compiled."""
+    kept in (as bits where it is a stack's layer), its shape checked as the host path checks it, read into
+    a buffer of `buffers` and sent to the device, the transfer waited for (the buffer is read again next);
+    the programs that prepare it compiled."""
     check_shape(source, key, job.want)
     piece = _piece(source, key)
-    if _int8(source, key):
-        host = np.asarray(piece.piece.read(source.inner))
-    else:
-        host = source.get(key).astype(job.target_dtype, copy=False)
-    programs.compile(job, host, _int8(source, key))
-    return host
+    int8 = _int8(source, key)
+    with buffers.taken() if buffers is not None else contextlib.nullcontext():
+        if int8:
+            host = np.asarray(piece.piece.read(source.inner))
+        else:
+            host = source.get(key).astype(job.target_dtype, copy=False)
+        programs.compile(job, host, int8)
+        # In the device's own memory, the transfer complete before the buffer is read into again.
+        sent = jax.device_put(host if int8 or not job.layers else as_bits(host))
+        return sent.block_until_ready()
 
 
-def _prepared(source, job: Job, key: str, host: np.ndarray, stash: dict, programs) -> jax.Array:
-    """Layer `key` of `job` on the device in NNX's layout (as bits where it is a stack's): transposed,
-    quantised first for int8 (its scales left in `stash`)."""
+def _prepared(source, job: Job, key: str, sent: jax.Array, stash: dict, programs) -> jax.Array:
+    """Layer `key` of `job` (`sent` as stored) on the device in NNX's layout (as bits where it is a
+    stack's): transposed, quantised first for int8 (its scales left in `stash`)."""
     if not _int8(source, key):
-        stored = as_bits(host) if job.layers else host
-        return programs.transposed(jax.device_put(stored), job.axes)
-    weight = jax.device_put(host)
+        return programs.transposed(sent, job.axes)
+    weight = sent
     scales = np.asarray(programs.scales(weight))  # float32[out, 1]: exact on any device
     stash[key.removesuffix(".weight") + ".weight_scale"] = scales[:, 0]
     reciprocal = np.float32(1) / scales  # NumPy's division, as `products.in_8_bits` divides

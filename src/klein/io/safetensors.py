@@ -16,7 +16,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from klein.errors import CheckpointError
-from klein.io import finite
+from klein.io import finite, read_buffers
 from klein.io.json_file import read_json
 
 
@@ -111,7 +111,11 @@ def read_rows(path: Path, dtype: np.dtype, shape, offset: int, rows: slice | Non
             raise ValueError("rows must be a contiguous slice")
         offset += start * math.prod(shape[1:]) * dtype.itemsize
         shape[0] = max(stop - start, 0)
-    return np.fromfile(path, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+    count = math.prod(shape)
+    into = read_buffers.read(path, dtype, count, offset)  # a buffer used again, where a reader took one
+    if into is not None:
+        return into.reshape(shape)
+    return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
 # safetensors dtype names -> NumPy dtypes (bfloat16 and float8 from ml_dtypes).

@@ -19,7 +19,11 @@ ENTRY_SUFFIX = "-cache"
 JAX_MIN_COMPILE_SECONDS = 1.0
 """jax's default `jax_persistent_cache_min_compile_time_secs`: a different value was chosen by the process."""
 MIN_COMPILE_SECONDS = 0.2
-"""Programs that took this long or longer to compile are kept (jax's default keeps only those of 1 s)."""
+"""Programs that took this long or longer to compile are kept on a CPU (jax's default keeps only those of 1 s)."""
+ACCELERATOR_MIN_COMPILE_SECONDS = 0.0
+"""On an accelerator every program is kept: a TPU's small programs (a reshape, a cast, the loading's
+transposes) compile in 0.05-0.3 s each and read back from the cache in milliseconds, and a new process
+met dozens of them in its load and first call."""
 
 
 def folder() -> Path:
@@ -31,13 +35,15 @@ def folder() -> Path:
 
 def enable() -> None:
     """Persist compiled programs so that a second process skips most compilation: in `folder()`, keeping
-    programs that took `MIN_COMPILE_SECONDS` or more, unless the process chose otherwise (a folder of its
+    programs that took `MIN_COMPILE_SECONDS` or more (every one on an accelerator), unless the process chose otherwise (a folder of its
     own: then its cache and threshold stand)."""
     if jax.config.jax_compilation_cache_dir is not None:
         return
     jax.config.update("jax_compilation_cache_dir", str(folder()))
     if jax.config.jax_persistent_cache_min_compile_time_secs == JAX_MIN_COMPILE_SECONDS:  # jax's, not chosen
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+        cpu = jax.devices()[0].platform == "cpu"
+        threshold = MIN_COMPILE_SECONDS if cpu else ACCELERATOR_MIN_COMPILE_SECONDS
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
 
 
 @dataclasses.dataclass(frozen=True)
