@@ -5,7 +5,8 @@ to NNX's, and quantised for int8 products, in NumPy: on a TPU host those passes,
 a load (a bf16 transpose in NumPy runs at well under 1 GB/s). Here each large weight is read as it is stored,
 by threads that read `READ_AHEAD` tensors ahead into host buffers used again (`klein.io.read_buffers`: new
 arrays' pages cost more than the reads on a sandboxed TPU host), each thread sending what it read to the
-device as it is, to be transposed there (and quantised there for int8) into its place in its stack, the stack updated in place.
+device as it is, to be transposed there (and quantised there for int8) into its place in its stack, the
+stack updated in place.
 The small programs that do it (a few per shape of weight: tens of them, a tenth of a second or more each to
 compile) are compiled by the reading threads as each shape first comes, beside the reads and transfers.
 

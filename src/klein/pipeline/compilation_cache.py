@@ -35,8 +35,8 @@ def folder() -> Path:
 
 def enable() -> None:
     """Persist compiled programs so that a second process skips most compilation: in `folder()`, keeping
-    programs that took `MIN_COMPILE_SECONDS` or more (every one on an accelerator), unless the process chose otherwise (a folder of its
-    own: then its cache and threshold stand)."""
+    programs that took `MIN_COMPILE_SECONDS` or more (every one on an accelerator), unless the process
+    chose otherwise (a folder of its own: then its cache and threshold stand)."""
     if jax.config.jax_compilation_cache_dir is not None:
         return
     jax.config.update("jax_compilation_cache_dir", str(folder()))
