@@ -147,11 +147,10 @@ def _prepared(source, job: Job, key: str, sent: jax.Array, stash: dict, programs
     stack's): transposed, quantised first for int8 (its scales left in `stash`)."""
     if not _int8(source, key):
         return programs.transposed(sent, job.axes)
-    weight = sent
-    scales = np.asarray(programs.scales(weight))  # float32[out, 1]: exact on any device
+    scales = np.asarray(programs.scales(sent))  # float32[out, 1]: exact on any device
     stash[key.removesuffix(".weight") + ".weight_scale"] = scales[:, 0]
     reciprocal = np.float32(1) / scales  # NumPy's division, as `products.in_8_bits` divides
-    return programs.quantised(weight, reciprocal, job.axes)
+    return programs.quantised(sent, reciprocal, job.axes)
 
 
 class _Programs:
