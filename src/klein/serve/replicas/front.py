@@ -33,6 +33,10 @@ WARMING_POLL = 1.0
 NO_PREVIEWS = "preview is ignored behind --replicas: the front does not relay a replica's frames yet"
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)
 """A replica died, or cannot be reached, while it held the request."""
+RESEND_DELAYS = (0.0, 0.5, 2.0)
+"""Seconds before each new try of a call whose replica was lost before the job started. Serve's router
+drops a replica once a call reports it dead, but one only unreachable (`ActorUnavailableError`) stays on
+offer until the controller notices, so a second try can meet the same dead replica."""
 APP, REPLICA = "klein", "Replica"
 
 
@@ -156,18 +160,20 @@ class Front:
         return job
 
     async def _follow(self, job: Job, call, send) -> None:
-        """Record the job's events until its end; a job its lost replica had not started is sent once
-        more (the router no longer offers the dead replica), one it had started ends in 503."""
+        """Record the job's events until its end; a job its lost replica had not started is sent again
+        (`RESEND_DELAYS`: the router stops offering the dead replica), one it had started ends in 503."""
         try:
-            try:
-                await self._record(job, call)
-            except LOST:
-                if job.status != "queued":
-                    raise
-                log.warning("job %s: its replica was lost before it started; sending it again", job.id)
-                call = send()
-                self.worker.add(job, call)
-                await self._record(job, call)
+            for delay in (*RESEND_DELAYS, None):
+                try:
+                    await self._record(job, call)
+                    break
+                except LOST:
+                    if job.status != "queued" or delay is None:
+                        raise
+                    log.warning("job %s: its replica was lost before it started; sending it again", job.id)
+                    await asyncio.sleep(delay)
+                    call = send()
+                    self.worker.add(job, call)
         except LOST:
             log.warning("job %s: its replica was lost while running it", job.id)
         except (RequestCancelledError, asyncio.CancelledError):
@@ -225,16 +231,17 @@ class Front:
 
 async def _accepted(send) -> tuple[object, tuple[str, dict]]:
     """A call (`send()`) and its replica's first event: accepted, or its refusal; 429 when every replica and
-    the router's queue are full. A replica lost before it answered is replaced once; then 503."""
-    for attempt in range(2):  # the router no longer offers the dead replica: the second call goes to another
+    the router's queue are full. A replica lost before it answered is replaced (`RESEND_DELAYS`); then 503."""
+    for delay in (*RESEND_DELAYS, None):
         call = send()
         try:
             return call, await call.__anext__()
         except BackPressureError:
             raise busy() from None
         except LOST:
-            if attempt:
+            if delay is None:
                 raise lost() from None
+            await asyncio.sleep(delay)
 
 
 @serve.ingress()
