@@ -53,11 +53,13 @@ def test_cache_settings_and_uncached_requests_compile_nothing_after_the_first(pi
     assert dynamic.cached_steps("single", "cond") == []
 
 
-def test_threshold_zero_is_the_uncached_image_exactly(pipes):
+def test_threshold_zero_is_the_uncached_image(pipes):
+    """Another program than the uncached one's: equal up to float32 rounding (a step read from the cache
+    would move the image by far more)."""
     pipe = pipes("base")
     request = dict(prompt="a cat", seed=3, **BASE)
     out = pipe(**request, cache=StepCache(threshold=0.0))
-    np.testing.assert_array_equal(out.images, pipe(**request).images)
+    assert max_abs(out.images, pipe(**request).images) < 5e-6
     assert _reused(out) == 0 and out.step_cache.computed("double") == 16
 
 

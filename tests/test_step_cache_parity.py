@@ -280,7 +280,9 @@ def test_nothing_cached_is_the_uncached_image(pipes, cache):
     uncached = klein_run(pipes, case, cache=None).images
     out = klein_run(pipes, case)
     assert all(not out.step_cache.cached_steps(g, b) for g in GROUPS for b in ("cond", "uncond"))
-    assert np.array_equal(out.images, uncached), max_abs(out.images, uncached)
+    # Another program than the uncached one's: equal up to float rounding (a step read from the cache moves
+    # the image by far more).
+    assert max_abs(out.images, uncached) < 5e-6
 
 
 def test_cache_dit_config_objects_equal_the_step_cache(pipes):
