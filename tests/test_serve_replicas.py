@@ -29,7 +29,8 @@ def url(klein_home, tmp_path_factory):
     """One `klein serve --replicas 2` with two API keys for the module (Ray's start-up is most of its time):
     the other tests send alpha's key through `front`."""
     keys = str(key_file(tmp_path_factory))
-    process, url = start(klein_home, "--replicas", "2", "--max-queue", "32", "--api-key-file", keys)
+    flags = ("--replicas", "2", "--max-queue", "32", "--api-key-file", keys, "--shutdown-grace", "5")
+    process, url = start(klein_home, *flags)
     try:
         yield url
     finally:

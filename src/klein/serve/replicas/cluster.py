@@ -63,14 +63,20 @@ def serve_replicas(
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
+        # Serve lets a stopping replica finish what it holds for this long (the running job's --shutdown-grace)
+        # before it kills it; its own default is 20 s whatever the flag says.
+        grace = {"graceful_shutdown_timeout_s": options.shutdown_grace}
         replica = serve.deployment(Replica, name=REPLICA).options(
             num_replicas=replicas,
+            **grace,
             max_ongoing_requests=REPLICA_CONCURRENCY,
             max_queued_requests=options.max_queue * replicas,
             ray_actor_options=ray_runtime.share(replicas),
             **({} if routing == "load" else {"request_router_config": by_reference}),
         )
-        front = serve.deployment(FrontDeployment, name="Front").options(ray_actor_options={"num_cpus": 0})
+        front = serve.deployment(FrontDeployment, name="Front").options(
+            ray_actor_options={"num_cpus": 0}, **grace
+        )
         app = front.bind(
             replica.bind(loading, options, memory_limit, version, warm), options, version, routing, replicas
         )
