@@ -28,14 +28,26 @@ WORKFLOWS = ROOT / "integrations" / "comfyui" / "workflows"
 
 
 def installed() -> bool:
-    return (VENV / "bin" / "python").exists() and (SOURCE / "main.py").exists()
+    """Whether tests/comfyui/install.sh has completed here."""
+    return (VENV / "installed").exists()
+
+
+def wait_installed(seconds: float = 900) -> None:
+    """Return once the environment is complete: CI installs it while the suite runs (.ci/run); an install
+    that stopped, or none within `seconds`, raises."""
+    deadline = time.monotonic() + seconds
+    while not installed():
+        if (VENV / "failed").exists() or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"ComfyUI's environment {VENV} is not installed: bash tests/comfyui/install.sh"
+            )
+        time.sleep(1)
 
 
 def start(base: pathlib.Path) -> tuple[subprocess.Popen, str]:
     """(process, URL) of ComfyUI with `base` as its --base-directory and the pack in its custom_nodes/,
     started, not yet ready (`wait_ready`): the caller may start other things meanwhile."""
-    if not installed():
-        raise RuntimeError(f"no ComfyUI at {SOURCE} (with {VENV}/bin/python): bash tests/comfyui/install.sh")
+    wait_installed()
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
     (base / "custom_nodes" / PACK.name).symlink_to(PACK, target_is_directory=True)
     port = free_port()
