@@ -20,9 +20,9 @@ if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's first process: xdist's 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="klein-tests-xla-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"  # klein's own threshold
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-    # XLA:CPU's code generation at LLVM's -O1 rather than its default: most programs here are compiled to run
+    # XLA:CPU's backend optimisation level 1 rather than its default: most programs here are compiled to run
     # once or twice on tiny models, so compiling costs more than running (test_parity_grid, test_readme and
-    # test_serve_lifecycle together 4.5% faster on 2 AMD EPYC cores; -O0 saved as much in compiling but ran the
+    # test_serve_lifecycle together 4.5% faster on 2 AMD EPYC cores; level 0 saved as much in compiling but ran the
     # demo's 1024^2 step 5x slower). The numbers move by float rounding, no tolerance here is tighter.
     if os.environ.get("KLEIN_TEST_TPU") != "1":
         os.environ["XLA_FLAGS"] = (
