@@ -123,3 +123,21 @@ def test_cached_reference_keys(dtype, padded):
     k_all, v_all = (A._splice(x, c, text) for x, c in zip((k, v), cached, strict=True))
     q_rank = None if rank is None else jnp.zeros((1, text + image), jnp.int32)
     close(got, xla(q, k_all, v_all, q_rank, rank), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_keys_in_wide_tiles(dtype):
+    """A cached step with one 1024^2 reference: 4,608 queries over 8,704 keys, whose tiles take
+    `splash.WIDE_KEYS` keys (padded to 10,240), the last 100 keys masked as bucket padding."""
+    from klein.models import splash
+
+    text_image, refs = 4608, 4096
+    assert splash._key_block(text_image + refs) == splash.WIDE_KEYS
+    q = qkv(text_image, text_image, dtype)[0]
+    k, v = qkv(text_image + refs, text_image + refs, dtype, seed=2)[1:]
+    rank = jnp.asarray(
+        np.where(np.arange(text_image + refs) >= text_image + refs - 100, MASKED, 0)[None], jnp.int32
+    )
+    q_rank = jnp.zeros((1, text_image), jnp.int32)
+    got = on_chip(lambda *a: A.attention(*a, keys_only=True), q, k, v, q_rank, rank)
+    close(got, xla(q, k, v, q_rank, rank), dtype)

@@ -68,15 +68,8 @@ def pipes(folders):
 
 
 FLOAT32_MODES = [mode for mode, (_, dtype, _) in cases.MODES.items() if dtype == "float32"]
-FLOAT32_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="measured on a v5e (2026-12-06): products at `highest` took text-to-image from 1.7e-2 to 8.4e-3 "
-    "of the CPU's image, the other modes 7.6e-3 to 1.0e-2 (base with CFG 2.9e-2); what else runs below "
-    "float32 on the chip (transcendentals such as the sin/cos of the embeddings, suspected) is not found yet",
-)
 
 
-@FLOAT32_GAP
 @pytest.mark.parametrize("mode", FLOAT32_MODES)
 def test_float32_on_the_chip_is_the_cpus_image(pipes, cpu, mode):
     got, want = cases.generate(pipes, mode), cpu(mode)

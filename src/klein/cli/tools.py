@@ -190,7 +190,7 @@ def _target_command(flags: argparse.Namespace) -> int:
     if on is None:
         raise InputError(f"--target {flags.target}: klein has no published figures of its chip")
     files = _plan_files(flags)
-    compute = compute_of(flags.compute, mesh.devices.flat[0])
+    compute = compute_of(flags.compute, mesh.devices.flat[0], flags.dtype)
     # The platform is "gpu" for NVIDIA cards: their programs are planned.
     asked = _asked(flags, files, compute, spec, mesh.devices.flat[0].platform)
     models, dtype = asked["models"], asked["dtype"]

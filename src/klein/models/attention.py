@@ -17,6 +17,7 @@ from einops import rearrange
 from jax.sharding import PartitionSpec
 
 from klein import sharding
+from klein.models import transcendentals
 from klein.sharding import mesh_axis
 
 QUERY_BLOCK = 256
@@ -277,10 +278,10 @@ def _tile(carry, q_block, k_block, v_block, k_rank, bias, q_rank, masked: bool):
         allowed = k_rank[:, None, None, :] <= q_rank[:, None, :, None]
         scores = jnp.where(allowed, scores, _LOW)
     new_max = jnp.maximum(running_max, scores.max(-1))
-    weights = jnp.exp(scores - new_max[..., None])
+    weights = transcendentals.exp(scores - new_max[..., None])
     if masked:
         weights = jnp.where(allowed, weights, 0.0)
-    correction = jnp.exp(running_max - new_max)
+    correction = transcendentals.exp(running_max - new_max)
     total = total * correction + weights.sum(-1)
     values = jnp.einsum(
         "bkqj,bkjd->bkqd", weights.astype(v_block.dtype), v_block, preferred_element_type=jnp.float32

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from klein.models import adapters, products
+from klein.models import adapters, products, transcendentals
 
 
 class Linear(nnx.Module):
@@ -159,7 +159,7 @@ def modulate(x: jnp.ndarray, shift: jnp.ndarray, scale: jnp.ndarray, eps: float)
 
 def swiglu(x: jnp.ndarray) -> jnp.ndarray:
     gate, value = jnp.split(x, 2, axis=-1)
-    return jax.nn.silu(gate) * value
+    return transcendentals.silu(gate) * value
 
 
 class RMSNorm(nnx.Module):
@@ -192,7 +192,7 @@ class Modulation(nnx.Module):
 
     def __call__(self, temb: jnp.ndarray) -> jnp.ndarray:
         """float[B, D] -> float[B, 1, 3 * sets * D]; split it with `split_modulation`."""
-        return self.linear(jax.nn.silu(temb))[:, None, :]
+        return self.linear(transcendentals.silu(temb))[:, None, :]
 
 
 def split_modulation(mod: jnp.ndarray, sets: int) -> list[tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]]:
@@ -203,7 +203,7 @@ def split_modulation(mod: jnp.ndarray, sets: int) -> list[tuple[jnp.ndarray, jnp
 def timestep_features(t: jnp.ndarray, channels: int) -> jnp.ndarray:
     """Sinusoidal features of t float[B] in [0, 1] (scaled by 1000), [cos, sin] order -> float[B, channels]."""
     half = channels // 2
-    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = transcendentals.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
     angles = (t.astype(jnp.float32) * 1000.0)[:, None] * freqs[None, :]
     return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
 
@@ -214,7 +214,7 @@ class TimestepEmbedder(nnx.Module):
         self.linear_2 = Linear(dim, dim, rngs, dtype)
 
     def __call__(self, features):
-        return self.linear_2(jax.nn.silu(self.linear_1(features)))
+        return self.linear_2(transcendentals.silu(self.linear_1(features)))
 
 
 class TimeGuidanceEmbed(nnx.Module):
@@ -237,5 +237,5 @@ class AdaNormOut(nnx.Module):
         self.eps = eps
 
     def __call__(self, x, temb):
-        scale, shift = jnp.split(self.linear(jax.nn.silu(temb))[:, None, :], 2, axis=-1)
+        scale, shift = jnp.split(self.linear(transcendentals.silu(temb))[:, None, :], 2, axis=-1)
         return modulate(x, shift, scale, self.eps)

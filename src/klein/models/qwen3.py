@@ -17,7 +17,7 @@ import numpy as np
 from einops import rearrange
 from flax import nnx
 
-from klein.models import gguf_blocks, stacks
+from klein.models import gguf_blocks, stacks, transcendentals
 from klein.models.attention import MASKED, attention
 from klein.models.layers import Linear
 from klein.models.qwen3_config import Qwen3Config
@@ -75,7 +75,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, rngs, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(transcendentals.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):

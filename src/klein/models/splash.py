@@ -18,6 +18,11 @@ BLOCK = 512
 core's VMEM at head dims up to 512 (the VAE's)."""
 LANES = 128
 """A TPU vector register's lanes: token counts are padded to whole blocks of at least this."""
+WIDE_KEYS, WIDE_FROM, WIDE_PADDING = 2048, 8192, 0.25
+"""Keys a tile for long key sequences (`WIDE_FROM` keys or more, where padding them to whole tiles adds at
+most `WIDE_PADDING` of keys), each tile's products still over `BLOCK` keys at a time. Measured on a v5e
+(bf16, 24 heads of 128, `benchmarks/tpu_splash_blocks.py`): 155 TFLOP/s over 20,480 tokens against 117
+with 512 keys a tile, 115 against 106 at 8,704 (padded to 10,240); at 4,608 tokens 512 stays the best."""
 
 
 def supports(q) -> bool:
@@ -25,16 +30,18 @@ def supports(q) -> bool:
     return q.shape[-1] % LANES == 0
 
 
-def attention(q, k, v, q_rank=None, k_rank=None, causal: bool = False, interpret: bool = False):
-    """q float[B, Sq, H, Dh]; k, v float[B, Sk, K, Dh]; ranks int32[B or 1, S] or None -> float[B, Sq, H, Dh]."""
+def attention(q, k, v, q_rank=None, k_rank=None, causal: bool = False, interpret: bool = False, blocks=None):
+    """q float[B, Sq, H, Dh]; k, v float[B, Sk, K, Dh]; ranks int32[B or 1, S] or None -> float[B, Sq, H, Dh].
+    `blocks`: (queries, keys, keys per product) a tile, or None for `BLOCK` each (fewer where the tokens are)."""
     b, sq, _, dh = q.shape
     sk = k.shape[1]
-    block_q, block_kv = _block(sq), _block(sk)
+    block_q, block_kv, block_compute = blocks or (_block(sq), _key_block(sk), _block(sk))
     sq_pad, sk_pad = _round_up(sq, block_q), _round_up(sk, block_kv)
     q_seg, kv_seg = _segments(q_rank, k_rank, sq, sk, causal)
     kv_seg = jnp.pad(kv_seg, ((0, 0), (0, sk_pad - sk)), constant_values=1)
     q_seg = jnp.pad(q_seg, ((0, 0), (0, sq_pad - sq)))
-    kernel = _kernel(sq_pad, sk_pad, q.shape[2], block_q, block_kv, causal, interpret)
+    tile = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_compute)
+    kernel = _kernel(sq_pad, sk_pad, q.shape[2], tile, causal, interpret)
     # Splash does not scale the scores; heads lead and the head dim is minor inside it.
     q = rearrange(_pad(q * jnp.asarray(dh**-0.5, q.dtype), sq_pad), "b s h d -> b h s d")
     k, v = (rearrange(_pad(x, sk_pad), "b s h d -> b h s d") for x in (k, v))
@@ -61,18 +68,21 @@ def _sees_a_key(q_rank, k_rank):
     return k_rank.min(axis=1, keepdims=True) <= q_rank
 
 
-def _kernel(sq: int, sk: int, heads: int, block_q: int, block_kv: int, causal: bool, interpret: bool):
+def _kernel(sq: int, sk: int, heads: int, tile, causal: bool, interpret: bool):
     """The forward-only kernel for one image's [H, Sq, Dh] queries over [K, Sk, Dh] keys (K divides H)."""
     one = splash.CausalMask((sq, sk)) if causal else splash.FullMask((sq, sk))
     return splash.make_splash_mha_single_device(
-        splash.MultiHeadMask([one] * heads),
-        block_sizes=splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv),
-        interpret=interpret,
+        splash.MultiHeadMask([one] * heads), block_sizes=tile, interpret=interpret
     )
 
 
 def _block(tokens: int) -> int:
     return min(BLOCK, _round_up(tokens, LANES))
+
+
+def _key_block(tokens: int) -> int:
+    wide = tokens >= WIDE_FROM and _round_up(tokens, WIDE_KEYS) <= tokens * (1 + WIDE_PADDING)
+    return WIDE_KEYS if wide else _block(tokens)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -24,7 +24,7 @@ from einops import rearrange
 from flax import nnx
 
 from klein.errors import CheckpointError
-from klein.models import vae_canvas
+from klein.models import transcendentals, vae_canvas
 from klein.models.attention import Keys, attend
 
 _PATCH = 2  # latents are patchified 2x2 into transformer channels
@@ -170,8 +170,8 @@ class ResnetBlock(nnx.Module):
         self.conv_shortcut = _conv(cin, cout, 1, **kw) if cin != cout else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.conv1(vae_canvas.zeroed(nnx.silu(self.norm1(x))))
-        h = self.conv2(vae_canvas.zeroed(nnx.silu(self.norm2(h))))
+        h = self.conv1(vae_canvas.zeroed(transcendentals.silu(self.norm1(x))))
+        h = self.conv2(vae_canvas.zeroed(transcendentals.silu(self.norm2(h))))
         skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
         return skip + h
 
@@ -323,7 +323,7 @@ class Encoder(nnx.Module):
         for block in self.down_blocks:
             x = block(x)
         x = self.mid_block(x)
-        return self.conv_out(vae_canvas.zeroed(nnx.silu(self.conv_norm_out(x))))
+        return self.conv_out(vae_canvas.zeroed(transcendentals.silu(self.conv_norm_out(x))))
 
 
 class Decoder(nnx.Module):
@@ -342,7 +342,7 @@ class Decoder(nnx.Module):
         x = self.mid_block(self.conv_in(vae_canvas.zeroed(z)))
         for block in self.up_blocks:
             x = block(x)
-        return self.conv_out(vae_canvas.zeroed(nnx.silu(self.conv_norm_out(x))))
+        return self.conv_out(vae_canvas.zeroed(transcendentals.silu(self.conv_norm_out(x))))
 
 
 class LatentNorm(nnx.Module):

@@ -59,7 +59,7 @@ def read(options: LoadOptions) -> Loaded:
     dtype = located.stored_dtype if options.dtype is None else dtypes.dtype(options.dtype)
     dequantize = options.dequantize
     devices = sharding.local_devices(mesh)
-    compute = compute_of(options.compute, devices[0])
+    compute = compute_of(options.compute, devices[0], dtype)
     # GGUF / NVFP4 files keep their Linears quantized (unless dequantised): counted at their bytes.
     configs = (located.config, located.text_config, located.vae_config)
     stored = plan.Models(*configs, located.variant, located.fp8 and not dequantize)
@@ -114,9 +114,15 @@ def read(options: LoadOptions) -> Loaded:
     )
 
 
-def compute_of(option: str, device) -> str:
-    """The `compute` option as it runs on `device`: "auto" made the device's fastest product."""
-    return klein_devices.auto_compute(device) if option == AUTO else option
+def compute_of(option: str, device, dtype=None) -> str:
+    """The `compute` option as it runs on `device` for a pipeline computing in `dtype`: "auto" made the
+    device's fastest product, except in float32, whose products stay in float32 ("bf16": the compute
+    dtype's, unquantised) wherever it runs: float32 asks for float32's numbers, not the chip's fastest."""
+    if option != AUTO:
+        return option
+    if dtype is not None and dtypes.DTYPES.get(dtype, dtype) == dtypes.DTYPES["float32"]:
+        return klein_devices.BF16
+    return klein_devices.auto_compute(device)
 
 
 def locate(options: LoadOptions, mesh=None) -> components.Located:
