@@ -57,7 +57,8 @@ def load_pipeline(
 
     compute: how the transformer blocks' products are made: "bf16", "fp8" (FP8 weights, activations
     quantised per token, float32 accumulation) or "int8" (W8A8, int32 accumulation); "auto" (the default)
-    what the device multiplies fastest (`klein.devices.auto_compute`: bf16 on CPUs).
+    what the device multiplies fastest (`klein.devices.auto_compute`: bf16 on CPUs), and a float32
+    pipeline's own float32 products on every device.
 
     mesh: None or "single" (one device), a preset using every device ("fsdp"), or axis sizes
     ("fsdp=4,context=2") multiplying to the device count of all processes (`klein.sharding`).

@@ -105,7 +105,7 @@ class LoadOptions:
         "token), nvfp4 or mxfp8 (both operands block-scaled: 4-bit blocks of 16, 8-bit blocks of 32; "
         "Blackwell multiplies them in hardware, elsewhere emulated); attention and norms stay bf16/fp32. "
         "auto (default): nvfp4 on Blackwell, fp8 on other GPUs with FP8 tensor cores and TPU v7, int8 on "
-        "other GPUs and TPUs, bf16 on CPUs",
+        "other GPUs and TPUs, bf16 on CPUs; a float32 pipeline's own float32 products everywhere",
         kinds.TEXT,
         default=AUTO,
         choices=COMPUTE,
