@@ -82,3 +82,16 @@ def test_the_runs_before_and_after_make_the_same_first_image():
     runs = _figures("tpu-v5e-load-seconds.json")
     for dtype in ("bf16", "int8"):
         assert runs[f"{dtype}-main"]["first_image_sum"] == runs[f"{dtype}-new"]["first_image_sum"]
+
+
+def test_the_step_ceiling_table_is_its_json():
+    """docs/devices.md "At the chip's limit?": each product's row and the step's sums."""
+    report, doc = _figures("tpu-v5e-step-ceiling.json"), _doc()
+    rows = {(r["product"], r["dtype"]): r for r in report["rows"]}
+    for name in dict.fromkeys(product for product, _ in rows):
+        b, i = rows[name, "bf16"], rows[name, "int8"]
+        shape = f"[{b['m']} x {b['k']}] @ [{b['k']} x {b['n']}]"
+        assert f"| {name} | {shape} | {b['count']} | {b['tflop_per_s']} | {i['tflop_per_s']} |" in doc
+    bf16, int8 = report["step_bf16"], report["step_int8"]
+    assert f"**{bf16['tflop_per_s']} TFLOP/s in bf16** ({bf16['share_of_spec_peak']:.0%} of the 197" in doc
+    assert f"**{int8['tflop_per_s']} TOP/s in int8** ({int8['share_of_spec_peak']:.0%} of 394)" in doc
