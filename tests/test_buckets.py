@@ -82,8 +82,8 @@ def _padded(rng, array, padded, fill):
 def test_padding_masked_by_its_rank_cannot_change_a_real_token(fill):
     """Standard editing and KV editing with the image (15 -> 32 tokens) and the references (13 -> 16)
     padded, the padding zeros or noise: the real tokens' velocities are those of the exact streams. The
-    same padding left unmasked changes them (the check is sensitive). The weights and streams are the
-    programs' arguments: both fills run the same three programs."""
+    same padding left unmasked (every token ranked real) changes them (the check is sensitive). The weights,
+    streams and ranks are the programs' arguments: both fills run the same two programs."""
     graphdef, state = nnx.split(T.Flux2Transformer(CONFIG, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     grid, refs = (3, 5), [(2, 5), (1, 3)]
@@ -119,7 +119,8 @@ def test_padding_masked_by_its_rank_cannot_change_a_real_token(fill):
     got = editing(state, *padded, buckets.ranks(n, n_b), buckets.ranks(r, r_b))
     for g, w in zip(got, want, strict=True):
         assert max_abs(g, w) < 1e-5
-    unmasked = editing(state, *padded, None, None)
+    # Every token ranked real (rank 0, as no ranks at all): the padding seen as tokens, on the same program.
+    unmasked = editing(state, *padded, np.zeros(n_b, np.int32), np.zeros(r_b, np.int32))
     for g, w in zip(unmasked, want, strict=True):
         assert max_abs(g, w) > 1e-3
 

@@ -12,17 +12,19 @@ from flax import nnx
 
 from klein.io.transformer_checkpoint import load_transformer
 from klein.models import stacks
-from klein.models import transformer as T
 from klein.models.attention import MASKED, attention
 from tests.support.compare import assert_close, rel_err
 from tests.support.tiny_transformer import with_kv_processors
 from tests.support.transformer_inputs import (
     diffusers_extract,
     diffusers_references,
+    forward_cached,
+    forward_kv_uncached,
     jx,
     make_case,
     ours_kv,
     ours_plain,
+    prefill,
     ropes,
     torch_call,
 )
@@ -81,11 +83,11 @@ def test_kv_later_steps_equal_diffusers_cached(models):
     case0 = make_case(3, 2, ref_sizes=[(3, 4), (2, 2)])
     _, cache = diffusers_extract(ref, case0)
     img_rope, txt_rope, ref_rope = ropes(ours, case0.img_ids, case0.txt_ids, case0.ref_ids)
-    kv = T.prefill(ours, jx(case0.ref)[0], ref_rope)
+    kv = prefill(ours, jx(case0.ref)[0], ref_rope)
     for seed, t in [(4, [0.6, 0.6]), (5, [0.25, 0.9])]:
         case = make_case(seed, 2, t=t)
         want = torch_call(ref, case, kv_cache=cache, kv_cache_mode="cached")[0].numpy()
-        got = T.forward_cached(ours, *jx(case.img, case.txt, case.t), img_rope, txt_rope, kv)
+        got = forward_cached(ours, *jx(case.img, case.txt, case.t), img_rope, txt_rope, kv)
         assert_close(got, want, TOL)
 
 
@@ -95,7 +97,7 @@ def test_cached_equals_uncached(models):
     img_rope, txt_rope, ref_rope = ropes(ours, case.img_ids, case.txt_ids, case.ref_ids)
     got, _ = ours_kv(ours, case)
     args = (*jx(case.img, case.txt, case.t), img_rope, txt_rope)
-    uncached = T.forward_kv_uncached(ours, *args, jx(case.ref)[0], ref_rope)
+    uncached = forward_kv_uncached(ours, *args, jx(case.ref)[0], ref_rope)
     assert_close(got, uncached, 1e-5)
 
 
@@ -172,7 +174,7 @@ def test_batch_shares_one_prefill(models):
     assert kv.double_k.ndim == 4 and kv.num_tokens == 9
     img_rope, txt_rope = ropes(ours, case.img_ids, case.txt_ids)
     for b in range(3):
-        alone = T.forward_cached(
+        alone = forward_cached(
             ours, *jx(case.img[b : b + 1], case.txt[b : b + 1], case.t[b : b + 1]), img_rope, txt_rope, kv
         )
         assert_close(together[b : b + 1], alone, 1e-5)

@@ -17,6 +17,7 @@ from klein.sampling import image_ids, reference_ids, text_ids
 forward = nnx.jit(T.forward)
 prefill = nnx.jit(T.prefill)
 forward_cached = nnx.jit(T.forward_cached)
+forward_kv_uncached = nnx.jit(T.forward_kv_uncached)
 
 
 @dataclass
