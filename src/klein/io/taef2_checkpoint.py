@@ -22,6 +22,7 @@ from klein.errors import CheckpointError, InputError
 from klein.io.loading import load_module
 from klein.io.paths import klein_home
 from klein.io.safetensors import TensorSource
+from klein.models.abstract_keys import AbstractKeys
 from klein.models.taef2 import LEVEL_BLOCKS, TAEF2Decoder
 
 DOWNLOAD = "https://huggingface.co/madebyollin/taef2/resolve/main/taef2.safetensors"
@@ -106,5 +107,5 @@ def load_taef2(path: str | Path, dtype=jnp.float32, *, latent_channels: int | No
             f"{path}: a decoder of {channels} latent channels; this pipeline's latents have "
             f"{latent_channels} (FLUX.2's 32): is it TAEF2's?"
         )
-    abstract = nnx.eval_shape(lambda: TAEF2Decoder(channels, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: TAEF2Decoder(channels, rngs=AbstractKeys()))
     return load_module(abstract, source, dtype=dtype, key_map=lambda key: name(reference_key(key)), skip=skip)

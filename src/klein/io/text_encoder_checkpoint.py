@@ -13,6 +13,7 @@ from klein.errors import CheckpointError, counted
 from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
 from klein.io.safetensors import TensorSource
+from klein.models.abstract_keys import AbstractKeys
 from klein.models.layers import store
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
@@ -61,7 +62,7 @@ def abstract_text_encoder(
     path -> `klein.models.layers.Stored`), its token table as GGUF blocks of type `embedding` if named."""
 
     def build() -> Qwen3TextEncoder:
-        encoder = store(Qwen3TextEncoder(config, num_layers, rngs=nnx.Rngs(0), dtype=dtype), forms or {})
+        encoder = store(Qwen3TextEncoder(config, num_layers, rngs=AbstractKeys(), dtype=dtype), forms or {})
         if embedding is not None:
             encoder.model.keep_blocks(embedding)
         return encoder

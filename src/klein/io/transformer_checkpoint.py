@@ -15,6 +15,7 @@ from klein.io.mapped import MappedSource
 from klein.io.quantised import quantised_table
 from klein.io.safetensors import TensorSource
 from klein.models import products
+from klein.models.abstract_keys import AbstractKeys
 from klein.models.layers import SHIPPED_FP8, Stored, packed, quantised, store
 from klein.models.transformer import Flux2Transformer
 from klein.models.transformer_config import TransformerConfig
@@ -31,7 +32,7 @@ def key_map(key: str) -> str:
 
 def abstract_transformer(cfg: TransformerConfig, dtype=jnp.float32, forms=None) -> Flux2Transformer:
     """The transformer's shapes, its Linears stored as `forms` says (module path -> `Stored`)."""
-    return nnx.eval_shape(lambda: store(Flux2Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype), forms or {}))
+    return nnx.eval_shape(lambda: store(Flux2Transformer(cfg, rngs=AbstractKeys(), dtype=dtype), forms or {}))
 
 
 def stored_forms(

@@ -24,6 +24,7 @@ from klein.io.json_file import read_json
 from klein.io.loading import expected_shapes, load_module
 from klein.io.mapped import Joined, MappedSource
 from klein.io.safetensors import TensorSource
+from klein.models.abstract_keys import AbstractKeys
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 
 # BatchNorm's training-step counter: saved by torch, meaningless for inference.
@@ -95,9 +96,7 @@ def abstract_vae(cfg: VAEConfig) -> AutoencoderKLFlux2:
 
 @functools.cache
 def _abstract_vae(cfg: VAEConfig):
-    # Tracing the initialisers of its ~130 layers costs about a second of CPU (flax checks each random
-    # draw's sharding, and jax's message for a tracer walks the whole trace so far): once per config.
-    return nnx.split(nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: AutoencoderKLFlux2(cfg, rngs=AbstractKeys())))
 
 
 def read_config(path: Path) -> VAEConfig:

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from klein.models import gguf_blocks
+from klein.models.abstract_keys import AbstractKeys
 
 # Float type -> the unsigned integer of its width; and back.
 _BITS = {
@@ -25,8 +26,11 @@ _BITS = {
 _FLOATS = {bits: floating for floating, bits in _BITS.items()}
 
 
-def stack(make, count: int, rngs: nnx.Rngs):
-    """`count` modules `make(rngs)`, each drawn from its own split of `rngs`, stacked on a leading axis."""
+def stack(make, count: int, rngs: nnx.Rngs | AbstractKeys):
+    """`count` modules `make(rngs)`, each drawn from its own split of `rngs`, stacked on a leading axis
+    (with `AbstractKeys`, for shapes alone, every one from the same key)."""
+    if isinstance(rngs, AbstractKeys):
+        return nnx.vmap(lambda _: make(rngs), in_axes=0, out_axes=0)(jnp.arange(count))
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=0, out_axes=0)
