@@ -4,6 +4,7 @@ stored (`stored_forms`: bf16, FP8 as shipped, or quantised at load for 8-bit pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -31,8 +32,17 @@ def key_map(key: str) -> str:
 
 
 def abstract_transformer(cfg: TransformerConfig, dtype=jnp.float32, forms=None) -> Flux2Transformer:
-    """The transformer's shapes, its Linears stored as `forms` says (module path -> `Stored`)."""
-    return nnx.eval_shape(lambda: store(Flux2Transformer(cfg, rngs=AbstractKeys(), dtype=dtype), forms or {}))
+    """The transformer's shapes, its Linears stored as `forms` says (module path -> `Stored`): a module of
+    its own for each caller (loading fills it), merged from shapes traced once per config, dtype and forms
+    (a load asks for them three or four times)."""
+    return nnx.merge(*_abstract_transformer(cfg, jnp.dtype(dtype), tuple(sorted((forms or {}).items()))))
+
+
+@functools.cache
+def _abstract_transformer(cfg: TransformerConfig, dtype, forms: tuple):
+    return nnx.split(
+        nnx.eval_shape(lambda: store(Flux2Transformer(cfg, rngs=AbstractKeys(), dtype=dtype), dict(forms)))
+    )
 
 
 def stored_forms(
