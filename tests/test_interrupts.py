@@ -25,11 +25,14 @@ PROMPT_TIMEOUT = 120
 """Seconds a stage may take to show (a loaded machine compiles slowly)."""
 STEPPING = r"\| +[1-9]\d*/200 "
 """The denoising bar past its first step (of 200, so that many remain)."""
-COMPILING = r"compiling \(first run\)\]"
-"""The denoising bar's compilation: it shows as the tracing (Python) starts; XLA's compilation follows, at
-3072x3072 for tens of seconds without returning to Python, then the first step's run (SETTLE)."""
-SETTLE = 5
-"""Seconds from COMPILING to well inside XLA's compilation."""
+LOWERED = r"Finished jaxpr to MLIR module conversion jit\({}\)"
+"""JAX's log (JAX_LOG_COMPILES=1) of a program traced and lowered, `format`ted with its name: XLA's
+compilation starts next, at 3072x3072 for seconds without returning to Python (3.3 s of the denoising step on
+2 cores at the tests' --xla_backend_optimization_level=1), then the first step's run."""
+SETTLE = 1
+"""Seconds from LOWERED to well inside XLA's compilation (the denoising bar's "compiling (first run)" shows
+as the tracing starts, ~0.3 s before it: 5 s from there were past the compilation, in the step's run)."""
+LOG_COMPILES = {"JAX_LOG_COMPILES": "1"}
 LARGE = ["--size", "3072x3072", "--max-pixels", str(3072 * 3072)]
 """An image XLA compiles and steps through for tens of seconds at a time (past klein serve's size limit)."""
 STOPPED_WITHIN = interrupts.GRACE + 4
@@ -81,8 +84,8 @@ class Running:
         return code, time.monotonic() - sent
 
 
-def _generate(klein_home, out, *size):
-    return Running(klein_home, "generate", *PROMPT, *size, "--out", out / "fox.png", cwd=out)
+def _generate(klein_home, out, *size, env=None):
+    return Running(klein_home, "generate", *PROMPT, *size, "--out", out / "fox.png", cwd=out, env=env)
 
 
 def _assert_stopped(run, code, took, out):
@@ -101,8 +104,8 @@ def test_ctrl_c_while_loading(klein_home, tmp_path):
 def test_ctrl_c_while_compiling_a_large_image(klein_home, tmp_path):
     """The KeyboardInterrupt alone would wait for XLA (and then for the interpreter's exit, which waits for
     the step in flight)."""
-    run = _generate(klein_home, tmp_path, *LARGE)
-    run.wait_for(COMPILING)
+    run = _generate(klein_home, tmp_path, *LARGE, env=LOG_COMPILES)
+    run.wait_for(LOWERED.format("step"))
     time.sleep(SETTLE)
     _assert_stopped(run, *run.interrupt(), tmp_path)
 
@@ -114,8 +117,8 @@ def test_ctrl_c_between_steps(klein_home, tmp_path):
 
 
 def test_second_ctrl_c_stops_at_once(klein_home, tmp_path):
-    run = _generate(klein_home, tmp_path, *LARGE)
-    run.wait_for(COMPILING)
+    run = _generate(klein_home, tmp_path, *LARGE, env=LOG_COMPILES)
+    run.wait_for(LOWERED.format("step"))
     time.sleep(SETTLE)
     code, took = run.interrupt(presses=2)
     assert code == interrupts.EXIT_INTERRUPTED, run.stderr
@@ -132,8 +135,8 @@ def test_ctrl_c_stops_a_batch(klein_home, tmp_path):
     # A batch draws no stage bars: JAX's own log of its compilations shows when the line's denoising step
     # (the first program of its 65,536 image tokens) goes to XLA.
     flags = ("--out", out, "--max-pixels", str(4096 * 4096))
-    run = Running(klein_home, "batch", requests, *flags, cwd=tmp_path, env={"JAX_LOG_COMPILES": "1"})
-    run.wait_for(r"Compiling jit\(.*\[1,65536,")
+    run = Running(klein_home, "batch", requests, *flags, cwd=tmp_path, env=LOG_COMPILES)
+    run.wait_for(r"Compiling jit\((\w+)\).*\[1,65536,[\s\S]*" + LOWERED.format(r"\1"))
     time.sleep(SETTLE)
     code, took = run.interrupt()
     assert code == interrupts.EXIT_INTERRUPTED, run.stderr

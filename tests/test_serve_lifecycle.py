@@ -13,7 +13,7 @@ import PIL.Image
 import pytest
 
 from tests.support.compare import max_abs
-from tests.support.serve_process import job_events, log_of, metrics, start, stop, wait_for
+from tests.support.serve_process import job_events, job_status, log_of, metrics, start, stop, wait_for
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -57,7 +57,7 @@ def pixels(result: dict, index: int = 0) -> tuple[np.ndarray, dict]:
 
 
 def finished(url: str, job: str) -> dict:
-    wait_for(lambda: httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["status"] == "done", "a job")
+    wait_for(lambda: job_status(url, job, AUTH) == "done", "a job")
     return httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["result"]
 
 
@@ -65,9 +65,7 @@ def finished(url: str, job: str) -> dict:
 def test_queued_requests_of_one_shape_run_as_one_batch(server):
     _, url = server
     long = submit(url, LONG).json()["id"]
-    wait_for(
-        lambda: httpx.get(f"{url}/v1/jobs/{long}", headers=AUTH).json()["status"] == "running", "the long job"
-    )
+    wait_for(lambda: job_status(url, long, AUTH) == "running", "the long job")
     # The dog's prompt is longer than the text encoder reads: its response alone says so.
     bodies = [
         {**SHORT, "prompt": "a cat", "seed": 11},
@@ -108,8 +106,7 @@ def test_full_queue_dropped_client_and_graceful_sigterm(server):
         listeners.append(listener)
 
     listen(running)
-    job_status = lambda job: httpx.get(f"{url}/v1/jobs/{job}", headers=AUTH).json()["status"]  # noqa: E731
-    wait_for(lambda: job_status(running) == "running", "the long job to start")
+    wait_for(lambda: job_status(url, running, AUTH) == "running", "the long job to start")
 
     # A client that gives up while its request waits: the job is dropped before it runs.
     with pytest.raises(httpx.ReadTimeout):
@@ -131,7 +128,7 @@ def test_full_queue_dropped_client_and_graceful_sigterm(server):
     )
     assert undecoded.status_code == 429 and undecoded.json()["error"]["code"] == "queue_full"
 
-    assert job_status(running) == "running"
+    assert job_status(url, running, AUTH) == "running"
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=180) == 0, log_of(process)
     for listener in listeners:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.serve_process import job_status, metrics, running, wait_for
+from tests.support.serve_process import HTTP, job_status, metrics, running, wait_for
 
 # Long enough (several seconds of steps, even compiled) to be running while a test acts on it.
 LONG = {"prompt": "a long job", "size": "1280x1280", "num_inference_steps": 40, "seed": 1}
@@ -98,7 +98,7 @@ def test_idle_sockets_lock_no_one_out_busy_ones_past_the_limit_get_503_and_idle_
     finally:
         for sock in busy:
             sock.close()
-    wait_for(lambda: httpx.get(url + "/healthz").status_code == 200, "the connections' slots back")
+    wait_for(lambda: HTTP.get(url + "/healthz").status_code == 200, "the connections' slots back")
     with connect() as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         received = b""

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.serve_process import metrics, png, start, stop
+from tests.support.serve_process import HTTP, metrics, png, start, stop
 
 MIB = 2**20
 CACHE = 16 * MIB  # the reference cache's budget: what it may legitimately add
@@ -63,7 +63,7 @@ def test_metrics_show_each_stores_bytes_and_a_kept_result_expires(server):
 
     def finished() -> bool:
         seen.update(metrics(url))
-        return httpx.get(f"{url}/v1/jobs/{job_id}").json()["status"] == "done"
+        return HTTP.get(f"{url}/v1/jobs/{job_id}").json()["status"] == "done"
 
     deadline = time.monotonic() + 120
     while not finished():
@@ -72,7 +72,7 @@ def test_metrics_show_each_stores_bytes_and_a_kept_result_expires(server):
     for store in ("reference_cache", "prompt_cache", "rope_cache", "result_store"):
         assert f"klein_{store}_bytes" in seen and f"klein_{store}_budget_bytes" in seen
     assert seen["klein_prompt_cache_bytes"] > 0 and seen["klein_rope_cache_bytes"] > 0
-    while (answer := httpx.get(f"{url}/v1/jobs/{job_id}")).status_code == 200:  # --result-ttl 1
+    while (answer := HTTP.get(f"{url}/v1/jobs/{job_id}")).status_code == 200:  # --result-ttl 1
         assert time.monotonic() < deadline + 60
         time.sleep(0.1)
     error = answer.json()["error"]

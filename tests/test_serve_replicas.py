@@ -17,7 +17,7 @@ import openai
 import pytest
 import ray  # noqa: F401  (in the test extra: a broken install fails here rather than skipping the module)
 
-from tests.support.serve_process import png, start, stop
+from tests.support.serve_process import HTTP, png, start, stop
 from tests.test_serve_tenancy import ALPHA, BETA, SHORT, error, generate, key_file, upload
 
 SETS, REPEATS = 4, 10
@@ -86,7 +86,7 @@ def test_behind_replicas_another_keys_job_and_set_are_unknown_ids(url):
         answer = httpx.request(method, f"{url}/v1/jobs/{job_id}{path}", headers=BETA, timeout=30)
         assert answer.status_code == 404 and error(answer)["code"] == "unknown_job", answer.text
     deadline = time.monotonic() + 300
-    while (own := httpx.get(f"{url}/v1/jobs/{job_id}", headers=ALPHA, timeout=30).json())["status"] != "done":
+    while (own := HTTP.get(f"{url}/v1/jobs/{job_id}", headers=ALPHA, timeout=30).json())["status"] != "done":
         assert own["status"] in ("queued", "running") and time.monotonic() < deadline, own
         time.sleep(0.2)
     assert own["result"]["klein"]["references"]["id"] == mine

@@ -19,7 +19,7 @@ from klein.errors import InputError
 from klein.serve.errors import ApiError
 from klein.serve.quotas import Quotas
 from klein.serve.security import Access, ApiKey, exposure_warning, parse_key_line, read_keys
-from tests.support.serve_process import free_port, log_of, start, stop
+from tests.support.serve_process import free_port, job_status, log_of, start, stop
 from tests.test_serve_errors import EPS, chunked
 
 ENV_KEY = "env-secret-3f9a1c"
@@ -149,7 +149,7 @@ def test_a_key_over_its_jobs_at_once_gets_429_until_one_finishes(keyed):
     assert other.status_code == 200, other.text
     job = first.json()["id"]
     deadline = time.monotonic() + 300
-    while httpx.get(f"{url}/v1/jobs/{job}", headers=bearer("beta-key")).json()["status"] != "done":
+    while job_status(url, job, bearer("beta-key")) != "done":
         assert time.monotonic() < deadline, "the first job did not finish"
         time.sleep(0.1)
     third = httpx.post(url + "/v1/images/generations", json=SHORT, headers=bearer("beta-key"), timeout=300)

@@ -26,7 +26,7 @@ from klein.pipeline.cache import ByteBudgetCache
 from klein.serve.errors import ApiError
 from klein.serve.worker import Job
 from tests.support import lora_files as lf
-from tests.support.serve_process import metrics, png, start, stop
+from tests.support.serve_process import HTTP, metrics, png, start, stop
 
 KEYS = "alpha-key-5d1e\nbeta-key-77c2\n"
 OPERATOR_KEYS = KEYS + "ops-key-90aa operator\n"
@@ -99,7 +99,7 @@ def test_another_keys_job_is_an_unknown_id_to_read_stream_or_delete(keyed):
         assert answer.status_code == 404, (method, path, answer.text)
         assert error(answer) == {**error(unknown), "message": f"unknown job id {job!r}"}
     deadline = time.monotonic() + 300
-    while (mine := httpx.get(f"{keyed}/v1/jobs/{job}", headers=ALPHA, timeout=30)).json()["status"] != "done":
+    while (mine := HTTP.get(f"{keyed}/v1/jobs/{job}", headers=ALPHA, timeout=30)).json()["status"] != "done":
         assert mine.status_code == 200 and mine.json()["status"] in ("queued", "running"), mine.text
         assert time.monotonic() < deadline, "the job did not finish"
         time.sleep(0.1)
