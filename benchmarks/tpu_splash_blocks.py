@@ -13,25 +13,15 @@ import argparse
 import functools
 import itertools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 
 from klein import devices
+from klein.bench.peak import best_seconds
 from klein.models import splash
 
 HEAD_DIM = 128
-
-
-def timed(call, rounds: int) -> float:
-    jax.block_until_ready(call())
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -60,7 +50,8 @@ def main() -> None:
             blocks = None if tile[0] is None else tile
             run = jax.jit(lambda q, k, v, blocks=blocks: splash.attention(q, k, v, blocks=blocks))
             try:
-                seconds = timed(functools.partial(run, q, k, v), args.rounds)
+                call = functools.partial(run, q, k, v)
+                seconds = best_seconds(lambda call=call: jax.block_until_ready(call()), args.rounds)
             except Exception as error:  # a tile VMEM cannot hold: say so and go on
                 print(f"{tokens:>6} {tile}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
                 continue

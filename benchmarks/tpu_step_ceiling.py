@@ -14,27 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 
 from klein import devices
+from klein.bench.peak import best_seconds
 from klein.models import splash
 from klein.models.transformer_config import KLEIN_4B, KLEIN_9B
 
 MODELS = {"klein-4b": KLEIN_4B, "klein-9b": KLEIN_9B}
 IMAGE, TEXT = 4096, 512
-
-
-def best(call, rounds: int = 10) -> float:
-    jax.block_until_ready(call())
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return min(times)
+ROUNDS = 10
 
 
 def products(cfg) -> list[tuple[str, int, int, int, int]]:
@@ -60,7 +51,7 @@ def product_seconds(tokens: int, k: int, n: int, dtype) -> float:
     w = jnp.ones((k, n), dtype)
     accumulate = jnp.int32 if dtype == jnp.int8 else jnp.float32
     run = jax.jit(lambda a, w: jnp.dot(a, w, preferred_element_type=accumulate))
-    return best(lambda: run(a, w))
+    return best_seconds(lambda: jax.block_until_ready(run(a, w)), ROUNDS)
 
 
 def main() -> None:
@@ -75,7 +66,7 @@ def main() -> None:
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (1, tokens, heads, 128), jnp.bfloat16) for key in keys)
     attend = jax.jit(lambda q, k, v: splash.attention(q, k, v))
-    attention_seconds = best(lambda: attend(q, k, v))
+    attention_seconds = best_seconds(lambda: jax.block_until_ready(attend(q, k, v)), ROUNDS)
     attention_flops = 4.0 * tokens * tokens * cfg.hidden
     blocks = cfg.num_layers + cfg.num_single_layers
     report = dict(device=jax.devices()[0].device_kind, model=args.model, tokens=tokens, rows=[])

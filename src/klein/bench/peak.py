@@ -28,10 +28,15 @@ def matmul_flops_per_second(dtype: str, size: int, repeats: int = 5) -> float:
 def best_rate(run, flops: float, repeats: int) -> float:
     """`flops` over the fastest of `repeats` timed calls of `run` (which waits for its work), after one
     untimed call."""
+    return flops / best_seconds(run, repeats)
+
+
+def best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run` (which waits for its work), after one untimed call."""
     run()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - start)
-    return flops / best
+    return best
