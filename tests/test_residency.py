@@ -234,9 +234,10 @@ def test_a_lora_set_survives_the_transformer_waiting_in_host_memory(
         back.append(held)
         return move(held)
 
-    monkeypatch.setattr(device_weights, "_host_memory", lambda state: "pinned_host")
     monkeypatch.setattr(device_weights, "_to_device", to_device)
     every, moving = demo_pipes["all"], demo_pipes[policy]
+    for model in moving._models.values():
+        monkeypatch.setattr(model, "keep_host", True)
     transformer = moving._models["transformer"]
     for pipe in (every, moving):
         pipe.set_loras([(demo_loras[0], 0.8)])

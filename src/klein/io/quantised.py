@@ -2,13 +2,15 @@
 weight is read as `<layer>.weight` in 8 bits and `<layer>.weight_scale` per output channel, both computed as
 the stored tensor is read, so the 8-bit model is never held in a wider form beside itself. For block-scaled
 products (`compute="nvfp4" | "mxfp8"`) `<layer>.weight` is its rows of blocks (`klein.models.block_scaled`),
-and NVFP4's `<layer>.weight_scale` its scale per tensor.
+and NVFP4's `<layer>.weight_scale` its scale per tensor. A text encoder's Linears may be quantised at load into
+ggml's blocks (`GgmlBlocks`: Q8_0, Q4_0), as a GGUF file would hold them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import gguf
 import numpy as np
 
 from klein.io.mapped import Through, Whole
@@ -61,6 +63,23 @@ class TensorScale(BlockRows):
 
     def read(self, source) -> np.ndarray:
         return np.asarray(block_scaled.tensor_scale(np.asarray(self.piece.read(source)), self.compute))
+
+
+@dataclasses.dataclass(frozen=True)
+class GgmlBlocks(Through):
+    """`piece` (a weight float[out, in]) as rows of ggml quantisation blocks of type `blocks` (`Q8_0`, `Q4_0`:
+    32 values and a float16 scale a block), uint8[out, bytes], made by the `gguf` package's own quantiser
+    (llama.cpp's definition): the bytes a GGUF file of that type holds, widened inside each product."""
+
+    blocks: str
+
+    def shape(self, source) -> tuple[int, ...]:
+        rows, columns = self.piece.shape(source)
+        return rows, products.packed_width(self.blocks, columns)
+
+    def read(self, source) -> np.ndarray:
+        weight = np.asarray(self.piece.read(source), np.float32)
+        return gguf.quants.quantize(weight, gguf.GGMLQuantizationType[self.blocks])
 
 
 def quantised_table(table: dict, kernels: dict[str, str]) -> dict:

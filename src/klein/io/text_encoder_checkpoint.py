@@ -7,14 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from klein.errors import CheckpointError, counted
 from klein.io.json_file import read_json
-from klein.io.loading import expected_shapes, load_module
+from klein.io.loading import checkpoint_keys, expected_shapes, load_module
+from klein.io.mapped import MappedSource, Whole
+from klein.io.quantised import GgmlBlocks
 from klein.io.safetensors import TensorSource
 from klein.models.abstract_keys import AbstractKeys
-from klein.models.layers import store
+from klein.models.layers import Linear, packed, store
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
 from klein.models.qwen3_config import Qwen3Config
 
@@ -23,15 +26,48 @@ LOADED = max(PROMPT_LAYERS)
 """The decoder layers loaded: the first, up to the last whose hidden states the prompt embedding reads."""
 
 
-def load_text_encoder(folder: str | Path, dtype=jnp.float32, *, place=None) -> Qwen3TextEncoder:
+BLOCKS = ("Q8_0", "Q4_0")
+"""The ggml block types a text encoder's Linears may be quantised into at load (`load_text_encoder`)."""
+TABLE = "model.embed_tokens.weight"
+"""The token table's checkpoint key."""
+
+
+def load_text_encoder(
+    folder: str | Path, dtype=jnp.float32, *, place=None, blocks: str | None = None
+) -> Qwen3TextEncoder:
     """Load the first `LOADED` decoder layers (and the embedding) of the text encoder in `folder`; `place`
-    puts each weight on its device(s) (see `load_module`)."""
+    puts each weight on its device(s) (see `load_module`). `blocks` (one of `BLOCKS`): every Linear of the
+    decoder layers quantised as it is read into ggml blocks of that type, and the token table left out
+    (`Qwen3Model.table_on_host`: `read_table` reads it)."""
     folder = Path(folder)
     config = read_config(folder)
-    abstract = abstract_text_encoder(config, LOADED, dtype)
-    skipped = skipped_keys(config, LOADED)
     source = TensorSource.from_folder(folder, "model")
+    skipped = skipped_keys(config, LOADED)
+    if blocks is not None:
+        plan = checkpoint_keys(abstract_text_encoder(config, LOADED), STACKED)
+        forms = quantised_forms(config, blocks)
+        kernels = {key: GgmlBlocks(Whole(key), blocks) for path in forms for key in plan[(*path, "kernel")]}
+        source, skipped = MappedSource(source, kernels), skipped | {TABLE}
+    abstract = abstract_text_encoder(config, LOADED, dtype, quantised_forms(config, blocks), table=not blocks)
     return load_module(abstract, source, dtype=dtype, stacked=STACKED, skip=skipped.__contains__, place=place)
+
+
+def quantised_forms(config: Qwen3Config, blocks: str | None) -> dict:
+    """Module path -> stored form of the decoder layers' Linears quantised into ggml `blocks` at load (none
+    for None)."""
+    if blocks is None:
+        return {}
+    if blocks not in BLOCKS:
+        raise ValueError(f"blocks must be one of {', '.join(BLOCKS)}, got {blocks!r}")
+    abstract = abstract_text_encoder(config, 1)
+    return {path: packed(blocks) for path, module in nnx.iter_modules(abstract) if isinstance(module, Linear)}
+
+
+def read_table(folder: str | Path, dtype) -> np.ndarray:
+    """The token table of the text encoder in `folder`, in host memory as `dtype`: what a prompt's rows are
+    gathered from when the model leaves it out (`load_text_encoder(blocks=...)`)."""
+    source = TensorSource.from_folder(Path(folder), "model")
+    return np.ascontiguousarray(source.get(TABLE).astype(dtype, copy=False))
 
 
 def read_config(folder: str | Path) -> Qwen3Config:
@@ -56,15 +92,23 @@ def check_layers(config: Qwen3Config, where) -> None:
 
 
 def abstract_text_encoder(
-    config: Qwen3Config, num_layers: int, dtype=jnp.float32, forms=None, embedding: str | None = None
+    config: Qwen3Config,
+    num_layers: int,
+    dtype=jnp.float32,
+    forms=None,
+    embedding: str | None = None,
+    table: bool = True,
 ) -> Qwen3TextEncoder:
     """The text encoder's parameter shapes, allocating nothing; its Linears stored as `forms` says (module
-    path -> `klein.models.layers.Stored`), its token table as GGUF blocks of type `embedding` if named."""
+    path -> `klein.models.layers.Stored`), its token table as GGUF blocks of type `embedding` if named, or
+    left out (`table` False: kept on the host)."""
 
     def build() -> Qwen3TextEncoder:
         encoder = store(Qwen3TextEncoder(config, num_layers, rngs=AbstractKeys(), dtype=dtype), forms or {})
         if embedding is not None:
             encoder.model.keep_blocks(embedding)
+        if not table:
+            encoder.model.table_on_host()
         return encoder
 
     return nnx.eval_shape(build)

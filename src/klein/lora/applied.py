@@ -26,8 +26,10 @@ class Loras:
     """The LoRAs of the transformer `weights()` brings to the device (`() -> (graphdef, state)`); adapter
     slots are placed on jax's first device, or replicated over `mesh`."""
 
-    def __init__(self, cfg: TransformerConfig, dtype, weights: Callable, mesh=None):
+    def __init__(self, cfg: TransformerConfig, dtype, weights: Callable, mesh=None, changed=lambda: None):
         self.cfg, self.mesh = cfg, mesh
+        self._changed = changed
+        """Told when a merge changed the weights on the device (a host copy of them is then stale)."""
         self.weights = MergedWeights(
             lambda: weights()[1], dtype, lambda: layers.block_formats(nnx.merge(*weights()))
         )
@@ -41,9 +43,12 @@ class Loras:
         if loras:
             _one_process()
         read = [read_lora(spec) for spec in loras]
-        self.weights.merge(
-            [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.cfg)]
-        )
+        try:
+            self.weights.merge(
+                [(update, lora.info.scale) for lora in read for update in lora_updates(lora, self.cfg)]
+            )
+        finally:
+            self._changed()
         self.slots.reweighted()
         return tuple(lora.info for lora in read)
 

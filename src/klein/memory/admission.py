@@ -151,16 +151,19 @@ def planning_mesh(mesh):
 
 
 def estimates(
-    models, mesh, work: plan.Workload, itemsize: int, compute: str = products.BF16
+    models, mesh, work: plan.Workload, itemsize: int, compute: str = products.BF16, table_on_host=None
 ) -> tuple[plan.RequestMemory, ...]:
     """(plain decode, tiled decode) estimates of `work` for the configs of `models` (a pipeline, or the
-    located checkpoint it loads) on `mesh`, the blocks' products made as `compute` says
+    located checkpoint it loads) on `mesh`, the blocks' products made as `compute` says, the text encoder's
+    token table in host memory where `table_on_host` (None: as the pipeline `models` keeps it)
     (`klein.memory.plan.request_memory`)."""
     platform = sharding.local_devices(mesh)[0].platform
     configs, shape = (models.config, models.text_config, models.vae_config), planning_mesh(mesh)
+    if table_on_host is None:
+        table_on_host = getattr(models, "text_table", None) is not None
     return tuple(
         plan.request_memory(
-            *configs, shape, work, itemsize, tiled_decode=tiled, platform=platform, compute=compute
+            *configs, shape, work, itemsize, tiled, platform, compute, table_on_host=table_on_host
         )
         for tiled in (False, True)
     )

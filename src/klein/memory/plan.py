@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import jax
@@ -26,7 +27,8 @@ from jax.sharding import NamedSharding
 from klein import dtypes, sharding
 from klein.errors import CheckpointError, InputError
 from klein.io import text_encoder_gguf, transformer_file
-from klein.io.text_encoder_checkpoint import abstract_text_encoder
+from klein.io.text_encoder_checkpoint import abstract_text_encoder, quantised_forms
+from klein.io.text_encoder_gguf import EMBEDDING
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
 from klein.io.vae_checkpoint import abstract_vae
 from klein.memory import process, residency, stored
@@ -138,12 +140,14 @@ def request_memory(
     tiled_decode: bool = False,
     platform: str = "accelerator",
     compute: str = products.BF16,
+    table_on_host: bool = False,
 ) -> RequestMemory:
     """Estimate the bytes of `work` on `mesh` (a Mesh or AbstractMesh) with weights of `itemsize` bytes,
     for the programs of a `platform` device: "cpu" (this machine's, which copies the layers of bf16
     weights it runs: in bf16 where it multiplies bf16 in place, else in float32), "gpu" (an NVIDIA card's,
     `klein.memory.gpu_estimate`, whose blocks' products are made as `compute` says), anything else an
-    accelerator's (a TPU's)."""
+    accelerator's (a TPU's); `table_on_host`: the text encoder's token table kept in host memory, its rows
+    gathered there (no copy of it in the text encoder's program)."""
     copies = None  # bytes per weight of the CPU's layer copies (`layer_copies`)
     if platform == "cpu" and itemsize < 4:
         copies = itemsize if products.in_place(platform) else 4
@@ -158,7 +162,7 @@ def request_memory(
         prefill, text, step = gpu_stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, compute)
     else:
         prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
-        if platform != "cpu":
+        if platform != "cpu" and not table_on_host:
             text += text_table_copy(text_config, itemsize)
     if quantised:  # a GPU's prefill keeps its own estimate (of the whole prefill: above the pieces')
         prefill = prefill if platform == "gpu" else kv8_prefill(cfg, mesh, refs, itemsize, prefill)
@@ -257,6 +261,7 @@ def plan(
         e,
         platform=platform,
         compute=models.compute,
+        table_on_host=models.text_table_on_host,
     )
     return MemoryPlan(
         variant=variant,
@@ -291,6 +296,8 @@ class Models:
     quantized: dict = dataclasses.field(default_factory=dict)
     """Per model ("transformer", "text_encoder"): module path -> bytes per weight of the Linears its file
     keeps as blocks (`with_forms`, `in_format`)."""
+    text_table_on_host: bool = False
+    """The text encoder's token table is kept in host memory (`with_text_blocks`): no device bytes."""
 
 
 def published(variant: str, dtype: str) -> Models:
@@ -395,6 +402,19 @@ def with_forms(models: Models, forms: dict[str, dict]) -> Models:
     # An NVFP4 file's FP8 tensors are its block scales, counted with its blocks: no Linear ships as FP8.
     fp8 = models.fp8 and not files.get(residency.TRANSFORMER)
     return dataclasses.replace(models, quantized=files, fp8=fp8)
+
+
+def with_text_blocks(models: Models, blocks: str | None) -> Models:
+    """`models` with the text encoder's decoder Linears quantised at load into ggml `blocks` (Q8_0, Q4_0),
+    counted at those blocks' bytes, and its token table in host memory (`klein.io.text_encoder_checkpoint.
+    load_text_encoder`); `models` itself for None."""
+    if blocks is None:
+        return models
+    forms = dict.fromkeys(quantised_forms(models.text_encoder, blocks), blocks)
+    rated = with_forms(models, {residency.TEXT_ENCODER: forms})
+    files = dict(rated.quantized)
+    files[residency.TEXT_ENCODER] = {**files[residency.TEXT_ENCODER], EMBEDDING: Fraction(0)}  # on the host
+    return dataclasses.replace(rated, quantized=files, text_table_on_host=True)
 
 
 def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:

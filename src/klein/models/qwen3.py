@@ -100,6 +100,11 @@ class Qwen3Model(nnx.Module):
         self.dtype = dtype
         self.embedding_blocks: str | None = None  # the token table's block format, if kept as blocks
 
+    def table_on_host(self) -> None:
+        """Leave the token table out of the model: `hidden_states` then takes its rows gathered on the host
+        in place of ids (Qwen3-8B's table is 1.2 GB in bf16, of which a prompt reads 512 rows)."""
+        self.embed_tokens = None
+
     def keep_blocks(self, blocks: str) -> None:
         """Store the token table as rows of GGUF blocks of ggml type `blocks`, uint8[vocab, bytes], widened
         as a prompt gathers its rows: Qwen3-8B's is 0.4 GB as Q4_K, 1.2 GB in bf16 (call inside
@@ -129,13 +134,17 @@ def hidden_states(
 ) -> jax.Array:
     """Hugging Face `hidden_states[k]` for each k in `layers`: float[E, B, T, D].
 
-    input_ids: int[B, T]; attention_mask: int or bool[B, T], 1 for real tokens. Only max(layers)
+    input_ids: int[B, T], or their rows float[B, T, D] of a table kept on the host
+    (`Qwen3Model.table_on_host`); attention_mask: int or bool[B, T], 1 for real tokens. Only max(layers)
     decoder layers run. Positions are 0..T-1 whatever the padding, as in transformers.
     """
     slots = _slots(encoder, layers)
     model = encoder.model
     # Rows in the table's own dtype: nnx.Embed's call gives float32 rows, running every layer in float32.
-    x = stacks.rows(model.embed_tokens.embedding[...], input_ids, model.embedding_blocks, model.dtype)
+    if model.embed_tokens is None:
+        x = input_ids
+    else:
+        x = stacks.rows(model.embed_tokens.embedding[...], input_ids, model.embedding_blocks, model.dtype)
     rope = _rope_tables(x.shape[1], encoder.config, x.dtype)
     ranks = _attention_ranks(attention_mask)
     graphdef, state = nnx.split(model.layers)

@@ -17,7 +17,7 @@ from klein.errors import CheckpointError, InputError
 from klein.io import sources, vae_checkpoint
 from klein.io.gguf_tokenizer import holds_tokenizer
 from klein.io.safetensors import TensorSource
-from klein.io.text_encoder_checkpoint import load_text_encoder
+from klein.io.text_encoder_checkpoint import load_text_encoder, read_table
 from klein.io.text_encoder_checkpoint import read_config as read_text_encoder_config
 from klein.io.text_encoder_gguf import load_text_encoder_gguf, read_gguf_config
 from klein.io.transformer_checkpoint import load_transformer
@@ -126,14 +126,21 @@ def load_transformer_part(
 
 
 def load_text_encoder_part(
-    located: Located, dtype, dequantize=False, mesh=None, host: tuple[str, ...] = ()
+    located: Located, dtype, dequantize=False, mesh=None, host: tuple[str, ...] = (), blocks=None
 ) -> Qwen3TextEncoder:
-    """`dequantize`: a GGUF file's quantised Linears widened to `dtype` at load, not kept as blocks."""
+    """`dequantize`: a GGUF file's quantised Linears widened to `dtype` at load, not kept as blocks;
+    `blocks`: a folder's Linears quantised at load into those ggml blocks, its token table left out
+    (`read_text_table`)."""
     path = located.text_encoder
     place = sharding.placer(mesh, sharding.TEXT_ENCODER_PARAMS, host)
     if path.is_file():
         return load_text_encoder_gguf(path, dtype, place=place, dequantize=dequantize)
-    return load_text_encoder(path, dtype, place=place)
+    return load_text_encoder(path, dtype, place=place, blocks=blocks)
+
+
+def read_text_table(located: Located, dtype) -> np.ndarray:
+    """The token table of the text encoder folder `located` names, in host memory."""
+    return read_table(located.text_encoder, dtype)
 
 
 def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:

@@ -57,10 +57,14 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.residency, self._models, self.weight_bytes = loaded.policy, models, loaded.sizes
         policy = functools.partial(getattr, self, "residency")  # read at each use: offloading changes it
         hold = functools.partial(residency_policy.hold, models, policy)
-        self._programs = Programs(hold, self.mesh, products_precision(self.dtype))
-        self._loras = Loras(self.config, self.dtype, hold(residency_policy.TRANSFORMER), self.mesh)
+        self.text_table = loaded.text_table  # the text encoder's token table, where it stays on the host
+        self._programs = Programs(hold, self.mesh, products_precision(self.dtype), self.text_table)
+        transformer = models[residency_policy.TRANSFORMER]
+        self._loras = Loras(
+            self.config, self.dtype, hold(residency_policy.TRANSFORMER), self.mesh, transformer.changed
+        )
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
-        models[residency_policy.TRANSFORMER].loaded = lambda state: self._loras.weights.merge_again()
+        transformer.loaded = lambda state: self._loras.weights.merge_again()
         self.loras: tuple[LoraInfo, ...] = ()
         """The LoRAs merged into the transformer, with their scales (`set_loras`)."""
         self.adapters = self._loras.slots
@@ -158,7 +162,7 @@ class Flux2KleinPipeline(DiffusersSurface):
 
     def _encode_prompts(self, prompts: list[str]) -> jax.Array:
         ids, mask = text.tokenize_prompts(self.tokenizer, prompts)
-        return self._programs.text(jnp.asarray(ids), jnp.asarray(mask))
+        return self._programs.prompts(ids, mask)
 
     def encode_references(
         self, image, use_kv: bool | None = None, *, source: bool = False, loras=()

@@ -28,6 +28,7 @@ def load_pipeline(
     compute: str = AUTO,
     memory_cap: int | str | None = None,
     kv_dtype: str = AUTO,
+    text_encoder_weights: str = AUTO,
     warm: bool | Sequence[warmup.Shape] = False,
 ) -> Flux2KleinPipeline:
     """Load a pipeline from a diffusers-layout folder, a Hugging Face repo id (or a published variant's
@@ -54,6 +55,11 @@ def load_pipeline(
     kv_dtype: a KV variant's reference keys and values: "int8" (8 bits, a scale per head and layer:
     half the memory, `klein.models.reference_kv8`), "dtype" (the compute dtype's), "auto" (the default:
     int8 only for a request whose keys and values do not fit in the compute dtype).
+
+    text_encoder_weights: the text encoder's Linears as "dtype" (the compute dtype's), or quantised at load
+    into ggml's blocks "Q8_0" (8.5 bits a weight) or "Q4_0" (4.5), widened inside each product, its token
+    table then kept in host memory; "auto" (the default): "dtype", unless 8 or 4 bits let every model stay
+    on the device where "dtype" would take turns (`klein.pipeline.text_weights`); never on a CPU.
 
     compute: how the transformer blocks' products are made: "bf16", "fp8" (FP8 weights, activations
     quantised per token, float32 accumulation) or "int8" (W8A8, int32 accumulation); "auto" (the default)
@@ -83,6 +89,7 @@ def load_pipeline(
         mesh=mesh,
         memory_cap=memory_cap,
         kv_dtype=kv_dtype,
+        text_encoder_weights=text_encoder_weights,
     )
     pipe = load(options)
     if warm:

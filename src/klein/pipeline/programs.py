@@ -27,9 +27,10 @@ class Programs:
     VAE's latents); the transformer's (the prefill, and one step per mode).
 
     `precision`: the matrix products' (`jax.default_matmul_precision`), or None for the device's default
-    (`products_precision`)."""
+    (`products_precision`). `text_table`: the text encoder's token table where it stays in host memory
+    (NumPy; `klein.io.text_encoder_checkpoint.read_table`), else None."""
 
-    def __init__(self, hold, mesh, precision: str | None = None):
+    def __init__(self, hold, mesh, precision: str | None = None, text_table=None):
         vae, transformer = hold(residency.VAE), hold(residency.TRANSFORMER)
         compiled = functools.partial(Compiled, mesh=mesh, precision=precision)
         self.text = compiled(qwen3.prompt_embeddings, hold(residency.TEXT_ENCODER))
@@ -48,6 +49,14 @@ class Programs:
         modes = [Mode(conditioning, guided) for conditioning in denoise.VELOCITY for guided in (False, True)]
         self.steps = {mode: compiled(denoise.step_function(mode), transformer) for mode in modes}
         self._transformer, self._compiled, self._cached = transformer, compiled, {}
+        self._table = text_table
+
+    def prompts(self, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
+        """The prompt embeddings of tokens `ids` int[B, T] (`mask` 1 for real tokens): the rows of a token
+        table kept in host memory gathered there (what the prompts read of it, not the table, goes to the
+        device), else the ids, whose rows the text encoder's program gathers itself."""
+        tokens = np.asarray(ids) if self._table is None else self._table[np.asarray(ids)]
+        return self.text(jnp.asarray(tokens), jnp.asarray(mask))
 
     def cached_step(self, mode: Mode, passes: int, structure) -> tuple[Compiled, Compiled]:
         """(the step, the states before its first step) of `mode` under a step cache of `structure` in

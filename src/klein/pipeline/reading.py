@@ -5,6 +5,7 @@ planned, a residency policy chosen, then the weights read as that policy places 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 from klein import devices as klein_devices
@@ -13,10 +14,12 @@ from klein.lora.loading import read_lora
 from klein.lora.registry import named_files
 from klein.memory import admission, plan, process, residency
 from klein.memory.admission import estimates, planning_mesh
-from klein.pipeline import compilation_cache, components, prompts
+from klein.pipeline import compilation_cache, components, prompts, text_weights
 from klein.pipeline.device_weights import Weights
 from klein.request import resolve
 from klein.request.loading import AUTO, LoadOptions
+
+log = logging.getLogger("klein.loading")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,10 @@ class Loaded:
     """LoRAs to load by name (`load_lora`), read and checked."""
     kv_dtype: str = "auto"
     """How reference keys and values are stored (`klein.request.loading.KV_DTYPES`)."""
+    text_blocks: str | None = None
+    """The ggml blocks the text encoder's Linears were quantised into at load, or None (`text_weights`)."""
+    text_table: object = None
+    """The text encoder's token table in host memory (NumPy), where `text_blocks` leaves it out."""
 
 
 def read(options: LoadOptions) -> Loaded:
@@ -65,19 +72,28 @@ def read(options: LoadOptions) -> Loaded:
     stored = plan.Models(*configs, located.variant, located.fp8 and not dequantize)
     if not dequantize:
         stored = plan.with_files(stored, located.transformer, located.text_encoder)
-    sizes = plan.model_bytes(
-        *configs, planning_mesh(mesh), dtype.itemsize, stored.fp8, compute, stored.quantized
-    )
-    sizes = residency.on(devices[0].platform, sizes)
+    platform = devices[0].platform
+
+    def sizes_of(blocks: str | None) -> dict:  # the text encoder's Linears in `blocks` (None: as computed)
+        kept = plan.with_text_blocks(stored, blocks)
+        held = plan.model_bytes(
+            *configs, planning_mesh(mesh), dtype.itemsize, kept.fp8, compute, kept.quantized
+        )
+        return residency.on(platform, held)
+
+    def request_of(blocks: str | None, work) -> Callable[[frozenset[str]], int]:
+        # The decode runs tiled where only that fits (`Budget.admit`).
+        memories = estimates(located, mesh, work, dtype.itemsize, compute, table_on_host=blocks is not None)
+        return lambda models: min(memory.during(models) for memory in memories)  # during each set's turn
+
     limit, where = admission.memory_for_plan(devices, options.memory_cap)
     typical = resolve.typical(located.variant).workload
-    # The decode runs tiled where only that fits (`Budget.admit`).
-    memories = estimates(located, mesh, typical, dtype.itemsize, compute)
-
-    def request(models: frozenset[str]) -> int:  # during each residency set's turn
-        return min(memory.during(models) for memory in memories)
-
-    own = process.footprint(devices[0].platform)
+    gguf = located.text_encoder.is_file()
+    forms = text_weights.candidates(options.text_encoder_weights, platform, dtype, gguf)
+    edited = text_weights.planned_for(typical, located.variant.kv)
+    blocks = text_weights.choose(forms, sizes_of, request_of, edited, limit - process.footprint(platform))
+    sizes, request = sizes_of(blocks), request_of(blocks, typical)
+    own = process.footprint(platform)
     policy = residency.choose(options.residency, sizes, request, limit, where, own)
 
     def readers(policy: str) -> dict:  # under `stream` the stacked layers are read into host memory
@@ -88,13 +104,17 @@ def read(options: LoadOptions) -> Loaded:
             ),
             residency.VAE: lambda: components.load_vae_part(located, dtype, mesh),
             residency.TEXT_ENCODER: lambda: components.load_text_encoder_part(
-                located, dtype, dequantize, mesh, host.get(residency.TEXT_ENCODER, ())
+                located, dtype, dequantize, mesh, host.get(residency.TEXT_ENCODER, ()), blocks
             ),
         }
 
     first = residency.POLICIES[policy][0]  # what the first request needs first: loaded now
     models = readers(policy)
-    weights = {name: Weights(name, load, load() if name in first else None) for name, load in models.items()}
+    table = None if blocks is None else components.read_text_table(located, dtype)
+    keep = host_copies(policy, sizes, 0 if table is None else table.nbytes, platform)
+    weights = {
+        name: Weights(name, load, load() if name in first else None, keep) for name, load in models.items()
+    }
     tokenizer = prompts.load_tokenizer(located.tokenizer)
     cap = options.memory_cap
     return Loaded(
@@ -111,7 +131,32 @@ def read(options: LoadOptions) -> Loaded:
         loras,
         named,
         kv_dtype=options.kv_dtype,
+        text_blocks=blocks,
+        text_table=table,
     )
+
+
+def host_copies(policy: str, sizes: dict, table: int, platform: str) -> bool | None:
+    """Whether the models that leave the device under `policy` keep a host copy (`Weights.keep_host`):
+    None (where the backend has host memory) if the host has room for the copies and the token table of
+    `table` bytes beside them, else False, with a warning: they are read again from the checkpoint at
+    each turn instead."""
+    leaving = [
+        name for name in residency.MODELS if not all(name in held for held in residency.POLICIES[policy])
+    ]
+    copies = sum(sizes[name] for name in leaving) if platform != "cpu" else 0
+    free = process.proc_bytes("/proc/meminfo", "MemAvailable")
+    if free is None or copies + table <= free:
+        return None
+    log.warning(
+        "host memory: %.2f GiB available, fewer than the %.2f GiB of host copies the %s residency keeps of "
+        "the %s; they will be read again from the checkpoint at each turn (slower)",
+        free / 2**30,
+        (copies + table) / 2**30,
+        policy,
+        " and ".join(leaving),
+    )
+    return False
 
 
 def compute_of(option: str, device, dtype=None) -> str:

@@ -1,6 +1,7 @@
 """Wall time per pipeline stage, with XLA compilation (which jax reports through `jax.monitoring`) booked
-apart under "compile", so a first call's breakdown says what compiling cost; and each stage told as
-events (`klein.pipeline.stage_events`).
+apart under "compile", so a first call's breakdown says what compiling cost, and so are a residency
+turn's transfers inside a stage ("offload", "onload": `book`); and each stage told as events
+(`klein.pipeline.stage_events`).
 """
 
 import threading
@@ -38,6 +39,16 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 jax.monitoring.register_scalar_listener(_on_start)
 
 
+def book(stage: str, seconds: float) -> None:
+    """Book `seconds` of the stage running on this thread under `stage` instead of its own (a model moved
+    on or off the device inside it); nothing where no stage runs."""
+    timed = getattr(_thread, "timed", None)
+    if timed is not None:
+        timed.timings[stage] = timed.timings.get(stage, 0.0) + seconds
+    while timed is not None:  # the stages around it too
+        timed.apart, timed = timed.apart + seconds, timed._timed
+
+
 class Timed:
     """`with Timed(timings, stage):` adds the stage's wall time to `timings[stage]`, XLA compilation inside
     it to `timings["compile"]`; `seconds` and `compiling` once it ends; `on_compile()` when its first
@@ -48,7 +59,8 @@ class Timed:
         self.seconds = self.compiling = 0.0
 
     def __enter__(self):
-        self.start, self.compiled = time.perf_counter(), compiled_seconds()
+        self.start, self.compiled, self.apart = time.perf_counter(), compiled_seconds(), 0.0
+        self._timed, _thread.timed = getattr(_thread, "timed", None), self
         self._outer = getattr(_thread, "on_compile", None)
         _thread.on_compile = self._compiles if self.on_compile else None
         return self
@@ -58,9 +70,9 @@ class Timed:
         self.on_compile()
 
     def __exit__(self, *exc):
-        _thread.on_compile = self._outer
+        _thread.on_compile, _thread.timed = self._outer, self._timed
         self.compiling = compiled_seconds() - self.compiled
-        self.seconds = time.perf_counter() - self.start - self.compiling
+        self.seconds = time.perf_counter() - self.start - self.compiling - self.apart
         for stage, seconds in ((self.stage, self.seconds), ("compile", self.compiling)):
             self.timings[stage] = self.timings.get(stage, 0.0) + seconds
 

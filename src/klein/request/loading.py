@@ -17,6 +17,10 @@ KV_DTYPES = ("auto", "dtype", KV_INT8)
 dtype's do not fit), dtype (the compute dtype's), int8 (8 bits with per-head scales,
 `klein.models.reference_kv8`)."""
 
+TEXT_ENCODER_WEIGHTS = (AUTO, "dtype", "Q8_0", "Q4_0")
+"""How the text encoder's Linears are kept (`klein.pipeline.text_weights`): auto, the compute dtype's, or
+ggml's 8-bit or 4-bit blocks, quantised at load."""
+
 RESIDENCY = (AUTO, *POLICIES)
 """Residency policies (`klein.memory.residency`): auto picks the first of the others that fits."""
 COMPUTE = (AUTO, "bf16", "fp8", "int8", "nvfp4", "mxfp8")
@@ -117,6 +121,16 @@ class LoadOptions:
         kinds.TEXT,
         default=AUTO,
         choices=KV_DTYPES,
+    )
+    text_encoder_weights: str = setting(
+        "the text encoder's Linears (of a Qwen3 folder; a GGUF file keeps its own blocks): dtype (the compute "
+        "dtype), Q8_0 or Q4_0 (quantised at load into ggml's blocks of 32 values and a scale: 8.5 or 4.5 "
+        "bits a weight, widened inside each product; the token table then stays in host memory); auto "
+        "(default): dtype, unless 8 or 4 bits let every model stay on the device where dtype would take "
+        "turns (a KV variant planned for edits over two 1024x1024 references); never on a CPU",
+        kinds.TEXT,
+        default=AUTO,
+        choices=TEXT_ENCODER_WEIGHTS,
     )
     mesh: str | None = setting(
         'shard over devices: a preset ("fsdp") or sizes ("fsdp=4,context=2"); default single', kinds.TEXT

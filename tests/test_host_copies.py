@@ -1,0 +1,87 @@
+"""No copy back: a model that leaves the device keeps the host copy its first release made, so every later
+release frees the device and copies nothing, and every return is one batched transfer of that copy; a LoRA
+set merged on the device (the one change weights see) drops the copy, which the next release makes again.
+Each turn is booked in the request's timings ("offload", "onload"). CPU's `pinned_host` memory stands in
+for a GPU's or TPU's host memory (`keep_host=True`)."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from klein.pipeline import device_weights, timing
+from klein.pipeline.device_weights import Weights
+from tests.support.compare import max_abs
+from tests.test_residency import RUN, demo_loras, demo_pipes  # noqa: F401 (fixtures)
+
+
+class Small(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(8, 8, rngs=rngs)
+        self.b = nnx.Linear(8, 4, rngs=rngs)
+
+
+def test_the_host_copy_is_made_once_and_returns_in_one_transfer(monkeypatch):
+    weights = Weights("small", lambda: Small(nnx.Rngs(0)), Small(nnx.Rngs(0)), keep_host=True)
+    first = [np.asarray(a) for a in jax.tree.leaves(weights.get()[1])]
+    puts = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: puts.append(x) or real(x, *a, **k))
+    for _ in range(3):
+        weights.release()
+        assert not weights.resident and weights.host_copy
+        back = jax.tree.leaves(weights.get()[1])
+        assert all(leaf.sharding.memory_kind == "device" for leaf in back)
+        assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(first, back, strict=True))
+    # One copy to the host (the first release, one batched device_put), one batched return per turn.
+    assert weights.copies == 1 and weights.reads == 1
+    assert len(puts) == 4 and all(isinstance(put, list) and len(put) == len(first) for put in puts)
+    weights.changed()  # changed in place: the copy is stale, made again at the next release
+    assert not weights.host_copy
+    weights.release()
+    assert weights.copies == 2
+
+
+def test_without_host_memory_weights_are_read_again():
+    weights = Weights("small", lambda: Small(nnx.Rngs(0)), Small(nnx.Rngs(0)), keep_host=False)
+    for _ in range(2):
+        weights.release()
+        assert not weights.host_copy
+        weights.get()
+    assert weights.reads == 3 and weights.copies == 0
+
+
+def test_turns_are_booked_apart_from_the_stage():
+    weights = Weights("small", lambda: Small(nnx.Rngs(0)), Small(nnx.Rngs(0)), keep_host=True)
+    timings = {}
+    with timing.Timed(timings, "text") as timed:
+        weights.release()
+        weights.get()
+    assert set(timings) == {"text", "offload", "onload", "compile"}
+    assert timed.seconds == pytest.approx(timings["text"]) and timings["offload"] > 0 < timings["onload"]
+
+
+def test_a_new_lora_set_after_the_copy_reaches_the_images(demo_pipes, demo_loras, monkeypatch):
+    """The transformer's host copy is made with one LoRA set merged; then another set is merged: the
+    transformer back from host memory after the next turn must carry the new set, as under `all`."""
+    every, moving = demo_pipes["all"], demo_pipes["sequential"]
+    for model in moving._models.values():
+        monkeypatch.setattr(model, "keep_host", True)
+    transformer = moving._models["transformer"]
+    try:
+        for pipe in (every, moving):
+            pipe.set_loras([(demo_loras[0], 0.8)])
+        out = moving("a prompt of its own", **RUN)  # the transformer leaves for the text encoder: copied
+        assert transformer.copies >= 1 and {"offload", "onload"} <= set(out.timings)
+        copies = transformer.copies
+        for pipe in (every, moving):
+            pipe.set_loras([(demo_loras[1], 0.5)])
+        moving("another prompt of its own", **RUN)  # copied again: the first copy held the old set
+        assert transformer.copies == copies + 1
+        moving("a third prompt", **RUN)  # no copy back: the copy holds the weights in use
+        assert transformer.copies == copies + 1
+        want = every("a red fox", **RUN).images
+        assert max_abs(moving("a red fox", **RUN).images, want) <= 1e-6
+    finally:
+        for pipe in (every, moving):
+            pipe.set_loras([])
