@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from klein.pipeline import device_weights, timing
+from klein.pipeline import timing
 from klein.pipeline.device_weights import Weights
 from tests.support.compare import max_abs
-from tests.test_residency import RUN, demo_loras, demo_pipes  # noqa: F401 (fixtures)
+from tests.test_residency import RUN
+from tests.test_residency import demo_loras as demo_loras  # the fixtures
+from tests.test_residency import demo_pipes as demo_pipes
 
 
 class Small(nnx.Module):
