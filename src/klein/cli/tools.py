@@ -14,7 +14,7 @@ from klein.cli.flags import Parser, size
 from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.request import kinds
-from klein.request.loading import COMPUTE, KV_DTYPES, memory_cap
+from klein.request.loading import COMPUTE, KV_DTYPES, TEXT_ENCODER_WEIGHTS, memory_cap
 
 PLAN_DESCRIPTION = """\
 Per-device memory of a klein model on a device mesh, from its configs alone (no weights are read, nothing
@@ -110,6 +110,14 @@ def plan_parser() -> argparse.ArgumentParser:
         help="the references' keys and values (KV variants), as klein generate --kv-dtype: int8 in 8 bits "
         "with per-head scales, dtype in the compute dtype (default: auto, int8 only where it lets a faster "
         "residency policy fit the device)",
+    )
+    add(
+        "--text-encoder-weights",
+        choices=TEXT_ENCODER_WEIGHTS,
+        default="auto",
+        help="the text encoder's Linears, as klein generate --text-encoder-weights: dtype, or quantised at "
+        "load into ggml's Q8_0 or Q4_0 blocks with the token table in host memory (default: auto, 8 or 4 bits "
+        "only where they let every model stay on the device for the checkpoint's planned request)",
     )
     add("--json", action="store_true", help="print the plan as JSON, for tools")
     add(
@@ -233,7 +241,8 @@ def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, pla
         cache=flags.cache,
         kv_dtype=flags.kv_dtype,
     )
-    return dict(variant=variant, mesh=mesh, **request, dtype=dtype, models=models, platform=platform)
+    text = dict(text_encoder_weights=getattr(flags, "text_encoder_weights", "auto"))
+    return dict(variant=variant, mesh=mesh, **request, dtype=dtype, models=models, platform=platform, **text)
 
 
 def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str):
@@ -243,6 +252,7 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     from klein.request import planning
 
     limit, where, room = device
+    asked, text_form, text_line = _text_weights(asked, limit)
     kv, chosen = None, asked
     if asked.get("kv_dtype") != "auto":
         kv = f"reference keys and values: {asked.get('kv_dtype')} (as --kv-dtype asks)"
@@ -268,8 +278,48 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
         planning.describe(found, limit),
         f"compute: {compute} ({whose}: the transformer blocks' products {products})",
         kv if memory.workload.cached else None,
+        text_line,
+        _host_line(memory),
     )
+    report |= dict(text_encoder_weights=text_form, host=memory.host_bytes())
     return memory, report, "\n".join(filter(None, lines))
+
+
+def _text_weights(asked: dict, limit: int | None) -> tuple[dict, str, str]:
+    """(`asked` with the text encoder's Linears as --text-encoder-weights keeps them, auto resolved as a load
+    on that device resolves it, that form, the line that says so)."""
+    from klein.memory import plan
+    from klein.pipeline import text_weights
+    from klein.request import planning, resolve
+
+    asked = dict(asked)
+    option, models = asked.pop("text_encoder_weights", "auto"), asked["models"]
+    platform = "cpu" if asked["platform"] == "cpu" else "accelerator"
+    forms = text_weights.candidates(option, platform, asked["dtype"], "text_encoder" in models.quantized)
+    if len(forms) > 1 and limit is not None:
+        typical = resolve.typical(models.variant).workload
+        work = text_weights.planned_for(typical, models.variant.kv)
+
+        def all_of(form):
+            kept = dict(asked, models=plan.with_text_blocks(models, form))
+            return planning.plan_work(kept, work).policies_on(limit)["all"]
+
+        form = next((form for form in forms if all_of(form) <= limit), forms[0])
+        edits = f"edits over {text_weights.EDITED[0]} references" if models.variant.kv else "its typical request"
+        why = f"every model stays on the device for {edits}" if all_of(form) <= limit else "none lets all fit"
+        whose = f"--text-encoder-weights auto: {why}"
+    else:
+        form, whose = forms[0], f"--text-encoder-weights {option}"
+    kept = dict(asked, models=plan.with_text_blocks(models, form))
+    held = "ggml blocks quantised at load, the token table in host memory" if form else "the compute dtype's"
+    return kept, form or "dtype", f"text encoder: {form or 'dtype'} ({whose}; {held})"
+
+
+def _host_line(memory) -> str | None:
+    """What the plan keeps in host memory: the token table, and each policy's host copies."""
+    host = memory.host_bytes()
+    parts = [f"{name} {gib}" for name, size in host.items() if size for gib in [f"{size / 2**30:.2f} GiB"]]
+    return f"host memory kept: {', '.join(parts)}" if parts else None
 
 
 def _plan_files(flags: argparse.Namespace):

@@ -211,6 +211,13 @@ class MemoryPlan:
     tiled: RequestMemory | None = None
     """The request with the decoder run in tiles (`klein.models.vae_tiled`): what runs where the plain
     decode does not fit."""
+    host_table: int = 0
+    """The text encoder's token table, where it is kept in host memory (`with_text_blocks`)."""
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory a pipeline keeps beside the device's: the token table where it is there, and the
+        host copies of the models that take turns under `sequential` (made at their first release)."""
+        return {"token table": self.host_table, "copies under sequential": self.transformer + self.text_encoder}
 
     @property
     def policies(self) -> dict[str, int]:
@@ -278,6 +285,7 @@ def plan(
         caches_references=models.variant.kv,
         process=process.footprint(platform),
         tiled=memory(tiled_decode=True),
+        host_table=text_config.vocab_size * text_config.hidden_size * e if models.text_table_on_host else 0,
     )
 
 

@@ -58,6 +58,14 @@ def plan(
     return planner.plan(variant, models, work, asked, mesh, dtype, platform)
 
 
+def plan_work(asked: dict, work: planner.Workload) -> planner.MemoryPlan:
+    """`plan`'s arguments `asked` (their checkpoint, mesh, dtype and platform) planned for `work` itself."""
+    dtype = asked.get("dtype", "bfloat16")
+    models = asked.get("models") or planner.published(asked["variant"], dtype)
+    mesh, platform = asked.get("mesh", "single"), asked.get("platform", "accelerator")
+    return planner.plan(asked["variant"], models, work, "the planned request", mesh, dtype, platform)
+
+
 def kv_choice(asked: dict, limit: int) -> dict:
     """`asked` (`plan`'s arguments) with `kv_dtype` "auto" resolved as a pipeline's `auto` resolves it on a
     device of `limit` bytes: "int8" where 8-bit keys and values let a faster residency policy fit than
