@@ -57,7 +57,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.residency, self._models, self.weight_bytes = loaded.policy, models, loaded.sizes
         policy = functools.partial(getattr, self, "residency")  # read at each use: offloading changes it
         hold = functools.partial(residency_policy.hold, models, policy)
-        self.text_table = loaded.text_table  # the text encoder's token table, where it stays on the host
+        self.text_blocks, self.text_table = loaded.text_blocks, loaded.text_table  # Q8_0 / Q4_0: table on host
         self._programs = Programs(hold, self.mesh, products_precision(self.dtype), self.text_table)
         transformer = models[residency_policy.TRANSFORMER]
         self._loras = Loras(
