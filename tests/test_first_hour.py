@@ -167,8 +167,8 @@ def test_a_misspelt_repo_id_gets_the_published_one_and_python_is_told_in_its_wor
 @pytest.mark.parametrize("compute", ["bf16", "fp8"])
 def test_plan_on_a_named_card_is_the_readmes_gpu_table(compute, capsys):
     """`klein plan --device h100-80gb` plans the card's GPU programs, as the README's table
-    (benchmarks/gpu_plan_table.py, `--target`) does, and its first line says what the weights are in."""
-    from benchmarks import gpu_plan_table
+    (benchmarks/gpu/gpu_plan_table.py, `--target`) does, and its first line says what the weights are in."""
+    from benchmarks.gpu import gpu_plan_table
 
     args = ["plan", "--model", "klein-9b-kv", "--refs", "2", "--device", "h100-80gb", "--compute", compute]
     assert cli.main([*args, "--json"]) == 0

@@ -26,11 +26,11 @@ OPERANDS = {"nvfp4": ("f4e2m1fn", "f8e4m3fn"), "mxfp8": ("f8e4m3fn", "f8e8m0fnu"
 # klein keeps a layer's values and scales interleaved (rows of blocks), and slices each layer out of its
 # stack inside `stacks.scan`; XLA hands cuDNN's block-scaled GEMM neither in place (it reads a slice in
 # place for cuBLAS's GEMMs only: DynamicSliceFusion), so values and scales kept apart are copied out of a
-# stack just the same (benchmarks/block_scaled_copies.py: 0 bytes for whole arrays, all of them for a
+# stack just the same (benchmarks/gpu/block_scaled_copies.py: 0 bytes for whole arrays, all of them for a
 # layer of a stack, scanned or not).
 COPIED = (
     "each product copies its weight's values and scales: klein's rows of blocks, and its layers sliced "
-    "out of stacks (benchmarks/block_scaled_copies.py)"
+    "out of stacks (benchmarks/gpu/block_scaled_copies.py)"
 )
 
 

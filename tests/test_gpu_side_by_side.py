@@ -1,4 +1,4 @@
-"""benchmarks/gpu_side_by_side.py at toy size on the CPU (`--tiny`), so that the GPU benchmark keeps
+"""benchmarks/gpu/gpu_side_by_side.py at toy size on the CPU (`--tiny`), so that the GPU benchmark keeps
 working between the runs on a GPU: its klein-9b-kv part runs both engines on text-to-image and every
 editing case, with the KV speed-up against the FLOP ceiling, and writes its report, table and seconds
 (the klein-4b part is the same runner on fewer cases: checked as a config, not run, to keep CI short);
@@ -12,7 +12,7 @@ import pytest
 
 from klein.bench.cases import CaseKind
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_side_by_side.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "gpu_side_by_side.py"
 
 
 def _script():
@@ -42,7 +42,7 @@ def test_the_tiny_kv_part_runs_both_engines_and_writes_its_report(tmp_path, monk
             assert {"text", "references", "denoise", "decode"} <= set(engine["stages"])
     for case in kv["cases"][2:]:
         assert case["kv"]["ceiling"] > 1 and set(case["kv"]["speedup"]) == {"klein", "diffusers"}
-    assert kv["command"] == "python benchmarks/gpu_side_by_side.py --tiny"
+    assert kv["command"] == "python benchmarks/gpu/gpu_side_by_side.py --tiny"
     seconds = json.loads((out / "gpu-side-by-side-seconds.json").read_text())
     assert set(seconds) == {"gpu-tiny-kv", "total"} and not (out / "gpu-tiny.json").exists()
     assert capsys.readouterr().out.count("| case | klein s/image |") == 1

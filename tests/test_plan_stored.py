@@ -1,6 +1,6 @@
 """The planner's weights as stored (issue 33): each Param at its own dtype and shape in the model the loader
 fills, quantized files at their own bytes per weight (read from their headers), the 8, 10 and 12 GB cards
-`klein plan --device` knows; and the quantized files `benchmarks/real_size.py --quantized` writes, at a
+`klein plan --device` knows; and the quantized files `benchmarks/checkpoints/real_size.py --quantized` writes, at a
 tiny geometry (their names, shapes and types)."""
 
 import json
@@ -28,7 +28,7 @@ from klein.models.transformer_config import TransformerConfig
 from klein.pipeline.loading import load_pipeline
 from klein.request import planning
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "checkpoints"))
 import quantized_files as files  # noqa: E402
 
 TINY = TransformerConfig(

@@ -31,12 +31,15 @@ def everything_said() -> str:
 
 
 def python_examples() -> list[tuple[Path, str]]:
-    """(file, code) of each ```python block, in reading order (the README's first)."""
-    return [
-        (path, block)
-        for path in documents()
-        for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
-    ]
+    """(file, code) of each ```python block, in reading order (the README's first); a block that repeats
+    an earlier one (a page's copy of the README's quick start, tests/test_docs_copies.py) once only."""
+    seen, examples = set(), []
+    for path in documents():
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S):
+            if block not in seen:
+                seen.add(block)
+                examples.append((path, block))
+    return examples
 
 
 def test_the_readme_examples_run_twice_and_their_settings_round_trip(klein_home, tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 256^2 references each leave its RSS within 75 MiB (1.5 MiB an edit) of where it was after a warm-up (a
 server that kept finished requests grew ~20 MiB an edit, with references of 512^2; a flat one drifts
 25-35 MiB over 50 edits, as the allocator settles), synchronous jobs are not kept, /metrics shows each store's bytes,
-and a kept /v1/jobs result expires (404 saying so). benchmarks/serve_memory.py prints the numbers."""
+and a kept /v1/jobs result expires (404 saying so). benchmarks/serving/serve_memory.py prints the numbers."""
 
 import time
 

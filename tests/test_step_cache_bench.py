@@ -1,4 +1,4 @@
-"""benchmarks/step_cache.py's arithmetic, without running it (a run takes minutes even at --quick: diffusers'
+"""benchmarks/cache/step_cache.py's arithmetic, without running it (a run takes minutes even at --quick: diffusers'
 text encoding alone is seconds): the image error measures, the share of block passes a cached run computes,
 and the H100 roofline line's FLOPs."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from klein.request.step_cache import StepCache
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "step_cache.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "cache" / "step_cache.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The figures docs/devices.md gives as measured on one TPU v5e chip are those of the committed JSONs of
-`benchmarks/tpu_v5e.py` (docs/benchmarks/tpu-v5e-*.json), row for row."""
+`benchmarks/tpu/tpu_v5e.py` (docs/benchmarks/tpu-v5e-*.json), row for row."""
 
 import json
 from pathlib import Path

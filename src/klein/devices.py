@@ -30,7 +30,7 @@ AUTO_SSIM = 0.98
 QUALITY = {NVFP4: 0.9983, MXFP8: 0.9995}
 """Each block-scaled product's image SSIM against bf16 at klein-4b's width with the real VAE (random
 weights, 1 double + 2 single blocks, 512^2 px, 4 steps), as docs/design/checkpoints.md gives it ("Quality of
-the low-precision paths", `benchmarks/quality_low_precision.py`)."""
+the low-precision paths", `benchmarks/precision/quality_low_precision.py`)."""
 GIVEN_COMPUTE = INT8
 """What `--compute auto` is planned as on a device given by its memory: 8-bit products (fp8 or int8, as
 the device multiplies; the same bytes either way), as on every card before Blackwell; on Blackwell nvfp4

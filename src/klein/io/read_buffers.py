@@ -2,7 +2,7 @@
 
 On a TPU host under a sandboxed kernel (gVisor) the pages of a new array cost more to fault in than the read
 itself: `np.fromfile` of a checkpoint's tensors ran at about 1 GiB/s, reads into a buffer already in memory
-at 4.7 GiB/s (`benchmarks/host_reads.py`). `klein.io.device_loading` reads each large weight into a buffer of
+at 4.7 GiB/s (`benchmarks/checkpoints/host_reads.py`). `klein.io.device_loading` reads each large weight into a buffer of
 a `Pool`, sends it to the device and waits for the transfer, then gives the buffer back for the next.
 """
 

@@ -1,6 +1,6 @@
 """klein's own process (Python, JAX's client, the programs, the tokenizer), counted where it shares the
 device's memory: on the local CPU (docs/design/memory.md). `footprint("cpu")` is a sum of parts measured
-on this repository's 2-core AMD EPYC machine (`python benchmarks/process_footprint.py` prints the first two):
+on this repository's 2-core AMD EPYC machine (`python benchmarks/memory/process_footprint.py` prints the first two):
 - `RUNTIME_BYTES`: the resident memory of a process that imported `klein.pipeline.flux2_klein` and JAX and
   ran one array op on the CPU (Python, numpy, JAX's CPU client, klein's modules, the shared libraries
   they map; 0.33 GiB, libtpu's probe included where the `tpu` extra is installed);

@@ -221,7 +221,7 @@ def _sharded(mesh, local, q, k, v, q_rank, k_rank, split_tokens: bool):
 def _blocked(q, k, v, q_rank, k_rank):
     """Tiles of QUERY_BLOCK x KEY_BLOCK on one device, heads-major, an online softmax in float32 over the
     key blocks. Keys are cut into even blocks once, before the loop (no key padded, so no mask without
-    ranks; `benchmarks/attention_speed.py`). With `k_rank` alone (every query sees every real key) the
+    ranks; `benchmarks/speed/attention_speed.py`). With `k_rank` alone (every query sees every real key) the
     masked keys' scores get a bias of `_LOW` instead: no compare per score, and a block of padding alone
     weighs nothing once a real key is met (the running max's correction zeroes it)."""
     _, sq, h, dh = q.shape
