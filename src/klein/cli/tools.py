@@ -279,6 +279,7 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
         f"compute: {compute} ({whose}: the transformer blocks' products {products})",
         kv if memory.workload.cached else None,
         text_line,
+        _beyond_all(memory, limit, text_form),
         _host_line(memory),
     )
     report |= dict(text_encoder_weights=text_form, host=memory.host_bytes())
@@ -289,30 +290,27 @@ def _text_weights(asked: dict, limit: int | None) -> tuple[dict, str, str]:
     """(`asked` with the text encoder's Linears as --text-encoder-weights keeps them, auto resolved as a load
     on that device resolves it, that form, the line that says so)."""
     from klein.memory import plan
-    from klein.pipeline import text_weights
-    from klein.request import planning, resolve
+    from klein.request import planning
 
     asked = dict(asked)
-    option, models = asked.pop("text_encoder_weights", "auto"), asked["models"]
-    platform = "cpu" if asked["platform"] == "cpu" else "accelerator"
-    forms = text_weights.candidates(option, platform, asked["dtype"], "text_encoder" in models.quantized)
-    if len(forms) > 1 and limit is not None:
-        typical = resolve.typical(models.variant).workload
-        work = text_weights.planned_for(typical, models.variant.kv)
-
-        def all_of(form):
-            kept = dict(asked, models=plan.with_text_blocks(models, form))
-            return planning.plan_work(kept, work).policies_on(limit)["all"]
-
-        form = next((form for form in forms if all_of(form) <= limit), forms[0])
-        edits = f"edits over {text_weights.EDITED[0]} references" if models.variant.kv else "its typical request"
-        why = f"every model stays on the device for {edits}" if all_of(form) <= limit else "none lets all fit"
-        whose = f"--text-encoder-weights auto: {why}"
-    else:
-        form, whose = forms[0], f"--text-encoder-weights {option}"
-    kept = dict(asked, models=plan.with_text_blocks(models, form))
+    option = asked.pop("text_encoder_weights", "auto")
+    form, whose = planning.text_weights_choice(asked, option, limit)
+    kept = dict(asked, models=plan.with_text_blocks(asked["models"], form))
     held = "ggml blocks quantised at load, the token table in host memory" if form else "the compute dtype's"
     return kept, form or "dtype", f"text encoder: {form or 'dtype'} ({whose}; {held})"
+
+
+def _beyond_all(memory, limit: int | None, form: str) -> str | None:
+    """Where the text encoder's blocks let `all` fit the planned request but not this one: why not."""
+    peak = memory.policies_on(limit)["all"] if limit is not None else 0
+    if form == "dtype" or peak <= limit:
+        return None
+    kv = memory.memory.reference_kv
+    held = f"its reference keys and values ({kv / 2**30:.2f} GiB) and " if kv else ""
+    return (
+        f"all does not fit this request ({peak / 2**30:.2f} GiB): {held}the weights need more than the "
+        f"{limit / 2**30:.2f} GiB, so the text encoder and the transformer take turns for it"
+    )
 
 
 def _host_line(memory) -> str | None:

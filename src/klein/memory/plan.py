@@ -217,7 +217,10 @@ class MemoryPlan:
     def host_bytes(self) -> dict[str, int]:
         """Host memory a pipeline keeps beside the device's: the token table where it is there, and the
         host copies of the models that take turns under `sequential` (made at their first release)."""
-        return {"token table": self.host_table, "copies under sequential": self.transformer + self.text_encoder}
+        return {
+            "token table": self.host_table,
+            "copies under sequential": self.transformer + self.text_encoder,
+        }
 
     @property
     def policies(self) -> dict[str, int]:

@@ -6,6 +6,8 @@ would put them there."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import weakref
 
 from klein.errors import CannotFitError
 from klein.memory.plan import Workload
@@ -13,10 +15,56 @@ from klein.pipeline import cache_keys
 from klein.pipeline import prompts as text
 from klein.request.resolve import Resolved
 
+log = logging.getLogger("klein.residency")
 
-def admit(pipe, run: Resolved) -> tuple[bool, Workload]:
+
+TURNS = "sequential"
+"""The policy a request too big for `all` runs under: the text encoder and the transformer take turns."""
+_home: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Pipelines whose last request ran under `TURNS` where they keep every model resident: back to `all`."""
+
+
+def admit(pipe, run: Resolved, turns: bool = True) -> tuple[bool, Workload]:
     """Refuse `run` on `pipe` if it cannot fit; (True when only the tiled decoder makes it fit, the workload
-    as admitted: `Budget.admit_kv`)."""
+    as admitted: `Budget.admit_kv`). A request that `all` cannot hold but turns can (more references than
+    the planned edit) runs under `TURNS`, the models moving for it alone (logged; the next request comes
+    back to `all`), where `turns`; else (a check before queueing it) it is only admitted so."""
+    if turns:
+        restore(pipe)
+    try:
+        return _admitted(pipe, run)
+    except CannotFitError as refused:
+        if pipe.residency != "all":
+            raise
+        pipe.residency = TURNS
+        try:
+            admitted = _admitted(pipe, run)
+        except CannotFitError:
+            pipe.residency = "all"
+            raise refused from None
+        except BaseException:
+            pipe.residency = "all"
+            raise
+    if turns:
+        _home[pipe] = "all"
+        log.info("this request does not fit with every model resident: the models take turns for it")
+    else:
+        pipe.residency = "all"
+    return admitted
+
+
+def restore(pipe) -> None:
+    """`pipe` back under `all` after a request that ran under `TURNS` (`admit`)."""
+    if _home.pop(pipe, None) is not None and pipe.residency == TURNS:
+        pipe.residency = "all"
+
+
+def forget(pipe) -> None:
+    """`pipe`'s policy was set by its user (offloading): not to be restored by `admit`."""
+    _home.pop(pipe, None)
+
+
+def _admitted(pipe, run: Resolved) -> tuple[bool, Workload]:
     prompts = [*run.request.prompts, *[""] * run.mode.guided]
     keys = [cache_keys.prompt_key(pipe.weights_id, p, pipe.prompt_owner) for p in prompts]
     work = dataclasses.replace(run.workload, text_cached=text.kept(pipe.prompt_cache, keys))

@@ -19,7 +19,7 @@ from klein.dtypes import DTYPES
 from klein.errors import InputError
 from klein.memory import residency as residency_policy
 from klein.models.variants import VARIANTS
-from klein.pipeline import preview, reading
+from klein.pipeline import admitting, preview, reading
 from klein.pipeline.cache import ByteBudgetCache
 from klein.pipeline.output import GenerationOutput
 from klein.pipeline.progress_bar import CallBar
@@ -267,6 +267,7 @@ class DiffusersSurface:
         if device is not None or gpu_id is not None:
             kind = str(device or "cuda").partition(":")[0]
             check_device(self.devices, kind if gpu_id is None else f"{kind}:{gpu_id}", f"{call}()")
+        admitting.forget(self)  # a policy its user set stays
         order = list(residency_policy.POLICIES)  # from the one holding the most on the device
         if order.index(policy) <= order.index(self.residency):
             return  # the pipeline already holds no more than `policy` would

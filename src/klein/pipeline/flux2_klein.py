@@ -57,7 +57,10 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.residency, self._models, self.weight_bytes = loaded.policy, models, loaded.sizes
         policy = functools.partial(getattr, self, "residency")  # read at each use: offloading changes it
         hold = functools.partial(residency_policy.hold, models, policy)
-        self.text_blocks, self.text_table = loaded.text_blocks, loaded.text_table  # Q8_0 / Q4_0: table on host
+        self.text_blocks, self.text_table = (
+            loaded.text_blocks,
+            loaded.text_table,
+        )  # Q8_0 / Q4_0: table on host
         self._programs = Programs(hold, self.mesh, products_precision(self.dtype), self.text_table)
         transformer = models[residency_policy.TRANSFORMER]
         self._loras = Loras(
@@ -272,7 +275,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         prepared reference the request will come with (a server checks a job before queueing it)."""
         mask = None if request.mask_image is None else masks.as_mask(request.mask_image)
         run = self._resolve(request, tuple(reference_sizes), mask)
-        self._admit(run)
+        admitting.admit(self, run, turns=False)
         if mask is not None:  # as the run prepares it: refused if nothing is left to repaint
             masks.latent_mask(mask, run.reference_sizes[0], request.padding_mask_crop)
 

@@ -12,9 +12,9 @@ from klein import devices as klein_devices
 from klein import dtypes, sharding
 from klein.lora.loading import read_lora
 from klein.lora.registry import named_files
-from klein.memory import admission, plan, process, residency
+from klein.memory import admission, plan, process, residency, text_weights
 from klein.memory.admission import estimates, planning_mesh
-from klein.pipeline import compilation_cache, components, prompts, text_weights
+from klein.pipeline import compilation_cache, components, prompts
 from klein.pipeline.device_weights import Weights
 from klein.request import resolve
 from klein.request.loading import AUTO, LoadOptions

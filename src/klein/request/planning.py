@@ -10,13 +10,13 @@ import math
 
 from klein.errors import InputError, counted
 from klein.memory import plan as planner
-from klein.memory import residency
+from klein.memory import residency, text_weights
 from klein.memory.admission import gib, smaller_sides
 from klein.models import products
 from klein.models.reference_kv8 import INT8
 from klein.models.variants import SIZES, name_of
 from klein.request.request import GenerationRequest
-from klein.request.resolve import MIN_SIDE, resolve
+from klein.request.resolve import MIN_SIDE, resolve, typical
 
 FILE_FORMATS = ("Q8_0", "Q4_K", "NVFP4")
 """The quantized transformer downloads suggested, beside a Qwen3 GGUF of `TEXT_ENCODER_FORMAT`."""
@@ -64,6 +64,29 @@ def plan_work(asked: dict, work: planner.Workload) -> planner.MemoryPlan:
     models = asked.get("models") or planner.published(asked["variant"], dtype)
     mesh, platform = asked.get("mesh", "single"), asked.get("platform", "accelerator")
     return planner.plan(asked["variant"], models, work, "the planned request", mesh, dtype, platform)
+
+
+def text_weights_choice(asked: dict, option: str, limit: int | None) -> tuple[str | None, str]:
+    """(the form `option` (`--text-encoder-weights`) keeps the text encoder's Linears in for `asked`
+    (`plan`'s arguments) on a device of `limit` bytes, auto resolved as a load there resolves it
+    (`klein.memory.text_weights`: None is the compute dtype's), why)."""
+    models = asked.get("models") or planner.published(asked["variant"], asked.get("dtype", "bfloat16"))
+    platform = "cpu" if asked.get("platform") == "cpu" else "accelerator"
+    gguf = residency.TEXT_ENCODER in models.quantized
+    forms = text_weights.candidates(option, platform, asked.get("dtype", "bfloat16"), gguf)
+    if len(forms) == 1 or limit is None:
+        return forms[0], f"--text-encoder-weights {option}"
+    work = text_weights.planned_for(typical(models.variant).workload, models.variant.kv)
+
+    def all_of(form) -> int:
+        return plan_work(dict(asked, models=planner.with_text_blocks(models, form)), work).policies_on(limit)[
+            "all"
+        ]
+
+    form = next((form for form in forms if all_of(form) <= limit), forms[0])
+    edits = f"edits over {text_weights.EDITED[0]} references" if models.variant.kv else "its typical request"
+    why = f"every model stays on the device for {edits}" if all_of(form) <= limit else "none lets all fit"
+    return form, f"--text-encoder-weights auto: {why}"
 
 
 def kv_choice(asked: dict, limit: int) -> dict:
