@@ -395,6 +395,8 @@ def test_plan_json_lists_every_policy_and_autos_choice(klein_home, tmp_path):
         "rtx-4090",
         "--compute",
         "bf16",  # auto there is FP8, whose one-byte blocks fit `all`
+        "--text-encoder-weights",
+        "dtype",  # auto there keeps the text encoder in 8 bits, which fits `all` too
         "--json",
     )
     result = run_klein(klein_home, *args, cwd=tmp_path)

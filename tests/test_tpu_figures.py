@@ -95,3 +95,33 @@ def test_the_step_ceiling_table_is_its_json():
     bf16, int8 = report["step_bf16"], report["step_int8"]
     assert f"**{bf16['tflop_per_s']} TFLOP/s in bf16** ({bf16['share_of_spec_peak']:.0%} of the 197" in doc
     assert f"**{int8['tflop_per_s']} TOP/s in int8** ({int8['share_of_spec_peak']:.0%} of 394)" in doc
+
+
+@pytest.mark.parametrize("refs", [1, 2, 4])
+def test_the_interactive_loops_rows_are_their_json(refs):
+    """docs/devices.md, "The interactive loop": each row's medians, ratio and parts from the JSON."""
+    runs = [
+        *_figures("tpu-v5e-interactive.json")["runs"],
+        *_figures("tpu-v5e-interactive-turns.json")["runs"],
+    ]
+    run = next(run for run in runs if run["refs"] == refs)
+    last = run["new_prompt"][-1]
+    loaded = (
+        "`auto`: all, Q4_0 text encoder" if run["residency"] == "all" else "`sequential`, Q4_0 text encoder"
+    )
+    turns = f"onload {last['onload']:.2f} s, offload {last['offload']:.2f} s, " if "onload" in last else ""
+    row = (
+        f"| {refs} | {loaded} | {run['new_prompt_median']:.2f} s | {run['same_prompt_median']:.2f} s | "
+        f"{run['ratio']:.2f} | {turns}text {last['text']:.2f} s, denoise {last['denoise']:.2f} s, decode "
+        f"{last['decode_tiled']:.2f} s (tiled) |"
+    )
+    assert row in _doc()
+
+
+def test_the_text_encoders_error_is_its_json():
+    run = _figures("tpu-v5e-interactive.json")
+    error, image = run["text_encoder_error"]["Q4_0"], run["image_error"]
+    assert f"{error['mean']:.1%} off the bf16 encoder's" in _doc()
+    assert (
+        f"{image['psnr_db']} dB PSNR" in _doc() and f"mean abs {image['mean_abs'] * 255:.2f} / 255" in _doc()
+    )

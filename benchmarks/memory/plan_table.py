@@ -2,7 +2,8 @@
 the quantized files people run on 8-12 GB cards: GGUF transformers with a Q4_K Qwen3 GGUF text encoder,
 BFL's NVFP4) for one 1024x1024 image, its peak under each residency policy, and what `auto` picks on
 each card of `CARDS` (with the 8-bit products `--compute auto` makes there: FP8 on RTX 40xx / 50xx, INT8
-on RTX 30xx), each planned for the cards' GPU programs as `klein plan --device` plans them. Planned, not measured: `benchmarks/checkpoints/real_size.py --quantized` writes the full-size files for
+on RTX 30xx, and the text encoder's Linears in ggml blocks where auto quantises them: "all, text Q8_0"),
+each planned for the cards' GPU programs as `klein plan --device` plans them. Planned, not measured: `benchmarks/checkpoints/real_size.py --quantized` writes the full-size files for
 the measured runs.
 
     python benchmarks/memory/plan_table.py
@@ -43,9 +44,18 @@ def planned(variant: str, refs: int, transformer, text_encoder, compute: str = p
 
 
 def auto_on(card: str, variant: str, refs: int, transformer, text_encoder) -> str:
-    on = planned(variant, refs, transformer, text_encoder, devices.DEVICES[card].compute)
-    limit = devices.DEVICES[card].limit
-    return next((name for name, peak in on.policies_on(limit).items() if peak <= limit), "nothing fits")
+    """What `auto` picks on `card`: its policy, and the text encoder's ggml blocks where auto quantises a
+    bf16 one's Linears at load (`--text-encoder-weights auto`: only where that lets `all` hold the
+    checkpoint's planned request)."""
+    compute, limit = devices.DEVICES[card].compute, devices.DEVICES[card].limit
+    models = plan.in_format(plan.published(variant, "bfloat16"), transformer, text_encoder)
+    models = dataclasses.replace(models, compute=compute)
+    asked = dict(variant=variant, models=models, platform="gpu")
+    form, _ = planning.text_weights_choice(asked, "auto", limit)
+    models = plan.with_text_blocks(models, form)
+    on = planning.plan(variant, refs=refs, size=(1024, 1024), models=models, platform="gpu")
+    policy = next((name for name, peak in on.policies_on(limit).items() if peak <= limit), "nothing fits")
+    return f"{policy}, text {form}" if form and policy != "nothing fits" else policy
 
 
 def main() -> None:
