@@ -95,7 +95,7 @@ def test_format_table_is_ggmls_and_a_q4_0_plan_is_smaller_by_its_ratio():
     q4 = plan.in_format(bf16, "Q4_0", "Q4_0")
     full, quantized = (planning.plan("klein-9b-kv", size=(64, 64), models=m) for m in (bf16, q4))
     # The quantized Linears at 18 / 32 bytes where bf16 takes 2: the embedders and final layer stay bf16.
-    abstract, text = plan._abstract_models(bf16.transformer, bf16.text_encoder)[:2]
+    abstract, text = plan.abstract_models(bf16.transformer, bf16.text_encoder)[:2]
     kept = sum(
         math.prod(shape)
         for path, shape in stored.linears(abstract).items()

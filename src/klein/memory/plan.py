@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from fractions import Fraction
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +23,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from klein import dtypes, sharding
-from klein.errors import CheckpointError, InputError
-from klein.io import text_encoder_gguf, transformer_file
-from klein.io.text_encoder_checkpoint import abstract_text_encoder, quantised_forms
-from klein.io.text_encoder_gguf import EMBEDDING
 from klein.io.transformer_checkpoint import abstract_transformer, stored_forms
-from klein.io.vae_checkpoint import abstract_vae
-from klein.memory import process, residency, stored
+from klein.memory import process, residency
 from klein.memory.activations import (
     TEXT_TOKENS,
     decode_activations,
@@ -42,14 +35,21 @@ from klein.memory.activations import (
     step_cache_bytes,
     text_table_copy,
 )
+from klein.memory.models import (  # noqa: F401 (the planner's description of a checkpoint, named here too)
+    FLUX2_VAE,
+    Models,
+    abstract_models,
+    in_format,
+    plain_transformer,
+    published,
+    with_files,
+    with_forms,
+    with_text_blocks,
+)
 from klein.models import buckets, products, reference_kv8, step_cache
-from klein.models.qwen3 import PROMPT_LAYERS
 from klein.models.qwen3_config import Qwen3Config
 from klein.models.transformer_config import TransformerConfig
 from klein.models.vae import PIXELS_PER_TOKEN, VAEConfig
-from klein.models.variants import VARIANTS, Variant
-
-FLUX2_VAE = VAEConfig.flux2()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +278,7 @@ def plan(
         mesh=sharding.describe(abstract) if sharding.parse(mesh) else "single",
         devices=math.prod(abstract.shape.values()),
         request=request,
-        transformer_params=_weights(_abstract_models(cfg, text_config)[0], (), abstract)[1],
+        transformer_params=_weights(abstract_models(cfg, text_config)[0], (), abstract)[1],
         streamed={name: sizes[residency.streamed(name)] for name in residency.STACKS},
         transformer=sizes["transformer"],
         text_encoder=sizes["text_encoder"],
@@ -292,57 +292,12 @@ def plan(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Models:
-    """What a plan needs to know of a checkpoint: its configs and variant, and how its weights are stored."""
-
-    transformer: TransformerConfig
-    text_encoder: Qwen3Config
-    vae: VAEConfig
-    variant: Variant
-    fp8: bool = False
-    """The transformer file ships FP8 Linears, kept so (`klein.models.layers.SHIPPED_FP8`)."""
-    compute: str = products.BF16
-    """How the blocks' products are made: an 8-bit one stores their kernels in 8 bits."""
-    quantized: dict = dataclasses.field(default_factory=dict)
-    """Per model ("transformer", "text_encoder"): module path -> bytes per weight of the Linears its file
-    keeps as blocks (`with_forms`, `in_format`)."""
-    text_table_on_host: bool = False
-    """The text encoder's token table is kept in host memory (`with_text_blocks`): no device bytes."""
-
-
-def published(variant: str, dtype: str) -> Models:
-    """The configs of a published `variant`, for a plan before anyone has its files."""
-    if variant not in VARIANTS:
-        raise InputError(f"unknown model {variant!r}; known: {', '.join(VARIANTS)}")
-    dtypes.dtype(dtype)  # the error listing the choices
-    size = VARIANTS[variant].size
-    return Models(size.transformer, size.text_encoder, FLUX2_VAE, VARIANTS[variant])
-
-
-@functools.cache
-def _abstract_models(
-    cfg: TransformerConfig, text_config: Qwen3Config, vae_config: VAEConfig = FLUX2_VAE
-) -> tuple[nnx.Module, ...]:
-    """Transformer, text encoder (the layers that run) and VAE as shapes only; read, never changed."""
-    return (
-        _plain_transformer(cfg),
-        abstract_text_encoder(text_config, max(PROMPT_LAYERS)),
-        abstract_vae(vae_config),
-    )
-
-
-@functools.cache
-def _plain_transformer(cfg: TransformerConfig) -> nnx.Module:
-    return abstract_transformer(cfg)
-
-
 @functools.cache
 def stored_transformer(cfg: TransformerConfig, itemsize: int, fp8: bool, compute: str) -> nnx.Module:
     """The transformer as the loader builds it to fill (`klein.io.transformer_file`): floats of
     `itemsize` bytes, its Linears in their stored forms (FP8 as shipped where `fp8`, every one of them;
     the blocks' kernels in 8 bits for an 8-bit `compute`)."""
-    plain = _plain_transformer(cfg)
+    plain = plain_transformer(cfg)
     linears = {path[:-1] for path, _ in nnx.to_flat_state(nnx.state(plain)) if path[-1] == "kernel"}
     plan = {(*path, "kernel"): [] for path in linears}
     forms = stored_forms(plan, frozenset(linears) if fp8 else frozenset(), compute)
@@ -362,7 +317,7 @@ def model_bytes(
     """Weight bytes per device of each model ("text_encoder", "transformer", "vae") as stored (floats of
     `itemsize` bytes, the transformer's Linears as `stored_transformer` builds them, those of `quantized`
     files at their bytes per weight), and the bytes `stream` keeps in host memory (`residency.streamed`)."""
-    _, text_encoder, vae = _abstract_models(cfg, text_config, vae_config)
+    _, text_encoder, vae = abstract_models(cfg, text_config, vae_config)
     # Built in its dtype and stored forms: every Param is counted as the loader keeps it.
     transformer = stored_transformer(cfg, itemsize, fp8, compute)
     models = {
@@ -384,60 +339,6 @@ def model_bytes(
         if name in residency.STACKS:
             sizes[residency.streamed(name)] = stacked - 2 * largest
     return sizes
-
-
-def with_files(models: Models, transformer: Path | None = None, text_encoder: Path | None = None) -> Models:
-    """`models` with the Linears a quantized `transformer` file (GGUF, NVFP4) and `text_encoder` file (a
-    Qwen3 GGUF) keep as their blocks, as io reads them from the headers for their loaders (`kept_forms`); a
-    file that keeps no Linear so (a folder, bf16 or FP8 safetensors) adds nothing."""
-    forms = {}
-    try:
-        if transformer is not None and Path(transformer).is_file():
-            forms[residency.TRANSFORMER] = transformer_file.kept_forms(transformer)
-        if text_encoder is not None and Path(text_encoder).is_file():
-            gguf = Path(text_encoder).suffix.lower() == ".gguf"  # else safetensors, widened at load
-            kept = text_encoder_gguf.kept_forms(text_encoder, models.text_encoder) if gguf else {}
-            forms[residency.TEXT_ENCODER] = kept
-    except CheckpointError as exc:  # files the user named
-        raise InputError(str(exc)) from None
-    return with_forms(models, forms)
-
-
-def with_forms(models: Models, forms: dict[str, dict]) -> Models:
-    """`models` with the Linears io describes each model's file as keeping as blocks (model -> module path ->
-    `blocks`: `klein.io.transformer_file.kept_forms`, `klein.io.text_encoder_gguf.kept_forms`), counted at
-    the bytes they hold (`klein.memory.stored.rates`)."""
-    abstract = _abstract_models(models.transformer, models.text_encoder, models.vae)
-    modules = {residency.TRANSFORMER: abstract[0], residency.TEXT_ENCODER: abstract[1]}
-    files = dict(models.quantized) | {name: stored.rates(modules[name], kept) for name, kept in forms.items()}
-    # An NVFP4 file's FP8 tensors are its block scales, counted with its blocks: no Linear ships as FP8.
-    fp8 = models.fp8 and not files.get(residency.TRANSFORMER)
-    return dataclasses.replace(models, quantized=files, fp8=fp8)
-
-
-def with_text_blocks(models: Models, blocks: str | None) -> Models:
-    """`models` with the text encoder's decoder Linears quantised at load into ggml `blocks` (Q8_0, Q4_0),
-    counted at those blocks' bytes, and its token table in host memory (`klein.io.text_encoder_checkpoint.
-    load_text_encoder`); `models` itself for None."""
-    if blocks is None:
-        return models
-    forms = dict.fromkeys(quantised_forms(models.text_encoder, blocks), blocks)
-    rated = with_forms(models, {residency.TEXT_ENCODER: forms})
-    files = dict(rated.quantized)
-    files[residency.TEXT_ENCODER] = {**files[residency.TEXT_ENCODER], EMBEDDING: Fraction(0)}  # on the host
-    return dataclasses.replace(rated, quantized=files, text_table_on_host=True)
-
-
-def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:
-    """`models` as the usual downloads in a stored format (`klein.memory.stored.FORMATS`) hold them: the
-    transformer's Linears but its embedders and final layer, the text encoder's Linears and embedding."""
-    abstract, text, _ = _abstract_models(models.transformer, models.text_encoder, models.vae)
-    forms = {}
-    if transformer is not None:
-        forms[residency.TRANSFORMER] = stored.uniform(abstract, transformer, stored.TRANSFORMER_KEPT)
-    if text_encoder is not None:
-        forms[residency.TEXT_ENCODER] = stored.uniform(text, text_encoder)
-    return with_forms(models, forms)
 
 
 def _shard_bytes(shape: tuple, axes: tuple, mesh, itemsize: int) -> int:
