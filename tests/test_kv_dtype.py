@@ -130,7 +130,7 @@ def test_a_request_whose_prompts_are_kept_is_admitted_without_the_text_encoders_
     try:
         pipe.encode_prompt(["kept"])
         pipe.memory_limit = pipe.budget._beyond(estimate)
-        assert pipe._admit(pipe._resolve(kept, refs.pixel_sizes))[1].text_cached
+        assert admitting.admit(pipe, pipe._resolve(kept, refs.pixel_sizes), turns=False)[1].text_cached
         pipe.generate(kept)
         new = dataclasses.replace(kept, prompt="new")
         with pytest.raises(InputError, match="text encoder"):

@@ -34,6 +34,7 @@ from klein.bench import flops
 from klein.bench.configs import CONFIGS, TEXT_TOKENS
 from klein.io import demo
 from klein.memory import plan
+from klein.pipeline import admitting
 from klein.pipeline.loading import load_pipeline
 
 PROMPT = "the same scene at dusk, lanterns lit"
@@ -85,7 +86,7 @@ def planned_peak(pipe, request: GenerationRequest, sizes, limit: int) -> dict:
     its keys and values as admission stores them (the compute dtype's where it refuses)."""
     run = pipe._resolve(request, sizes)
     try:
-        work = pipe._admit(run)[1]
+        work = admitting.admit(pipe, run, turns=False)[1]
     except InputError:
         work = run.workload
     kv_dtype = work.kv_dtype

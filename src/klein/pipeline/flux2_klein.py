@@ -57,15 +57,10 @@ class Flux2KleinPipeline(DiffusersSurface):
         self.residency, self._models, self.weight_bytes = loaded.policy, models, loaded.sizes
         policy = functools.partial(getattr, self, "residency")  # read at each use: offloading changes it
         hold = functools.partial(residency_policy.hold, models, policy)
-        self.text_blocks, self.text_table = (
-            loaded.text_blocks,
-            loaded.text_table,
-        )  # Q8_0 / Q4_0: table on host
+        self.text_blocks, self.text_table = loaded.text_blocks, loaded.text_table
         self._programs = Programs(hold, self.mesh, products_precision(self.dtype), self.text_table)
-        transformer = models[residency_policy.TRANSFORMER]
-        self._loras = Loras(
-            self.config, self.dtype, hold(residency_policy.TRANSFORMER), self.mesh, transformer.changed
-        )
+        transformer, held = models[residency_policy.TRANSFORMER], hold(residency_policy.TRANSFORMER)
+        self._loras = Loras(self.config, self.dtype, held, self.mesh, transformer.changed)
         # One transformer state, which LoRAs update in place (and merge again after it is read again).
         transformer.loaded = lambda state: self._loras.weights.merge_again()
         self.loras: tuple[LoraInfo, ...] = ()
@@ -201,7 +196,7 @@ class Flux2KleinPipeline(DiffusersSurface):
         # 2. Everything decided once, with no device work: mode, size, steps, guidance, batch.
         run = self._resolve(request, sizes, mask)
         # 3. Admission: refuse what cannot fit before anything is allocated; choose the decoder.
-        tiled, admitted = self._admit(run)
+        tiled, admitted = admitting.admit(self, run)  # (only the tiled decoder fits?, the work as admitted)
         if parts := split_batch.parts(self, run, on_step_end):  # a batch of no warm program's size
             return split_batch.generate(self, request, run, parts, progress)
         # 4. Text first: under sequential residency the text encoder then leaves before the transformer comes.
@@ -291,11 +286,6 @@ class Flux2KleinPipeline(DiffusersSurface):
         for note in run.notes:
             warnings.warn(note, stacklevel=4)
         return run
-
-    def _admit(self, run: Resolved):
-        """Refuse `run` if it cannot fit; (True when only the tiled decoder makes it fit, the workload as
-        admitted): `klein.pipeline.admitting.admit`."""
-        return admitting.admit(self, run)
 
     def encode_reference_latents(self, prepared: np.ndarray) -> jax.Array:
         """One prepared reference float32[H, W, 3] (`klein.images.prepare_reference`) -> its latents
