@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import PIL.Image
 import uvicorn
@@ -64,11 +65,24 @@ def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=
         raise InputError(f"cannot serve on {host}:{port} (is the port in use? see the log above)") from None
     finally:
         service.worker.stop()
-        if stopped and service.warming:
-            # Compiling ahead runs no one's job: nothing to wait for. Stopped at once, a clean stop; not by
-            # returning, since the interpreter's exit under a compile in flight aborts in XLA's threads.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        service.worker.join()
+        if not (stopped and service.warming):
+            service.worker.join()  # the running job's grace: past it `klein.cli.interrupts` ends the process
+    if service.warming or pipe.warm_buckets.pending:
+        _leave_compiling()
     return 0
+
+
+def _leave_compiling() -> NoReturn:
+    """Exit 0 now, with a thread still inside XLA's compiler: compiling ahead (no job runs, so nothing is
+    waited for) or compiling behind the requests (every job has finished; the program is nobody's, and a
+    compilation cannot be stopped, nor waited for within the grace: on a CPU it may take minutes).
+
+    Not by returning: the interpreter's exit then ends that thread as it comes back from C++ (a daemon
+    thread that asks for the GIL during finalisation is ended by `pthread_exit`, whose unwinding XLA's
+    frames do not let through: "terminate called ... FATAL: exception not rethrown", SIGABRT) or tears
+    down what it still uses (SIGSEGV). The server has stopped and every client has its answer; what is
+    skipped is the interpreter's clean-up, with nothing left to clean: the output is flushed first. The
+    program cut short is compiled again when a request first needs it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
