@@ -1,6 +1,8 @@
 """`klein serve` stopped while it compiles a request's own buckets behind it: SIGTERM and Ctrl+C exit 0, with
 no abort from XLA's threads (`klein.serve.server`: the interpreter's exit under a compilation in flight
-aborted, SIGABRT or SIGSEGV, in every try before the exit left through `os._exit`)."""
+aborted, SIGABRT or SIGSEGV, in every try before the exit left through `os._exit`); with no job running,
+the stop says only "stopping". What the warm-up says as it starts: how long, and that --no-warm skips it;
+not the demo's note on inpainting, which its inpainting warm-up request is nobody's."""
 
 import signal
 
@@ -43,3 +45,8 @@ def test_a_stop_while_compiling_behind_exits_0(klein_home, own_cache, size):
     log = log_of(process)
     assert code == 0, log
     assert not [word for word in ABORTED if word in log], log
+    assert "warming up: compiling the programs of 3 kinds of request ahead, minutes on a CPU" in log
+    assert "--no-warm skips it" in log
+    assert "cannot show inpainting" not in log  # the warm-up's inpainting is nobody's request
+    said = [line for line in log.splitlines() if line.startswith("stopping")]
+    assert said == ["stopping (Ctrl+C again to stop at once)" if SIZES.index(size) % 2 else "stopping"], log

@@ -1,5 +1,6 @@
 """A warmed server after its warm-up (in process: `klein.serve.service.Service` over the demo checkpoint): a
-repaint on a shape compiled behind the requests builds nothing in front of it."""
+repaint on a shape compiled behind the requests builds nothing in front of it; the warm-up keeps to itself
+the demo's note on inpainting, which a person's inpainting then gets."""
 
 import asyncio
 import io
@@ -63,3 +64,14 @@ def test_a_repaint_on_a_shape_compiled_behind_compiles_nothing_in_front(warmed):
         assert answer["klein"]["timings"]["compile"] == 0.0, (answer["klein"], events)
         assert [data for name, data in events if name == "stage" and data["compiling"]] == []
 
+
+def test_the_warm_up_says_nothing_of_inpainting_a_persons_inpainting_does(warmed):
+    service, said = warmed
+    assert [line for line in said if NOTE in line] == []
+    mask = PIL.Image.new("L", (64, 64), 0)
+    mask.paste(255, (0, 0, 64, 32))
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        answer, _ = repaint(service, 4, 0.8, mask)
+    assert [line for line in answer["klein"]["warnings"] if NOTE in line]  # in the response, as always
+    assert [warning for warning in later if NOTE in str(warning.message)]  # and in the server's log

@@ -17,6 +17,7 @@ from klein.serve.app import create_app
 from klein.serve.connections import Protocol
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
+from klein.serve.worker import Worker
 
 
 class _Server(uvicorn.Server):
@@ -29,12 +30,31 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(pipe, options: ServeOptions, host: str, port: int, version: str, warm=()) -> int:
+class StopNotice:
+    """The line a stop prints (`klein.cli.interrupts.stoppable` asks for it at the signal): that the running
+    job has the grace to finish when one runs, else only that the server stops."""
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self.worker: Worker | None = None
+        """The server's, once it serves."""
+
+    def __call__(self) -> str:
+        if self.worker is not None and self.worker.running:
+            return f"stopping: nothing new is accepted; the running job has {self.grace:g} s to finish"
+        return "stopping"
+
+
+def serve(
+    pipe, options: ServeOptions, host: str, port: int, version: str, warm=(), notice: StopNotice | None = None
+) -> int:
     """Serve `pipe` on host:port until SIGTERM / SIGINT, compiling the `warm` shapes
-    (`klein.pipeline.warmup.Shape`) first; the exit code."""
+    (`klein.pipeline.warmup.Shape`) first; the exit code. `notice`: told of the worker."""
     # PIL's own guard as a second line behind the header check in klein.images.read_image.
     PIL.Image.MAX_IMAGE_PIXELS = options.max_pixels
     service = Service(pipe, options, version, warm)
+    if notice is not None:
+        notice.worker = service.worker
     config = uvicorn.Config(
         create_app(service),
         host=host,
