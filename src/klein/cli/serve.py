@@ -234,7 +234,10 @@ def serve_command(flags: argparse.Namespace) -> int:
     extras.require("ray", "ray", "--replicas")
     from klein.pipeline.reading import locate
     from klein.serve.replicas.cluster import serve_replicas
+    from klein.serve.server import bind
 
+    for sock in bind(flags.host, flags.port):  # a port in use is said now, not once Ray Serve starts
+        sock.close()
     locate(loading)  # a wrong --model is refused here, not by each replica in turn
 
     return serve_replicas(
@@ -269,8 +272,9 @@ def _access(flags: argparse.Namespace) -> security.Access:
 def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> int:
     """One pipeline in this process (`klein.serve.server`)."""
     from klein.pipeline.loading import load
-    from klein.serve.server import StopNotice, serve
+    from klein.serve.server import StopNotice, bind, serve
 
+    sockets = bind(flags.host, flags.port)  # a port in use is said now, not after the load and warm-up
     print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)
     notice = StopNotice(options.shutdown_grace)
     with interrupts.stoppable(options.shutdown_grace, notice, (signal.SIGINT, signal.SIGTERM)):
@@ -280,4 +284,5 @@ def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> in
         # once stopped, to the handler it found: ignored, rather than a KeyboardInterrupt (exit 130) after a
         # clean stop. The watch of `stoppable` still sees every Ctrl+C and SIGTERM.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return serve(pipe, options, flags.host, flags.port, version(), warm_shapes(flags, options), notice)
+        warm = warm_shapes(flags, options)
+        return serve(pipe, options, flags.host, flags.port, version(), warm, notice, sockets)
