@@ -65,9 +65,9 @@ class Service:
             print(f"klein serve: {line}", file=sys.stderr, flush=True)
 
         log(
-            f"warming up: compiling the programs of {len(shapes)} kinds of request ahead, minutes on a CPU (2-3 "
-            "with the demo checkpoint, more with real weights); /healthz says 'warming' (503) until ready. "
-            "--no-warm skips it: each program then compiles when a request first needs it"
+            "warming up: compiling ahead the programs requests will run, minutes on a CPU (2 to 5 with the "
+            "demo checkpoint on a few cores, more with real weights); /healthz says 'warming' (503) until "
+            "ready. --no-warm skips it: each program then compiles when a request first needs it"
         )
         started = time.perf_counter()
         # The warm-up's requests are nobody's: their notes (the demo's on inpainting) are not said.
