@@ -194,8 +194,8 @@ def _unsaid(thread: Callable[[], int | None]) -> None:
     """Have `warnings` say no UserWarning (a request's note) raised on the thread `thread()` names (None:
     none): a wrapper of `warnings.showwarning`, not a filter, since `warnings.catch_warnings` saves and
     restores the filters for every thread at once (fastapi's, as the app is built while the warm-up starts,
-    would undo or keep one). Where a request's note is warned from differs (`warnings.warn`'s stacklevel):
-    its first is said as ever."""
+    would undo or keep one). A person's request warns its notes from other lines than the warm-up's
+    (`warnings.warn`'s stacklevel), so that its first is still said, as `warnings` says each once a line."""
     show = warnings.showwarning
 
     def showwarning(message, category, *args, **kwargs):
