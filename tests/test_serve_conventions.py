@@ -64,8 +64,20 @@ def test_models_are_listed_as_openai_lists_them(serve_url):
     client = openai.OpenAI(base_url=serve_url + "/v1", api_key="unused", max_retries=0, timeout=60)
     (model,) = client.models.list().data
     assert model.object == "model" and model.owned_by == "local" and model.created > 0
-    # The listed id is the name the server compares a request's `model` with (its /healthz model).
-    assert model.id == httpx.get(serve_url + "/healthz").json()["model"]
+    # An id, as --model names the checkpoint, its description the name /healthz gives; a request naming
+    # either is not told its `model` was ignored, one naming another is.
+    assert model.id == "demo"
+    assert model.model_extra["description"] == httpx.get(serve_url + "/healthz").json()["model"]
+    body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "seed": 1}
+    for named, ignored in ((model.id, False), (model.model_extra["description"], False), ("dall-e-3", True)):
+        warnings = httpx.post(
+            serve_url + "/v1/images/generations", json={**body, "model": named}, timeout=120
+        )
+        said = [line for line in warnings.json()["klein"]["warnings"] if line.startswith("model ")]
+        assert bool(said) == ignored, (named, said)
+    assert said == [
+        "model 'dall-e-3' is ignored: this server runs 'demo' (" + model.model_extra["description"] + ")"
+    ]
 
 
 def test_head_of_the_page_is_its_get_without_a_body(serve_url):

@@ -131,6 +131,7 @@ def test_full_queue_dropped_client_and_graceful_sigterm(server):
     assert job_status(url, running, AUTH) == "running"
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=180) == 0, log_of(process)
+    assert "stopping: nothing new is accepted; the running job has 600 s to finish" in log_of(process)
     for listener in listeners:
         listener.join(timeout=60)
     names = [name for name, _ in streams[running]]

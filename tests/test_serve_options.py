@@ -1,4 +1,7 @@
-"""`klein serve`'s options: SIZE text, and bad flags refused as one error line (exit 2) before loading."""
+"""`klein serve`'s options: SIZE text, and bad flags refused as one error line (exit 2) before loading, a
+port in use among them."""
+
+import socket
 
 import pytest
 
@@ -46,5 +49,27 @@ def test_limits_must_be_positive():
 )
 def test_bad_serve_flags_exit_2_with_one_line(capsys, argv, words):
     assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_a_port_in_use_is_refused_before_anything_loads(capsys, klein_home, monkeypatch):
+    monkeypatch.setenv("KLEIN_HOME", str(klein_home))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port), "--no-warm"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}: port {port} is in use" in err, err
+    assert "stop that server, or pass --port with a free port" in err
+    assert "loading" not in err and err.count("\n") == 1  # said before the weights load
+
+
+@pytest.mark.parametrize(
+    ("port", "words"), [("70000", "give a port from 1 to 65535"), ("-1", "from 1 to 65535")]
+)
+def test_a_port_out_of_range_is_refused(capsys, port, words):
+    assert cli.main(["serve", "--port", port]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1

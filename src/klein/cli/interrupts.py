@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from klein.io import durable
@@ -25,12 +25,15 @@ GRACE = 3.0
 
 @contextlib.contextmanager
 def stoppable(
-    grace: float = GRACE, stopping: str = "stopping", signals: tuple[int, ...] = (signal.SIGINT,)
+    grace: float = GRACE,
+    stopping: str | Callable[[], str] = "stopping",
+    signals: tuple[int, ...] = (signal.SIGINT,),
 ) -> Iterator[None]:
-    """Within: a Ctrl+C prints `stopping` and is a KeyboardInterrupt as usual, and the process exits 130
-    `grace` seconds later if it has not by then, or at once on a second Ctrl+C. `signals`: those watched so
-    (each whose Python handler runs: `klein serve` adds SIGTERM, exit 143). Leaving ends the watch, unless
-    by that KeyboardInterrupt: then it goes on, so that an exit stuck in XLA ends in time too."""
+    """Within: a Ctrl+C prints `stopping` (a callable: what it returns then) and is a KeyboardInterrupt as
+    usual, and the process exits 130 `grace` seconds later if it has not by then, or at once on a second
+    Ctrl+C. `signals`: those watched so (each whose Python handler runs: `klein serve` adds SIGTERM, exit
+    143). Leaving ends the watch, unless by that KeyboardInterrupt: then it goes on, so that an exit stuck in
+    XLA ends in time too."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
@@ -55,7 +58,7 @@ def stoppable(
             os.close(write)  # wakes the watcher, which closes `read`
 
 
-def _watch(read: int, grace: float, stopping: str, ended: threading.Event, watched: tuple[int, ...]) -> None:
+def _watch(read: int, grace: float, stopping, ended: threading.Event, watched: tuple[int, ...]) -> None:
     deadline, code = None, EXIT_INTERRUPTED
     while True:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -73,7 +76,7 @@ def _watch(read: int, grace: float, stopping: str, ended: threading.Event, watch
                 exit_now(code)  # a second signal
             deadline, code = time.monotonic() + grace, 128 + number  # as a shell reports a signal's stop
             again = " (Ctrl+C again to stop at once)" if number == signal.SIGINT else ""
-            _say(f"{stopping}{again}")
+            _say(f"{stopping() if callable(stopping) else stopping}{again}")
 
 
 def exit_now(code: int = EXIT_INTERRUPTED) -> NoReturn:

@@ -47,7 +47,8 @@ EXAMPLES += """
 SIGTERM and Ctrl+C stop gracefully: nothing new is accepted, queued jobs and clients still sending a body get
 503, and the running job has --shutdown-grace seconds to finish: exit 0. Past them, or at a second signal,
 klein stops at once: exit 143 after SIGTERM, 130 after Ctrl+C (the running job's client gets no answer).
-Compiling ahead, no job runs: either signal stops it at once, exit 0."""
+Compiling ahead, or a request's own programs behind the requests, with no job running: either signal stops
+it at once, exit 0."""
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -233,7 +234,10 @@ def serve_command(flags: argparse.Namespace) -> int:
     extras.require("ray", "ray", "--replicas")
     from klein.pipeline.reading import locate
     from klein.serve.replicas.cluster import serve_replicas
+    from klein.serve.server import bind
 
+    for sock in bind(flags.host, flags.port):  # a port in use is said now, not once Ray Serve starts
+        sock.close()
     locate(loading)  # a wrong --model is refused here, not by each replica in turn
 
     return serve_replicas(
@@ -268,16 +272,17 @@ def _access(flags: argparse.Namespace) -> security.Access:
 def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> int:
     """One pipeline in this process (`klein.serve.server`)."""
     from klein.pipeline.loading import load
-    from klein.serve.server import serve
+    from klein.serve.server import StopNotice, bind, serve
 
+    sockets = bind(flags.host, flags.port)  # a port in use is said now, not after the load and warm-up
     print(f"klein serve: loading {loading.transformer or loading.model or 'demo'}", file=sys.stderr)
-    grace = options.shutdown_grace
-    stopping = f"stopping: nothing new is accepted; the running job has {grace:g} s to finish"
-    with interrupts.stoppable(grace, stopping, (signal.SIGINT, signal.SIGTERM)):
+    notice = StopNotice(options.shutdown_grace)
+    with interrupts.stoppable(options.shutdown_grace, notice, (signal.SIGINT, signal.SIGTERM)):
         pipe = load(loading)
         pipe.memory_limit = flags.memory_limit
         # While it serves, uvicorn's handler takes Ctrl+C (a graceful stop, as SIGTERM's) and raises it again
         # once stopped, to the handler it found: ignored, rather than a KeyboardInterrupt (exit 130) after a
         # clean stop. The watch of `stoppable` still sees every Ctrl+C and SIGTERM.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return serve(pipe, options, flags.host, flags.port, version(), warm_shapes(flags, options))
+        warm = warm_shapes(flags, options)
+        return serve(pipe, options, flags.host, flags.port, version(), warm, notice, sockets)

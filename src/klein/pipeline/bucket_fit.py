@@ -104,6 +104,23 @@ def _compile_step(pipe, shape: StepShape, run, txt, references: References | Non
     scale = jnp.float32(run.request.guidance_scale or 1.0)
     step = pipe._programs.steps[run.mode]
     step.ahead(x, txt, schedule[0], schedule[1], ropes, cond, scale, adapted=adapted)
+    if shape.references:  # a repaint's source is its first reference
+        _run_repaint(pipe, x, run.images, schedule)
+
+
+def _run_repaint(pipe, x, images: int, schedule) -> None:
+    """Run a repaint's two small programs over the steps' latents `x` on blanks, as
+    `klein.pipeline.denoising.run_steps` runs them (the source noised to the first step's level, then kept
+    where a mask keeps it): the first repaint that runs on this shape then builds nothing in front of it."""
+    rows, tokens, channels = x.shape
+    source = denoise.to_device(np.zeros((1, tokens, channels), np.float32), pipe.dtype)  # the VAE's dtype
+    noise = denoise.to_device(np.zeros((images, tokens, channels), np.float32), pipe.dtype)
+    mask = denoise.to_device(np.zeros((1, tokens, 1), np.float32))
+    repaint = denoise.Repaint(source, noise, mask)
+    jax.block_until_ready(repaint.start(schedule[0]))
+    # The latents a step returns, placed as it places them: on the mesh as its input, else on the device.
+    stepped = x if pipe.mesh is not None else jax.device_put(x, jax.devices()[0])
+    jax.block_until_ready(repaint.padded(rows).after_step(stepped, schedule[1]))
 
 
 def _blank_kv(pipe, references: References, tokens: int, adapted):

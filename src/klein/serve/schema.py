@@ -21,6 +21,7 @@ from klein.request.request import GenerationRequest
 from klein.request.resolve import MIN_SIDE, MULTIPLE
 from klein.request.step_cache import StepCache
 from klein.serve.errors import ApiError
+from klein.serve.model_list import model_id
 from klein.serve.options import ServeOptions
 
 MAX_PROMPT_CHARS = 16 * MAX_LENGTH
@@ -273,8 +274,10 @@ def ignored(body: ImageBody, model_name: str, job: bool = False) -> tuple[str, .
     notes = []
     if body.preview and not job:
         notes.append("preview is ignored: previews stream as a job's events (POST /v1/jobs, then its events)")
-    if body.model is not None and body.model != model_name:
-        notes.append(f"model {body.model!r:.80} is ignored: this server runs {model_name}")
+    listed = model_id(model_name)
+    if body.model is not None and body.model not in (model_name, listed):
+        runs = repr(listed) if listed == model_name else f"{listed!r} ({model_name})"
+        notes.append(f"model {body.model!r:.80} is ignored: this server runs {runs}")
     if body.output_format is not None and body.output_format.lower() != "png":
         notes.append(f"output_format {body.output_format!r:.20} is ignored: klein answers PNG")
     notes += [

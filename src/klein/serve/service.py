@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 from klein.errors import InputError
 from klein.pipeline import warmup
@@ -40,6 +42,10 @@ class Service:
         self.sets = ReferenceSets(pipe, self.reference_cache, cached)
         jobs = JobTable(options.max_result_bytes, options.result_ttl)
         pipe.own_memory((self.reference_cache,))  # before the worker warms: no activations counted yet
+        self._warming_on: int | None = None
+        """The thread compiling ahead, while it does: the warnings it raises are not said (`_unsaid`)."""
+        if warm:
+            _unsaid(lambda: self._warming_on)
         self.worker = Worker(
             options.max_queue,
             self.metrics,
@@ -58,13 +64,21 @@ class Service:
         def log(line: str) -> None:
             print(f"klein serve: {line}", file=sys.stderr, flush=True)
 
+        log(
+            "warming up: compiling ahead the programs requests will run, minutes on a CPU (2 to 5 with the "
+            "demo checkpoint on a few cores, more with real weights); /healthz says 'warming' (503) until "
+            "ready. --no-warm skips it: each program then compiles when a request first needs it"
+        )
         started = time.perf_counter()
+        # The warm-up's requests are nobody's: their notes (the demo's on inpainting) are not said.
+        self._warming_on = threading.get_ident()
         try:
             built = warmup.warm(self.pipe, shapes, log)
             self.residency.after(None, self.pipe.adapters.resident)  # warmed under LoRAs: no key's
             self.warmed = True
             log(f"ready: {built} programs compiled ahead in {time.perf_counter() - started:.0f} s")
         finally:
+            self._warming_on = None
             self.warming = False
 
     def check(self, work: generation.Generation) -> None:
@@ -174,3 +188,18 @@ class Service:
             "warming": self.warming,
             "warmed": self.warmed,
         }
+
+
+def _unsaid(thread: Callable[[], int | None]) -> None:
+    """Have `warnings` say no UserWarning (a request's note) raised on the thread `thread()` names (None:
+    none): a wrapper of `warnings.showwarning`, not a filter, since `warnings.catch_warnings` saves and
+    restores the filters for every thread at once (fastapi's, as the app is built while the warm-up starts,
+    would undo or keep one). A person's request warns its notes from other lines than the warm-up's
+    (`warnings.warn`'s stacklevel), so that its first is still said, as `warnings` says each once a line."""
+    show = warnings.showwarning
+
+    def showwarning(message, category, *args, **kwargs):
+        if not (issubclass(category, UserWarning) and threading.get_ident() == thread()):
+            show(message, category, *args, **kwargs)
+
+    warnings.showwarning = showwarning

@@ -158,12 +158,20 @@ class Worker:
         self._wake = threading.Condition()
         self._seconds_per_job = 1.0  # a running mean, for Retry-After
         self._first = first
+        self._running: list[Job] = []
+        """The last job or batch taken off the queue."""
         self._thread = threading.Thread(target=self._loop, name="klein-worker", daemon=True)
         self._thread.start()
 
     @property
     def depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def running(self) -> bool:
+        """Whether a job runs now, not yet finished (its client may already have its answer as the thread
+        ends it): what a stop waits for (`klein.serve.server.StopNotice`)."""
+        return any(not job.finished for job in self._running)
 
     def submit(
         self,
@@ -245,6 +253,7 @@ class Worker:
                 batch = [job, *self._companions(job)]
                 for each in batch:
                     each.status = "running"
+                self._running = batch
             if len(batch) == 1:
                 self._run(job)
             else:
