@@ -106,13 +106,17 @@ def _plan(capsys, *args):
 
 
 def test_plan_takes_int8_keys_and_values_for_four_references_on_a_v5e(capsys):
-    report = json.loads(_plan(capsys, "--refs", "4", "--json"))
+    bf16 = ("--text-encoder-weights", "dtype")  # the text encoder taking turns, as before its 4-bit form
+    report = json.loads(_plan(capsys, "--refs", "4", "--json", *bf16))
     assert report["kv_dtype"] == "int8" and report["auto"] == "sequential"
     assert report["request_bytes"]["reference_kv"] == 2 * 32 * 16384 * 4096 + 2 * 32 * 32 * 4
-    two = json.loads(_plan(capsys, "--refs", "2", "--json"))
+    two = json.loads(_plan(capsys, "--refs", "2", "--json", *bf16))
     assert two["kv_dtype"] == "dtype" and two["request_bytes"]["reference_kv"] == 4 * 2**30
-    asked = _plan(capsys, "--refs", "2", "--kv-dtype", "int8")
+    asked = _plan(capsys, "--refs", "2", "--kv-dtype", "int8", *bf16)
     assert "reference keys and values in int8" in asked and "2.00 GiB" in asked
+    # With the 4-bit text encoder auto keeps there, every model stays for 2 references in 8 bits.
+    auto = json.loads(_plan(capsys, "--refs", "2", "--json"))
+    assert (auto["auto"], auto["kv_dtype"], auto["text_encoder_weights"]) == ("all", "int8", "Q4_0")
 
 
 def test_a_request_whose_prompts_are_kept_is_admitted_without_the_text_encoders_turn(pipe):

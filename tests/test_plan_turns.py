@@ -67,16 +67,25 @@ def test_a_1024_image_decodes_in_four_tiles_and_the_plan_counts_them():
 
 
 @pytest.mark.parametrize(
-    "refs,policy,tiles", [(1, "sequential", False), (2, "sequential", True), (4, "sequential", True)]
+    "refs,text,policy,tiles",
+    [
+        (1, "auto", "all", True),  # the text encoder in 4 bits (Q4_0): every model stays
+        (2, "auto", "all", True),
+        (4, "auto", "sequential", True),  # 4 GiB of keys and values: turns
+        (1, "dtype", "sequential", False),  # the bf16 text encoder takes turns (the layers stay)
+        (2, "dtype", "sequential", True),
+    ],
 )
-def test_auto_keeps_the_layers_on_a_v5e_for_one_two_and_four_references(refs, policy, tiles, capsys):
+def test_auto_on_a_v5e_for_one_two_and_four_references(refs, text, policy, tiles, capsys):
     args = ["plan", "--model", "klein-9b-kv", "--refs", str(refs), "--device", "tpu-v5e"]
+    args += ["--text-encoder-weights", text]
     assert cli.main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["auto"] == policy
+    assert report["text_encoder_weights"] == ("Q4_0" if text == "auto" else "dtype")
     assert cli.main(args) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.lstrip().startswith(f"{policy} "))
-    assert ("decoding in tiles" in line) == (tiles and policy == "sequential")
+    assert ("decoding in tiles" in line) == tiles
 
 
 def test_the_planned_peaks_beside_the_chip_s():

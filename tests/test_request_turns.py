@@ -1,4 +1,4 @@
-"""A request that `all` cannot hold but turns can (more references than the edit a pipeline was planned for)
+"""On a GPU or TPU, a request that `all` cannot hold but turns can (more references than the edit a pipeline was planned for)
 runs with the text encoder and the transformer taking turns for it alone: admission moves the pipeline to
 `sequential` for that request, the next request comes back to `all`; a check before queueing only admits."""
 
@@ -48,6 +48,7 @@ def pipe():
     pipe.adapters = types.SimpleNamespace(placed=False, device_bytes=0)
     pipe.budget = Budget(pipe)
     pipe.memory_limit = pipe.memory_cap = None
+    pipe.devices = [types.SimpleNamespace(platform="tpu")]
     return pipe
 
 
@@ -57,6 +58,13 @@ def test_a_big_request_takes_turns_and_the_next_comes_back(pipe):
     admitting.admit(pipe, run_of(4))
     assert pipe.residency == "sequential"  # for this request's stages
     admitting.admit(pipe, run_of(1))
+    assert pipe.residency == "all"
+
+
+def test_on_a_cpu_it_is_refused_as_before(pipe):
+    pipe.devices = [types.SimpleNamespace(platform="cpu")]
+    with pytest.raises(CannotFitError, match="under all"):
+        admitting.admit(pipe, run_of(4))
     assert pipe.residency == "all"
 
 

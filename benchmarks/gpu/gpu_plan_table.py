@@ -11,6 +11,13 @@ A step compile takes about a minute of one core; `--compile` picks the rows comp
 word: 0, 1, 2, 4 references or 4b; the rest estimated only), `--compile none` none:
 
     nice python benchmarks/gpu/gpu_plan_table.py --compile 2 4b
+
+`--auto` prints the 16-24 GB cards' table instead: on each, what a load picks with every choice left to
+auto (the compute the card multiplies fastest, the text encoder's weights, the reference keys and values,
+the residency policy), that
+policy's planned peak, the roofline time and, compiled, the step's estimate against XLA's:
+
+    nice python benchmarks/gpu/gpu_plan_table.py --auto --compile 2 4b
 """
 
 import argparse
@@ -26,6 +33,8 @@ from klein.models import products  # noqa: E402
 from klein.request import planning  # noqa: E402
 
 TARGETS = ("h100-80gb", "h200", "b200", "rtx-5090")
+AUTO_TARGETS = ("rtx-5080", "rtx-4090")
+"""The 16 and 24 GB cards of `--auto`'s table (those with published figures in `klein.devices`)."""
 COMPUTES = (products.BF16, products.FP8, products.NVFP4)
 # (key for --compile, row label, variant, references)
 ROWS = (
@@ -92,12 +101,60 @@ def cell(variant: str, refs: int, target: str, compute: str, compile_it: bool) -
     return f"{text}, {roofline.per_image(times, p.workload.images) * 1e3:.0f} ms{step}"
 
 
+def auto_cell(variant: str, refs: int, target: str, compile_it: bool) -> str:
+    """What a load picks on `target` with every choice left to auto (`--compute`, `--text-encoder-weights`,
+    `--kv-dtype`, `--residency`): the policy and its planned peak on the card, the text encoder's blocks where auto
+    quantises them, the roofline time per image and, compiled, the step's estimate against XLA's."""
+    card = devices.DEVICES[target]
+    models = published(variant, card.compute)
+    form, _ = planning.text_weights_choice(
+        dict(variant=variant, models=models, platform="gpu"), "auto", card.limit
+    )
+    models = plan.with_text_blocks(models, form)
+    asked = dict(
+        variant=variant, mesh="tensor=1", refs=refs, size=(1024, 1024), platform="gpu", models=models
+    )
+    p = planning.plan(**planning.kv_choice(dict(asked, kv_dtype="auto"), card.limit))
+    peaks = p.policies_on(card.limit)
+    policy = next((name for name, peak in peaks.items() if peak <= card.limit), None)
+    if policy is None:
+        return "nothing fits"
+    analyses = planned_bytes(p)
+    step = ""
+    if compile_it:
+        analysis = compiled_step(variant, target, p.workload, card.compute)
+        analyses["step"] = analysis
+        used = plan_report.beyond_weights("step", analysis)
+        step = f", step {p.memory.step / 2**30:.2f} / {used / 2**30:.2f} GiB = {p.memory.step / used:.2f}"
+    mesh = sharding.abstract_mesh("tensor=1")
+    times = roofline.times(models, p.workload, models.variant.steps, mesh, analyses, card, card.compute)
+    text = f", text {form}" if form else ""
+    seconds = roofline.per_image(times, p.workload.images) * 1e3
+    return f"{policy}{text}, {peaks[policy] / 2**30:.1f} GiB, {seconds:.0f} ms{step}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--compile", nargs="+", default=["2", "4b"], help="rows compiled (or: none)")
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="the 16-24 GB cards' table: what auto picks on each (AUTO_TARGETS)",
+    )
     flags = parser.parse_args()
+    if flags.auto:
+        head = [
+            "request, 1024x1024",
+            *(f"{devices.DEVICES[t].label} ({devices.DEVICES[t].compute})" for t in AUTO_TARGETS),
+        ]
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for key, label, variant, refs in ROWS:
+            cells = [auto_cell(variant, refs, t, key in flags.compile) for t in AUTO_TARGETS]
+            print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+        return
     head = ["request, 1024x1024", "compute", *(devices.DEVICES[t].label for t in TARGETS)]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

@@ -26,15 +26,17 @@ _home: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def admit(pipe, run: Resolved, turns: bool = True) -> tuple[bool, Workload]:
     """Refuse `run` on `pipe` if it cannot fit; (True when only the tiled decoder makes it fit, the workload
-    as admitted: `Budget.admit_kv`). A request that `all` cannot hold but turns can (more references than
-    the planned edit) runs under `TURNS`, the models moving for it alone (logged; the next request comes
-    back to `all`), where `turns`; else (a check before queueing it) it is only admitted so."""
+    as admitted: `Budget.admit_kv`). On a GPU or TPU, a request that `all` cannot hold but turns can (more
+    references than the planned edit) runs under `TURNS`, the models moving for it alone between the
+    device and their host copies (logged; the next request comes back to `all`), where `turns`; else (a
+    check before queueing it) it is only admitted so. A CPU's turns would read the checkpoint again: there
+    such a request is refused, as before."""
     if turns:
         restore(pipe)
     try:
         return _admitted(pipe, run)
     except CannotFitError as refused:
-        if pipe.residency != "all":
+        if pipe.residency != "all" or pipe.devices[0].platform == "cpu":  # a CPU's turns read the checkpoint
             raise
         pipe.residency = TURNS
         try:
