@@ -14,6 +14,7 @@ from pathlib import Path
 
 from klein.errors import CLI, InputError, no_negative_prompt
 from klein.images import show_pixels
+from klein.io import sources
 from klein.lora.files import parse_spec
 from klein.lora.registry import check_known, named_files
 from klein.request import kinds
@@ -138,9 +139,18 @@ def add_max_pixels(add) -> None:
 
 
 def load_options(parsed: argparse.Namespace) -> LoadOptions:
-    """The loading options of parsed flags (`LOADING`'s)."""
+    """The loading options of parsed flags (`LOADING`'s), --model's default applied (`with_demo`)."""
     values = {field.name: getattr(parsed, field.name, None) for field, _ in LOADING}
-    return LoadOptions(**{name: value for name, value in values.items() if value is not None})
+    return with_demo(LoadOptions(**{name: value for name, value in values.items() if value is not None}))
+
+
+def with_demo(loading: LoadOptions) -> LoadOptions:
+    """--model's default on the command line: the demo checkpoint gives every part not named (--vae alone
+    runs the demo with that VAE), unless --transformer names the transformer, which the demo's text encoder
+    and VAE do not fit: then --text-encoder and --vae name them, or --model holds them."""
+    if loading.model is None and loading.transformer is None:
+        return dataclasses.replace(loading, model=sources.DEMO)
+    return loading
 
 
 def _keys(declared) -> dict[str, tuple[str, Callable[[str, str], object]]]:
@@ -198,7 +208,7 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
     _offer_files(values)
     _split_size(values)
     generation = GenerationRequest.create(**_take(values, GENERATION))
-    request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
+    request = GenerateRequest(generation, with_demo(LoadOptions(**_take(values, LOADING))), **values)
     _check(request)
     # The LoRAs applied are among those offered: the names are the files', so a misspelt one costs no load.
     if any(generation.lora_sets):

@@ -36,7 +36,9 @@ examples (prompt="a cat" image_paths="['a.png','b.png']" use_kv=True), whose val
 literals (unquoted text stays text). Known keys:
 {keys}
 
-Without --model the offline demo checkpoint runs (tiny random weights: the image is noise-like). --model
+Without --model the offline demo checkpoint (tiny random weights: the image is noise-like) gives every
+part not named: --vae, --text-encoder or --tokenizer alone replace its own (--transformer does not take the
+demo's other parts, which fit only its own transformer). --model
 takes a diffusers-layout folder or a Hugging Face repo id, e.g. black-forest-labs/FLUX.2-klein-4B (from the
 local Hugging Face cache, downloaded if the hub is reachable). With references and a KV checkpoint
 (klein-9b-kv), reference keys/values are computed once and reused at every step (--kv, the default there);

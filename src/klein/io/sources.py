@@ -26,11 +26,19 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str]:
     published = _published(source)
     if published is not None:  # a variant's name (as `klein plan` takes it), or its repo in any case
         return _from_hub(published), published
-    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+    if remote(source):
         return _from_hub(source), source
     raise CheckpointError(
         f"unknown model {source!r}{did_you_mean(source, _known())}: no such folder, and not a Hugging Face "
         f"repo id (owner/name). Known: {', '.join(_known())}; or use 'demo'."
+    )
+
+
+def remote(source: str) -> bool:
+    """Whether `source`, not a local path, names a Hugging Face repo: a published variant's name or repo id,
+    or any owner/name."""
+    return _published(source) is not None or (
+        source.count("/") == 1 and not source.startswith((".", "/", "~"))
     )
 
 
