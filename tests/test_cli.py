@@ -83,6 +83,25 @@ def test_help_explains_both_styles_and_the_demo(klein_home, tmp_path):
         assert text in generate.stdout
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"]])
+def test_version_and_help_import_no_jax(args):
+    """`klein --version` and `klein --help` parse before any command's modules load: no JAX (nor numpy,
+    PIL), whose imports took seconds of each."""
+    code = f"""
+import sys
+from klein.cli.main import main
+try:
+    main({args!r})
+except SystemExit as exit:
+    assert exit.code == 0, exit.code
+heavy = sorted(name for name in ("jax", "numpy", "PIL", "flax", "tqdm") if name in sys.modules)
+print("imported:", heavy)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "klein" in done.stdout and done.stdout.splitlines()[-1] == "imported: []", done.stdout
+
+
 def test_flags_write_numbered_pngs_with_metadata_and_round_sizes(klein_home, inputs, tmp_path):
     # 72 is not a multiple of 16: rounded down to 64 with a one-line warning, as diffusers does.
     args = ["generate", "--prompt", "a fox in snow", "--image", inputs / "ref.png", "--kv", "--seed", "7"]

@@ -8,10 +8,10 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from klein.cli import parser
 from klein.errors import CLI, InputError, no_negative_prompt
 from klein.images import show_pixels
 from klein.io import sources
@@ -24,20 +24,12 @@ from klein.request.request import GenerationRequest
 from klein.request.resolve import MAX_PIXELS, parse_size
 
 
-class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error,
-    with the nearest known flag for a misspelt one; descriptions are shown as written."""
+class Parser(parser.Parser):
+    """`klein.cli.parser.Parser`, with a hint for diffusers' names of the settings (--num_inference_steps
+    means --steps) and for diffusers' negative_prompt."""
 
-    def __init__(self, **kwargs):
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-
-    def error(self, message: str):
-        unknown = re.match(r"unrecognized arguments: (\S+)", message)
-        if unknown:
-            word = unknown.group(1).split("=")[0]
-            known = self._option_string_actions
-            message += _hint(word.lstrip("-").replace("-", "_"), known) or _did_you_mean(word, known)
-        raise InputError(f"{message} (see {self.prog} --help)")
+    def hint(self, word: str) -> str:
+        return _hint(word.lstrip("-").replace("-", "_"), self._option_string_actions) or super().hint(word)
 
 
 def _hint(name: str, known) -> str:

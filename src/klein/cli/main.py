@@ -4,6 +4,8 @@ Errors a user can fix are one `error: ...` line with exit code 2; anything else 
 code 1) whose traceback `KLEIN_DEBUG=1` shows.
 """
 
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import os
@@ -11,12 +13,19 @@ import sys
 import textwrap
 import time
 import warnings
+from typing import TYPE_CHECKING
 
-from klein.cli import flags, interrupts, limits, output, tools
+from klein.cli import interrupts
+from klein.cli.parser import Parser
 from klein.errors import CLI, InputError, KleinError, worded
-from klein.io import png
-from klein.request.loading import LoadOptions
 from klein.version import version
+
+if TYPE_CHECKING:
+    from klein.cli import flags
+    from klein.request.loading import LoadOptions
+
+# Parsing imports nothing heavy: `klein --version` and `klein --help` answer without JAX, and each command
+# imports its own modules (the model's, JAX) once it runs.
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -83,7 +92,7 @@ COMMANDS = {
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    parser = flags.Parser(prog="klein", description=TOP_DESCRIPTION)
+    parser = Parser(prog="klein", description=TOP_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"klein {version()}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name, help_ in COMMANDS.items():
@@ -93,6 +102,8 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def generate_parser() -> argparse.ArgumentParser:
+    from klein.cli import flags
+
     parser = flags.Parser(
         prog="klein generate",
         description=GENERATE_DESCRIPTION.format(
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = output.show_warning
+            warnings.showwarning = _show_warning
             return _dispatch(argv)
     except KleinError as error:
         print(f"error: {worded(error, CLI)}", file=sys.stderr)
@@ -144,8 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def _show_warning(*args, **kwargs) -> None:
+    from klein.cli import output
+
+    output.show_warning(*args, **kwargs)
+
+
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
+        from klein.cli import flags
+
         parsed = generate_parser().parse_intermixed_args(argv[1:])
         with interrupts.stoppable():
             return generate(flags.build_request(parsed))
@@ -159,6 +178,8 @@ def _dispatch(argv: list[str]) -> int:
         with interrupts.stoppable():
             return cli_batch.batch_command(cli_batch.batch_parser().parse_args(argv[1:]))
     if argv[:1] == ["plan"]:
+        from klein.cli import tools
+
         return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
         from klein.cli import bench as cli_bench
@@ -177,6 +198,9 @@ def _dispatch(argv: list[str]) -> int:
 
 def generate(request: flags.GenerateRequest) -> int:
     """Run one `klein generate` request: load, generate, write, report."""
+    from klein.cli import limits, output
+    from klein.io import png
+
     started = time.perf_counter()
     plan = png.plan_outputs(request.out, request.generation.num_images_per_prompt, bool(request.overwrite))
     limits.check_pixels(request.generation.height, request.generation.width, request.max_pixels)
@@ -220,6 +244,7 @@ def _load(request: flags.GenerateRequest):
     started = time.perf_counter()
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
     from klein import sharding
+    from klein.cli import flags, output
     from klein.images import load_image
     from klein.masks import as_mask, check_not_black
     from klein.pipeline.loading import load
@@ -261,6 +286,8 @@ def _load(request: flags.GenerateRequest):
 def _report(pipe, settings, step_cache, paths, timings, total_seconds) -> None:
     """Files on stdout (one per line, for scripts); settings, what a step cache decided and the timing
     breakdown on stderr."""
+    from klein.cli import output
+
     print(f"model: {pipe.name}", file=sys.stderr)
     print(f"residency: {pipe.residency} ({pipe.dtype.name}, {pipe.compute} products)", file=sys.stderr)
     print(f"settings: {settings.describe()}", file=sys.stderr)

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 from klein.errors import CheckpointError, did_you_mean
-from klein.io import demo
 from klein.models import variants
 
 DEMO = "demo"
@@ -18,6 +17,8 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str]:
     """(diffusers-layout folder, name to show) for a folder, a Hugging Face repo id or "demo"."""
     source = str(source)
     if source == DEMO:
+        from klein.io import demo  # its configs import the models (and JAX): only when the demo is asked for
+
         return demo.ensure_demo(), variants.DEMO_LABEL
     path = Path(source).expanduser()
     if path.exists():
