@@ -226,8 +226,18 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
         pytest.param(["--steps", "2"], ["no prompt"], id="no prompt"),
         pytest.param(
             ["--prompt", "x", "--image", "{inputs}/ref.png", "--mask", "{inputs}/missing.png"],
-            ["image not found", "missing.png"],
+            ["mask not found", "missing.png (--mask)"],
             id="missing mask",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--steps", "100000"],
+            ["steps must be a positive integer (--steps), 1 to 1000; got 100000 (too large)"],
+            id="too many steps",
+        ),
+        pytest.param(
+            ["--prompt", "@{tmp}/no-prompt.txt"],
+            ["--prompt @", "no-prompt.txt: no such file", "write @@ for a literal leading @"],
+            id="missing prompt file",
         ),
         pytest.param(
             ["--prompt", "x", "--image", "{inputs}/ref.png", "--strength", "1.5"],
@@ -290,6 +300,31 @@ def test_kv_on_a_non_kv_checkpoint_names_the_kv_checkpoint(klein_home, non_kv_mo
     assert_clean_error(result, "use_kv", "klein-9b-kv")
     assert "loading" not in result.stderr  # the configs tell, before any weight is read
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bare_klein_shows_the_commands_and_exits_2(klein_home, tmp_path):
+    result = run_klein(klein_home, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert (
+        "usage: klein" in result.stderr and "generate" in result.stderr and "Traceback" not in result.stderr
+    )
+
+
+def test_a_prompt_at_file_is_the_files_text_and_at_at_is_a_literal_at(tmp_path, monkeypatch):
+    def prompt(*args):
+        parsed = cli.generate_parser().parse_intermixed_args(list(args))
+        return cli_args.build_request(parsed).generation.prompt
+
+    (tmp_path / "fox.txt").write_text("a red fox\nin snow\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    assert prompt("--prompt", "@fox.txt") == "a red fox\nin snow" == prompt("prompt=@fox.txt")
+    assert prompt("--prompt", f"@{tmp_path / 'fox.txt'}") == "a red fox\nin snow"
+    assert prompt("--prompt", "@@home at noon") == "@home at noon"
+    assert prompt("--prompt", "a fox @ noon") == "a fox @ noon"
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(InputError, match="empty.txt is empty"):
+        prompt("--prompt", "@empty.txt")
+    assert "@@ writes a literal leading @" in " ".join(cli.generate_parser().format_help().split())
 
 
 def test_key_value_literals_are_read_safely():
@@ -373,6 +408,8 @@ def test_inpainting_writes_the_source_size_and_records_mask_and_strength(klein_h
         assert image.text["mode"] == "inpainting with a mask at strength 0.6, cached references"
     settings = next(line for line in result.stderr.splitlines() if line.startswith("settings: "))
     assert "inpainting with a mask at strength 0.6" in settings and "cached references" in settings
+    # The source repainted is no reference; one step is a step.
+    assert "96x80 px, 2 steps, no guidance, a source image, inpainting" in settings, settings
     demo_note = "random weights cannot show inpainting keeping the unmasked area"
     assert result.stderr.count(demo_note) == 1
     # Every stage shows as it starts and ends with its time; a fresh process compiles (first run).

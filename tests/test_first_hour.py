@@ -222,3 +222,21 @@ def test_batch_records_settings_as_typed_json(pipe):
     assert record["guidance"] is None and record["kv"] in (True, False) and record["bucket"] is True
     assert record["image"] == [] and record["lora_apply"] == [] and record["prompt"] == "a fox"
     assert record["model"] == pipe.name
+
+
+def test_progress_counts_the_references_and_the_summary_counts_in_words(pipe):
+    """Two references are encoded as 2 of 2 (not 1 of 1); one step is "1 step"; a source repainted is
+    not counted as a reference."""
+    import PIL.Image
+
+    events = []
+    refs = [PIL.Image.new("RGB", (64, 64), "red"), PIL.Image.new("RGB", (96, 64), "blue")]
+    out = pipe(prompt="a fox", image=refs, height=32, width=32, num_inference_steps=1, progress=events.append)
+    encoded = [(e.done, e.total) for e in events if e.stage == "references" and not e.compiling]
+    assert encoded == [(0, 2), (2, 2)]
+    assert "32x32 px, 1 step, no guidance, 2 references, " in out.settings.describe()
+    repainted = pipe(prompt="a fox", image=refs, strength=0.5, height=32, width=32, num_inference_steps=2)
+    assert (
+        "2 steps, no guidance, a source image and 1 reference, image-to-image"
+        in repainted.settings.describe()
+    )

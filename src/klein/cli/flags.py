@@ -197,6 +197,7 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
         values[field] = tuple(value) if isinstance(value, list) else value
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
+    values["prompt"] = read_prompt(values["prompt"])
     _offer_files(values)
     _split_size(values)
     generation = GenerationRequest.create(**_take(values, GENERATION))
@@ -206,6 +207,34 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
     if any(generation.lora_sets):
         check_known(generation.lora_sets, named_files(request.loading.lora_dir, request.loading.lora_named))
     return request
+
+
+PROMPT_FILE = (
+    "@FILE reads the prompt from FILE (UTF-8, surrounding blank space dropped), as curl -d @FILE does; @@ "
+)
+"""What --prompt @FILE does, for --help."""
+PROMPT_FILE += "writes a literal leading @ (--prompt @@home: the prompt '@home')"
+
+
+def read_prompt(prompt):
+    """`prompt` (a text or several) with each @FILE replaced by the text of FILE, and a leading @@ by @."""
+    if not isinstance(prompt, str):
+        return tuple(map(read_prompt, prompt)) if isinstance(prompt, tuple | list) else prompt
+    if prompt.startswith("@@") or not prompt.startswith("@"):
+        return prompt.removeprefix("@")
+    path = Path(prompt[1:]).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise InputError(
+            f"--prompt {prompt}: no such file ({path.resolve()}); a prompt starting with @ is read from the "
+            "file it names: write @@ for a literal leading @"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"--prompt {prompt}: cannot read {path} as UTF-8 text ({error})") from None
+    if not text:
+        raise InputError(f"--prompt {prompt}: {path} is empty")
+    return text
 
 
 def _checked_size(key: str, text: str) -> str:

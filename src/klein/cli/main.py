@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from klein.cli import interrupts
@@ -114,6 +115,8 @@ def generate_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')
     flags.add_flags(add, flags.GENERATION)
+    prompt = next(action for action in parser._actions if action.dest == "prompt")
+    prompt.help += f"; {flags.PROMPT_FILE}"
     add("--size", metavar="WxH", help="output width x height in px, e.g. 1024x768 (--width and --height)")
     add("--out", metavar="FILE.png|FOLDER", help="output file (numbered -0, -1, ... for several) or folder")
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
@@ -190,10 +193,9 @@ def _dispatch(argv: list[str]) -> int:
 
         return cli_cache.cache_command(cli_cache.cache_parser().parse_args(argv[1:]))
     parser = _top_parser()
-    # Handles --help, --version and unknown commands; a bare `klein` shows the help.
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    parser.parse_args(argv)  # --help, --version and unknown commands
+    parser.print_help(sys.stderr)  # a bare `klein`: what it takes, and no command run
+    return EXIT_USAGE
 
 
 def generate(request: flags.GenerateRequest) -> int:
@@ -265,6 +267,9 @@ def _load(request: flags.GenerateRequest):
         )
     check_unloaded(generation)  # the request's errors that need no model cost no load
     references = tuple(load_image(path) for path in generation.image)
+    given = generation.mask_image
+    if isinstance(given, str) and not Path(given).expanduser().is_file():
+        raise InputError(f"mask not found: {given} (--mask)")
     mask = None if generation.mask_image is None else as_mask(generation.mask_image)
     if mask is not None:
         check_not_black(mask)
