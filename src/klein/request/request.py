@@ -19,7 +19,7 @@ import PIL.Image
 
 from klein.errors import InputError, counted
 from klein.lora.files import LoraInfo
-from klein.models.vae import PIXELS_PER_TOKEN
+from klein.models.facts import PIXELS_PER_TOKEN
 from klein.request import kinds
 from klein.request.kinds import setting, settings_of, short_name
 from klein.request.loras import LoraSet, as_loras, per_prompt
