@@ -83,35 +83,6 @@ def test_help_explains_both_styles_and_the_demo(klein_home, tmp_path):
         assert text in generate.stdout
 
 
-TOP_LEVEL = ("jax", "flax", "ml_dtypes", "numpy", "PIL", "tqdm")
-"""The imports that took seconds of `klein --version` (JAX, ml_dtypes's bfloat16) or a little of it."""
-
-
-@pytest.mark.parametrize(
-    "args, unwanted",
-    [
-        (["--version"], TOP_LEVEL),
-        (["--help"], TOP_LEVEL),
-        (["generate", "--help"], ("jax", "flax", "ml_dtypes")),  # its flags come from the request types
-    ],
-)
-def test_help_and_version_import_no_jax(args, unwanted):
-    """`klein --version` and `klein --help` parse before any command's modules load; `klein generate
-    --help` reads its flags off the request types, which need no model (nor JAX, nor ml_dtypes)."""
-    code = f"""
-import sys
-from klein.cli.main import main
-try:
-    main({args!r})
-except SystemExit as exit:
-    assert exit.code == 0, exit.code
-print("imported:", sorted(name for name in {unwanted!r} if name in sys.modules))
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "klein" in done.stdout and done.stdout.splitlines()[-1] == "imported: []", done.stdout
-
-
 def test_flags_write_numbered_pngs_with_metadata_and_round_sizes(klein_home, inputs, tmp_path):
     # 72 is not a multiple of 16: rounded down to 64 with a one-line warning, as diffusers does.
     args = ["generate", "--prompt", "a fox in snow", "--image", inputs / "ref.png", "--kv", "--seed", "7"]
@@ -310,31 +281,6 @@ def test_kv_on_a_non_kv_checkpoint_names_the_kv_checkpoint(klein_home, non_kv_mo
     assert_clean_error(result, "use_kv", "klein-9b-kv")
     assert "loading" not in result.stderr  # the configs tell, before any weight is read
     assert list(tmp_path.iterdir()) == []
-
-
-def test_a_bare_klein_shows_the_commands_and_exits_2(klein_home, tmp_path):
-    result = run_klein(klein_home, cwd=tmp_path)
-    assert result.returncode == 2 and result.stdout == ""
-    assert (
-        "usage: klein" in result.stderr and "generate" in result.stderr and "Traceback" not in result.stderr
-    )
-
-
-def test_a_prompt_at_file_is_the_files_text_and_at_at_is_a_literal_at(tmp_path, monkeypatch):
-    def prompt(*args):
-        parsed = cli.generate_parser().parse_intermixed_args(list(args))
-        return cli_args.build_request(parsed).generation.prompt
-
-    (tmp_path / "fox.txt").write_text("a red fox\nin snow\n", encoding="utf-8")
-    monkeypatch.chdir(tmp_path)
-    assert prompt("--prompt", "@fox.txt") == "a red fox\nin snow" == prompt("prompt=@fox.txt")
-    assert prompt("--prompt", f"@{tmp_path / 'fox.txt'}") == "a red fox\nin snow"
-    assert prompt("--prompt", "@@home at noon") == "@home at noon"
-    assert prompt("--prompt", "a fox @ noon") == "a fox @ noon"
-    (tmp_path / "empty.txt").write_text("\n")
-    with pytest.raises(InputError, match="empty.txt is empty"):
-        prompt("--prompt", "@empty.txt")
-    assert "@@ writes a literal leading @" in " ".join(cli.generate_parser().format_help().split())
 
 
 def test_key_value_literals_are_read_safely():
