@@ -210,10 +210,10 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
 
 
 PROMPT_FILE = (
-    "@FILE reads the prompt from FILE (UTF-8, surrounding blank space dropped), as curl -d @FILE does; @@ "
+    "@FILE reads the prompt from FILE (UTF-8, surrounding blank space dropped), as curl -d @FILE does; "
+    "@@ writes a literal leading @ (--prompt @@home: the prompt '@home')"
 )
 """What --prompt @FILE does, for --help."""
-PROMPT_FILE += "writes a literal leading @ (--prompt @@home: the prompt '@home')"
 
 
 def read_prompt(prompt):

@@ -47,12 +47,12 @@ literals (unquoted text stays text). Known keys:
 {keys}
 
 Without --model the offline demo checkpoint (tiny random weights: the image is noise-like) gives every
-part not named: --vae, --text-encoder or --tokenizer alone replace its own (--transformer does not take the
-demo's other parts, which fit only its own transformer). --model
-takes a diffusers-layout folder or a Hugging Face repo id, e.g. black-forest-labs/FLUX.2-klein-4B (from the
-local Hugging Face cache, downloaded if the hub is reachable). With references and a KV checkpoint
-(klein-9b-kv), reference keys/values are computed once and reused at every step (--kv, the default there);
---kv on another checkpoint is an error, except that black-forest-labs/FLUX.2-klein-9B switches to klein-9b-kv.
+part not named: --vae, --text-encoder or --tokenizer alone replace its own (a --transformer takes none of
+the demo's other parts, which fit only its own transformer). --model takes a diffusers-layout folder or a
+Hugging Face repo id, e.g. black-forest-labs/FLUX.2-klein-4B (from the local Hugging Face cache, downloaded
+if the hub is reachable). With references and a KV checkpoint (klein-9b-kv), reference keys/values are
+computed once and reused at every step (--kv, the default there); --kv on another checkpoint is an error,
+except that black-forest-labs/FLUX.2-klein-9B switches to klein-9b-kv.
 
 Single-file downloads: --transformer takes a BFL .safetensors file (bf16, or FP8 kept FP8 in memory) or a
 GGUF file; give --text-encoder (a Qwen3 folder, repo or GGUF file) and --vae (e.g. ae.safetensors), or
