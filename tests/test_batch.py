@@ -156,6 +156,7 @@ def test_bad_lines_are_reported_by_number_and_the_rest_runs(pipe, requests, tmp_
     entries = {e["line"]: e for e in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     assert sorted(entries) == [1, 2, 3, 4, 5, 6, 7, 9]
     assert "not JSON" in entries[2]["error"] and "num_inference_steps" in entries[3]["error"]
+    assert 'a line is one JSON object, e.g. {"prompt": ' in entries[2]["error"]  # the shape to write
     assert "unknown key 'colour'" in entries[4]["error"] and "no prompt" in entries[5]["error"]
     assert "image 'refs/missing.png' not found" in entries[6]["error"]
     assert "mask 'no-mask.png' not found" in entries[7]["error"] and entries[9]["status"] == "done"

@@ -207,8 +207,18 @@ def test_existing_out_is_kept_unless_overwrite(klein_home, tmp_path):
         pytest.param(["--steps", "2"], ["no prompt"], id="no prompt"),
         pytest.param(
             ["--prompt", "x", "--image", "{inputs}/ref.png", "--mask", "{inputs}/missing.png"],
-            ["image not found", "missing.png"],
+            ["mask not found", "missing.png (--mask)"],
             id="missing mask",
+        ),
+        pytest.param(
+            ["--prompt", "x", "--steps", "100000"],
+            ["steps must be a positive integer (--steps), 1 to 1000; got 100000 (too large)"],
+            id="too many steps",
+        ),
+        pytest.param(
+            ["--prompt", "@{tmp}/no-prompt.txt"],
+            ["--prompt @", "no-prompt.txt: no such file", "write @@ for a literal leading @"],
+            id="missing prompt file",
         ),
         pytest.param(
             ["--prompt", "x", "--image", "{inputs}/ref.png", "--strength", "1.5"],
@@ -354,6 +364,8 @@ def test_inpainting_writes_the_source_size_and_records_mask_and_strength(klein_h
         assert image.text["mode"] == "inpainting with a mask at strength 0.6, cached references"
     settings = next(line for line in result.stderr.splitlines() if line.startswith("settings: "))
     assert "inpainting with a mask at strength 0.6" in settings and "cached references" in settings
+    # The source repainted is no reference; one step is a step.
+    assert "96x80 px, 2 steps, no guidance, a source image, inpainting" in settings, settings
     demo_note = "random weights cannot show inpainting keeping the unmasked area"
     assert result.stderr.count(demo_note) == 1
     # Every stage shows as it starts and ends with its time; a fresh process compiles (first run).

@@ -148,7 +148,37 @@ def test_generate_takes_the_names_plan_takes_and_a_repo_id_in_any_case(offline, 
     assert cli.main(["generate", "--model", model, "--prompt", "a fox"]) == 2
     error = capsys.readouterr().err
     assert "black-forest-labs/FLUX.2-klein-4B: not in the local Hugging Face cache" in error
-    assert "unknown model" not in error
+    assert (
+        "offline (HF_HUB_OFFLINE is set)" in error
+        and "hf download black-forest-labs/FLUX.2-klein-4B" in error
+    )
+    assert "unknown model" not in error and "did you mean" not in error  # never the name given
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """The Hugging Face hub unreachable (a closed port), though not declared offline, and its cache empty."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+def test_an_unreachable_hub_is_said_in_words(no_network, capsys):
+    """No network: the message says the hub could not be reached, and what to do, in words (not the
+    exception classes of the download's failure), and never suggests the name that was given."""
+    assert cli.main(["generate", "--model", "black-forest-labs/FLUX.2-klein-4B", "--prompt", "a fox"]) == 2
+    error = capsys.readouterr().err
+    assert "black-forest-labs/FLUX.2-klein-4B: not in the local Hugging Face cache" in error
+    assert "the Hugging Face hub could not be reached to download it (no network, or offline)" in error
+    assert "`hf download black-forest-labs/FLUX.2-klein-4B`" in error and "give a local folder" in error
+    assert "did you mean" not in error
+    assert "Error" not in error and "Errno" not in error  # LocalEntryNotFoundError, ConnectError, ...
+    assert cli.main(["generate", "--model", "black-forest-labs/FLUX.2-klein-4", "--prompt", "a fox"]) == 2
+    error = capsys.readouterr().err
+    assert "did you mean 'black-forest-labs/FLUX.2-klein-4B'?" in error
+    assert "`hf download black-forest-labs/FLUX.2-klein-4B`" in error
 
 
 def test_a_misspelt_repo_id_gets_the_published_one_and_python_is_told_in_its_words(offline):
@@ -192,3 +222,21 @@ def test_batch_records_settings_as_typed_json(pipe):
     assert record["guidance"] is None and record["kv"] in (True, False) and record["bucket"] is True
     assert record["image"] == [] and record["lora_apply"] == [] and record["prompt"] == "a fox"
     assert record["model"] == pipe.name
+
+
+def test_progress_counts_the_references_and_the_summary_counts_in_words(pipe):
+    """Two references are encoded as 2 of 2 (not 1 of 1); one step is "1 step"; a source repainted is
+    not counted as a reference."""
+    import PIL.Image
+
+    events = []
+    refs = [PIL.Image.new("RGB", (64, 64), "red"), PIL.Image.new("RGB", (96, 64), "blue")]
+    out = pipe(prompt="a fox", image=refs, height=32, width=32, num_inference_steps=1, progress=events.append)
+    encoded = [(e.done, e.total) for e in events if e.stage == "references" and not e.compiling]
+    assert encoded == [(0, 2), (2, 2)]
+    assert "32x32 px, 1 step, no guidance, 2 references, " in out.settings.describe()
+    repainted = pipe(prompt="a fox", image=refs, strength=0.5, height=32, width=32, num_inference_steps=2)
+    assert (
+        "2 steps, no guidance, a source image and 1 reference, image-to-image"
+        in repainted.settings.describe()
+    )

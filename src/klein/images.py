@@ -13,7 +13,7 @@ import PIL.Image
 import PIL.ImageOps
 
 from klein.errors import InputError
-from klein.models.vae import PIXELS_PER_TOKEN
+from klein.models.facts import PIXELS_PER_TOKEN
 
 MIN_SIDE = 64
 MAX_ASPECT = 8

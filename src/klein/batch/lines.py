@@ -23,6 +23,9 @@ KEYS = {
     for key in (short_name(field, spec), field.name, *spec.aliases)
 }
 
+SHAPE = 'a line is one JSON object, e.g. {"prompt": "the cat wears the hat", "image": ["cat.png"], "seed": 7}'
+"""What a line looks like, for the messages of a line that is not one."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Line:
@@ -85,9 +88,9 @@ def parse_line(number: int, raw: str, folder: Path) -> Line | BadLine:
     try:
         values = json.loads(raw)
     except json.JSONDecodeError as error:
-        return BadLine(number, f"not JSON ({error.msg} at column {error.colno})")
+        return BadLine(number, f"not JSON ({error.msg} at column {error.colno}); {SHAPE}")
     if not isinstance(values, dict):
-        return BadLine(number, f"expected a JSON object, got {type(values).__name__}")
+        return BadLine(number, f"expected a JSON object, got {type(values).__name__}; {SHAPE}")
     try:
         fields = _fields(values)
         named = tuple(fields.pop("image", ()))

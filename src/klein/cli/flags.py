@@ -8,12 +8,13 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from klein.cli import parser
 from klein.errors import CLI, InputError, no_negative_prompt
 from klein.images import show_pixels
+from klein.io import sources
 from klein.lora.files import parse_spec
 from klein.lora.registry import check_known, named_files
 from klein.request import kinds
@@ -23,20 +24,12 @@ from klein.request.request import GenerationRequest
 from klein.request.resolve import MAX_PIXELS, parse_size
 
 
-class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose mistakes surface as `error: ...` through `main`, like every other input error,
-    with the nearest known flag for a misspelt one; descriptions are shown as written."""
+class Parser(parser.Parser):
+    """`klein.cli.parser.Parser`, with a hint for diffusers' names of the settings (--num_inference_steps
+    means --steps) and for diffusers' negative_prompt."""
 
-    def __init__(self, **kwargs):
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-
-    def error(self, message: str):
-        unknown = re.match(r"unrecognized arguments: (\S+)", message)
-        if unknown:
-            word = unknown.group(1).split("=")[0]
-            known = self._option_string_actions
-            message += _hint(word.lstrip("-").replace("-", "_"), known) or _did_you_mean(word, known)
-        raise InputError(f"{message} (see {self.prog} --help)")
+    def hint(self, word: str) -> str:
+        return _hint(word.lstrip("-").replace("-", "_"), self._option_string_actions) or super().hint(word)
 
 
 def _hint(name: str, known) -> str:
@@ -138,9 +131,18 @@ def add_max_pixels(add) -> None:
 
 
 def load_options(parsed: argparse.Namespace) -> LoadOptions:
-    """The loading options of parsed flags (`LOADING`'s)."""
+    """The loading options of parsed flags (`LOADING`'s), --model's default applied (`with_demo`)."""
     values = {field.name: getattr(parsed, field.name, None) for field, _ in LOADING}
-    return LoadOptions(**{name: value for name, value in values.items() if value is not None})
+    return with_demo(LoadOptions(**{name: value for name, value in values.items() if value is not None}))
+
+
+def with_demo(loading: LoadOptions) -> LoadOptions:
+    """--model's default on the command line: the demo checkpoint gives every part not named (--vae alone
+    runs the demo with that VAE), unless --transformer names the transformer, which the demo's text encoder
+    and VAE do not fit: then --text-encoder and --vae name them, or --model holds them."""
+    if loading.model is None and loading.transformer is None:
+        return dataclasses.replace(loading, model=sources.DEMO)
+    return loading
 
 
 def _keys(declared) -> dict[str, tuple[str, Callable[[str, str], object]]]:
@@ -195,15 +197,44 @@ def build_request(flags: argparse.Namespace) -> GenerateRequest:
         values[field] = tuple(value) if isinstance(value, list) else value
     if values.get("prompt") is None:
         raise InputError('no prompt: pass --prompt "..." or prompt="..."')
+    values["prompt"] = read_prompt(values["prompt"])
     _offer_files(values)
     _split_size(values)
     generation = GenerationRequest.create(**_take(values, GENERATION))
-    request = GenerateRequest(generation, LoadOptions(**_take(values, LOADING)), **values)
+    request = GenerateRequest(generation, with_demo(LoadOptions(**_take(values, LOADING))), **values)
     _check(request)
     # The LoRAs applied are among those offered: the names are the files', so a misspelt one costs no load.
     if any(generation.lora_sets):
         check_known(generation.lora_sets, named_files(request.loading.lora_dir, request.loading.lora_named))
     return request
+
+
+PROMPT_FILE = (
+    "@FILE reads the prompt from FILE (UTF-8, surrounding blank space dropped), as curl -d @FILE does; "
+    "@@ writes a literal leading @ (--prompt @@home: the prompt '@home')"
+)
+"""What --prompt @FILE does, for --help."""
+
+
+def read_prompt(prompt):
+    """`prompt` (a text or several) with each @FILE replaced by the text of FILE, and a leading @@ by @."""
+    if not isinstance(prompt, str):
+        return tuple(map(read_prompt, prompt)) if isinstance(prompt, tuple | list) else prompt
+    if prompt.startswith("@@") or not prompt.startswith("@"):
+        return prompt.removeprefix("@")
+    path = Path(prompt[1:]).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise InputError(
+            f"--prompt {prompt}: no such file ({path.resolve()}); a prompt starting with @ is read from the "
+            "file it names: write @@ for a literal leading @"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"--prompt {prompt}: cannot read {path} as UTF-8 text ({error})") from None
+    if not text:
+        raise InputError(f"--prompt {prompt}: {path} is empty")
+    return text
 
 
 def _checked_size(key: str, text: str) -> str:

@@ -4,6 +4,8 @@ Errors a user can fix are one `error: ...` line with exit code 2; anything else 
 code 1) whose traceback `KLEIN_DEBUG=1` shows.
 """
 
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import os
@@ -11,12 +13,20 @@ import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from klein.cli import flags, interrupts, limits, output, tools
+from klein.cli import interrupts
+from klein.cli.parser import Parser
 from klein.errors import CLI, InputError, KleinError, worded
-from klein.io import png
-from klein.request.loading import LoadOptions
 from klein.version import version
+
+if TYPE_CHECKING:
+    from klein.cli import flags
+    from klein.request.loading import LoadOptions
+
+# Parsing imports nothing heavy: `klein --version` and `klein --help` answer without JAX, and each command
+# imports its own modules (the model's, JAX) once it runs.
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -36,11 +46,13 @@ examples (prompt="a cat" image_paths="['a.png','b.png']" use_kv=True), whose val
 literals (unquoted text stays text). Known keys:
 {keys}
 
-Without --model the offline demo checkpoint runs (tiny random weights: the image is noise-like). --model
-takes a diffusers-layout folder or a Hugging Face repo id, e.g. black-forest-labs/FLUX.2-klein-4B (from the
-local Hugging Face cache, downloaded if the hub is reachable). With references and a KV checkpoint
-(klein-9b-kv), reference keys/values are computed once and reused at every step (--kv, the default there);
---kv on another checkpoint is an error, except that black-forest-labs/FLUX.2-klein-9B switches to klein-9b-kv.
+Without --model the offline demo checkpoint (tiny random weights: the image is noise-like) gives every
+part not named: --vae, --text-encoder or --tokenizer alone replace its own (a --transformer takes none of
+the demo's other parts, which fit only its own transformer). --model takes a diffusers-layout folder or a
+Hugging Face repo id, e.g. black-forest-labs/FLUX.2-klein-4B (from the local Hugging Face cache, downloaded
+if the hub is reachable). With references and a KV checkpoint (klein-9b-kv), reference keys/values are
+computed once and reused at every step (--kv, the default there); --kv on another checkpoint is an error,
+except that black-forest-labs/FLUX.2-klein-9B switches to klein-9b-kv.
 
 Single-file downloads: --transformer takes a BFL .safetensors file (bf16, or FP8 kept FP8 in memory) or a
 GGUF file; give --text-encoder (a Qwen3 folder, repo or GGUF file) and --vae (e.g. ae.safetensors), or
@@ -81,7 +93,7 @@ COMMANDS = {
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    parser = flags.Parser(prog="klein", description=TOP_DESCRIPTION)
+    parser = Parser(prog="klein", description=TOP_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"klein {version()}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name, help_ in COMMANDS.items():
@@ -91,6 +103,8 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def generate_parser() -> argparse.ArgumentParser:
+    from klein.cli import flags
+
     parser = flags.Parser(
         prog="klein generate",
         description=GENERATE_DESCRIPTION.format(
@@ -101,6 +115,8 @@ def generate_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("settings", nargs="*", metavar="KEY=VALUE", help='settings in the seed\'s style, e.g. prompt="a cat"')
     flags.add_flags(add, flags.GENERATION)
+    prompt = next(action for action in parser._actions if action.dest == "prompt")
+    prompt.help += f"; {flags.PROMPT_FILE}"
     add("--size", metavar="WxH", help="output width x height in px, e.g. 1024x768 (--width and --height)")
     add("--out", metavar="FILE.png|FOLDER", help="output file (numbered -0, -1, ... for several) or folder")
     add("--overwrite", action="store_true", default=None, help="replace existing output files")
@@ -124,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = output.show_warning
+            warnings.showwarning = _show_warning
             return _dispatch(argv)
     except KleinError as error:
         print(f"error: {worded(error, CLI)}", file=sys.stderr)
@@ -142,8 +158,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def _show_warning(*args, **kwargs) -> None:
+    from klein.cli import output
+
+    output.show_warning(*args, **kwargs)
+
+
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
+        from klein.cli import flags
+
         parsed = generate_parser().parse_intermixed_args(argv[1:])
         with interrupts.stoppable():
             return generate(flags.build_request(parsed))
@@ -157,6 +181,8 @@ def _dispatch(argv: list[str]) -> int:
         with interrupts.stoppable():
             return cli_batch.batch_command(cli_batch.batch_parser().parse_args(argv[1:]))
     if argv[:1] == ["plan"]:
+        from klein.cli import tools
+
         return tools.plan_command(tools.plan_parser().parse_args(argv[1:]))
     if argv[:1] == ["bench"]:
         from klein.cli import bench as cli_bench
@@ -167,14 +193,16 @@ def _dispatch(argv: list[str]) -> int:
 
         return cli_cache.cache_command(cli_cache.cache_parser().parse_args(argv[1:]))
     parser = _top_parser()
-    # Handles --help, --version and unknown commands; a bare `klein` shows the help.
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    parser.parse_args(argv)  # --help, --version and unknown commands
+    parser.print_help(sys.stderr)  # a bare `klein`: what it takes, and no command run
+    return EXIT_USAGE
 
 
 def generate(request: flags.GenerateRequest) -> int:
     """Run one `klein generate` request: load, generate, write, report."""
+    from klein.cli import limits, output
+    from klein.io import png
+
     started = time.perf_counter()
     plan = png.plan_outputs(request.out, request.generation.num_images_per_prompt, bool(request.overwrite))
     limits.check_pixels(request.generation.height, request.generation.width, request.max_pixels)
@@ -218,6 +246,7 @@ def _load(request: flags.GenerateRequest):
     started = time.perf_counter()
     # Imported here so that `klein --help` and early input errors do not wait for JAX to load.
     from klein import sharding
+    from klein.cli import flags, output
     from klein.images import load_image
     from klein.masks import as_mask, check_not_black
     from klein.pipeline.loading import load
@@ -238,6 +267,9 @@ def _load(request: flags.GenerateRequest):
         )
     check_unloaded(generation)  # the request's errors that need no model cost no load
     references = tuple(load_image(path) for path in generation.image)
+    given = generation.mask_image
+    if isinstance(given, str) and not Path(given).expanduser().is_file():
+        raise InputError(f"mask not found: {given} (--mask)")
     mask = None if generation.mask_image is None else as_mask(generation.mask_image)
     if mask is not None:
         check_not_black(mask)
@@ -259,6 +291,8 @@ def _load(request: flags.GenerateRequest):
 def _report(pipe, settings, step_cache, paths, timings, total_seconds) -> None:
     """Files on stdout (one per line, for scripts); settings, what a step cache decided and the timing
     breakdown on stderr."""
+    from klein.cli import output
+
     print(f"model: {pipe.name}", file=sys.stderr)
     print(f"residency: {pipe.residency} ({pipe.dtype.name}, {pipe.compute} products)", file=sys.stderr)
     print(f"settings: {settings.describe()}", file=sys.stderr)

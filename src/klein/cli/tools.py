@@ -11,7 +11,7 @@ from pathlib import Path
 
 from klein import devices, dtypes
 from klein.cli.flags import Parser, size
-from klein.dtypes import DTYPES
+from klein.dtypes import NAMES as DTYPES
 from klein.errors import InputError
 from klein.request import kinds
 from klein.request.loading import COMPUTE, KV_DTYPES, TEXT_ENCODER_WEIGHTS, memory_cap

@@ -27,6 +27,10 @@ from klein.io.safetensors import TensorSource
 from klein.models.abstract_keys import AbstractKeys
 from klein.models.vae import AutoencoderKLFlux2, VAEConfig
 
+SMALL_DECODER = "https://huggingface.co/black-forest-labs/FLUX.2-small-decoder"
+"""Where FLUX.2-small-decoder's files are published (full_encoder_small_decoder.safetensors,
+small_decoder.safetensors)."""
+
 # BatchNorm's training-step counter: saved by torch, meaningless for inference.
 SKIPPED_KEYS = frozenset({"bn.num_batches_tracked"})
 
@@ -128,7 +132,7 @@ def _opened(path: Path, own: Path | None) -> tuple[VAEConfig, object]:
         raise CheckpointError(
             f"{path}: a VAE decoder alone (as FLUX.2-small-decoder's small_decoder.safetensors), whose encoder "
             "and latent statistics come from the model's own VAE: name the model too (--model), or give a file "
-            "holding both (full_encoder_small_decoder.safetensors)"
+            f"holding both (full_encoder_small_decoder.safetensors, from {SMALL_DECODER})"
         )
     base, rest = _opened(own, None) if own is not None else (VAEConfig.flux2(), None)
     cfg = file_config(path, base)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from klein.models import stacks
+from klein.models.facts import KV_INT8
 
-INT8 = "int8"
-"""`kv_dtype` of 8-bit keys and values (`klein.request.loading.KV_DTYPES`); None keeps them in the compute
-dtype."""
+INT8 = KV_INT8
+"""`kv_dtype` of 8-bit keys and values (`klein.models.facts.KV_INT8`)."""
 PREFILL_PIECE = 4096
 """Reference tokens a piece of an 8-bit prefill runs its queries and MLP over (a 1024^2 reference)."""
 _LEVELS = 127.0

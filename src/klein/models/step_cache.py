@@ -20,11 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from klein.models.facts import CACHE, COMPUTE, DYNAMIC  # noqa: F401 - the phases, read here too
 from klein.sharding import TOKENS, constrain
-
-DYNAMIC, COMPUTE, CACHE = 0, 1, 2
-"""A step's phase, decided on the host from its index alone: the threshold decides (DYNAMIC), the step
-computes (warm-up, a mask's 1) or it reuses (a static mask's 0)."""
 
 DOUBLE, SINGLE = 0, 1
 

@@ -26,11 +26,9 @@ from flax import nnx
 from klein.errors import CheckpointError
 from klein.models import transcendentals, vae_canvas
 from klein.models.attention import Keys, attend
+from klein.models.facts import PIXELS_PER_TOKEN  # noqa: F401 - where code with a VAE looks for it
 
 _PATCH = 2  # latents are patchified 2x2 into transformer channels
-PIXELS_PER_TOKEN = 16
-"""Pixels along each side of one transformer token under the FLUX.2 VAE (8x downsampling, then 2x2 patches),
-for code with no model config at hand (requests, images); code that has one reads `pixels_per_token`."""
 _NORM_EPS = 1e-6  # every GroupNorm of the diffusers encoder / decoder
 
 

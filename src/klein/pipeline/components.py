@@ -68,6 +68,9 @@ class Located:
 def locate(source, parts: Parts, variant=None, mesh=None) -> Located:
     """Find every part, read its config, and check (before any weight is read) that the mesh, if any,
     splits the models evenly."""
+    for field in dataclasses.fields(parts):  # a part named but missing is named first, before the others
+        if getattr(parts, field.name) is not None:
+            _local(getattr(parts, field.name), field.name.replace("_", " "))
     root, name = _checkpoint(source, parts)
     named = {field.name: getattr(parts, field.name) or root for field in dataclasses.fields(Parts)}
     transformer = _locate(named["transformer"])
@@ -145,9 +148,27 @@ def read_text_table(located: Located, dtype) -> np.ndarray:
 
 def load_vae_part(located: Located, dtype, mesh=None) -> AutoencoderKLFlux2:
     path, place = located.vae, sharding.placer(mesh)
-    if path.is_file():
+    if not path.is_file():
+        return vae_checkpoint.load_vae(path, dtype, place=place)
+    try:
         return vae_checkpoint.load_vae_file(path, dtype, place=place, own=located.own_vae)
-    return vae_checkpoint.load_vae(path, dtype, place=place)
+    except CheckpointError as error:
+        if "does not match the model" not in str(error):
+            raise
+        raise CheckpointError(_unfitting_vae(located, error)) from None
+
+
+def _unfitting_vae(located: Located, error: CheckpointError) -> str:
+    """What to do when a single-file VAE's tensors do not fit the config it takes from the model's own VAE
+    (all but its widths: layers per level, groups of its norms), as FLUX.2's files do not fit the demo's."""
+    own = "the FLUX.2 VAE" if located.own_vae is None else f"the model's own VAE ({located.own_vae})"
+    return (
+        f"{located.vae}: a single-file VAE takes its config, all but its widths, from {own}, and its tensors "
+        f"do not fit it ({str(error).splitlines()[1].split(':')[0].strip()}): give the model it belongs with (for FLUX.2's "
+        f"ae.safetensors and FLUX.2-small-decoder's files, from {vae_checkpoint.SMALL_DECODER}, a FLUX.2 "
+        f"[klein] model such as {variants.VARIANTS['klein-4b'].repo_id}), or a VAE folder (config.json and "
+        "weights)"
+    )
 
 
 def _check_text_encoder(path: Path, text: Qwen3Config, config: TransformerConfig, variant) -> None:
@@ -205,20 +226,30 @@ def _checkpoint(source, parts: Parts) -> tuple[Path | None, str | None]:
         return sources.resolve(source)
     missing = [part for part in ("transformer", "text_encoder", "vae") if getattr(parts, part) is None]
     if missing:
+        demo = "; the demo's parts fit only the demo's transformer" if parts.transformer is not None else ""
         raise InputError(
             f"no model to take the {', '.join(missing)} from: name every part, or a diffusers-layout model "
-            f"(folder or repo id) that holds the others"
+            f"(folder or repo id) that holds the others{demo}"
         )
     return None, None
 
 
-def _locate(spec) -> Path:
+def _local(spec, part: str = "checkpoint") -> Path | None:
+    """The file or folder `spec` names, None for a repo id; a `CheckpointError` naming it, and the `part`
+    it was to be, where it is neither a repo id nor there."""
     path = Path(spec).expanduser()
     if path.exists():
         return path
     if path.suffix.lower() in (".safetensors", ".sft", ".gguf"):
-        raise CheckpointError(f"{path}: no such file")
-    return sources.resolve(str(spec))[0]  # a repo id (or the error naming what is accepted)
+        raise CheckpointError(f"{path}: no such file (the {part})")
+    if not sources.remote(str(spec)):
+        raise CheckpointError(f"{path}: no such file or folder (the {part}), nor a Hugging Face repo id")
+    return None
+
+
+def _locate(spec) -> Path:
+    local = _local(spec)
+    return local if local is not None else sources.resolve(str(spec))[0]  # a repo id
 
 
 def _part(spec, subfolder: str) -> Path:

@@ -309,7 +309,8 @@ class Flux2KleinPipeline(DiffusersSurface):
     def _encode_references(
         self, prepared, cached: bool, stages: Stages, loras=(), bucket: bool = True, kv_dtype=None
     ) -> References:
-        latents = stages.run("references", lambda: [self.encode_reference_latents(a) for a in prepared])
+        encode = lambda: [self.encode_reference_latents(a) for a in prepared]  # noqa: E731
+        latents = stages.run("references", encode, total=len(prepared))  # counted as references
         references = self.references_from_latents(latents, cached=False)
         return self._prefilled(references, stages, loras, bucket, kv_dtype) if cached else references
 

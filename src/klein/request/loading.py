@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from klein.dtypes import DTYPES
+from klein.dtypes import NAMES as DTYPES
 from klein.errors import InputError
 from klein.memory.residency import AUTO, POLICIES
-from klein.models.reference_kv8 import INT8 as KV_INT8
+from klein.models.facts import KV_INT8
 from klein.request import kinds
 from klein.request.kinds import setting, settings_of
 

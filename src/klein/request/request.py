@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import PIL.Image
 
-from klein.errors import InputError
+from klein.errors import InputError, counted
 from klein.lora.files import LoraInfo
-from klein.models.vae import PIXELS_PER_TOKEN
+from klein.models.facts import PIXELS_PER_TOKEN
 from klein.request import kinds
 from klein.request.kinds import setting, settings_of, short_name
 from klein.request.loras import LoraSet, as_loras, per_prompt
@@ -301,7 +301,7 @@ def _check_int(field: dataclasses.Field, spec: kinds.Setting, value) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok or value < low or (high is not None and value > high):
         kind = "a positive integer" if low >= 1 else "an integer"
-        small = " (too small)" if ok and value < low else ""
+        small = " (too small)" if ok and value < low else " (too large)" if ok else ""
         raise InputError(f"{name} must be {kind}{flag}, {limits}{unit and ' ' + unit}; got {value!r}{small}")
 
 
@@ -366,11 +366,13 @@ class Settings:
         """One line saying what ran."""
         r = self.request
         guidance = "no guidance" if r.guidance_scale is None else f"guidance {r.guidance_scale}"
-        refs = len(self.reference_sizes)
+        images = counted(len(self.reference_sizes), "reference")
+        if r.repaints and self.reference_sizes:  # the first image is the source repainted
+            others = len(self.reference_sizes) - 1
+            images = "a source image" + (f" and {counted(others, 'reference')}" if others else "")
         return (
-            f"{r.width}x{r.height} px, {r.steps_run} steps{'' if r.sigmas is None else ' (given sigmas)'}, "
-            f"{guidance}, "
-            f"{refs} reference{'' if refs == 1 else 's'}, {self.mode}, seed {r.seed}"
+            f"{r.width}x{r.height} px, {counted(r.steps_run, 'step')}"
+            f"{'' if r.sigmas is None else ' (given sigmas)'}, {guidance}, {images}, {self.mode}, seed {r.seed}"
             + "".join(f", LoRA {lora.describe()}" for lora in self.loras)
             + "".join(f", unmerged LoRA {lora.describe()}" for lora in dict.fromkeys(sum(self.adapters, ())))
             + ("" if r.cache is None else f", step cache {r.cache.spec()}")

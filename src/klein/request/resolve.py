@@ -11,14 +11,17 @@ import dataclasses
 import re
 import secrets
 from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 from klein.errors import InputError
 from klein.lora.registry import check_known
-from klein.memory.plan import Workload
-from klein.models.vae import PIXELS_PER_TOKEN
+from klein.models.facts import PIXELS_PER_TOKEN
 from klein.models.variants import DEMO_LABEL, KV_CHECKPOINT, Variant
 from klein.request.modes import Conditioning, Mode, repaint_words
 from klein.request.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from klein.memory.plan import Workload
 
 MULTIPLE = PIXELS_PER_TOKEN
 """Output sides are multiples of this many px (one transformer token is a square patch of that side)."""
@@ -67,6 +70,8 @@ class Resolved:
     def workload(self) -> Workload:
         """The request in numbers, all that its memory depends on (`klein.memory.plan`): the prompts
         the text encoder runs over count the negative prompt of CFG."""
+        from klein.memory.plan import Workload  # JAX's: imported when a request is planned, not with it
+
         return Workload(
             images=self.images,
             prompts=len(self.request.prompts) + self.mode.guided,

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from klein.errors import InputError, WordedError
-from klein.models import step_cache
-from klein.models.step_cache import CACHE, COMPUTE, DYNAMIC
+from klein.models.facts import CACHE, COMPUTE, DYNAMIC
+
+if TYPE_CHECKING:
+    from klein.models import step_cache
 
 MAX_ORDER = 3
 """The highest TaylorSeer order accepted (cache-dit recommends 1 or 2; each order keeps one more residual)."""
@@ -108,6 +111,8 @@ class StepCache:
     @property
     def structure(self) -> step_cache.Structure:
         """What the step's program is built for (the rest is data)."""
+        from klein.models import step_cache  # JAX's: imported when a program is built, not with a request
+
         return step_cache.Structure(self.compute_first, self.compute_last, self.taylorseer_order)
 
     def check(self, steps: int, double_blocks: int, single_blocks: int) -> None:
