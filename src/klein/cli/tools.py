@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from klein import devices, dtypes
+from klein.cli import plan_lines
 from klein.cli.flags import Parser, size
 from klein.dtypes import NAMES as DTYPES
 from klein.errors import InputError
@@ -252,7 +253,7 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
     from klein.request import planning
 
     limit, where, room = device
-    asked, text_form, text_line = _text_weights(asked, limit)
+    asked, text_form, text_line = plan_lines.text_weights(asked, limit)
     kv, chosen = None, asked
     if asked.get("kv_dtype") != "auto":
         kv = f"reference keys and values: {asked.get('kv_dtype')} (as --kv-dtype asks)"
@@ -279,45 +280,11 @@ def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str,
         f"compute: {compute} ({whose}: the transformer blocks' products {products})",
         kv if memory.workload.cached else None,
         text_line,
-        _beyond_all(memory, limit, text_form),
-        _host_line(memory),
+        plan_lines.beyond_all(memory, limit, text_form),
+        plan_lines.host_line(memory),
     )
     report |= dict(text_encoder_weights=text_form, host=memory.host_bytes())
     return memory, report, "\n".join(filter(None, lines))
-
-
-def _text_weights(asked: dict, limit: int | None) -> tuple[dict, str, str]:
-    """(`asked` with the text encoder's Linears as --text-encoder-weights keeps them, auto resolved as a load
-    on that device resolves it, that form, the line that says so)."""
-    from klein.memory import plan
-    from klein.request import planning
-
-    asked = dict(asked)
-    option = asked.pop("text_encoder_weights", "auto")
-    form, whose = planning.text_weights_choice(asked, option, limit)
-    kept = dict(asked, models=plan.with_text_blocks(asked["models"], form))
-    held = "ggml blocks quantised at load, the token table in host memory" if form else "the compute dtype's"
-    return kept, form or "dtype", f"text encoder: {form or 'dtype'} ({whose}; {held})"
-
-
-def _beyond_all(memory, limit: int | None, form: str) -> str | None:
-    """Where the text encoder's blocks let `all` fit the planned request but not this one: why not."""
-    peak = memory.policies_on(limit)["all"] if limit is not None else 0
-    if form == "dtype" or peak <= limit:
-        return None
-    kv = memory.memory.reference_kv
-    held = f"its reference keys and values ({kv / 2**30:.2f} GiB) and " if kv else ""
-    return (
-        f"all does not fit this request ({peak / 2**30:.2f} GiB): {held}the weights need more than the "
-        f"{limit / 2**30:.2f} GiB, so the text encoder and the transformer take turns for it"
-    )
-
-
-def _host_line(memory) -> str | None:
-    """What the plan keeps in host memory: the token table, and each policy's host copies."""
-    host = memory.host_bytes()
-    parts = [f"{name} {gib}" for name, size in host.items() if size for gib in [f"{size / 2**30:.2f} GiB"]]
-    return f"host memory kept: {', '.join(parts)}" if parts else None
 
 
 def _plan_files(flags: argparse.Namespace):
