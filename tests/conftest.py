@@ -51,6 +51,8 @@ LONGEST_FIRST = (
     "test_batch.py",
     "test_page.py",
     "test_serve_lifecycle.py",
+    "test_serve_shutdown.py",
+    "test_serve_warmed.py",
     "test_bench.py",
     "test_parity_grid.py",
     "test_serve_tenancy.py",
