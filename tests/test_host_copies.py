@@ -87,3 +87,18 @@ def test_a_new_lora_set_after_the_copy_reaches_the_images(demo_pipes, demo_loras
     finally:
         for pipe in (every, moving):
             pipe.set_loras([])
+
+
+def test_a_host_too_small_for_the_copies_reads_again_with_a_warning(monkeypatch, caplog):
+    from klein.memory import process
+    from klein.pipeline.reading import host_copies
+
+    sizes = dict(text_encoder=3 * 2**30, transformer=9 * 2**30, vae=2**28)
+    monkeypatch.setattr(process, "proc_bytes", lambda path, field: 10 * 2**30)
+    assert host_copies("all", sizes, 2**30, "tpu") is None  # nothing leaves the device
+    with caplog.at_level("WARNING", logger="klein.loading"):
+        assert host_copies("sequential", sizes, 2**30, "tpu") is False
+    assert "13.00 GiB of host copies" in caplog.text and "read again from the checkpoint" in caplog.text
+    monkeypatch.setattr(process, "proc_bytes", lambda path, field: 14 * 2**30)
+    assert host_copies("sequential", sizes, 2**30, "tpu") is None  # room for both copies and the table
+    assert host_copies("sequential", sizes, 2**30, "cpu") is None  # a CPU keeps no copies
