@@ -294,7 +294,8 @@ def _report(pipe, settings, step_cache, paths, timings, total_seconds) -> None:
     from klein.cli import output
 
     print(f"model: {pipe.name}", file=sys.stderr)
-    print(f"residency: {pipe.residency} ({pipe.dtype.name}, {pipe.compute} products)", file=sys.stderr)
+    text = f", text encoder {pipe.text_blocks}" if pipe.text_blocks else ""
+    print(f"residency: {pipe.residency} ({pipe.dtype.name}, {pipe.compute} products{text})", file=sys.stderr)
     print(f"settings: {settings.describe()}", file=sys.stderr)
     if step_cache is not None:
         print(step_cache.describe(), file=sys.stderr)

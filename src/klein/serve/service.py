@@ -162,6 +162,7 @@ class Service:
             "variant": self.pipe.variant.name,
             "residency": self.pipe.residency,
             "compute": self.pipe.compute,
+            "text_encoder_weights": self.pipe.text_blocks or "dtype",
         }
 
     def config(self, viewer: Viewer = ALL) -> dict:
