@@ -59,7 +59,8 @@ def auto_on(card: str, variant: str, refs: int, transformer, text_encoder) -> st
 
 
 def main() -> None:
-    head = ["download, one 1024x1024 image", "`all`", "`sequential`", "`stream`", *CARDS]
+    policies = ["`all`, bf16 products", "`sequential`, bf16", "`stream`, bf16"]
+    head = ["download, one 1024x1024 image", *policies, *(f"{card}: auto" for card in CARDS)]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name, variant, refs, transformer, text_encoder in ROWS:
