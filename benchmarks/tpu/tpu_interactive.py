@@ -9,10 +9,10 @@ at the first release). With --error, the quantised text encoder's error: each fo
 the compute dtype's (relative, Frobenius, over --prompts prompts), and the image of a 2-reference request with
 its embeddings against the same over the compute dtype's embeddings (PSNR, pixels in [0, 1]).
 
-Writes, once, the full-size random checkpoint (as benchmarks/tpu_v5e_kv.py does) under --root, and the JSON to
---out after every phase.
+Writes, once, the full-size random checkpoint (as benchmarks/tpu/tpu_v5e_kv.py does) under --root, and the
+JSON to --out after every phase.
 
-    python benchmarks/tpu_interactive.py --root /tmp/ckpt --out docs/benchmarks/tpu-v5e-interactive.json \
+    python benchmarks/tpu/tpu_interactive.py --root /tmp/ckpt --out docs/benchmarks/tpu-v5e-interactive.json \
         --error --turns-refs 4
 """
 
