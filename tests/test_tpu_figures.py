@@ -125,3 +125,10 @@ def test_the_text_encoders_error_is_its_json():
     assert (
         f"{image['psnr_db']} dB PSNR" in _doc() and f"mean abs {image['mean_abs'] * 255:.2f} / 255" in _doc()
     )
+
+
+def test_the_text_encoders_error_on_the_cpu_is_its_json():
+    run = _figures("text-encoder-error-cpu.json")
+    for form, words in (("Q4_0", "off with Q4_0"), ("Q8_0", "off with Q8_0")):
+        each = ", ".join(f"{e:.1%}" for e in run[form]["relative"])
+        assert f"{run[form]['mean']:.1%} {words} ({each})" in _doc()

@@ -25,6 +25,7 @@ MADE_BY = (
     "dtype",
     "compute",
     "kv_dtype",
+    "text_encoder_weights",
 )
 """The `LoadOptions` fields an output depends on."""
 RECORDED = (*MADE_BY, "lora_offered")
