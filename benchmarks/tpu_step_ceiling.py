@@ -92,7 +92,9 @@ def chained_product_seconds(tokens: int, k: int, n: int, compute: str, chain: in
         scale = jax.random.uniform(keys[2], (chain, n), jnp.float32, 0.5, 1.5) / (127.0 * np.sqrt(k))
         weights = products.Weight(array, scale=scale, compute=compute, out_in=True)
     else:
-        array = (jax.random.normal(keys[1], (chain, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        # drawn in bf16 and scaled in one program: a float32 draw of the modulations' 16 layers needs 10 GB
+        draw = jax.jit(lambda key: jax.random.normal(key, (chain, k, n), jnp.bfloat16) * (1 / np.sqrt(k)))
+        array = draw(keys[1]).astype(jnp.bfloat16)
         weights = products.Weight(array, compute=compute)
 
     @jax.jit

@@ -48,17 +48,22 @@ def shape_bytes(text: str) -> int:
 
 
 def computations(hlo: str) -> dict[str, list[str]]:
-    """Each computation's name -> its lines (header first)."""
+    """Each computation's name -> its lines (header first), an instruction whose text runs over several
+    lines (a Pallas kernel's backend config) joined into one."""
     found, current = {}, None
     for line in hlo.splitlines():
         header = _HEADER.match(line)
         if header:
             current = header.group(1)
             found[current] = [line]
-        elif current is not None:
+        elif current is None:
+            continue
+        elif line.strip() == "}":
+            current = None
+        elif line.startswith("  ") or len(found[current]) == 1:
             found[current].append(line)
-            if line.startswith("}"):
-                current = None
+        else:
+            found[current][-1] += "\n" + line
     return found
 
 
@@ -178,10 +183,11 @@ def tally(hlo: str) -> dict:
     )
 
 
-def compile_step(variant: str, compute: str, size: int) -> tuple[str, dict]:
+def compile_step(variant: str, compute: str, size: int, float_stacks: bool = False) -> tuple[str, dict]:
     """(optimised HLO text, XLA's cost analysis) of `variant`'s text-to-image step at size^2 compiled for
-    one v5e chip."""
+    one v5e chip. `float_stacks`: the weight stacks given as bf16, not as their bits (`klein.models.stacks`)."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from klein import sharding
@@ -198,6 +204,10 @@ def compile_step(variant: str, compute: str, size: int) -> tuple[str, dict]:
             if stage not in self.only:
                 return
             graphdef, state = stored
+            if float_stacks:
+                state = jax.tree.map(
+                    lambda a: a.update(dtype=jnp.bfloat16) if a.dtype == jnp.uint16 else a, state
+                )
             program = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
             with sharding.use(self.mesh):
                 executable = program.lower(state, *args).compile()
@@ -242,15 +252,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="klein-4b", help="a published variant (default: %(default)s)")
     parser.add_argument("--compute", default="bf16", help="bf16 or int8 products (default: %(default)s)")
     parser.add_argument("--size", type=int, default=1024, help="image side, px (default: %(default)s)")
+    parser.add_argument("--float-stacks", action="store_true", help="weight stacks as bf16, not their bits")
     parser.add_argument("--top", type=int, default=25, help="heaviest operations to list")
     parser.add_argument("--hlo", help="also write the optimised HLO text here")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    hlo, cost = compile_step(args.model, args.compute, args.size)
+    hlo, cost = compile_step(args.model, args.compute, args.size, args.float_stacks)
     counts = tally(hlo)
     print(summary(counts, args.top))
     print(f"XLA cost analysis (each loop body once): {json.dumps(cost)}")
-    report = dict(model=args.model, compute=args.compute, size=args.size, cost_analysis=cost)
+    report = dict(model=args.model, compute=args.compute, size=args.size, float_stacks=args.float_stacks)
+    report["cost_analysis"] = cost
     report.update({k: v for k, v in counts.items() if k != "ops"})
     if args.hlo:
         with open(args.hlo, "w") as f:
