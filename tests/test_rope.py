@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klein.models import rope
+from klein.models import blocks, rope
+from klein.models.layers import RMSNorm
 from klein.models.rope import apply_rope, rope_tables
 
 
@@ -68,3 +69,36 @@ def test_swap_matrix_pairs_channels():
     x = np.arange(1.0, 9.0, dtype=np.float32)
     np.testing.assert_array_equal(x @ rope.swap_matrix(8), [-2, 1, -4, 3, -6, 5, -8, 7])
     np.testing.assert_array_equal(np.asarray(rope.pair_swapped(jnp.asarray(x))), [-2, 1, -4, 3, -6, 5, -8, 7])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_heads_first_rotation_is_the_token_major_one(dtype):
+    """The single blocks' QK-norm and RoPE computed heads first ([B, H, S, Dh]) give the token-major
+    values: the same bits op by op."""
+    x, table = inputs(dtype)
+    norm = RMSNorm(x.shape[-1], 1e-6, dtype)
+    norm.scale[...] = jnp.asarray(np.random.default_rng(1).uniform(0.5, 1.5, x.shape[-1]), dtype)
+
+    def token_major(x, table):
+        return apply_rope(norm(x), table)
+
+    def heads_first(x, table):
+        return blocks._normed_rotated(norm, x, table)
+
+    np.testing.assert_array_equal(
+        np.asarray(heads_first(x, table), np.float32), np.asarray(token_major(x, table), np.float32)
+    )
+    # Compiled, XLA:CPU may also sum the squares in another order: a few ulps of the terms summed.
+    got, want = (np.asarray(jax.jit(f)(x, table), np.float32) for f in (heads_first, token_major))
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=eps, atol=4 * eps * np.abs(want).max())
+    swapped = jnp.swapaxes(x, 1, 2)
+    np.testing.assert_array_equal(
+        np.asarray(jnp.swapaxes(apply_rope(swapped, table, heads_first=True), 1, 2), np.float32),
+        np.asarray(apply_rope(x, table), np.float32),
+    )
+    cos, sin = table
+    assert not np.array_equal(
+        np.asarray(heads_first(x, (cos, sin.at[3, 5].add(0.25))), np.float32),
+        np.asarray(token_major(x, table), np.float32),
+    )

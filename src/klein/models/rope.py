@@ -28,10 +28,10 @@ def concat_tables(*tables: tuple) -> tuple:
     return tuple(jnp.concatenate([t[i] for t in tables], axis=0) for i in range(2))
 
 
-def apply_rope(x: jnp.ndarray, table: tuple) -> jnp.ndarray:
-    """Rotate x float[B, S, H, Dh] by the tables [S, Dh]: channel pair (2i, 2i + 1) of each head turned by
-    its angle, `x * cos + pair_swapped(x) * sin` in float32."""
-    cos, sin = (t[None, :, None, :] for t in table)
+def apply_rope(x: jnp.ndarray, table: tuple, heads_first: bool = False) -> jnp.ndarray:
+    """Rotate x float[B, S, H, Dh] (`heads_first`: [B, H, S, Dh]) by the tables [S, Dh]: channel pair
+    (2i, 2i + 1) of each head turned by its angle, `x * cos + pair_swapped(x) * sin` in float32."""
+    cos, sin = (t[None, None] if heads_first else t[None, :, None, :] for t in table)
     return (x.astype(jnp.float32) * cos + pair_swapped(x) * sin).astype(x.dtype)
 
 
