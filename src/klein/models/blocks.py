@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 
+from klein import sharding
 from klein.models.layers import FeedForward, Linear, RMSNorm, modulate, split_modulation, swiglu
 from klein.models.rope import apply_rope
 from klein.models.transformer_config import TransformerConfig
@@ -28,6 +29,20 @@ def _heads(x: jnp.ndarray, head_dim: int) -> jnp.ndarray:
 
 def _merge_heads(x: jnp.ndarray) -> jnp.ndarray:
     return rearrange(x, "... h d -> ... (h d)")
+
+
+def _normed_rotated(norm, x: jnp.ndarray, rope: tuple) -> jnp.ndarray:
+    """QK-norm and RoPE of a single block's queries or keys x float[B, S, H, Dh] -> float[B, S, H, Dh]; in a
+    TPU's program computed heads first ([B, H, S, Dh], as a TPU's attention takes them), x transposed in its own dtype
+    behind a barrier. These are columns of the block's fused product, whose output keeps its token-major
+    layout for the MLP's columns; without the barrier XLA widened them to float32 first and transposed
+    that (klein-4b's 1024^2 step compiled for a v5e: 64.3 GB moved a step instead of 94.5,
+    `benchmarks/tpu/tpu_step_hlo.py`). The double blocks' q and k come from products of their own, which
+    XLA fuses their norm into: they stay token-major (heads first there moved more)."""
+    if sharding.platform() != "tpu":  # elsewhere, as they were: token-major
+        return apply_rope(norm(x), rope)
+    heads_first = jax.lax.optimization_barrier(jnp.swapaxes(x, 1, 2))
+    return jnp.swapaxes(apply_rope(norm(heads_first), rope, heads_first=True), 1, 2)
 
 
 class DoubleAttention(nnx.Module):
@@ -68,6 +83,7 @@ class DoubleBlock(nnx.Module):
             (c_shift, c_scale, c_gate), (c_shift2, c_scale2, c_gate2) = split_modulation(txt_mod, 2)
             qt, kt, vt = self.attn.text_qkv(modulate(txt, c_shift, c_scale, self.eps))
             q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((qt, q), (kt, k), (vt, v)))
+        # Token-major here: each stream's products give q and k alone, and XLA fuses the norm into them.
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = _merge_heads(attend(q, k, v))
         n_txt = 0 if txt is None else txt.shape[1]
@@ -106,7 +122,7 @@ class SingleBlock(nnx.Module):
         shift, scale, gate = split_modulation(mod, 1)[0]
         proj = self.attn.to_qkv_mlp_proj(modulate(x, shift, scale, self.eps))
         q, k, v = (_heads(p, self.head_dim) for p in jnp.split(proj[..., : 3 * self.width], 3, axis=-1))
-        q, k = apply_rope(self.attn.norm_q(q), rope), apply_rope(self.attn.norm_k(k), rope)
+        q, k = _normed_rotated(self.attn.norm_q, q, rope), _normed_rotated(self.attn.norm_k, k, rope)
         out = _merge_heads(attend(q, k, v))
         mlp = swiglu(proj[..., 3 * self.width :])
         return x + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1)), (k, v)
@@ -122,8 +138,8 @@ class SingleBlock(nnx.Module):
         k, v = self._keys_values(h, rope)
         fused, d = self.attn.to_qkv_mlp_proj, self.width
         chosen = h[:, start:stop]
-        q = self.attn.norm_q(_heads(fused.columns(chosen, 0, d), self.head_dim))
-        q = apply_rope(q, tuple(t[start:stop] for t in rope))
+        q = _heads(fused.columns(chosen, 0, d), self.head_dim)
+        q = _normed_rotated(self.attn.norm_q, q, tuple(t[start:stop] for t in rope))
         out = _merge_heads(attend(q, k, v))
         mlp = swiglu(fused.columns(chosen, 3 * d))
         gate = gate if gate.shape[1] == 1 else gate[:, start:stop]  # per-token modulation
@@ -139,7 +155,7 @@ class SingleBlock(nnx.Module):
         fused, d = self.attn.to_qkv_mlp_proj, self.width
 
         def one(h, x, *rope):
-            q = apply_rope(self.attn.norm_q(_heads(fused.columns(h, 0, d), self.head_dim)), rope)
+            q = _normed_rotated(self.attn.norm_q, _heads(fused.columns(h, 0, d), self.head_dim), rope)
             out = _merge_heads(attend(q, k, v))
             mlp = swiglu(fused.columns(h, 3 * d))
             return x + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1))
@@ -158,7 +174,7 @@ class SingleBlock(nnx.Module):
             _heads(p, self.head_dim)
             for p in jnp.split(self.attn.to_qkv_mlp_proj.columns(h, d, 3 * d), 2, axis=-1)
         )
-        return apply_rope(self.attn.norm_k(k), rope), v
+        return _normed_rotated(self.attn.norm_k, k, rope), v
 
 
 def in_pieces(fn, piece: int, *parts):
