@@ -6,9 +6,9 @@ The step is the pipeline's text-to-image step (`klein.pipeline.denoise.step`: `k
 in a token bucket, so ranked keys as the pipeline runs them, and 512 text tokens), its weights stored as the
 loader stores them for `--compute` (`klein.aot.compiled`: stacks as bits, int8 ones quantised per channel),
 filled on the device with deterministic pseudo-random values (a 16 GB checkpoint is not needed to time a
-step; `benchmarks/tpu_v5e.py` times the pipeline's own). `--steps` steps are chained inside one program (a
+step; `benchmarks/tpu/tpu_v5e.py` times the pipeline's own). `--steps` steps are chained inside one program (a
 `jax.lax.fori_loop`, each step's latents the next one's input, its sigma its own), timed as
-`benchmarks/tpu_v5e.py` times (`klein.bench.peak.best_seconds`); the figure is the program's time over its
+`benchmarks/tpu/tpu_v5e.py` times (`klein.bench.peak.best_seconds`); the figure is the program's time over its
 steps.
 
 Stand-ins (`VARIANTS`; patched into klein's modules while the variant is traced):
