@@ -26,10 +26,13 @@ EDITED = (2, 1024, 1024)
 height and width in px), their keys and values kept (the interactive loop: new prompts over them)."""
 
 
-def candidates(option: str, platform: str, dtype, gguf: bool) -> tuple[str | None, ...]:
+def candidates(
+    option: str, platform: str, dtype, gguf: bool, residency_option: str = "auto"
+) -> tuple[str | None, ...]:
     """The forms `option` allows, in auto's order of preference (None: the compute dtype's). A CPU, whose
-    device memory is the host's, and a float32 pipeline keep the compute dtype's under auto; a GGUF text
-    encoder keeps its own blocks whatever is asked."""
+    device memory is the host's, a float32 pipeline, and a residency asked for that takes turns anyway
+    (`residency_option` other than auto or all) keep the compute dtype's under auto; a GGUF text encoder
+    keeps its own blocks whatever is asked."""
     if gguf:
         if option in BLOCKS:
             raise InputError(
@@ -42,6 +45,8 @@ def candidates(option: str, platform: str, dtype, gguf: bool) -> tuple[str | Non
     if option in BLOCKS:
         return (option,)
     if platform == "cpu" or dtypes.DTYPES.get(dtype, dtype) == dtypes.DTYPES["float32"]:
+        return (None,)
+    if residency_option not in ("auto", "all"):
         return (None,)
     return (None, *BLOCKS)
 

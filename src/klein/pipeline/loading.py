@@ -59,7 +59,8 @@ def load_pipeline(
     text_encoder_weights: the text encoder's Linears as "dtype" (the compute dtype's), or quantised at load
     into ggml's blocks "Q8_0" (8.5 bits a weight) or "Q4_0" (4.5), widened inside each product, its token
     table then kept in host memory; "auto" (the default): "dtype", unless 8 or 4 bits let every model stay
-    on the device where "dtype" would take turns (`klein.pipeline.text_weights`); never on a CPU.
+    on the device where "dtype" would take turns (`klein.memory.text_weights`); never on a CPU, nor with a
+    residency that takes turns anyway ("sequential", "stream").
 
     compute: how the transformer blocks' products are made: "bf16", "fp8" (FP8 weights, activations
     quantised per token, float32 accumulation) or "int8" (W8A8, int32 accumulation); "auto" (the default)

@@ -89,7 +89,7 @@ def read(options: LoadOptions) -> Loaded:
     limit, where = admission.memory_for_plan(devices, options.memory_cap)
     typical = resolve.typical(located.variant).workload
     gguf = located.text_encoder.is_file()
-    forms = text_weights.candidates(options.text_encoder_weights, platform, dtype, gguf)
+    forms = text_weights.candidates(options.text_encoder_weights, platform, dtype, gguf, options.residency)
     edited = text_weights.planned_for(typical, located.variant.kv)
     blocks = text_weights.choose(forms, sizes_of, request_of, edited, limit - process.footprint(platform))
     sizes, request = sizes_of(blocks), request_of(blocks, typical)

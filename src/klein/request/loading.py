@@ -18,7 +18,7 @@ dtype's do not fit), dtype (the compute dtype's), int8 (8 bits with per-head sca
 `klein.models.reference_kv8`)."""
 
 TEXT_ENCODER_WEIGHTS = (AUTO, "dtype", "Q8_0", "Q4_0")
-"""How the text encoder's Linears are kept (`klein.pipeline.text_weights`): auto, the compute dtype's, or
+"""How the text encoder's Linears are kept (`klein.memory.text_weights`): auto, the compute dtype's, or
 ggml's 8-bit or 4-bit blocks, quantised at load."""
 
 RESIDENCY = (AUTO, *POLICIES)
@@ -127,7 +127,8 @@ class LoadOptions:
         "dtype), Q8_0 or Q4_0 (quantised at load into ggml's blocks of 32 values and a scale: 8.5 or 4.5 "
         "bits a weight, widened inside each product; the token table then stays in host memory); auto "
         "(default): dtype, unless 8 or 4 bits let every model stay on the device where dtype would take "
-        "turns (a KV variant planned for edits over two 1024x1024 references); never on a CPU",
+        "turns (a KV variant planned for edits over two 1024x1024 references); never on a CPU or with "
+        "--residency sequential or stream",
         kinds.TEXT,
         default=AUTO,
         choices=TEXT_ENCODER_WEIGHTS,
