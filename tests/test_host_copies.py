@@ -102,3 +102,13 @@ def test_a_host_too_small_for_the_copies_reads_again_with_a_warning(monkeypatch,
     monkeypatch.setattr(process, "proc_bytes", lambda path, field: 14 * 2**30)
     assert host_copies("sequential", sizes, 2**30, "tpu") is None  # room for both copies and the table
     assert host_copies("sequential", sizes, 2**30, "cpu") is None  # a CPU keeps no copies
+
+
+def test_layers_streamed_from_host_memory_are_not_copied_again():
+    module = Small(nnx.Rngs(0))
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    module.a.kernel.set_value(jax.device_put(module.a.kernel.get_value(), host))  # a streamed layer
+    weights = Weights("small", lambda: Small(nnx.Rngs(0)), module, keep_host=True)
+    streamed = weights.get()[1]["a"]["kernel"].get_value()
+    weights.release()
+    assert weights.get()[1]["a"]["kernel"].get_value() is streamed  # the same array, never copied

@@ -129,11 +129,15 @@ def _device(state):
 
 
 def _to_host(state, memory: str):
-    """(weights in host memory, each one's sharding to come back to: layers streamed from host memory
-    stay there), sent in one batched transfer."""
+    """(weights in host memory, each one's sharding to come back to, the tree), sent in one batched
+    transfer; layers streamed from host memory are there already, and stay as they are (not copied)."""
     leaves, tree = jax.tree.flatten(state)
     back = [leaf.sharding for leaf in leaves]
-    host = jax.device_put(leaves, [sharding.with_memory_kind(memory) for sharding in back])
+    moving = [i for i, leaf in enumerate(leaves) if leaf.sharding.memory_kind != HOST]
+    sent = jax.device_put([leaves[i] for i in moving], [back[i].with_memory_kind(memory) for i in moving])
+    host = list(leaves)
+    for i, array in zip(moving, sent, strict=True):
+        host[i] = array
     return host, back, tree
 
 
