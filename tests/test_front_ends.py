@@ -39,7 +39,13 @@ def test_loading_options_as_key_value_words_and_flags_fill_the_same_options():
     assert (
         words
         == flagged
-        == LoadOptions(lora=("a.safetensors:0.5",), residency="sequential", dtype="bfloat16", dequantize=True)
+        == LoadOptions(
+            model="demo",
+            lora=("a.safetensors:0.5",),
+            residency="sequential",
+            dtype="bfloat16",
+            dequantize=True,
+        )
     )
     with pytest.raises(InputError, match="residency must be one of auto, all, sequential"):
         loading("residency=sometimes")
