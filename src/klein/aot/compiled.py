@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from klein import sampling, sharding
 from klein.io.loading import checkpoint_keys, stored_state
-from klein.io.text_encoder_checkpoint import LOADED, abstract_text_encoder
+from klein.io.text_encoder_checkpoint import LOADED, abstract_text_encoder, quantised_forms
 from klein.io.text_encoder_checkpoint import STACKED as TEXT_STACKED
 from klein.io.transformer_checkpoint import STACKED as TRANSFORMER_STACKED
 from klein.io.transformer_checkpoint import abstract_transformer, key_map, stored_forms
@@ -56,7 +56,10 @@ def analyse(
     dtype = np.dtype(dtype)
     place = _Placer(mesh, only, programs)
     transformer = place.weights(_transformer(models.transformer, dtype, compute), sharding.TRANSFORMER_PARAMS)
-    text_model = abstract_text_encoder(models.text_encoder, LOADED, dtype)
+    # The text encoder as it loads: its Linears in ggml blocks and its table on the host where so kept.
+    blocks = models.text_blocks
+    forms = quantised_forms(models.text_encoder, blocks)
+    text_model = abstract_text_encoder(models.text_encoder, LOADED, dtype, forms, table=blocks is None)
     text = place.weights(stored_state(text_model, dtype, TEXT_STACKED), sharding.TEXT_ENCODER_PARAMS)
     decoder = place.weights(stored_state(abstract_vae(models.vae), dtype, ()), ())
     cfg = models.transformer
@@ -65,7 +68,8 @@ def analyse(
     h, w = work.height // token, work.width // token
     streams = work.streams
     ids = place.whole(_array((work.prompts, plan.TEXT_TOKENS), jnp.int32))
-    place.compile("text", qwen3.prompt_embeddings, text, ids, ids)
+    rows = ids if blocks is None else place.whole(_array((*ids.shape, models.text_encoder.hidden_size), dtype))
+    place.compile("text", qwen3.prompt_embeddings, text, rows, ids)
     conditioning, references = Conditioning.TEXT, None
     if work.reference_tokens:
         conditioning = Conditioning.CACHED if work.cached else Conditioning.REFERENCES

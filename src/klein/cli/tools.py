@@ -165,8 +165,10 @@ def plan_command(flags: argparse.Namespace) -> int:
     files = _plan_files(flags)
     compute, shown, whose = _compute(flags)
     asked = _asked(flags, files, compute, mesh, _platform(flags))
+    device = _device_memory(flags)
+    asked, *text_weights = plan_lines.text_weights(asked, device[0])  # its models as they would load
     models, dtype = asked["models"], asked["dtype"]
-    memory, report, text = _plan_report(asked, _device_memory(flags), shown, whose)
+    memory, report, text = _plan_report(asked, device, shown, whose, text_weights)
     report["programs"] = warmup.programs(flags.refs, memory.workload.cached)
     text += "\n" + warmup.describe_programs(flags.refs, memory.workload.cached)
     if flags.compiled:
@@ -202,13 +204,14 @@ def _target_command(flags: argparse.Namespace) -> int:
     compute = compute_of(flags.compute, mesh.devices.flat[0], flags.dtype)
     # The platform is "gpu" for NVIDIA cards: their programs are planned.
     asked = _asked(flags, files, compute, spec, mesh.devices.flat[0].platform)
-    models, dtype = asked["models"], asked["dtype"]
     if flags.device_memory is None:
         limit, where = on.device_memory, f"{on.label}, HBM per device"
     else:
         limit, where = _given(flags.device_memory)
+    asked, *text_weights = plan_lines.text_weights(asked, limit)  # its models as they would load
+    models, dtype = asked["models"], asked["dtype"]
     whose = "as --compute asks" if flags.compute != "auto" else f"--compute auto on {on.label}"
-    memory, report, text = _plan_report(asked, (limit, where, None), compute, whose)
+    memory, report, text = _plan_report(asked, (limit, where, None), compute, whose, text_weights)
     used = f"{mesh.devices.size} of {len(topology.devices(flags.target))}"
     report |= dict(target=flags.target, chip=dataclasses.asdict(on))
     text = f"{flags.target}: {on.label}, mesh {spec} on {used} devices\n{text}"
@@ -246,14 +249,15 @@ def _asked(flags: argparse.Namespace, files: tuple, compute: str, mesh: str, pla
     return dict(variant=variant, mesh=mesh, **request, dtype=dtype, models=models, platform=platform, **text)
 
 
-def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str):
+def _plan_report(asked: dict, device: tuple[int, str, int | None], compute: str, whose: str, text_weights):
     """(the plan of `asked`, its JSON report, its text) against `device` (`_device_memory`), with what
-    would fit where nothing does and the compute planned, `whose` it is."""
+    would fit where nothing does, the compute planned, `whose` it is, and the text encoder's form and line
+    (`text_weights`: `plan_lines.text_weights`' last two)."""
     from klein.memory import plan_report
     from klein.request import planning
 
     limit, where, room = device
-    asked, text_form, text_line = plan_lines.text_weights(asked, limit)
+    text_form, text_line = text_weights
     kv, chosen = None, asked
     if asked.get("kv_dtype") != "auto":
         kv = f"reference keys and values: {asked.get('kv_dtype')} (as --kv-dtype asks)"

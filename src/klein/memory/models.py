@@ -46,8 +46,13 @@ class Models:
     quantized: dict = dataclasses.field(default_factory=dict)
     """Per model ("transformer", "text_encoder"): module path -> bytes per weight of the Linears its file
     keeps as blocks (`with_forms`, `in_format`)."""
-    text_table_on_host: bool = False
-    """The text encoder's token table is kept in host memory (`with_text_blocks`): no device bytes."""
+    text_blocks: str | None = None
+    """The ggml blocks the text encoder's Linears are quantised into at load (`with_text_blocks`), or None;
+    its token table is then kept in host memory: no device bytes."""
+
+    @property
+    def text_table_on_host(self) -> bool:
+        return self.text_blocks is not None
 
 
 def published(variant: str, dtype: str) -> Models:
@@ -115,7 +120,7 @@ def with_text_blocks(models: Models, blocks: str | None) -> Models:
     rated = with_forms(models, {residency.TEXT_ENCODER: forms})
     files = dict(rated.quantized)
     files[residency.TEXT_ENCODER] = {**files[residency.TEXT_ENCODER], EMBEDDING: Fraction(0)}  # on the host
-    return dataclasses.replace(rated, quantized=files, text_table_on_host=True)
+    return dataclasses.replace(rated, quantized=files, text_blocks=blocks)
 
 
 def in_format(models: Models, transformer: str | None = None, text_encoder: str | None = None) -> Models:
