@@ -68,7 +68,9 @@ def analyse(
     h, w = work.height // token, work.width // token
     streams = work.streams
     ids = place.whole(_array((work.prompts, plan.TEXT_TOKENS), jnp.int32))
-    rows = ids if blocks is None else place.whole(_array((*ids.shape, models.text_encoder.hidden_size), dtype))
+    rows = (
+        ids if blocks is None else place.whole(_array((*ids.shape, models.text_encoder.hidden_size), dtype))
+    )
     place.compile("text", qwen3.prompt_embeddings, text, rows, ids)
     conditioning, references = Conditioning.TEXT, None
     if work.reference_tokens:

@@ -171,6 +171,19 @@ def text_table_copy(config: Qwen3Config, itemsize: int) -> int:
     return config.vocab_size * config.hidden_size * itemsize
 
 
+def text_widened(config: Qwen3Config, itemsize: int) -> int:
+    """What an accelerator's text encoder program holds beyond `text_activations` where its Linears are
+    ggml blocks widened inside each product (`--text-encoder-weights Q8_0 | Q4_0`): the running decoder
+    layer's weights widened to `itemsize` bytes, and its widest Linear once more in float32 (the blocks'
+    values before their rounding). Qwen3-8B's Q4_0 program over one prompt compiled for a v5e holds 0.51 GiB
+    beyond `text_activations` (XLA's analysis, `klein plan --target v5e:2x2 --compiled`); this counts 0.55."""
+    t = config
+    layer = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)
+    layer += 3 * t.hidden_size * t.intermediate_size
+    widest = t.hidden_size * max(t.intermediate_size, t.head_dim * t.num_attention_heads)
+    return layer * itemsize + widest * 4
+
+
 def text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:
     """One decoder layer's live tensors over `prompts` x 512 tokens, and the hidden states kept for the
     embedding. The text encoder runs whole on every device (its batch is the prompts, not the images)."""

@@ -34,6 +34,7 @@ from klein.memory.activations import (
     stages,
     step_cache_bytes,
     text_table_copy,
+    text_widened,
 )
 from klein.memory.models import (  # noqa: F401 (the planner's description of a checkpoint, named here too)
     FLUX2_VAE,
@@ -162,8 +163,12 @@ def request_memory(
         prefill, text, step = gpu_stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, compute)
     else:
         prefill, text, step = stages(cfg, text_config, mesh, itemsize, work.prompts, tokens, kv, copies)
-        if platform != "cpu" and not table_on_host:
-            text += text_table_copy(text_config, itemsize)
+        if platform != "cpu":  # the table's copy, or the blocks' widened layer where the table is on the host
+            text += (
+                text_widened(text_config, itemsize)
+                if table_on_host
+                else text_table_copy(text_config, itemsize)
+            )
     if quantised:  # a GPU's prefill keeps its own estimate (of the whole prefill: above the pieces')
         prefill = prefill if platform == "gpu" else kv8_prefill(cfg, mesh, refs, itemsize, prefill)
         step += kv8_widened(cfg, mesh, refs, itemsize)
