@@ -154,9 +154,7 @@ def layer_copies(cfg: TransformerConfig, text_config: Qwen3Config, mesh, itemsiz
     it runs the transformer, and the text encoder (`COPIED_DOUBLE_BLOCKS`)."""
     d, mlp = cfg.hidden, cfg.mlp_hidden
     double = 8 * d * d + 6 * d * mlp  # q, k, v, out of both streams; both streams' SwiGLU
-    t = text_config
-    decoder = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)
-    decoder += 3 * t.hidden_size * t.intermediate_size
+    decoder = decoder_layer_params(text_config)
     tensor = sharding.ways(mesh, "heads")
     return int(COPIED_DOUBLE_BLOCKS[itemsize] * itemsize * double) // tensor, int(
         COPIED_DECODER_LAYERS[itemsize] * itemsize * decoder
@@ -178,10 +176,14 @@ def text_widened(config: Qwen3Config, itemsize: int) -> int:
     values before their rounding). Qwen3-8B's Q4_0 program over one prompt compiled for a v5e holds 0.51 GiB
     beyond `text_activations` (XLA's analysis, `klein plan --target v5e:2x2 --compiled`); this counts 0.55."""
     t = config
-    layer = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)
-    layer += 3 * t.hidden_size * t.intermediate_size
     widest = t.hidden_size * max(t.intermediate_size, t.head_dim * t.num_attention_heads)
-    return layer * itemsize + widest * 4
+    return decoder_layer_params(config) * itemsize + widest * 4
+
+
+def decoder_layer_params(t: Qwen3Config) -> int:
+    """The weights of one Qwen3 decoder layer's Linears: q, k, v, o and the MLP's three."""
+    attention = 2 * t.hidden_size * t.head_dim * (t.num_attention_heads + t.num_key_value_heads)
+    return attention + 3 * t.hidden_size * t.intermediate_size
 
 
 def text_activations(config: Qwen3Config, prompts: int, itemsize: int) -> int:

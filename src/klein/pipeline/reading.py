@@ -91,9 +91,9 @@ def read(options: LoadOptions) -> Loaded:
     gguf = located.text_encoder.is_file()
     forms = text_weights.candidates(options.text_encoder_weights, platform, dtype, gguf, options.residency)
     edited = text_weights.planned_for(typical, located.variant.kv)
-    blocks = text_weights.choose(forms, sizes_of, request_of, edited, limit - process.footprint(platform))
-    sizes, request = sizes_of(blocks), request_of(blocks, typical)
     own = process.footprint(platform)
+    blocks = text_weights.choose(forms, sizes_of, request_of, edited, limit - own)
+    sizes, request = sizes_of(blocks), request_of(blocks, typical)
     policy = residency.choose(options.residency, sizes, request, limit, where, own)
 
     def readers(policy: str) -> dict:  # under `stream` the stacked layers are read into host memory
