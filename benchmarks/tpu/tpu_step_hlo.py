@@ -24,7 +24,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, 
 _BYTES.update({"s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1})
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) \((.*)\) -> .* \{$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$", re.S)
 # Operations that move no HBM bytes of their own (views, tuples, control), or whose work is counted in
 # the computations they call.
 _FREE = {

@@ -45,6 +45,21 @@ def _normed_rotated(norm, x: jnp.ndarray, rope: tuple) -> jnp.ndarray:
     return jnp.swapaxes(apply_rope(norm(heads_first), rope, heads_first=True), 1, 2)
 
 
+HEADS_FIRST_PLATFORMS = ("tpu",)
+"""Platforms whose single blocks turn q, k and v heads first with `klein.models.heads_first`'s kernel
+(tests add "cpu", where Pallas interprets it)."""
+
+
+def _heads_first_kernel(proj, head_dim: int) -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    if sharding.platform() not in HEADS_FIRST_PLATFORMS or not (mesh.empty or mesh.size == 1):
+        return False
+    # Imported only for programs that use it, as splash is (Pallas is slow to import).
+    from klein.models import heads_first
+
+    return heads_first.supports(proj, head_dim)
+
+
 class DoubleAttention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype):
         d, dh, eps = cfg.hidden, cfg.attention_head_dim, cfg.eps
@@ -121,11 +136,30 @@ class SingleBlock(nnx.Module):
         """x float[B, S, D]; mod float[B, 1 or S, 3D]."""
         shift, scale, gate = split_modulation(mod, 1)[0]
         proj = self.attn.to_qkv_mlp_proj(modulate(x, shift, scale, self.eps))
-        q, k, v = (_heads(p, self.head_dim) for p in jnp.split(proj[..., : 3 * self.width], 3, axis=-1))
-        q, k = _normed_rotated(self.attn.norm_q, q, rope), _normed_rotated(self.attn.norm_k, k, rope)
+        q, k, v = self._qkv(proj, rope)
         out = _merge_heads(attend(q, k, v))
         mlp = swiglu(proj[..., 3 * self.width :])
+        if sharding.platform() == "tpu":
+            # Made once: an 8-bit to_out reads it twice (its scales, its values), and XLA computed it for
+            # each (klein-4b's int8 step compiled for a v5e: 7.9 GB less a step; bf16's unchanged).
+            mlp = jax.lax.optimization_barrier(mlp)
         return x + gate * self.attn.to_out(jnp.concatenate([out, mlp], axis=-1)), (k, v)
+
+    def _qkv(self, proj, rope):
+        """(q, k, v) float[B, S, H, Dh] of the fused projection, q and k normed and rotated. In a TPU's
+        program of one device, one Pallas kernel reads them from the projection and writes them heads first
+        as the TPU's attention takes them (`klein.models.heads_first`; the swaps here are undone by it)."""
+        attn, d = self.attn, self.width
+        if _heads_first_kernel(proj, self.head_dim):
+            from klein.models import heads_first
+
+            scales, interpret = (attn.norm_q.scale[...], attn.norm_k.scale[...]), sharding.platform() != "tpu"
+            q, k, v = heads_first.heads_first(
+                proj, d, self.head_dim, *scales, attn.norm_q.eps, rope, interpret
+            )
+            return tuple(jnp.swapaxes(t, 1, 2) for t in (q, k, v))
+        q, k, v = (_heads(p, self.head_dim) for p in jnp.split(proj[..., : 3 * d], 3, axis=-1))
+        return _normed_rotated(attn.norm_q, q, rope), _normed_rotated(attn.norm_k, k, rope), v
 
     def rows(self, x, mod, rope, attend: Attend, start: int, stop: int):
         """The block's output for joint tokens [start, stop) only, float[B, stop - start, D].
