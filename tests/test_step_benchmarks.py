@@ -105,3 +105,40 @@ def test_the_tally_counts_a_loop_as_it_runs(hlo):
 def test_the_tally_reads_shapes(hlo):
     assert hlo.shape_bytes("bf16[1,4608,3072]{2,1,0:T(8,128)(2,1)}") == 4608 * 3072 * 2
     assert hlo.shape_bytes("(f32[2,3]{1,0}, s8[5]{0}, u32[]{:S(2)})") == 24 + 5 + 4
+
+
+SYNTHETIC = """HloModule m
+
+%fused (p: f32[8,8], q: f32[8,8]) -> f32[8,8] {
+  %p = f32[8,8]{1,0} parameter(0)
+  %q = f32[8,8]{1,0} parameter(1)
+  ROOT %d = f32[8,8]{1,0} convolution(%p, %q), dim_labels=bf_io->bf
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  %fusion.1 = f32[8,8]{1,0} fusion(%a, %a), kind=kOutput, calls=%fused
+  %splash_mha.3 = f32[8,8]{1,0} custom-call(%fusion.1), custom_call_target="tpu_custom_call", backend_config={"a":
+"a kernel's config, over lines"}
+  %closed_call.4 = f32[8,8]{1,0} custom-call(%splash_mha.3), custom_call_target="tpu_custom_call"
+  %copy.5 = f32[8,8]{0,1} copy(%closed_call.4)
+  ROOT %t = f32[8,8]{1,0} tanh(%copy.5)
+}
+"""
+
+
+def test_the_tally_counts_an_instruction_over_lines(hlo):
+    names = [op["name"] for op in hlo.tally(SYNTHETIC)["ops"]]
+    assert names == ["fusion.1", "splash_mha.3", "closed_call.4", "copy.5", "t"]
+
+
+def test_the_profile_sorts_operations_by_kind():
+    profile = _script("tpu_step_profile")
+    try:
+        kinds = profile.kinds_of(SYNTHETIC)
+    finally:
+        del sys.modules["tpu_step_profile"]
+    assert {name: kinds[name] for name in ("fusion.1", "splash_mha.3", "closed_call.4", "copy.5", "t")} == {
+        "fusion.1": "product", "splash_mha.3": "attention", "closed_call.4": "kernel", "copy.5": "layout",
+        "t": "other",
+    }  # fmt: skip

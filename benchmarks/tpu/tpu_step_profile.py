@@ -30,12 +30,12 @@ import tpu_step_parts as parts  # noqa: E402
 
 from klein.models import products  # noqa: E402
 
-KINDS = ("product", "attention", "layout", "other")
+KINDS = ("product", "attention", "kernel", "layout", "other")
 
 
 def kinds_of(hlo: str) -> dict[str, str]:
-    """Each instruction's name -> its kind: "product" (a dot or convolution, fused or not), "attention" (a
-    Pallas kernel: the custom call splash lowers to), "layout" (a transpose or copy) or "other"."""
+    """Each instruction's name -> its kind: "product" (a dot or convolution, fused or not), "attention" (splash's
+    Pallas kernel), "kernel" (another Pallas kernel: klein's own), "layout" (a transpose or copy) or "other"."""
     comps = tpu_step_hlo.computations(hlo)
 
     def holds_product(name: str, seen: set) -> bool:
@@ -59,7 +59,7 @@ def kinds_of(hlo: str) -> dict[str, str]:
             if opcode in ("convolution", "dot"):
                 kind = "product"
             elif opcode == "custom-call" and "tpu_custom_call" in rest:
-                kind = "attention"
+                kind = "attention" if name.startswith("splash") else "kernel"
             elif opcode in ("transpose", "copy", "copy-start"):
                 kind = "layout"
             elif opcode == "fusion" and any(
