@@ -2,6 +2,7 @@
 `benchmarks/tpu/tpu_v5e.py` (docs/benchmarks/tpu-v5e-*.json), row for row."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,54 @@ def test_the_text_encoders_error_on_the_cpu_is_its_json():
     for form, words in (("Q4_0", "off with Q4_0"), ("Q8_0", "off with Q8_0")):
         each = ", ".join(f"{e:.1%}" for e in run[form]["relative"])
         assert f"{run[form]['mean']:.1%} {words} ({each})" in _doc()
+
+
+def _step_parts(report: dict) -> dict:
+    """ms a step of the parts docs/devices.md's step table names, from a `tpu_step_profile.py` JSON: splash
+    and klein's own kernel by their operations' names (the bf16 run's script filed both as attention)."""
+    ops, total = report["ops"], report["ms_per_step"]
+    splash = sum(o["ms_per_step"] for o in ops if o["name"].startswith("splash"))
+    kernel = sum(o["ms_per_step"] for o in ops if o["kind"] in ("attention", "kernel")) - splash
+    swiglu = sum(o["ms_per_step"] for o in ops if o["name"].startswith("slice_multiply"))
+    product = report["by_kind"]["product"]
+    return dict(
+        product=product,
+        splash=splash,
+        kernel=kernel,
+        swiglu=swiglu,
+        rest=total - product - splash - kernel - swiglu,
+    )
+
+
+def test_the_steps_versions_and_parts_are_their_json():
+    """docs/devices.md "At the chip's limit?": the step by version, its parts, and the image."""
+    doc = _doc()
+    before = [
+        _figures(f"tpu-v5e-step-392b63b-{c}.json")["variants"][0]["ms_per_step"] for c in ("bf16", "int8")
+    ]
+    assert f"| 392b63b (2026-12-07) | {before[0]:.1f} ms | {before[1]:.1f} ms |" in doc
+    log = (ROOT / "docs" / "benchmarks" / "tpu-v5e-step-profile-4c3dbdb.log").read_text()
+    barrier = [float(m) for m in re.findall(r"the module: ([\d.]+) ms a step", log)]
+    assert f"behind a barrier | {barrier[0]:.1f} ms | {barrier[1]:.1f} ms |" in doc
+    bf16, int8 = (_figures(f"tpu-v5e-step-profile-{c}.json") for c in ("bf16", "int8"))
+    assert (
+        f"SwiGLU made once | **{bf16['module_ms_per_step']:.1f} ms** | **{int8['module_ms_per_step']:.1f} ms** |"
+        in doc
+    )
+    b, i = _step_parts(bf16), _step_parts(int8)
+    assert f"| products (about 28 TFLOP a step) | {b['product']:.1f} ms (" in doc
+    assert f"| {i['product']:.1f} ms (370 TOP/s, 94%) |" in doc
+    assert (
+        f"| splash attention (25 layers, 6.5 TFLOP) | {b['splash']:.1f} ms (130 TFLOP/s, 66%) | {i['splash']:.1f} ms |"
+        in doc
+    )
+    assert f"(`klein.models.heads_first`, 19 blocks) | {b['kernel']:.1f} ms | {i['kernel']:.1f} ms |" in doc
+    assert f"| single blocks' SwiGLU written out | {b['swiglu']:.1f} ms | {i['swiglu']:.1f} ms |" in doc
+    assert f"residuals, copies | {b['rest']:.1f} ms | {i['rest']:.1f} ms (" in doc
+    run = _figures("tpu-v5e-bf16-heads-first.json")
+    denoise = run["stages"]["denoise"]
+    assert f"**{run['image_seconds']:.3f} s** (was 1.249)" in doc
+    assert (
+        f"denoise **{denoise['seconds']} s at\n{denoise['tflop_per_s']} TFLOP/s, "
+        f"{denoise['share_of_spec_peak']:.1%} of the 197 TFLOP/s spec**"
+    ) in doc
