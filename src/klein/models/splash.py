@@ -22,7 +22,9 @@ WIDE_KEYS, WIDE_FROM, WIDE_PADDING = 2048, 8192, 0.25
 """Keys a tile for long key sequences (`WIDE_FROM` keys or more, where padding them to whole tiles adds at
 most `WIDE_PADDING` of keys), each tile's products still over `BLOCK` keys at a time. Measured on a v5e
 (bf16, 24 heads of 128, `benchmarks/tpu/tpu_splash_blocks.py`): 155 TFLOP/s over 20,480 tokens against 117
-with 512 keys a tile, 115 against 106 at 8,704 (padded to 10,240); at 4,608 tokens 512 stays the best."""
+with 512 keys a tile, 115 against 106 at 8,704 (padded to 10,240); at 4,608 tokens 512 stays the best. Those
+were one call each, dispatch included; inside klein-4b's step splash over 4,608 tokens runs at 130 TFLOP/s
+(`benchmarks/tpu/tpu_step_profile.py`), and the sweep now chains its calls in one program."""
 
 
 def supports(q) -> bool:
