@@ -62,7 +62,9 @@ def main(argv=None) -> None:
             run = jax.jit(functools.partial(chained, blocks=blocks, count=args.chain))
             try:
                 call = functools.partial(run, q, k, v)
-                seconds = best_seconds(lambda call=call: jax.block_until_ready(call()), args.rounds) / args.chain
+                seconds = (
+                    best_seconds(lambda call=call: jax.block_until_ready(call()), args.rounds) / args.chain
+                )
             except Exception as error:  # a tile VMEM cannot hold: say so and go on
                 print(f"{tokens:>6} {tile}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
                 continue
