@@ -64,3 +64,24 @@ def test_table_rows_gathered_on_the_host_equal_the_programs(tiny, ids):
     rows = jax.jit(stacks.rows)(whole.model.embed_tokens.embedding[...], ids[0])
     np.testing.assert_array_equal(np.asarray(rows), table[np.asarray(ids[0])])
     assert TABLE == "model.embed_tokens.weight"
+
+
+def test_widths_off_the_blocks_are_refused_by_name():
+    """A Linear whose inputs do not fill whole blocks of 32 cannot be ggml blocks: the flag and the widths
+    are named, before anything is read (real Qwen3 widths all fill them)."""
+    from klein.errors import InputError
+    from klein.io.text_encoder_checkpoint import quantised_forms
+    from klein.models.qwen3_config import Qwen3Config
+
+    def config(hidden, intermediate):
+        return Qwen3Config(
+            vocab_size=64, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=28,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+
+    assert len(quantised_forms(config(64, 96), "Q4_0")) == len(LINEARS)
+    with pytest.raises(
+        InputError, match=r"--text-encoder-weights Q8_0: .* take 48, 80; use --text-encoder-weights dtype"
+    ):
+        quantised_forms(config(48, 80), "Q8_0")

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from klein.errors import CheckpointError, counted
+from klein.errors import CheckpointError, InputError, counted
 from klein.io.json_file import read_json
 from klein.io.loading import checkpoint_keys, expected_shapes, load_module
 from klein.io.mapped import MappedSource, Whole
 from klein.io.quantised import GgmlBlocks
 from klein.io.safetensors import TensorSource
+from klein.models import gguf_blocks
 from klein.models.abstract_keys import AbstractKeys
 from klein.models.layers import Linear, packed, store
 from klein.models.qwen3 import PROMPT_LAYERS, Qwen3TextEncoder
@@ -60,7 +61,15 @@ def quantised_forms(config: Qwen3Config, blocks: str | None) -> dict:
     if blocks not in BLOCKS:
         raise ValueError(f"blocks must be one of {', '.join(BLOCKS)}, got {blocks!r}")
     abstract = abstract_text_encoder(config, 1)
-    return {path: packed(blocks) for path, module in nnx.iter_modules(abstract) if isinstance(module, Linear)}
+    linears = {path: module for path, module in nnx.iter_modules(abstract) if isinstance(module, Linear)}
+    values = gguf_blocks.sizes(blocks)[0]
+    ragged = sorted({m.kernel.shape[-2] for m in linears.values() if m.kernel.shape[-2] % values})
+    if ragged:
+        raise InputError(
+            f"--text-encoder-weights {blocks}: ggml blocks hold {values} inputs each, and this text encoder's "
+            f"Linears take {', '.join(map(str, ragged))}; use --text-encoder-weights dtype (or auto)"
+        )
+    return {path: packed(blocks) for path in linears}
 
 
 def read_table(folder: str | Path, dtype) -> np.ndarray:
