@@ -42,8 +42,9 @@ class _Server(uvicorn.Server):
 
 def bind(host: str, port: int) -> list[socket.socket]:
     """Sockets bound to every address of `host` at `port`, as asyncio's server binds them (SO_REUSEADDR,
-    IPv6 sockets IPv6 only), not yet listening: a client is refused until the server starts. Refused (an
-    `InputError`, exit 2) when one cannot be bound, the message saying why and what to do."""
+    IPv6 sockets IPv6 only), not yet listening (`klein.serve.loading_reply` makes them listen, answering 503,
+    while the model loads). Refused (an `InputError`, exit 2) when one cannot be bound, the message saying
+    why and what to do."""
     where = f"{host}:{port}"
     if not 0 <= port <= 65535:
         raise InputError(f"--port {port}: give a port from 1 to 65535 (0: any free one)")
