@@ -36,7 +36,7 @@ def start(
     """(process, base URL) of a `klein serve` with the demo checkpoint, once it answers /healthz; `env`:
     variables to add to the environment (a KLEIN_API_KEY of the tests' own is not passed on). It does not
     compile ahead (--no-warm: tests/test_recompiles.py tests warming, in process) unless `warm`; a warming
-    server is returned as soon as it answers (/healthz 503 "warming")."""
+    server is returned as soon as it says so (/healthz 503 "warming"), not while it loads (503 "loading")."""
     port = free_port()
     inherited = {name: value for name, value in os.environ.items() if name != "KLEIN_API_KEY"}
     env = dict(inherited, KLEIN_HOME=str(klein_home), JAX_PLATFORMS="cpu", **(env or {}))
@@ -51,8 +51,10 @@ def start(
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"klein serve exited with {process.returncode}:\n{log_of(process)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if HTTP.get(url + "/healthz", timeout=2).status_code in ((200, 503) if warm else (200,)):
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            health = HTTP.get(url + "/healthz", timeout=2)
+            # 503 "loading" while the model loads (the port already listens), then "warming" if it warms.
+            if health.status_code == 200 or (warm and health.json().get("status") == "warming"):
                 return process, url
         time.sleep(0.2)
     process.kill()

@@ -272,15 +272,14 @@ def _access(flags: argparse.Namespace) -> security.Access:
 def _serve_here(flags: argparse.Namespace, options: ServeOptions, loading) -> int:
     """One pipeline in this process (`klein.serve.server`)."""
     from klein.pipeline.loading import load
-    from klein.serve.loading_reply import LoadingReply
-    from klein.serve.server import StopNotice, bind, serve
+    from klein.serve.server import StopNotice, bind, serve, while_loading
 
     sockets = bind(flags.host, flags.port)  # a port in use is said now, not after the load and warm-up
     what = loading.transformer or loading.model or "demo"
     print(f"klein serve: loading {what} (meanwhile requests are answered 503, loading)", file=sys.stderr)
     notice = StopNotice(options.shutdown_grace)
     with interrupts.stoppable(options.shutdown_grace, notice, (signal.SIGINT, signal.SIGTERM)):
-        with LoadingReply(sockets):  # the port listens from now on
+        with while_loading(sockets):  # the port listens from now on
             pipe = load(loading)
         pipe.memory_limit = flags.memory_limit
         # While it serves, uvicorn's handler takes Ctrl+C (a graceful stop, as SIGTERM's) and raises it again

@@ -17,6 +17,7 @@ import uvicorn
 from klein.errors import InputError
 from klein.serve.app import create_app
 from klein.serve.connections import Protocol
+from klein.serve.loading_reply import LoadingReply
 from klein.serve.options import ServeOptions
 from klein.serve.service import Service
 from klein.serve.worker import Worker
@@ -67,6 +68,12 @@ def bind(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise InputError(_refusal(where, port, error)) from None
     return bound
+
+
+def while_loading(sockets: list[socket.socket]) -> LoadingReply:
+    """The context in which `sockets` (from `bind`) listen while the model loads, each connection answered
+    503 "loading" (`klein.serve.loading_reply`); `serve` takes them once it is left."""
+    return LoadingReply(sockets)
 
 
 def _refusal(where: str, port: int, error: OSError) -> str:
