@@ -163,3 +163,24 @@ def test_ctrl_c_stops_serve_while_it_compiles_ahead(klein_home):
     code, took = Running.interrupt_process(process)
     assert code == 0, serve_process.log_of(process)
     assert took < STOPPED_WITHIN < grace
+
+
+def test_an_interrupt_python_cannot_pass_on_is_dropped_without_a_traceback(monkeypatch):
+    """A Ctrl+C landing in a garbage collector's callback (jax has one) cannot be raised there: Python hands
+    it to `sys.unraisablehook`, which printed its traceback; within `stoppable` it is dropped (the watch ends
+    the process after the grace), and anything else still reaches the hook that was there."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
+
+    class Raises:
+        def __init__(self, error):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    with interrupts.stoppable():
+        Raises(KeyboardInterrupt())
+        Raises(ValueError("not an interrupt"))
+    Raises(KeyboardInterrupt())
+    assert seen == [ValueError, KeyboardInterrupt]

@@ -6,6 +6,7 @@ at a second Ctrl+C (docs/design/serving.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import signal
@@ -45,7 +46,8 @@ def stoppable(
         target=_watch, args=(read, grace, stopping, ended, signals), name="klein-interrupts", daemon=True
     )
     watcher.start()
-    interrupted = False
+    interrupted, hook = False, sys.unraisablehook
+    sys.unraisablehook = functools.partial(_quiet_interrupt, hook)
     try:
         yield
     except KeyboardInterrupt:
@@ -53,9 +55,19 @@ def stoppable(
         raise
     finally:
         if not interrupted:
+            sys.unraisablehook = hook
             ended.set()
             signal.set_wakeup_fd(previous)
             os.close(write)  # wakes the watcher, which closes `read`
+
+
+def _quiet_interrupt(hook, unraisable) -> None:
+    """`sys.unraisablehook` within `stoppable`: a Ctrl+C's KeyboardInterrupt raised where Python cannot pass
+    it on (a garbage collector's callback, jax's among them) is dropped without its traceback; the watch
+    still ends the process once the grace is over. Anything else goes to `hook`."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        return
+    hook(unraisable)
 
 
 def _watch(read: int, grace: float, stopping, ended: threading.Event, watched: tuple[int, ...]) -> None:
