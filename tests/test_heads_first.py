@@ -45,25 +45,27 @@ def xla_path(proj, width, norm_q, norm_k, rope):
     return tuple(jnp.swapaxes(t, 1, 2) for t in (q, k, v))
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_the_kernel_is_the_xla_path(batch):
-    width = HEADS * HEAD_DIM
+@pytest.mark.parametrize(
+    ("batch", "heads", "tokens"), [(1, HEADS, TOKENS), (2, HEADS, TOKENS), (1, 5, 200)]
+)  # 200 tokens: blocks of 8, a bucket's odd count
+def test_the_kernel_is_the_xla_path(batch, heads, tokens):
+    width = heads * HEAD_DIM
     rng = np.random.default_rng(0)
-    proj = jnp.asarray(rng.standard_normal((batch, TOKENS, 3 * width + 256)) * 3, jnp.bfloat16)
-    rope, (norm_q, norm_k) = tables(TOKENS), norms()
+    proj = jnp.asarray(rng.standard_normal((batch, tokens, 3 * width + 256)) * 3, jnp.bfloat16)
+    rope, (norm_q, norm_k) = tables(tokens), norms()
     got = heads_first.heads_first(
         proj, width, HEAD_DIM, norm_q.scale[...], norm_k.scale[...], 1e-6, rope, interpret=True
     )
     want = xla_path(proj, width, norm_q, norm_k, rope)
     for name, g, w in zip("qkv", got, want, strict=True):
-        assert g.shape == w.shape == (batch, HEADS, TOKENS, HEAD_DIM) and g.dtype == jnp.bfloat16, name
+        assert g.shape == w.shape == (batch, heads, tokens, HEAD_DIM) and g.dtype == jnp.bfloat16, name
         # One bf16 rounding step at most (the norm's sum may add up in another order).
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=8e-3, atol=1e-2)
         assert float(jnp.mean(g != w)) < 1e-3, name
     # Sensitive: k's and v's columns are not q's, and q is rotated.
     assert max_abs(got[0], want[1]) > 1 and max_abs(got[2], want[1]) > 1
     assert (
-        max_abs(got[0], jnp.swapaxes(norm_q(proj[..., :width].reshape(batch, TOKENS, HEADS, HEAD_DIM)), 1, 2))
+        max_abs(got[0], jnp.swapaxes(norm_q(proj[..., :width].reshape(batch, tokens, heads, HEAD_DIM)), 1, 2))
         > 0.1
     )
 
